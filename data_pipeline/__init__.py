@@ -1,0 +1,1 @@
+"""Raw text -> SentencePiece tokens -> WebDataset shards -> resumable per-rank batches."""

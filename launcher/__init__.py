@@ -1,0 +1,1 @@
+"""Start `grt train` locally, with the deepspeed runner, under Slurm or under MPI."""

@@ -1,0 +1,1 @@
+"""GRT pretraining: models (plain PyTorch) and the DeepSpeed trainer."""

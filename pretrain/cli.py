@@ -1,0 +1,44 @@
+"""The `grt` command: a thin dispatcher to each component's own `main(argv)`.
+
+Subcommands are imported lazily so that `grt presets` does not pay for DeepSpeed,
+and each component owns its argument parsing.
+"""
+import importlib
+import sys
+
+COMMANDS = {
+    "presets": ("pretrain.presets", "print the model presets"),
+    "train": ("pretrain.train", "train a model with DeepSpeed"),
+    "export": ("pretrain.export", "consolidate a checkpoint into a standalone directory"),
+    "eval": ("pretrain.evaluate", "evaluate a model at every exit depth"),
+    "analyze": ("pretrain.analyze", "the paper's analyses of a trained GRT"),
+    "generate": ("pretrain.generate", "sample text with a KV cache"),
+    "compare": ("pretrain.compare", "train several methods at equal FLOPs and tabulate"),
+    "demo": ("pretrain.demo", "the main job: tokenizer, shards, training, evaluation"),
+    "data": ("data_pipeline.cli", "tokenizer training and shard preparation"),
+    "launch": ("launcher.cli", "start a run locally, with deepspeed, Slurm or MPI"),
+    "bench": ("pretrain.bench", "benchmarks (data, train-step, memory, zero, decode)"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: grt <command> [args...]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"grt: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return module.main(rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

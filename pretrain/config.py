@@ -1,0 +1,211 @@
+"""The one typed model config, its layout string, and JSON round trip.
+
+A layout is `N` (dense: N blocks run once), `CxR` (the whole stack of C blocks
+looped R times: no prelude, no coda) or `P+CxR+K` (prelude, shared core looped R
+times, coda). Every part that is written must be at least 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+VARIANTS = ("dense", "grt")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn", "naive")
+ANCHOR_MODES = ("prelude", "zeros", "embeddings", "previous")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the key and what is accepted."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    prelude: int
+    core: int
+    loops: int
+    coda: int
+
+    @property
+    def looped(self) -> bool:
+        return self.core > 0
+
+    @property
+    def unique_blocks(self) -> int:
+        return self.prelude + self.core + self.coda
+
+    def effective_depth(self, loops: int | None = None) -> int:
+        r = self.loops if loops is None else loops
+        return self.prelude + self.core * r + self.coda
+
+    def __str__(self) -> str:
+        if not self.looped:
+            return str(self.prelude)
+        if self.prelude == 0 and self.coda == 0:
+            return f"{self.core}x{self.loops}"
+        return f"{self.prelude}+{self.core}x{self.loops}+{self.coda}"
+
+
+_DENSE = re.compile(r"^(\d+)$")
+_LOOP_ONLY = re.compile(r"^(\d+)x(\d+)$")
+_FULL = re.compile(r"^(\d+)\+(\d+)x(\d+)\+(\d+)$")
+
+
+def parse_layout(text: str) -> Layout:
+    """Parse `N`, `CxR` or `P+CxR+K`; errors quote the string and say what is wrong."""
+    if not isinstance(text, str):
+        raise ConfigError(f"layout must be a string like '1+5x6+5', got {text!r}")
+    s = text.strip().replace("×", "x").replace("X", "x").replace(" ", "")
+    accepted = "accepted forms: 'N' (dense), 'CxR' (whole stack looped), 'P+CxR+K' (prelude+core x loops+coda)"
+    for pattern, names in ((_FULL, ("prelude", "core", "loops", "coda")),
+                           (_LOOP_ONLY, ("core", "loops")),
+                           (_DENSE, ("prelude",))):
+        m = pattern.match(s)
+        if not m:
+            continue
+        parts = dict(zip(names, map(int, m.groups())))
+        zero = [k for k, v in parts.items() if v == 0]
+        if zero:
+            raise ConfigError(
+                f"layout {text!r}: {', '.join(zero)} must be at least 1 "
+                f"(write 'CxR' to loop the whole stack without prelude/coda); {accepted}")
+        return Layout(parts.get("prelude", 0), parts.get("core", 0),
+                      parts.get("loops", 0), parts.get("coda", 0))
+    raise ConfigError(f"layout {text!r} does not parse; {accepted}")
+
+
+@dataclass
+class ModelConfig:
+    """Everything that defines a model's function and parameter shapes."""
+
+    name: str = "custom"
+    variant: str = "grt"            # dense | grt (loop-only = grt with gate, noise, re-injection off)
+    layout: str = "1+2x4+1"
+    d_model: int = 128
+    n_heads: int = 4
+    vocab_size: int = 50257
+    pad_vocab_multiple: int = 1     # 64 pads 50257 -> 50304 (nanoGPT); logits are sliced back
+    max_seq_len: int = 1024
+    bias: bool = False              # biases in linears and LayerNorms (HF GPT-2: True)
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    layer_norm_eps: float = 1e-5
+    mlp_ratio: int = 4
+    # GRT switches (the paper's ablation components)
+    state_noise_std: float = 0.1    # eps_x added to the state before the projection (training only)
+    reinject_anchor: bool = True    # project [s + eps_x ; e] (False: the core reads s + eps_x)
+    gate: bool = True               # False: s_r = o_r
+    gate_noise_std: float = 0.1     # eps_g added to the gate logits (training only)
+    gate_bias_init: float = 4.0     # sigmoid(4) ~ 0.982: the loop starts by barely writing
+    gate_tau: float = 1.0
+    exit_norm: bool = True          # LayerNorm on the loop's final state (the "one more d vector")
+    attention: str = "auto"         # auto | sdpa | flash_attn | naive
+    init_std: float = 0.02
+    extra: dict[str, Any] = field(default_factory=dict)  # variant-specific settings (baselines)
+
+    def __post_init__(self):
+        self.validate()
+
+    # -- derived -----------------------------------------------------------------
+    @property
+    def parsed_layout(self) -> Layout:
+        return parse_layout(self.layout)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.pad_vocab_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def max_loops(self) -> int:
+        return self.parsed_layout.loops
+
+    # -- checks ------------------------------------------------------------------
+    def validate(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ConfigError(f"variant={self.variant!r}: accepted values are {', '.join(VARIANTS)}")
+        layout = parse_layout(self.layout)
+        if self.variant == "dense" and layout.looped:
+            raise ConfigError(f"variant='dense' needs a dense layout like '12', got layout={self.layout!r}")
+        if self.variant != "dense" and not layout.looped:
+            raise ConfigError(f"variant={self.variant!r} needs a looped layout like '1+5x6+5', got layout={self.layout!r}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention={self.attention!r}: accepted values are {', '.join(ATTENTION_BACKENDS)}")
+        for key in ("d_model", "n_heads", "vocab_size", "pad_vocab_multiple", "max_seq_len", "mlp_ratio"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{key}={value!r}: must be a positive integer")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        for key in ("state_noise_std", "gate_noise_std", "dropout"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key}={getattr(self, key)!r}: must be >= 0")
+        if self.gate_tau <= 0:
+            raise ConfigError(f"gate_tau={self.gate_tau!r}: must be > 0")
+
+    # -- serialisation -------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        return cls(**check_keys(cls, data, "model config"))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelConfig":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **check_keys(type(self), changes, "model config"))
+
+
+def check_keys(cls, data: dict[str, Any], what: str) -> dict[str, Any]:
+    """Refuse unknown keys and wrong types, naming the key and the accepted values."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{what}: unknown key(s) {', '.join(unknown)}; accepted keys: {', '.join(fields)}")
+    out = {}
+    for key, value in data.items():
+        out[key] = coerce(key, value, fields[key].type)
+    return out
+
+
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def coerce(key: str, value: Any, type_name: Any) -> Any:
+    """Check (and gently coerce: int -> float, '3' -> 3 from the command line) one value."""
+    name = type_name if isinstance(type_name, str) else getattr(type_name, "__name__", str(type_name))
+    target = _TYPES.get(name.split("|")[0].strip())
+    if target is None:
+        return value
+    if isinstance(value, str) and target is not str:
+        text = value.strip()
+        try:
+            if target is bool:
+                if text.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                    raise ValueError
+                return text.lower() in ("true", "1", "yes", "on")
+            return target(text)
+        except ValueError:
+            raise ConfigError(f"{key}={value!r}: expected {name}") from None
+    if target is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if target is bool and not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r}: expected true or false")
+    if target is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{key}={value!r}: expected an integer")
+    if target in (float, str) and not isinstance(value, target):
+        raise ConfigError(f"{key}={value!r}: expected {name}")
+    return value

@@ -1,0 +1,336 @@
+"""Rank discovery and process-group start-up for every way `grt` is launched.
+
+`discover()` reads the environment only and tells who this process is, whichever
+launcher started it:
+
+* ``torchrun/deepspeed``: ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` (+ ``MASTER_ADDR``/``MASTER_PORT``),
+  as set by ``torchrun`` and by DeepSpeed's per-node ``deepspeed.launcher.launch``;
+* ``mpi``: ``OMPI_COMM_WORLD_RANK``/``_LOCAL_RANK``/``_SIZE``/``_LOCAL_SIZE`` (OpenMPI's
+  ``mpirun``), or ``PMI_RANK``/``PMI_SIZE`` and ``PMIX_RANK`` (MPICH, Intel MPI, PMIx) in which
+  case the missing values are asked from mpi4py;
+* ``slurm``: ``SLURM_PROCID``/``SLURM_LOCALID``/``SLURM_NTASKS`` of an ``srun`` step, with
+  ``MASTER_ADDR`` the first host of ``SLURM_JOB_NODELIST`` (pure-Python nodelist parser,
+  ``scontrol show hostnames`` as a fallback);
+* ``single``: none of these, one process.
+
+`init_distributed()` exports the discovered values as ``MASTER_ADDR``/``MASTER_PORT``/
+``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` and starts the process group through
+``deepspeed.init_distributed`` (``nccl`` on CUDA, ``gloo`` otherwise).  It is idempotent,
+and a lone process with no launcher environment still gets a 1-rank group on a free port,
+because the DeepSpeed engine needs one.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Dict, List, Mapping, Optional
+
+DEFAULT_MASTER_PORT = 29500
+
+__all__ = [
+    "DistInfo",
+    "discover",
+    "init_distributed",
+    "is_main",
+    "barrier",
+    "get_info",
+    "expand_nodelist",
+    "parse_tasks_per_node",
+]
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_MASTER_PORT
+    launcher: str = "single"  # 'single', 'torchrun/deepspeed', 'slurm' or 'mpi'
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, -(-self.world_size // max(1, self.local_world_size)))
+
+    def to_dict(self) -> Dict[str, object]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- Slurm lists
+
+
+def _split_top_level(text: str, sep: str = ",") -> List[str]:
+    """Split on `sep` outside brackets: 'a[1-2],b' -> ['a[1-2]', 'b']."""
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == sep and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if cur:
+        parts.append("".join(cur))
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _expand_one(host: str) -> List[str]:
+    m = re.search(r"\[([^\[\]]*)\]", host)
+    if not m:
+        return [host]
+    prefix, suffix = host[: m.start()], host[m.end():]
+    out: List[str] = []
+    for item in m.group(1).split(","):
+        item = item.strip()
+        if "-" in item:
+            lo, hi = item.split("-", 1)
+            width = len(lo)
+            step = 1 if int(hi) >= int(lo) else -1
+            values = [str(i).zfill(width) for i in range(int(lo), int(hi) + step, step)]
+        else:
+            values = [item]
+        for v in values:
+            out.extend(_expand_one(prefix + v + suffix))  # further brackets in the suffix
+    return out
+
+
+def expand_nodelist(nodelist: str) -> List[str]:
+    """Expand a Slurm hostlist expression, like `scontrol show hostnames` does.
+
+    'gpu[001-003,7],login-a[1-2]-ib' -> ['gpu001', 'gpu002', 'gpu003', 'gpu7',
+    'login-a1-ib', 'login-a2-ib'].
+    """
+    hosts: List[str] = []
+    for part in _split_top_level(nodelist.strip()):
+        hosts.extend(_expand_one(part))
+    return hosts
+
+
+def _first_host(nodelist: str) -> str:
+    try:
+        hosts = expand_nodelist(nodelist)
+        if hosts and all(re.fullmatch(r"[\w.\-]+", h) for h in hosts):
+            return hosts[0]
+    except ValueError:
+        pass
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                         text=True, check=True).stdout.split()
+    return out[0]
+
+
+def parse_tasks_per_node(value: str) -> List[int]:
+    """'8(x4),2' -> [8, 8, 8, 8, 2] (the format of SLURM_TASKS_PER_NODE)."""
+    counts: List[int] = []
+    for part in value.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
+        if not m:
+            raise ValueError(f"cannot parse tasks-per-node {value!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+def _int(env: Mapping[str, str], *names: str, default: Optional[int] = None) -> Optional[int]:
+    for name in names:
+        v = env.get(name)
+        if v not in (None, ""):
+            return int(v)
+    return default
+
+
+def _port(env: Mapping[str, str]) -> int:
+    return _int(env, "MASTER_PORT", default=DEFAULT_MASTER_PORT)
+
+
+def _from_torchrun(env: Mapping[str, str]) -> DistInfo:
+    rank = _int(env, "RANK")
+    world = _int(env, "WORLD_SIZE", default=1)
+    local_rank = _int(env, "LOCAL_RANK", default=rank % max(1, world))
+    local_world = _int(env, "LOCAL_WORLD_SIZE", "LOCAL_SIZE", default=None)
+    if local_world is None:
+        # deepspeed.launcher.launch does not export LOCAL_WORLD_SIZE; its CROSS_* variables help
+        cross = _int(env, "CROSS_SIZE", default=None)
+        local_world = world // cross if cross else world
+    node_rank = _int(env, "GROUP_RANK", "CROSS_RANK", "NODE_RANK",
+                     default=rank // max(1, local_world))
+    return DistInfo(rank, local_rank, world, local_world, node_rank,
+                    env.get("MASTER_ADDR") or "127.0.0.1", _port(env), "torchrun/deepspeed")
+
+
+def _from_ompi(env: Mapping[str, str]) -> DistInfo:
+    rank = _int(env, "OMPI_COMM_WORLD_RANK")
+    world = _int(env, "OMPI_COMM_WORLD_SIZE", default=1)
+    local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", default=0)
+    local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", default=world)
+    node_rank = _int(env, "OMPI_COMM_WORLD_NODE_RANK", default=rank // max(1, local_world))
+    addr = env.get("MASTER_ADDR") or ("127.0.0.1" if local_world >= world else "")
+    return DistInfo(rank, local_rank, world, local_world, node_rank, addr, _port(env), "mpi")
+
+
+def _from_mpi4py(env: Mapping[str, str]) -> DistInfo:
+    """PMI/PMIx-only environments (MPICH, Intel MPI, srun --mpi=pmix): ask MPI itself."""
+    from mpi4py import MPI  # noqa: WPS433 (optional dependency)
+
+    comm = MPI.COMM_WORLD
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    rank, world = comm.Get_rank(), comm.Get_size()
+    local_rank, local_world = local.Get_rank(), local.Get_size()
+    addr = env.get("MASTER_ADDR") or comm.bcast(socket.gethostname() if rank == 0 else None, root=0)
+    return DistInfo(rank, local_rank, world, local_world, rank // max(1, local_world), addr,
+                    _port(env), "mpi")
+
+
+def _from_slurm(env: Mapping[str, str]) -> DistInfo:
+    rank = _int(env, "SLURM_PROCID")
+    world = _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS", default=1)
+    local_rank = _int(env, "SLURM_LOCALID", default=0)
+    node_rank = _int(env, "SLURM_NODEID", default=0)
+    tpn = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    try:
+        counts = parse_tasks_per_node(tpn)
+        local_world = counts[node_rank] if node_rank < len(counts) else counts[0]
+    except (ValueError, IndexError):
+        local_world = _int(env, "SLURM_NTASKS_PER_NODE", default=world)
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    addr = env.get("MASTER_ADDR") or (_first_host(nodelist) if nodelist else "127.0.0.1")
+    port = _int(env, "MASTER_PORT", default=None)
+    if port is None:
+        # every task of a job computes the same port; two jobs sharing a node rarely collide
+        job = _int(env, "SLURM_JOB_ID", "SLURM_JOBID", default=0)
+        port = 20000 + job % 20000
+    return DistInfo(rank, local_rank, world, local_world, node_rank, addr, port, "slurm")
+
+
+def _in_slurm_step(env: Mapping[str, str]) -> bool:
+    # SLURM_PROCID is also set in the batch script itself, where it must not count as a
+    # rank of a multi-task job: only an srun step (SLURM_STEP_ID, not the batch step) does.
+    if env.get("SLURM_PROCID") in (None, ""):
+        return False
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    if step is None:
+        return False
+    return step not in ("batch", "extern", "4294967294", "4294967291")
+
+
+def discover(env: Optional[Mapping[str, str]] = None) -> DistInfo:
+    """Who this process is, from the environment (see the module docstring)."""
+    env = os.environ if env is None else env
+    if env.get("RANK") not in (None, "") and env.get("WORLD_SIZE") not in (None, ""):
+        return _from_torchrun(env)
+    if env.get("OMPI_COMM_WORLD_RANK") not in (None, ""):
+        return _from_ompi(env)
+    if _in_slurm_step(env):
+        return _from_slurm(env)
+    if any(env.get(k) not in (None, "") for k in ("PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")):
+        world = _int(env, "PMI_SIZE", "MV2_COMM_WORLD_SIZE", default=None)
+        rank = _int(env, "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+        local_rank = _int(env, "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", default=None)
+        local_world = _int(env, "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE", default=None)
+        if None in (world, local_rank, local_world) or (local_world < world and not env.get("MASTER_ADDR")):
+            return _from_mpi4py(env)
+        addr = env.get("MASTER_ADDR") or "127.0.0.1"
+        return DistInfo(rank, local_rank, world, local_world, rank // max(1, local_world), addr,
+                        _port(env), "mpi")
+    return DistInfo(master_addr=env.get("MASTER_ADDR") or "127.0.0.1", master_port=_port(env))
+
+
+# --------------------------------------------------------------------------- start-up
+
+_INFO: Optional[DistInfo] = None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _mpi_master_addr() -> str:
+    """Rank 0's hostname, broadcast through mpi4py (mpirun across nodes without MASTER_ADDR)."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    return comm.bcast(socket.gethostname() if comm.Get_rank() == 0 else None, root=0)
+
+
+def init_distributed(timeout_s: float = 600) -> DistInfo:
+    """Start the process group (idempotent) and return this process's `DistInfo`."""
+    global _INFO
+    import torch
+    import torch.distributed as dist
+
+    if _INFO is not None and dist.is_initialized():
+        return _INFO
+    info = discover()
+    if info.launcher == "single" and info.world_size == 1 and not os.environ.get("MASTER_PORT"):
+        info.master_addr, info.master_port = "127.0.0.1", _free_port()
+    if info.launcher == "mpi" and not info.master_addr:
+        info.master_addr = _mpi_master_addr()
+    os.environ.update({
+        "MASTER_ADDR": info.master_addr,
+        "MASTER_PORT": str(info.master_port),
+        "RANK": str(info.rank),
+        "LOCAL_RANK": str(info.local_rank),
+        "WORLD_SIZE": str(info.world_size),
+        "LOCAL_WORLD_SIZE": str(info.local_world_size),
+        "LOCAL_SIZE": str(info.local_world_size),
+        "NODE_RANK": str(info.node_rank),
+    })
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(info.local_rank % max(1, torch.cuda.device_count()))
+    if not dist.is_initialized():
+        import deepspeed
+
+        deepspeed.init_distributed(
+            dist_backend="nccl" if use_cuda else "gloo",
+            auto_mpi_discovery=False,
+            distributed_port=info.master_port,
+            verbose=False,
+            timeout=timedelta(seconds=timeout_s),
+            rank=info.rank,
+            world_size=info.world_size,
+        )
+    _INFO = info
+    return info
+
+
+def get_info() -> DistInfo:
+    """The `DistInfo` of `init_distributed()`, or `discover()` before it ran."""
+    return _INFO if _INFO is not None else discover()
+
+
+def is_main() -> bool:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank() == 0
+    except ImportError:  # pragma: no cover
+        pass
+    return get_info().rank == 0
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

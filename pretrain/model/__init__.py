@@ -1,0 +1,3 @@
+from .gpt import GPT, LoopStep, ModelOutput, build_model
+
+__all__ = ["GPT", "LoopStep", "ModelOutput", "build_model"]

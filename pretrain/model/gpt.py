@@ -1,0 +1,152 @@
+"""The Gated Recurrent Transformer and the dense GPT-2 it generalises, in one file.
+
+    tokens -> embeddings -> prelude (P blocks, once) = e, the anchor
+           -> loop step r = 1..n (shared weights, `LoopStep`):
+                x_r = W_proj [s_{r-1} + eps_x ; e]
+                o_r = Core(x_r)
+                g_r = sigmoid(f_g([LN(s_{r-1}); LN(e)]) / tau + eps_g)
+                s_r = g_r * s_{r-1} + (1 - g_r) * o_r          (s_0 = e)
+           -> exit norm -> coda (K blocks, once) -> final norm -> tied LM head
+
+A dense model is a prelude with no loop. The number of loop steps is an argument
+of `forward` (0 = prelude straight to coda), so training can sample it and
+evaluation can exit early. Activation checkpointing and compilation are applied
+from outside (`pretrain.parallelize`); `LoopStep` is the recompute/compile unit.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import ANCHOR_MODES, ModelConfig
+from .layers import AttentionContext, Block, Embedding, Linear, layer_norm
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor | None
+    loss: torch.Tensor | None = None
+    states: list[torch.Tensor] = field(default_factory=list)  # s_0..s_n, when asked for
+    gates: list[torch.Tensor] = field(default_factory=list)   # g_1..g_n, when asked for
+
+
+class LoopStep(nn.Module):
+    """One loop step (projection, shared core, gate): the unit of recompute and compile."""
+
+    def __init__(self, cfg: ModelConfig, out_std: float):
+        super().__init__()
+        d, layout = cfg.d_model, cfg.parsed_layout
+        self.state_noise_std, self.gate_noise_std, self.gate_tau = cfg.state_noise_std, cfg.gate_noise_std, cfg.gate_tau
+        self.proj = Linear(2 * d, d, bias=False, std=cfg.init_std) if cfg.reinject_anchor else None
+        self.core = nn.ModuleList(Block(cfg, out_std) for _ in range(layout.core))
+        if cfg.gate:
+            self.gate_norm_state = layer_norm(cfg)
+            self.gate_norm_anchor = layer_norm(cfg)
+            self.gate_fc = Linear(2 * d, d, bias=True, std=cfg.init_std)
+            self.gate_out = Linear(d, d, bias=True, std=cfg.init_std, bias_init=cfg.gate_bias_init)
+        self.has_gate = cfg.gate
+
+    def gate_logits(self, s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([self.gate_norm_state(s), self.gate_norm_anchor(e)], dim=-1)
+        return self.gate_out(F.silu(self.gate_fc(h))) / self.gate_tau
+
+    def forward(self, s: torch.Tensor, e: torch.Tensor, ctx: AttentionContext,
+                gate_override: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = s
+        if self.training and self.state_noise_std > 0:
+            x = x + self.state_noise_std * torch.randn_like(x)
+        if self.proj is not None:
+            x = self.proj(torch.cat([x, e], dim=-1))
+        for block in self.core:
+            x = block(x, ctx)
+        if not self.has_gate:
+            return x, None
+        if gate_override is not None:
+            g = torch.full_like(s, float(gate_override))
+        else:
+            logits = self.gate_logits(s, e)
+            if self.training and self.gate_noise_std > 0:
+                logits = logits + self.gate_noise_std * torch.randn_like(logits)
+            g = torch.sigmoid(logits)
+        # g * s + (1 - g) * o, written out so that g = 1 returns s exactly and g = 0 returns o exactly
+        return g * s + (1 - g) * x, g
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        layout = cfg.parsed_layout
+        d, vocab = cfg.d_model, cfg.padded_vocab_size
+        # GPT-2's scaled init of residual projections, by the depth the residual stream sees
+        out_std = cfg.init_std / math.sqrt(2 * layout.effective_depth())
+        self.wte = Embedding(vocab, d, std=cfg.init_std)
+        self.wpe = Embedding(cfg.max_seq_len, d, std=cfg.init_std)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.prelude = nn.ModuleList(Block(cfg, out_std) for _ in range(layout.prelude))
+        self.loop = LoopStep(cfg, out_std) if layout.looped else None
+        self.exit_norm = layer_norm(cfg) if layout.looped and cfg.exit_norm else None
+        self.coda = nn.ModuleList(Block(cfg, out_std) for _ in range(layout.coda))
+        self.ln_f = layer_norm(cfg)
+        self.lm_head = Linear(d, vocab, bias=False, std=cfg.init_std)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    @property
+    def max_loops(self) -> int:
+        return self.cfg.max_loops
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
+        pos = torch.arange(t, device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                n_loops: int | None = None, doc_ids: torch.Tensor | None = None,
+                gate_override: float | None = None, anchor: str = "prelude",
+                return_states: bool = False, return_gates: bool = False) -> ModelOutput:
+        """idx, targets: [B, T] token ids. n_loops: loop steps to run (default: the layout's R).
+        gate_override: force every gate to this constant. anchor: what the loop is fed as e
+        (prelude output, zeros, token embeddings, or the previous state)."""
+        if anchor not in ANCHOR_MODES:
+            raise ValueError(f"anchor={anchor!r}: accepted values are {', '.join(ANCHOR_MODES)}")
+        n = self.max_loops if n_loops is None else int(n_loops)
+        if n < 0:
+            raise ValueError(f"n_loops={n}: must be >= 0")
+        ctx = AttentionContext(doc_ids=doc_ids)
+        emb = self.embed(idx)
+        x = emb
+        for block in self.prelude:
+            x = block(x, ctx)
+        states, gates = [], []
+        if self.loop is not None:
+            anchor_fixed = {"prelude": x, "zeros": torch.zeros_like(x), "embeddings": emb}.get(anchor)
+            s = x
+            if return_states:
+                states.append(s)
+            for _ in range(n):
+                e = s if anchor == "previous" else anchor_fixed
+                s, g = self.loop(s, e, ctx, gate_override)
+                if return_states:
+                    states.append(s)
+                if return_gates and g is not None:
+                    gates.append(g)
+            x = self.exit_norm(s) if self.exit_norm is not None else s
+        for block in self.coda:
+            x = block(x, ctx)
+        logits = self.lm_head(self.ln_f(x))[..., : self.cfg.vocab_size]
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return ModelOutput(logits=logits, loss=loss, states=states, gates=gates)
+
+
+def build_model(cfg: ModelConfig) -> GPT:
+    return GPT(cfg)

@@ -1,0 +1,174 @@
+"""Transformer building blocks shared by every model: linears that initialise
+themselves (so the model can be built under `deepspeed.zero.Init`, which partitions
+each module as soon as its constructor returns), attention with interchangeable
+backends, MLP and the pre-norm block."""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+try:  # optional fast path: the flash-attn package (CUDA, fp16/bf16 only)
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    flash_attn_func = flash_attn_varlen_func = None
+
+
+class Linear(nn.Linear):
+    """nn.Linear with N(0, std) weights and constant biases, set in reset_parameters."""
+
+    def __init__(self, in_features, out_features, bias=True, std=0.02, bias_init=0.0):
+        self.std, self.bias_init = std, bias_init
+        super().__init__(in_features, out_features, bias=bias)
+
+    def reset_parameters(self):
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+        if self.bias is not None:
+            nn.init.constant_(self.bias, self.bias_init)
+
+
+class Embedding(nn.Embedding):
+    def __init__(self, num, dim, std=0.02):
+        self.std = std
+        super().__init__(num, dim)
+
+    def reset_parameters(self):
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+
+
+def layer_norm(cfg: ModelConfig) -> nn.LayerNorm:
+    return nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.bias)
+
+
+@dataclass
+class AttentionContext:
+    """Per-forward attention state, built once and shared by every block (and loop step).
+
+    doc_ids [B, T] (optional) restricts attention to the token's own document in a
+    packed sequence; the masks for each backend are derived from it lazily, once.
+    """
+
+    doc_ids: torch.Tensor | None = None
+    _cache: dict = field(default_factory=dict)
+
+    def sdpa_mask(self) -> torch.Tensor:
+        if "sdpa" not in self._cache:
+            d = self.doc_ids
+            t = d.shape[1]
+            causal = torch.ones(t, t, dtype=torch.bool, device=d.device).tril()
+            same_doc = d[:, :, None] == d[:, None, :]
+            self._cache["sdpa"] = (same_doc & causal)[:, None]  # [B, 1, T, T]
+        return self._cache["sdpa"]
+
+    def varlen(self) -> tuple[torch.Tensor, int]:
+        """cu_seqlens over the flattened batch: one segment per (row, document)."""
+        if "varlen" not in self._cache:
+            d = self.doc_ids
+            b, t = d.shape
+            starts = torch.ones_like(d, dtype=torch.bool)
+            starts[:, 1:] = d[:, 1:] != d[:, :-1]
+            idx = torch.nonzero(starts.flatten(), as_tuple=False).flatten()
+            cu = torch.cat([idx, idx.new_tensor([b * t])]).to(torch.int32)
+            self._cache["varlen"] = (cu, int((cu[1:] - cu[:-1]).max()))
+        return self._cache["varlen"]
+
+
+_logged_backends: set[str] = set()
+
+
+def _log_backend_once(name: str, why: str) -> None:
+    if name not in _logged_backends:
+        _logged_backends.add(name)
+        log.info("attention backend: %s (%s)", name, why)
+
+
+def resolve_backend(requested: str, q: torch.Tensor) -> str:
+    flash_ok = flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    if requested == "auto":
+        name = "flash_attn" if flash_ok else "sdpa"
+        _log_backend_once(name, "flash-attn package on a CUDA fp16/bf16 tensor" if flash_ok
+                          else "torch scaled_dot_product_attention")
+        return name
+    if requested == "flash_attn" and not flash_ok:
+        raise RuntimeError("attention='flash_attn' needs the flash-attn package and CUDA fp16/bf16 tensors; "
+                           "use attention='auto' to fall back to scaled_dot_product_attention")
+    _log_backend_once(requested, "requested in the model config")
+    return requested
+
+
+def attention(q, k, v, ctx: AttentionContext, backend: str, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention. q, k, v: [B, H, T, D] -> [B, H, T, D]."""
+    backend = resolve_backend(backend, q)
+    masked = ctx.doc_ids is not None
+    if backend == "flash_attn":
+        b, h, t, dh = q.shape
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, T, H, D]
+        if masked:
+            cu, max_len = ctx.varlen()
+            flat = [x.reshape(b * t, h, dh) for x in (qt, kt, vt)]
+            out = flash_attn_varlen_func(*flat, cu, cu, max_len, max_len, dropout_p=dropout_p, causal=True)
+            return out.view(b, t, h, dh).transpose(1, 2)
+        return flash_attn_func(qt, kt, vt, dropout_p=dropout_p, causal=True).transpose(1, 2)
+    if backend == "sdpa":
+        if masked:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.sdpa_mask(), dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+    # naive: the reference the fast paths are tested against
+    t = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    allowed = ctx.sdpa_mask() if masked else torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = F.dropout(scores.softmax(dim=-1), p=dropout_p)
+    return probs @ v
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, out_std: float):
+        super().__init__()
+        d = cfg.d_model
+        self.n_heads, self.backend, self.dropout = cfg.n_heads, cfg.attention, cfg.dropout
+        self.c_attn = Linear(d, 3 * d, bias=cfg.bias, std=cfg.init_std)
+        self.c_proj = Linear(d, d, bias=cfg.bias, std=out_std)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.c_attn(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        y = attention(q, k, v, ctx, self.backend, self.dropout if self.training else 0.0)
+        return self.resid_drop(self.c_proj(y.transpose(1, 2).reshape(b, t, d)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, out_std: float):
+        super().__init__()
+        hidden = cfg.mlp_ratio * cfg.d_model
+        self.c_fc = Linear(cfg.d_model, hidden, bias=cfg.bias, std=cfg.init_std)
+        self.c_proj = Linear(hidden, cfg.d_model, bias=cfg.bias, std=out_std)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        # tanh GELU: GPT-2's "gelu_new", so the dense model is Hugging Face's function
+        return self.drop(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: ModelConfig, out_std: float):
+        super().__init__()
+        self.ln_1 = layer_norm(cfg)
+        self.attn = CausalSelfAttention(cfg, out_std)
+        self.ln_2 = layer_norm(cfg)
+        self.mlp = MLP(cfg, out_std)
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), ctx)
+        return x + self.mlp(self.ln_2(x))

@@ -1,0 +1,95 @@
+"""Named model presets (the spec's table plus tiny CPU ones) and `grt presets`.
+
+Dense GPT-2 presets use Hugging Face's conventions (biases, vocabulary 50,257), so
+dense-small is GPT-2's 124,439,808 parameters. GRT presets use the authors' nanoGPT
+conventions (no biases, vocabulary padded to 50,304), which reproduce their model
+cards exactly (grt-large 290,196,480; grt-large-isoparams 781,780,480).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from .config import ConfigError, ModelConfig
+
+HF = dict(bias=True, pad_vocab_multiple=1, vocab_size=50257)
+NANOGPT = dict(bias=False, pad_vocab_multiple=64, vocab_size=50257)
+TINY = dict(bias=False, pad_vocab_multiple=64, vocab_size=4096, max_seq_len=256)
+
+
+def _preset(name, variant, layout, d_model, n_heads, conventions, **overrides):
+    return name, ModelConfig(name=name, variant=variant, layout=layout, d_model=d_model,
+                             n_heads=n_heads, **{**conventions, **overrides})
+
+
+PRESETS: dict[str, ModelConfig] = dict([
+    _preset("dense-small", "dense", "12", 768, 12, HF),
+    _preset("dense-medium", "dense", "24", 1024, 16, HF),
+    _preset("dense-large", "dense", "36", 1280, 20, HF),
+    _preset("grt-small", "grt", "1+1x10+1", 768, 12, NANOGPT),
+    _preset("grt-medium", "grt", "2+5x4+2", 1024, 16, NANOGPT),
+    _preset("grt-large", "grt", "1+5x6+5", 1280, 20, NANOGPT),
+    _preset("grt-small-isoparams", "grt", "1+10x10+1", 768, 12, NANOGPT),
+    _preset("grt-medium-isoparams", "grt", "2+20x4+2", 1024, 16, NANOGPT),
+    _preset("grt-large-isoparams", "grt", "3+30x6+3", 1280, 20, NANOGPT),
+    # tiny presets for CPU tests and the demo; tiny-dense has tiny-grt's FLOPs per token
+    _preset("tiny-grt", "grt", "1+2x4+1", 128, 4, TINY),
+    _preset("tiny-dense", "dense", "10", 128, 4, TINY),
+    _preset("micro-grt", "grt", "1+1x3+1", 32, 2, TINY, vocab_size=512, max_seq_len=64),
+    _preset("micro-dense", "dense", "5", 32, 2, TINY, vocab_size=512, max_seq_len=64),
+])
+
+# The parameter counts each preset advertises (docs, model cards); a test builds every
+# preset on the meta device and checks it against these.
+ADVERTISED_PARAMS: dict[str, int] = {
+    "dense-small": 124_439_808,
+    "dense-medium": 354_823_168,
+    "dense-large": 774_030_080,
+    "grt-small": 63_611_904,
+    "grt-medium": 171_073_536,
+    "grt-large": 290_196_480,
+    "grt-small-isoparams": 127_326_720,
+    "grt-medium-isoparams": 359_847_936,
+    "grt-large-isoparams": 781_780_480,
+    "tiny-grt": 1_427_200,
+    "tiny-dense": 2_525_824,
+    "micro-grt": 60_800,
+    "micro-dense": 80_224,
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; accepted presets: {', '.join(PRESETS)}")
+    return PRESETS[name].replace()
+
+
+def describe(cfg: ModelConfig) -> dict:
+    from .flops import count_params, flops_per_token
+    from .model import GPT
+
+    with torch.device("meta"):
+        counts = count_params(GPT(cfg))
+    return {"name": cfg.name, "variant": cfg.variant, "layout": cfg.layout, "d_model": cfg.d_model,
+            "n_heads": cfg.n_heads, "vocab_size": cfg.vocab_size, "padded_vocab_size": cfg.padded_vocab_size,
+            "max_seq_len": cfg.max_seq_len, "bias": cfg.bias,
+            "effective_depth": cfg.parsed_layout.effective_depth(), **counts,
+            "flops_per_token": flops_per_token(cfg)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="grt presets", description="List the model presets.")
+    parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    args = parser.parse_args(argv)
+    rows = [describe(cfg) for cfg in PRESETS.values()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'preset':<22}{'layout':<11}{'d':>6}{'heads':>6}{'depth':>6}{'params':>14}{'non-emb':>14}{'GFLOPs/tok':>11}")
+    for r in rows:
+        print(f"{r['name']:<22}{r['layout']:<11}{r['d_model']:>6}{r['n_heads']:>6}{r['effective_depth']:>6}"
+              f"{r['params']:>14,}{r['non_embedding_params']:>14,}{r['flops_per_token'] / 1e9:>11.3f}")
+    print("\nFLOPs: forward per token at max_seq_len (spec formula); training is about 3x.")
+    return 0

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs everything the project needs on a fresh Debian machine (run as root or with sudo).
+# CPU torch is pinned: an unpinned `torch` would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+if [ "${GRT_SKIP_APT:-0}" != 1 ] && command -v apt-get >/dev/null; then
+  need=""
+  for tool in sbatch:slurm-wlm munged:munge mpirun:openmpi-bin mpicc:libopenmpi-dev gcc:build-essential; do
+    command -v "${tool%%:*}" >/dev/null || need="$need ${tool#*:}"
+  done
+  if [ -n "$need" ]; then
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $need >/dev/null
+  fi
+fi
+python3 -m pip install -q "torch==${GRT_TORCH_VERSION:-2.13.0}"
+python3 -m pip install -q -e ".[dev]"

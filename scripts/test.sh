@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The test command: installs what the tests need, then runs the whole suite
+# (slow multi-process tests included; `-m "not slow"` runs the quick ones alone).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+python3 -m pytest -q tests "$@"

@@ -1,0 +1,29 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="grt-pretrain",
+    version="0.1.0",
+    description="Pretraining Gated Recurrent Transformers (GRT) with DeepSpeed",
+    packages=find_packages(include=["pretrain*", "data_pipeline*", "launcher*"]),
+    package_data={"": ["*.json"]},
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "deepspeed>=0.16",
+        "numpy",
+        "sentencepiece",
+        "webdataset",
+        "tensorboard",
+        "safetensors",
+        "tqdm",
+        "zstandard",
+        "matplotlib",
+    ],
+    extras_require={
+        "hf": ["transformers"],
+        "mpi": ["mpi4py"],
+        "triton": ["triton"],
+        "dev": ["pytest", "transformers", "mpi4py", "triton"],
+    },
+    entry_points={"console_scripts": ["grt=pretrain.cli:main"]},
+)

@@ -1,0 +1,234 @@
+"""The GRT and dense models: the spec's invariants, HF parity, presets, FLOPs."""
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from pretrain.config import ConfigError, ModelConfig, parse_layout
+from pretrain.flops import count_params, flops_per_token
+from pretrain.model import GPT
+from pretrain.model.layers import AttentionContext, attention
+from pretrain.parallelize import apply_activation_checkpointing
+from pretrain.presets import ADVERTISED_PARAMS, PRESETS, describe, main as presets_main
+
+
+def small_cfg(**kw):
+    base = dict(layout="1+2x3+1", d_model=64, n_heads=4, vocab_size=211, max_seq_len=64, pad_vocab_multiple=64)
+    return ModelConfig(**{**base, **kw})
+
+
+def tokens(b=2, t=24, vocab=211, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (b, t), generator=g)
+
+
+# -- layout and config -----------------------------------------------------------
+@pytest.mark.parametrize("text,expected", [("1+5x6+5", (1, 5, 6, 5)), ("12", (12, 0, 0, 0)),
+                                           ("12x4", (0, 12, 4, 0)), (" 2 + 5x4 + 2 ", (2, 5, 4, 2))])
+def test_layout_parses(text, expected):
+    layout = parse_layout(text)
+    assert (layout.prelude, layout.core, layout.loops, layout.coda) == expected
+
+
+@pytest.mark.parametrize("text,why", [("0+5x6+5", "prelude must be at least 1"), ("1+5x0+5", "loops must be at least 1"),
+                                      ("1+0x6+5", "core must be at least 1"), ("1+5x6", "does not parse"),
+                                      ("banana", "does not parse"), ("1+5*6+5", "does not parse")])
+def test_bad_layout_is_quoted_and_explained(text, why):
+    with pytest.raises(ConfigError) as err:
+        parse_layout(text)
+    assert repr(text) in str(err.value) and why in str(err.value)
+
+
+def test_config_round_trips_through_json(tmp_path):
+    cfg = small_cfg(gate=False, state_noise_std=0.0)
+    cfg.save(tmp_path / "model.json")
+    assert ModelConfig.load(tmp_path / "model.json") == cfg
+    assert json.loads((tmp_path / "model.json").read_text())["layout"] == "1+2x3+1"
+
+
+def test_config_rejects_unknown_keys_and_wrong_types():
+    with pytest.raises(ConfigError, match="unknown key.*d_modle"):
+        ModelConfig.from_dict({"d_modle": 64})
+    with pytest.raises(ConfigError, match="gate=.*expected true or false"):
+        ModelConfig.from_dict({"gate": 3})
+    with pytest.raises(ConfigError, match="variant='dense' needs a dense layout"):
+        ModelConfig(variant="dense", layout="1+2x3+1")
+
+
+# -- presets and FLOPs -------------------------------------------------------------
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_builds_on_meta_with_its_advertised_count(name):
+    with torch.device("meta"):
+        model = GPT(PRESETS[name])
+    assert count_params(model)["params"] == ADVERTISED_PARAMS[name]
+
+
+def test_paper_parameter_counts():
+    assert ADVERTISED_PARAMS["dense-small"] == 124_439_808
+    assert ADVERTISED_PARAMS["grt-large"] == 290_196_480
+    assert ADVERTISED_PARAMS["grt-large-isoparams"] == 781_780_480
+
+
+def test_presets_json_lists_required_fields(capsys):
+    presets_main(["--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["name"] for r in rows} == set(PRESETS)
+    for row in rows:
+        assert {"name", "layout", "d_model", "n_heads", "vocab_size", "params",
+                "non_embedding_params", "flops_per_token"} <= set(row)
+    small = next(r for r in rows if r["name"] == "dense-small")
+    assert small["params"] == 124_439_808 and small["non_embedding_params"] == 124_439_808 - (50257 + 1024) * 768
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(gate=False), dict(reinject_anchor=False, gate=False),
+                                dict(variant="dense", layout="4")])
+def test_flops_formula_matches_counted_matmuls(kw):
+    cfg = small_cfg(attention="naive", **kw)  # the counter sees naive attention's matmuls, not SDPA's kernel
+    model = GPT(cfg).eval()
+    b, t = 2, 32
+    with FlopCounterMode(display=False) as counter:
+        model(tokens(b, t))
+    assert counter.get_total_flops() == flops_per_token(cfg, seq_len=t) * b * t
+
+
+# -- the GRT loop ------------------------------------------------------------------
+def test_gate_starts_near_0_98():
+    cfg = PRESETS["grt-small"].replace(max_seq_len=64, layout="1+1x3+1")
+    model = GPT(cfg).eval()
+    out = model(tokens(2, 32, vocab=cfg.vocab_size), return_gates=True)
+    mean_gate = torch.stack(out.gates).mean().item()
+    assert abs(mean_gate - 0.98) <= 0.005
+
+
+def test_gate_forced_to_one_is_exactly_prelude_to_coda():
+    model = GPT(small_cfg()).eval()
+    idx = tokens()
+    prelude_only = model(idx, n_loops=0).logits
+    forced = model(idx, gate_override=1.0).logits
+    assert torch.equal(prelude_only, forced)
+    assert not torch.allclose(model(idx).logits, prelude_only)
+
+
+def test_gate_forced_to_zero_equals_the_ungated_model():
+    gated = GPT(small_cfg()).eval()
+    ungated = GPT(small_cfg(gate=False)).eval()
+    missing, unexpected = ungated.load_state_dict(gated.state_dict(), strict=False)
+    assert not missing and all(k.startswith("loop.gate_") for k in unexpected)
+    idx = tokens()
+    assert torch.equal(gated(idx, gate_override=0.0).logits, ungated(idx).logits)
+
+
+def test_eval_is_deterministic_and_training_is_not():
+    model = GPT(small_cfg())
+    idx = tokens()
+    model.eval()
+    assert torch.equal(model(idx).logits, model(idx).logits)
+    model.train()
+    assert not torch.equal(model(idx).logits, model(idx).logits)
+    noiseless = GPT(small_cfg(state_noise_std=0.0, gate_noise_std=0.0)).train()
+    assert torch.equal(noiseless(idx).logits, noiseless(idx).logits)
+
+
+def test_loop_depth_is_a_forward_argument():
+    model = GPT(small_cfg()).eval()
+    idx = tokens()
+    out = model(idx, n_loops=5, return_states=True, return_gates=True)
+    assert len(out.states) == 6 and len(out.gates) == 5
+    losses = {n: model(idx, idx, n_loops=n).loss.item() for n in range(0, 5)}
+    assert len(set(losses.values())) == 5
+    with pytest.raises(ValueError, match="n_loops"):
+        model(idx, n_loops=-1)
+
+
+@pytest.mark.parametrize("anchor", ["zeros", "embeddings", "previous"])
+def test_anchor_replacement_changes_the_function(anchor):
+    model = GPT(small_cfg()).eval()
+    idx = tokens()
+    assert not torch.allclose(model(idx, anchor=anchor).logits, model(idx).logits)
+
+
+@pytest.mark.parametrize("mode", ["loop_step", "block"])
+def test_checkpointed_loop_steps_give_the_same_loss_and_gradients(mode):
+    idx = tokens()
+    torch.manual_seed(0)
+    plain = GPT(small_cfg()).train()
+    ckpt = GPT(small_cfg()).train()
+    ckpt.load_state_dict(plain.state_dict())
+    apply_activation_checkpointing(ckpt, mode)
+    results = []
+    for model in (plain, ckpt):
+        torch.manual_seed(1)  # same noise draws; non-reentrant checkpoint replays the RNG state
+        loss = model(idx, idx).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b)
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert ckpt.state_dict().keys() == plain.state_dict().keys()
+
+
+# -- attention ------------------------------------------------------------------------
+def test_sdpa_equals_naive_attention_with_and_without_document_masks():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, generator=g) for _ in range(3))
+    doc_ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 16])
+    for ctx in (AttentionContext(), AttentionContext(doc_ids=doc_ids)):
+        torch.testing.assert_close(attention(q, k, v, ctx, "sdpa"), attention(q, k, v, ctx, "naive"),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_document_mask_isolates_packed_documents():
+    model = GPT(small_cfg()).eval()
+    idx = tokens(1, 24)
+    doc_ids = torch.tensor([[0] * 10 + [1] * 14])
+    changed = idx.clone()
+    changed[0, :10] = (changed[0, :10] + 1) % 211
+    a = model(idx, doc_ids=doc_ids).logits
+    b = model(changed, doc_ids=doc_ids).logits
+    torch.testing.assert_close(a[0, 10:], b[0, 10:])
+    assert not torch.allclose(a[0, :10], b[0, :10])
+    unmasked = model(changed).logits
+    assert not torch.allclose(a[0, 10:], unmasked[0, 10:])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn needs CUDA")
+def test_flash_attn_matches_sdpa_on_gpu():
+    pytest.importorskip("flash_attn")
+    q, k, v = (torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    doc_ids = torch.tensor([[0] * 50 + [1] * 78, [0] * 128], device="cuda")
+    for ctx in (AttentionContext(), AttentionContext(doc_ids=doc_ids)):
+        torch.testing.assert_close(attention(q, k, v, ctx, "flash_attn"), attention(q, k, v, ctx, "sdpa"),
+                                   rtol=2e-2, atol=2e-2)
+
+
+# -- Hugging Face parity ---------------------------------------------------------------
+def test_dense_model_is_hugging_face_gpt2():
+    transformers = pytest.importorskip("transformers")
+    from pretrain.model.hf import from_hf, to_hf
+
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=301, n_positions=64, n_embd=64, n_layer=3, n_head=4, bos_token_id=0, eos_token_id=0)).eval()
+    idx = tokens(2, 40, vocab=301)
+    ours = from_hf(hf).eval()
+    reference = hf(idx).logits
+    assert (ours(idx).logits - reference).abs().max().item() < 1e-4
+    back = to_hf(ours).eval()
+    assert (back(idx).logits - reference).abs().max().item() < 1e-4
+
+
+def test_our_dense_model_converts_to_hugging_face():
+    pytest.importorskip("transformers")
+    from pretrain.model.hf import to_hf
+
+    torch.manual_seed(0)
+    ours = GPT(small_cfg(variant="dense", layout="3", vocab_size=301, pad_vocab_multiple=64, bias=False)).eval()
+    idx = tokens(2, 40, vocab=301)
+    assert (to_hf(ours).eval()(idx).logits - ours(idx).logits).abs().max().item() < 1e-4
+
+
+def test_describe_counts_tied_head_once():
+    row = describe(PRESETS["tiny-grt"])
+    assert row["params"] == ADVERTISED_PARAMS["tiny-grt"]
