@@ -1,0 +1,22 @@
+"""How many loop steps each training step runs. A pure function of (seed, step), so every
+rank draws the same depth without communicating (ranks that disagree hang ZeRO)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def sample_depth(mode: str, max_loops: int, seed: int, step: int,
+                 poisson_mean: float = 32.0, poisson_sigma: float = 0.5) -> int:
+    if max_loops < 1:
+        return 0
+    rng = np.random.default_rng([seed, step, 0x6A7E])
+    if mode == "fixed":
+        return max_loops
+    if mode == "uniform":
+        return int(rng.integers(1, max_loops + 1))
+    if mode == "poisson":  # Huginn: r ~ Poisson(exp(tau)) + 1, tau ~ N(log rbar - sigma^2/2, sigma)
+        tau = rng.normal(math.log(poisson_mean) - poisson_sigma ** 2 / 2, poisson_sigma)
+        return int(min(rng.poisson(math.exp(tau)) + 1, 4 * poisson_mean))
+    raise ValueError(f"depth_sampling={mode!r}: accepted values are uniform, fixed, poisson")

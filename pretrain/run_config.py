@@ -1,0 +1,139 @@
+"""The run config: one typed object (model + training), resolved once on the launching
+host, saved as JSON in the run directory and in every checkpoint.
+
+Overrides use dotted keys: `--set train.lr=3e-4 --set model.d_model=256`. Every key and
+type is checked before any process group is created.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError, ModelConfig, check_keys, coerce
+from .parallelize import CHECKPOINT_MODES
+from .presets import get_preset
+
+DEPTH_SAMPLING = ("uniform", "fixed", "poisson")
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20000
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_steps: int = 2000
+    weight_decay: float = 0.1
+    betas: tuple = (0.9, 0.95)
+    grad_clip: float = 1.0
+    seed: int = 1234
+    depth_sampling: str = "uniform"     # uniform: r ~ U{1..R}; fixed: R; poisson: Huginn's heavy tail
+    poisson_mean: float = 32.0          # rbar of the heavy-tail Poisson (capped at the layout's R x 4)
+    poisson_sigma: float = 0.5
+    activation_checkpointing: str = "loop_step"
+    doc_mask: bool = False              # attend only within a packed document
+    precision: str = "auto"             # auto: bf16 on CUDA, fp32 on CPU
+    num_workers: int = 0
+    shuffle_buffer: int = 1000
+    skip_corrupt_shards: bool = False
+    log_every: int = 10
+    eval_every: int = 500
+    eval_batches: int = 20
+    save_every: int = 1000
+    keep_checkpoints: int = 3
+    max_bad_steps: int = 5              # consecutive non-finite steps before the run stops
+    dist_timeout_s: float = 600.0
+    peak_tflops: float = 0.0            # device peak for MFU; 0 = look up the device
+    compile: bool = False
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=lambda: get_preset("tiny-grt"))
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: str = ""                      # manifest.json from `grt data prepare`
+    ds_config: str = "ds_configs/zero3.json"
+    out: str = "runs/default"
+
+    def validate(self) -> None:
+        t = self.train
+        self.model.validate()
+        checks = [
+            (t.depth_sampling in DEPTH_SAMPLING, f"train.depth_sampling={t.depth_sampling!r}: accepted values are {', '.join(DEPTH_SAMPLING)}"),
+            (t.precision in PRECISIONS, f"train.precision={t.precision!r}: accepted values are {', '.join(PRECISIONS)}"),
+            (t.activation_checkpointing in CHECKPOINT_MODES, f"train.activation_checkpointing={t.activation_checkpointing!r}: accepted values are {', '.join(CHECKPOINT_MODES)}"),
+            (t.steps >= 1, f"train.steps={t.steps}: must be >= 1"),
+            (t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size}: must be >= 1"),
+            (t.grad_accum >= 1, f"train.grad_accum={t.grad_accum}: must be >= 1"),
+            (0 <= t.warmup_steps, f"train.warmup_steps={t.warmup_steps}: must be >= 0"),
+            (t.lr > 0 and 0 <= t.min_lr <= t.lr, f"train.lr={t.lr}, train.min_lr={t.min_lr}: need 0 <= min_lr <= lr, lr > 0"),
+            (len(t.betas) == 2, f"train.betas={t.betas!r}: two numbers"),
+            (t.log_every >= 1 and t.eval_every >= 0 and t.save_every >= 0, "train.log_every must be >= 1; eval_every, save_every >= 0 (0 = off)"),
+            (t.keep_checkpoints >= 1, f"train.keep_checkpoints={t.keep_checkpoints}: must be >= 1"),
+            (bool(self.data), "data: the manifest.json written by `grt data prepare` is required (--data)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+        data = dict(data)
+        model = data.pop("model", None)
+        train = data.pop("train", {})
+        top = check_keys(cls, data, "run config")
+        if isinstance(model, str):
+            model_cfg = get_preset(model)
+        elif model is None:
+            model_cfg = get_preset("tiny-grt")
+        else:
+            model_cfg = ModelConfig.from_dict(model)
+        train_cfg = TrainConfig(**check_keys(TrainConfig, _tuples(train), "train config"))
+        return cls(model=model_cfg, train=train_cfg, **top)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RunConfig":
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}: not valid JSON ({err})") from None
+
+
+def _tuples(train: dict) -> dict:
+    return {k: tuple(v) if k == "betas" and isinstance(v, list) else v for k, v in train.items()}
+
+
+def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """Apply `section.key=value` strings (sections: model, train; or a top-level key)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. train.lr=3e-4")
+        key, value = item.split("=", 1)
+        section, _, name = key.rpartition(".")
+        target = {"": cfg, "model": cfg.model, "train": cfg.train}.get(section)
+        if target is None:
+            raise ConfigError(f"override {item!r}: unknown section {section!r}; accepted: model, train, or a top-level key")
+        fields = {f.name: f for f in dataclasses.fields(target)}
+        if name not in fields or name in ("model", "train"):
+            accepted = ", ".join(f for f in fields if f not in ("model", "train"))
+            raise ConfigError(f"override {item!r}: unknown key {key!r}; accepted keys: {accepted}")
+        if name == "betas":
+            parsed = tuple(float(x) for x in value.strip("()[] ").split(","))
+        elif name == "extra":
+            parsed = json.loads(value)
+        else:
+            parsed = coerce(key, value, fields[name].type)
+        setattr(target, name, parsed)
+    cfg.model.validate()
+    return cfg

@@ -1,0 +1,328 @@
+"""The training loop on the DeepSpeed engine.
+
+Design choices that keep a looped model correct under ZeRO (docs/zero3.md):
+- the loop depth is a pure function of (seed, step): identical on every rank;
+- activation checkpointing is torch's non-reentrant checkpoint (parallelize.py);
+- every training depth is >= 1, so every parameter of the GRT takes part in every step;
+- one all-reduce per micro-batch carries the loss, a non-finite flag and the stop
+  signal, so that every rank skips, stops and saves together.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint
+from .config import ConfigError
+from .depth import sample_depth
+from .distributed import init_distributed
+from .ds_config import build_ds_config, load_ds_json, zero_stage
+from .flops import count_params, flops_per_token
+from .metrics import MetricsWriter, peak_flops, peak_memory_bytes
+from .model import GPT
+from .parallelize import apply_activation_checkpointing
+from .run_config import RunConfig
+
+log = logging.getLogger("grt.train")
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose (too many bad steps); the last good checkpoint is intact."""
+
+
+class StopSignal:
+    """SIGTERM / SIGUSR1 (Slurm's --signal) ask for a checkpoint and a clean exit."""
+
+    def __init__(self):
+        self.received = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame):
+        self.received = signal.Signals(signum).name
+
+
+def setup_logging(out: Path | None, rank: int) -> None:
+    fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", "%H:%M:%S")
+    root = logging.getLogger()
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    stream = logging.StreamHandler(sys.stdout)
+    stream.setFormatter(fmt)
+    root.addHandler(stream)
+    if out is not None and rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        fh = logging.FileHandler(out / "train.log")
+        fh.setFormatter(fmt)
+        root.addHandler(fh)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    logging.getLogger("DeepSpeed").addFilter(TRACE_WARNINGS)
+
+
+class TraceCacheWarnings(logging.Filter):
+    """Counts ZeRO-3's "Invalidate trace cache" warnings (a changing loop depth changes the
+    module order, which disables prefetching) and keeps them out of the log; the count is
+    logged as zero3/trace_invalidations."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "Invalidate trace cache" in record.getMessage():
+            self.count += 1
+            return False
+        return True
+
+
+TRACE_WARNINGS = TraceCacheWarnings()
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only (not on norms, biases, or the gate's biases)."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_engine(cfg: RunConfig, world_size: int, device: torch.device):
+    import deepspeed
+
+    ds = build_ds_config(load_ds_json(cfg.ds_config), cfg.train, world_size, device.type == "cuda")
+    with deepspeed.zero.Init(config_dict_or_path=ds, enabled=zero_stage(ds) == 3):
+        model = GPT(cfg.model)
+    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
+                                           config=ds)
+    if cfg.train.compile:
+        engine.compile()
+    return engine, ds
+
+
+def move(batch: dict, device: torch.device, doc_mask: bool):
+    idx = batch["input_ids"].to(device, non_blocking=True)
+    targets = batch["targets"].to(device, non_blocking=True)
+    doc_ids = batch["doc_ids"].to(device, non_blocking=True) if doc_mask else None
+    return idx, targets, doc_ids
+
+
+@torch.no_grad()
+def evaluate_depths(model, batches, depths, device, doc_mask=False) -> dict[int, float]:
+    """Mean loss at each depth over the given batches, averaged over ranks (sum / count)."""
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(len(depths), dtype=torch.float64)
+    count = 0
+    for batch in batches:
+        idx, targets, doc_ids = move(batch, device, doc_mask)
+        for i, r in enumerate(depths):
+            sums[i] += model(idx, targets, n_loops=r, doc_ids=doc_ids).loss.double().item()
+        count += 1
+    totals = torch.cat([sums, torch.tensor([float(count)], dtype=torch.float64)])
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    model.train(was_training)
+    n = max(totals[-1].item(), 1.0)
+    return {r: totals[i].item() / n for i, r in enumerate(depths)}
+
+
+def val_batches(cfg: RunConfig, manifest, rank: int, world: int):
+    from data_pipeline.loader import TokenBatchLoader
+
+    if "val" not in manifest.splits or not manifest.splits["val"]:
+        return None
+    loader = TokenBatchLoader(cfg.data, split="val", micro_batch_size=cfg.train.micro_batch_size, rank=rank,
+                              world_size=world, num_workers=0, seed=cfg.train.seed, shuffle_buffer=0,
+                              skip_corrupt=cfg.train.skip_corrupt_shards, loop=False)
+    batches = []
+    for batch in loader:
+        batches.append(batch)
+        if len(batches) >= cfg.train.eval_batches:
+            break
+    return batches
+
+
+def resolve(cfg: RunConfig) -> RunConfig:
+    """Checks that need the data: the model's vocabulary and context follow the tokenizer's."""
+    from data_pipeline.manifest import Manifest
+
+    if not Path(cfg.data).is_file():
+        raise ConfigError(f"data={cfg.data!r}: no such manifest (write one with `grt data prepare`)")
+    manifest = Manifest.load(cfg.data)
+    if cfg.model.vocab_size != manifest.vocab_size:
+        cfg.model.vocab_size = manifest.vocab_size
+    if manifest.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(f"the shards' seq_len={manifest.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+    cfg.validate()
+    return cfg
+
+
+def train(cfg: RunConfig, resume: bool = False) -> dict:
+    """Run training (resume=True: continue from the newest complete checkpoint, if any).
+    Returns a summary dict on rank 0 (others: {})."""
+    from data_pipeline.loader import TokenBatchLoader
+    from data_pipeline.manifest import Manifest
+
+    cfg = resolve(cfg)
+    t = cfg.train
+    out = Path(cfg.out)
+    ckpt_root = out / "checkpoints"
+    tag = checkpoint.find_latest(ckpt_root)
+    if tag is not None and not resume:
+        raise ConfigError(f"{ckpt_root} already holds checkpoint {tag}: pass --resume to continue it, "
+                          "or choose another --out")
+    info = init_distributed(timeout_s=t.dist_timeout_s)
+    rank, world = info.rank, info.world_size
+    setup_logging(out, rank)
+    stop = StopSignal()
+    device = torch.device(f"cuda:{info.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.manual_seed(t.seed + rank)
+    manifest = Manifest.load(cfg.data)
+    manifest.check(expected_seq_len=manifest.seq_len)
+    config_json = json.dumps(cfg.to_dict(), indent=2) + "\n"
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(config_json)
+
+    engine, ds = build_engine(cfg, world, device)
+    counts = count_params(engine.module) if zero_stage(ds) < 3 else _zero3_param_counts(cfg)
+    seq_len = manifest.seq_len
+    tokens_per_step = t.micro_batch_size * t.grad_accum * world * seq_len
+    peak, peak_note = peak_flops(device, t.peak_tflops)
+    log.info("model %s layout %s: %s params (%s non-embedding), ZeRO stage %d, %d rank(s), %s, %d tokens/step",
+             cfg.model.name, cfg.model.layout, f"{counts['params']:,}", f"{counts['non_embedding_params']:,}",
+             zero_stage(ds), world, "bf16" if ds["bf16"]["enabled"] else "fp32", tokens_per_step)
+    log.info("MFU peak: %s", peak_note)
+
+    loader = TokenBatchLoader(cfg.data, split="train", micro_batch_size=t.micro_batch_size, rank=rank,
+                              world_size=world, num_workers=t.num_workers, seed=t.seed,
+                              shuffle_buffer=t.shuffle_buffer, skip_corrupt=t.skip_corrupt_shards,
+                              expected_seq_len=seq_len, expected_tokenizer_sha256=manifest.tokenizer_sha256)
+    step = 0
+    if tag is not None:
+        state = checkpoint.load(engine, ckpt_root, tag, rank)
+        step = state["step"]
+        loader.load_state_dict(state["loader"])
+        log.info("resumed from %s at step %d", ckpt_root / tag, step)
+    val = val_batches(cfg, manifest, rank, world) if t.eval_every else None
+    writer = MetricsWriter(out, enabled=rank == 0)
+    writer.text("config", config_json)
+    max_r = cfg.model.max_loops
+    batches = iter(loader)
+    bad_in_a_row, skipped_total = 0, 0
+    window_tokens, window_start = 0, time.time()
+    last_val = {}
+    summary = {}
+
+    def save_now(at_step):
+        return checkpoint.save(engine, ckpt_root, at_step, config_json=config_json,
+                               tokenizer_path=manifest.tokenizer_path, loader_state=loader.state_dict(),
+                               keep=t.keep_checkpoints, rank=rank)
+
+    engine.train()
+    while step < t.steps:
+        r = sample_depth(t.depth_sampling, max_r, t.seed, step, t.poisson_mean, t.poisson_sigma)
+        log_now = (step + 1) % t.log_every == 0 or step + 1 == t.steps
+        losses, gate_means, good = [], None, 0
+        stop_requested = False
+        while good < t.grad_accum:
+            idx, targets, doc_ids = move(next(batches), device, t.doc_mask)
+            out_ = engine(idx, targets, n_loops=r, doc_ids=doc_ids, return_gates=log_now)
+            loss = out_.loss
+            if _fault_injected(step):
+                loss = loss * float("nan")
+            # one collective per micro-batch: [loss sum, non-finite flag, stop flag]
+            agree = torch.tensor([loss.detach().float().item(), 0.0 if torch.isfinite(loss).item() else 1.0,
+                                  1.0 if stop.received else 0.0], dtype=torch.float64)
+            if dist.is_initialized():
+                dist.all_reduce(agree)
+            stop_requested = stop_requested or agree[2].item() > 0
+            if agree[1].item() > 0:  # some rank saw a non-finite loss: every rank skips this micro-batch
+                skipped_total += 1
+                bad_in_a_row += 1
+                log.warning("non-finite loss at step %d (depth %d): micro-batch skipped on every rank "
+                            "(%d in a row, limit %d)", step + 1, r, bad_in_a_row, t.max_bad_steps)
+                if bad_in_a_row >= t.max_bad_steps:
+                    writer.close()
+                    raise TrainingStopped(
+                        f"{bad_in_a_row} consecutive non-finite losses at step {step + 1}; stopping. The last good "
+                        f"checkpoint is {checkpoint.find_latest(ckpt_root) or 'none (no checkpoint yet)'} in {ckpt_root}")
+                continue
+            bad_in_a_row = 0
+            engine.backward(loss)
+            engine.step()
+            losses.append(agree[0].item() / world)
+            if log_now and out_.gates:
+                gate_means = [g.detach().float().mean().item() for g in out_.gates]
+            good += 1
+            window_tokens += idx.numel() * world
+        step += 1
+        grad_norm = engine.get_global_grad_norm()
+        if grad_norm is not None and not math.isfinite(float(grad_norm)):
+            writer.close()
+            raise TrainingStopped(f"non-finite gradient norm at step {step} (finite loss); parameters may be corrupt, "
+                                  f"stopping without saving. Resume from {checkpoint.find_latest(ckpt_root)}")
+        loss_value = sum(losses) / len(losses)
+        if log_now:
+            elapsed = max(time.time() - window_start, 1e-9)
+            tps = window_tokens / elapsed
+            fpt = flops_per_token(cfg.model, seq_len, n_loops=r)
+            mfu = 3 * fpt * tps / (peak * world)
+            lr = engine.get_lr()[0]
+            scalars = {"train/loss": loss_value, "train/lr": lr, "train/grad_norm": float(grad_norm or 0.0),
+                       "train/depth": r, "train/skipped_microbatches": skipped_total,
+                       "perf/tokens_per_s": tps, "perf/mfu": mfu, "memory/peak_bytes": peak_memory_bytes(device),
+                       "zero3/trace_invalidations": TRACE_WARNINGS.count}
+            for i, g in enumerate(gate_means or [], start=1):
+                scalars[f"gate/mean_step_{i}"] = g
+            writer.scalars(step, scalars)
+            log.info("step %d/%d | loss %.4f | depth %d | lr %.2e | grad norm %.3f | %.0f tok/s | MFU %.2f%% | peak mem %.0f MB",
+                     step, t.steps, loss_value, r, lr, float(grad_norm or 0.0), tps, 100 * mfu,
+                     scalars["memory/peak_bytes"] / 2**20)
+            window_tokens, window_start = 0, time.time()
+        writer.step_record(step, {"loss": loss_value, "depth": r})
+        if val is not None and t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+            last_val = evaluate_depths(engine, val, list(range(0, max_r + 1)) if max_r else [0], device, t.doc_mask)
+            full = last_val[max_r] if max_r else last_val[0]
+            writer.scalars(step, {"val/loss": full, **{f"val/loss_depth_{k}": v for k, v in last_val.items()}})
+            log.info("validation at step %d: loss %.4f at full depth; by exit depth: %s", step, full,
+                     " ".join(f"{k}:{v:.3f}" for k, v in last_val.items()))
+            engine.train()
+        if (t.save_every and step % t.save_every == 0) or step == t.steps or stop_requested:
+            saved = save_now(step)
+            log.info("saved checkpoint %s", ckpt_root / saved)
+        if stop_requested:
+            log.info("stop signal received: checkpoint saved at step %d, exiting cleanly", step)
+            break
+    writer.close()
+    if rank == 0:
+        summary = {"out": str(out), "steps": step, "final_loss": loss_value, "val_loss_by_depth": last_val,
+                   "checkpoint": str(ckpt_root / (checkpoint.find_latest(ckpt_root) or "")),
+                   "tensorboard": str(out / "tb"), "skipped_microbatches": skipped_total,
+                   "stopped_by_signal": bool(stop_requested)}
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _fault_injected(step: int) -> bool:
+    """Fault injection for the reliability tests: GRT_INJECT_NAN_STEPS=3,4 makes those steps' loss NaN."""
+    steps = os.environ.get("GRT_INJECT_NAN_STEPS")
+    return bool(steps) and str(step + 1) in steps.split(",")
+
+
+def _zero3_param_counts(cfg: RunConfig) -> dict:
+    with torch.device("meta"):
+        return count_params(GPT(cfg.model))
