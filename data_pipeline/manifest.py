@@ -1,0 +1,142 @@
+"""The manifest: the JSON file that describes a directory of token shards.
+
+Written last by ``grt data prepare`` (atomically), so a manifest exists only for a
+complete set of shards. See docs/data.md for the fields.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+MANIFEST_NAME = "manifest.json"
+FORMAT = "grt-token-shards"
+VERSION = 1
+
+
+def is_url(name: str) -> bool:
+    return "://" in name or name.startswith("pipe:")
+
+
+@dataclass
+class ShardEntry:
+    name: str  # as written in the manifest (relative path, absolute path or URL)
+    url: str  # what the loader opens: name resolved against the manifest's directory
+    sequences: int  # samples in the shard (each seq_len + 1 tokens)
+    tokens: int  # training tokens = sequences * seq_len
+    bytes: int = 0
+    sha256: str = ""
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "sequences": self.sequences, "tokens": self.tokens,
+                "bytes": self.bytes, "sha256": self.sha256}
+
+
+@dataclass
+class Manifest:
+    path: str
+    seq_len: int
+    vocab_size: int
+    sep_id: int
+    ext: str
+    tokenizer_sha256: str
+    tokenizer_path: str  # absolute path of the tokenizer model next to the shards
+    splits: Dict[str, List[ShardEntry]]
+    sep_piece: str = ""
+    sources: list = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict)
+    raw: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def sample_tokens(self) -> int:
+        return self.seq_len + 1
+
+    def sequences(self, split: str) -> int:
+        return sum(s.sequences for s in self.shards(split))
+
+    def tokens(self, split: str) -> int:
+        return sum(s.tokens for s in self.shards(split))
+
+    def shards(self, split: str) -> List[ShardEntry]:
+        if split not in self.splits:
+            raise KeyError(f"manifest {self.path!r} has no split {split!r} (it has {sorted(self.splits)})")
+        return self.splits[split]
+
+    def fingerprint(self, split: str) -> str:
+        """Short hash of a split's shard list (names, counts, checksums) and the sample layout."""
+        h = hashlib.sha256()
+        h.update(f"{self.seq_len}:{self.ext}:{self.tokenizer_sha256}\n".encode())
+        for s in self.shards(split):
+            h.update(f"{s.name}:{s.sequences}:{s.sha256}\n".encode())
+        return h.hexdigest()[:16]
+
+    def check(self, expected_seq_len: int | None = None, expected_tokenizer_sha256: str | None = None) -> None:
+        """Refuse a manifest whose sequence length or tokenizer is not the expected one."""
+        if expected_seq_len is not None and int(expected_seq_len) != self.seq_len:
+            raise ValueError(f"manifest {self.path!r} has seq_len {self.seq_len}, "
+                             f"but {int(expected_seq_len)} was expected")
+        if expected_tokenizer_sha256 is not None and expected_tokenizer_sha256 != self.tokenizer_sha256:
+            raise ValueError(f"manifest {self.path!r} was tokenised with tokenizer sha256 {self.tokenizer_sha256}, "
+                             f"but sha256 {expected_tokenizer_sha256} was expected")
+
+    @classmethod
+    def load(cls, path: str) -> "Manifest":
+        """Load ``path`` (a manifest.json, or a directory holding one)."""
+        if os.path.isdir(path):
+            path = os.path.join(path, MANIFEST_NAME)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"manifest {path!r} not found (run `grt data prepare` first; the manifest "
+                                    f"is written last, so a missing one can mean an interrupted run)")
+        with open(path, "r", encoding="utf-8") as fh:
+            raw = json.load(fh)
+        if raw.get("format") != FORMAT:
+            raise ValueError(f"{path!r} is not a {FORMAT} manifest (format={raw.get('format')!r})")
+        if int(raw.get("version", 0)) > VERSION:
+            raise ValueError(f"manifest {path!r} has version {raw.get('version')}, this code reads <= {VERSION}")
+        base = os.path.dirname(os.path.abspath(path))
+
+        def resolve(name: str) -> str:
+            if is_url(name) or os.path.isabs(name):
+                return name
+            return os.path.join(base, name)
+
+        seq_len = int(raw["seq_len"])
+        splits = {
+            split: [ShardEntry(name=e["name"], url=resolve(e["name"]), sequences=int(e["sequences"]),
+                               tokens=int(e.get("tokens", int(e["sequences"]) * seq_len)),
+                               bytes=int(e.get("bytes", 0)), sha256=e.get("sha256", ""))
+                    for e in entries]
+            for split, entries in raw["splits"].items()
+        }
+        tok = raw["tokenizer"]
+        return cls(path=os.path.abspath(path), seq_len=seq_len, vocab_size=int(raw["vocab_size"]),
+                   sep_id=int(raw["sep_id"]), ext=raw["dtype_ext"], tokenizer_sha256=tok["sha256"],
+                   tokenizer_path=os.path.abspath(resolve(tok["path"])), splits=splits,
+                   sep_piece=raw.get("sep_piece", ""), sources=raw.get("sources", []),
+                   stats=raw.get("stats", {}), options=raw.get("options", {}), raw=raw)
+
+
+def manifest_dict(*, seq_len: int, vocab_size: int, sep_id: int, sep_piece: str, ext: str,
+                  tokenizer_name: str, tokenizer_sha256: str, splits: Dict[str, List[dict]],
+                  sources: list, stats: dict, options: dict) -> dict:
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "seq_len": seq_len,
+        "sample_tokens": seq_len + 1,
+        "dtype_ext": ext,
+        "dtype": {"u16": "uint16 little-endian", "u32": "uint32 little-endian"}[ext],
+        "vocab_size": vocab_size,
+        "sep_id": sep_id,
+        "sep_piece": sep_piece,
+        "tokenizer": {"path": tokenizer_name, "sha256": tokenizer_sha256},
+        "splits": splits,
+        "totals": {split: {"shards": len(v), "sequences": sum(e["sequences"] for e in v),
+                           "tokens": sum(e["tokens"] for e in v)} for split, v in splits.items()},
+        "sources": sources,
+        "stats": stats,
+        "options": options,
+    }

@@ -1,0 +1,244 @@
+"""SentencePiece BPE tokenizer with byte fallback and a document separator.
+
+The separator (``<|endoftext|>`` by default) is a SentencePiece *control* symbol: it has
+an id, but encoding text never produces it, even when the text contains the literal
+string ``<|endoftext|>``. A document boundary in the token stream therefore cannot be
+forged by the data. ``decode`` renders it as the empty string (SentencePiece's rule for
+control symbols); split a token sequence on ``sep_id`` to recover documents.
+
+Normalisation is the identity (no NFKC, no whitespace collapsing, no dummy prefix), so
+``decode(encode(text)) == text`` for any valid Unicode text: characters outside the
+vocabulary fall back to their UTF-8 bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import sys
+import time
+from typing import Iterable, List, Sequence
+
+DEFAULT_SEP_PIECE = "<|endoftext|>"
+MAX_VOCAB_SIZE = 50257  # GPT-2's vocabulary size
+# SentencePiece drops training sentences longer than max_sentence_length bytes; cut
+# lines into pieces of at most this many characters (4 bytes per char worst case).
+_TRAIN_PIECE_CHARS = 1000
+_MAX_SENTENCE_BYTES = 4 * _TRAIN_PIECE_CHARS + 16
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same directory + rename."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class Tokenizer:
+    """A trained SentencePiece model plus the id of its document separator."""
+
+    def __init__(self, model_path: str, sep_piece: str | None = None):
+        import sentencepiece as spm
+
+        self.model_path = os.path.abspath(model_path)
+        if not os.path.isfile(self.model_path):
+            raise FileNotFoundError(f"tokenizer model {model_path!r} not found")
+        self.sp = spm.SentencePieceProcessor(model_file=self.model_path)
+        self.vocab_size = int(self.sp.get_piece_size())
+        self.sha256 = file_sha256(self.model_path)
+        if sep_piece is not None:
+            sep_id = self.sp.piece_to_id(sep_piece)
+            if sep_id == self.sp.unk_id() and sep_piece != self.sp.id_to_piece(sep_id):
+                raise ValueError(f"tokenizer {model_path!r} has no piece {sep_piece!r}")
+        else:
+            specials = {self.sp.bos_id(), self.sp.eos_id(), self.sp.pad_id()}
+            controls = [i for i in range(self.vocab_size) if self.sp.is_control(i) and i not in specials]
+            if controls:
+                sep_id = controls[0]
+            elif self.sp.eos_id() >= 0:  # a model trained elsewhere: use </s>
+                sep_id = self.sp.eos_id()
+            else:
+                raise ValueError(f"tokenizer {model_path!r} has no separator (control) symbol")
+        self.sep_id = int(sep_id)
+        self.sep_piece = self.sp.id_to_piece(self.sep_id)
+
+    def encode(self, text: str) -> List[int]:
+        return self.sp.encode(text, out_type=int)
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> List[List[int]]:
+        return self.sp.encode(list(texts), out_type=int, num_threads=num_threads)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer({os.path.basename(self.model_path)!r}, vocab_size={self.vocab_size}, "
+                f"sep={self.sep_piece!r}:{self.sep_id}, sha256={self.sha256[:12]})")
+
+
+def _training_pieces(doc: str):
+    """Lines of a document, cut to lengths SentencePiece accepts as training sentences."""
+    for line in doc.split("\n"):
+        if not line.strip():
+            continue
+        while len(line) > _TRAIN_PIECE_CHARS:
+            cut = line.rfind(" ", _TRAIN_PIECE_CHARS // 2, _TRAIN_PIECE_CHARS)
+            cut = cut if cut > 0 else _TRAIN_PIECE_CHARS
+            yield line[:cut]
+            line = line[cut:]
+        if line.strip():
+            yield line
+
+
+def sample_training_text(inputs: Sequence[str], max_chars: int, text_field: str = "text",
+                         txt_mode: str = "file", seed: int = 0, progress: bool = True):
+    """Pick a reproducible sample of at most ~max_chars characters of lines from the inputs.
+
+    Two passes: the first counts the characters of the usable documents, the second keeps
+    each line with probability max_chars / total (seeded), so the sample is spread over
+    the whole input rather than taken from its beginning.
+    Returns (sentences, info dict).
+    """
+    from tqdm import tqdm
+
+    from .sources import SourceStats, expand_inputs, iter_documents
+
+    files = expand_inputs(inputs)
+    stats = SourceStats()
+    with tqdm(desc="tokenizer: scan", unit="B", unit_scale=True, disable=not progress, file=sys.stderr) as bar:
+        for doc in iter_documents(files, text_field=text_field, txt_mode=txt_mode, stats=stats):
+            bar.update(len(doc))
+    if stats.documents == 0:
+        raise ValueError(f"no usable documents in {list(inputs)} (stats: {stats.to_dict()})")
+    rate = min(1.0, max_chars / max(1, stats.chars))
+    rng = random.Random(seed)
+    sentences: List[str] = []
+    kept = 0
+    with tqdm(total=stats.chars, desc="tokenizer: sample", unit="B", unit_scale=True,
+              disable=not progress, file=sys.stderr) as bar:
+        for doc in iter_documents(files, text_field=text_field, txt_mode=txt_mode):
+            for piece in _training_pieces(doc):
+                if rate >= 1.0 or rng.random() < rate:
+                    sentences.append(piece)
+                    kept += len(piece)
+            bar.update(len(doc))
+            if kept >= max_chars:
+                break
+    info = {"files": files, "documents": stats.documents, "input_chars": stats.chars,
+            "sample_chars": kept, "sample_sentences": len(sentences), "source_stats": stats.to_dict()}
+    return sentences, info
+
+
+def train_tokenizer(inputs: Sequence[str], out: str, vocab_size: int = 32000, text_field: str = "text",
+                    txt_mode: str = "file", max_chars: int = 20_000_000, sep_piece: str = DEFAULT_SEP_PIECE,
+                    seed: int = 0, num_threads: int | None = None, character_coverage: float = 0.9995,
+                    progress: bool = True) -> Tokenizer:
+    """Train a SentencePiece BPE model on a sample of ``inputs`` and write it to ``out``.
+
+    ``out`` is the model file (``.model`` is appended if missing). It is written under a
+    temporary name and renamed, so an interrupted run never leaves a truncated model.
+    The same inputs and flags give a byte-identical model.
+    """
+    import sentencepiece as spm
+
+    if not 256 + 2 <= vocab_size <= MAX_VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be in [258, {MAX_VOCAB_SIZE}] (256 byte pieces + unk + separator), "
+                         f"got {vocab_size}")
+    if not out.endswith(".model"):
+        out = out + ".model"
+    out_dir = os.path.dirname(os.path.abspath(out))
+    os.makedirs(out_dir, exist_ok=True)
+    t0 = time.time()
+    sentences, info = sample_training_text(inputs, max_chars, text_field=text_field, txt_mode=txt_mode,
+                                           seed=seed, progress=progress)
+    if progress:
+        print(f"tokenizer: training BPE vocab={vocab_size} on {info['sample_chars']:,} chars "
+              f"({info['sample_sentences']:,} lines) sampled from {info['input_chars']:,} chars "
+              f"in {len(info['files'])} file(s)", file=sys.stderr, flush=True)
+    import io
+
+    buf = io.BytesIO()
+    # model_writer instead of model_prefix: the model bytes then do not depend on the
+    # output path, so the same inputs and flags give the same file (and sha256).
+    with _Heartbeat("tokenizer: train BPE", enabled=progress):
+        _train(spm,
+            sentence_iterator=iter(sentences),
+            model_writer=buf,
+            model_type="bpe",
+            vocab_size=vocab_size,
+            byte_fallback=True,
+            character_coverage=character_coverage,
+            normalization_rule_name="identity",
+            add_dummy_prefix=False,
+            remove_extra_whitespaces=False,
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+            unk_id=0,
+            bos_id=-1,
+            eos_id=-1,
+            pad_id=-1,
+            control_symbols=[sep_piece],
+            max_sentence_length=_MAX_SENTENCE_BYTES,
+            input_sentence_size=0,
+            shuffle_input_sentence=False,
+            num_threads=num_threads or min(16, os.cpu_count() or 1),
+            minloglevel=1 if progress else 2,
+        )
+    atomic_write_bytes(out, buf.getvalue())
+    tok = Tokenizer(out, sep_piece=sep_piece)
+    if progress:
+        print(f"tokenizer: wrote {out} ({tok.vocab_size} pieces, sep {sep_piece!r} = {tok.sep_id}, "
+              f"sha256 {tok.sha256[:12]}) in {time.time() - t0:.1f}s", file=sys.stderr, flush=True)
+    return tok
+
+
+
+def _train(spm, **kwargs):
+    try:
+        spm.SentencePieceTrainer.train(**kwargs)
+    except RuntimeError as exc:  # SentencePiece reports bad settings as RuntimeError
+        raise ValueError(f"SentencePiece training failed: {exc}") from exc
+
+
+class _Heartbeat:
+    """A progress line that ticks every second while a blocking call runs."""
+
+    def __init__(self, desc: str, enabled: bool = True):
+        self.desc, self.enabled = desc, enabled
+
+    def __enter__(self):
+        import threading
+
+        from tqdm import tqdm
+
+        if not self.enabled:
+            return self
+        self._stop = threading.Event()
+        self._bar = tqdm(desc=self.desc, unit="s", file=sys.stderr,
+                         bar_format="{desc}: {elapsed} elapsed")
+
+        def tick():
+            while not self._stop.wait(1.0):
+                self._bar.update(1)
+
+        self._thread = threading.Thread(target=tick, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self._stop.set()
+            self._thread.join()
+            self._bar.close()
+        return False

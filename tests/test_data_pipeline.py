@@ -1,0 +1,453 @@
+"""Tests of data_pipeline: tokenizer, sources, shard preparation and the streaming loader.
+
+All on real text: a slice of examples/data/tinyshakespeare.txt (shipped in the repo),
+copied into temporary directories.
+"""
+import collections
+import gzip
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from data_pipeline import prepare as prepare_mod
+from data_pipeline import shards as shards_mod
+from data_pipeline.loader import TokenBatchLoader
+from data_pipeline.manifest import Manifest
+from data_pipeline.prepare import prepare
+from data_pipeline.shards import MissingShardError, ShardError
+from data_pipeline.sources import SourceStats, expand_inputs, iter_documents
+from data_pipeline.tokenizer import Tokenizer, file_sha256, train_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAKESPEARE = os.path.join(REPO, "examples", "data", "tinyshakespeare.txt")
+SEQ = 32
+
+
+def _paragraphs(n_chars):
+    with open(SHAKESPEARE, encoding="utf-8") as fh:
+        text = fh.read(n_chars)
+    paras = [p.strip("\n") for p in text.split("\n\n") if p.strip()]
+    return paras[:-1]  # the last one may be cut mid-paragraph
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Real text as JSON lines (one speech per document) and as paragraph .txt."""
+    d = tmp_path_factory.mktemp("corpus")
+    paras = _paragraphs(120_000)
+    half = len(paras) // 2
+    with open(d / "a.jsonl", "w", encoding="utf-8") as fh:
+        for p in paras[:half]:
+            fh.write(json.dumps({"text": p, "id": "x"}) + "\n")
+    with gzip.open(d / "b.jsonl.gz", "wt", encoding="utf-8") as fh:
+        for p in paras[half:]:
+            fh.write(json.dumps({"text": p}) + "\n")
+    return {"dir": str(d), "docs": paras}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory, corpus):
+    out = tmp_path_factory.mktemp("tok") / "tok.model"
+    return train_tokenizer([corpus["dir"]], str(out), vocab_size=400, max_chars=200_000, progress=False)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, corpus, tokenizer):
+    """5 train shards (the last one smaller) of SEQ-token sequences."""
+    out = tmp_path_factory.mktemp("shards")
+    probe = prepare([corpus["dir"]], tokenizer.model_path, str(out), seq_len=SEQ, shard_size_mb=100, workers=1,
+                    progress=False)
+    n = probe.sequences("train")
+    per = -(-n // 5)  # ceil: 4 full shards and a smaller fifth
+    size_mb = per * shards_mod.member_size(SEQ + 1, "u16") / 1e6
+    m = prepare([corpus["dir"]], tokenizer.model_path, str(out), seq_len=SEQ, shard_size_mb=size_mb + 1e-9,
+                workers=2, progress=False)
+    assert len(m.shards("train")) == 5, [s.sequences for s in m.shards("train")]
+    return m
+
+
+def _copy_dir(src, dst):
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def _all_samples(m, split="train"):
+    out = []
+    for s in m.shards(split):
+        out += [bytes(d) for _, d in shards_mod.iter_shard(s.url, s.sequences, m.seq_len + 1, m.ext)]
+    return out
+
+
+def _rows(batch):
+    x = torch.cat([batch["input_ids"], batch["targets"][:, -1:]], dim=1)
+    return [r.numpy().astype("<u2").tobytes() for r in x]
+
+
+# -- tokenizer -------------------------------------------------------------------------
+
+def test_tokenizer_round_trip_and_separator(tokenizer, tmp_path, corpus):
+    texts = ["First Citizen:\nBefore we proceed any further, hear me speak.",
+             "  leading spaces,\ttabs\n\n\nand blank lines  ",
+             "unicode: naïve café — “quotes” 日本語 🤖",
+             "a literal <|endoftext|> in the text is not a separator"]
+    for t in texts:
+        ids = tokenizer.encode(t)
+        assert tokenizer.decode(ids) == t
+        assert tokenizer.sep_id not in ids
+        assert all(0 <= i < tokenizer.vocab_size for i in ids)
+    assert tokenizer.vocab_size == 400
+    assert tokenizer.sp.id_to_piece(tokenizer.sep_id) == "<|endoftext|>"
+    assert tokenizer.sha256 == hashlib.sha256(open(tokenizer.model_path, "rb").read()).hexdigest()
+    again = train_tokenizer([corpus["dir"]], str(tmp_path / "again.model"), vocab_size=400, max_chars=200_000,
+                            progress=False)
+    assert again.sha256 == tokenizer.sha256  # same inputs and flags -> same model bytes
+    with pytest.raises(ValueError, match="50257"):
+        train_tokenizer([corpus["dir"]], str(tmp_path / "big.model"), vocab_size=50258, progress=False)
+
+
+# -- sources ---------------------------------------------------------------------------
+
+def test_bad_documents_are_skipped_and_counted(tmp_path, corpus, tokenizer):
+    import zstandard
+
+    good = corpus["docs"][:6]
+    lines = [json.dumps({"text": good[0]}).encode(),
+             json.dumps({"text": ""}).encode(),  # empty
+             json.dumps({"text": "  \n\t "}).encode(),  # whitespace only = empty
+             b'{"text": "caf\xe9 latin-1 bytes"}',  # not UTF-8
+             json.dumps({"text": "lone surrogate \ud800 here"}).encode(),  # not encodable as UTF-8
+             b'{"text": "unterminated',  # malformed JSON
+             json.dumps({"body": good[1]}).encode(),  # no text field
+             json.dumps({"text": good[2]}).encode()]
+    raw = b"\n".join(lines) + b"\n"
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "x.jsonl").write_bytes(raw)
+    (tmp_path / "in" / "y.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
+    (tmp_path / "in" / "z.txt").write_bytes(good[3].encode() + b"\n\n" + b"\xff\xfe broken\n\n" + good[4].encode())
+    (tmp_path / "in" / "ignored.csv").write_text("not an input")
+    files = expand_inputs([str(tmp_path / "in")])
+    assert [os.path.basename(f) for f in files] == ["x.jsonl", "y.jsonl.zst", "z.txt"]
+    stats = SourceStats()
+    docs = list(iter_documents(files, txt_mode="paragraph", stats=stats))
+    assert docs == [good[0], good[2], good[0], good[2], good[3], good[4]]
+    assert (stats.documents, stats.skipped_empty, stats.skipped_non_utf8, stats.skipped_bad_json,
+            stats.skipped_missing_field) == (6, 4, 5, 2, 2)
+    # txt as one document per file: the invalid byte loses the whole file
+    stats = SourceStats()
+    assert list(iter_documents(files[2:], txt_mode="file", stats=stats)) == []
+    assert stats.skipped_non_utf8 == 1
+    m = prepare([str(tmp_path / "in")], tokenizer.model_path, str(tmp_path / "out"), seq_len=8, workers=1,
+                txt_mode="paragraph", progress=False)
+    assert m.stats["skipped_non_utf8"] == 5 and m.stats["skipped_empty"] == 4 and m.stats["documents"] == 6
+    with pytest.raises(FileNotFoundError, match="nothing-here"):
+        expand_inputs([str(tmp_path / "nothing-here*.jsonl")])
+
+
+# -- prepare + loader round trip ---------------------------------------------------------
+
+def test_round_trip_text_tokens_shards_batches_text(shards, corpus, tokenizer):
+    m = shards
+    assert m.tokenizer_sha256 == tokenizer.sha256 and file_sha256(m.tokenizer_path) == tokenizer.sha256
+    assert os.path.dirname(m.tokenizer_path) == os.path.dirname(m.path)  # travels with the shards
+    assert m.sep_id == tokenizer.sep_id and m.vocab_size == tokenizer.vocab_size and m.seq_len == SEQ
+    loader = TokenBatchLoader(m.path, micro_batch_size=3, shuffle_buffer=0, shuffle_shards=False, loop=False)
+    assert loader.batches_per_epoch == m.sequences("train") // 3
+    rows = []
+    for b in loader:
+        assert b["input_ids"].dtype == torch.long and b["targets"].dtype == torch.long
+        assert b["doc_ids"].dtype == torch.int32 and b["input_ids"].shape == (3, SEQ) == b["doc_ids"].shape
+        assert torch.equal(b["input_ids"][:, 1:], b["targets"][:, :-1])
+        sep = (b["input_ids"] == m.sep_id).int()
+        expect = torch.cumsum(sep, 1) - sep[:, :1]
+        assert torch.equal(b["doc_ids"], expect)
+        rows += [r for r in torch.cat([b["input_ids"], b["targets"][:, -1:]], 1)]
+    # consecutive samples overlap by one token: rebuild the token stream
+    stream = [rows[0][0].item()] + [t for r in rows for t in r[1:].tolist()]
+    assert stream[0] == m.sep_id  # a separator before every document
+    pieces = []
+    cur = []
+    for t in stream[1:]:
+        if t == m.sep_id:
+            pieces.append(cur)
+            cur = []
+        else:
+            cur.append(t)
+    decoded = [tokenizer.decode(p) for p in pieces]
+    docs = corpus["docs"]  # files are read in sorted order: a.jsonl then b.jsonl.gz, lines in order
+    assert len(decoded) > 20
+    assert decoded == docs[:len(decoded)]
+    assert docs[len(decoded)].startswith(tokenizer.decode(cur))  # the cut last document
+
+
+def test_shards_readable_by_plain_webdataset_and_tar(shards):
+    import webdataset as wds
+
+    m = shards
+    s = m.shards("train")[1]
+    samples = list(wds.WebDataset(s.url, shardshuffle=False))
+    assert len(samples) == s.sequences
+    first = samples[0]
+    assert first["__key__"] == "train-000001_0000000" and set(first) >= {"__key__", "u16"}
+    arr = np.frombuffer(first["u16"], "<u2")
+    assert arr.shape == (SEQ + 1,) and arr.max() < m.vocab_size
+    with tarfile.open(s.url) as tf:
+        names = tf.getnames()
+        assert names[:2] == ["train-000001_0000000.u16", "train-000001_0000001.u16"]
+        assert tf.extractfile(names[0]).read() == first["u16"]
+    if shutil.which("tar"):
+        listing = subprocess.run(["tar", "tf", s.url], check=True, capture_output=True, text=True).stdout.split()
+        assert listing == names
+    assert hashlib.sha256(open(s.url, "rb").read()).hexdigest() == s.sha256
+
+
+# -- distribution across ranks and workers ------------------------------------------------
+
+@pytest.mark.parametrize("world,workers,batch", [(2, 2, 4), (3, 2, 5), (2, 3, 7)])
+def test_ranks_x_workers_disjoint_covering_equal(shards, world, workers, batch):
+    m = shards
+    all_samples = collections.Counter(_all_samples(m))
+    n = sum(all_samples.values())
+    assert n == m.sequences("train")
+    seen = collections.Counter()
+    counts = []
+    for rank in range(world):
+        loader = TokenBatchLoader(m.path, micro_batch_size=batch, rank=rank, world_size=world, num_workers=workers,
+                                  seed=7, shuffle_buffer=50, loop=False)
+        got = [r for b in loader for r in _rows(b)]
+        counts.append((loader.batches_per_epoch, len(got)))
+        seen.update(got)
+    k = n // (world * batch)
+    assert counts == [(k, k * batch)] * world  # every rank: the same number of batches
+    assert not (seen - all_samples)  # disjoint: nothing read more often than it is stored
+    assert n - sum(seen.values()) < world * batch  # covering: only the remainder is left out
+
+
+def _two_shard_mb(m):
+    per = -(-m.sequences("train") // 2)
+    return per * shards_mod.member_size(SEQ + 1, "u16") / 1e6 + 1e-9
+
+
+def test_more_consumers_than_shards(tmp_path, corpus, tokenizer, shards):
+    m = prepare([corpus["dir"]], tokenizer.model_path, str(tmp_path / "s"), seq_len=SEQ,
+                shard_size_mb=_two_shard_mb(shards), workers=1, progress=False)
+    assert len(m.shards("train")) == 2
+    all_samples = collections.Counter(_all_samples(m))
+    seen = collections.Counter()
+    per_rank = []
+    for rank in range(3):  # 3 ranks x 2 workers = 6 consumers on 2 shards
+        loader = TokenBatchLoader(m.path, micro_batch_size=4, rank=rank, world_size=3, num_workers=2, seed=3,
+                                  loop=False)
+        batches = list(loader)
+        per_rank.append(len(batches))
+        seen.update(r for b in batches for r in _rows(b))
+    assert per_rank == [m.sequences("train") // 12] * 3
+    assert not (seen - all_samples)
+    assert sum(seen.values()) == per_rank[0] * 12
+
+
+def test_epochs_reshuffle_and_validation_passes_repeat(shards):
+    m = shards
+    loader = TokenBatchLoader(m.path, micro_batch_size=4, seed=1, shuffle_buffer=64, loop=True)
+    it = iter(loader)
+    k = loader.batches_per_epoch
+    e0 = [next(it)["input_ids"] for _ in range(k)]
+    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["batch_in_epoch"] == 0
+    e1 = [next(it)["input_ids"] for _ in range(k)]
+    assert not all(torch.equal(a, b) for a, b in zip(e0, e1))  # a new order every epoch
+    val = TokenBatchLoader(m.path, micro_batch_size=4, seed=1, loop=False)
+    p1 = [b["input_ids"] for b in val]
+    p2 = [b["input_ids"] for b in val]
+    assert len(p1) == val.batches_per_epoch == len(p2) and all(torch.equal(a, b) for a, b in zip(p1, p2))
+
+
+# -- exact resume -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_mid_epoch_and_across_epoch_boundary(shards, workers):
+    m = shards
+    kw = dict(micro_batch_size=4, rank=1, world_size=2, num_workers=workers, seed=11, shuffle_buffer=37)
+    ref = TokenBatchLoader(m.path, **kw)
+    k = ref.batches_per_epoch
+    total = k + k // 2
+    cut_points = {k // 3, k - 1}  # mid-epoch, and one batch before the epoch ends
+    states, seq = {}, []
+    it = iter(ref)
+    for i in range(total):
+        seq.append(next(it))
+        if i + 1 in cut_points:
+            states[i + 1] = json.loads(json.dumps(ref.state_dict()))  # must survive a JSON checkpoint
+    for done, state in states.items():
+        assert state["epoch"] == 0 and state["batch_in_epoch"] == done and state["samples_consumed"] == done * 4
+        resumed = TokenBatchLoader(m.path, **kw)
+        resumed.load_state_dict(state)
+        it2 = iter(resumed)
+        for i in range(done, total):
+            b = next(it2)
+            for key in ("input_ids", "targets", "doc_ids"):
+                assert torch.equal(b[key], seq[i][key]), (done, i, key)
+        assert resumed.state_dict() == ref.state_dict()
+
+
+def test_resume_rejects_other_shards(shards, tmp_path, corpus, tokenizer):
+    other = prepare([corpus["dir"]], tokenizer.model_path, str(tmp_path / "o"), seq_len=SEQ,
+                    shard_size_mb=_two_shard_mb(shards), workers=1, progress=False)
+    a = TokenBatchLoader(shards.path, micro_batch_size=4)
+    b = TokenBatchLoader(other.path, micro_batch_size=4)
+    with pytest.raises(ValueError, match="fingerprint"):
+        b.load_state_dict(a.state_dict())
+
+
+# -- bad shards and manifests -------------------------------------------------------------
+
+def test_corrupt_truncated_and_missing_shards(shards, tmp_path):
+    d = _copy_dir(os.path.dirname(shards.path), tmp_path / "c")
+    m = Manifest.load(d)
+    victim = m.shards("train")[2]
+    data = open(victim.url, "rb").read()
+    with open(victim.url, "wb") as fh:
+        fh.write(data[: len(data) // 2 + 100])  # truncated mid-member
+    kw = dict(micro_batch_size=4, shuffle_buffer=0, loop=False)
+    with pytest.raises(ShardError, match="train-000002.tar"):
+        list(TokenBatchLoader(d, **kw))
+    loader = TokenBatchLoader(d, skip_corrupt=True, **kw)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        batches = list(loader)
+    assert len(batches) == loader.batches_per_epoch  # the count never changes
+    assert loader.skipped_shards == 1 and loader.bad_shards == [victim.url]
+    assert any("train-000002.tar" in str(x.message) for x in w)
+    # garbage in a header
+    with open(victim.url, "wb") as fh:
+        fh.write(data[:512 * 7] + b"\x13" * 700 + data[512 * 7 + 700:])
+    with pytest.raises(ShardError, match="train-000002.tar"):
+        list(TokenBatchLoader(d, **kw))
+    # missing
+    os.unlink(victim.url)
+    with pytest.raises(MissingShardError, match="train-000002.tar"):
+        list(TokenBatchLoader(d, **kw))
+
+
+def test_manifest_mismatch_is_refused_with_both_values(shards):
+    with pytest.raises(ValueError, match=rf"seq_len {SEQ}.*\b64\b"):
+        TokenBatchLoader(shards.path, expected_seq_len=64)
+    wrong = "0" * 64
+    with pytest.raises(ValueError) as err:
+        TokenBatchLoader(shards.path, expected_tokenizer_sha256=wrong)
+    assert shards.tokenizer_sha256 in str(err.value) and wrong in str(err.value)
+    ok = TokenBatchLoader(shards.path, expected_seq_len=SEQ, expected_tokenizer_sha256=shards.tokenizer_sha256)
+    assert ok.batches_per_epoch > 0
+    with pytest.raises(KeyError, match="val"):
+        TokenBatchLoader(shards.path, split="val")
+
+
+def test_pipe_urls_stream_through_webdataset(shards, tmp_path):
+    d = _copy_dir(os.path.dirname(shards.path), tmp_path / "p")
+    raw = json.load(open(os.path.join(d, "manifest.json")))
+    for e in raw["splits"]["train"]:
+        e["name"] = "pipe:cat " + os.path.join(d, e["name"])
+    with open(os.path.join(d, "manifest.json"), "w") as fh:
+        json.dump(raw, fh)
+    kw = dict(micro_batch_size=4, seed=5, shuffle_buffer=16, loop=False)
+    via_pipe = [b["input_ids"] for b in TokenBatchLoader(d, **kw)]
+    local = [b["input_ids"] for b in TokenBatchLoader(shards.path, **kw)]
+    assert len(via_pipe) == len(local) and all(torch.equal(a, b) for a, b in zip(via_pipe, local))
+
+
+# -- prepare: reproducible, atomic ---------------------------------------------------------
+
+def _dir_bytes(d):
+    return {f: open(os.path.join(d, f), "rb").read() for f in sorted(os.listdir(d))}
+
+
+def test_prepare_is_byte_for_byte_reproducible_and_splits_val(tmp_path, corpus, tokenizer):
+    kw = dict(seq_len=SEQ, shard_size_mb=0.5, val_fraction=0.2, seed=3, progress=False)
+    a = prepare([corpus["dir"]], tokenizer.model_path, str(tmp_path / "a"), workers=2, **kw)
+    b = prepare([corpus["dir"]], tokenizer.model_path, str(tmp_path / "b"), workers=1, **kw)
+    assert len(a.shards("train")) > 2 and len(a.shards("val")) >= 1
+    assert _dir_bytes(a.path.rsplit(os.sep, 1)[0]) == _dir_bytes(b.path.rsplit(os.sep, 1)[0])
+    per = a.stats["documents_per_split"]
+    assert per["val"] > 0 and per["train"] + per["val"] == a.stats["documents"]
+    assert 0.1 < per["val"] / a.stats["documents"] < 0.3
+    c = prepare([corpus["dir"]], tokenizer.model_path, str(tmp_path / "c"), workers=1,
+                **{**kw, "seed": 4})
+    assert c.fingerprint("train") != a.fingerprint("train")
+
+
+def test_interrupted_prepare_leaves_no_complete_looking_shard(tmp_path, corpus, tokenizer, monkeypatch):
+    kw = dict(seq_len=SEQ, shard_size_mb=0.5, workers=1, progress=False)
+    ref = prepare([corpus["dir"]], tokenizer.model_path, str(tmp_path / "ref"), **kw)
+    ref_files = _dir_bytes(os.path.dirname(ref.path))
+    out = str(tmp_path / "out")
+    prepare([corpus["dir"]], tokenizer.model_path, out, **kw)  # an older complete run in the same place
+    real_write = shards_mod._write_chunks
+    calls = {"n": 0}
+
+    def dying_write(fh, data, chunk=1 << 22):
+        calls["n"] += 1
+        if calls["n"] == 3:  # third shard: write half of it, then the process "dies"
+            fh.write(data[: len(data) // 2])
+            fh.flush()
+            raise KeyboardInterrupt
+        real_write(fh, data, chunk)
+
+    monkeypatch.setattr(shards_mod, "_write_chunks", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([corpus["dir"]], tokenizer.model_path, out, **kw)
+    monkeypatch.setattr(shards_mod, "_write_chunks", real_write)
+    names = os.listdir(out)
+    assert "manifest.json" not in names  # no manifest describes an incomplete set
+    with pytest.raises(FileNotFoundError, match="manifest"):
+        Manifest.load(out)
+    partial = [f for f in names if f.endswith(".tmp")]
+    assert partial == ["train-000002.tar.tmp"]
+    for f in names:
+        if f.endswith(".tar"):  # whatever looks like a shard is a whole, correct shard
+            assert open(os.path.join(out, f), "rb").read() == ref_files[f], f
+    prepare([corpus["dir"]], tokenizer.model_path, out, **kw)  # the re-run completes it
+    assert _dir_bytes(out) == ref_files
+
+
+# -- command line and benchmark -------------------------------------------------------------
+
+def test_cli_tokenizer_prepare_inspect(tmp_path, capsys):
+    from data_pipeline.cli import main
+
+    src = tmp_path / "in.txt"
+    src.write_text(open(SHAKESPEARE, encoding="utf-8").read(60_000), encoding="utf-8")
+    tok = str(tmp_path / "t.model")
+    assert main(["tokenizer", "--input", str(src), "--txt-mode", "paragraph", "--vocab-size", "400",
+                 "--out", tok, "-q"]) == 0
+    out = str(tmp_path / "shards")
+    assert main(["prepare", "--input", str(src), "--txt-mode", "paragraph", "--tokenizer", tok, "--out", out,
+                 "--seq-len", "16", "--shard-size-mb", "0.05", "--workers", "2", "--val-fraction", "0.1",
+                 "-q"]) == 0
+    m = Manifest.load(out)
+    assert m.seq_len == 16 and len(m.shards("train")) >= 2 and "val" in m.splits
+    assert main(["inspect", out, "--verify"]) == 0
+    assert "0 bad shard" in capsys.readouterr().out
+    with open(m.shards("train")[0].url, "r+b") as fh:
+        fh.seek(600)
+        fh.write(b"\x00\x01" * 8)  # flip payload bytes: only the checksum can tell
+    assert main(["inspect", out, "--verify"]) == 1
+    assert main(["prepare", "--input", str(tmp_path / "nope"), "--tokenizer", tok, "--out", out, "-q"]) == 2
+
+
+def test_bench_json(tmp_path, capsys):
+    from data_pipeline.bench import main
+
+    src = tmp_path / "in.txt"
+    src.write_text(open(SHAKESPEARE, encoding="utf-8").read(200_000), encoding="utf-8")
+    assert main(["--input", str(src), "--vocab-size", "400", "--seq-len", "64", "--loader-seconds", "0.2",
+                 "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["prepare_mb_per_s"] > 0 and res["loader_tokens_per_s"] > 0
+    assert res["command"].startswith("grt bench data")
