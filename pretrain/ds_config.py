@@ -47,7 +47,7 @@ def build_ds_config(base: dict, train: TrainConfig, world_size: int, use_cuda: b
         adam.update(torch_adam=True, fused=True)
     ds.setdefault("optimizer", {"type": "AdamW", "params": adam})
     ds.setdefault("scheduler", {"type": "WarmupCosineLR", "params": {
-        "total_num_steps": train.steps, "warmup_num_steps": min(train.warmup_steps, train.steps),
+        "total_num_steps": train.steps, "warmup_num_steps": max(1, min(train.warmup_steps, train.steps)),
         "warmup_min_ratio": 0.0, "cos_min_ratio": train.min_lr / train.lr, "warmup_type": "linear"}})
     precision = train.precision if train.precision != "auto" else ("bf16" if use_cuda else "fp32")
     ds["bf16"] = {"enabled": precision == "bf16"}

@@ -33,17 +33,17 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class MetricsWriter:
-    """Rank 0 writes TensorBoard events under <out>/tb and one JSON line per step."""
+    """Rank 0 writes TensorBoard events under <out>/tb; every rank writes one JSON line per
+    step (metrics.jsonl on rank 0, metrics.rank<r>.jsonl elsewhere) so ranks can be compared."""
 
-    def __init__(self, out: Path, enabled: bool):
-        self.enabled = enabled
+    def __init__(self, out: Path, rank: int):
         self.tb = None
-        self.records = None
-        if enabled:
+        if rank == 0:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=str(out / "tb"))
-            self.records = open(out / "metrics.jsonl", "a")
+        out.mkdir(parents=True, exist_ok=True)
+        self.records = open(out / ("metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl"), "a")
 
     def scalars(self, step: int, values: dict) -> None:
         if self.tb:

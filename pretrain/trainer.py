@@ -218,7 +218,7 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
         loader.load_state_dict(state["loader"])
         log.info("resumed from %s at step %d", ckpt_root / tag, step)
     val = val_batches(cfg, manifest, rank, world) if t.eval_every else None
-    writer = MetricsWriter(out, enabled=rank == 0)
+    writer = MetricsWriter(out, rank)
     writer.text("config", config_json)
     max_r = cfg.model.max_loops
     batches = iter(loader)

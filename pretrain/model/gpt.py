@@ -138,6 +138,8 @@ class GPT(nn.Module):
                     states.append(s)
                 if return_gates and g is not None:
                     gates.append(g)
+            if self.training and n == 0:
+                s = s + 0.0 * self._touch_loop(x)
             x = self.exit_norm(s) if self.exit_norm is not None else s
         for block in self.coda:
             x = block(x, ctx)
@@ -146,6 +148,14 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
         return ModelOutput(logits=logits, loss=loss, states=states, gates=gates)
+
+
+    def _touch_loop(self, x: torch.Tensor) -> torch.Tensor:
+        """A zero-weighted loop step on one token, so that a depth-0 training step still
+        gives every loop parameter a (zero) gradient: ZeRO-3 otherwise re-applies the stale
+        gradient of the previous step to parameters that took no part in this one."""
+        head = x[:, :1]
+        return self.loop(head, head, AttentionContext(), None)[0].sum()
 
 
 def build_model(cfg: ModelConfig) -> GPT:

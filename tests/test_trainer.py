@@ -1,0 +1,129 @@
+"""The DeepSpeed trainer: gradient correctness under ZeRO, multi-rank training, exact resume,
+identical depths across ranks, TensorBoard scalars."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from multiproc import REPO, run_ranks
+from pretrain.depth import sample_depth
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def test_sampled_depth_is_a_function_of_seed_and_step():
+    draws = [sample_depth("uniform", 6, seed=7, step=s) for s in range(200)]
+    assert draws == [sample_depth("uniform", 6, seed=7, step=s) for s in range(200)]
+    assert set(draws) == set(range(1, 7))
+    assert draws != [sample_depth("uniform", 6, seed=8, step=s) for s in range(200)]
+    assert {sample_depth("fixed", 6, 0, s) for s in range(10)} == {6}
+    poisson = [sample_depth("poisson", 32, 0, s, poisson_mean=32) for s in range(300)]
+    assert min(poisson) >= 1 and 20 < sum(poisson) / len(poisson) < 45
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("preset", ["micro-grt", "micro-dense"])
+def test_zero_gradients_equal_single_process_reference(tmp_path, stage, preset):
+    report_path = tmp_path / "report.json"
+    depths = "3,1,0,2" if "grt" in preset else "0,0"
+    results = run_ranks([str(REPO / "tests" / "dist_scripts" / "grad_check.py"), str(stage), preset,
+                         str(report_path), depths], world=2, timeout=300)
+    for r in results:
+        assert r.returncode == 0, r.stdout[-3000:]
+    report = json.loads(report_path.read_text())
+    assert len(report["steps"]) == len(depths.split(","))
+    for step in report["steps"]:
+        for name, g in step["grads"].items():
+            assert g["max_abs_diff"] <= 1e-5 + 1e-4 * g["ref_max"], (step["depth"], name, g)
+        assert step["unused_with_nonzero_grad"] == []
+
+
+def grt(*args, cwd=REPO, timeout=300):
+    return subprocess.run([sys.executable, "-m", "pretrain.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, demo_text):
+    d = tmp_path_factory.mktemp("data")
+    for args in (["data", "tokenizer", "-i", str(demo_text), "--txt-mode", "paragraph", "--vocab-size", "512",
+                  "-o", str(d / "tok"), "-q"],
+                 ["data", "prepare", "-i", str(demo_text), "--txt-mode", "paragraph", "-t", str(d / "tok.model"),
+                  "-o", str(d / "shards"), "--seq-len", "64", "--shard-size-mb", "0.1", "--val-fraction", "0.05", "-q"]):
+        r = grt(*args)
+        assert r.returncode == 0, r.stderr
+    return d / "shards" / "manifest.json"
+
+
+def train_args(manifest, out, steps=30, *extra):
+    return ["-m", "pretrain.cli", "train", "--preset", "micro-grt", "--data", str(manifest), "--out", str(out),
+            "--steps", str(steps), "--micro-batch-size", "4", "--grad-accum", "2", "--ds-config",
+            str(REPO / "ds_configs" / "zero3.json"), "--set", "train.log_every=1", "--set", "train.save_every=10",
+            "--set", "train.eval_every=10", "--set", "train.eval_batches=2", "--set", "train.warmup_steps=3",
+            "--set", "train.lr=3e-3", *extra]
+
+
+def read_records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(shards, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    results = run_ranks(train_args(shards, out), world=2, timeout=600)
+    for r in results:
+        assert r.returncode == 0, r.stdout[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_two_ranks_zero3_train_and_the_loss_falls(two_rank_run):
+    records = read_records(two_rank_run / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 31))
+    first = sum(r["loss"] for r in records[:5]) / 5
+    last = sum(r["loss"] for r in records[-5:]) / 5
+    assert last < first - 0.5, (first, last)
+    summary = json.loads((two_rank_run / "summary.json").read_text())
+    assert set(summary["val_loss_by_depth"]) == {"0", "1", "2", "3"}
+
+
+@pytest.mark.slow
+def test_depths_are_identical_on_every_rank(two_rank_run):
+    rank0 = [r["depth"] for r in read_records(two_rank_run / "metrics.jsonl")]
+    rank1 = [r["depth"] for r in read_records(two_rank_run / "metrics.rank1.jsonl")]
+    assert rank0 == rank1 and len(set(rank0)) > 1
+
+
+@pytest.mark.slow
+def test_resume_reproduces_the_uninterrupted_losses_exactly(two_rank_run, shards, tmp_path):
+    import shutil
+
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(two_rank_run / "checkpoints" / "step00000010", resumed / "checkpoints" / "step00000010")
+    (resumed / "checkpoints" / "latest").write_text("step00000010\n")
+    results = run_ranks(train_args(shards, resumed, 30, "--resume"), world=2, timeout=600)
+    for r in results:
+        assert r.returncode == 0, r.stdout[-3000:]
+    full = {r["step"]: r["loss"] for r in read_records(two_rank_run / "metrics.jsonl")}
+    again = {r["step"]: r["loss"] for r in read_records(resumed / "metrics.jsonl")}
+    assert sorted(again) == list(range(11, 31))
+    assert all(again[s] == full[s] for s in again), [(s, full[s], again[s]) for s in again if again[s] != full[s]]
+
+
+@pytest.mark.slow
+def test_tensorboard_holds_the_training_scalars(two_rank_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(two_rank_run / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    expected = {"train/loss", "train/lr", "train/grad_norm", "train/depth", "perf/tokens_per_s", "perf/mfu",
+                "memory/peak_bytes", "gate/mean_step_1", "val/loss", "val/loss_depth_0", "val/loss_depth_3",
+                "zero3/trace_invalidations"}
+    assert expected <= tags, expected - tags
+    losses = [e.value for e in events.Scalars("train/loss")]
+    assert len(losses) == 30
+    assert all(0.5 < e.value < 1.0 for e in events.Scalars("gate/mean_step_1"))
