@@ -260,6 +260,10 @@ class TokenBatchLoader:
                         yield batch
                         if self.batch_in_epoch == 0:
                             break  # epoch finished (loop=True): start the next one
+                    else:
+                        if self.loop:
+                            raise RuntimeError(f"rank {self.rank}: epoch {self.epoch} ended after "
+                                               f"{self.batch_in_epoch} of {self.batches_per_epoch} batches")
                 finally:
                     del source
                 if not self.loop:

@@ -201,6 +201,8 @@ def test_shards_readable_by_plain_webdataset_and_tar(shards):
     assert arr.shape == (SEQ + 1,) and arr.max() < m.vocab_size
     with tarfile.open(s.url) as tf:
         names = tf.getnames()
+        infos = tf.getmembers()
+        assert {(i.mtime, i.uid, i.gid, i.uname, i.gname, i.mode) for i in infos} == {(0, 0, 0, "", "", 0o644)}
         assert names[:2] == ["train-000001_0000000.u16", "train-000001_0000001.u16"]
         assert tf.extractfile(names[0]).read() == first["u16"]
     if shutil.which("tar"):
@@ -278,7 +280,8 @@ def test_resume_mid_epoch_and_across_epoch_boundary(shards, workers):
     ref = TokenBatchLoader(m.path, **kw)
     k = ref.batches_per_epoch
     total = k + k // 2
-    cut_points = {k // 3, k - 1}  # mid-epoch, and one batch before the epoch ends
+    # mid-epoch at both parities (worker round-robin phase), and one batch before the epoch ends
+    cut_points = {k // 3, k // 3 + 1, k - 1}
     states, seq = {}, []
     it = iter(ref)
     for i in range(total):
@@ -451,3 +454,15 @@ def test_bench_json(tmp_path, capsys):
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["prepare_mb_per_s"] > 0 and res["loader_tokens_per_s"] > 0
     assert res["command"].startswith("grt bench data")
+
+
+def test_long_documents_tokenise_exactly_as_the_tokenizer(tmp_path, tokenizer):
+    text = open(SHAKESPEARE, encoding="utf-8").read(150_000)  # one long document (segmented encoding)
+    (tmp_path / "one.txt").write_text(text, encoding="utf-8")
+    m = prepare([str(tmp_path / "one.txt")], tokenizer.model_path, str(tmp_path / "s"), seq_len=SEQ, workers=2,
+                progress=False)
+    samples = [np.frombuffer(b, "<u2") for b in _all_samples(m)]
+    stream = np.concatenate([samples[0][:1]] + [s[1:] for s in samples]).tolist()
+    expect = [tokenizer.sep_id] + tokenizer.encode(text)
+    assert len(stream) == len(samples) * SEQ + 1 and len(expect) - len(stream) < SEQ
+    assert stream == expect[:len(stream)]
