@@ -13,6 +13,8 @@ launcher started it:
   ``scontrol show hostnames`` as a fallback);
 * ``single``: none of these, one process.
 
+``GRT_DIST_DISCOVERY=mpi4py`` makes every MPI launch ask mpi4py instead of the environment.
+
 `init_distributed()` exports the discovered values as ``MASTER_ADDR``/``MASTER_PORT``/
 ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` and starts the process group through
 ``deepspeed.init_distributed`` (``nccl`` on CUDA, ``gloo`` otherwise).  It is idempotent,
@@ -233,6 +235,8 @@ def _in_slurm_step(env: Mapping[str, str]) -> bool:
 def discover(env: Optional[Mapping[str, str]] = None) -> DistInfo:
     """Who this process is, from the environment (see the module docstring)."""
     env = os.environ if env is None else env
+    if env.get("GRT_DIST_DISCOVERY", "").lower() == "mpi4py":
+        return _from_mpi4py(env)  # ask MPI itself, whatever the environment says
     if env.get("RANK") not in (None, "") and env.get("WORLD_SIZE") not in (None, ""):
         return _from_torchrun(env)
     if env.get("OMPI_COMM_WORLD_RANK") not in (None, ""):

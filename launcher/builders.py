@@ -1,0 +1,253 @@
+"""One builder per launcher: launch options (`cli.Resolved`) -> `Plan`."""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+from typing import Dict, List
+
+from launcher.hosts import format_hostfile
+from launcher.plan import Plan
+
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_PORT = 29500
+
+
+def _pythonpath(existing: str = "") -> str:
+    parts = [PROJECT_ROOT] + [p for p in existing.split(os.pathsep) if p and p != PROJECT_ROOT]
+    return os.pathsep.join(parts)
+
+
+def _summary(r, what: str) -> str:
+    return (f"{what}: {r.nodes} node(s) x {r.procs} rank(s) = {r.world_size} ranks, "
+            f"entry `{' '.join([r.entry_module] + r.entry_args)}`, run dir {r.run_dir}")
+
+
+# --------------------------------------------------------------------------- local
+
+
+def build_local(r) -> Plan:
+    if r.nodes > 1:
+        raise ValueError("--launcher local runs on this machine only; use deepspeed, slurm or mpi "
+                         "for several nodes")
+    py = r.python
+    if r.procs == 1:
+        cmd = [py] + r.rank_argv()
+    else:
+        # torchrun (torch.distributed.run) sets RANK/LOCAL_RANK/WORLD_SIZE for each process
+        cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={r.procs}"]
+        cmd += ["-m", r.entry_module] + r.entry_args + r.train_args
+    env = dict(_parse_user_env(r))
+    return Plan("local", cmd, env=env, summary=_summary(r, "local"))
+
+
+def _parse_user_env(r) -> Dict[str, str]:
+    out = {}
+    for pair in r.args.env:
+        k, v = pair.split("=", 1)
+        out[k] = v
+    return out
+
+
+# --------------------------------------------------------------------------- deepspeed
+
+
+def build_deepspeed(r) -> Plan:
+    a = r.args
+    run_dir = os.path.abspath(r.run_dir)
+    files: Dict[str, str] = {}
+    exe = ["deepspeed"] if shutil.which("deepspeed") else [r.python, "-m", "deepspeed.launcher.runner"]
+    cmd: List[str] = list(exe)
+    multi = r.hosts is not None
+    if multi:
+        if r.hostfile_given:
+            hostfile = r.hostfile
+        else:
+            hostfile = os.path.join(run_dir, "hostfile")
+            files[hostfile] = format_hostfile(r.hosts)
+        cmd += ["--hostfile", hostfile, f"--num_nodes={r.nodes}"]
+    cmd += [f"--num_gpus={r.procs}"]
+    if multi:
+        cmd += [f"--master_addr={r.master_addr}"]
+    cmd += [f"--master_port={r.master_port or DEFAULT_PORT}"]
+    if a.no_ssh:
+        if a.node_rank is None:
+            raise ValueError("--no-ssh needs --node-rank (this node's index in the hostfile)")
+        if not multi:
+            raise ValueError("--no-ssh needs --hostfile or --hosts (all the nodes, in order)")
+        cmd += ["--no_ssh", f"--node_rank={a.node_rank}"]
+    elif multi:
+        cmd += [f"--launcher={a.ds_launcher}"]
+        if a.launcher_args:
+            cmd += [f"--launcher_args={a.launcher_args}"]
+    cmd += ["--module", r.entry_module] + r.entry_args + r.train_args
+    env: Dict[str, str] = {}
+    if r.env or multi:
+        # the deepspeed runner exports every line of this file on every node (multi-node runs)
+        env_file = os.path.join(run_dir, ".deepspeed_env")
+        lines = dict(r.env)
+        if multi:
+            lines.setdefault("PYTHONPATH", _pythonpath(r.environ.get("PYTHONPATH", "")))
+        files[env_file] = "".join(f"{k}={v}\n" for k, v in lines.items())
+        env["DS_ENV_FILE"] = env_file
+    env.update(_parse_user_env(r))
+    return Plan("deepspeed", cmd, env=env, files=files, summary=_summary(r, "deepspeed runner"))
+
+
+# --------------------------------------------------------------------------- mpi
+
+
+def build_mpi(r) -> Plan:
+    a = r.args
+    run_dir = os.path.abspath(r.run_dir)
+    files: Dict[str, str] = {}
+    cmd = shlex.split(a.mpirun) + ["-np", str(r.world_size)]
+    if r.hosts is not None:
+        if r.hostfile_given:
+            hostfile = r.hostfile
+        else:
+            hostfile = os.path.join(run_dir, "hostfile")
+            files[hostfile] = format_hostfile(r.hosts)
+        cmd += ["--hostfile", hostfile]
+    cmd += ["--map-by", f"ppr:{r.procs}:node", "--bind-to", "none"]
+    if os.geteuid() == 0:
+        cmd += ["--allow-run-as-root"]
+    if r.hosts is None and r.procs > (os.cpu_count() or 1):
+        cmd += ["--oversubscribe"]
+    env = {"MASTER_ADDR": r.master_addr, "MASTER_PORT": str(r.master_port or DEFAULT_PORT),
+           "PYTHONPATH": _pythonpath(r.environ.get("PYTHONPATH", ""))}
+    user_env = _parse_user_env(r)
+    env.update(user_env)
+    exported = ["MASTER_ADDR", "MASTER_PORT", "PYTHONPATH", "PATH", "LD_LIBRARY_PATH"]
+    exported += [k for k in r.env if k not in exported]
+    for k in exported:
+        cmd += ["-x", k]
+    if a.mpirun_args:
+        cmd += shlex.split(a.mpirun_args)
+    cmd += [r.python] + r.rank_argv()
+    return Plan("mpi", cmd, env=env, files=files, summary=_summary(r, "mpirun"))
+
+
+# --------------------------------------------------------------------------- slurm
+
+
+def _signal_parts(spec: str):
+    """'USR1@120' -> ('B:USR1@120', 'USR1'); '' -> (None, None)."""
+    if not spec:
+        return None, None
+    full = spec if ":" in spec else f"B:{spec}"
+    name = full.split(":", 1)[1].split("@", 1)[0]
+    if name.upper().startswith("SIG"):
+        name = name[3:]
+    return full, name
+
+
+def slurm_script(r, script_path: str) -> str:
+    a = r.args
+    run_dir = os.path.abspath(r.run_dir)
+    cwd = os.getcwd()
+    output = a.output or os.path.join(run_dir, "slurm-%j.out")
+    sig_full, sig_name = _signal_parts(a.signal)
+    q = shlex.quote
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={a.job_name}", f"#SBATCH --nodes={r.nodes}",
+             f"#SBATCH --ntasks-per-node={r.procs}"]
+    if r.gpus:
+        lines.append(f"#SBATCH --gpus-per-node={r.gpus}")
+    if a.cpus_per_task:
+        lines.append(f"#SBATCH --cpus-per-task={a.cpus_per_task}")
+    if a.mem is not None:
+        lines.append(f"#SBATCH --mem={a.mem}")
+    for flag, value in (("time", a.time), ("partition", a.partition), ("account", a.account),
+                        ("qos", a.qos)):
+        if value:
+            lines.append(f"#SBATCH --{flag}={value}")
+    if a.exclusive:
+        lines.append("#SBATCH --exclusive")
+    lines += [f"#SBATCH --output={output}", "#SBATCH --open-mode=append", f"#SBATCH --chdir={cwd}"]
+    if sig_full:
+        lines.append(f"#SBATCH --signal={sig_full}")
+    if a.requeue:
+        lines.append("#SBATCH --requeue")
+    for extra in a.sbatch_arg:
+        lines.append(f"#SBATCH {extra}")
+    lines += [
+        "# Written by `grt launch --launcher slurm`; submit with: sbatch " + script_path,
+        "set -uo pipefail",
+        "export MASTER_ADDR=" + (q(r.master_addr) if a.master_addr else
+                                 '"$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"'),
+        "export MASTER_PORT=" + (str(r.master_port) if r.master_port else
+                                 '"$((20000 + SLURM_JOB_ID % 20000))"'),
+        f"export GRT_RUN_DIR={q(run_dir)}",
+    ]
+    if not (a.container_image or a.apptainer):
+        lines.append(f"export PYTHONPATH={q(PROJECT_ROOT)}" + '"${PYTHONPATH:+:$PYTHONPATH}"')
+    for k, v in r.env.items():
+        lines.append(f"export {k}={q(v)}")
+    lines.append('echo "grt: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on '
+                 '$SLURM_JOB_NODELIST, $SLURM_NTASKS ranks, master $MASTER_ADDR:$MASTER_PORT"')
+
+    srun = ["srun", "--kill-on-bad-exit=1", f"--ntasks-per-node={r.procs}"]
+    rank_cmd = [r.python] + r.rank_argv()
+    if a.container_image:
+        mounts = a.container_mounts or ",".join(sorted({f"{cwd}:{cwd}", f"{run_dir}:{run_dir}"}))
+        srun += [f"--container-image={a.container_image}", f"--container-mounts={mounts}",
+                 f"--container-workdir={cwd}"]
+    elif a.apptainer:
+        binds = a.container_mounts or ",".join(sorted({cwd, run_dir}))
+        rank_cmd = ["apptainer", "exec"] + (["--nv"] if r.gpus else []) + ["--bind", binds,
+                                                                           a.apptainer] + rank_cmd
+    for extra in a.srun_arg:
+        srun += shlex.split(extra)
+    srun_line = shlex.join(srun + rank_cmd)
+    if sig_name:
+        lines += [
+            "# Pre-emption: Slurm signals this script (--signal=B:...) or `scancel --batch "
+            f"--signal={sig_name}`; it is",
+            "# forwarded to the ranks through srun; the trainer saves a checkpoint and exits 0.",
+            "preempted=0",
+            "srun_pid=",
+            "forward() {",
+            '  preempted=1',
+            '  echo "grt: received SIG$1, forwarding it to the ranks"',
+            '  if [ -n "$srun_pid" ]; then kill -s "$1" "$srun_pid" 2>/dev/null || true; fi',
+            "}",
+            f"trap 'forward {sig_name}' {sig_name}",
+        ]
+        if sig_name != "TERM":
+            lines.append("trap 'forward TERM' TERM")
+        lines += [
+            f"{srun_line} &",
+            "srun_pid=$!",
+            "# `wait` returns early when a trapped signal arrives: wait until srun has really ended",
+            "while :; do",
+            '  wait "$srun_pid"; status=$?',
+            '  kill -0 "$srun_pid" 2>/dev/null || break',
+            "done",
+            'echo "grt: ranks exited with status $status"',
+            'if [ "$preempted" = 1 ] && [ "$status" = 0 ]; then',
+        ]
+        if a.requeue:
+            lines += ['  echo "grt: checkpoint saved after the pre-emption signal; requeueing job $SLURM_JOB_ID"',
+                      '  scontrol requeue "$SLURM_JOB_ID"']
+        else:
+            lines += [f'  echo "grt: checkpoint saved after the pre-emption signal; resume with: sbatch {script_path}"']
+        lines += ["fi", 'exit "$status"']
+    else:
+        lines += [srun_line]
+    return "\n".join(lines) + "\n"
+
+
+def build_slurm(r) -> Plan:
+    a = r.args
+    if a.container_image and a.apptainer:
+        raise ValueError("choose one of --container-image (pyxis) and --apptainer")
+    run_dir = os.path.abspath(r.run_dir)
+    script_path = os.path.join(run_dir, "slurm.sbatch")
+    script = slurm_script(r, script_path)
+    cmd = ["sbatch", "--parsable"] + (["--wait"] if a.wait else []) + [script_path]
+    return Plan("slurm", cmd, files={script_path: script}, executable_files=[script_path],
+                env=_parse_user_env(r), summary=_summary(r, "slurm batch job"))
+
+
+BUILDERS = {"local": build_local, "deepspeed": build_deepspeed, "mpi": build_mpi, "slurm": build_slurm}

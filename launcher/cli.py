@@ -1,0 +1,275 @@
+"""`grt launch`: start `grt train` on one machine or a cluster with the same command.
+
+    grt launch [--launcher local|deepspeed|slurm|mpi] [--nodes N] [--gpus-per-node G]
+               [--hostfile FILE | --hosts a,b,...] [--dry-run] [launcher options] -- <grt train args>
+
+Everything after `--` (and any argument `grt launch` does not know) is handed to
+`grt train` on every rank unchanged.  The per-rank program is
+`python -m pretrain.cli train <args>` (`--entry` changes it, e.g. `--entry launcher.probe`
+to check a cluster's rank discovery and collectives without training).
+
+`--dry-run` prints the files the launch would write (hostfile, `.deepspeed_env`, the sbatch
+script) and the exact command line, and runs nothing.  Otherwise the files go to the run
+directory (`--run-dir`, else the train `--out` directory, else `runs/launch-<time>`) along
+with `launch.json` (the command and environment), and the command runs in the foreground
+(Slurm: the script is submitted with `sbatch`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import socket
+import sys
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from launcher import builders
+from launcher.hosts import env_hostfile, parse_hosts, read_hostfile, slurm_allocation_hosts
+from launcher.plan import Plan
+
+LAUNCHERS = ("local", "deepspeed", "slurm", "mpi")
+DS_LAUNCHERS = ("pdsh", "openmpi", "mvapich", "slurm", "mpich", "impi")
+DEFAULT_ENTRY = "pretrain.cli train"
+# environment passed to every rank when present on the launching host
+DEFAULT_EXPORT_PREFIXES = ("NCCL_", "UCX_", "FI_", "TORCH_NCCL_", "CUDA_DEVICE_MAX_CONNECTIONS",
+                           "OMP_NUM_THREADS", "GRT_", "HF_", "WANDB_", "TOKENIZERS_PARALLELISM",
+                           "PYTORCH_CUDA_ALLOC_CONF", "GLOO_SOCKET_IFNAME")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="grt launch",
+        description="Start `grt train` locally, with the deepspeed runner, under Slurm or under "
+        "MPI. Arguments after `--` (and unknown ones) go to `grt train` on every rank.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--launcher", choices=LAUNCHERS, default="local",
+                   help="local: one process, or torchrun for several on this machine; deepspeed: "
+                   "the deepspeed runner; slurm: an sbatch script with srun; mpi: mpirun")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="number of nodes (default: hosts in the hostfile, else 1)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs per node; one rank per GPU (default: hostfile slots, else 0 on a "
+                   "machine without CUDA)")
+    p.add_argument("--procs-per-node", type=int, default=None,
+                   help="ranks per node (default: --gpus-per-node, else 1); on CPU this is the "
+                   "number of processes")
+    p.add_argument("--hostfile", default=None,
+                   help="hostfile ('host slots=N' lines); default $GRT_HOSTFILE or $DLTS_HOSTFILE")
+    p.add_argument("--hosts", default=None,
+                   help="comma-separated host names instead of a hostfile (Slurm ranges allowed: "
+                   "node[01-04]); inside a Slurm allocation its nodes are used by default")
+    p.add_argument("--master-addr", default=None,
+                   help="rendezvous address (default: $MASTER_ADDR, else the first host)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="rendezvous port (default: $MASTER_PORT, else 29500; Slurm: derived "
+                   "from the job id)")
+    p.add_argument("--node-rank", type=int, default=None,
+                   help="deepspeed --no-ssh: this node's index in the hostfile")
+    p.add_argument("--no-ssh", action="store_true",
+                   help="deepspeed: start only this node's ranks (run once per node with "
+                   "--node-rank), no pdsh/ssh")
+    p.add_argument("--ds-launcher", choices=DS_LAUNCHERS, default="pdsh",
+                   help="deepspeed runner's multi-node backend (--launcher of `deepspeed`)")
+    p.add_argument("--launcher-args", default="",
+                   help="extra arguments for the deepspeed runner's backend (--launcher_args)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment variable for every rank (repeatable)")
+    p.add_argument("--export", action="append", default=[], metavar="PREFIX",
+                   help="also pass variables starting with PREFIX from this environment to "
+                   "every rank (NCCL_, UCX_, FI_, GRT_, ... always are)")
+    p.add_argument("--run-dir", default=None,
+                   help="where the launch files go (default: the train --out directory, else "
+                   "runs/launch-<time>)")
+    p.add_argument("--entry", default=DEFAULT_ENTRY,
+                   help="per-rank python module and its leading arguments")
+    p.add_argument("--python", default=None,
+                   help="python on the nodes (default: this interpreter; 'python' in a container)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the files and the command, run nothing")
+    s = p.add_argument_group("slurm")
+    s.add_argument("--job-name", default="grt")
+    s.add_argument("--partition", default=None)
+    s.add_argument("--account", default=None)
+    s.add_argument("--qos", default=None)
+    s.add_argument("--time", default=None, help="time limit, e.g. 24:00:00")
+    s.add_argument("--cpus-per-task", type=int, default=None)
+    s.add_argument("--mem", default=None, help="memory per node, e.g. 0 for all")
+    s.add_argument("--exclusive", action="store_true")
+    s.add_argument("--output", default=None,
+                   help="job log path (default RUN_DIR/slurm-%%j.out)")
+    s.add_argument("--signal", default="USR1@120",
+                   help="pre-emption warning: SIG@SECONDS before the time limit, sent to the batch "
+                   "script, which forwards it to the ranks ('' for none)")
+    s.add_argument("--requeue", action="store_true",
+                   help="requeue the job after a pre-emption signal led to a checkpoint (and let "
+                   "Slurm requeue it on node failure/pre-emption)")
+    s.add_argument("--container-image", default=None,
+                   help="run the ranks in this image through pyxis/enroot (srun --container-image)")
+    s.add_argument("--container-mounts", default=None,
+                   help="pyxis mounts (default: the working directory and run directory)")
+    s.add_argument("--apptainer", default=None, metavar="IMAGE",
+                   help="run the ranks with `apptainer exec --nv IMAGE` instead")
+    s.add_argument("--sbatch-arg", action="append", default=[],
+                   help="extra '#SBATCH' option, e.g. --sbatch-arg=--constraint=h100 (repeatable)")
+    s.add_argument("--srun-arg", action="append", default=[],
+                   help="extra srun option (repeatable)")
+    s.add_argument("--wait", action="store_true", help="sbatch --wait: return when the job ends")
+    m = p.add_argument_group("mpi")
+    m.add_argument("--mpirun", default="mpirun", help="the mpirun program")
+    m.add_argument("--mpirun-args", default="", help="extra mpirun arguments")
+    return p
+
+
+def split_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
+    argv = list(argv)
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def _train_out_dir(train_args: Sequence[str]) -> Optional[str]:
+    for i, a in enumerate(train_args):
+        for flag in ("--out", "--out-dir", "--output-dir"):
+            if a == flag and i + 1 < len(train_args):
+                return train_args[i + 1]
+            if a.startswith(flag + "="):
+                return a.split("=", 1)[1]
+    return None
+
+
+def _parse_env(pairs: Sequence[str]) -> Dict[str, str]:
+    env = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise SystemExit(f"grt launch: --env expects KEY=VALUE, got {pair!r}")
+        k, v = pair.split("=", 1)
+        env[k] = v
+    return env
+
+
+class Resolved:
+    """The launch options after defaults, hostfile and environment are applied."""
+
+    def __init__(self, args: argparse.Namespace, train_args: List[str], environ: Dict[str, str]):
+        self.args = args
+        self.train_args = train_args
+        self.environ = environ
+        self.hostfile = args.hostfile or (env_hostfile(environ) if args.launcher in ("deepspeed", "mpi") else None)
+        hosts: Optional[List[Tuple[str, int]]] = None
+        if args.hosts:
+            hosts = [(h, 0) for h in parse_hosts(args.hosts)]
+            self.hostfile_given = False
+        elif self.hostfile and os.path.isfile(self.hostfile):
+            hosts = read_hostfile(self.hostfile)
+            self.hostfile_given = True
+        elif args.hostfile:
+            raise SystemExit(f"grt launch: hostfile {args.hostfile} does not exist")
+        else:
+            self.hostfile_given = False
+            alloc = slurm_allocation_hosts(environ) if args.launcher in ("deepspeed", "mpi") else None
+            if alloc and len(alloc) > 1:
+                hosts = [(h, 0) for h in alloc]
+        if hosts is None:
+            self.hostfile = None
+        self.gpus = args.gpus_per_node
+        if self.gpus is None:
+            if hosts and self.hostfile_given:
+                self.gpus = hosts[0][1]
+            else:
+                self.gpus = _local_gpu_count() if args.launcher != "slurm" else 0
+        self.procs = args.procs_per_node or self.gpus or 1
+        self.nodes = args.nodes or (len(hosts) if hosts else 1)
+        if hosts is not None:
+            if len(hosts) < self.nodes:
+                raise SystemExit(f"grt launch: --nodes {self.nodes} but only {len(hosts)} hosts given")
+            hosts = [(h, s or self.procs) for h, s in hosts[: self.nodes]]
+        elif self.nodes > 1 and args.launcher in ("deepspeed", "mpi"):
+            raise SystemExit(f"grt launch: {self.nodes} nodes need --hostfile or --hosts "
+                             "(or a Slurm allocation)")
+        self.hosts = hosts
+        self.world_size = self.nodes * self.procs
+        self.master_addr = args.master_addr or environ.get("MASTER_ADDR") or (
+            hosts[0][0] if hosts and self.nodes > 1 else "127.0.0.1")
+        port = args.master_port or environ.get("MASTER_PORT")
+        self.master_port = int(port) if port else None
+        out = _train_out_dir(train_args)
+        self.run_dir = args.run_dir or out or os.path.join("runs", time.strftime("launch-%Y%m%d-%H%M%S"))
+        entry = shlex.split(args.entry)
+        if not entry:
+            raise SystemExit("grt launch: --entry is empty")
+        self.entry_module, self.entry_args = entry[0], entry[1:]
+        container = args.container_image or args.apptainer
+        self.python = args.python or ("python" if container else sys.executable)
+        self.env = self._rank_env(environ)
+
+    def _rank_env(self, environ: Dict[str, str]) -> Dict[str, str]:
+        prefixes = tuple(DEFAULT_EXPORT_PREFIXES) + tuple(self.args.export)
+        env = {k: v for k, v in sorted(environ.items()) if k.startswith(prefixes)}
+        env.update(_parse_env(self.args.env))
+        return env
+
+    def rank_argv(self) -> List[str]:
+        """The per-rank program after `python`: -m MODULE ARGS..."""
+        return ["-m", self.entry_module] + self.entry_args + self.train_args
+
+    def record(self, argv: Sequence[str]) -> Dict[str, object]:
+        return {
+            "grt_launch_argv": list(argv),
+            "train_args": self.train_args,
+            "entry": [self.entry_module] + self.entry_args,
+            "nodes": self.nodes,
+            "procs_per_node": self.procs,
+            "gpus_per_node": self.gpus,
+            "world_size": self.world_size,
+            "hosts": [h for h, _ in self.hosts] if self.hosts else None,
+            "master_addr": self.master_addr,
+            "master_port": self.master_port,
+            "rank_env": self.env,
+            "launch_host": socket.gethostname(),
+            "cwd": os.getcwd(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+
+
+def _local_gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # pragma: no cover
+        return 0
+
+
+def build_plan(argv: Sequence[str], environ: Optional[Dict[str, str]] = None) -> Tuple[Plan, argparse.Namespace]:
+    own, train_args = split_argv(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(own)
+    train_args = unknown + train_args
+    environ = dict(os.environ if environ is None else environ)
+    r = Resolved(args, train_args, environ)
+    plan = builders.BUILDERS[args.launcher](r)
+    plan.run_dir = r.run_dir
+    plan.record = r.record(argv)
+    return plan, args
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        plan, args = build_plan(argv)
+    except (ValueError, OSError) as e:
+        print(f"grt launch: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        sys.stdout.write(plan.render())
+        return 0
+    plan.write_files()
+    print(f"grt launch: {plan.summary}\ngrt launch: {plan.shell_command()}", flush=True)
+    return plan.execute()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

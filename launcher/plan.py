@@ -1,0 +1,85 @@
+"""What a launch does: files to write, environment to set, one command to run."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+
+@dataclass
+class Plan:
+    launcher: str
+    command: List[str]
+    env: Dict[str, str] = field(default_factory=dict)  # set for the launching command only
+    files: Dict[str, str] = field(default_factory=dict)  # path -> content, written first
+    executable_files: List[str] = field(default_factory=list)
+    summary: str = ""
+    run_dir: Optional[str] = None
+    record: Dict[str, object] = field(default_factory=dict)
+
+    def shell_command(self) -> str:
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        cmd = shlex.join(self.command)
+        return f"{prefix} {cmd}" if prefix else cmd
+
+    def render(self) -> str:
+        """The dry-run text: every file, then the command line (last line, shell-quoted)."""
+        out = []
+        if self.summary:
+            out.append(f"# {self.summary}")
+        for path, content in self.files.items():
+            out.append(f"#### file: {path}")
+            out.append(content.rstrip("\n"))
+            out.append("#### end of file")
+        out.append("#### command")
+        out.append(self.shell_command())
+        return "\n".join(out) + "\n"
+
+    def write_files(self) -> None:
+        for path, content in self.files.items():
+            d = os.path.dirname(path)
+            if d:
+                os.makedirs(d, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(content)
+            if path in self.executable_files:
+                os.chmod(path, 0o755)
+        if self.run_dir:
+            os.makedirs(self.run_dir, exist_ok=True)
+            record = dict(self.record)
+            record.update(launcher=self.launcher, command=self.command, env=self.env,
+                          shell=self.shell_command(), files=sorted(self.files))
+            with open(os.path.join(self.run_dir, "launch.json"), "w") as f:
+                json.dump(record, f, indent=2, sort_keys=True)
+                f.write("\n")
+
+    def execute(self) -> int:
+        """Run the command in the foreground, forwarding SIGINT/SIGTERM/SIGUSR1 to it."""
+        env = dict(os.environ)
+        env.update(self.env)
+        proc = subprocess.Popen(self.command, env=env)
+
+        def forward(signum, _frame):
+            try:
+                proc.send_signal(signum)
+            except ProcessLookupError:  # pragma: no cover
+                pass
+
+        old = {}
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+            try:
+                old[sig] = signal.signal(sig, forward)
+            except ValueError:  # not the main thread
+                pass
+        try:
+            rc = proc.wait()
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+        sys.stdout.flush()
+        return rc

@@ -1,0 +1,311 @@
+"""A real one-node Slurm cluster for tests: munged + slurmctld + slurmd on this machine.
+
+Everything lives in one state directory (keys, sockets, spool, logs, pid files) and uses
+its own munge socket and free ports, so it neither needs nor touches /etc/munge, /etc/slurm
+or a Slurm that may already run here.  Clients reach it through `SLURM_CONF` (see `env`).
+
+    cluster = SlurmCluster(state_dir)   # kills daemons a previous run left in that dir
+    cluster.start()                     # raises SlurmUnavailable with the reason if it can't
+    subprocess.run(["sbatch", ...], env=cluster.env)
+    cluster.stop()
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from typing import Dict, List, Optional
+
+TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sinfo", "scancel")
+DAEMON_NAMES = ("munged", "slurmctld", "slurmd", "slurmstepd")
+
+
+class SlurmUnavailable(RuntimeError):
+    """The cluster cannot run here; the message says why (used as the skip reason)."""
+
+
+def missing_tools() -> List[str]:
+    return [t for t in TOOLS if shutil.which(t) is None
+            and not os.path.exists(os.path.join("/usr/sbin", t))]
+
+
+def _tool(name: str) -> str:
+    return shutil.which(name) or os.path.join("/usr/sbin", name)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _node_resources() -> Dict[str, int]:
+    cpus = os.cpu_count() or 1
+    mem_mb = 1024
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem_mb = int(line.split()[1]) // 1024
+    except OSError:
+        pass
+    return {"cpus": cpus, "mem_mb": max(256, int(mem_mb * 0.8))}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class SlurmCluster:
+    def __init__(self, state_dir: str, name: str = "grttest"):
+        self.dir = os.path.abspath(state_dir)
+        self.name = name
+        self.host = socket.gethostname().split(".")[0]
+        self.conf = os.path.join(self.dir, "slurm.conf")
+        self.procs: Dict[str, subprocess.Popen] = {}
+        self.partition = "debug"
+
+    # ----------------------------------------------------------------- environment
+    @property
+    def env(self) -> Dict[str, str]:
+        env = dict(os.environ)
+        for k in list(env):
+            if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")):
+                del env[k]  # no allocation of an outer Slurm leaks in
+        env["SLURM_CONF"] = self.conf
+        return env
+
+    def run(self, *cmd: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run(list(cmd), env=self.env, capture_output=True, text=True,
+                              check=check, timeout=timeout)
+
+    # ----------------------------------------------------------------- clean-up of old runs
+    def _pidfiles(self) -> List[str]:
+        return [os.path.join(self.dir, f"{n}.pid") for n in ("munged", "slurmctld", "slurmd")]
+
+    def kill_leftovers(self) -> None:
+        """Stop daemons (and job steps) a previous run left behind in this state dir."""
+        pids = []
+        for pf in self._pidfiles():
+            try:
+                with open(pf) as f:
+                    pids.append(int(f.read().split()[0]))
+            except (OSError, ValueError, IndexError):
+                pass
+        # slurmstepd and daemons whose pid file was lost: match our own state dir only
+        if os.path.isdir("/proc"):
+            for entry in os.listdir("/proc"):
+                if entry.isdigit():
+                    cmd = _cmdline(int(entry))
+                    if self.dir in cmd and any(n in cmd for n in DAEMON_NAMES):
+                        pids.append(int(entry))
+        pids = [p for p in dict.fromkeys(pids) if p != os.getpid() and _pid_alive(p)
+                and any(n in _cmdline(p) for n in DAEMON_NAMES)]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + 10
+        while time.time() < deadline and any(_pid_alive(p) for p in pids):
+            time.sleep(0.1)
+        for pid in pids:
+            if _pid_alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    # ----------------------------------------------------------------- start / stop
+    def _write_config(self) -> None:
+        res = _node_resources()
+        d = self.dir
+        self.ctld_port, self.slurmd_port = _free_port(), _free_port()
+        conf = f"""\
+# generated by tests/slurm_cluster.py: a one-node test cluster
+ClusterName={self.name}
+SlurmctldHost={self.host}
+SlurmctldPort={self.ctld_port}
+SlurmdPort={self.slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={d}/munge.socket
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd.log
+PlugStackConfig={d}/plugstack.conf
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/builtin
+MpiDefault=none
+ReturnToService=2
+SlurmctldTimeout=30
+SlurmdTimeout=30
+InactiveLimit=0
+MinJobAge=300
+KillWait=10
+SchedulerParameters=sched_interval=1
+JobRequeue=1
+NodeName={self.host} CPUs={res['cpus']} RealMemory={res['mem_mb']} State=UNKNOWN
+PartitionName={self.partition} Nodes={self.host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+"""
+        with open(self.conf, "w") as f:
+            f.write(conf)
+        open(os.path.join(d, "plugstack.conf"), "w").close()
+
+    def _spawn(self, name: str, cmd: List[str]) -> None:
+        log = open(os.path.join(self.dir, f"{name}.stdout"), "w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                start_new_session=True)
+        self.procs[name] = proc
+        with open(os.path.join(self.dir, f"{name}.pid"), "w") as f:
+            f.write(f"{proc.pid}\n")
+
+    def _wait(self, what: str, ok, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise SlurmUnavailable(f"{name} exited with {proc.returncode} while waiting for "
+                                           f"{what}: {self._log_tail(name)}")
+            if ok():
+                return
+            time.sleep(0.3)
+        raise SlurmUnavailable(f"timed out waiting for {what}: {self._log_tail('slurmctld')} "
+                               f"{self._log_tail('slurmd')}")
+
+    def _log_tail(self, name: str, n: int = 1500) -> str:
+        text = ""
+        for suffix in (".log", ".stdout"):
+            try:
+                with open(os.path.join(self.dir, name + suffix), errors="replace") as f:
+                    text += f.read()[-n:]
+            except OSError:
+                pass
+        return text.strip()
+
+    def start(self, timeout: float = 60) -> "SlurmCluster":
+        missing = missing_tools()
+        if missing:
+            raise SlurmUnavailable("Slurm/munge not installed (missing: " + ", ".join(missing) +
+                                   "; Debian packages slurm-wlm and munge)")
+        if os.geteuid() != 0:
+            raise SlurmUnavailable("the test Slurm cluster runs its daemons as root")
+        os.makedirs(self.dir, exist_ok=True)
+        self.kill_leftovers()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        for sub in ("state", "spool"):
+            os.makedirs(os.path.join(self.dir, sub))
+        os.chmod(self.dir, 0o755)
+        key = os.path.join(self.dir, "munge.key")
+        with open(key, "wb") as f:
+            f.write(os.urandom(1024))
+        os.chmod(key, 0o400)
+        self._write_config()
+        d = self.dir
+        self._spawn("munged", [_tool("munged"), "-F", "--force", f"--socket={d}/munge.socket",
+                               f"--key-file={key}", f"--log-file={d}/munged.log",
+                               f"--pid-file={d}/munged.run.pid", f"--seed-file={d}/munged.seed"])
+        self._wait("munged", lambda: os.path.exists(f"{d}/munge.socket"), 15)
+        self._spawn("slurmctld", [_tool("slurmctld"), "-D", "-c", "-i", "-f", self.conf])
+        self._spawn("slurmd", [_tool("slurmd"), "-D", "-f", self.conf, "-N", self.host])
+
+        def idle() -> bool:
+            r = self.run("sinfo", "-h", "-N", "-o", "%T", check=False, timeout=10)
+            return r.returncode == 0 and r.stdout.strip() in ("idle", "idle*") and "*" not in r.stdout
+
+        self._wait("the node to become idle", idle, timeout)
+        return self
+
+    def stop(self) -> None:
+        if self.procs:
+            # end jobs first so that slurmd cleans up their steps
+            self.run("scancel", "--full", f"--partition={self.partition}", check=False, timeout=20)
+        for name in ("slurmd", "slurmctld", "munged"):
+            proc = self.procs.get(name)
+            if proc and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=5)
+        self.procs.clear()
+        self.kill_leftovers()
+
+    # ----------------------------------------------------------------- jobs
+    def job_state(self, job_id: str) -> Dict[str, str]:
+        r = self.run("scontrol", "show", "job", "-o", job_id, check=False, timeout=15)
+        fields: Dict[str, str] = {}
+        for token in r.stdout.split():
+            if "=" in token:
+                k, v = token.split("=", 1)
+                fields.setdefault(k, v)
+        return fields
+
+    def wait_job(self, job_id: str, timeout: float = 300, states=("COMPLETED", "FAILED", "CANCELLED",
+                                                                   "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+                                                                   "BOOT_FAIL", "DEADLINE", "PREEMPTED")) -> Dict[str, str]:
+        deadline = time.time() + timeout
+        info: Dict[str, str] = {}
+        while time.time() < deadline:
+            info = self.job_state(job_id)
+            if info.get("JobState") in states:
+                return info
+            time.sleep(0.5)
+        raise TimeoutError(f"job {job_id} still {info.get('JobState')} after {timeout}s: {info}")
+
+    def wait_for(self, predicate, timeout: float = 120, what: str = "condition") -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if predicate():
+                return
+            time.sleep(0.3)
+        raise TimeoutError(f"timed out waiting for {what}")
+
+    def sbatch(self, script: str, *extra: str) -> str:
+        r = self.run("sbatch", "--parsable", *extra, script)
+        return r.stdout.strip().split(";")[0]
+
+
+def default_state_dir() -> str:
+    """A fixed per-user path, so that a later run finds and stops what an aborted one left."""
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"grt-test-slurm-{os.getuid()}")
+
+
+def try_start(state_dir: Optional[str] = None) -> SlurmCluster:
+    cluster = SlurmCluster(state_dir or default_state_dir())
+    try:
+        return cluster.start()
+    except Exception:
+        cluster.stop()
+        raise

@@ -1,0 +1,235 @@
+"""`grt launch --dry-run` for 4 nodes x 8 GPUs, checked against what each real tool accepts.
+
+The deepspeed command is parsed by DeepSpeed's own runner parser and its hostfile read by
+DeepSpeed's own hostfile reader; the mpirun command is mapped by the real `mpirun
+--do-not-launch --display-map`; the sbatch script is checked with `bash -n` (and with
+`sbatch --test-only` against a real cluster in test_launcher_slurm.py).
+"""
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from launcher.cli import build_plan, main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = ["--preset", "grt-small", "--out", "runs/grt-small"]
+ENV = {"NCCL_IB_HCA": "mlx5_0,mlx5_1", "NCCL_SOCKET_IFNAME": "ib0", "GRT_TEST_FLAG": "1",
+       "PATH": os.environ.get("PATH", ""), "UNRELATED_SECRET": "x"}
+
+
+def plan_for(launcher, *extra, environ=None, train=TRAIN):
+    argv = ["--launcher", launcher, "--nodes", "4", "--gpus-per-node", "8", *extra, "--dry-run",
+            "--", *train]
+    plan, args = build_plan(argv, environ=dict(ENV if environ is None else environ))
+    return plan
+
+
+def split_render(text):
+    """Dry-run text -> ({path: content}, command argv, env prefix)."""
+    files, cur, body, command = {}, None, [], None
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("#### file: "):
+            cur, body = line[len("#### file: "):], []
+        elif line == "#### end of file":
+            files[cur] = "\n".join(body) + "\n"
+            cur = None
+        elif line == "#### command":
+            command = lines[i + 1]
+            break
+        elif cur is not None:
+            body.append(line)
+    argv = shlex.split(command)
+    env = {}
+    while argv and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", argv[0]):
+        k, v = argv.pop(0).split("=", 1)
+        env[k] = v
+    return files, argv, env
+
+
+# --------------------------------------------------------------------------- deepspeed
+
+
+def test_deepspeed_4x8_against_deepspeed_runner(tmp_path):
+    from deepspeed.launcher import runner as ds_runner
+
+    plan = plan_for("deepspeed", "--hosts", "node[1-4]", "--master-port", "29555")
+    files, argv, env = split_render(plan.render())
+    assert argv[0] in ("deepspeed", sys.executable)
+    args = ds_runner.parse_args(argv[argv.index("--hostfile"):])
+    assert (args.num_nodes, args.num_gpus) == (4, 8)
+    assert (args.master_addr, args.master_port, args.launcher) == ("node1", 29555, "pdsh")
+    assert args.module and args.user_script == "pretrain.cli"
+    assert args.user_args == ["train"] + TRAIN
+    # the hostfile, read by DeepSpeed itself
+    hostfile = files[args.hostfile]
+    assert hostfile == "".join(f"node{i} slots=8\n" for i in range(1, 5))
+    (tmp_path / "hostfile").write_text(hostfile)
+    pool = ds_runner.fetch_hostfile(str(tmp_path / "hostfile"))
+    active = ds_runner.parse_inclusion_exclusion(pool, "", "")
+    active = ds_runner.apply_num_nodes_and_gpus(active, args.num_nodes, args.num_gpus)
+    assert {h: len(s) for h, s in active.items()} == {f"node{i}": 8 for i in range(1, 5)}
+    # .deepspeed_env: KEY=VALUE lines that the runner exports on every node
+    env_file = env["DS_ENV_FILE"]
+    assert os.path.basename(env_file) == ".deepspeed_env"
+    lines = dict(line.split("=", 1) for line in files[env_file].splitlines())
+    assert lines["NCCL_IB_HCA"] == "mlx5_0,mlx5_1" and lines["NCCL_SOCKET_IFNAME"] == "ib0"
+    assert lines["GRT_TEST_FLAG"] == "1" and "UNRELATED_SECRET" not in lines
+    assert "PYTHONPATH" in lines
+
+
+def test_deepspeed_honours_env_hostfile_and_master_addr(tmp_path):
+    hf = tmp_path / "myhosts"
+    hf.write_text("# cluster\nworker-0 slots=8\nworker-1 slots=8\nworker-2 slots=8\nworker-3 slots=8\n")
+    environ = dict(ENV, DLTS_HOSTFILE=str(hf), MASTER_ADDR="10.0.0.7", MASTER_PORT="6001")
+    plan, _ = build_plan(["--launcher", "deepspeed", "--ds-launcher", "openmpi",
+                          "--launcher-args", "--mca btl_tcp_if_include ib0", "--dry-run", "--", *TRAIN],
+                         environ=environ)
+    files, argv, env = split_render(plan.render())
+    from deepspeed.launcher import runner as ds_runner
+
+    args = ds_runner.parse_args(argv[1:] if argv[0] == "deepspeed" else argv[3:])
+    assert args.hostfile == str(hf) and str(hf) not in files  # used as is, not rewritten
+    assert (args.num_nodes, args.num_gpus) == (4, 8)
+    assert (args.master_addr, args.master_port) == ("10.0.0.7", 6001)
+    assert args.launcher == "openmpi" and args.launcher_args == "--mca btl_tcp_if_include ib0"
+
+
+def test_deepspeed_no_ssh_node_rank():
+    plan = plan_for("deepspeed", "--hosts", "a,b,c,d", "--no-ssh", "--node-rank", "2")
+    _, argv, _ = split_render(plan.render())
+    assert "--no_ssh" in argv and "--node_rank=2" in argv and "--launcher=pdsh" not in argv
+
+
+def test_deepspeed_errors():
+    with pytest.raises(SystemExit):
+        plan_for("deepspeed")  # 4 nodes, no hosts anywhere
+    with pytest.raises(ValueError):
+        plan_for("deepspeed", "--hosts", "a,b,c,d", "--no-ssh")  # no node rank
+
+
+# --------------------------------------------------------------------------- mpi
+
+
+def test_mpi_4x8_command():
+    plan = plan_for("mpi", "--hosts", "node[1-4]")
+    files, argv, env = split_render(plan.render())
+    assert argv[0] == "mpirun" and argv[argv.index("-np") + 1] == "32"
+    hostfile = argv[argv.index("--hostfile") + 1]
+    assert files[hostfile] == "".join(f"node{i} slots=8\n" for i in range(1, 5))
+    assert argv[argv.index("--map-by") + 1] == "ppr:8:node"
+    exported = {argv[i + 1] for i, a in enumerate(argv) if a == "-x"}
+    assert {"NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH",
+            "PATH", "LD_LIBRARY_PATH", "GRT_TEST_FLAG"} <= exported
+    assert "UNRELATED_SECRET" not in exported
+    assert env["MASTER_ADDR"] == "node1"
+    tail = argv[argv.index("-m"):]
+    assert tail == ["-m", "pretrain.cli", "train"] + TRAIN
+
+
+def test_mpi_4x8_mapped_by_real_mpirun(tmp_path):
+    if shutil.which("mpirun") is None:
+        pytest.skip("mpirun not installed (Debian package openmpi-bin)")
+    plan = plan_for("mpi", "--hosts", "node[1-4]", "--run-dir", str(tmp_path))
+    files, argv, env = split_render(plan.render())
+    for path, content in files.items():
+        with open(path, "w") as f:
+            f.write(content)
+    # map the job without launching anything: ranks 0-7 on node1, ..., 24-31 on node4
+    i = argv.index("-m") - 1  # the python executable
+    cmd = argv[:1] + ["--do-not-launch", "--display-map"] + argv[1:i] + ["true"]
+    run_env = dict(os.environ, **env, **{k: v for k, v in ENV.items() if k != "PATH"})
+    r = subprocess.run(cmd, capture_output=True, text=True, env=run_env, timeout=60)
+    out = r.stdout + r.stderr
+    per_node = {}
+    node = None
+    for line in out.splitlines():
+        m = re.search(r"Data for node: (\S+)\s+Num slots: (\d+)", line)
+        if m:
+            node = m.group(1)
+            assert m.group(2) == "8", line
+            per_node[node] = []
+        m = re.search(r"Process rank: (\d+)", line)
+        if m and node:
+            per_node[node].append(int(m.group(1)))
+    assert per_node == {f"node{n}": list(range(8 * (n - 1), 8 * n)) for n in range(1, 5)}, out
+
+
+# --------------------------------------------------------------------------- slurm
+
+
+def test_slurm_4x8_script(tmp_path):
+    plan = plan_for("slurm", "--time", "24:00:00", "--partition", "gpu", "--account", "proj",
+                    "--requeue", "--signal", "USR1@300", "--container-image", "nvcr.io#me/grt:latest",
+                    "--run-dir", str(tmp_path / "run"))
+    files, argv, env = split_render(plan.render())
+    script_path = argv[-1]
+    assert argv[:2] == ["sbatch", "--parsable"] and script_path.endswith("slurm.sbatch")
+    script = files[script_path]
+    header = [l[len("#SBATCH "):] for l in script.splitlines() if l.startswith("#SBATCH ")]
+    for opt in ("--nodes=4", "--ntasks-per-node=8", "--gpus-per-node=8", "--time=24:00:00",
+                "--partition=gpu", "--account=proj", "--signal=B:USR1@300", "--requeue",
+                "--open-mode=append"):
+        assert opt in header, (opt, header)
+    assert any(h.startswith("--output=") and h.endswith("slurm-%j.out") for h in header)
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in script
+    assert "export NCCL_IB_HCA=mlx5_0,mlx5_1" in script and "UNRELATED_SECRET" not in script
+    srun = next(l for l in script.splitlines() if l.startswith("srun "))
+    srun_argv = shlex.split(srun.rstrip(" &"))
+    assert "--container-image=nvcr.io#me/grt:latest" in srun_argv
+    assert any(a.startswith("--container-mounts=") for a in srun_argv)
+    assert srun_argv[-len(TRAIN) - 4:] == ["python", "-m", "pretrain.cli", "train"] + TRAIN
+    assert "trap 'forward USR1' USR1" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    path = tmp_path / "s.sbatch"
+    path.write_text(script)
+    r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_slurm_apptainer_and_no_signal(tmp_path):
+    plan = plan_for("slurm", "--apptainer", "grt.sif", "--signal", "", "--run-dir", str(tmp_path))
+    files, argv, _ = split_render(plan.render())
+    script = files[argv[-1]]
+    assert "--signal" not in script and "trap" not in script and "--requeue" not in script
+    srun = shlex.split(next(l for l in script.splitlines() if l.startswith("srun ")))
+    i = srun.index("apptainer")
+    assert srun[i:i + 3] == ["apptainer", "exec", "--nv"] and "grt.sif" in srun
+    (tmp_path / "s.sh").write_text(script)
+    assert subprocess.run(["bash", "-n", str(tmp_path / "s.sh")]).returncode == 0
+
+
+def test_slurm_cpu_job_has_no_gpus(tmp_path):
+    plan, _ = build_plan(["--launcher", "slurm", "--procs-per-node", "2", "--run-dir", str(tmp_path),
+                          "--dry-run"], environ={})
+    files, argv, _ = split_render(plan.render())
+    script = files[argv[-1]]
+    assert "--ntasks-per-node=2" in script and "--gpus-per-node" not in script and "--nv" not in script
+
+
+# --------------------------------------------------------------------------- local and CLI
+
+
+def test_local_commands():
+    plan, _ = build_plan(["--dry-run", "--", "--preset", "tiny-grt"], environ={})
+    assert plan.command == [sys.executable, "-m", "pretrain.cli", "train", "--preset", "tiny-grt"]
+    plan, _ = build_plan(["--procs-per-node", "2", "--dry-run", "--preset", "tiny-grt"], environ={})
+    assert plan.command[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert plan.command[-4:] == ["pretrain.cli", "train", "--preset", "tiny-grt"]  # unknown args pass
+
+
+def test_grt_launch_dry_run_through_grt_cli(tmp_path, capsys):
+    assert main(["--launcher", "slurm", "--nodes", "2", "--gpus-per-node", "4", "--run-dir",
+                 str(tmp_path), "--dry-run", "--", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --nodes=2" in out and out.strip().splitlines()[-1].startswith("sbatch")
+    assert not os.listdir(tmp_path)  # a dry run writes nothing
+    r = subprocess.run([sys.executable, "-m", "pretrain.cli", "launch", "--launcher", "mpi", "--hosts",
+                        "a,b", "--gpus-per-node", "8", "--dry-run"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "-np 16" in r.stdout.splitlines()[-1]
