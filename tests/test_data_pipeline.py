@@ -328,6 +328,12 @@ def test_corrupt_truncated_and_missing_shards(shards, tmp_path):
     assert len(batches) == loader.batches_per_epoch  # the count never changes
     assert loader.skipped_shards == 1 and loader.bad_shards == [victim.url]
     assert any("train-000002.tar" in str(x.message) for x in w)
+    # the same through DataLoader worker processes: the count still never changes
+    loader = TokenBatchLoader(d, skip_corrupt=True, num_workers=2, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert len(list(loader)) == loader.batches_per_epoch
+    assert loader.skipped_shards >= 1 and loader.bad_shards == [victim.url]
     # garbage in a header
     with open(victim.url, "wb") as fh:
         fh.write(data[:512 * 7] + b"\x13" * 700 + data[512 * 7 + 700:])
@@ -466,3 +472,34 @@ def test_long_documents_tokenise_exactly_as_the_tokenizer(tmp_path, tokenizer):
     expect = [tokenizer.sep_id] + tokenizer.encode(text)
     assert len(stream) == len(samples) * SEQ + 1 and len(expect) - len(stream) < SEQ
     assert stream == expect[:len(stream)]
+
+
+@pytest.mark.slow
+def test_prepare_killed_with_sigkill_then_rerun(tmp_path, tokenizer):
+    import signal
+    import sys
+    import time
+
+    src = tmp_path / "in.txt"
+    src.write_text(open(SHAKESPEARE, encoding="utf-8").read(), encoding="utf-8")
+    cmd = [sys.executable, "-m", "data_pipeline.cli", "prepare", "--input", str(src), "--txt-mode", "paragraph",
+           "--tokenizer", tokenizer.model_path, "--seq-len", "16", "--shard-size-mb", "0.03", "--workers", "2", "-q"]
+    ref = str(tmp_path / "ref")
+    subprocess.run(cmd + ["--out", ref], check=True, cwd=REPO)
+    ref_files = _dir_bytes(ref)
+    assert len([f for f in ref_files if f.endswith(".tar")]) > 20
+    out = str(tmp_path / "out")
+    proc = subprocess.Popen(cmd + ["--out", out], cwd=REPO)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (os.path.isdir(out) and
+                                          any(f.endswith(".tar") for f in os.listdir(out))):
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    names = os.listdir(out)
+    assert "manifest.json" not in names, "the run finished before it was killed: use more input"
+    for f in names:
+        if f.endswith(".tar"):
+            assert open(os.path.join(out, f), "rb").read() == ref_files[f], f
+    subprocess.run(cmd + ["--out", out], check=True, cwd=REPO)
+    assert _dir_bytes(out) == ref_files
