@@ -32,6 +32,7 @@ from .tokenizer import Tokenizer, atomic_write_bytes, file_sha256
 TOKENIZER_NAME = "tokenizer.model"
 SPLITS = ("train", "val")
 _SHARD_RE = re.compile(r"^(train|val)-\d{6}\.tar$")
+_TMP_RE = re.compile(r"^(?:(?:train|val)-\d{6}\.tar\.tmp|(?:manifest\.json|tokenizer\.model)\.tmp-\d+)$")
 _CHUNK_CHARS = 1 << 21  # ~2 MB of text per task sent to a worker
 
 # Test hook: called as _after_shard_hook(path) after each shard is written.
@@ -197,8 +198,8 @@ def prepare(inputs: Sequence[str], tokenizer: str, out_dir: str, seq_len: int = 
     manifest_path = os.path.join(out_dir, MANIFEST_NAME)
     if os.path.exists(manifest_path):
         os.unlink(manifest_path)
-    for f in os.listdir(out_dir):
-        if f.endswith(".tmp") or ".tmp-" in f:
+    for f in os.listdir(out_dir):  # leftovers of an interrupted run (only our own names)
+        if _TMP_RE.match(f):
             os.unlink(os.path.join(out_dir, f))
     tok_dst = os.path.join(out_dir, TOKENIZER_NAME)
     if not (os.path.exists(tok_dst) and os.path.samefile(tok_dst, tok.model_path)):
