@@ -43,8 +43,11 @@ class _EpochPlan:
     def __init__(self, *, urls, sequences, epoch, seed, rank, world_size, num_workers, batch_size,
                  batches, start_batch, shuffle_buffer, shuffle_shards, seq_len, ext, sep_id, vocab_size,
                  skip_corrupt):
-        self.__dict__.update(locals())
-        del self.__dict__["self"]
+        self.urls, self.sequences, self.epoch, self.seed = list(urls), list(sequences), epoch, seed
+        self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
+        self.batch_size, self.batches, self.start_batch = batch_size, batches, start_batch
+        self.shuffle_buffer, self.shuffle_shards, self.skip_corrupt = shuffle_buffer, shuffle_shards, skip_corrupt
+        self.seq_len, self.ext, self.sep_id, self.vocab_size = seq_len, ext, sep_id, vocab_size
         n = len(urls)
         if shuffle_shards:
             order = np.random.default_rng([seed, epoch, 0x5A4D]).permutation(n)
