@@ -24,7 +24,7 @@ How an epoch is laid out (see docs/data.md for the full description):
 """
 from __future__ import annotations
 
-import math
+import os
 import warnings
 from typing import Dict, Iterator, List, Optional
 
@@ -194,6 +194,8 @@ class TokenBatchLoader:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         self.manifest = Manifest.load(manifest_path)
         self.manifest.check(expected_seq_len, expected_tokenizer_sha256)
+        if os.path.isfile(self.manifest.tokenizer_path):  # absent when only the manifest was copied
+            self.manifest.verify_tokenizer()
         self.split = split
         self.shards = self.manifest.shards(split)
         if not self.shards:

@@ -82,6 +82,15 @@ class Manifest:
             raise ValueError(f"manifest {self.path!r} was tokenised with tokenizer sha256 {self.tokenizer_sha256}, "
                              f"but sha256 {expected_tokenizer_sha256} was expected")
 
+    def verify_tokenizer(self) -> None:
+        """Check that the tokenizer file next to the manifest is the one the shards were made with."""
+        from .tokenizer import file_sha256
+
+        actual = file_sha256(self.tokenizer_path)
+        if actual != self.tokenizer_sha256:
+            raise ValueError(f"tokenizer {self.tokenizer_path!r} has sha256 {actual}, but manifest {self.path!r} "
+                             f"records {self.tokenizer_sha256}")
+
     @classmethod
     def load(cls, path: str) -> "Manifest":
         """Load ``path`` (a manifest.json, or a directory holding one)."""

@@ -110,6 +110,11 @@ def test_tokenizer_round_trip_and_separator(tokenizer, tmp_path, corpus):
     again = train_tokenizer([corpus["dir"]], str(tmp_path / "again.model"), vocab_size=400, max_chars=200_000,
                             progress=False)
     assert again.sha256 == tokenizer.sha256  # same inputs and flags -> same model bytes
+    from data_pipeline.tokenizer import sample_training_text
+
+    sample, info = sample_training_text([corpus["dir"]], max_chars=20_000, seed=1, progress=False)
+    assert 15_000 < info["sample_chars"] <= 21_000 and info["input_chars"] > 100_000
+    assert len({s for s in sample} & set(corpus["docs"][-200:])) > 0  # spread over the input, not its start
     with pytest.raises(ValueError, match="50257"):
         train_tokenizer([corpus["dir"]], str(tmp_path / "big.model"), vocab_size=50258, progress=False)
 
@@ -300,6 +305,17 @@ def test_resume_mid_epoch_and_across_epoch_boundary(shards, workers):
         assert resumed.state_dict() == ref.state_dict()
 
 
+def test_resume_with_another_layout_warns_and_keeps_the_position(shards):
+    a = TokenBatchLoader(shards.path, micro_batch_size=4, seed=2)
+    it = iter(a)
+    for _ in range(10):
+        next(it)
+    b = TokenBatchLoader(shards.path, micro_batch_size=8, seed=2)
+    with pytest.warns(RuntimeWarning, match="layout changed"):
+        b.load_state_dict(a.state_dict())
+    assert (b.epoch, b.batch_in_epoch, b.samples_consumed) == (0, 5, 40)
+
+
 def test_resume_rejects_other_shards(shards, tmp_path, corpus, tokenizer):
     other = prepare([corpus["dir"]], tokenizer.model_path, str(tmp_path / "o"), seq_len=SEQ,
                     shard_size_mb=_two_shard_mb(shards), workers=1, progress=False)
@@ -356,6 +372,14 @@ def test_manifest_mismatch_is_refused_with_both_values(shards):
     assert ok.batches_per_epoch > 0
     with pytest.raises(KeyError, match="val"):
         TokenBatchLoader(shards.path, split="val")
+
+
+def test_swapped_tokenizer_next_to_the_shards_is_refused(shards, tmp_path, corpus):
+    d = _copy_dir(os.path.dirname(shards.path), tmp_path / "t")
+    train_tokenizer([corpus["dir"]], os.path.join(d, "tokenizer.model"), vocab_size=350, max_chars=50_000,
+                    progress=False)
+    with pytest.raises(ValueError, match=shards.tokenizer_sha256):
+        TokenBatchLoader(d)
 
 
 def test_pipe_urls_stream_through_webdataset(shards, tmp_path):
