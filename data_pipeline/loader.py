@@ -210,9 +210,12 @@ class TokenBatchLoader:
         self.num_sequences = sum(s.sequences for s in self.shards)
         self.batches_per_epoch = self.num_sequences // (world_size * micro_batch_size)
         if self.batches_per_epoch == 0:
-            raise ValueError(f"split {split!r} of {self.manifest.path!r} has {self.num_sequences} sequences, fewer "
-                             f"than one batch per rank (world_size {world_size} x micro_batch_size "
-                             f"{micro_batch_size}); prepare more data or use smaller batches")
+            msg = (f"split {split!r} of {self.manifest.path!r} has {self.num_sequences} sequences, fewer than one "
+                   f"batch per rank (world_size {world_size} x micro_batch_size {micro_batch_size}); prepare more "
+                   f"data or use smaller batches")
+            if loop:
+                raise ValueError(msg)
+            warnings.warn(msg + "; every rank gets 0 batches", RuntimeWarning)
         self.fingerprint = self.manifest.fingerprint(split)
         self.epoch = 0
         self.batch_in_epoch = 0
@@ -249,6 +252,8 @@ class TokenBatchLoader:
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
         if not self.loop and self.batch_in_epoch >= self.batches_per_epoch:
             self.batch_in_epoch = 0  # a new pass over the same (validation) epoch
+        if self.batches_per_epoch == 0:
+            return
         while True:
             if self.batch_in_epoch < self.batches_per_epoch:
                 source = self._epoch_source()

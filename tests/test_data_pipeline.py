@@ -274,6 +274,12 @@ def test_epochs_reshuffle_and_validation_passes_repeat(shards):
     p1 = [b["input_ids"] for b in val]
     p2 = [b["input_ids"] for b in val]
     assert len(p1) == val.batches_per_epoch == len(p2) and all(torch.equal(a, b) for a, b in zip(p1, p2))
+    too_big = shards.sequences("train") // 2 + 1  # not one batch per rank for 2 ranks
+    with pytest.raises(ValueError, match="fewer than one batch per rank"):
+        TokenBatchLoader(m.path, micro_batch_size=too_big, world_size=2, loop=True)
+    with pytest.warns(RuntimeWarning, match="0 batches"):
+        empty = TokenBatchLoader(m.path, micro_batch_size=too_big, world_size=2, rank=1, loop=False)
+    assert empty.batches_per_epoch == 0 and list(empty) == []
 
 
 # -- exact resume -----------------------------------------------------------------------
