@@ -241,10 +241,11 @@ def prepare(inputs: Sequence[str], tokenizer: str, out_dir: str, seq_len: int = 
         if buf_texts:
             yield buf_texts, buf_splits
 
-    bar = tqdm(desc="prepare", unit="B", unit_scale=True, disable=not progress, file=sys.stderr,
-               smoothing=0.1, mininterval=0.5)
+    # the pool first: fork before tqdm starts its monitor thread
     pool = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn").Pool(
         workers, initializer=_init_worker, initargs=(tok.model_path,)) if workers > 1 else None
+    bar = tqdm(desc="prepare", unit="B", unit_scale=True, disable=not progress, file=sys.stderr,
+               smoothing=0.1, mininterval=0.5)
     if pool is None:
         _init_worker(tok.model_path)
     try:

@@ -290,7 +290,7 @@ def test_resume_mid_epoch_and_across_epoch_boundary(shards, workers):
     kw = dict(micro_batch_size=4, rank=1, world_size=2, num_workers=workers, seed=11, shuffle_buffer=37)
     ref = TokenBatchLoader(m.path, **kw)
     k = ref.batches_per_epoch
-    total = k + k // 2
+    total = k + 5  # into the second epoch
     # mid-epoch at both parities (worker round-robin phase), and one batch before the epoch ends
     cut_points = {k // 3, k // 3 + 1, k - 1}
     states, seq = {}, []
