@@ -43,11 +43,8 @@ def build_local(r) -> Plan:
 
 
 def _parse_user_env(r) -> Dict[str, str]:
-    out = {}
-    for pair in r.args.env:
-        k, v = pair.split("=", 1)
-        out[k] = v
-    return out
+    """Rank environment this process does not already have (--env, computed defaults)."""
+    return {k: v for k, v in r.env.items() if r.environ.get(k) != v}
 
 
 # --------------------------------------------------------------------------- deepspeed
@@ -55,7 +52,6 @@ def _parse_user_env(r) -> Dict[str, str]:
 
 def build_deepspeed(r) -> Plan:
     a = r.args
-    run_dir = os.path.abspath(r.run_dir)
     files: Dict[str, str] = {}
     exe = ["deepspeed"] if shutil.which("deepspeed") else [r.python, "-m", "deepspeed.launcher.runner"]
     cmd: List[str] = list(exe)
@@ -64,7 +60,7 @@ def build_deepspeed(r) -> Plan:
         if r.hostfile_given:
             hostfile = r.hostfile
         else:
-            hostfile = os.path.join(run_dir, "hostfile")
+            hostfile = os.path.join(r.launch_dir, "hostfile")
             files[hostfile] = format_hostfile(r.hosts)
         cmd += ["--hostfile", hostfile, f"--num_nodes={r.nodes}"]
     cmd += [f"--num_gpus={r.procs}"]
@@ -81,11 +77,13 @@ def build_deepspeed(r) -> Plan:
         cmd += [f"--launcher={a.ds_launcher}"]
         if a.launcher_args:
             cmd += [f"--launcher_args={a.launcher_args}"]
-    cmd += ["--module", r.entry_module] + r.entry_args + r.train_args
+    # ranks read LOCAL_RANK from the environment; without this the runner inserts
+    # --local_rank=N in front of the module's own arguments
+    cmd += ["--no_local_rank", "--module", r.entry_module] + r.entry_args + r.train_args
     env: Dict[str, str] = {}
     if r.env or multi:
         # the deepspeed runner exports every line of this file on every node (multi-node runs)
-        env_file = os.path.join(run_dir, ".deepspeed_env")
+        env_file = os.path.join(r.launch_dir, ".deepspeed_env")
         lines = dict(r.env)
         if multi:
             lines.setdefault("PYTHONPATH", _pythonpath(r.environ.get("PYTHONPATH", "")))
@@ -100,14 +98,13 @@ def build_deepspeed(r) -> Plan:
 
 def build_mpi(r) -> Plan:
     a = r.args
-    run_dir = os.path.abspath(r.run_dir)
     files: Dict[str, str] = {}
     cmd = shlex.split(a.mpirun) + ["-np", str(r.world_size)]
     if r.hosts is not None:
         if r.hostfile_given:
             hostfile = r.hostfile
         else:
-            hostfile = os.path.join(run_dir, "hostfile")
+            hostfile = os.path.join(r.launch_dir, "hostfile")
             files[hostfile] = format_hostfile(r.hosts)
         cmd += ["--hostfile", hostfile]
     cmd += ["--map-by", f"ppr:{r.procs}:node", "--bind-to", "none"]
@@ -242,8 +239,7 @@ def build_slurm(r) -> Plan:
     a = r.args
     if a.container_image and a.apptainer:
         raise ValueError("choose one of --container-image (pyxis) and --apptainer")
-    run_dir = os.path.abspath(r.run_dir)
-    script_path = os.path.join(run_dir, "slurm.sbatch")
+    script_path = os.path.join(r.launch_dir, "slurm.sbatch")
     script = slurm_script(r, script_path)
     cmd = ["sbatch", "--parsable"] + (["--wait"] if a.wait else []) + [script_path]
     return Plan("slurm", cmd, files={script_path: script}, executable_files=[script_path],

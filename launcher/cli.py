@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "runs/launch-<time>)")
     p.add_argument("--entry", default=DEFAULT_ENTRY,
                    help="per-rank python module and its leading arguments")
+    p.add_argument("--no-resolve", action="store_true",
+                   help="hand the train arguments to every rank as they are, instead of resolving "
+                   "the run config here once and handing every rank --config-json")
+    p.add_argument("--no-auto-resume", action="store_true",
+                   help="slurm: do not add --resume (by default a Slurm job resumes from the newest "
+                   "checkpoint in --out, so that a requeued or resubmitted job continues)")
     p.add_argument("--python", default=None,
                    help="python on the nodes (default: this interpreter; 'python' in a container)")
     p.add_argument("--dry-run", action="store_true",
@@ -195,12 +201,27 @@ class Resolved:
             hosts[0][0] if hosts and self.nodes > 1 else "127.0.0.1")
         port = args.master_port or environ.get("MASTER_PORT")
         self.master_port = int(port) if port else None
-        out = _train_out_dir(train_args)
-        self.run_dir = args.run_dir or out or os.path.join("runs", time.strftime("launch-%Y%m%d-%H%M%S"))
         entry = shlex.split(args.entry)
         if not entry:
             raise SystemExit("grt launch: --entry is empty")
         self.entry_module, self.entry_args = entry[0], entry[1:]
+        self.config = None  # the resolved run config (dict), when the entry is `grt train`
+        out = _train_out_dir(train_args)
+        resolve = (entry == DEFAULT_ENTRY.split() and not args.no_resolve
+                   and not {"-h", "--help", "--print-config"} & set(train_args))
+        resume = False
+        if resolve:
+            self.config, resume = resolve_train_config(train_args)
+            out = self.config["out"]
+        if args.launcher == "slurm" and entry == DEFAULT_ENTRY.split() and not args.no_auto_resume:
+            resume = True
+        self.run_dir = args.run_dir or out or os.path.join("runs", time.strftime("launch-%Y%m%d-%H%M%S"))
+        self.launch_dir = os.path.join(os.path.abspath(self.run_dir), "launch")
+        if self.config is not None:
+            self.config_path = os.path.join(self.launch_dir, "config.json")
+            self.train_args = ["--config-json", self.config_path] + (["--resume"] if resume else [])
+        elif resume and "--resume" not in train_args:
+            self.train_args = train_args + ["--resume"]
         container = args.container_image or args.apptainer
         self.python = args.python or ("python" if container else sys.executable)
         self.env = self._rank_env(environ)
@@ -208,6 +229,9 @@ class Resolved:
     def _rank_env(self, environ: Dict[str, str]) -> Dict[str, str]:
         prefixes = tuple(DEFAULT_EXPORT_PREFIXES) + tuple(self.args.export)
         env = {k: v for k, v in sorted(environ.items()) if k.startswith(prefixes)}
+        if not self.gpus and self.procs > 1 and "OMP_NUM_THREADS" not in env:
+            # CPU ranks: share this machine's cores instead of each taking all of them
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.procs))
         env.update(_parse_env(self.args.env))
         return env
 
@@ -227,11 +251,48 @@ class Resolved:
             "hosts": [h for h, _ in self.hosts] if self.hosts else None,
             "master_addr": self.master_addr,
             "master_port": self.master_port,
+            "config": getattr(self, "config_path", None),
             "rank_env": self.env,
             "launch_host": socket.gethostname(),
             "cwd": os.getcwd(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
+
+
+def resolve_train_config(train_args: Sequence[str]) -> Tuple[Dict[str, object], bool]:
+    """Resolve `grt train` arguments into one complete run config, once, on this host.
+
+    Like GPT-NeoX, the merged config (preset, model JSON, flags, --set overrides) is built
+    here and every rank gets the same file through --config-json.  Paths in it are made
+    absolute so that every node reads the same files whatever its working directory.
+    Returns (config dict, whether --resume was given).
+    """
+    from pretrain.config import ConfigError
+    from pretrain.train import build_parser as train_parser, config_from_args
+
+    try:
+        targs = train_parser().parse_args(list(train_args))
+    except SystemExit as e:
+        raise ValueError(f"grt train arguments rejected: {' '.join(train_args)}") from e
+    try:
+        cfg = config_from_args(targs)
+        if cfg.data and os.path.isfile(cfg.data):
+            # the checks that need the data (vocabulary and context follow the tokenizer);
+            # skipped when the manifest is only visible from the cluster's nodes
+            try:
+                from pretrain.trainer import resolve as resolve_with_data
+            except ImportError:  # pragma: no cover
+                resolve_with_data = None
+            if resolve_with_data is not None:
+                cfg = resolve_with_data(cfg)
+    except ConfigError as e:
+        raise ValueError(f"run config: {e}") from e
+    config = cfg.to_dict()
+    for key in ("data", "ds_config", "out"):
+        value = config.get(key)
+        if isinstance(value, str) and value and not os.path.isabs(value) and "://" not in value:
+            config[key] = os.path.abspath(value)
+    return config, bool(targs.resume)
 
 
 def _local_gpu_count() -> int:
@@ -251,7 +312,11 @@ def build_plan(argv: Sequence[str], environ: Optional[Dict[str, str]] = None) ->
     environ = dict(os.environ if environ is None else environ)
     r = Resolved(args, train_args, environ)
     plan = builders.BUILDERS[args.launcher](r)
-    plan.run_dir = r.run_dir
+    if r.config is not None:
+        import json
+
+        plan.files = {r.config_path: json.dumps(r.config, indent=2) + "\n", **plan.files}
+    plan.run_dir = r.launch_dir
     plan.record = r.record(argv)
     return plan, args
 

@@ -5,6 +5,7 @@ DeepSpeed's own hostfile reader; the mpirun command is mapped by the real `mpiru
 --do-not-launch --display-map`; the sbatch script is checked with `bash -n` (and with
 `sbatch --test-only` against a real cluster in test_launcher_slurm.py).
 """
+import json
 import os
 import re
 import shlex
@@ -17,7 +18,10 @@ import pytest
 from launcher.cli import build_plan, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN = ["--preset", "grt-small", "--out", "runs/grt-small"]
+TRAIN = ["--preset", "grt-small", "--data", "data/shards/manifest.json", "--out", "runs/grt-small",
+         "--set", "train.lr=3e-4"]
+RUN_DIR = os.path.abspath("runs/grt-small")
+CONFIG = os.path.join(RUN_DIR, "launch", "config.json")
 ENV = {"NCCL_IB_HCA": "mlx5_0,mlx5_1", "NCCL_SOCKET_IFNAME": "ib0", "GRT_TEST_FLAG": "1",
        "PATH": os.environ.get("PATH", ""), "UNRELATED_SECRET": "x"}
 
@@ -64,8 +68,12 @@ def test_deepspeed_4x8_against_deepspeed_runner(tmp_path):
     args = ds_runner.parse_args(argv[argv.index("--hostfile"):])
     assert (args.num_nodes, args.num_gpus) == (4, 8)
     assert (args.master_addr, args.master_port, args.launcher) == ("node1", 29555, "pdsh")
-    assert args.module and args.user_script == "pretrain.cli"
-    assert args.user_args == ["train"] + TRAIN
+    assert args.module and args.no_local_rank and args.user_script == "pretrain.cli"
+    # the run config is resolved here once; every rank gets the same file
+    assert args.user_args == ["train", "--config-json", CONFIG]
+    config = json.loads(files[CONFIG])
+    assert config["model"]["name"] == "grt-small" and config["train"]["lr"] == 3e-4
+    assert config["out"] == RUN_DIR and config["data"] == os.path.abspath("data/shards/manifest.json")
     # the hostfile, read by DeepSpeed itself
     hostfile = files[args.hostfile]
     assert hostfile == "".join(f"node{i} slots=8\n" for i in range(1, 5))
@@ -129,7 +137,8 @@ def test_mpi_4x8_command():
     assert "UNRELATED_SECRET" not in exported
     assert env["MASTER_ADDR"] == "node1"
     tail = argv[argv.index("-m"):]
-    assert tail == ["-m", "pretrain.cli", "train"] + TRAIN
+    assert tail == ["-m", "pretrain.cli", "train", "--config-json", CONFIG]
+    assert CONFIG in files
 
 
 def test_mpi_4x8_mapped_by_real_mpirun(tmp_path):
@@ -138,6 +147,7 @@ def test_mpi_4x8_mapped_by_real_mpirun(tmp_path):
     plan = plan_for("mpi", "--hosts", "node[1-4]", "--run-dir", str(tmp_path))
     files, argv, env = split_render(plan.render())
     for path, content in files.items():
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             f.write(content)
     # map the job without launching anything: ranks 0-7 on node1, ..., 24-31 on node4
@@ -183,7 +193,10 @@ def test_slurm_4x8_script(tmp_path):
     srun_argv = shlex.split(srun.rstrip(" &"))
     assert "--container-image=nvcr.io#me/grt:latest" in srun_argv
     assert any(a.startswith("--container-mounts=") for a in srun_argv)
-    assert srun_argv[-len(TRAIN) - 4:] == ["python", "-m", "pretrain.cli", "train"] + TRAIN
+    # --resume: a requeued or resubmitted job continues from its newest checkpoint
+    config = str(tmp_path / "run" / "launch" / "config.json")
+    assert srun_argv[-7:] == ["python", "-m", "pretrain.cli", "train", "--config-json", config, "--resume"]
+    assert config in files and f"{tmp_path / 'run'}:{tmp_path / 'run'}" in srun
     assert "trap 'forward USR1' USR1" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
     path = tmp_path / "s.sbatch"
     path.write_text(script)
@@ -205,7 +218,7 @@ def test_slurm_apptainer_and_no_signal(tmp_path):
 
 def test_slurm_cpu_job_has_no_gpus(tmp_path):
     plan, _ = build_plan(["--launcher", "slurm", "--procs-per-node", "2", "--run-dir", str(tmp_path),
-                          "--dry-run"], environ={})
+                          "--dry-run", "--data", "m.json"], environ={})
     files, argv, _ = split_render(plan.render())
     script = files[argv[-1]]
     assert "--ntasks-per-node=2" in script and "--gpus-per-node" not in script and "--nv" not in script
@@ -215,21 +228,33 @@ def test_slurm_cpu_job_has_no_gpus(tmp_path):
 
 
 def test_local_commands():
-    plan, _ = build_plan(["--dry-run", "--", "--preset", "tiny-grt"], environ={})
+    plan, _ = build_plan(["--no-resolve", "--dry-run", "--", "--preset", "tiny-grt"], environ={})
     assert plan.command == [sys.executable, "-m", "pretrain.cli", "train", "--preset", "tiny-grt"]
-    plan, _ = build_plan(["--procs-per-node", "2", "--dry-run", "--preset", "tiny-grt"], environ={})
+    plan, _ = build_plan(["--procs-per-node", "2", "--dry-run", "--no-resolve", "--preset", "tiny-grt"],
+                         environ={})
     assert plan.command[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     assert plan.command[-4:] == ["pretrain.cli", "train", "--preset", "tiny-grt"]  # unknown args pass
+    # --help reaches `grt train` unresolved
+    plan, _ = build_plan(["--dry-run", "--", "--help"], environ={})
+    assert plan.command[-2:] == ["train", "--help"]
+
+
+def test_config_errors_are_reported_before_launching(capsys):
+    assert main(["--launcher", "slurm", "--dry-run", "--", "--preset", "no-such-preset", "--data", "x"]) == 2
+    assert "no-such-preset" in capsys.readouterr().err
+    assert main(["--launcher", "deepspeed", "--dry-run", "--", "--preset", "tiny-grt"]) == 2  # no --data
+    assert "--data" in capsys.readouterr().err
 
 
 def test_grt_launch_dry_run_through_grt_cli(tmp_path, capsys):
     assert main(["--launcher", "slurm", "--nodes", "2", "--gpus-per-node", "4", "--run-dir",
-                 str(tmp_path), "--dry-run", "--", "--out", str(tmp_path)]) == 0
+                 str(tmp_path), "--dry-run", "--", "--data", "m.json", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "#SBATCH --nodes=2" in out and out.strip().splitlines()[-1].startswith("sbatch")
     assert not os.listdir(tmp_path)  # a dry run writes nothing
     r = subprocess.run([sys.executable, "-m", "pretrain.cli", "launch", "--launcher", "mpi", "--hosts",
-                        "a,b", "--gpus-per-node", "8", "--dry-run"], capture_output=True, text=True,
+                        "a,b", "--gpus-per-node", "8", "--dry-run", "--data", "m.json"],
+                       capture_output=True, text=True,
                        cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "-np 16" in r.stdout.splitlines()[-1]
