@@ -97,7 +97,7 @@ def open_stream(url: str):
     if "://" not in url and not url.startswith("pipe:") and not os.path.exists(url):
         raise MissingShardError(url, "no such file")
     try:
-        return wds.gopen(url, "rb")
+        return wds.gopen(url, "rb", bufsize=1 << 20)
     except FileNotFoundError as exc:
         raise MissingShardError(url, str(exc)) from exc
     except OSError as exc:
