@@ -478,6 +478,11 @@ def test_cli_tokenizer_prepare_inspect(tmp_path, capsys):
         fh.write(b"\x00\x01" * 8)  # flip payload bytes: only the checksum can tell
     assert main(["inspect", out, "--verify"]) == 1
     assert main(["prepare", "--input", str(tmp_path / "nope"), "--tokenizer", tok, "--out", out, "-q"]) == 2
+    capsys.readouterr()
+    assert main(["prepare", "--input", str(src), "--tokenizer", tok, "--out", str(tmp_path / "loud"),
+                 "--seq-len", "16", "--workers", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "tok/s" in err and "MB/s" in err and "tokens/s" in err  # progress display and summary
 
 
 def test_bench_json(tmp_path, capsys):
