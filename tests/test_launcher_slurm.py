@@ -1,0 +1,164 @@
+"""Slurm for real: the test starts a one-node cluster (munged, slurmctld, slurmd; see
+slurm_cluster.py), checks the generated batch scripts with `sbatch --test-only`, submits them
+through `grt launch --launcher slurm` with 2 tasks, and pre-empts jobs with their signal.
+
+Skipped, with the reason, where Slurm or munge is not installed or the daemons cannot start.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from launch_helpers import ROOT, check_trained, clean_env, grt_launch, probe_results, read_metrics, train_args  # noqa: E402
+from slurm_cluster import SlurmCluster, SlurmUnavailable, default_state_dir  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = SlurmCluster(default_state_dir())
+    try:
+        c.start()
+    except SlurmUnavailable as e:
+        c.stop()
+        pytest.skip(f"no test Slurm cluster: {e}")
+    yield c
+    c.stop()
+
+
+def submit(cluster, *args):
+    """`grt launch --launcher slurm ...` against the test cluster; returns the job id."""
+    r = grt_launch("--launcher", "slurm", *args, env=clean_env(SLURM_CONF=cluster.conf))
+    job = r.stdout.strip().splitlines()[-1].split(";")[0]
+    assert job.isdigit(), r.stdout
+    return job
+
+
+def job_log(out, job):
+    with open(os.path.join(str(out), f"slurm-{job}.out"), errors="replace") as f:
+        return f.read()
+
+
+def wait_done(cluster, job, out, timeout=400):
+    info = cluster.wait_job(job, timeout=timeout)
+    assert info["JobState"] == "COMPLETED", (info, job_log(out, job)[-4000:])
+    return info
+
+
+def wait_requeued(cluster, job, timeout=120):
+    """Wait until the job was requeued and started again.
+
+    A requeued job is held for the credential lifetime (BeginTime; AuthInfo cred_expire,
+    120 s by default, 5 s in the test cluster) before it can start again."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        info = cluster.job_state(job)
+        if info.get("Restarts", "0") != "0" and info.get("JobState") in ("RUNNING", "COMPLETED"):
+            return
+        time.sleep(0.3)
+    raise TimeoutError(f"job {job} was not requeued and restarted: {cluster.job_state(job)}")
+
+
+# --------------------------------------------------------------------------- sbatch --test-only
+
+
+def test_generated_scripts_pass_sbatch_test_only(cluster, tmp_path):
+    env = clean_env(SLURM_CONF=cluster.conf)
+    r = grt_launch("--launcher", "slurm", "--procs-per-node", "2", "--time", "00:10:00",
+                   "--partition", cluster.partition, "--job-name", "grt-check", "--requeue",
+                   "--signal", "USR1@60", "--dry-run", "--run-dir", str(tmp_path), "--entry", "launcher.probe",
+                   "--", "--out", str(tmp_path), env=env)
+    script = r.stdout.split("#### file: ")[1].split("\n", 1)[1].split("#### end of file")[0]
+    path = tmp_path / "check.sbatch"
+    path.write_text(script)
+    t = cluster.run("sbatch", "--test-only", str(path), check=False)
+    assert t.returncode == 0 and "to start at" in t.stderr, t.stderr
+    # the 4 x 8 GPU script: this CPU node cannot run it, but Slurm must reject it for the
+    # resources only, never for its syntax
+    r = grt_launch("--launcher", "slurm", "--nodes", "4", "--gpus-per-node", "8", "--time", "24:00:00",
+                   "--requeue", "--dry-run", "--run-dir", str(tmp_path / "big"), "--entry", "launcher.probe",
+                   "--", "--out", str(tmp_path), env=env)
+    big = r.stdout.split("#### file: ")[1].split("\n", 1)[1].split("#### end of file")[0]
+    (tmp_path / "big.sbatch").write_text(big)
+    t = cluster.run("sbatch", "--test-only", str(tmp_path / "big.sbatch"), check=False)
+    assert t.returncode != 0
+    assert re.search(r"node configuration is not available|[Gg]eneric resource|gres|[Nn]ode count",
+                     t.stderr), t.stderr
+    assert "unrecognized option" not in t.stderr and "invalid" not in t.stderr.lower().replace(
+        "invalid generic resource", "")
+
+
+# --------------------------------------------------------------------------- probe jobs
+
+
+def test_two_tasks_find_their_ranks(cluster, tmp_path):
+    job = submit(cluster, "--procs-per-node", "2", "--time", "00:10:00", "--entry", "launcher.probe",
+                 "--", "--out", str(tmp_path))
+    wait_done(cluster, job, tmp_path, timeout=300)
+    recs = probe_results(tmp_path, 2)
+    for r in recs:
+        assert r["launcher"] == "slurm" and r["slurm_job_id"] == job
+        assert r["master_addr"] == cluster.host and r["master_port"] == 20000 + int(job) % 20000
+    assert [r["local_rank"] for r in recs] == [0, 1]
+    assert "ranks exited with status 0" in job_log(tmp_path, job)
+
+
+def test_preempted_probe_is_requeued_and_resumes(cluster, tmp_path):
+    job = submit(cluster, "--procs-per-node", "2", "--requeue", "--entry", "launcher.probe",
+                 "--", "--out", str(tmp_path), "--steps", "40", "--step-time", "0.2")
+    progress = tmp_path / "probe-progress.json"
+    cluster.wait_for(progress.exists, timeout=300, what="the probe's first step")
+    cluster.run("scancel", "--batch", "--signal=USR1", job)
+    wait_requeued(cluster, job)
+    info = wait_done(cluster, job, tmp_path, timeout=300)
+    assert info["Restarts"] == "1"
+    log = job_log(tmp_path, job)
+    assert "received SIGUSR1" in log and "requeueing job" in log and "(restart 1)" in log
+    recs = probe_results(tmp_path, 2)
+    assert all(r.get("finished") and 0 < r["resumed_from"] < 40 for r in recs), recs
+    assert json.loads((tmp_path / "probe-checkpoint.json").read_text()) == {"step": 40, "finished": True}
+
+
+# --------------------------------------------------------------------------- training jobs
+
+
+def test_slurm_trains_two_tasks(cluster, tmp_path):
+    out = tmp_path / "run"
+    job = submit(cluster, "--procs-per-node", "2", "--time", "00:20:00", "--", *train_args(out, 4))
+    wait_done(cluster, job, out)
+    check_trained(out, 4)
+    log = job_log(out, job)
+    assert "step 4/4" in log and "saved checkpoint" in log
+    assert json.load(open(out / "launch" / "config.json")) == json.load(open(out / "config.json"))
+
+
+def test_preempted_training_checkpoints_and_a_resubmission_resumes(cluster, tmp_path):
+    out = tmp_path / "run"
+    steps = 40
+    job = submit(cluster, "--procs-per-node", "2", "--", *train_args(out, steps))
+    metrics = out / "metrics.jsonl"
+    cluster.wait_for(lambda: metrics.exists() and len(read_metrics(metrics)) >= 2, timeout=300,
+                     what="two training steps")
+    cluster.run("scancel", "--batch", "--signal=USR1", job)
+    wait_done(cluster, job, out)
+    summary = json.load(open(out / "summary.json"))
+    stopped = summary["steps"]
+    assert summary["stopped_by_signal"] and 2 <= stopped < steps, summary
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step{stopped:08d}" and (out / "checkpoints" / latest / "COMPLETE").exists()
+    log = job_log(out, job)
+    assert "received SIGUSR1" in log and "checkpoint saved" in log and "resume with: sbatch" in log
+    # resubmit the same script: the job resumes from the checkpoint (the script passes --resume)
+    script = str(out / "launch" / "slurm.sbatch")
+    job2 = cluster.sbatch(script)
+    wait_done(cluster, job2, out)
+    assert f"resumed from {out / 'checkpoints' / latest} at step {stopped}" in job_log(out, job2)
+    rank0 = read_metrics(metrics)
+    assert [r["step"] for r in rank0] == list(range(1, steps + 1))
+    assert json.load(open(out / "summary.json"))["steps"] == steps
