@@ -12,6 +12,7 @@ half-written checkpoint that is loaded. Old checkpoints are pruned to the last K
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
@@ -37,11 +38,15 @@ def tag_for(step: int) -> str:
 
 def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def rng_state() -> dict:
@@ -86,22 +91,119 @@ def _all_ok(ok: bool) -> bool:
     return flag.item() == 0
 
 
+def _fault(kind: str, step: int, rank: int) -> bool:
+    """Fault injection for the reliability tests: GRT_INJECT_CKPT_FAULT=<kind>@<step>[@<rank>]
+    (rank 0 by default). kind `kill`: the rank SIGKILLs itself after every rank has written
+    its files and before COMPLETE; `enospc`: DeepSpeed's file writes fail with ENOSPC."""
+    spec = os.environ.get("GRT_INJECT_CKPT_FAULT", "")
+    parts = spec.split("@")
+    return len(parts) >= 2 and parts[0] == kind and int(parts[1]) == step and \
+        int(parts[2] if len(parts) > 2 else 0) == rank
+
+
+def _inject_enospc(engine) -> None:
+    ckpt_engine = engine.checkpoint_engine
+
+    def failing_save(state_dict, path):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 100)  # a partly written file, as a full disk leaves it
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    ckpt_engine.save = failing_save
+
+
+class _RecordWriteErrors:
+    """For one save: DeepSpeed's file writes (checkpoint_engine.save, the recovery script
+    copy) record their errors instead of raising. A rank whose write fails must still join
+    every collective that save_checkpoint makes after the writes (ZeRO-3 re-gathers its
+    persistent parameters, a barrier ends it): raising out of it would leave the other
+    ranks waiting until dist_timeout_s. The ranks then agree that the checkpoint failed."""
+
+    def __init__(self, engine):
+        self.errors: list[BaseException] = []
+        self.targets = [(engine.checkpoint_engine, "save")]
+        if hasattr(engine, "_copy_recovery_script"):
+            self.targets.append((engine, "_copy_recovery_script"))
+        self.saved = []
+
+    def _wrap(self, fn):
+        def guarded(*args, **kwargs):
+            if self.errors:
+                return None  # the checkpoint is lost already: write nothing more
+            try:
+                return fn(*args, **kwargs)
+            except Exception as err:  # torch.save reports a full disk as RuntimeError
+                self.errors.append(err)
+                return None
+        return guarded
+
+    def __enter__(self):
+        for obj, name in self.targets:
+            self.saved.append((obj, name, name in vars(obj), vars(obj).get(name)))
+            setattr(obj, name, self._wrap(getattr(obj, name)))
+        return self
+
+    def __exit__(self, *exc):
+        for obj, name, had, value in self.saved:
+            if had:
+                setattr(obj, name, value)
+            else:
+                delattr(obj, name)
+        return False
+
+
+def _error_text(err: BaseException | None, fallback: str) -> str:
+    return " ".join(f"{type(err).__name__}: {err}".split()) if err is not None else fallback
+
+
 def save(engine, root: Path, step: int, *, config_json: str, tokenizer_path: str | None,
          loader_state: dict, keep: int, rank: int) -> str:
+    """Write checkpoint `step` on every rank (collective). On a write failure on any rank
+    (full disk, read-only or missing directory, I/O error) every rank raises
+    CheckpointError, the half-written directory is removed and `latest` still names the
+    previous complete checkpoint."""
     tag = tag_for(step)
+    path = root / tag
     error = None
+    # 1. the directory, agreed by every rank before DeepSpeed starts its collectives
     try:
         root.mkdir(parents=True, exist_ok=True)
-        engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
-        state_path = root / tag / f"rank{rank}_state.pt"
-        tmp = state_path.with_suffix(".tmp")
-        torch.save({"rng": rng_state(), "loader": loader_state, "step": step}, tmp)
-        os.replace(tmp, state_path)
+        if rank == 0:
+            # a resumed run rewrites a tag it wrote before: it is incomplete until rewritten
+            (path / "COMPLETE").unlink(missing_ok=True)
+        path.mkdir(exist_ok=True)
     except OSError as err:
         error = err
     if not _all_ok(error is None):
-        raise CheckpointError(f"could not write checkpoint {root / tag}: {error or 'another rank failed to write'}; "
-                              f"the previous checkpoint ({find_latest(root)}) is intact") from error
+        raise CheckpointError(f"could not create checkpoint directory {path}: "
+                              f"{_error_text(error, 'it failed on another rank')}; the previous checkpoint "
+                              f"({find_latest(root)}) is intact") from error
+    # 2. DeepSpeed's files and this rank's state
+    try:
+        if _fault("enospc", step, rank):
+            _inject_enospc(engine)
+        with _RecordWriteErrors(engine) as writes:
+            engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
+        if writes.errors:
+            raise writes.errors[0]
+        state_path = path / f"rank{rank}_state.pt"
+        tmp = state_path.with_suffix(".tmp")
+        try:
+            torch.save({"rng": rng_state(), "loader": loader_state, "step": step}, tmp)
+            os.replace(tmp, state_path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except Exception as err:  # torch.save reports a full disk as RuntimeError, not OSError
+        error = err
+    if not _all_ok(error is None):
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        raise CheckpointError(f"could not write checkpoint {path} (rank {rank}: "
+                              f"{_error_text(error, 'its own files were written, a write failed on another rank')}); removed it; the previous "
+                              f"checkpoint ({find_latest(root)}) is intact") from error
+    if _fault("kill", step, rank):
+        os.kill(os.getpid(), 9)
+    # 3. rank 0 marks it complete
     if rank == 0:
         try:
             (root / tag / "config.json").write_text(config_json)
@@ -113,8 +215,9 @@ def save(engine, root: Path, step: int, *, config_json: str, tokenizer_path: str
                 shutil.rmtree(root / old, ignore_errors=True)
         except OSError as err:
             error = err
+            shutil.rmtree(path, ignore_errors=True)
     if not _all_ok(error is None):
-        raise CheckpointError(f"could not finish checkpoint {root / tag}: {error or 'rank 0 failed'}; "
+        raise CheckpointError(f"could not finish checkpoint {path}: {_error_text(error, 'rank 0 failed')}; "
                               f"the previous checkpoint ({find_latest(root)}) is intact")
     return tag
 

@@ -15,7 +15,10 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
+from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -24,19 +27,120 @@ import torch.distributed as dist
 from . import checkpoint
 from .config import ConfigError
 from .depth import sample_depth
-from .distributed import init_distributed
+from .distributed import discover, init_distributed
 from .ds_config import build_ds_config, load_ds_json, zero_stage
 from .flops import count_params, flops_per_token
 from .metrics import MetricsWriter, peak_flops, peak_memory_bytes
 from .model import GPT
 from .parallelize import apply_activation_checkpointing
-from .run_config import RunConfig
+from .run_config import RunConfig, TrainConfig
 
 log = logging.getLogger("grt.train")
 
 
 class TrainingStopped(RuntimeError):
     """The run stopped on purpose (too many bad steps); the last good checkpoint is intact."""
+
+
+class RankFailure(TrainingStopped):
+    """A rank died, hung or failed: every surviving rank stops with a message naming it."""
+
+
+class Heartbeat:
+    """Who failed, when a collective breaks (docs/reliability.md).
+
+    A daemon thread on every rank bumps a counter and publishes this rank's step in the
+    rendezvous TCP store (its own client connection, short timeout) every `interval` s.
+    A rank that fails records its error there before exiting. When a collective raises
+    (a peer's connection reset, or gloo/NCCL's dist_timeout_s passed), `diagnose()` reads
+    the store twice, 3 intervals apart: a rank that recorded an error, or whose counter did
+    not move (killed, crashed, frozen), is named; an unreachable store means rank 0's host
+    (which serves it) is gone.
+    """
+
+    def __init__(self, rank: int, world: int, interval: float = 1.0):
+        self.rank, self.world, self.interval = rank, world, interval
+        self.prefix = f"grt/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self.step, self.beats = 0, 0
+        self.store = None
+        self._stop = threading.Event()
+        if world < 2:
+            return
+        try:
+            self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                       timeout=timedelta(seconds=max(2.0, 5 * interval)), wait_for_workers=False)
+            self._beat()
+        except Exception as err:  # no store to reach: fall back to the bare collective errors
+            log.warning("heartbeat disabled (rendezvous store unreachable: %s)", err)
+            self.store = None
+            return
+        threading.Thread(target=self._run, name="grt-heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
+        self.beats += 1
+        self.store.set(f"{self.prefix}hb/{self.rank}", f"{self.beats} {self.step}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._beat()
+            except Exception:
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def mark_failed(self, message: str, comm: bool = False) -> None:
+        """Record this rank's error; comm=True: it is a failed collective (a symptom, not a cause)."""
+        if self.store is not None:
+            try:
+                self.store.set(f"{self.prefix}failed/{self.rank}", ("comm|" if comm else "own|") + message[:2000])
+            except Exception:
+                pass
+
+    def _read(self, what: str) -> dict[int, str]:
+        keys = {r: f"{self.prefix}{what}/{r}" for r in range(self.world) if r != self.rank}
+        return {r: self.store.get(k).decode() for r, k in keys.items() if self.store.check([k])}
+
+    def diagnose(self) -> list[str]:
+        """Descriptions of the other ranks that failed (empty: none found)."""
+        if self.store is None:
+            return []
+        try:
+            before = self._read("hb")
+            time.sleep(3 * self.interval)
+            after, failed = self._read("hb"), self._read("failed")
+        except Exception:
+            if self.rank == 0:
+                return []
+            return ["rank 0 is unreachable (it serves the rendezvous store: it exited, was killed or its host is down)"]
+        notes, comm = [], []
+        for r in range(self.world):
+            if r == self.rank:
+                continue
+            kind, _, text = failed.get(r, "|").partition("|")
+            if kind == "own":
+                notes.append(f"rank {r} failed: {text}")
+            elif kind == "comm" and before.get(r) != after.get(r):
+                comm.append(r)
+            elif r not in after:
+                notes.append(f"rank {r} never reported (it did not start or died at start-up)")
+            elif before.get(r) == after[r]:
+                notes.append(f"rank {r} stopped responding after step {after[r].split()[1]} "
+                             "(killed, crashed or frozen: no heartbeat for "
+                             f"{3 * self.interval:.0f} s)")
+        if not notes:
+            lagging = [r for r, v in after.items() if int(v.split()[1]) < self.step and r not in comm]
+            notes = [f"rank {r} is alive but stuck at step {after[r].split()[1]} (this rank reached step {self.step})"
+                     for r in lagging]
+        if not notes and comm:
+            notes = [f"no rank died or reported an error of its own; rank(s) {', '.join(map(str, comm))} saw a "
+                     "failed collective too (ranks waiting for each other: a hang or mismatched collectives; "
+                     "see the traceback in each rank's log)"]
+        return notes
+
+
+_HEARTBEAT: Heartbeat | None = None
 
 
 class StopSignal:
@@ -170,7 +274,98 @@ def resolve(cfg: RunConfig) -> RunConfig:
 
 def train(cfg: RunConfig, resume: bool = False) -> dict:
     """Run training (resume=True: continue from the newest complete checkpoint, if any).
-    Returns a summary dict on rank 0 (others: {})."""
+    Returns a summary dict on rank 0 (others: {}).
+
+    A failure on one rank (an exception, or a peer that died or hung) stops every rank
+    with RankFailure naming the rank that failed (see Heartbeat)."""
+    global _HEARTBEAT
+    try:
+        return _train(cfg, resume)
+    except (ConfigError, TrainingStopped) as err:
+        if _HEARTBEAT is not None and not isinstance(err, RankFailure):
+            _HEARTBEAT.mark_failed(_one_line(err))
+        raise
+    except Exception as err:
+        raise _explain_failure(err) from err
+    finally:
+        if _HEARTBEAT is not None:
+            _HEARTBEAT.close()
+            _HEARTBEAT = None
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return f"{type(err).__name__}: {text}"[:1000]
+
+
+def _is_comm_error(err: BaseException) -> bool:
+    """A failed collective (peer gone, timeout): a symptom of another rank's failure."""
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and any(k in text for k in (
+        "gloo", "NCCL", "Connection reset", "Connection closed", "pair closure", "Timed out", "timed out"))
+
+
+def _explain_failure(err: Exception) -> Exception:
+    """The exception to raise for `err`: RankFailure naming the failed rank, when known."""
+    from data_pipeline.shards import ShardError
+
+    own = _one_line(err)
+    if isinstance(err, ShardError):
+        own += " (set train.skip_corrupt_shards=true to skip unreadable shards with a warning)"
+    hb = _HEARTBEAT
+    if hb is None or hb.store is None:
+        return TrainingStopped(f"data error: {own}") if isinstance(err, ShardError) else err
+    hb.mark_failed(own, comm=_is_comm_error(err))
+    others = hb.diagnose()
+    if others:
+        message = f"rank {hb.rank} stopping: " + "; ".join(others) + f" [this rank saw {own[:300]}]"
+    else:
+        message = f"rank {hb.rank} failed: {own}"
+    log.error("%s", message, exc_info=err)
+    return RankFailure(message)
+
+
+def _preflight(cfg: RunConfig, tag: str | None, ckpt_root: Path) -> None:
+    """Checks that need no process group: the DeepSpeed batch sizes, and on resume the data."""
+    from data_pipeline.manifest import Manifest
+
+    build_ds_config(load_ds_json(cfg.ds_config), cfg.train, discover().world_size, torch.cuda.is_available())
+    if tag is None:
+        return
+    state_path = ckpt_root / tag / "rank0_state.pt"
+    if not state_path.is_file():
+        return  # checkpoint.load explains it
+    saved = torch.load(state_path, weights_only=False).get("loader", {}).get("fingerprint")
+    now = Manifest.load(cfg.data).fingerprint("train")
+    if saved is not None and saved != now and not _allow_data_change(cfg):
+        raise ConfigError(
+            f"data={cfg.data!r}: the train split's shard list changed since checkpoint {tag} (fingerprint {saved} "
+            f"-> {now}: shards added, removed, reordered or rewritten), so resuming would not continue the same data "
+            f"order; restore the original manifest, or resume anyway with {_ALLOW_DATA_CHANGE_HINT}")
+
+
+_ALLOW_DATA_CHANGE_HINT = "GRT_ALLOW_DATA_CHANGE=1 in the environment" + (
+    " or --set train.allow_data_change=true" if "allow_data_change" in TrainConfig.__dataclass_fields__ else "")
+
+
+def _allow_data_change(cfg: RunConfig) -> bool:
+    return bool(getattr(cfg.train, "allow_data_change", False)) or os.environ.get("GRT_ALLOW_DATA_CHANGE") == "1"
+
+
+def _rss_mb() -> float:
+    """This process's resident memory now (MiB)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _train(cfg: RunConfig, resume: bool = False) -> dict:
+    global _HEARTBEAT
     from data_pipeline.loader import TokenBatchLoader
     from data_pipeline.manifest import Manifest
 
@@ -182,8 +377,10 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
     if tag is not None and not resume:
         raise ConfigError(f"{ckpt_root} already holds checkpoint {tag}: pass --resume to continue it, "
                           "or choose another --out")
+    _preflight(cfg, tag, ckpt_root)
     info = init_distributed(timeout_s=t.dist_timeout_s)
     rank, world = info.rank, info.world_size
+    _HEARTBEAT = Heartbeat(rank, world)
     setup_logging(out, rank)
     stop = StopSignal()
     device = torch.device(f"cuda:{info.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
@@ -215,7 +412,7 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
     if tag is not None:
         state = checkpoint.load(engine, ckpt_root, tag, rank)
         step = state["step"]
-        loader.load_state_dict(state["loader"])
+        loader.load_state_dict(state["loader"], strict=not _allow_data_change(cfg))
         log.info("resumed from %s at step %d", ckpt_root / tag, step)
     val = val_batches(cfg, manifest, rank, world) if t.eval_every else None
     writer = MetricsWriter(out, rank)
@@ -226,11 +423,18 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
     window_tokens, window_start = 0, time.time()
     last_val = {}
     summary = {}
+    loss_value = float("nan")  # a resume of a finished run trains no step
 
     def save_now(at_step):
-        return checkpoint.save(engine, ckpt_root, at_step, config_json=config_json,
-                               tokenizer_path=manifest.tokenizer_path, loader_state=loader.state_dict(),
-                               keep=t.keep_checkpoints, rank=rank)
+        try:
+            return checkpoint.save(engine, ckpt_root, at_step, config_json=config_json,
+                                   tokenizer_path=manifest.tokenizer_path, loader_state=loader.state_dict(),
+                                   keep=t.keep_checkpoints, rank=rank)
+        except checkpoint.CheckpointError as err:  # every rank agreed on it: stop cleanly, nothing half-written is used
+            writer.close()
+            raise TrainingStopped(str(err)) from err
+
+    skipped_shards = loader.skipped_shards
 
     engine.train()
     while step < t.steps:
@@ -239,7 +443,12 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
         losses, gate_means, good = [], None, 0
         stop_requested = False
         while good < t.grad_accum:
+            _HEARTBEAT.step = step
             idx, targets, doc_ids = move(next(batches), device, t.doc_mask)
+            if loader.skipped_shards != skipped_shards:
+                log.warning("rank %d skipped %d unreadable shard(s) so far (train.skip_corrupt_shards): %s", rank,
+                            loader.skipped_shards, ", ".join(loader.bad_shards))
+                skipped_shards = loader.skipped_shards
             out_ = engine(idx, targets, n_loops=r, doc_ids=doc_ids, return_gates=log_now)
             loss = out_.loss
             if _fault_injected(step):
@@ -293,7 +502,7 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
                      step, t.steps, loss_value, r, lr, float(grad_norm or 0.0), tps, 100 * mfu,
                      scalars["memory/peak_bytes"] / 2**20)
             window_tokens, window_start = 0, time.time()
-        writer.step_record(step, {"loss": loss_value, "depth": r})
+        writer.step_record(step, {"loss": loss_value, "depth": r, "rss_mb": round(_rss_mb(), 1)})
         if val is not None and t.eval_every and (step % t.eval_every == 0 or step == t.steps):
             last_val = evaluate_depths(engine, val, list(range(0, max_r + 1)) if max_r else [0], device, t.doc_mask)
             full = last_val[max_r] if max_r else last_val[0]
@@ -312,15 +521,25 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
         summary = {"out": str(out), "steps": step, "final_loss": loss_value, "val_loss_by_depth": last_val,
                    "checkpoint": str(ckpt_root / (checkpoint.find_latest(ckpt_root) or "")),
                    "tensorboard": str(out / "tb"), "skipped_microbatches": skipped_total,
-                   "stopped_by_signal": bool(stop_requested)}
+                   "stopped_by_signal": bool(stop_requested), "skipped_shards": loader.skipped_shards}
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
+_INJECTED: Counter = Counter()
+
+
 def _fault_injected(step: int) -> bool:
-    """Fault injection for the reliability tests: GRT_INJECT_NAN_STEPS=3,4 makes those steps' loss NaN."""
+    """Fault injection for the reliability tests: GRT_INJECT_NAN_STEPS=3,4 makes the loss of the
+    first micro-batch tried at steps 3 and 4 NaN (the retry with the next micro-batch is clean);
+    a step listed k times poisons its first k tries (5,5,5: three bad micro-batches in a row)."""
     steps = os.environ.get("GRT_INJECT_NAN_STEPS")
-    return bool(steps) and str(step + 1) in steps.split(",")
+    if not steps:
+        return False
+    if _INJECTED[step] < [s.strip() for s in steps.split(",")].count(str(step + 1)):
+        _INJECTED[step] += 1
+        return True
+    return False
 
 
 def _zero3_param_counts(cfg: RunConfig) -> dict:
