@@ -50,6 +50,7 @@ class TrainConfig:
     dist_timeout_s: float = 600.0
     peak_tflops: float = 0.0            # device peak for MFU; 0 = look up the device
     compile: bool = False
+    zero3_pin_core: bool = True         # keep the looped core gathered under ZeRO-3 (pretrain/zero3.py)
 
 
 @dataclass

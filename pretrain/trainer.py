@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import checkpoint
+from . import checkpoint, zero3
 from .config import ConfigError
 from .depth import sample_depth
 from .distributed import discover, init_distributed
@@ -170,26 +170,7 @@ def setup_logging(out: Path | None, rank: int) -> None:
         fh.setFormatter(fmt)
         root.addHandler(fh)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    logging.getLogger("DeepSpeed").addFilter(TRACE_WARNINGS)
 
-
-class TraceCacheWarnings(logging.Filter):
-    """Counts ZeRO-3's "Invalidate trace cache" warnings (a changing loop depth changes the
-    module order, which disables prefetching) and keeps them out of the log; the count is
-    logged as zero3/trace_invalidations."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if "Invalidate trace cache" in record.getMessage():
-            self.count += 1
-            return False
-        return True
-
-
-TRACE_WARNINGS = TraceCacheWarnings()
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -209,6 +190,10 @@ def build_engine(cfg: RunConfig, world_size: int, device: torch.device):
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
                                            config=ds)
+    if zero_stage(ds) == 3:
+        zero3.install_counters()
+        if cfg.train.zero3_pin_core and model.loop is not None:
+            zero3.pin_parameters(engine, model.loop)
     if cfg.train.compile:
         engine.compile()
     return engine, ds
@@ -494,7 +479,8 @@ def _train(cfg: RunConfig, resume: bool = False) -> dict:
             scalars = {"train/loss": loss_value, "train/lr": lr, "train/grad_norm": float(grad_norm or 0.0),
                        "train/depth": r, "train/skipped_microbatches": skipped_total,
                        "perf/tokens_per_s": tps, "perf/mfu": mfu, "memory/peak_bytes": peak_memory_bytes(device),
-                       "zero3/trace_invalidations": TRACE_WARNINGS.count}
+                       "zero3/trace_invalidations": zero3.COUNTERS.trace_invalidations,
+                       "zero3/param_gathers": zero3.COUNTERS.gathers}
             for i, g in enumerate(gate_means or [], start=1):
                 scalars[f"gate/mean_step_{i}"] = g
             writer.scalars(step, scalars)

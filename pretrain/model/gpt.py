@@ -16,7 +16,7 @@ from outside (`pretrain.parallelize`); `LoopStep` is the recompute/compile unit.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -26,23 +26,24 @@ from ..config import ANCHOR_MODES, ModelConfig
 from .layers import AttentionContext, Block, Embedding, Linear, layer_norm
 
 
-@dataclass
-class ModelOutput:
+class ModelOutput(NamedTuple):
+    """A named tuple, so that ZeRO-3's module hooks see the tensors inside it."""
+
     logits: torch.Tensor | None
     loss: torch.Tensor | None = None
-    states: list[torch.Tensor] = field(default_factory=list)  # s_0..s_n, when asked for
-    gates: list[torch.Tensor] = field(default_factory=list)   # g_1..g_n, when asked for
+    states: list = []  # s_0..s_n, when asked for
+    gates: list = []   # g_1..g_n, when asked for
 
 
 class LoopStep(nn.Module):
     """One loop step (projection, shared core, gate): the unit of recompute and compile."""
 
-    def __init__(self, cfg: ModelConfig, out_std: float):
+    def __init__(self, cfg: ModelConfig, out_std: float, block_cls: type[nn.Module] = Block):
         super().__init__()
         d, layout = cfg.d_model, cfg.parsed_layout
         self.state_noise_std, self.gate_noise_std, self.gate_tau = cfg.state_noise_std, cfg.gate_noise_std, cfg.gate_tau
         self.proj = Linear(2 * d, d, bias=False, std=cfg.init_std) if cfg.reinject_anchor else None
-        self.core = nn.ModuleList(Block(cfg, out_std) for _ in range(layout.core))
+        self.core = nn.ModuleList(block_cls(cfg, out_std) for _ in range(layout.core))
         if cfg.gate:
             self.gate_norm_state = layer_norm(cfg)
             self.gate_norm_anchor = layer_norm(cfg)
@@ -77,6 +78,15 @@ class LoopStep(nn.Module):
 
 
 class GPT(nn.Module):
+    def __new__(cls, cfg: ModelConfig | None = None, *args, **kwargs):
+        # GPT(cfg) builds the comparison baselines too (variant huginn/rrt/ouro/mor: subclasses
+        # in baselines.py), so the trainer, loaders and exporters need not know about them
+        if cls is GPT and isinstance(cfg, ModelConfig) and cfg.variant not in ("grt", "dense"):
+            from .baselines import VARIANT_MODELS
+
+            cls = VARIANT_MODELS[cfg.variant]
+        return super().__new__(cls)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         cfg.validate()
@@ -89,13 +99,17 @@ class GPT(nn.Module):
         self.wpe = Embedding(cfg.max_seq_len, d, std=cfg.init_std)
         self.drop = nn.Dropout(cfg.dropout)
         self.prelude = nn.ModuleList(Block(cfg, out_std) for _ in range(layout.prelude))
-        self.loop = LoopStep(cfg, out_std) if layout.looped else None
+        self.loop = self.build_loop(cfg, out_std) if layout.looped else None
         self.exit_norm = layer_norm(cfg) if layout.looped and cfg.exit_norm else None
         self.coda = nn.ModuleList(Block(cfg, out_std) for _ in range(layout.coda))
         self.ln_f = layer_norm(cfg)
         self.lm_head = Linear(d, vocab, bias=False, std=cfg.init_std)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
+
+    def build_loop(self, cfg: ModelConfig, out_std: float) -> nn.Module:
+        """The loop-step module (the unit of recompute); baselines override it."""
+        return LoopStep(cfg, out_std)
 
     @property
     def max_loops(self) -> int:

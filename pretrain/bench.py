@@ -1,0 +1,222 @@
+"""`grt bench`: benchmarks that print their figures (and the command that reproduces them).
+
+    grt bench data        data pipeline: prepare MB/s, loader tokens/s (data_pipeline.bench)
+    grt bench train-step  GRT vs the dense model of equal FLOPs: tokens/s, peak memory, ratio
+    grt bench memory      peak memory against R, per-loop-step checkpointing on and off
+    grt bench zero        tokens/s with ZeRO stage 0/1/2/3 on 1 and 2 ranks (real DeepSpeed)
+    grt bench decode      decode latency and memory per KV-cache strategy (pretrain.bench_decode)
+
+On CPU the absolute figures are this machine's; the ratios are what carry over.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .flops import flops_per_token
+from .model import GPT
+from .parallelize import apply_activation_checkpointing
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def equal_flops_pair(d_model: int, n_heads: int, layout: str, seq_len: int, vocab: int) -> tuple[ModelConfig, ModelConfig]:
+    """A GRT and the dense model of the same width and effective depth (equal FLOPs up to
+    the loop's small projection and gate)."""
+    common = dict(d_model=d_model, n_heads=n_heads, vocab_size=vocab, max_seq_len=seq_len, pad_vocab_multiple=64,
+                  bias=False)
+    grt = ModelConfig(name="grt", variant="grt", layout=layout, **common)
+    dense = ModelConfig(name="dense", variant="dense", layout=str(grt.parsed_layout.effective_depth()), **common)
+    return grt, dense
+
+
+def _step_fn(model: GPT, n_loops, compiled: bool):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=torch.cuda.is_available() or None)
+    fwd = torch.compile(model) if compiled else model
+
+    def step(idx):
+        loss = fwd(idx, idx, n_loops=n_loops).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def bench_train_step(args) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    grt_cfg, dense_cfg = equal_flops_pair(args.d_model, args.n_heads, args.layout, args.seq_len, args.vocab)
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq_len), device=device)
+    results = {}
+    for compiled in ([False, True] if args.compile else [False]):
+        steps = {}
+        for name, cfg in (("grt", grt_cfg), ("dense", dense_cfg)):
+            torch.manual_seed(0)
+            model = GPT(cfg.replace(state_noise_std=cfg.state_noise_std)).to(device).train()
+            apply_activation_checkpointing(model, args.checkpointing)
+            steps[name] = _step_fn(model, grt_cfg.max_loops if name == "grt" else None, compiled)
+            for _ in range(args.warmup):
+                steps[name](idx)
+        times = {name: 0.0 for name in steps}
+        for _ in range(args.steps):  # interleaved, so machine noise hits both alike
+            for name, step in steps.items():
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step(idx)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times[name] += time.perf_counter() - t0
+        tag = "compiled" if compiled else "eager"
+        tokens = args.steps * idx.numel()
+        for name, cfg in (("grt", grt_cfg), ("dense", dense_cfg)):
+            results[f"{name}_{tag}_tokens_per_s"] = tokens / times[name]
+            results[f"{name}_flops_per_token"] = flops_per_token(cfg, args.seq_len)
+        results[f"ratio_{tag}"] = results[f"grt_{tag}_tokens_per_s"] / results[f"dense_{tag}_tokens_per_s"]
+    results["grt_tokens_per_s"] = results["grt_eager_tokens_per_s"]
+    results["dense_tokens_per_s"] = results["dense_eager_tokens_per_s"]
+    results["ratio"] = results["ratio_eager"]
+    results["peak_bytes"] = _peak_bytes(device)
+    results.update(layout=args.layout, dense_layout=dense_cfg.layout, d_model=args.d_model, seq_len=args.seq_len,
+                   batch=args.batch, device=str(device), checkpointing=args.checkpointing)
+    return results
+
+
+def _peak_bytes(device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated())
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def memory_probe(argv) -> None:
+    """One training step in a fresh process; prints the peak memory above the baseline."""
+    d_model, seq_len, batch, loops, mode = int(argv[0]), int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = ModelConfig(layout=f"1+2x{loops}+1", d_model=d_model, n_heads=4, vocab_size=512, max_seq_len=seq_len)
+    model = apply_activation_checkpointing(GPT(cfg).to(device).train(), mode)
+    idx = torch.randint(0, 512, (batch, seq_len), device=device)
+    base = _peak_bytes(device)
+    model(idx, idx).loss.backward()
+    print(json.dumps({"peak_bytes": _peak_bytes(device) - base}))
+
+
+def bench_memory(args) -> list[dict]:
+    rows = []
+    for loops in args.loops:
+        for mode in ("off", "loop_step"):
+            out = subprocess.run([sys.executable, "-m", "pretrain.bench", "_memory_probe", str(args.d_model),
+                                  str(args.seq_len), str(args.batch), str(loops), mode],
+                                 capture_output=True, text=True, check=True, cwd=REPO)
+            peak = json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
+            rows.append({"R": loops, "checkpointing": mode != "off", "peak_bytes": peak})
+    return rows
+
+
+def bench_zero(args) -> list[dict]:
+    """Short real `grt train` runs (micro model) under each ZeRO stage and rank count."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        text = REPO / "examples" / "data" / "tinyshakespeare.txt"
+        grt = [sys.executable, "-m", "pretrain.cli"]
+        subprocess.run([*grt, "data", "tokenizer", "-i", str(text), "--txt-mode", "paragraph", "--vocab-size", "512",
+                        "-o", str(tmp / "tok"), "-q"], check=True, cwd=REPO, capture_output=True)
+        subprocess.run([*grt, "data", "prepare", "-i", str(text), "--txt-mode", "paragraph", "-t", str(tmp / "tok.model"),
+                        "-o", str(tmp / "shards"), "--seq-len", "128", "--shard-size-mb", "0.2", "-q"],
+                       check=True, cwd=REPO, capture_output=True)
+        for ranks in args.ranks:
+            for stage in args.stages:
+                ds = tmp / f"zero{stage}.json"
+                base = json.loads((REPO / "ds_configs" / f"zero{max(stage, 1)}.json").read_text())
+                if stage == 0:
+                    base["zero_optimization"] = {"stage": 0}
+                ds.write_text(json.dumps(base))
+                out = tmp / f"run-{ranks}-{stage}"
+                cmd = [*(["deepspeed", "--num_gpus", str(ranks), "--module"] if ranks > 1 else [sys.executable, "-m"]),
+                       "pretrain.cli", "train", "--preset", args.preset, "--data", str(tmp / "shards" / "manifest.json"),
+                       "--out", str(out), "--steps", str(args.steps), "--micro-batch-size", "8", "--ds-config", str(ds),
+                       "--set", f"model.max_seq_len=128", "--set", f"train.log_every={args.steps // 2}",
+                       "--set", "train.eval_every=0", "--set", f"train.save_every={10 * args.steps}"]
+                proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{shlex.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+                rows.append({"ranks": ranks, "zero_stage": stage, "tokens_per_s": _last_scalar(out / "tb", "perf/tokens_per_s"),
+                             "param_gathers_per_step": _last_scalar(out / "tb", "zero3/param_gathers") / args.steps
+                             if stage == 3 else 0.0})
+    return rows
+
+
+def _last_scalar(tb_dir: Path, tag: str) -> float:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb_dir))
+    events.Reload()
+    return events.Scalars(tag)[-1].value
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "_memory_probe":
+        memory_probe(argv[1:])
+        return 0
+    if argv and argv[0] == "data":
+        from data_pipeline.bench import main as data_bench
+        return data_bench(argv[1:])
+    if argv and argv[0] == "decode":
+        from .bench_decode import main as decode_bench
+        return decode_bench(argv[1:])
+    p = argparse.ArgumentParser(prog="grt bench", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    ts = sub.add_parser("train-step", help="GRT vs dense of equal FLOPs")
+    ts.add_argument("--layout", default="1+2x4+1")
+    ts.add_argument("--d-model", type=int, default=256)
+    ts.add_argument("--n-heads", type=int, default=4)
+    ts.add_argument("--seq-len", type=int, default=256)
+    ts.add_argument("--batch", type=int, default=8)
+    ts.add_argument("--vocab", type=int, default=2048)
+    ts.add_argument("--steps", type=int, default=8)
+    ts.add_argument("--warmup", type=int, default=2)
+    ts.add_argument("--checkpointing", default="off", choices=["off", "loop_step", "block"])
+    ts.add_argument("--compile", action="store_true", help="also time torch.compile'd models")
+    mem = sub.add_parser("memory", help="peak memory against R")
+    mem.add_argument("--loops", type=int, nargs="+", default=[1, 4, 8])
+    mem.add_argument("--d-model", type=int, default=256)
+    mem.add_argument("--seq-len", type=int, default=512)
+    mem.add_argument("--batch", type=int, default=8)
+    zr = sub.add_parser("zero", help="tokens/s per ZeRO stage and rank count")
+    zr.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    zr.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    zr.add_argument("--preset", default="tiny-grt")
+    zr.add_argument("--steps", type=int, default=20)
+    for sp in (ts, mem, zr):
+        sp.add_argument("--json", action="store_true", help="print machine-readable JSON only")
+    args = p.parse_args(argv)
+    result = {"train-step": bench_train_step, "memory": bench_memory, "zero": bench_zero}[args.what](args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"# reproduce: grt bench {' '.join(argv)}")
+    if isinstance(result, dict):
+        for key, value in result.items():
+            print(f"{key:<32} {value:,.3f}" if isinstance(value, float) else f"{key:<32} {value}")
+    else:
+        keys = list(result[0])
+        print(" | ".join(keys))
+        for row in result:
+            print(" | ".join(f"{row[k]:,.1f}" if isinstance(row[k], float) else str(row[k]) for k in keys))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
