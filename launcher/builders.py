@@ -4,9 +4,9 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import sys
 from typing import Dict, List
 
+from launcher.envvars import DEFAULT_EXPORT_PREFIXES, SECRET
 from launcher.hosts import format_hostfile
 from launcher.plan import Plan
 
@@ -118,6 +118,10 @@ def build_mpi(r) -> Plan:
     env.update(user_env)
     exported = ["MASTER_ADDR", "MASTER_PORT", "PYTHONPATH", "PATH", "LD_LIBRARY_PATH"]
     exported += [k for k in r.env if k not in exported]
+    # secrets are passed by name only (mpirun copies the value from its own environment)
+    prefixes = DEFAULT_EXPORT_PREFIXES + tuple(a.export)
+    exported += [k for k in sorted(r.environ) if k.startswith(prefixes) and SECRET.search(k)
+                 and k not in exported]
     for k in exported:
         cmd += ["-x", k]
     if a.mpirun_args:
@@ -161,6 +165,8 @@ def slurm_script(r, script_path: str) -> str:
             lines.append(f"#SBATCH --{flag}={value}")
     if a.exclusive:
         lines.append("#SBATCH --exclusive")
+    if a.hosts:  # run on these nodes
+        lines.append("#SBATCH --nodelist=" + ",".join(h for h, _ in r.hosts))
     lines += [f"#SBATCH --output={output}", "#SBATCH --open-mode=append", f"#SBATCH --chdir={cwd}"]
     if sig_full:
         lines.append(f"#SBATCH --signal={sig_full}")

@@ -25,16 +25,13 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from launcher import builders
+from launcher.envvars import DEFAULT_EXPORT_PREFIXES, SECRET
 from launcher.hosts import env_hostfile, parse_hosts, read_hostfile, slurm_allocation_hosts
 from launcher.plan import Plan
 
 LAUNCHERS = ("local", "deepspeed", "slurm", "mpi")
 DS_LAUNCHERS = ("pdsh", "openmpi", "mvapich", "slurm", "mpich", "impi")
 DEFAULT_ENTRY = "pretrain.cli train"
-# environment passed to every rank when present on the launching host
-DEFAULT_EXPORT_PREFIXES = ("NCCL_", "UCX_", "FI_", "TORCH_NCCL_", "CUDA_DEVICE_MAX_CONNECTIONS",
-                           "OMP_NUM_THREADS", "GRT_", "HF_", "WANDB_", "TOKENIZERS_PARALLELISM",
-                           "PYTORCH_CUDA_ALLOC_CONF", "GLOO_SOCKET_IFNAME")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -228,7 +225,7 @@ class Resolved:
 
     def _rank_env(self, environ: Dict[str, str]) -> Dict[str, str]:
         prefixes = tuple(DEFAULT_EXPORT_PREFIXES) + tuple(self.args.export)
-        env = {k: v for k, v in sorted(environ.items()) if k.startswith(prefixes)}
+        env = {k: v for k, v in sorted(environ.items()) if k.startswith(prefixes) and not SECRET.search(k)}
         if not self.gpus and self.procs > 1 and "OMP_NUM_THREADS" not in env:
             # CPU ranks: share this machine's cores instead of each taking all of them
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.procs))
@@ -252,7 +249,7 @@ class Resolved:
             "master_addr": self.master_addr,
             "master_port": self.master_port,
             "config": getattr(self, "config_path", None),
-            "rank_env": self.env,
+            "rank_env": {k: ("<redacted>" if SECRET.search(k) else v) for k, v in self.env.items()},
             "launch_host": socket.gethostname(),
             "cwd": os.getcwd(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

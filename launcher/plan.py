@@ -52,8 +52,11 @@ class Plan:
         if self.run_dir:
             os.makedirs(self.run_dir, exist_ok=True)
             record = dict(self.record)
-            record.update(launcher=self.launcher, command=self.command, env=self.env,
-                          shell=self.shell_command(), files=sorted(self.files))
+            from launcher.envvars import SECRET
+
+            env = {k: ("<redacted>" if SECRET.search(k) else v) for k, v in self.env.items()}
+            record.update(launcher=self.launcher, command=self.command, env=env,
+                          files=sorted(self.files))
             with open(os.path.join(self.run_dir, "launch.json"), "w") as f:
                 json.dump(record, f, indent=2, sort_keys=True)
                 f.write("\n")

@@ -12,6 +12,7 @@ or a Slurm that may already run here.  Clients reach it through `SLURM_CONF` (se
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -218,6 +219,7 @@ PartitionName={self.partition} Nodes={self.host} Default=YES MaxTime=INFINITE St
                                    "; Debian packages slurm-wlm and munge)")
         if os.geteuid() != 0:
             raise SlurmUnavailable("the test Slurm cluster runs its daemons as root")
+        reap_stale()
         os.makedirs(self.dir, exist_ok=True)
         self.kill_leftovers()
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -295,11 +297,35 @@ PartitionName={self.partition} Nodes={self.host} Default=YES MaxTime=INFINITE St
         return r.stdout.strip().split(";")[0]
 
 
+STATE_PREFIX = "grt-test-slurm-"
+
+
 def default_state_dir() -> str:
-    """A fixed per-user path, so that a later run finds and stops what an aborted one left."""
+    """<tmp>/grt-test-slurm-<uid>-<pid>: one cluster per test process, so that two test runs
+    at once do not share daemons; `reap_stale()` stops what runs of dead processes left."""
     import tempfile
 
-    return os.path.join(tempfile.gettempdir(), f"grt-test-slurm-{os.getuid()}")
+    return os.path.join(tempfile.gettempdir(), f"{STATE_PREFIX}{os.getuid()}-{os.getpid()}")
+
+
+def reap_stale() -> List[str]:
+    """Stop the daemons of test clusters whose test process is gone, and remove their dirs."""
+    import tempfile
+
+    reaped = []
+    base = tempfile.gettempdir()
+    for name in os.listdir(base):
+        m = re.fullmatch(re.escape(STATE_PREFIX) + r"(\d+)(?:-(\d+))?", name)
+        if not m or int(m.group(1)) != os.getuid():
+            continue
+        owner = int(m.group(2)) if m.group(2) else None
+        if owner is not None and (owner == os.getpid() or _pid_alive(owner)):
+            continue
+        path = os.path.join(base, name)
+        SlurmCluster(path).kill_leftovers()
+        shutil.rmtree(path, ignore_errors=True)
+        reaped.append(path)
+    return reaped
 
 
 def try_start(state_dir: Optional[str] = None) -> SlurmCluster:

@@ -23,7 +23,7 @@ TRAIN = ["--preset", "grt-small", "--data", "data/shards/manifest.json", "--out"
 RUN_DIR = os.path.abspath("runs/grt-small")
 CONFIG = os.path.join(RUN_DIR, "launch", "config.json")
 ENV = {"NCCL_IB_HCA": "mlx5_0,mlx5_1", "NCCL_SOCKET_IFNAME": "ib0", "GRT_TEST_FLAG": "1",
-       "PATH": os.environ.get("PATH", ""), "UNRELATED_SECRET": "x"}
+       "PATH": os.environ.get("PATH", ""), "UNRELATED_SECRET": "x", "WANDB_API_KEY": "k", "HF_TOKEN": "t"}
 
 
 def plan_for(launcher, *extra, environ=None, train=TRAIN):
@@ -88,6 +88,7 @@ def test_deepspeed_4x8_against_deepspeed_runner(tmp_path):
     lines = dict(line.split("=", 1) for line in files[env_file].splitlines())
     assert lines["NCCL_IB_HCA"] == "mlx5_0,mlx5_1" and lines["NCCL_SOCKET_IFNAME"] == "ib0"
     assert lines["GRT_TEST_FLAG"] == "1" and "UNRELATED_SECRET" not in lines
+    assert "WANDB_API_KEY" not in lines and "HF_TOKEN" not in lines  # secrets stay out of files
     assert "PYTHONPATH" in lines
 
 
@@ -135,6 +136,7 @@ def test_mpi_4x8_command():
     assert {"NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH",
             "PATH", "LD_LIBRARY_PATH", "GRT_TEST_FLAG"} <= exported
     assert "UNRELATED_SECRET" not in exported
+    assert {"WANDB_API_KEY", "HF_TOKEN"} <= exported  # by name: the value is in no file
     assert env["MASTER_ADDR"] == "node1"
     tail = argv[argv.index("-m"):]
     assert tail == ["-m", "pretrain.cli", "train", "--config-json", CONFIG]
@@ -189,6 +191,7 @@ def test_slurm_4x8_script(tmp_path):
     assert any(h.startswith("--output=") and h.endswith("slurm-%j.out") for h in header)
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in script
     assert "export NCCL_IB_HCA=mlx5_0,mlx5_1" in script and "UNRELATED_SECRET" not in script
+    assert "WANDB_API_KEY" not in script  # the job inherits it from the submitting shell
     srun = next(l for l in script.splitlines() if l.startswith("srun "))
     srun_argv = shlex.split(srun.rstrip(" &"))
     assert "--container-image=nvcr.io#me/grt:latest" in srun_argv
@@ -258,3 +261,9 @@ def test_grt_launch_dry_run_through_grt_cli(tmp_path, capsys):
                        cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "-np 16" in r.stdout.splitlines()[-1]
+
+
+def test_slurm_hosts_become_a_nodelist(tmp_path):
+    plan = plan_for("slurm", "--hosts", "gpu[01-04]", "--run-dir", str(tmp_path))
+    files, argv, _ = split_render(plan.render())
+    assert "#SBATCH --nodelist=gpu01,gpu02,gpu03,gpu04" in files[argv[-1]]
