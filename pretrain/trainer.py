@@ -473,7 +473,7 @@ def _train(cfg: RunConfig, resume: bool = False) -> dict:
         if log_now:
             elapsed = max(time.time() - window_start, 1e-9)
             tps = window_tokens / elapsed
-            fpt = flops_per_token(cfg.model, seq_len, n_loops=r)
+            fpt = flops_per_token(cfg.model, seq_len, n_loops=r, executed=True)
             mfu = 3 * fpt * tps / (peak * world)
             lr = engine.get_lr()[0]
             scalars = {"train/loss": loss_value, "train/lr": lr, "train/grad_norm": float(grad_norm or 0.0),

@@ -89,7 +89,11 @@ def test_flops_formula_matches_counted_matmuls(kw):
     b, t = 2, 32
     with FlopCounterMode(display=False) as counter:
         model(tokens(b, t))
-    assert counter.get_total_flops() == flops_per_token(cfg, seq_len=t) * b * t
+    assert counter.get_total_flops() == flops_per_token(cfg, seq_len=t, executed=True) * b * t
+    layout, d, v = cfg.parsed_layout, cfg.d_model, cfg.padded_vocab_size
+    extra = layout.loops * ((4 if cfg.reinject_anchor else 0) + (6 if cfg.gate else 0)) * d * d
+    spec = layout.effective_depth() * (24 * d * d + 4 * t * d) + extra + 2 * d * v  # the spec's formula
+    assert flops_per_token(cfg, seq_len=t) == spec
 
 
 # -- the GRT loop ------------------------------------------------------------------
@@ -114,7 +118,7 @@ def test_gate_forced_to_zero_equals_the_ungated_model():
     gated = GPT(small_cfg()).eval()
     ungated = GPT(small_cfg(gate=False)).eval()
     missing, unexpected = ungated.load_state_dict(gated.state_dict(), strict=False)
-    assert not missing and all(k.startswith("loop.gate_") for k in unexpected)
+    assert not missing and unexpected and all(k.startswith(("loop.gate_", "loop.anchor.gate_")) for k in unexpected)
     idx = tokens()
     assert torch.equal(gated(idx, gate_override=0.0).logits, ungated(idx).logits)
 

@@ -35,44 +35,84 @@ class ModelOutput(NamedTuple):
     gates: list = []   # g_1..g_n, when asked for
 
 
+class AnchorTerms(NamedTuple):
+    proj: torch.Tensor | None  # W_proj's anchor half applied to e
+    gate: torch.Tensor | None  # the gate MLP's first layer, anchor half, applied to LN(e)
+
+
+class AnchorProjection(nn.Module):
+    """The anchor halves of the projection and of the gate's first layer. With a fixed
+    anchor they are the same at every loop step, so they are computed once per forward
+    (W [s; e] = W_s s + W_e e): the loop step pays for its state half only."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.proj = Linear(d, d, bias=False, std=cfg.init_std) if cfg.reinject_anchor else None
+        if cfg.gate:
+            self.gate_norm = layer_norm(cfg)
+            self.gate_fc = Linear(d, d, bias=False, std=cfg.init_std)
+        self.has_gate = cfg.gate
+
+    def forward(self, e: torch.Tensor) -> AnchorTerms:
+        return AnchorTerms(self.proj(e) if self.proj is not None else None,
+                           self.gate_fc(self.gate_norm(e)) if self.has_gate else None)
+
+
 class LoopStep(nn.Module):
-    """One loop step (projection, shared core, gate): the unit of recompute and compile."""
+    """One loop step (projection, shared core, gate): the unit of recompute and compile.
+
+    Parameters: W_proj = [proj_state | anchor.proj] (2d x d, no bias), the gate MLP
+    f_g = gate_out(SiLU([gate_fc_state | anchor.gate_fc] [LN(s); LN(e)])), output bias +4.
+    """
 
     def __init__(self, cfg: ModelConfig, out_std: float, block_cls: type[nn.Module] = Block):
         super().__init__()
         d, layout = cfg.d_model, cfg.parsed_layout
         self.state_noise_std, self.gate_noise_std, self.gate_tau = cfg.state_noise_std, cfg.gate_noise_std, cfg.gate_tau
-        self.proj = Linear(2 * d, d, bias=False, std=cfg.init_std) if cfg.reinject_anchor else None
+        self.anchor = AnchorProjection(cfg)
+        self.proj_state = Linear(d, d, bias=False, std=cfg.init_std) if cfg.reinject_anchor else None
         self.core = nn.ModuleList(block_cls(cfg, out_std) for _ in range(layout.core))
         if cfg.gate:
             self.gate_norm_state = layer_norm(cfg)
-            self.gate_norm_anchor = layer_norm(cfg)
-            self.gate_fc = Linear(2 * d, d, bias=True, std=cfg.init_std)
+            self.gate_fc_state = Linear(d, d, bias=True, std=cfg.init_std)
             self.gate_out = Linear(d, d, bias=True, std=cfg.init_std, bias_init=cfg.gate_bias_init)
         self.has_gate = cfg.gate
 
-    def gate_logits(self, s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        h = torch.cat([self.gate_norm_state(s), self.gate_norm_anchor(e)], dim=-1)
-        return self.gate_out(F.silu(self.gate_fc(h))) / self.gate_tau
+    def anchor_terms(self, e: torch.Tensor) -> AnchorTerms:
+        return self.anchor(e)
+
+    def project(self, x: torch.Tensor, terms: AnchorTerms) -> torch.Tensor:
+        """x_r = W_proj [x ; e] (x is the state, plus noise in training)."""
+        return self.proj_state(x) + terms.proj if self.proj_state is not None else x
+
+    def gate_logits(self, s: torch.Tensor, terms: AnchorTerms) -> torch.Tensor:
+        h = F.silu(self.gate_fc_state(self.gate_norm_state(s)) + terms.gate)
+        return self.gate_out(h) / self.gate_tau
+
+    def gate(self, s: torch.Tensor, terms: AnchorTerms, override: float | None = None) -> torch.Tensor:
+        if override is not None:
+            return torch.full_like(s, float(override))
+        logits = self.gate_logits(s, terms)
+        if self.training and self.gate_noise_std > 0:
+            logits = logits + self.gate_noise_std * torch.randn_like(logits)
+        return torch.sigmoid(logits)
 
     def forward(self, s: torch.Tensor, e: torch.Tensor, ctx: AttentionContext,
-                gate_override: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                gate_override: float | None = None,
+                terms: AnchorTerms | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One step from state s with anchor e; `terms` = anchor_terms(e) when precomputed."""
+        if terms is None:
+            terms = self.anchor_terms(e)
         x = s
         if self.training and self.state_noise_std > 0:
             x = x + self.state_noise_std * torch.randn_like(x)
-        if self.proj is not None:
-            x = self.proj(torch.cat([x, e], dim=-1))
+        x = self.project(x, terms)
         for block in self.core:
             x = block(x, ctx)
         if not self.has_gate:
             return x, None
-        if gate_override is not None:
-            g = torch.full_like(s, float(gate_override))
-        else:
-            logits = self.gate_logits(s, e)
-            if self.training and self.gate_noise_std > 0:
-                logits = logits + self.gate_noise_std * torch.randn_like(logits)
-            g = torch.sigmoid(logits)
+        g = self.gate(s, terms, gate_override)
         # g * s + (1 - g) * o, written out so that g = 1 returns s exactly and g = 0 returns o exactly
         return g * s + (1 - g) * x, g
 
@@ -145,9 +185,10 @@ class GPT(nn.Module):
             s = x
             if return_states:
                 states.append(s)
+            fixed_terms = self.loop.anchor_terms(anchor_fixed) if anchor != "previous" and n > 0 else None
             for _ in range(n):
                 e = s if anchor == "previous" else anchor_fixed
-                s, g = self.loop(s, e, ctx, gate_override)
+                s, g = self.loop(s, e, ctx, gate_override, fixed_terms)
                 if return_states:
                     states.append(s)
                 if return_gates and g is not None:
