@@ -13,7 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("dense", "grt")
+VARIANTS = ("dense", "grt", "huginn", "rrt", "ouro", "mor")
+# The comparison baselines (pretrain/model/baselines.py, docs/comparison.md): their settings live in
+# ModelConfig.extra; these are the accepted keys and their defaults.
+BASELINE_EXTRA: dict[str, dict[str, Any]] = {
+    "huginn": {"init_state_scale": 1.0, "backprop_steps": 8},  # s_0 std = scale * sqrt(2 / (5 d)), truncated at 3 std
+    "rrt": {"lora_rank": 4, "lora_alpha": 4.0},
+    "ouro": {"entropy_beta": 0.1, "exit_threshold": 0.5},
+    "mor": {"aux_loss_coef": 0.01, "router_noise_std": 0.0},
+}
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn", "naive")
 ANCHOR_MODES = ("prelude", "zeros", "embeddings", "previous")
 
@@ -82,7 +90,7 @@ class ModelConfig:
     """Everything that defines a model's function and parameter shapes."""
 
     name: str = "custom"
-    variant: str = "grt"            # dense | grt (loop-only = grt with gate, noise, re-injection off)
+    variant: str = "grt"            # dense | grt (loop-only = grt with gate, noise, re-injection off) | huginn | rrt | ouro | mor
     layout: str = "1+2x4+1"
     d_model: int = 128
     n_heads: int = 4
@@ -149,6 +157,37 @@ class ModelConfig:
                 raise ConfigError(f"{key}={getattr(self, key)!r}: must be >= 0")
         if self.gate_tau <= 0:
             raise ConfigError(f"gate_tau={self.gate_tau!r}: must be > 0")
+        if self.variant in BASELINE_EXTRA:
+            self._validate_baseline()
+        elif self.extra:
+            raise ConfigError(f"extra={self.extra!r}: variant={self.variant!r} takes no extra settings "
+                              f"(they are for the baselines {', '.join(BASELINE_EXTRA)})")
+
+    def _validate_baseline(self) -> None:
+        accepted = BASELINE_EXTRA[self.variant]
+        unknown = sorted(set(self.extra) - set(accepted))
+        if unknown:
+            raise ConfigError(f"extra key(s) {', '.join(unknown)} for variant={self.variant!r}; accepted keys: "
+                              f"{', '.join(f'{k} (default {v})' for k, v in accepted.items())}")
+        if self.gate or self.state_noise_std:
+            raise ConfigError(f"variant={self.variant!r} has no GRT gate and no state noise: set gate=false and "
+                              "state_noise_std=0 (the presets micro-/tiny-{huginn,rrt,ouro,mor} do)")
+        if self.reinject_anchor != (self.variant == "huginn"):
+            raise ConfigError(f"variant={self.variant!r}: reinject_anchor must be {self.variant == 'huginn'} "
+                              "(only Huginn's adapter reads [s; e])")
+        for key, value in self.extra.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"extra.{key}={value!r}: must be a number >= 0")
+        if self.variant == "huginn" and int(self.xget("backprop_steps")) < 1:
+            raise ConfigError("extra.backprop_steps must be >= 1")
+        if self.variant == "rrt" and (int(self.xget("lora_rank")) < 1 or self.xget("lora_rank") != int(self.xget("lora_rank"))):
+            raise ConfigError(f"extra.lora_rank={self.xget('lora_rank')!r}: must be a positive integer")
+        if self.variant == "ouro" and not 0 < self.xget("exit_threshold") <= 1:
+            raise ConfigError(f"extra.exit_threshold={self.xget('exit_threshold')!r}: must be in (0, 1]")
+
+    def xget(self, key: str) -> Any:
+        """A variant setting from `extra`, or its default (BASELINE_EXTRA)."""
+        return self.extra.get(key, BASELINE_EXTRA.get(self.variant, {}).get(key))
 
     # -- serialisation -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

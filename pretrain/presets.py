@@ -19,6 +19,11 @@ NANOGPT = dict(bias=False, pad_vocab_multiple=64, vocab_size=50257)
 TINY = dict(bias=False, pad_vocab_multiple=64, vocab_size=4096, max_seq_len=256)
 
 
+LOOP_ONLY = dict(gate=False, reinject_anchor=False, state_noise_std=0.0)
+BASELINE_SWITCHES = {"huginn": dict(gate=False, state_noise_std=0.0, reinject_anchor=True),
+                     **{v: LOOP_ONLY for v in ("rrt", "ouro", "mor")}}
+
+
 def _preset(name, variant, layout, d_model, n_heads, conventions, **overrides):
     return name, ModelConfig(name=name, variant=variant, layout=layout, d_model=d_model,
                              n_heads=n_heads, **{**conventions, **overrides})
@@ -39,6 +44,21 @@ PRESETS: dict[str, ModelConfig] = dict([
     _preset("tiny-dense", "dense", "10", 128, 4, TINY),
     _preset("micro-grt", "grt", "1+1x3+1", 32, 2, TINY, vocab_size=512, max_seq_len=64),
     _preset("micro-dense", "dense", "5", 32, 2, TINY, vocab_size=512, max_seq_len=64),
+    # the baselines of the paper's comparison (docs/comparison.md): no GRT gate, no state noise
+    *[_preset(f"{size}-{v}", v, layout, d, heads, TINY, **sizing, **BASELINE_SWITCHES[v],
+              **({"extra": {"backprop_steps": 2}} if v == "huginn" else {}))
+      for size, layout, d, heads, sizing in (("micro", "1+1x3+1", 32, 2, dict(vocab_size=512, max_seq_len=64)),
+                                             ("tiny", "1+2x4+1", 128, 4, {}))
+      for v in ("huginn", "rrt", "ouro", "mor")],
+    # the ablation ladder at tiny size: loop only, then add prelude/coda, state noise,
+    # prelude re-injection and the gate (ladder-4 is tiny-grt); loop only loops the whole
+    # stack, 2x5 (the effective depth 10 of 1+2x4+1)
+    _preset("ladder-0-loop-only", "grt", "2x5", 128, 4, TINY, **LOOP_ONLY),
+    _preset("ladder-1-prelude-coda", "grt", "1+2x4+1", 128, 4, TINY, **LOOP_ONLY),
+    _preset("ladder-2-noise", "grt", "1+2x4+1", 128, 4, TINY, **{**LOOP_ONLY, "state_noise_std": 0.1}),
+    _preset("ladder-3-reinject", "grt", "1+2x4+1", 128, 4, TINY,
+            **{**LOOP_ONLY, "state_noise_std": 0.1, "reinject_anchor": True}),
+    _preset("ladder-4-gate", "grt", "1+2x4+1", 128, 4, TINY),
 ])
 
 # The parameter counts each preset advertises (docs, model cards); a test builds every
@@ -57,6 +77,19 @@ ADVERTISED_PARAMS: dict[str, int] = {
     "tiny-dense": 2_525_824,
     "micro-grt": 60_800,
     "micro-dense": 80_224,
+    "micro-huginn": 57_664,
+    "micro-rrt": 61_696,
+    "micro-ouro": 55_585,
+    "micro-mor": 55_651,
+    "tiny-huginn": 1_378_048,
+    "tiny-rrt": 1_410_304,
+    "tiny-ouro": 1_344_897,
+    "tiny-mor": 1_345_284,
+    "ladder-0-loop-only": 951_040,
+    "ladder-1-prelude-coda": 1_344_768,
+    "ladder-2-noise": 1_344_768,
+    "ladder-3-reinject": 1_377_536,
+    "ladder-4-gate": 1_427_200,
 }
 
 

@@ -1,9 +1,14 @@
 """Compare DeepSpeed's full gradients (ZeRO stage N, W ranks, grad accumulation 2) with a
 single-process reference on the same global batch, over several depths in a row.
 
-usage: grad_check.py STAGE PRESET OUT_JSON [DEPTHS]   (run as W ranks; writes a report from rank 0)
+usage: grad_check.py STAGE PRESET[,PRESET...] OUT_JSON [DEPTHS]   (run as W ranks; writes a report from
+rank 0: {"steps": [...]} for one preset, {preset: {"steps": [...]}} for several). Every random
+perturbation is off (baselines.noise_off). "unused_with_nonzero_grad" lists the parameters a depth
+does not reach (the loop at depth 0, per-step LoRA adapters and routers past the depth) whose
+gradient is not exactly zero: under ZeRO-3 they would be stale.
 """
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -16,60 +21,71 @@ from deepspeed.utils import safe_get_full_grad, safe_get_full_fp32_param  # noqa
 
 from pretrain.distributed import init_distributed  # noqa: E402
 from pretrain.model import GPT  # noqa: E402
+from pretrain.model.baselines import noise_off  # noqa: E402
 from pretrain.presets import get_preset  # noqa: E402
 from pretrain.run_config import RunConfig  # noqa: E402
 from pretrain.trainer import build_engine  # noqa: E402
 
-stage, preset, out_path = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+stage, presets, out_path = int(sys.argv[1]), sys.argv[2].split(","), Path(sys.argv[3])
 depths = [int(d) for d in (sys.argv[4] if len(sys.argv) > 4 else "3,1,0,2").split(",")]
 GA, B, T = 2, 2, 16
 
+
+def unused(name: str, depth: int) -> bool:
+    per_step = re.match(r"(?:loop\.lora|routers)\.(\d+)\.", name)
+    if per_step:
+        return int(per_step.group(1)) >= depth
+    return name.startswith("loop.") and depth == 0
+
+
+def check(preset: str) -> dict:
+    cfg = RunConfig(data="unused", ds_config=str(REPO / "ds_configs" / f"zero{stage}.json"))
+    cfg.model = noise_off(get_preset(preset).replace(max_seq_len=T))
+    cfg.train.micro_batch_size, cfg.train.grad_accum = B, GA
+    cfg.train.activation_checkpointing = "loop_step"
+    cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps = 1e-2, 0, 100
+    torch.manual_seed(0)
+    engine, _ = build_engine(cfg, world, torch.device("cpu"))
+    reference = GPT(cfg.model).train()
+    names = [n for n, _ in engine.module.named_parameters()]
+    params = dict(engine.module.named_parameters())
+
+    def batch(step, micro, r):
+        g = torch.Generator().manual_seed(1000 * step + 10 * micro + r)
+        idx = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=g)
+        return idx[:, :-1], idx[:, 1:]
+
+    report = {"steps": []}
+    for step, depth in enumerate(depths):
+        # reference: the same weights as the engine, the whole global batch in one process
+        reference.load_state_dict({n: safe_get_full_fp32_param(params[n]).detach().clone() for n in names}, strict=False)
+        reference.zero_grad(set_to_none=False)
+        for micro in range(GA):
+            for r in range(world):
+                idx, tgt = batch(step, micro, r)
+                (reference(idx, tgt, n_loops=depth).loss / (GA * world)).backward()
+        for micro in range(GA):
+            idx, tgt = batch(step, micro, rank)
+            loss = engine(idx, tgt, n_loops=depth).loss
+            engine.backward(loss)
+            if micro == GA - 1:
+                grads = {n: safe_get_full_grad(params[n]) for n in names}  # collective: every rank
+            engine.step()
+        ref = dict(reference.named_parameters())
+        worst, unused_nonzero = {}, []
+        for n in names:
+            ref_grad = ref[n].grad if ref[n].grad is not None else torch.zeros_like(ref[n])
+            diff = (grads[n].float() - ref_grad).abs().max().item()
+            scale = ref_grad.abs().max().item()
+            worst[n] = {"max_abs_diff": diff, "ref_max": scale}
+            if unused(n, depth) and grads[n].abs().max().item() != 0:
+                unused_nonzero.append(n)
+        report["steps"].append({"depth": depth, "grads": worst, "unused_with_nonzero_grad": unused_nonzero})
+    return report
+
+
 info = init_distributed(timeout_s=120)
 rank, world = info.rank, info.world_size
-cfg = RunConfig(data="unused", ds_config=str(REPO / "ds_configs" / f"zero{stage}.json"))
-cfg.model = get_preset(preset).replace(state_noise_std=0.0, gate_noise_std=0.0, max_seq_len=T)
-cfg.train.micro_batch_size, cfg.train.grad_accum = B, GA
-cfg.train.activation_checkpointing = "loop_step"
-cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps = 1e-2, 0, 100
-torch.manual_seed(0)
-engine, _ = build_engine(cfg, world, torch.device("cpu"))
-reference = GPT(cfg.model).train()
-names = [n for n, _ in engine.module.named_parameters()]
-params = dict(engine.module.named_parameters())
-
-
-def batch(step, micro, r):
-    g = torch.Generator().manual_seed(1000 * step + 10 * micro + r)
-    idx = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=g)
-    return idx[:, :-1], idx[:, 1:]
-
-
-report = {"steps": []}
-for step, depth in enumerate(depths):
-    # reference: the same weights as the engine, the whole global batch in one process
-    reference.load_state_dict({n: safe_get_full_fp32_param(params[n]).detach().clone() for n in names}, strict=False)
-    reference.zero_grad(set_to_none=False)
-    for micro in range(GA):
-        for r in range(world):
-            idx, tgt = batch(step, micro, r)
-            (reference(idx, tgt, n_loops=depth).loss / (GA * world)).backward()
-    for micro in range(GA):
-        idx, tgt = batch(step, micro, rank)
-        loss = engine(idx, tgt, n_loops=depth).loss
-        engine.backward(loss)
-        if micro == GA - 1:
-            grads = {n: safe_get_full_grad(params[n]) for n in names}  # collective: every rank
-        engine.step()
-    ref = dict(reference.named_parameters())
-    worst, unused_nonzero = {}, []
-    for n in names:
-        ref_grad = ref[n].grad if ref[n].grad is not None else torch.zeros_like(ref[n])
-        diff = (grads[n].float() - ref_grad).abs().max().item()
-        scale = ref_grad.abs().max().item()
-        worst[n] = {"max_abs_diff": diff, "ref_max": scale}
-        if n.startswith("loop.") and depth == 0 and grads[n].abs().max().item() != 0:
-            unused_nonzero.append(n)
-    report["steps"].append({"depth": depth, "grads": worst, "unused_with_nonzero_grad": unused_nonzero})
-
+reports = {p: check(p) for p in presets}
 if rank == 0:
-    out_path.write_text(json.dumps(report))
+    out_path.write_text(json.dumps(reports[presets[0]] if len(presets) == 1 else reports))

@@ -1,0 +1,411 @@
+"""The looped-model baselines the paper compares GRT against (spec section 4), on the same
+P+CxR+K skeleton (embeddings, prelude, shared core, exit norm, coda, tied head) so that
+only the loop mechanism differs:
+
+- `huginn` (Geiping et al. 2025): a random truncated-normal initial state, an adapter
+  Linear(2d -> d) on [s; e] every step, sandwich-norm core blocks, no gate; heavy-tail
+  Poisson depth (train.depth_sampling=poisson); backprop only through the last k steps.
+- `rrt` (Relaxed Recursive Transformer): plain recurrence s_r = Core(s_{r-1}) with a
+  separate LoRA adapter per loop step on every linear of the shared core, starting at B = 0
+  (the identity: step r computes exactly the shared weights at initialisation).
+- `ouro`: plain recurrence, every step decoded; the training loss is the per-token
+  expectation of the step losses under a learned exit distribution, minus beta x its
+  entropy; at inference a token exits where the distribution's CDF passes a threshold.
+- `mor` (Mixture-of-Recursions): per loop step a router picks the top-k tokens of each
+  sequence among those still active (expert choice, capacity (R - r + 1) / R), gathers
+  them, runs the shared core on them (causal among the chosen), scatters the result
+  back; a binary cross-entropy auxiliary loss teaches the router the selection.
+
+Every variant keeps ZeRO-3's rule (docs: notes on looped models): each parameter takes
+part in every training micro-batch, so per-step modules beyond the sampled depth (LoRA
+adapters, routers) and the loop at depth 0 get a zero-weighted touch.
+
+`GPT(cfg)` returns these classes for their variants (GPT.__new__), so the trainer, the
+checkpoint loaders and the gradient checks build them without knowing them. Variant
+settings live in `cfg.extra` (accepted keys and defaults: config.BASELINE_EXTRA).
+Outputs beyond ModelOutput (per-step losses, exit distribution, router selections) are
+left in `model.last_aux` after each forward.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from .gpt import GPT, LoopStep, ModelOutput
+from .layers import AttentionContext, Block, Linear, attention, layer_norm
+
+
+def noise_off(cfg: ModelConfig) -> ModelConfig:
+    """The same model with every random perturbation off (for gradient checks)."""
+    extra = dict(cfg.extra)
+    if cfg.variant == "huginn":
+        extra["init_state_scale"] = 0.0
+    if cfg.variant == "mor":
+        extra["router_noise_std"] = 0.0
+    return cfg.replace(state_noise_std=0.0, gate_noise_std=0.0, extra=extra)
+
+
+def _zero(*tensors: torch.Tensor) -> torch.Tensor:
+    """0 x sum of the tensors: a term that gives their parameters a zero (not a missing) gradient."""
+    return 0.0 * sum(t.float().sum() for t in tensors)
+
+
+class LoopedBaseline(GPT):
+    """Shared pieces of the baselines: prelude, decoding a state, the loss, argument checks."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.last_aux: dict = {}
+
+    def _check_args(self, n_loops, gate_override, anchor) -> int:
+        if gate_override is not None:
+            raise ValueError(f"gate_override: variant {self.cfg.variant!r} has no gate")
+        if anchor != "prelude":
+            raise ValueError(f"anchor={anchor!r}: variant {self.cfg.variant!r} supports only the prelude anchor")
+        n = self.max_loops if n_loops is None else int(n_loops)
+        if n < 0:
+            raise ValueError(f"n_loops={n}: must be >= 0")
+        return n
+
+    def _prelude(self, idx: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.prelude:
+            x = block(x, ctx)
+        return x
+
+    def _decode(self, s: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = self.exit_norm(s) if self.exit_norm is not None else s
+        for block in self.coda:
+            x = block(x, ctx)
+        return self.lm_head(self.ln_f(x))[..., : self.cfg.vocab_size]
+
+    @staticmethod
+    def _ce(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction)
+        return loss if reduction == "mean" else loss.view(targets.shape)
+
+
+# -- Huginn ---------------------------------------------------------------------------------
+class SandwichBlock(Block):
+    """Huginn's core block: a norm before and after each sub-layer,
+    x = n_2(x + attn(n_1(x))); x = n_4(x + mlp(n_3(x)))."""
+
+    def __init__(self, cfg: ModelConfig, out_std: float):
+        super().__init__(cfg, out_std)
+        self.ln_attn_out = layer_norm(cfg)
+        self.ln_mlp_out = layer_norm(cfg)
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = self.ln_attn_out(x + self.attn(self.ln_1(x), ctx))
+        return self.ln_mlp_out(x + self.mlp(self.ln_2(x)))
+
+
+class HuginnGPT(LoopedBaseline):
+    """s_0 ~ TruncNormal(0, std, +-3 std); s_r = Core_sandwich(W [s_{r-1}; e]); no gate.
+    Training runs the first n - k steps under torch.no_grad (truncated backprop)."""
+
+    def build_loop(self, cfg: ModelConfig, out_std: float) -> nn.Module:
+        return LoopStep(cfg, out_std, block_cls=SandwichBlock)  # reinject_anchor=True, gate=False: the adapter
+
+    def initial_state(self, e: torch.Tensor) -> torch.Tensor:
+        std = float(self.cfg.xget("init_state_scale")) * math.sqrt(2.0 / (5 * self.cfg.d_model))
+        if std == 0:
+            return torch.zeros_like(e)
+        # evaluation draws from a fixed generator, so that it is repeatable
+        gen = None if self.training else torch.Generator(device=e.device).manual_seed(0)
+        s = torch.empty(e.shape, dtype=torch.float32, device=e.device)
+        return nn.init.trunc_normal_(s, 0.0, std, -3 * std, 3 * std, generator=gen).to(e.dtype)
+
+    def forward(self, idx, targets=None, *, n_loops=None, doc_ids=None, gate_override=None, anchor="prelude",
+                return_states=False, return_gates=False) -> ModelOutput:
+        n = self._check_args(n_loops, gate_override, anchor)
+        ctx = AttentionContext(doc_ids=doc_ids)
+        e = self._prelude(idx, ctx)
+        s = self.initial_state(e)
+        k = int(self.cfg.xget("backprop_steps"))
+        states = [s] if return_states else []
+        for i in range(n):
+            if self.training and i < n - k:
+                with torch.no_grad():  # truncated backprop: only the last k steps are differentiated
+                    s, _ = self.loop(s, e, ctx)
+            else:
+                s, _ = self.loop(s, e, ctx)
+            if return_states:
+                states.append(s)
+        if self.training and n == 0:
+            s = s + self._touch_loop(e)
+        logits = self._decode(s, ctx)
+        loss = self._ce(logits, targets) if targets is not None else None
+        return ModelOutput(logits=logits, loss=loss, states=states, gates=[])
+
+    def _touch_loop(self, e: torch.Tensor) -> torch.Tensor:
+        head = e[:, :1]
+        return _zero(self.loop(head, head, AttentionContext())[0])
+
+
+# -- RRT ----------------------------------------------------------------------------------
+class LoRA(nn.Module):
+    """x -> (alpha / rank) * B A x, with B = 0 at initialisation (the identity adapter)."""
+
+    def __init__(self, fan_in: int, fan_out: int, rank: int, alpha: float):
+        super().__init__()
+        self.down = Linear(fan_in, rank, bias=False, std=1.0 / math.sqrt(fan_in))
+        self.up = Linear(rank, fan_out, bias=False, std=0.0)
+        self.scale = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(self.down(x)) * self.scale
+
+
+_LORA_SITES = ("attn_qkv", "attn_out", "mlp_in", "mlp_out")
+
+
+class RRTStep(nn.Module):
+    """The shared core plus one LoRA set per loop step: forward(s, e, ctx, step)."""
+
+    def __init__(self, cfg: ModelConfig, out_std: float):
+        super().__init__()
+        d, layout = cfg.d_model, cfg.parsed_layout
+        h = cfg.mlp_ratio * d
+        rank, alpha = int(cfg.xget("lora_rank")), float(cfg.xget("lora_alpha"))
+        shapes = {"attn_qkv": (d, 3 * d), "attn_out": (d, d), "mlp_in": (d, h), "mlp_out": (h, d)}
+        self.core = nn.ModuleList(Block(cfg, out_std) for _ in range(layout.core))
+        self.lora = nn.ModuleList(  # [step][block][site]
+            nn.ModuleList(nn.ModuleDict({site: LoRA(*shapes[site], rank, alpha) for site in _LORA_SITES})
+                          for _ in range(layout.core))
+            for _ in range(layout.loops))
+
+    def adapters(self, step: int) -> nn.ModuleList:
+        return self.lora[min(step, len(self.lora) - 1)]  # past the trained R: the last step's adapters
+
+    def forward(self, s: torch.Tensor, e: torch.Tensor, ctx: AttentionContext, step: int = 0):
+        x = s
+        for block, ad in zip(self.core, self.adapters(step)):
+            x = _block_with_lora(block, x, ctx, ad)
+        return x, None
+
+    def touch(self, steps, ref: torch.Tensor) -> torch.Tensor:
+        terms = []
+        for step in steps:
+            for ad in self.lora[step]:
+                for lora in ad.values():
+                    terms.append(lora(ref.new_ones(1, 1, lora.down.in_features)))
+        return _zero(*terms) if terms else ref.new_zeros(())
+
+
+def _block_with_lora(block: Block, x: torch.Tensor, ctx: AttentionContext, ad: nn.ModuleDict) -> torch.Tensor:
+    """Block.forward with W x + LoRA(x) at each of its four linears."""
+    attn, mlp = block.attn, block.mlp
+    h = block.ln_1(x)
+    b, t, d = h.shape
+    qkv = attn.c_attn(h) + ad["attn_qkv"](h)
+    q, k, v = qkv.view(b, t, 3, attn.n_heads, d // attn.n_heads).permute(2, 0, 3, 1, 4)
+    y = attention(q, k, v, ctx, attn.backend, attn.dropout if block.training else 0.0)
+    y = y.transpose(1, 2).reshape(b, t, d)
+    x = x + attn.resid_drop(attn.c_proj(y) + ad["attn_out"](y))
+    h = block.ln_2(x)
+    u = F.gelu(mlp.c_fc(h) + ad["mlp_in"](h), approximate="tanh")
+    return x + mlp.drop(mlp.c_proj(u) + ad["mlp_out"](u))
+
+
+class RRTGPT(LoopedBaseline):
+    """s_0 = e; s_r = Core_{W + B_r A_r}(s_{r-1}); no gate, no re-injection."""
+
+    def build_loop(self, cfg: ModelConfig, out_std: float) -> nn.Module:
+        return RRTStep(cfg, out_std)
+
+    def forward(self, idx, targets=None, *, n_loops=None, doc_ids=None, gate_override=None, anchor="prelude",
+                return_states=False, return_gates=False) -> ModelOutput:
+        n = self._check_args(n_loops, gate_override, anchor)
+        ctx = AttentionContext(doc_ids=doc_ids)
+        s = e = self._prelude(idx, ctx)
+        states = [s] if return_states else []
+        for i in range(n):
+            s, _ = self.loop(s, e, ctx, i)
+            if return_states:
+                states.append(s)
+        if self.training:
+            unused = list(range(n, self.max_loops))
+            if unused:  # per-step adapters this depth did not reach: zero gradient, not a stale one
+                s = s + self.loop.touch(unused, s)
+            if n == 0:
+                s = s + _zero(self.loop(e[:, :1], e[:, :1], AttentionContext(), 0)[0])
+        logits = self._decode(s, ctx)
+        loss = self._ce(logits, targets) if targets is not None else None
+        return ModelOutput(logits=logits, loss=loss, states=states, gates=[])
+
+
+# -- Ouro ---------------------------------------------------------------------------------
+class OuroGPT(LoopedBaseline):
+    """Plain recurrence; exit gate lambda_t = sigmoid(w . norm(s_t) + b) (shared across steps);
+    p_t = lambda_t prod_{j<t} (1 - lambda_j), the last step takes the remaining mass.
+    Training loss: mean over tokens of sum_t p_t L_t - beta H(p)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.exit_gate = Linear(cfg.d_model, 1, bias=True, std=cfg.init_std)
+
+    def exit_logits(self, s: torch.Tensor) -> torch.Tensor:
+        x = self.exit_norm(s) if self.exit_norm is not None else s
+        return self.exit_gate(x).squeeze(-1).float()
+
+    @staticmethod
+    def exit_distribution(lambdas: torch.Tensor) -> torch.Tensor:
+        """lambdas [n, B, T] in (0, 1) -> p [n, B, T], summing to 1 over the n steps."""
+        n = lambdas.shape[0]
+        survive = torch.cumprod(torch.cat([torch.ones_like(lambdas[:1]), 1 - lambdas[:-1]]), dim=0)
+        p = survive * lambdas
+        return torch.cat([p[:-1], survive[-1:]]) if n > 0 else p  # the last step exits whatever is left
+
+    def forward(self, idx, targets=None, *, n_loops=None, doc_ids=None, gate_override=None, anchor="prelude",
+                return_states=False, return_gates=False, exit: str = "fixed") -> ModelOutput:
+        """exit='fixed': decode after step n (early exit at a chosen depth); exit='learned': each
+        token exits at the first step where the learned distribution's CDF >= exit_threshold.
+        In training (with targets) the loss is the expected step loss minus beta x entropy."""
+        n = self._check_args(n_loops, gate_override, anchor)
+        if exit not in ("fixed", "learned"):
+            raise ValueError(f"exit={exit!r}: accepted values are fixed, learned")
+        ctx = AttentionContext(doc_ids=doc_ids)
+        s = self._prelude(idx, ctx)
+        states = [s] if return_states else []
+        every_step = (self.training and targets is not None) or exit == "learned"
+        logits_steps, lambdas = [], []
+        for _ in range(n):
+            s, _ = self.loop(s, s, ctx)
+            if return_states:
+                states.append(s)
+            lambdas.append(torch.sigmoid(self.exit_logits(s)))
+            if every_step:
+                logits_steps.append(self._decode(s, ctx))
+        self.last_aux = {}
+        if n == 0 or not every_step:
+            logits = self._decode(s, ctx)
+            loss = self._ce(logits, targets) if targets is not None else None
+            if self.training and loss is not None:  # only at n = 0: with targets, training decodes every step
+                head = s[:, :1]
+                loss = loss + _zero(self.loop(head, head, AttentionContext())[0], self.exit_logits(head))
+            return ModelOutput(logits=logits, loss=loss, states=states, gates=[])
+        lam = torch.stack(lambdas)                           # [n, B, T]
+        p = self.exit_distribution(lam)
+        self.last_aux = {"exit_probs": p.detach()}
+        if exit == "learned":
+            cdf = p.cumsum(0)
+            step = (cdf < float(self.cfg.xget("exit_threshold")) - 1e-6).sum(0).clamp(max=n - 1)  # [B, T]
+            stacked = torch.stack(logits_steps)              # [n, B, T, V]
+            logits = stacked.gather(0, step[None, ..., None].expand(1, *stacked.shape[1:])).squeeze(0)
+            self.last_aux["exit_step"] = step + 1
+            loss = self._ce(logits, targets) if targets is not None else None
+            return ModelOutput(logits=logits, loss=loss, states=states, gates=[])
+        step_losses = torch.stack([self._ce(lg, targets, reduction="none") for lg in logits_steps])  # [n, B, T]
+        valid = (targets != -100).float()
+        denom = valid.sum().clamp(min=1.0)
+        expected = ((p * step_losses).sum(0) * valid).sum() / denom
+        entropy = (-(p * p.clamp_min(1e-12).log()).sum(0) * valid).sum() / denom
+        beta = float(self.cfg.xget("entropy_beta"))
+        # lambda_n does not enter p (the last step takes the rest): touch it for ZeRO-3
+        loss = expected - beta * entropy + _zero(lam[-1])
+        self.last_aux.update(step_losses=(step_losses * valid).sum((1, 2)).detach() / denom,
+                             entropy=entropy.detach())
+        return ModelOutput(logits=logits_steps[-1], loss=loss, states=states, gates=[])
+
+
+# -- MoR ----------------------------------------------------------------------------------
+class MoRGPT(LoopedBaseline):
+    """Expert-choice Mixture-of-Recursions: at step r a router scores the tokens still active,
+    the top k_r = ceil(T (R - r + 1) / R) of each sequence are gathered (kept in order),
+    updated s <- s + g (Core(s) - s) with g = sigmoid(router logit), and scattered back.
+    Auxiliary loss: BCE of the router logits against the selection (coef aux_loss_coef)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.routers = nn.ModuleList(Linear(cfg.d_model, 1, bias=True, std=cfg.init_std)
+                                     for _ in range(cfg.max_loops))
+
+    def capacity(self, step: int, seq_len: int) -> int:
+        r_max = self.max_loops
+        share = (r_max - min(step, r_max - 1)) / r_max
+        return max(1, math.ceil(seq_len * share))
+
+    def forward(self, idx, targets=None, *, n_loops=None, doc_ids=None, gate_override=None, anchor="prelude",
+                return_states=False, return_gates=False) -> ModelOutput:
+        n = self._check_args(n_loops, gate_override, anchor)
+        ctx = AttentionContext(doc_ids=doc_ids)
+        s = self._prelude(idx, ctx)
+        b, t, d = s.shape
+        states = [s] if return_states else []
+        active = torch.ones(b, t, dtype=torch.bool, device=s.device)
+        aux_terms, selected_counts, masks = [], [], []
+        noise = float(self.cfg.xget("router_noise_std"))
+        for i in range(n):
+            router = self.routers[min(i, len(self.routers) - 1)]
+            logits_r = router(s).squeeze(-1).float()                       # [B, T]
+            if self.training and noise > 0:
+                logits_r = logits_r + noise * torch.randn_like(logits_r)
+            k = min(self.capacity(i, t), int(active.sum(1).min()))
+            scores = logits_r.masked_fill(~active, float("-inf"))
+            chosen = scores.topk(k, dim=1).indices.sort(dim=1).values      # [B, k], in sequence order
+            picked = torch.zeros_like(active).scatter(1, chosen, True)
+            aux_terms.append(F.binary_cross_entropy_with_logits(logits_r[active], picked[active].float()))
+            gather_idx = chosen[..., None].expand(b, k, d)
+            x = s.gather(1, gather_idx)
+            sub_ctx = AttentionContext(doc_ids=doc_ids.gather(1, chosen) if doc_ids is not None else None)
+            out, _ = self.loop(x, x, sub_ctx)
+            g = torch.sigmoid(logits_r.gather(1, chosen))[..., None].to(x.dtype)
+            s = s.scatter(1, gather_idx, x + g * (out - x))
+            active = picked
+            selected_counts.append(int(picked.sum()))
+            masks.append(picked)
+            if return_states:
+                states.append(s)
+        self.last_aux = {"selected": selected_counts, "selected_masks": masks}
+        logits = self._decode(s, ctx)
+        loss = self._ce(logits, targets) if targets is not None else None
+        if loss is not None and self.training:
+            if aux_terms:
+                loss = loss + float(self.cfg.xget("aux_loss_coef")) * torch.stack(aux_terms).mean()
+            head = s[:, :1]
+            touch = [self.routers[j](head) for j in range(n, len(self.routers))]  # routers past depth n
+            if n == 0:
+                touch.append(self.loop(head, head, AttentionContext())[0])
+            if touch:
+                loss = loss + _zero(*touch)
+        return ModelOutput(logits=logits, loss=loss, states=states, gates=[])
+
+
+VARIANT_MODELS: dict[str, type[GPT]] = {"huginn": HuginnGPT, "rrt": RRTGPT, "ouro": OuroGPT, "mor": MoRGPT}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int | None = None, n_loops: int | None = None) -> int:
+    """Forward FLOPs per token at inference, for every variant: the spec's formula
+    (pretrain.flops) plus what each baseline adds or removes. Ouro: one decode (a fixed
+    exit at depth n) plus its exit gate; training decodes every step (n - 1 more codas and
+    heads). MoR: step r runs the core on a share (R - r + 1) / R of the tokens, whose
+    attention spans that share of the sequence."""
+    from ..flops import flops_per_token as base_flops
+
+    base = base_flops(cfg, seq_len, n_loops)
+    if cfg.variant in ("grt", "dense", "huginn"):
+        return base
+    layout = cfg.parsed_layout
+    d, s = cfg.d_model, seq_len or cfg.max_seq_len
+    r = layout.loops if n_loops is None else n_loops
+    h = cfg.mlp_ratio * d
+    if cfg.variant == "rrt":
+        rank = int(cfg.xget("lora_rank"))
+        per_block = 2 * rank * ((d + 3 * d) + (d + d) + (d + h) + (h + d))
+        return base + r * layout.core * per_block
+    if cfg.variant == "ouro":
+        return base + r * 2 * d
+    if cfg.variant == "mor":
+        block_matmuls = (8 + 4 * cfg.mlp_ratio) * d * d
+        loop = 0.0
+        for i in range(r):
+            share = (layout.loops - min(i, layout.loops - 1)) / layout.loops
+            loop += share * layout.core * (block_matmuls + 4 * share * s * d) + 2 * d
+        outside = base_flops(cfg, seq_len, 0)  # prelude, coda and head
+        return int(round(outside + loop))
+    raise ValueError(f"variant={cfg.variant!r}")
