@@ -1,0 +1,114 @@
+"""`grt compare`: config specs, FLOPs/params matching, the table and plot, and one real
+(small) comparison through `grt train`."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from multiproc import REPO
+from pretrain import compare
+from pretrain.config import ConfigError
+from pretrain.presets import get_preset
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def grt(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "pretrain.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, demo_text):
+    d = tmp_path_factory.mktemp("data")
+    for args in (["data", "tokenizer", "-i", str(demo_text), "--txt-mode", "paragraph", "--vocab-size", "512",
+                  "-o", str(d / "tok"), "-q"],
+                 ["data", "prepare", "-i", str(demo_text), "--txt-mode", "paragraph", "-t", str(d / "tok.model"),
+                  "-o", str(d / "shards"), "--seq-len", "64", "--shard-size-mb", "0.1", "--val-fraction", "0.05", "-q"]):
+        r = grt(*args)
+        assert r.returncode == 0, r.stderr
+    return d / "shards" / "manifest.json"
+
+
+def test_config_specs_presets_and_json(tmp_path):
+    assert compare.load_spec("micro-rrt")[0] == "micro-rrt"
+    (tmp_path / "m.json").write_text(json.dumps(get_preset("micro-grt").replace(name="custom", gate=False).to_dict()))
+    label, cfg, train = compare.load_spec(str(tmp_path / "m.json"))
+    assert (label, cfg.gate, train) == ("m", False, {})
+    (tmp_path / "r.json").write_text(json.dumps({"label": "deep", "model": "micro-grt", "train": {"lr": 1e-3}}))
+    label, cfg, train = compare.load_spec(str(tmp_path / "r.json"))
+    assert (label, cfg.name, train) == ("deep", "micro-grt", {"lr": 1e-3})
+    (tmp_path / "bad.json").write_text(json.dumps({"label": "x", "modle": "micro-grt"}))
+    with pytest.raises(ConfigError, match="unknown key.*modle"):
+        compare.load_spec(str(tmp_path / "bad.json"))
+    with pytest.raises(ConfigError, match="not a preset"):
+        compare.load_spec("no-such-preset")
+
+
+def test_matching_flops_and_params():
+    grt_cfg = get_preset("tiny-grt")
+    target = compare.model_flops(grt_cfg, 256)
+    dense = compare.match(get_preset("tiny-dense"), target, "flops", 256)
+    mor = compare.match(get_preset("tiny-mor"), target, "flops", 256)
+    assert dense.layout.isdigit() and mor.parsed_layout.loops > grt_cfg.parsed_layout.loops  # MoR skips tokens
+    for cfg in (dense, mor):
+        assert abs(compare.model_flops(cfg, 256) - target) / target < 0.1
+    bigger = compare.match(get_preset("micro-grt"), 2 * compare.model_params(get_preset("micro-grt")), "params", 64)
+    assert bigger.parsed_layout.core > 1 and bigger.parsed_layout.loops == 3
+
+
+def test_method_names_follow_the_ladder():
+    names = [compare.describe_method(get_preset(n)) for n in
+             ("ladder-0-loop-only", "ladder-1-prelude-coda", "ladder-2-noise", "ladder-3-reinject", "ladder-4-gate",
+              "tiny-ouro", "tiny-dense")]
+    assert names == ["loop only", "loop + prelude/coda", "loop + prelude/coda, noise",
+                     "loop + prelude/coda, noise, re-injection", "GRT", "Ouro", "dense GPT-2"]
+
+
+def test_table_and_plot(tmp_path):
+    rows = []
+    for i, (label, variant) in enumerate((("a", "grt"), ("b", "dense"))):
+        rows.append({"label": label, "method": variant, "variant": variant, "layout": "1+1x3+1", "matched_from": None,
+                     "params": 1000, "flops_per_token": 2e6, "train_flops_per_token": 6e6, "val_loss": 3.0 + i,
+                     "val_loss_by_depth": {0: 5.0, 1: 4.0, 2: 3.5, 3: 3.0 + i} if variant == "grt" else {0: 4.0},
+                     "val_curve": [(5, 4.0), (10, 3.0 + i)], "train_curve": [(s, 6 - s / 10) for s in range(1, 11)],
+                     "tokens_per_step": 512, "tokens_per_s": 1234.0, "peak_memory_mb": 100.0})
+    text = compare.table(rows)
+    assert "| GRT" not in text and "5.000 / 4.000 / 3.500 / 3.000" in text and text.count("\n") == 3
+    compare.plot(rows, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_dry_run_lists_matched_runs(shards, tmp_path, capsys):
+    assert compare.main(["--data", str(shards), "--out", str(tmp_path / "c"), "--configs", "micro-grt,micro-dense",
+                         "--configs", "micro-huginn", "--match", "flops", "--tokens", "5000", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-dense" in out and "depth poisson" in out and "steps 10" in out
+    assert compare.main(["--data", str(shards), "--out", str(tmp_path / "c"), "--configs", "micro-grt,micro-grt",
+                         "--dry-run"]) == 2
+
+
+@pytest.mark.slow
+def test_compare_trains_each_config_and_writes_table_json_and_plot(shards, tmp_path):
+    out = tmp_path / "cmp"
+    args = ["compare", "--data", str(shards), "--out", str(out), "--configs", "micro-grt,micro-ouro",
+            "--tokens", "8192", "--micro-batch-size", "8", "--lr", "1e-2", "--evals", "2", "--eval-batches", "2",
+            "--log-every", "2", "--ds-config", str(REPO / "ds_configs" / "zero2.json")]
+    r = grt(*args)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    result = json.loads((out / "comparison.json").read_text())
+    rows = {row["label"]: row for row in result["runs"]}
+    assert set(rows) == {"micro-grt", "micro-ouro"}
+    for row in rows.values():
+        assert row["steps"] == 16 and row["tokens"] == 8192
+        assert set(row["val_loss_by_depth"]) == {"0", "1", "2", "3"} and row["val_loss"] < 6.0
+        assert row["tokens_per_s"] > 0 and row["peak_memory_mb"] > 0
+        assert row["train_curve"][-1][1] < row["train_curve"][0][1]
+    assert rows["micro-ouro"]["train_flops_per_token"] > 3 * rows["micro-ouro"]["flops_per_token"]  # decodes every step
+    assert (out / "loss_curves.png").stat().st_size > 10_000
+    assert "| Ouro | micro-ouro |" in (out / "comparison.md").read_text()
+    # a second call reuses the finished runs (no training) and rebuilds the same table
+    again = grt(*args, timeout=120)
+    assert again.returncode == 0 and "training" not in again.stdout
+    assert (out / "comparison.md").read_text() in again.stdout
