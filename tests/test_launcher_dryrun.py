@@ -90,6 +90,18 @@ def test_deepspeed_4x8_against_deepspeed_runner(tmp_path):
     assert lines["GRT_TEST_FLAG"] == "1" and "UNRELATED_SECRET" not in lines
     assert "WANDB_API_KEY" not in lines and "HF_TOKEN" not in lines  # secrets stay out of files
     assert "PYTHONPATH" in lines
+    # the per-node command DeepSpeed's pdsh backend builds from all this
+    from deepspeed.launcher.multinode_runner import PDSHRunner
+
+    runner = PDSHRunner(args, ds_runner.encode_world_info(active))
+    for key, val in lines.items():
+        runner.add_export(key, val)
+    cmd, _kill, _env = runner.get_cmd({}, active)
+    assert cmd[0] == "pdsh" and cmd[cmd.index("-w") + 1] == "node1,node2,node3,node4"
+    line = " ".join(cmd)
+    assert "export NCCL_IB_HCA=mlx5_0,mlx5_1;" in line and "deepspeed.launcher.launch" in line
+    assert "--node_rank=%n" in line and "--master_addr=node1" in line and "--master_port=29555" in line
+    assert "--no_local_rank" in line and line.endswith(f"pretrain.cli train --config-json {CONFIG}")
 
 
 def test_deepspeed_honours_env_hostfile_and_master_addr(tmp_path):
