@@ -71,16 +71,8 @@ BAD_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("case,expected", BAD_CONFIGS, ids=[
-    "unknown-key", "wrong-type-int", "wrong-type-bool", "bad-value", "unknown-preset", "unparsable-layout",
-    "zero-layout", "ds-batch-mismatch", "ds-config-missing"])
-def test_bad_config_fails_fast_with_one_line(data, tmp_path, case, expected):
-    """rc 2, one line naming the key and what is accepted, before any process group exists.
-
-    Run as rank 0 of a 2-rank job whose rank 1 never starts: if a process group were
-    created, the run would block in the rendezvous instead of exiting."""
-    out = tmp_path / "run"
-    args = train_args(data, out, 5)
+def bad_config_args(data: Path, tmp_path: Path, case) -> list[str]:
+    args = train_args(data, tmp_path / "run", 5)
     if case == "ds_batch":
         ds = tmp_path / "ds.json"
         ds.write_text(json.dumps({"train_batch_size": 7, "zero_optimization": {"stage": 3}}))
@@ -92,16 +84,46 @@ def test_bad_config_fails_fast_with_one_line(data, tmp_path, case, expected):
             args = [a for a in args if a != "micro-grt"]
             args.remove("--preset")
         args += case
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": "1"}
+    return args
+
+
+# as rank 0 of a 2-rank job whose rank 1 never starts: had a process group been created,
+# the run would block in the rendezvous instead of exiting
+RANK0_OF_2 = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+
+
+@pytest.mark.parametrize("case,expected", BAD_CONFIGS, ids=[
+    "unknown-key", "wrong-type-int", "wrong-type-bool", "bad-value", "unknown-preset", "unparsable-layout",
+    "zero-layout", "ds-batch-mismatch", "ds-config-missing"])
+def test_bad_config_is_one_line_before_any_process_group(data, tmp_path, monkeypatch, capsys, case, expected):
+    """rc 2, one line naming the key and what is accepted; no process group, no engine, no files."""
+    import torch.distributed as dist
+
+    from pretrain import train as train_cli
+
+    for key, value in RANK0_OF_2.items():
+        monkeypatch.setenv(key, value)
+    rc = train_cli.main(bad_config_args(data, tmp_path, case)[1:])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("grt train: error: "), err
+    for text in expected:
+        assert text in err, err
+    assert not dist.is_initialized()
+    assert not (tmp_path / "run").exists(), "the run wrote into --out before failing"
+
+
+@pytest.mark.parametrize("case", ["ds_batch", ["--set", "model.layout=1+x3"]], ids=["ds-batch", "layout"])
+def test_bad_config_process_exits_at_once(data, tmp_path, case):
+    """The same as a real `grt train` process (rank 0 of 2): exit 2 at once, one error line."""
+    out = tmp_path / "run"
     t0 = time.time()
-    res = subprocess.run(cli(*args), cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(cli(*bad_config_args(data, tmp_path, case)), cwd=REPO, env={**os.environ, **RANK0_OF_2},
+                         capture_output=True, text=True, timeout=120)
     elapsed = time.time() - t0
     err = one_line_error(res.stderr)
     assert res.returncode == 2, res.stdout + res.stderr
     assert len(err.splitlines()) == 1 and err.startswith("grt train: error: "), res.stderr
-    for text in expected:
-        assert text in err, err
     assert not out.exists(), "the run wrote into --out before failing"
     assert "init_distributed" not in res.stdout + res.stderr and "TorchBackend" not in res.stdout + res.stderr
     assert elapsed < 60
@@ -111,9 +133,34 @@ def test_bad_config_fails_fast_with_one_line(data, tmp_path, case, expected):
 def test_eval_depth_beyond_trained_is_refused(reference):
     res = subprocess.run(cli("eval", str(reference["out"]), "--depths", "0-9", "--tasks", "val"), cwd=REPO,
                          capture_output=True, text=True, timeout=120)
-    err = one_line_error(res.stderr)
+    errors = [l for l in res.stderr.splitlines() if "error" in l.lower()]
     assert res.returncode == 2, res.stdout + res.stderr
-    assert len(err.splitlines()) == 1 and "exceed the trained maximum of 3" in err, res.stderr
+    assert len(errors) == 1 and errors[0] == res.stderr.strip().splitlines()[-1], res.stderr
+    assert errors[0].startswith("grt eval: error: depth(s) [4, 5, 6, 7, 8, 9] exceed the trained maximum of 3")
+    assert "--allow-beyond-trained" in errors[0]
+
+
+# --------------------------------------------------------------------------- checkpoint selection
+
+def test_only_complete_checkpoints_are_ever_chosen(tmp_path):
+    """What a kill can leave behind: a tag without COMPLETE, `latest` naming it, a stray
+    marker temp file. find_latest picks the newest complete tag in every case."""
+    from pretrain.checkpoint import find_latest
+
+    root = tmp_path / "checkpoints"
+    assert find_latest(root) is None
+    for step, complete in ((4, True), (8, True), (12, False)):
+        (root / f"step{step:08d}").mkdir(parents=True)
+        if complete:
+            (root / f"step{step:08d}" / "COMPLETE").write_text(f"{step}\n")
+    (root / "step00000012" / ".COMPLETE.tmp123").write_text("12\n")
+    assert find_latest(root) == "step00000008"  # no `latest`: the newest complete tag
+    (root / "latest").write_text("step00000012\n")
+    assert find_latest(root) == "step00000008"  # `latest` names an incomplete tag
+    (root / "latest").write_text("step00000004\n")
+    assert find_latest(root) == "step00000004"  # killed between COMPLETE of 8 and `latest`: 4 is what was promised
+    (root / "latest").write_text("garbage")
+    assert find_latest(root) == "step00000008"
 
 
 # --------------------------------------------------------------------------- hard kill + exact resume
@@ -198,6 +245,26 @@ def test_sigterm_and_sigusr1_checkpoint_and_exit_cleanly(data, reference, tmp_pa
               f"exited 0 in {took:.1f} s, 0 steps lost")
     assert "resumed from" in job.logs[0].read_text()
     assert_same_losses(out, reference["losses"], range(1, stopped + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="data_pipeline/loader.py: DataLoader workers die on SIGTERM (torch's worker "
+                   "signal handlers); needs a worker_init_fn that ignores SIGTERM/SIGUSR1/SIGINT")
+def test_sigterm_to_every_process_with_loader_workers(data, tmp_path):
+    """Slurm's pre-emption and DeepSpeed's launcher signal every process, data-loader
+    workers included: the run must still save and exit 0."""
+    out = tmp_path / "run"
+    job = Job(train_args(data, out, REF_STEPS, "train.num_workers=2"), tmp_path / "logs")
+    with job:
+        wait_for(lambda: last_step(out) >= 2, 240, job, "step 2")
+        for pid in [p for rank_pid in job.pids for p in (rank_pid, *descendants(rank_pid))]:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        rcs = job.wait(60)
+    assert rcs == [0, 0], job.output()
+    assert json.loads((out / "summary.json").read_text())["stopped_by_signal"]
 
 
 # --------------------------------------------------------------------------- a rank dies or hangs
@@ -294,23 +361,43 @@ def broken_shards(dest: Path, entries: list) -> None:
     entries[3]["name"] = f"pipe:head -c 9000 {third}; exit 1"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("which", ["corrupt", "missing", "pipe"])
-def test_broken_shard_is_a_clear_error(data, tmp_path, which):
-    """Without skip_corrupt_shards: a one-line error naming the shard (exit 3)."""
-    def edit(dest, entries):
-        broken_shards(dest, entries)
-        keep = {"corrupt": 1, "missing": 2, "pipe": 3}[which]
-        entries[:] = [entries[keep]]  # the broken one alone: it is read at the first step
+BROKEN = {"corrupt": (1, "corrupt or truncated shard '{path}"), "missing": (2, "missing shard '{path}"),
+          "pipe": (3, "corrupt or truncated shard 'pipe:head -c 9000 {path}; exit 1'")}
 
+
+def only_broken(which):
+    def edit(dest, entries):
+        path = dest / entries[BROKEN[which][0]]["name"]
+        broken_shards(dest, entries)
+        entries[:] = [entries[BROKEN[which][0]]]  # the broken one alone: it is read at the first step
+        edit.want = BROKEN[which][1].format(path=path)
+    return edit
+
+
+@pytest.mark.parametrize("which", ["corrupt", "missing", "pipe"])
+def test_loader_names_the_broken_shard(data, tmp_path, which):
+    from data_pipeline.loader import TokenBatchLoader
+    from data_pipeline.shards import ShardError
+
+    edit = only_broken(which)
+    manifest = small_manifest(data, tmp_path / "shards", 4, edit)
+    loader = TokenBatchLoader(str(manifest), micro_batch_size=4, shuffle_buffer=0)
+    with pytest.raises(ShardError) as info:
+        next(iter(loader))
+    assert edit.want in str(info.value)
+
+
+@pytest.mark.slow
+def test_broken_shard_stops_training_with_one_line(data, tmp_path):
+    """Without skip_corrupt_shards: a one-line error naming the shard (exit 3)."""
+    edit = only_broken("pipe")
     manifest = small_manifest(data, tmp_path / "shards", 4, edit)
     res = subprocess.run(cli(*train_args(manifest, tmp_path / "run", 3)), cwd=REPO, capture_output=True, text=True,
                          timeout=240)
     err = res.stderr.strip().splitlines()[-1]
     assert res.returncode == 3, res.stdout[-2000:] + res.stderr[-3000:]
-    want = {"corrupt": "corrupt or truncated shard", "missing": "missing shard",
-            "pipe": "corrupt or truncated shard 'pipe:head"}[which]
-    assert err.startswith("grt train: stopped: data error:") and want in err and "skip_corrupt_shards" in err, err
+    assert err.startswith("grt train: stopped: data error: ShardError: ") and edit.want in err, err
+    assert "set train.skip_corrupt_shards=true" in err
 
 
 @pytest.mark.slow
@@ -367,7 +454,7 @@ def test_resume_refuses_changed_shard_list(data, reference, tmp_path):
 def test_checkpoint_write_failure_on_one_rank(data, tmp_path):
     """DeepSpeed's write fails with ENOSPC on rank 1 only (step 4): no hang, both ranks stop
     with a clear message (exit 3), the partial step 4 is removed, step 2 stays `latest` and
-    a resume from it finishes."""
+    loads."""
     out = tmp_path / "run"
     args = train_args(data, out, 6, "train.save_every=2")
     rcs, job = run_job(args, tmp_path / "logs", timeout=240, env={"GRT_INJECT_CKPT_FAULT": "enospc@4@1"})
@@ -376,9 +463,9 @@ def test_checkpoint_write_failure_on_one_rank(data, tmp_path):
         assert "could not write checkpoint" in job.output(r) and "No space left on device" in job.output(1)
         assert "the previous checkpoint (step00000002) is intact" in job.output(r)
     assert ckpt_tags(out) == {"step00000002": True} and latest(out) == "step00000002"
-    rcs, job = run_job(args + ["--resume"], tmp_path / "logs")
-    assert rcs == [0, 0], job.output()
-    assert latest(out) == "step00000006" and sorted(losses(out)) == list(range(1, 7))
+    assert stray_files(out) == []
+    state = fp32_state(out / "checkpoints", "step00000002")  # complete and loadable (resume: see above)
+    assert state and all(bool(v.isfinite().all()) for v in state.values())
 
 
 @pytest.mark.slow
