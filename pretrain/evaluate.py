@@ -1,0 +1,406 @@
+"""`grt eval`: loss, perplexity and zero-shot accuracy at every exit depth.
+
+One forward pass per batch runs the loop to the deepest requested depth and keeps
+every state s_0..s_n; each exit depth r decodes s_r through the exit norm, the coda,
+the final norm and the LM head (`exit_hidden`), which is the function
+`GPT.forward(n_loops=r)` computes (tested). What it measures:
+
+- held-out loss/perplexity on the manifest's validation split (token-weighted mean);
+- WikiText-2 raw: loss per token, perplexity and bits per byte (total NLL in bits over
+  the UTF-8 bytes of the text), windows of the model's context (optional stride);
+- zero-shot tasks (`pretrain.zero_shot`): LAMBADA (acc, ppl), HellaSwag, PIQA,
+  ARC-Easy/Challenge, WinoGrande (acc, acc_norm).
+
+Run under a launcher (torchrun, deepspeed, srun, mpirun) it shards batches and items by
+rank and all-reduces the sums; results are identical to one process up to float order.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from .config import ConfigError
+from .model import GPT
+from .model.layers import AttentionContext
+
+REPO = Path(__file__).resolve().parents[1]
+LN2 = math.log(2.0)
+
+
+def default_eval_dir() -> Path:
+    """The shared evaluation data: $GRT_EVAL_DIR, else ../shared/data/eval next to the repo."""
+    return Path(os.environ.get("GRT_EVAL_DIR", REPO.parent / "shared" / "data" / "eval"))
+
+
+# -- depths ------------------------------------------------------------------------------
+def parse_depths(text: str | None, trained: int) -> list[int]:
+    """'0-12', '0,2,4', '0-4,8' -> sorted unique ints; None -> 0..trained."""
+    if text is None or text == "":
+        return list(range(0, trained + 1))
+    depths: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                a, b = (int(x) for x in part.split("-", 1))
+                if b < a:
+                    raise ValueError
+                depths.update(range(a, b + 1))
+            else:
+                depths.add(int(part))
+        except ValueError:
+            raise ConfigError(f"--depths {text!r}: expected e.g. '0-12', '0,2,4' or '0-4,8'") from None
+    if any(d < 0 for d in depths):
+        raise ConfigError(f"--depths {text!r}: depths are >= 0")
+    return sorted(depths)
+
+
+def check_depths(model: GPT, depths: list[int], allow_beyond: bool) -> list[int]:
+    trained = model.max_loops if model.loop is not None else 0
+    if model.loop is None:
+        if depths != [0]:
+            raise ConfigError(f"a dense model has no loop: the only exit depth is 0, got --depths {depths}")
+        return depths
+    beyond = [d for d in depths if d > trained]
+    if beyond and not allow_beyond:
+        raise ConfigError(f"depth(s) {beyond} exceed the trained maximum of {trained} loop steps; "
+                          "pass --allow-beyond-trained to run them")
+    return depths
+
+
+# -- the per-depth forward -----------------------------------------------------------------
+@torch.no_grad()
+def exit_hidden(model: GPT, idx: torch.Tensor, depths: Iterable[int], doc_ids: torch.Tensor | None = None,
+                gate_override: float | None = None, anchor: str = "prelude") -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield (depth, final-norm hidden [B, T, d]) for each depth from one pass through the loop."""
+    depths = list(depths)
+    ctx = AttentionContext(doc_ids=doc_ids)
+    if model.loop is None:
+        x = model.embed(idx)
+        for block in list(model.prelude) + list(model.coda):
+            x = block(x, ctx)
+        for r in depths:
+            yield r, model.ln_f(x)
+        return
+    out = model(idx, n_loops=max(depths), doc_ids=doc_ids, gate_override=gate_override, anchor=anchor,
+                return_states=True)
+    for r in depths:
+        yield r, decode_state(model, out.states[r], ctx)
+
+
+def decode_state(model: GPT, s: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    """A loop state through exit norm, coda and final norm (GPT.forward's tail, without the head)."""
+    x = model.exit_norm(s) if model.exit_norm is not None else s
+    for block in model.coda:
+        x = block(x, ctx)
+    return model.ln_f(x)
+
+
+def head(model: GPT, h: torch.Tensor) -> torch.Tensor:
+    return model.lm_head(h)[..., : model.cfg.vocab_size]
+
+
+@torch.no_grad()
+def exit_logits(model: GPT, idx: torch.Tensor, depths: Iterable[int], **kw) -> dict[int, torch.Tensor]:
+    return {r: head(model, h) for r, h in exit_hidden(model, idx, depths, **kw)}
+
+
+# -- distributed ------------------------------------------------------------------------------
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dev = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+            x = t.to(dev)
+            dist.all_reduce(x)
+            return x.to(t.device)
+        return t
+
+    def shard(self, items: list) -> list:
+        return items[self.rank::self.world]
+
+
+def setup_dist() -> Dist:
+    """A process group when started by a launcher with more than one rank; else a lone process."""
+    from .distributed import discover, init_distributed
+
+    if discover().world_size <= 1:
+        return Dist()
+    info = init_distributed()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(info.local_rank)
+    return Dist(info.rank, info.world_size)
+
+
+# -- language-model loss ----------------------------------------------------------------------
+@torch.no_grad()
+def lm_sums(model: GPT, batches: Iterable[dict], depths: list[int], device: torch.device, doc_mask: bool = False,
+            dist: Dist | None = None, **fwd) -> torch.Tensor:
+    """[len(depths), 2]: summed NLL (nats) and scored-token count per depth, summed over ranks.
+    Each batch: input_ids, targets (-100 = not scored), optional doc_ids."""
+    sums = torch.zeros(len(depths), 2, dtype=torch.float64)
+    for batch in batches:
+        idx = batch["input_ids"].to(device)
+        targets = batch["targets"].to(device)
+        doc_ids = batch["doc_ids"].to(device) if doc_mask and "doc_ids" in batch else None
+        n = (targets != -100).sum().item()
+        for i, (_, h) in enumerate(exit_hidden(model, idx, depths, doc_ids=doc_ids, **fwd)):
+            logits = head(model, h).float()
+            sums[i, 0] += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                          reduction="sum").double().item()
+            sums[i, 1] += n
+    return (dist or Dist()).all_reduce(sums)
+
+
+def val_batches(manifest: str, batch_size: int, dist: Dist, max_batches: int | None = None, seed: int = 1234,
+                split: str = "val") -> Iterator[dict]:
+    from data_pipeline.loader import TokenBatchLoader
+
+    loader = TokenBatchLoader(manifest, split=split, micro_batch_size=batch_size, rank=dist.rank,
+                              world_size=dist.world, num_workers=0, seed=seed, shuffle_buffer=0, loop=False)
+    for i, batch in enumerate(loader):
+        if max_batches is not None and i >= max_batches:
+            break
+        yield batch
+
+
+def text_windows(n_tokens: int, window: int, stride: int | None = None) -> list[tuple[int, int, int]]:
+    """Windows over a token sequence of n_tokens (predicting ids[1:], n_tokens - 1 targets):
+    (begin, end, first_scored) in target indices; inputs are ids[begin:end], targets
+    ids[begin+1:end+1], and targets from first_scored on are scored. Every target is scored
+    exactly once; with stride < window each window after the first has window - stride
+    tokens of context that are not scored again."""
+    stride = window if stride is None else stride
+    if not 0 < stride <= window:
+        raise ConfigError(f"stride={stride}: must be in 1..window ({window})")
+    n_targets = n_tokens - 1
+    out, prev_end, begin = [], 0, 0
+    while prev_end < n_targets:
+        end = min(begin + window, n_targets)
+        out.append((begin, end, prev_end))
+        prev_end = end
+        begin += stride
+    return out
+
+
+def text_batches(ids: list[int], window: int, batch_size: int, dist: Dist, stride: int | None = None) -> Iterator[dict]:
+    spans = dist.shard(text_windows(len(ids), window, stride))
+    t = torch.tensor(ids, dtype=torch.long)
+    for i in range(0, len(spans), batch_size):
+        chunk = spans[i:i + batch_size]
+        width = max(e - b for b, e, _ in chunk)
+        inp = torch.zeros(len(chunk), width, dtype=torch.long)
+        tgt = torch.full((len(chunk), width), -100, dtype=torch.long)
+        for row, (b, e, first) in enumerate(chunk):
+            inp[row, : e - b] = t[b:e]
+            tgt[row, first - b: e - b] = t[first + 1:e + 1]
+        yield {"input_ids": inp, "targets": tgt}
+
+
+def text_eval(model: GPT, tok, text: str, depths: list[int], device, batch_size: int, dist: Dist,
+              window: int | None = None, stride: int | None = None, max_tokens: int | None = None, **fwd) -> dict:
+    """Perplexity and bits per byte of a raw text, scored as one document after a separator."""
+    ids = [tok.sep_id] + tok.encode(text)
+    if max_tokens is not None and len(ids) - 1 > max_tokens:
+        ids = ids[: max_tokens + 1]
+        text = tok.decode(ids[1:])
+    n_bytes = len(text.encode("utf-8"))
+    sums = lm_sums(model, text_batches(ids, window or model.cfg.max_seq_len, batch_size, dist, stride), depths,
+                   device, dist=dist, **fwd)
+    out = {}
+    for i, r in enumerate(depths):
+        nll, n = sums[i].tolist()
+        out[r] = {"loss": nll / n, "ppl": math.exp(nll / n), "bpb": nll / LN2 / n_bytes, "tokens": int(n),
+                  "bytes": n_bytes}
+    return out
+
+
+def loss_table(sums: torch.Tensor, depths: list[int]) -> dict:
+    out = {}
+    for i, r in enumerate(depths):
+        nll, n = sums[i].tolist()
+        out[r] = {"loss": nll / max(n, 1), "ppl": math.exp(nll / max(n, 1)), "tokens": int(n)}
+    return out
+
+
+# -- reporting ------------------------------------------------------------------------------------
+def format_table(results: dict) -> str:
+    depths = results["depths"]
+    cols: list[tuple[str, callable]] = []
+    if "val" in results:
+        cols += [("val loss", lambda r: results["val"][r]["loss"]), ("val ppl", lambda r: results["val"][r]["ppl"])]
+    if "wikitext2" in results:
+        cols += [("wt2 ppl", lambda r: results["wikitext2"][r]["ppl"]), ("wt2 bpb", lambda r: results["wikitext2"][r]["bpb"])]
+    for task, by_depth in results.get("tasks", {}).items():
+        for metric in ("acc", "acc_norm", "ppl"):
+            if metric in by_depth[depths[0]] and not (task == "winogrande" and metric == "acc_norm"):
+                cols.append((f"{task} {metric}", lambda r, t=task, m=metric: results["tasks"][t][r][m]))
+    trained = results.get("trained_loops")
+    widths = [max(len(name) + 2, 10) for name, _ in cols]
+    lines = ["depth " + "".join(f"{name:>{w}}" for (name, _), w in zip(cols, widths))]
+    for r in depths:
+        mark = "*" if trained is not None and r > trained else " "
+        lines.append(f"{r:>4}{mark}" + "".join(f"{fn(r):>{w}.4f}" for (_, fn), w in zip(cols, widths)))
+    if trained is not None and any(r > trained for r in depths):
+        lines.append(f"* beyond the trained maximum of {trained} loop steps")
+    return "\n".join(lines)
+
+
+def plot_depths(results: dict, path: str | Path, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    depths = results["depths"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("val", "validation"), ("wikitext2", "WikiText-2")):
+        if key in results:
+            ax.plot(depths, [results[key][r]["loss"] for r in depths], marker="o", label=label)
+    if results.get("trained_loops"):
+        ax.axvline(results["trained_loops"], color="grey", ls="--", lw=1, label="trained R")
+    ax.set_xlabel("exit depth (loop steps)")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title or "loss by exit depth")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def jsonable(obj):
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    return obj
+
+
+# -- the command --------------------------------------------------------------------------------------
+ALL_PARTS = ("val", "wikitext2", "lambada", "hellaswag", "piqa", "arc_easy", "arc_challenge", "winogrande")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="grt eval", description="Evaluate a model at every exit depth.")
+    p.add_argument("model", help="exported dir (grt export), run dir, <out>/checkpoints or a step dir")
+    p.add_argument("--depths", help="exit depths, e.g. 0-12 or 0,2,4 (default 0..R, the trained maximum)")
+    p.add_argument("--allow-beyond-trained", action="store_true", help="allow depths above the trained R")
+    p.add_argument("--tasks", default="all", help=f"comma list of {', '.join(ALL_PARTS)}; or 'all' (default)")
+    p.add_argument("--data", help="manifest.json for the held-out split (default: the run config's data)")
+    p.add_argument("--split", default="val")
+    p.add_argument("--max-batches", type=int, help="held-out split: at most this many batches per rank")
+    p.add_argument("--eval-dir", help="directory of the WikiText-2 and zero-shot files (default ../shared/data/eval)")
+    p.add_argument("--wikitext", help="WikiText-2 raw text file (default <eval-dir>/wikitext2_raw_test.txt)")
+    p.add_argument("--wikitext-max-tokens", type=int, help="score only the first N tokens of WikiText-2")
+    p.add_argument("--stride", type=int, help="WikiText-2 window stride (default: the window, no overlap)")
+    p.add_argument("--limit", type=int, help="at most N items per zero-shot task")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--doc-mask", action="store_true", help="held-out split: attend within documents only")
+    p.add_argument("--tokenizer", help="tokenizer.model (default: the one next to the model)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto (the stored dtype), fp32, bf16, fp16")
+    p.add_argument("--json-out", help="write the results as JSON here")
+    p.add_argument("--plot", help="write a PNG of loss against depth here")
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def run(args) -> dict:
+    from .load import load_model, parse_dtype, pick_device
+    from .zero_shot import TASKS, evaluate_task, load_task
+
+    parts = list(ALL_PARTS) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = [t for t in parts if t not in ALL_PARTS]
+    if unknown:
+        raise ConfigError(f"--tasks: unknown {unknown}; accepted: {', '.join(ALL_PARTS)}, all")
+    dist = setup_dist()
+    device = pick_device(args.device)
+    if device.type == "cuda" and dist.world > 1:
+        device = torch.device("cuda", torch.cuda.current_device())
+    loaded = load_model(args.model, device=device, dtype=parse_dtype(args.dtype), tokenizer=args.tokenizer)
+    model = loaded.model
+    trained = model.max_loops if model.loop is not None else 0
+    depths = check_depths(model, parse_depths(args.depths, trained), args.allow_beyond_trained)
+    results: dict = {"model": str(args.model), "name": loaded.cfg.name, "layout": loaded.cfg.layout,
+                     "variant": loaded.cfg.variant, "trained_loops": trained, "depths": depths, "world_size": dist.world}
+    timings = {}
+    say = (lambda *a: None) if args.quiet or dist.rank else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    if "val" in parts:
+        manifest = args.data or loaded.run_config.get("data")
+        if not manifest or not Path(manifest).is_file():
+            if args.tasks != "all":
+                raise ConfigError(f"held-out split: no manifest ({manifest!r}); pass --data <manifest.json>")
+            say(f"skipping the held-out split: no manifest ({manifest!r}); pass --data")
+        else:
+            t0 = time.time()
+            seed = loaded.run_config.get("train", {}).get("seed", 1234)
+            sums = lm_sums(model, val_batches(manifest, args.batch_size, dist, args.max_batches, seed, args.split),
+                           depths, device, doc_mask=args.doc_mask, dist=dist)
+            results["val"] = loss_table(sums, depths)
+            results["val_manifest"] = str(manifest)
+            timings["val"] = time.time() - t0
+    eval_dir = Path(args.eval_dir) if args.eval_dir else default_eval_dir()
+    tok = None
+    if any(p != "val" for p in parts):
+        tok = loaded.tokenizer()
+    if "wikitext2" in parts:
+        path = Path(args.wikitext) if args.wikitext else eval_dir / "wikitext2_raw_test.txt"
+        if not path.is_file():
+            raise ConfigError(f"WikiText-2: {path} not found (pass --wikitext or --eval-dir)")
+        t0 = time.time()
+        results["wikitext2"] = text_eval(model, tok, path.read_text(encoding="utf-8"), depths, device,
+                                         args.batch_size, dist, stride=args.stride, max_tokens=args.wikitext_max_tokens)
+        results["wikitext2_file"] = str(path)
+        timings["wikitext2"] = time.time() - t0
+    for task in [p for p in parts if p in TASKS]:
+        path = eval_dir / TASKS[task].file
+        if not path.is_file():
+            raise ConfigError(f"{task}: {path} not found (pass --eval-dir)")
+        t0 = time.time()
+        items = load_task(task, path, args.limit)
+        results.setdefault("tasks", {})[task] = evaluate_task(model, tok, items, depths, device, args.batch_size, dist)
+        timings[task] = time.time() - t0
+        say(f"{task}: {len(items)} items in {timings[task]:.1f}s")
+    results["seconds"] = timings
+    return results
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        results = run(args)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"grt eval: error: {err}", file=sys.stderr)
+        return 2
+    import torch.distributed as tdist
+
+    if tdist.is_available() and tdist.is_initialized() and tdist.get_rank() != 0:
+        return 0
+    print(format_table(results))
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(jsonable(results), indent=2) + "\n")
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot_depths(results, args.plot, f"{results['name']} ({results['layout']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""`grt export`: consolidate a (ZeRO-sharded) DeepSpeed checkpoint into one directory.
+
+    DIR/config.json        the ModelConfig (pretrain.config.ModelConfig.load)
+    DIR/model.safetensors  the weights; tied lm_head/wte stored once (wte.weight), re-tied on load
+    DIR/tokenizer.model    the SentencePiece tokenizer the model was trained with
+    DIR/run_config.json    the full training run config
+    DIR/hf/                dense models only: a transformers.GPT2LMHeadModel directory
+
+Works on CPU without a process group (DeepSpeed's zero_to_fp32 reader, any ZeRO stage).
+Load the result with `pretrain.load.load_model(DIR)` or pass DIR to eval/generate/analyze.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from .config import ConfigError
+from .load import WEIGHTS, consolidate, model_from_state, parse_dtype, read_run_config, resolve_checkpoint, state_for_saving
+
+
+def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", hf: bool = True,
+           overwrite: bool = False) -> dict:
+    from safetensors.torch import save_file
+
+    from .config import ModelConfig
+
+    step_dir = resolve_checkpoint(checkpoint)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ConfigError(f"{out} exists and is not empty; pass --overwrite to replace its files")
+    run_cfg = read_run_config(step_dir)
+    cfg = ModelConfig.from_dict(run_cfg["model"])
+    model = model_from_state(cfg, consolidate(step_dir), parse_dtype(dtype))
+    out.mkdir(parents=True, exist_ok=True)
+    cfg.save(out / "config.json")
+    (out / "run_config.json").write_text(json.dumps(run_cfg, indent=2) + "\n")
+    save_file(state_for_saving(model), str(out / WEIGHTS), metadata={"format": "pt", "source": step_dir.name})
+    if (step_dir / "tokenizer.model").is_file():
+        shutil.copyfile(step_dir / "tokenizer.model", out / "tokenizer.model")
+    written = ["config.json", "run_config.json", WEIGHTS] + (["tokenizer.model"] if (out / "tokenizer.model").is_file() else [])
+    if hf and cfg.variant == "dense":
+        from .model.hf import to_hf
+
+        to_hf(model.float()).save_pretrained(str(out / "hf"))
+        if (out / "tokenizer.model").is_file():
+            shutil.copyfile(out / "tokenizer.model", out / "hf" / "tokenizer.model")
+        written.append("hf/")
+    n_params = sum(p.numel() for p in model.parameters())
+    return {"checkpoint": str(step_dir), "out": str(out), "files": written, "params": n_params,
+            "model": cfg.name, "layout": cfg.layout, "variant": cfg.variant}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="grt export", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True,
+                   help="<out>, <out>/checkpoints (newest complete) or <out>/checkpoints/stepNNNNNNNN")
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--dtype", default="fp32", help="weights dtype: fp32 (default), bf16, fp16")
+    p.add_argument("--no-hf", action="store_true", help="dense models: skip the Hugging Face directory")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    args = p.parse_args(argv)
+    try:
+        info = export(args.checkpoint, args.out, dtype=args.dtype, hf=not args.no_hf, overwrite=args.overwrite)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"grt export: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

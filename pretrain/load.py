@@ -1,0 +1,152 @@
+"""Load a trained model without DeepSpeed's engine: from an exported directory
+(`grt export`) or straight from a training checkpoint (consolidated in memory).
+
+Shared by `grt export`, `grt eval`, `grt generate`, `grt analyze` and the decode
+benchmark, so every command accepts the same paths:
+
+    <export dir>                         config.json (ModelConfig) + model.safetensors
+    <out>                                a run directory (uses <out>/checkpoints/latest)
+    <out>/checkpoints                    the newest COMPLETE checkpoint
+    <out>/checkpoints/stepNNNNNNNN       that checkpoint
+
+Tied embeddings are stored once (`wte.weight`); `lm_head.weight` is re-tied on load.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .checkpoint import TAG_RE, find_latest
+from .config import ConfigError, ModelConfig
+from .model import GPT
+
+log = logging.getLogger(__name__)
+
+WEIGHTS = "model.safetensors"
+TIED_KEY = "lm_head.weight"
+
+
+@dataclass
+class LoadedModel:
+    model: GPT
+    cfg: ModelConfig
+    tokenizer_path: str | None          # tokenizer.model next to the weights, if any
+    run_config: dict = field(default_factory=dict)  # the training run config, if known
+    source: str = ""                    # "export" or "checkpoint"
+    path: str = ""                      # the directory the weights came from
+
+    def tokenizer(self):
+        from data_pipeline.tokenizer import Tokenizer
+
+        if not self.tokenizer_path:
+            raise ConfigError(f"{self.path}: no tokenizer.model next to the model; pass --tokenizer")
+        return Tokenizer(self.tokenizer_path)
+
+
+def is_export_dir(path: Path) -> bool:
+    return (path / WEIGHTS).is_file() and (path / "config.json").is_file()
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A run dir, a checkpoints dir or a step dir -> the step dir of a COMPLETE checkpoint."""
+    p = Path(path)
+    if TAG_RE.match(p.name) and p.is_dir():
+        if not (p / "COMPLETE").is_file():
+            raise ConfigError(f"{p} is not a complete checkpoint (no COMPLETE marker): it was interrupted while saving")
+        return p
+    for root in (p, p / "checkpoints"):
+        if root.is_dir() and ((root / "latest").is_file() or any(TAG_RE.match(c.name) for c in root.iterdir())):
+            tag = find_latest(root)
+            if tag is None:
+                raise ConfigError(f"{root} holds no complete checkpoint")
+            return root / tag
+    raise ConfigError(f"{path}: neither an exported model (config.json + {WEIGHTS}) nor a checkpoint "
+                      "(<out>, <out>/checkpoints or <out>/checkpoints/stepNNNNNNNN)")
+
+
+def read_run_config(step_dir: Path) -> dict:
+    path = step_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path} is missing: the checkpoint does not say which model it holds")
+    return json.loads(path.read_text())
+
+
+def consolidate(step_dir: Path) -> dict[str, torch.Tensor]:
+    """fp32 state dict of a DeepSpeed checkpoint (ZeRO stage 0-3), on CPU, without a process group."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(step_dir.parent), tag=step_dir.name)
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> GPT:
+    """Build the model and load weights; a tied lm_head may be absent (it is the embedding)."""
+    model = GPT(cfg)
+    state = dict(state)
+    if cfg.tie_embeddings:
+        state.pop(TIED_KEY, None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (cfg.tie_embeddings and k == TIED_KEY)]
+    if missing or unexpected:
+        raise ConfigError(f"the weights do not fit the model config: missing {missing}, unexpected {unexpected}")
+    if cfg.tie_embeddings:
+        assert model.lm_head.weight is model.wte.weight
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval()
+
+
+def state_for_saving(model: GPT) -> dict[str, torch.Tensor]:
+    """The state dict with shared tensors stored once (safetensors refuses aliases)."""
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.cfg.tie_embeddings:
+        state.pop(TIED_KEY, None)
+    return state
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               tokenizer: str | None = None) -> LoadedModel:
+    """Load an exported directory or a checkpoint (see module doc), in eval mode."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{path}: no such file or directory")
+    if is_export_dir(p):
+        from safetensors.torch import load_file
+
+        cfg = ModelConfig.load(p / "config.json")
+        model = model_from_state(cfg, load_file(str(p / WEIGHTS)), dtype)
+        run_cfg = json.loads((p / "run_config.json").read_text()) if (p / "run_config.json").is_file() else {}
+        source, where = "export", p
+    else:
+        where = resolve_checkpoint(p)
+        run_cfg = read_run_config(where)
+        if "model" not in run_cfg:
+            raise ConfigError(f"{where / 'config.json'} is not a run config (no 'model' key)")
+        cfg = ModelConfig.from_dict(run_cfg["model"])
+        model = model_from_state(cfg, consolidate(where), dtype)
+        source = "checkpoint"
+    tok = tokenizer or (str(where / "tokenizer.model") if (where / "tokenizer.model").is_file() else None)
+    model.to(device)
+    return LoadedModel(model=model, cfg=cfg, tokenizer_path=tok, run_config=run_cfg, source=source, path=str(where))
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    if name in (None, "", "auto"):
+        return None
+    if name not in DTYPES:
+        raise ConfigError(f"dtype={name!r}: accepted values are auto, {', '.join(DTYPES)}")
+    return DTYPES[name]

@@ -1,0 +1,175 @@
+"""Zero-shot tasks scored by continuation log-likelihood, at any exit depth.
+
+Each item is a list of (context, continuation) requests. A request is tokenized as
+[separator] + encode(context) + encode(continuation) (the separator plays BOS), cut
+from the left to the model's context, and scored as the sum of the continuation
+tokens' log-probabilities; "greedy" is whether every continuation token is the argmax.
+
+- LAMBADA (OpenAI): context -> " " + last word; acc = greedy match, ppl = exp(-sum ll / tokens).
+- HellaSwag: "<activity_label>: <ctx>" -> " " + ending.
+- PIQA, ARC-Easy, ARC-Challenge: "<query>\\nAnswer:" (the harness' prompt; the files'
+  query is "Question: ...") -> " " + choice.
+- WinoGrande (partial scoring): each option's context -> " " + the shared continuation.
+Multiple choice: acc = argmax of the summed log-likelihood; acc_norm = argmax of the
+log-likelihood divided by the continuation's length in characters.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .model import GPT
+
+
+@dataclass
+class Item:
+    requests: list[tuple[str, str]]      # (context, continuation) per choice
+    gold: int = 0
+    kind: str = "mc"                     # mc | lambada
+
+    @property
+    def choice_chars(self) -> list[int]:
+        return [len(c) for _, c in self.requests]
+
+
+@dataclass
+class TaskSpec:
+    file: str
+    kind: str = "mc"
+    build: callable = field(default=None, repr=False)
+
+
+def _qa_context(query: str) -> str:
+    q = query.rstrip()
+    return q if q.endswith("Answer:") else q + "\nAnswer:"
+
+
+def _lambada(d):
+    return Item([(d["context"], " " + d["continuation"])], 0, "lambada")
+
+
+def _hellaswag(d):
+    ctx = f"{d['activity_label']}: {d['ctx']}"
+    return Item([(ctx, " " + e) for e in d["endings"]], int(d["label"]))
+
+
+def _qa(d):
+    ctx = _qa_context(d["query"])
+    return Item([(ctx, " " + c) for c in d["choices"]], int(d["gold"]))
+
+
+def _winogrande(d):
+    return Item([(opt, " " + d["continuation"]) for opt in d["context_options"]], int(d["gold"]))
+
+
+TASKS: dict[str, TaskSpec] = {
+    "lambada": TaskSpec("lambada_openai.jsonl", "lambada", _lambada),
+    "hellaswag": TaskSpec("hellaswag_val.jsonl", "mc", _hellaswag),
+    "piqa": TaskSpec("piqa.jsonl", "mc", _qa),
+    "arc_easy": TaskSpec("arc_easy.jsonl", "mc", _qa),
+    "arc_challenge": TaskSpec("arc_challenge.jsonl", "mc", _qa),
+    "winogrande": TaskSpec("winogrande.jsonl", "mc", _winogrande),
+}
+
+
+def load_task(name: str, path: str | Path, limit: int | None = None) -> list[Item]:
+    spec = TASKS[name]
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                items.append(spec.build(json.loads(line)))
+                if limit is not None and len(items) >= limit:
+                    break
+    return items
+
+
+def encode_request(tok, context: str, continuation: str, max_len: int) -> tuple[list[int], int]:
+    """Token ids (context + continuation, at most max_len + 1, cut from the left) and the
+    number of continuation tokens (the last ones)."""
+    ctx = [tok.sep_id] + tok.encode(context)
+    cont = tok.encode(continuation)
+    full = (ctx + cont)[-(max_len + 1):]
+    return full, min(len(cont), len(full) - 1)
+
+
+@torch.no_grad()
+def score_requests(model: GPT, encoded: list[tuple[list[int], int]], depths: list[int], device,
+                   batch_size: int = 8, **fwd) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loglik [N, D] float64, greedy [N, D] bool) for encoded requests at each depth."""
+    from .evaluate import exit_hidden, head
+
+    n, nd = len(encoded), len(depths)
+    ll = torch.zeros(n, nd, dtype=torch.float64)
+    greedy = torch.zeros(n, nd, dtype=torch.bool)
+    order = sorted(range(n), key=lambda i: -len(encoded[i][0]))  # similar lengths together
+    for start in range(0, n, batch_size):
+        chunk = order[start:start + batch_size]
+        width = max(len(encoded[i][0]) - 1 for i in chunk)
+        inp = torch.zeros(len(chunk), width, dtype=torch.long)
+        rows, cols, tgts, owner = [], [], [], []
+        for row, i in enumerate(chunk):
+            ids, n_cont = encoded[i]
+            t = len(ids) - 1
+            inp[row, :t] = torch.tensor(ids[:-1])
+            for p in range(t - n_cont, t):
+                rows.append(row), cols.append(p), tgts.append(ids[p + 1]), owner.append(row)
+        rows_t, cols_t = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
+        tgt = torch.tensor(tgts, device=device)
+        own = torch.tensor(owner, device=device)
+        for j, (_, h) in enumerate(exit_hidden(model, inp.to(device), depths, **fwd)):
+            logp = F.log_softmax(head(model, h[rows_t, cols_t]).float(), dim=-1)
+            tok_ll = logp.gather(1, tgt[:, None]).squeeze(1).double()
+            hit = (logp.argmax(-1) == tgt).float()
+            sum_ll = torch.zeros(len(chunk), dtype=torch.float64, device=device).index_add_(0, own, tok_ll)
+            misses = torch.zeros(len(chunk), device=device).index_add_(0, own, 1 - hit)
+            ll[chunk, j] = sum_ll.cpu()
+            greedy[chunk, j] = (misses == 0).cpu()
+    return ll, greedy
+
+
+def evaluate_task(model: GPT, tok, items: list[Item], depths: list[int], device, batch_size: int = 8,
+                  dist=None, **fwd) -> dict:
+    """{depth: metrics} for one task; items are sharded over ranks and the sums all-reduced."""
+    from .evaluate import Dist
+
+    dist = dist or Dist()
+    mine = dist.shard(items)
+    flat, owners = [], []
+    for k, item in enumerate(mine):
+        for context, cont in item.requests:
+            flat.append(encode_request(tok, context, cont, model.cfg.max_seq_len))
+            owners.append(k)
+    ll, greedy = score_requests(model, flat, depths, device, batch_size, **fwd) if flat else \
+        (torch.zeros(0, len(depths), dtype=torch.float64), torch.zeros(0, len(depths), dtype=torch.bool))
+    # per depth: correct, correct_norm, items, summed ll, continuation tokens
+    sums = torch.zeros(len(depths), 5, dtype=torch.float64)
+    pos = 0
+    for item in mine:
+        k = len(item.requests)
+        item_ll, item_greedy = ll[pos:pos + k], greedy[pos:pos + k]
+        if item.kind == "lambada":
+            sums[:, 0] += item_greedy[0].double()
+            sums[:, 3] += item_ll[0]
+            sums[:, 4] += flat[pos][1]
+        else:
+            chars = torch.tensor(item.choice_chars, dtype=torch.float64)[:, None]
+            sums[:, 0] += (item_ll.argmax(0) == item.gold).double()
+            sums[:, 1] += ((item_ll / chars).argmax(0) == item.gold).double()
+        sums[:, 2] += 1
+        pos += k
+    sums = dist.all_reduce(sums)
+    out = {}
+    for j, r in enumerate(depths):
+        c, cn, n, sll, ntok = sums[j].tolist()
+        n = max(n, 1)
+        if items and items[0].kind == "lambada":
+            out[r] = {"acc": c / n, "ppl": math.exp(-sll / max(ntok, 1)), "n": int(n)}
+        else:
+            out[r] = {"acc": c / n, "acc_norm": cn / n, "n": int(n)}
+    return out

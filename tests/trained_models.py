@@ -1,0 +1,161 @@
+"""Tiny trained models shared by the export/eval/generate/analyze tests.
+
+Each is trained once per test session (a subprocess `grt train`, ZeRO-3, one process,
+CPU) in a temporary directory, from a tokenizer and shards built from the demo text.
+Import the fixtures into a test module: `from trained_models import grt_run, dense_run`.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_TEXT = REPO / "examples" / "data" / "tinyshakespeare.txt"
+EVAL_BATCHES = 4  # validation batches (of 8) the training run evaluates at its end
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+
+
+def grt(*args: str, cwd: Path = REPO, timeout: int = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "pretrain.cli", *args], cwd=cwd, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"grt {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+@functools.lru_cache(maxsize=None)
+def _root() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="grt-eval-tests-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
+@functools.lru_cache(maxsize=None)
+def data() -> Path:
+    """Tokenizer (vocab 512) and shards (seq 64, 5% validation) from the demo text."""
+    root = _root() / "data"
+    root.mkdir()
+    grt("data", "tokenizer", "-i", str(DEMO_TEXT), "--txt-mode", "paragraph", "--vocab-size", "512",
+        "-o", str(root / "tok"), "-q")
+    grt("data", "prepare", "-i", str(DEMO_TEXT), "--txt-mode", "paragraph", "-t", str(root / "tok.model"),
+        "-o", str(root / "shards"), "--seq-len", "64", "--shard-size-mb", "0.2", "--val-fraction", "0.05", "-q")
+    return root / "shards" / "manifest.json"
+
+
+@functools.lru_cache(maxsize=None)
+def train(preset: str, steps: int, lr: float = 3e-3, eval_batches: int = EVAL_BATCHES) -> Path:
+    out = _root() / f"{preset}-{steps}"
+    grt("train", "--preset", preset, "--data", str(data()), "--out", str(out), "--steps", str(steps),
+        "--micro-batch-size", "8", "--set", "train.warmup_steps=10", "--set", f"train.lr={lr}",
+        "--set", f"train.eval_every={steps}", "--set", f"train.eval_batches={eval_batches}", "--set", "train.log_every=50",
+        "--ds-config", "ds_configs/zero3.json")
+    assert (out / "summary.json").is_file()
+    return out
+
+
+def summary(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def grt_run() -> Path:
+    """micro-grt (1+1x3+1, d 32) trained a few steps with DeepSpeed ZeRO-3."""
+    return train("micro-grt", 30)
+
+
+@pytest.fixture(scope="session")
+def dense_run() -> Path:
+    """micro-dense trained a few steps (enough for a non-trivial checkpoint)."""
+    return train("micro-dense", 6)
+
+
+@pytest.fixture(scope="session")
+def manifest() -> Path:
+    return data()
+
+
+# -- models without DeepSpeed -------------------------------------------------------------
+class CharTokenizer:
+    """A stand-in tokenizer for hand-computed tests: one token per character (ord % 61 + 1), separator 0."""
+
+    sep_id = 0
+    vocab_size = 64
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(ch) % 61 + 1 for ch in text]
+
+    def decode(self, ids) -> str:
+        return "".join(chr(i + 64) for i in ids)
+
+
+def small_model(layout: str = "1+2x3+1", variant: str = "grt", vocab: int = 64, seed: int = 0, **kw):
+    import torch
+
+    from pretrain.config import ModelConfig
+    from pretrain.model import GPT
+
+    torch.manual_seed(seed)
+    cfg = ModelConfig(name="test", variant=variant, layout=layout, d_model=32, n_heads=2, vocab_size=vocab,
+                      max_seq_len=64, pad_vocab_multiple=8, **kw)
+    model = GPT(cfg).eval()
+    with torch.no_grad():  # a non-trivial gate (the init bias of 4 makes the loop almost a no-op)
+        if model.loop is not None and model.loop.has_gate:
+            model.loop.gate_out.bias.normal_(0.0, 1.0)
+    return model
+
+
+def write_export(model, out: Path, tokenizer: Path | None = None, run_config: dict | None = None) -> Path:
+    """An export directory (as `grt export` writes it) for a model built in the test."""
+    from safetensors.torch import save_file
+
+    from pretrain.load import WEIGHTS, state_for_saving
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.cfg.save(out / "config.json")
+    save_file(state_for_saving(model), str(out / WEIGHTS))
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, out / "tokenizer.model")
+    if run_config is not None:
+        (out / "run_config.json").write_text(json.dumps(run_config))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def torch_trained_grt(steps: int = 150, seed: int = 0):
+    """micro-grt trained in plain PyTorch on the demo shards (uniform depth sampling as the
+    trainer does); fast enough for the analysis tests. Returns (model, manifest path)."""
+    import torch
+
+    from data_pipeline.loader import TokenBatchLoader
+    from data_pipeline.manifest import Manifest
+    from pretrain.model import GPT
+    from pretrain.presets import get_preset
+
+    manifest = data()
+    m = Manifest.load(str(manifest))
+    torch.manual_seed(seed)
+    cfg = get_preset("micro-grt").replace(vocab_size=m.vocab_size, max_seq_len=m.seq_len)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    loader = TokenBatchLoader(str(manifest), split="train", micro_batch_size=16, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    for step, batch in enumerate(loader):
+        if step >= steps:
+            break
+        r = int(torch.randint(1, cfg.max_loops + 1, (1,), generator=gen))
+        loss = model(batch["input_ids"], batch["targets"], n_loops=r).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return model.eval(), manifest
