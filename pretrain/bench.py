@@ -135,25 +135,29 @@ def bench_zero(args) -> list[dict]:
         subprocess.run([*grt, "data", "prepare", "-i", str(text), "--txt-mode", "paragraph", "-t", str(tmp / "tok.model"),
                         "-o", str(tmp / "shards"), "--seq-len", "128", "--shard-size-mb", "0.2", "-q"],
                        check=True, cwd=REPO, capture_output=True)
-        for ranks in args.ranks:
-            for stage in args.stages:
-                ds = tmp / f"zero{stage}.json"
-                base = json.loads((REPO / "ds_configs" / f"zero{max(stage, 1)}.json").read_text())
-                if stage == 0:
-                    base["zero_optimization"] = {"stage": 0}
-                ds.write_text(json.dumps(base))
-                out = tmp / f"run-{ranks}-{stage}"
-                cmd = [*(["deepspeed", "--num_gpus", str(ranks), "--module"] if ranks > 1 else [sys.executable, "-m"]),
-                       "pretrain.cli", "train", "--preset", args.preset, "--data", str(tmp / "shards" / "manifest.json"),
-                       "--out", str(out), "--steps", str(args.steps), "--micro-batch-size", "8", "--ds-config", str(ds),
-                       "--set", f"model.max_seq_len=128", "--set", f"train.log_every={args.steps // 2}",
-                       "--set", "train.eval_every=0", "--set", f"train.save_every={10 * args.steps}"]
-                proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-                if proc.returncode != 0:
-                    raise RuntimeError(f"{shlex.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-                rows.append({"ranks": ranks, "zero_stage": stage, "tokens_per_s": _last_scalar(out / "tb", "perf/tokens_per_s"),
-                             "param_gathers_per_step": _last_scalar(out / "tb", "zero3/param_gathers") / args.steps
-                             if stage == 3 else 0.0})
+        runs = [(ranks, stage, pin) for ranks in args.ranks for stage in args.stages
+                for pin in ((True, False) if stage == 3 else (True,))]
+        for ranks, stage, pin in runs:
+            ds = tmp / f"zero{stage}.json"
+            base = json.loads((REPO / "ds_configs" / f"zero{max(stage, 1)}.json").read_text())
+            if stage == 0:
+                base["zero_optimization"] = {"stage": 0}
+            ds.write_text(json.dumps(base))
+            out = tmp / f"run-{ranks}-{stage}-{pin}"
+            cmd = [*(["deepspeed", "--num_gpus", str(ranks), "--no_local_rank", "--module"] if ranks > 1 else [sys.executable, "-m"]),
+                   "pretrain.cli", "train", "--preset", args.preset, "--data", str(tmp / "shards" / "manifest.json"),
+                   "--out", str(out), "--steps", str(args.steps), "--micro-batch-size", "8", "--ds-config", str(ds),
+                   "--set", f"model.max_seq_len=128", "--set", f"train.log_every={args.steps // 2}",
+                   "--set", "train.eval_every=0", "--set", f"train.save_every={10 * args.steps}",
+                   "--set", f"train.zero3_pin_core={pin}"]
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{shlex.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+            rows.append({"ranks": ranks, "zero_stage": stage, "core_pinned": pin if stage == 3 else None,
+                         "tokens_per_s": _last_scalar(out / "tb", "perf/tokens_per_s"),
+                         "param_gathers_per_step": _last_scalar(out / "tb", "zero3/param_gathers") / args.steps
+                         if stage == 3 else 0.0,
+                         "trace_invalidations": _last_scalar(out / "tb", "zero3/trace_invalidations")})
     return rows
 
 

@@ -1,4 +1,4 @@
-"""Things applied to a model from outside it: activation checkpointing and compilation.
+"""Things applied to a model from outside it: compilation and activation checkpointing.
 
 Checkpointing always uses torch's non-reentrant checkpoint: the reentrant variant (and
 DeepSpeed's) fires a shared block's gradient hooks once per loop step and silently
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
@@ -46,3 +47,23 @@ def apply_activation_checkpointing(model: GPT, mode: str) -> GPT:
     for unit in units:
         _checkpoint_forward(unit)
     return model
+
+
+def apply_compile(model: GPT) -> GPT:
+    """torch.compile each repeated unit's forward: the loop step (compiled once, reused by
+    every loop step and every sampled depth, since the depth is a Python loop outside it)
+    and each prelude/coda block. Only `forward` is compiled, so ZeRO-3's module hooks stay
+    eager around it. Apply before activation checkpointing."""
+    units = [*model.prelude, *model.coda]
+    if model.loop is not None:
+        units.append(model.loop)
+    for unit in units:
+        unit.forward = torch.compile(unit.forward)
+    return model
+
+
+def compile_stats() -> dict[str, int]:
+    """Graphs compiled so far in this process (a recompile adds one)."""
+    from torch._dynamo.utils import counters
+
+    return {"unique_graphs": int(counters["stats"]["unique_graphs"])}

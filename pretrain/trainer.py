@@ -32,7 +32,7 @@ from .ds_config import build_ds_config, load_ds_json, zero_stage
 from .flops import count_params, flops_per_token
 from .metrics import MetricsWriter, peak_flops, peak_memory_bytes
 from .model import GPT
-from .parallelize import apply_activation_checkpointing
+from .parallelize import apply_activation_checkpointing, apply_compile, compile_stats
 from .run_config import RunConfig, TrainConfig
 
 log = logging.getLogger("grt.train")
@@ -128,7 +128,7 @@ class Heartbeat:
             elif before.get(r) == after[r]:
                 notes.append(f"rank {r} stopped responding after step {after[r].split()[1]} "
                              "(killed, crashed or frozen: no heartbeat for "
-                             f"{3 * self.interval:.0f} s)")
+                             f"{round(3 * self.interval, 1):g} s)")
         if not notes:
             lagging = [r for r, v in after.items() if int(v.split()[1]) < self.step and r not in comm]
             notes = [f"rank {r} is alive but stuck at step {after[r].split()[1]} (this rank reached step {self.step})"
@@ -187,6 +187,8 @@ def build_engine(cfg: RunConfig, world_size: int, device: torch.device):
     ds = build_ds_config(load_ds_json(cfg.ds_config), cfg.train, world_size, device.type == "cuda")
     with deepspeed.zero.Init(config_dict_or_path=ds, enabled=zero_stage(ds) == 3):
         model = GPT(cfg.model)
+    if cfg.train.compile:
+        apply_compile(model)
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
                                            config=ds)
@@ -194,8 +196,6 @@ def build_engine(cfg: RunConfig, world_size: int, device: torch.device):
         zero3.install_counters()
         if cfg.train.zero3_pin_core and model.loop is not None:
             zero3.pin_parameters(engine, model.loop)
-    if cfg.train.compile:
-        engine.compile()
     return engine, ds
 
 
@@ -271,7 +271,10 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
             _HEARTBEAT.mark_failed(_one_line(err))
         raise
     except Exception as err:
-        raise _explain_failure(err) from err
+        explained = _explain_failure(err)
+        if explained is err:
+            raise
+        raise explained from err
     finally:
         if _HEARTBEAT is not None:
             _HEARTBEAT.close()
@@ -363,11 +366,11 @@ def _train(cfg: RunConfig, resume: bool = False) -> dict:
         raise ConfigError(f"{ckpt_root} already holds checkpoint {tag}: pass --resume to continue it, "
                           "or choose another --out")
     _preflight(cfg, tag, ckpt_root)
+    stop = StopSignal()  # before the slow start-up: a signal during it stops after the first step, with a checkpoint
     info = init_distributed(timeout_s=t.dist_timeout_s)
     rank, world = info.rank, info.world_size
     _HEARTBEAT = Heartbeat(rank, world)
     setup_logging(out, rank)
-    stop = StopSignal()
     device = torch.device(f"cuda:{info.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -481,6 +484,8 @@ def _train(cfg: RunConfig, resume: bool = False) -> dict:
                        "perf/tokens_per_s": tps, "perf/mfu": mfu, "memory/peak_bytes": peak_memory_bytes(device),
                        "zero3/trace_invalidations": zero3.COUNTERS.trace_invalidations,
                        "zero3/param_gathers": zero3.COUNTERS.gathers}
+            if t.compile:
+                scalars["compile/unique_graphs"] = compile_stats()["unique_graphs"]
             for i, g in enumerate(gate_means or [], start=1):
                 scalars[f"gate/mean_step_{i}"] = g
             writer.scalars(step, scalars)

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ANCHOR_MODES, ModelConfig
+from ..kernels.gate import gate_update
 from .layers import AttentionContext, Block, Embedding, Linear, layer_norm
 
 
@@ -90,13 +91,16 @@ class LoopStep(nn.Module):
         h = F.silu(self.gate_fc_state(self.gate_norm_state(s)) + terms.gate)
         return self.gate_out(h) / self.gate_tau
 
-    def gate(self, s: torch.Tensor, terms: AnchorTerms, override: float | None = None) -> torch.Tensor:
-        if override is not None:
-            return torch.full_like(s, float(override))
+    def noisy_gate_logits(self, s: torch.Tensor, terms: AnchorTerms) -> torch.Tensor:
         logits = self.gate_logits(s, terms)
         if self.training and self.gate_noise_std > 0:
             logits = logits + self.gate_noise_std * torch.randn_like(logits)
-        return torch.sigmoid(logits)
+        return logits
+
+    def gate(self, s: torch.Tensor, terms: AnchorTerms, override: float | None = None) -> torch.Tensor:
+        if override is not None:
+            return torch.full_like(s, float(override))
+        return torch.sigmoid(self.noisy_gate_logits(s, terms))
 
     def forward(self, s: torch.Tensor, e: torch.Tensor, ctx: AttentionContext,
                 gate_override: float | None = None,
@@ -112,7 +116,9 @@ class LoopStep(nn.Module):
             x = block(x, ctx)
         if not self.has_gate:
             return x, None
-        g = self.gate(s, terms, gate_override)
+        if gate_override is None:  # sigmoid and update fused into one kernel on GPU (kernels/gate.py)
+            return gate_update(self.noisy_gate_logits(s, terms), s, x)
+        g = torch.full_like(s, float(gate_override))
         # g * s + (1 - g) * o, written out so that g = 1 returns s exactly and g = 0 returns o exactly
         return g * s + (1 - g) * x, g
 

@@ -1,0 +1,94 @@
+"""The GRT state update as one fused operation.
+
+    g = sigmoid(logits);  s_new = g * s + (1 - g) * o
+
+Eagerly this is five elementwise kernels and three saved tensors per loop step; the fused
+version reads logits, s and o once and writes s_new and g, and its backward recomputes g
+from the logits. On CUDA it is a Triton kernel; elsewhere (and when Triton is missing) the
+eager reference runs. `TRITON_INTERPRET=1` runs the Triton kernel on the CPU, which is how
+CI checks it against the reference without a GPU.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    triton = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def gate_update_reference(logits: torch.Tensor, s: torch.Tensor, o: torch.Tensor):
+    g = torch.sigmoid(logits)
+    return g * s + (1 - g) * o, g
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gate_fwd(logits_ptr, s_ptr, o_ptr, out_ptr, g_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        z = tl.load(logits_ptr + offs, mask=mask).to(tl.float32)
+        s = tl.load(s_ptr + offs, mask=mask).to(tl.float32)
+        o = tl.load(o_ptr + offs, mask=mask).to(tl.float32)
+        g = 1.0 / (1.0 + tl.exp(-z))
+        tl.store(out_ptr + offs, (g * s + (1.0 - g) * o).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _gate_bwd(grad_ptr, logits_ptr, s_ptr, o_ptr, dlogits_ptr, ds_ptr, do_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        dy = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
+        z = tl.load(logits_ptr + offs, mask=mask).to(tl.float32)
+        s = tl.load(s_ptr + offs, mask=mask).to(tl.float32)
+        o = tl.load(o_ptr + offs, mask=mask).to(tl.float32)
+        g = 1.0 / (1.0 + tl.exp(-z))
+        tl.store(ds_ptr + offs, (dy * g).to(ds_ptr.dtype.element_ty), mask=mask)
+        tl.store(do_ptr + offs, (dy * (1.0 - g)).to(do_ptr.dtype.element_ty), mask=mask)
+        tl.store(dlogits_ptr + offs, (dy * (s - o) * g * (1.0 - g)).to(dlogits_ptr.dtype.element_ty), mask=mask)
+
+
+BLOCK = 1024
+
+
+def _grid(n):
+    return (triton.cdiv(n, BLOCK),)
+
+
+class FusedGateUpdate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, s, o):
+        logits, s, o = logits.contiguous(), s.contiguous(), o.contiguous()
+        out, g = torch.empty_like(s), torch.empty_like(s)
+        n = s.numel()
+        _gate_fwd[_grid(n)](logits, s, o, out, g, n, BLOCK=BLOCK)
+        ctx.save_for_backward(logits, s, o)
+        return out, g
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_g):
+        logits, s, o = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        dlogits, ds, do = torch.empty_like(logits), torch.empty_like(s), torch.empty_like(o)
+        n = s.numel()
+        _gate_bwd[_grid(n)](grad_out, logits, s, o, dlogits, ds, do, n, BLOCK=BLOCK)
+        return dlogits, ds, do
+
+
+def fused_available(t: torch.Tensor) -> bool:
+    return triton is not None and (t.is_cuda or INTERPRET)
+
+
+def gate_update(logits: torch.Tensor, s: torch.Tensor, o: torch.Tensor):
+    """(s_new, g): the fused kernel where it can run, the eager reference elsewhere.
+    The returned g carries no gradient of its own in the fused path (it is for analysis)."""
+    if fused_available(s) and logits.dtype == s.dtype == o.dtype:
+        return FusedGateUpdate.apply(logits, s, o)
+    return gate_update_reference(logits, s, o)
