@@ -156,6 +156,16 @@ def _error_text(err: BaseException | None, fallback: str) -> str:
     return " ".join(f"{type(err).__name__}: {err}".split()) if err is not None else fallback
 
 
+def _remove_debris(root: Path, tag: str) -> None:
+    """What kills left behind: incomplete tags older than `tag` (never loadable, never
+    rewritten) and marker temp files (in the root, and in `tag` when it was rewritten)."""
+    for p in [*root.iterdir(), *(root / tag).iterdir()]:
+        if TAG_RE.match(p.name) and p.name < tag and not (p / "COMPLETE").is_file():
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.name.startswith(".") and ".tmp" in p.name and p.is_file():
+            p.unlink(missing_ok=True)
+
+
 def save(engine, root: Path, step: int, *, config_json: str, tokenizer_path: str | None,
          loader_state: dict, keep: int, rank: int) -> str:
     """Write checkpoint `step` on every rank (collective). On a write failure on any rank
@@ -213,6 +223,7 @@ def save(engine, root: Path, step: int, *, config_json: str, tokenizer_path: str
             atomic_write_text(root / "latest", tag + "\n")
             for old in complete_tags(root)[:-keep]:
                 shutil.rmtree(root / old, ignore_errors=True)
+            _remove_debris(root, tag)
         except OSError as err:
             error = err
             shutil.rmtree(path, ignore_errors=True)
