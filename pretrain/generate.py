@@ -1,0 +1,157 @@
+"""`grt generate`: sample text from a trained model with a KV cache.
+
+Sampling: greedy (or temperature 0), temperature, top-k, top-p (nucleus). For a GRT the
+exit depth (loop steps per token, `--depth`) and the KV-cache strategy for the looped core
+(`--kv-cache full|first|last|average`, see pretrain.kv_cache) are chosen at decode;
+`--no-cache` recomputes the whole sequence for every token (the reference).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from .config import ConfigError
+from .kv_cache import STRATEGIES, CachedDecoder
+from .model import GPT
+
+
+def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+    """Set to -inf every logit outside the top-k and outside the smallest set whose
+    probability reaches top_p (the most likely token is always kept). logits [B, V]."""
+    logits = logits.clone()
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits[logits < kth] = float("-inf")
+    if top_p is not None and 0 < top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above
+        drop_sorted = before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits[drop] = float("-inf")
+    return logits
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                greedy: bool = False, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next tokens [B] from logits [B, V]."""
+    if greedy or temperature <= 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, strategy: str = "full", n_loops: int | None = None,
+             use_cache: bool = True, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             greedy: bool = False, seed: int | None = None, stop_id: int | None = None,
+             return_logits: bool = False):
+    """Continue prompts idx [B, T] by up to max_new_tokens (capped by the context).
+    Returns new tokens [B, n] (and the logits [B, n, V] that chose them when asked)."""
+    model.eval()
+    b, t = idx.shape
+    max_new_tokens = min(max_new_tokens, model.cfg.max_seq_len - t)
+    if max_new_tokens < 0:
+        raise ConfigError(f"prompt of {t} tokens exceeds the context of {model.cfg.max_seq_len}")
+    gen = torch.Generator(device=idx.device).manual_seed(seed) if seed is not None else None
+    out, all_logits = [], []
+    done = torch.zeros(b, dtype=torch.bool, device=idx.device)
+    if use_cache:
+        decoder = CachedDecoder(model, batch=b, max_len=t + max_new_tokens, strategy=strategy, n_loops=n_loops)
+        logits = decoder.forward(idx)
+    seq = idx
+    for i in range(max_new_tokens):
+        if not use_cache:
+            logits = model(seq, n_loops=n_loops).logits[:, -1]
+        nxt = sample_next(logits, temperature, top_k, top_p, greedy, gen)
+        if stop_id is not None:
+            nxt = torch.where(done, torch.full_like(nxt, stop_id), nxt)
+            done |= nxt == stop_id
+        out.append(nxt)
+        if return_logits:
+            all_logits.append(logits.float())
+        if stop_id is not None and bool(done.all()):
+            break
+        if i + 1 < max_new_tokens:
+            if use_cache:
+                logits = decoder.forward(nxt[:, None])
+            else:
+                seq = torch.cat([seq, nxt[:, None]], dim=1)
+    tokens = torch.stack(out, dim=1) if out else idx.new_zeros(b, 0)
+    if return_logits:
+        return tokens, (torch.stack(all_logits, dim=1) if all_logits else None)
+    return tokens
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="grt generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("model", help="exported dir (grt export), run dir, <out>/checkpoints or a step dir")
+    p.add_argument("--prompt", default="", help="prompt text (default: empty, start of a document)")
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--num-samples", type=int, default=1, help="samples of the prompt, decoded as one batch")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--greedy", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--depth", type=int, help="loop steps per token (default: the trained R)")
+    p.add_argument("--allow-beyond-trained", action="store_true", help="allow --depth above the trained R")
+    p.add_argument("--kv-cache", default="full", choices=STRATEGIES, help="KV-cache strategy for the looped core")
+    p.add_argument("--no-cache", action="store_true", help="recompute the sequence for every token")
+    p.add_argument("--stop-at-separator", action="store_true", help="stop a sample at the document separator")
+    p.add_argument("--tokenizer", help="tokenizer.model (default: the one next to the model)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--json", action="store_true", help="print JSON (samples, tokens, timing)")
+    return p
+
+
+def main(argv=None) -> int:
+    from .evaluate import check_depths
+    from .load import load_model, parse_dtype, pick_device
+
+    args = build_parser().parse_args(argv)
+    try:
+        loaded = load_model(args.model, device=pick_device(args.device), dtype=parse_dtype(args.dtype),
+                            tokenizer=args.tokenizer)
+        model, tok = loaded.model, loaded.tokenizer()
+        depth = None
+        if args.depth is not None:
+            depth = check_depths(model, [args.depth], args.allow_beyond_trained)[0] if model.loop is not None else None
+        device = next(model.parameters()).device
+        ids = [tok.sep_id] + tok.encode(args.prompt)
+        idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
+        t0 = time.time()
+        tokens = generate(model, idx, args.max_new_tokens, strategy=args.kv_cache, n_loops=depth,
+                          use_cache=not args.no_cache, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, greedy=args.greedy, seed=args.seed,
+                          stop_id=tok.sep_id if args.stop_at_separator else None)
+        seconds = time.time() - t0
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        print(f"grt generate: error: {err}", file=sys.stderr)
+        return 2
+    samples = []
+    for row in tokens.tolist():
+        if args.stop_at_separator and tok.sep_id in row:
+            row = row[: row.index(tok.sep_id)]
+        samples.append(args.prompt + tok.decode(row))
+    if args.json:
+        print(json.dumps({"samples": samples, "tokens": tokens.tolist(), "seconds": seconds,
+                          "depth": depth if depth is not None else (model.max_loops if model.loop is not None else 0),
+                          "kv_cache": "none" if args.no_cache else args.kv_cache}, indent=2))
+    else:
+        for i, text in enumerate(samples):
+            if len(samples) > 1:
+                print(f"--- sample {i + 1}")
+            print(text)
+        n = tokens.numel()
+        print(f"[{n} tokens in {seconds:.2f}s, {1000 * seconds / max(tokens.shape[1], 1):.1f} ms/step]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

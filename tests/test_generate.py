@@ -1,0 +1,142 @@
+"""KV-cached decoding: the `full` strategy is the model's function; the shared strategies
+keep fewer caches; sampling filters; `grt generate` and the decode benchmark."""
+import json
+
+import pytest
+import torch
+
+from pretrain.bench_decode import bench_one, main as bench_main
+from pretrain.generate import filter_logits, generate, main as generate_main, sample_next
+from pretrain.kv_cache import STRATEGIES, CachedDecoder, cache_bytes_formula, cache_slots
+from trained_models import data, small_model, write_export
+
+
+def lively(**kw):
+    """A random model with large weights: varied greedy tokens (the 0.02 init repeats one token)."""
+    return small_model(init_std=0.3, **kw)
+
+
+def prompts(b=2, t=7, seed=3):
+    return torch.randint(1, 64, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("depth", [0, 1, 3, 5])
+def test_full_cache_is_exactly_the_uncached_model(depth):
+    model = lively()  # 1+2x3+1, gate biases randomised so the loop really writes
+    idx = prompts()
+    ref_tokens, ref_logits = generate(model, idx, 12, use_cache=False, greedy=True, n_loops=depth, return_logits=True)
+    tokens, logits = generate(model, idx, 12, strategy="full", greedy=True, n_loops=depth, return_logits=True)
+    assert torch.equal(tokens, ref_tokens)
+    assert torch.allclose(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    assert len(set(tokens[0].tolist())) > 1  # not a constant sequence
+
+
+def test_full_cache_dense_and_without_gate():
+    for model in (lively(layout="4", variant="dense"), lively(gate=False, reinject_anchor=False)):
+        idx = prompts(b=3)
+        ref = generate(model, idx, 10, use_cache=False, greedy=True, return_logits=True)
+        got = generate(model, idx, 10, greedy=True, return_logits=True)
+        assert torch.equal(got[0], ref[0]) and torch.allclose(got[1], ref[1], atol=1e-5)
+
+
+def test_shared_strategies_are_exact_on_the_prompt_and_approximate_after():
+    model = lively()
+    idx = prompts()
+    ref = model(idx).logits[:, -1]
+    after = {}
+    for s in STRATEGIES:
+        dec = CachedDecoder(model, batch=2, max_len=20, strategy=s)
+        assert torch.allclose(dec.forward(idx), ref, atol=1e-5), s  # the prompt is prefilled exactly
+        after[s] = dec.forward(ref.argmax(-1)[:, None])
+    exact = model(torch.cat([idx, ref.argmax(-1)[:, None]], 1)).logits[:, -1]
+    assert torch.allclose(after["full"], exact, atol=1e-5)
+    for s in ("first", "last", "average"):
+        assert not torch.allclose(after[s], exact, atol=1e-3), s  # the shared cache is an approximation
+    # with one loop step, every strategy keeps the same (exact) cache
+    for s in STRATEGIES:
+        one = CachedDecoder(model, batch=2, max_len=20, strategy=s, n_loops=1)
+        one.forward(idx)
+        ref1 = model(torch.cat([idx, ref.argmax(-1)[:, None]], 1), n_loops=1).logits[:, -1]
+        assert torch.allclose(one.forward(ref.argmax(-1)[:, None]), ref1, atol=1e-5), s
+
+
+def test_cache_sizes_follow_the_formula():
+    model = small_model()  # P=1, C=2, R=3, K=1, d=32
+    assert cache_slots(model, "full", 3) == 1 + 2 * 3 + 1
+    assert cache_slots(model, "average", 3) == 1 + 2 + 1
+    assert cache_slots(model, "full", 5) == 1 + 2 * 5 + 1
+    for s in STRATEGIES:
+        dec = CachedDecoder(model, batch=4, max_len=30, strategy=s)
+        assert dec.cache.nbytes == cache_bytes_formula(model, s, 3, 4, 30, torch.float32)
+    assert cache_bytes_formula(model, "full", 3, 4, 30, torch.float32) == 2 * 8 * 4 * 30 * 32 * 4
+    assert cache_bytes_formula(model, "first", 3, 4, 30, torch.bfloat16) == 2 * 4 * 4 * 30 * 32 * 2
+
+
+def test_top_k_and_top_p_by_hand():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    keep = lambda x: torch.isfinite(x)[0].tolist()  # noqa: E731
+    assert keep(filter_logits(logits, top_k=2)) == [True, True, False, False]
+    assert keep(filter_logits(logits, top_p=0.7)) == [True, True, False, False]
+    assert keep(filter_logits(logits, top_p=0.81)) == [True, True, True, False]
+    assert keep(filter_logits(logits, top_p=0.4)) == [True, False, False, False]  # the top token always stays
+    assert keep(filter_logits(logits[:, [2, 0, 3, 1]], top_p=0.7)) == [False, True, False, True]  # unsorted input
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample_next(logits.expand(500, 4), top_k=2, generator=g) for _ in range(8)]).flatten()
+    assert set(draws.tolist()) == {0, 1}
+    share = (draws == 0).float().mean().item()
+    assert abs(share - 0.5 / 0.8) < 0.03  # renormalised over the kept tokens
+    cold = sample_next(logits.expand(200, 4), temperature=0.05, generator=g)
+    assert (cold == 0).all()
+    assert torch.equal(sample_next(logits, greedy=True), torch.tensor([0]))
+
+
+def test_sampling_is_seeded_and_stops_at_the_separator():
+    model = small_model()
+    idx = prompts()
+    a = generate(model, idx, 15, temperature=1.0, top_p=0.9, seed=5)
+    b = generate(model, idx, 15, temperature=1.0, top_p=0.9, seed=5)
+    c = generate(model, idx, 15, temperature=1.0, top_p=0.9, seed=6)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    first = int(a[0, 0])
+    stopped = generate(model, idx[:1], 15, temperature=1.0, top_p=0.9, seed=5, stop_id=first)
+    assert stopped.tolist() == [[first]]
+    long = generate(model, prompts(t=60), 50, greedy=True)  # capped by the context of 64
+    assert long.shape == (2, 4)
+
+
+def test_generate_command(tmp_path, capsys):
+    tok = data().parent.parent / "tok.model"
+    from data_pipeline.tokenizer import Tokenizer
+
+    model = small_model(vocab=Tokenizer(str(tok)).vocab_size)
+    out = write_export(model, tmp_path / "m", tokenizer=tok)
+    argv = [str(out), "--prompt", "ROMEO:", "--max-new-tokens", "8", "--greedy", "--json"]
+    assert generate_main(argv + ["--kv-cache", "full"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert generate_main(argv + ["--no-cache"]) == 0
+    ref = json.loads(capsys.readouterr().out)
+    assert full["tokens"] == ref["tokens"] and len(full["tokens"][0]) == 8
+    assert full["samples"][0].startswith("ROMEO:") and full["depth"] == 3
+    assert generate_main([str(out), "--depth", "4", "--max-new-tokens", "2"]) == 2
+    assert "--allow-beyond-trained" in capsys.readouterr().err
+    assert generate_main([str(out), "--depth", "4", "--allow-beyond-trained", "--max-new-tokens", "3",
+                          "--kv-cache", "average", "--num-samples", "2", "--top-k", "5"]) == 0
+    assert "--- sample 2" in capsys.readouterr().out
+
+
+def test_decode_benchmark_reports_every_strategy(tmp_path, capsys):
+    row = bench_one(small_model(), "average", batch=2, prompt_len=4, new_tokens=3, depth=None, warmup=1)
+    assert row["cache_bytes_measured"] == row["cache_bytes_formula"] == 2 * 4 * 2 * 7 * 32 * 4
+    assert row["ms_per_token"] > 0 and row["strategy"] == "average"
+    path = tmp_path / "bench.json"
+    assert bench_main(["--preset", "micro-grt", "--dense-preset", "micro-dense", "--batch-sizes", "1,2",
+                       "--prompt-len", "4", "--new-tokens", "3", "--warmup", "1", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert [(r["strategy"], r["batch"]) for r in rows[:5]] == [("dense", 1), ("full", 1), ("first", 1), ("last", 1),
+                                                               ("average", 1)]
+    assert len(rows) == 10
+    by = {(r["strategy"], r["batch"]): r for r in rows}
+    # micro-grt 1+1x3+1 keeps 5 slots (full) or 3 (shared); micro-dense keeps 5
+    assert by[("full", 2)]["cache_bytes_formula"] == by[("dense", 2)]["cache_bytes_formula"]
+    assert by[("first", 2)]["cache_bytes_formula"] * 5 == by[("full", 2)]["cache_bytes_formula"] * 3
+    assert "ms/token" in capsys.readouterr().out
