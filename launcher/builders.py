@@ -10,6 +10,10 @@ from launcher.envvars import DEFAULT_EXPORT_PREFIXES, SECRET
 from launcher.hosts import format_hostfile
 from launcher.plan import Plan
 
+# rank variables of an outer launcher that must not reach ranks started by mpirun or srun
+# (pretrain.distributed.discover() reads RANK/WORLD_SIZE first)
+OUTER_RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "NODE_RANK",
+                   "GROUP_RANK", "CROSS_RANK", "CROSS_SIZE")
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_PORT = 29500
 
@@ -127,7 +131,8 @@ def build_mpi(r) -> Plan:
     if a.mpirun_args:
         cmd += shlex.split(a.mpirun_args)
     cmd += [r.python] + r.rank_argv()
-    return Plan("mpi", cmd, env=env, files=files, summary=_summary(r, "mpirun"))
+    unset = [k for k in OUTER_RANK_VARS if k in r.environ]
+    return Plan("mpi", cmd, env=env, files=files, unset=unset, summary=_summary(r, "mpirun"))
 
 
 # --------------------------------------------------------------------------- slurm
@@ -183,6 +188,7 @@ def slurm_script(r, script_path: str) -> str:
                                  '"$((20000 + SLURM_JOB_ID % 20000))"'),
         f"export GRT_RUN_DIR={q(run_dir)}",
     ]
+    lines.append("unset " + " ".join(OUTER_RANK_VARS) + "  # ranks come from Slurm (SLURM_PROCID, ...)")
     if not (a.container_image or a.apptainer):
         lines.append(f"export PYTHONPATH={q(PROJECT_ROOT)}" + '"${PYTHONPATH:+:$PYTHONPATH}"')
     for k, v in r.env.items():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import socket
 import sys
@@ -238,7 +239,8 @@ class Resolved:
 
     def record(self, argv: Sequence[str]) -> Dict[str, object]:
         return {
-            "grt_launch_argv": list(argv),
+            "grt_launch_argv": [re.sub(r"^([^=]+)=.*", r"\1=<redacted>", a) if SECRET.search(a.split("=", 1)[0])
+                                and "=" in a else a for a in argv],
             "train_args": self.train_args,
             "entry": [self.entry_module] + self.entry_args,
             "nodes": self.nodes,

@@ -16,6 +16,7 @@ class Plan:
     launcher: str
     command: List[str]
     env: Dict[str, str] = field(default_factory=dict)  # set for the launching command only
+    unset: List[str] = field(default_factory=list)  # removed from its environment
     files: Dict[str, str] = field(default_factory=dict)  # path -> content, written first
     executable_files: List[str] = field(default_factory=list)
     summary: str = ""
@@ -23,9 +24,11 @@ class Plan:
     record: Dict[str, object] = field(default_factory=dict)
 
     def shell_command(self) -> str:
-        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
-        cmd = shlex.join(self.command)
-        return f"{prefix} {cmd}" if prefix else cmd
+        words = []
+        if self.unset:
+            words = ["env"] + [w for k in self.unset for w in ("-u", k)]
+        words += [f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
+        return " ".join(words + [shlex.join(self.command)])
 
     def render(self) -> str:
         """The dry-run text: every file, then the command line (last line, shell-quoted)."""
@@ -63,7 +66,7 @@ class Plan:
 
     def execute(self) -> int:
         """Run the command in the foreground, forwarding SIGINT/SIGTERM/SIGUSR1 to it."""
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k not in self.unset}
         env.update(self.env)
         proc = subprocess.Popen(self.command, env=env)
 
