@@ -33,11 +33,16 @@ def clean_env(**extra) -> dict:
     return env
 
 
-def grt_launch(*args, env=None, timeout=400, background=False, check=True):
+def grt_launch(*args, env=None, timeout=400, background=None, check=True):
+    """Run `grt launch ARGS`; with background=LOG_PATH start it with its output going to
+    LOG_PATH (a file, not a pipe: two launches waited on in turn cannot block each other)."""
     cmd = [sys.executable, "-m", "pretrain.cli", "launch", *args]
     if background:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env or clean_env(), stdout=subprocess.PIPE,
+        log = open(background, "w")
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env or clean_env(), stdout=log,
                                 stderr=subprocess.STDOUT, text=True)
+        log.close()
+        return proc
     r = subprocess.run(cmd, cwd=ROOT, env=env or clean_env(), capture_output=True, text=True,
                        timeout=timeout)
     if check:
@@ -88,6 +93,33 @@ def train_args(out, steps=4, preset="tiny-grt", *extra):
 def read_metrics(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def complete_lines(path) -> int:
+    """Lines fully written so far (0 if the file does not exist yet)."""
+    try:
+        with open(path) as f:
+            return sum(1 for line in f if line.endswith("\n"))
+    except FileNotFoundError:
+        return 0
+
+
+def wait_all(procs, logs, timeout=400):
+    """Wait for background launches; assert they all succeeded (their logs on failure)."""
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:  # a hung launch: end it (and its ranks, via its signal handler)
+                p.terminate()
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    texts = [open(l, errors="replace").read() for l in logs]
+    assert [p.returncode for p in procs] == [0] * len(procs), "\n----\n".join(t[-3000:] for t in texts)
+    return texts
 
 
 def check_trained(out, steps, world=2, first_step=1):

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launch_helpers import free_port, grt_launch, probe_results  # noqa: E402
+from launch_helpers import free_port, grt_launch, probe_results, wait_all  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -33,16 +33,13 @@ def test_local_torchrun_two_ranks(tmp_path):
 def test_deepspeed_two_nodes_on_one_machine(tmp_path):
     """The per-node launch run twice (node rank 0 and 1), one master address, no ssh."""
     port = free_port()
+    logs = [tmp_path / f"node{nr}.log" for nr in (0, 1)]
     procs = [grt_launch("--launcher", "deepspeed", "--hosts", "localhost,127.0.0.1",
                         "--procs-per-node", "1", "--no-ssh", "--node-rank", str(nr),
                         "--master-addr", "127.0.0.1", "--master-port", str(port),
                         "--run-dir", str(tmp_path / f"node{nr}"), "--entry", "launcher.probe",
-                        "--", "--out", str(tmp_path), background=True) for nr in (0, 1)]
-    outs = []
-    for p in procs:
-        out, _ = p.communicate(timeout=300)
-        outs.append(out)
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+                        "--", "--out", str(tmp_path), background=logs[nr]) for nr in (0, 1)]
+    wait_all(procs, logs)
     recs = probe_results(str(tmp_path), 2)
     assert [(r["rank"], r["node_rank"], r["local_rank"]) for r in recs] == [(0, 0, 0), (1, 1, 0)]
     assert (tmp_path / "node0" / "launch" / "hostfile").read_text() == "localhost slots=1\n127.0.0.1 slots=1\n"

@@ -13,7 +13,8 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launch_helpers import check_trained, clean_env, grt_launch, probe_results, read_metrics, train_args  # noqa: E402
+from launch_helpers import (check_trained, clean_env, complete_lines, grt_launch, probe_results,  # noqa: E402
+                            read_metrics, train_args)
 from slurm_cluster import SlurmCluster, SlurmUnavailable, default_state_dir  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -135,8 +136,7 @@ def test_preempted_training_checkpoints_and_a_resubmission_resumes(cluster, tmp_
     steps = 40
     job = submit(cluster, "--procs-per-node", "2", "--", *train_args(out, steps))
     metrics = out / "metrics.jsonl"
-    cluster.wait_for(lambda: metrics.exists() and len(read_metrics(metrics)) >= 2, timeout=300,
-                     what="two training steps")
+    cluster.wait_for(lambda: complete_lines(metrics) >= 2, timeout=300, what="two training steps")
     cluster.run("scancel", "--batch", "--signal=USR1", job)
     wait_done(cluster, job, out)
     summary = json.load(open(out / "summary.json"))

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launch_helpers import check_trained, clean_env, free_port, grt_launch, train_args  # noqa: E402
+from launch_helpers import check_trained, clean_env, free_port, grt_launch, train_args, wait_all  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -40,9 +40,9 @@ def test_two_nodes_on_one_machine_agree_on_the_loss(tmp_path):
     procs = [grt_launch("--launcher", "deepspeed", "--hosts", "localhost,127.0.0.1", "--procs-per-node", "1",
                         "--no-ssh", "--node-rank", str(node), "--master-addr", "127.0.0.1",
                         "--master-port", str(port), "--run-dir", str(tmp_path / f"node{node}"),
-                        "--", *train_args(out, 4), background=True) for node in (0, 1)]
-    logs = [p.communicate(timeout=400)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(l[-3000:] for l in logs)
+                        "--", *train_args(out, 4), background=tmp_path / f"node{node}.log")
+             for node in (0, 1)]
+    wait_all(procs, [tmp_path / f"node{node}.log" for node in (0, 1)])
     # rank 0 ran on "node" 0 and rank 1 on "node" 1; both logged the same losses
     rank0, _ = check_trained(out, 4)
     assert len({r["loss"] for r in rank0}) > 1
