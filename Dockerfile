@@ -30,6 +30,10 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* \
     && mkdir -p /run/sshd
 
+# pip must never replace NVIDIA's own torch build (its version, e.g. 2.x.0a0+nv, is pinned)
+RUN python -c "import torch; print('torch==' + torch.__version__)" > /etc/pip-keep-torch.txt
+ENV PIP_CONSTRAINT=/etc/pip-keep-torch.txt
+
 # DeepSpeed with the CUDA ops the trainer uses compiled now instead of JIT-compiled at the
 # first step on every node (FusedAdam/Lamb, CPU Adam for offload, async I/O, utils)
 RUN DS_BUILD_FUSED_ADAM=1 DS_BUILD_FUSED_LAMB=1 DS_BUILD_CPU_ADAM=1 DS_BUILD_AIO=1 DS_BUILD_UTILS=1 \

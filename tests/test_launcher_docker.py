@@ -37,19 +37,24 @@ def instructions():
 
 def run_programs(script):
     """The programs a RUN shell line calls (first word of each simple command)."""
+    lex = shlex.shlex(script, posix=True, punctuation_chars=True)
+    lex.whitespace_split = True
+    commands, cur = [], []
+    for tok in lex:
+        if tok in ("&&", "||", ";", "|", "&", "(", ")"):
+            commands.append(cur)
+            cur = []
+        else:
+            cur.append(tok)
+    commands.append(cur)
     programs = []
-    for part in re.split(r"&&|\|\||;|\||\bthen\b|\bdo\b", script):
-        try:
-            words = shlex.split(part)
-        except ValueError:
-            words = part.split()
-        words = [w for w in words if w not in ("if", "then", "elif", "else", "fi", "!", "do", "done", "{", "}")]
-        if words and words[0] in ("[", "[[", "test"):
+    for words in commands:
+        words = [w for w in words if w not in SHELL_WORDS]
+        if not words or words[0] in ("[", "[[", "test"):
             continue  # the shell's own test
         while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
             words.pop(0)  # VAR=value prefixes
-        words = [w for w in words if not re.fullmatch(r"\d?>.*|>.*|<.*", w)]
-        if words and words[0] not in SHELL_WORDS:
+        if words and not re.fullmatch(r"\d?[<>].*", words[0]):
             programs.append(words[0])
     return programs
 
