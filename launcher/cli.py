@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start `grt train` locally, with the deepspeed runner, under Slurm or under "
         "MPI. Arguments after `--` (and unknown ones) go to `grt train` on every rank.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,  # `--out` is grt train's, not an abbreviation of `--output`
     )
     p.add_argument("--launcher", choices=LAUNCHERS, default="local",
                    help="local: one process, or torchrun for several on this machine; deepspeed: "

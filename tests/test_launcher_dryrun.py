@@ -279,3 +279,14 @@ def test_slurm_hosts_become_a_nodelist(tmp_path):
     plan = plan_for("slurm", "--hosts", "gpu[01-04]", "--run-dir", str(tmp_path))
     files, argv, _ = split_render(plan.render())
     assert "#SBATCH --nodelist=gpu01,gpu02,gpu03,gpu04" in files[argv[-1]]
+
+
+def test_train_flags_pass_without_separator(tmp_path):
+    """Unknown flags go to `grt train`, even those that look like abbreviations of ours."""
+    out = str(tmp_path / "run")
+    plan, _ = build_plan(["--launcher", "slurm", "--dry-run", "--data", "m.json", "--out", out,
+                          "--steps", "7"], environ={})
+    files, argv, _ = split_render(plan.render())
+    config = json.loads(files[os.path.join(out, "launch", "config.json")])
+    assert config["out"] == out and config["train"]["steps"] == 7
+    assert f"--output={out}/slurm-%j.out" in files[argv[-1]]
