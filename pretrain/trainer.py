@@ -305,12 +305,13 @@ def _explain_failure(err: Exception) -> Exception:
     hb = _HEARTBEAT
     if hb is None or hb.store is None:
         return TrainingStopped(f"data error: {own}") if isinstance(err, ShardError) else err
-    hb.mark_failed(own, comm=_is_comm_error(err))
+    comm = _is_comm_error(err)
+    hb.mark_failed(own, comm=comm)
     others = hb.diagnose()
-    if others:
+    if comm and others:  # a collective failed here: the cause is elsewhere
         message = f"rank {hb.rank} stopping: " + "; ".join(others) + f" [this rank saw {own[:300]}]"
     else:
-        message = f"rank {hb.rank} failed: {own}"
+        message = f"rank {hb.rank} failed: {own}" + (f"; also: {'; '.join(others)}" if others else "")
     log.error("%s", message, exc_info=err)
     return RankFailure(message)
 

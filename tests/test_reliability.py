@@ -439,15 +439,16 @@ def test_loader_names_the_broken_shard(data, tmp_path, which):
 
 @pytest.mark.slow
 def test_broken_shard_stops_training_with_one_line(data, tmp_path):
-    """Without skip_corrupt_shards: a one-line error naming the shard (exit 3)."""
+    """Without skip_corrupt_shards, a `pipe:` shard failing mid-stream (2 ranks): every rank
+    exits 3 with one line naming the shard and the option to skip it; no hang."""
     edit = only_broken("pipe")
     manifest = small_manifest(data, tmp_path / "shards", 4, edit)
-    res = subprocess.run(cli(*train_args(manifest, tmp_path / "run", 3)), cwd=REPO, capture_output=True, text=True,
-                         timeout=240)
-    err = res.stderr.strip().splitlines()[-1]
-    assert res.returncode == 3, res.stdout[-2000:] + res.stderr[-3000:]
-    assert err.startswith("grt train: stopped: data error: ShardError: ") and edit.want in err, err
-    assert "set train.skip_corrupt_shards=true" in err
+    rcs, job = run_job(train_args(manifest, tmp_path / "run", 3), tmp_path / "logs", timeout=180)
+    assert rcs == [3, 3], job.output()
+    for r in (0, 1):
+        err = job.logs[r].read_text().strip().splitlines()[-1]
+        assert err.startswith(f"grt train: stopped: rank {r} failed: ShardError: ") and edit.want in err, err
+        assert "set train.skip_corrupt_shards=true" in err
 
 
 @pytest.mark.slow
