@@ -88,6 +88,9 @@ class CachedDecoder:
                  n_loops: int | None = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy={strategy!r}: accepted values are {', '.join(STRATEGIES)}")
+        if model.cfg.variant not in ("grt", "dense"):
+            raise ValueError(f"the KV cache supports the grt and dense variants, not {model.cfg.variant!r}: "
+                             "decode it without a cache (--no-cache)")
         self.model = model.eval()
         cfg = model.cfg
         self.strategy = strategy
@@ -147,8 +150,8 @@ class CachedDecoder:
 
     def _loop(self, e: torch.Tensor) -> torch.Tensor:
         loop, s = self.model.loop, e
+        terms = loop.anchor_terms(e) if self.n > 0 else None  # the anchor halves, once per token
         acc = None  # per core block: the folded keys/values for the shared strategies
-        terms = loop.anchor_terms(e)
         for r in range(self.n):
             x = loop.project(s, terms)
             for c, block in enumerate(loop.core):
@@ -163,7 +166,7 @@ class CachedDecoder:
                 elif self.strategy == "average":
                     acc[c] = (k, v) if acc[c] is None else (acc[c][0] + k, acc[c][1] + v)
             if loop.has_gate:
-                g = loop.gate(s, terms)
+                g = torch.sigmoid(loop.gate_logits(s, terms))
                 s = g * s + (1 - g) * x
             else:
                 s = x

@@ -83,10 +83,30 @@ def consolidate(step_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
+def upgrade_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoints written before the loop step split W_proj and the gate's first layer into
+    state and anchor halves (W [s; e] = W_s s + W_e e) load into the current model."""
+    state = dict(state)
+    if "loop.proj.weight" in state:
+        w = state.pop("loop.proj.weight")
+        d = w.shape[1] // 2
+        state["loop.proj_state.weight"], state["loop.anchor.proj.weight"] = w[:, :d].clone(), w[:, d:].clone()
+    if "loop.gate_fc.weight" in state:
+        w = state.pop("loop.gate_fc.weight")
+        d = w.shape[1] // 2
+        state["loop.gate_fc_state.weight"], state["loop.anchor.gate_fc.weight"] = w[:, :d].clone(), w[:, d:].clone()
+        if "loop.gate_fc.bias" in state:
+            state["loop.gate_fc_state.bias"] = state.pop("loop.gate_fc.bias")
+    for suffix in ("weight", "bias"):
+        if f"loop.gate_norm_anchor.{suffix}" in state:
+            state[f"loop.anchor.gate_norm.{suffix}"] = state.pop(f"loop.gate_norm_anchor.{suffix}")
+    return state
+
+
 def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> GPT:
     """Build the model and load weights; a tied lm_head may be absent (it is the embedding)."""
     model = GPT(cfg)
-    state = dict(state)
+    state = upgrade_state_dict(state) if "loop.proj_state.weight" in model.state_dict() else dict(state)
     if cfg.tie_embeddings:
         state.pop(TIED_KEY, None)
     missing, unexpected = model.load_state_dict(state, strict=False)
