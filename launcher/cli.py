@@ -35,12 +35,21 @@ DS_LAUNCHERS = ("pdsh", "openmpi", "mvapich", "slurm", "mpich", "impi")
 DEFAULT_ENTRY = "pretrain.cli train"
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show a default only where there is one (None, False and [] say nothing)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, [], "") or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="grt launch",
         description="Start `grt train` locally, with the deepspeed runner, under Slurm or under "
         "MPI. Arguments after `--` (and unknown ones) go to `grt train` on every rank.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_Formatter,
         allow_abbrev=False,  # `--out` is grt train's, not an abbreviation of `--output`
     )
     p.add_argument("--launcher", choices=LAUNCHERS, default="local",
@@ -94,14 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="print the files and the command, run nothing")
     s = p.add_argument_group("slurm")
-    s.add_argument("--job-name", default="grt")
-    s.add_argument("--partition", default=None)
-    s.add_argument("--account", default=None)
-    s.add_argument("--qos", default=None)
+    s.add_argument("--job-name", default="grt", help="job name")
+    s.add_argument("--partition", default=None, help="partition (default: the cluster's default)")
+    s.add_argument("--account", default=None, help="account to charge")
+    s.add_argument("--qos", default=None, help="quality of service")
     s.add_argument("--time", default=None, help="time limit, e.g. 24:00:00")
-    s.add_argument("--cpus-per-task", type=int, default=None)
+    s.add_argument("--cpus-per-task", type=int, default=None, help="CPUs for each rank")
     s.add_argument("--mem", default=None, help="memory per node, e.g. 0 for all")
-    s.add_argument("--exclusive", action="store_true")
+    s.add_argument("--exclusive", action="store_true", help="whole nodes only")
     s.add_argument("--output", default=None,
                    help="job log path (default RUN_DIR/slurm-%%j.out)")
     s.add_argument("--signal", default="USR1@120",
