@@ -46,12 +46,14 @@ def test_deepspeed_two_nodes_on_one_machine(tmp_path):
 
 
 def test_mpirun_two_ranks(tmp_path):
-    """Ranks from OMPI_COMM_WORLD_*, checked against mpi4py (test_launcher_train.py trains
+    """mpirun with a hostfile; ranks from OMPI_COMM_WORLD_*, checked against mpi4py (test_launcher_train.py trains
     with GRT_DIST_DISCOVERY=mpi4py, ranks asked from mpi4py itself)."""
     if shutil.which("mpirun") is None:
         pytest.skip("mpirun not installed (Debian package openmpi-bin)")
     pytest.importorskip("mpi4py", reason="mpi4py not installed (pip install mpi4py)")
-    grt_launch("--launcher", "mpi", "--procs-per-node", "2", "--master-port", str(free_port()),
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")  # mpirun starts local ranks without ssh
+    grt_launch("--launcher", "mpi", "--hostfile", str(hostfile), "--master-port", str(free_port()),
                "--mpirun-args=--oversubscribe", "--entry", "launcher.probe",
                "--", "--out", str(tmp_path))
     recs = probe_results(str(tmp_path), 2)
