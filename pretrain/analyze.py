@@ -1,0 +1,353 @@
+"""`grt analyze`: the paper's analyses of a trained GRT (spec section 5), as one Markdown
+report with a JSON twin and plots.
+
+On held-out batches (the manifest's validation split):
+- loss at each exit depth 0..R;
+- gate forcing: every gate set to 0 (s_r = o_r) or 1 (s_r = s_{r-1}: the prelude-only loss);
+- anchor replacement: the loop fed zeros, the token embeddings, or the previous state
+  as e instead of the fixed prelude output;
+- mean gate per loop step;
+- gate-input variance share: the gate's first layer reads [LN(s_{r-1}); LN(e)], so its
+  pre-activation is W_s LN(s) + W_e LN(e) + b. The share of the state half is
+  tr Var(W_s LN(s)) / (tr Var(W_s LN(s)) + tr Var(W_e LN(e))), variances over tokens
+  (our definition: the paper's exact one is unknown);
+- linear CKA between the loop states s_0..s_R (a heat-map);
+- easy vs hard tokens: target tokens bucketed as punctuation (the piece is punctuation
+  and/or spaces) or, by frequency in the training split, frequent (the most frequent
+  tokens making up the first 50% of occurrences), medium (the next 40%) and rare (the
+  last 10%); the share of the depth-0 loss recovered after each step, (L_0 - L_r) / L_0;
+- cosine similarity between the state and anchor halves of W_proj (and of the gate's
+  first layer): cos(vec W[:, :d], vec W[:, d:]) and the mean row-wise cosine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import string
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .config import ConfigError
+from .evaluate import Dist, decode_state, head, jsonable, lm_sums, val_batches
+from .model import GPT
+from .model.layers import AttentionContext
+
+BUCKETS = ("punctuation", "frequent", "medium", "rare")
+ANCHORS = ("prelude", "zeros", "embeddings", "previous")
+
+
+# -- the measures, each a small function on tensors ------------------------------------------
+def linear_cka(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Linear CKA (Kornblith et al. 2019) between [N, d1] and [N, d2] representations."""
+    x = x.double() - x.double().mean(0, keepdim=True)
+    y = y.double() - y.double().mean(0, keepdim=True)
+    hsic = (y.T @ x).norm() ** 2
+    denom = (x.T @ x).norm() * (y.T @ y).norm()
+    return (hsic / denom).item() if denom > 0 else float("nan")
+
+
+def cka_matrix(states: list[torch.Tensor]) -> list[list[float]]:
+    n = len(states)
+    m = [[1.0] * n for _ in range(n)]
+    for i in range(n):
+        for j in range(i + 1, n):
+            m[i][j] = m[j][i] = linear_cka(states[i], states[j])
+    return m
+
+
+def half_cosines(state_half: torch.Tensor, anchor_half: torch.Tensor) -> dict:
+    """W = [W_s | W_e] (each [out, d]): cosine between the state half and the anchor half."""
+    a, b = state_half.detach().double(), anchor_half.detach().double()
+    return {"cosine": F.cosine_similarity(a.flatten(), b.flatten(), dim=0).item(),
+            "mean_row_cosine": F.cosine_similarity(a, b, dim=1).mean().item(),
+            "norm_state": a.norm().item(), "norm_anchor": b.norm().item()}
+
+
+def is_punctuation(piece: str) -> bool:
+    """A piece of punctuation and/or whitespace only (e.g. ',', ' .', '\n', '?!')."""
+    return piece != "" and all(ch in string.punctuation or ch.isspace() for ch in piece)
+
+
+def frequency_buckets(counts: Counter, vocab_size: int, punctuation: set[int],
+                      frequent_mass: float = 0.5, medium_mass: float = 0.9) -> torch.Tensor:
+    """A bucket index (0..3, see BUCKETS) per token id. Non-punctuation tokens are ranked by
+    count; the most frequent ones up to `frequent_mass` of the occurrences are 'frequent', up
+    to `medium_mass` 'medium', the rest (and tokens never seen) 'rare'."""
+    bucket = torch.full((vocab_size,), 3, dtype=torch.long)
+    for t in punctuation:
+        if t < vocab_size:
+            bucket[t] = 0
+    ranked = sorted(((c, t) for t, c in counts.items() if t not in punctuation and t < vocab_size), reverse=True)
+    total = sum(c for c, _ in ranked) or 1
+    seen = 0
+    for c, t in ranked:
+        share = seen / total  # mass of the tokens ranked above this one
+        bucket[t] = 1 if share < frequent_mass else 2 if share < medium_mass else 3
+        seen += c
+    return bucket
+
+
+def variance_share(a_sum, a_sq, b_sum, b_sq, n) -> float:
+    """State share of tr Var from running sums (per hidden unit) of the two halves."""
+    var_a = (a_sq / n - (a_sum / n) ** 2).sum()
+    var_b = (b_sq / n - (b_sum / n) ** 2).sum()
+    return (var_a / (var_a + var_b)).item()
+
+
+# -- one pass over the data -----------------------------------------------------------------
+@torch.no_grad()
+def collect(model: GPT, batches, device, bucket_of: torch.Tensor | None, cka_tokens: int = 2048) -> dict:
+    """Per-depth losses (overall and by bucket), mean gates, gate-input variance sums, and a
+    sample of the states for CKA, from one forward per batch at the trained depth."""
+    R = model.max_loops
+    loop = model.loop
+    nb = len(BUCKETS)
+    loss = torch.zeros(R + 1, nb + 1, dtype=torch.float64)  # last column: all tokens
+    count = torch.zeros(nb + 1, dtype=torch.float64)
+    gate_sum = torch.zeros(R, dtype=torch.float64)
+    gate_n = 0
+    d = model.cfg.d_model
+    var = torch.zeros(R, 4, d, dtype=torch.float64) if loop.has_gate else None  # a_sum, a_sq, b_sum, b_sq
+    n_tok = 0
+    kept: list[list[torch.Tensor]] = [[] for _ in range(R + 1)]
+    kept_n = 0
+    for batch in batches:
+        idx, targets = batch["input_ids"].to(device), batch["targets"].to(device)
+        out = model(idx, n_loops=R, return_states=True, return_gates=True)
+        ctx = AttentionContext()
+        flat_t = targets.flatten()
+        b = bucket_of.to(device)[flat_t.clamp(min=0)] if bucket_of is not None else None
+        for r in range(R + 1):
+            logits = head(model, decode_state(model, out.states[r], ctx)).float()
+            nll = F.cross_entropy(logits.flatten(0, 1), flat_t, reduction="none").double()
+            loss[r, nb] += nll.sum().cpu()
+            if b is not None:
+                loss[r, :nb] += torch.zeros(nb, dtype=torch.float64, device=device).index_add_(0, b, nll).cpu()
+        count[nb] += flat_t.numel()
+        if b is not None:
+            count[:nb] += torch.bincount(b, minlength=nb).double().cpu()
+        for r, g in enumerate(out.gates):
+            gate_sum[r] += g.double().mean().cpu() * idx.numel()
+        gate_n += idx.numel()
+        if var is not None:
+            e = out.states[0]  # the prelude output, the anchor
+            be = loop.anchor.gate_fc(loop.anchor.gate_norm(e)).flatten(0, 1).double()
+            w_s = loop.gate_fc_state.weight.double()
+            for r in range(R):
+                a = loop.gate_norm_state(out.states[r]).flatten(0, 1).double() @ w_s.T
+                var[r, 0] += a.sum(0).cpu()
+                var[r, 1] += (a * a).sum(0).cpu()
+                var[r, 2] += be.sum(0).cpu()
+                var[r, 3] += (be * be).sum(0).cpu()
+        n_tok += idx.numel()
+        if kept_n < cka_tokens:
+            take = min(cka_tokens - kept_n, idx.numel())
+            for r in range(R + 1):
+                kept[r].append(out.states[r].flatten(0, 1)[:take].float().cpu())
+            kept_n += take
+    res = {"loss": loss, "count": count, "gate_mean": (gate_sum / max(gate_n, 1)).tolist(),
+           "states": [torch.cat(k) for k in kept] if kept_n else None}
+    if var is not None and n_tok:
+        res["state_share"] = [variance_share(var[r, 0], var[r, 1], var[r, 2], var[r, 3], n_tok) for r in range(R)]
+    return res
+
+
+def token_counts(manifest: str, max_batches: int, seed: int = 1234) -> Counter:
+    from data_pipeline.loader import TokenBatchLoader
+
+    counts: Counter = Counter()
+    loader = TokenBatchLoader(manifest, split="train", micro_batch_size=16, num_workers=0, seed=seed,
+                              shuffle_buffer=0, loop=False)
+    for i, batch in enumerate(loader):
+        if i >= max_batches:
+            break
+        counts.update(batch["targets"].flatten().tolist())
+    return counts
+
+
+def punctuation_ids(tok, vocab_size: int) -> set[int]:
+    out = set()
+    for t in range(vocab_size):
+        if t == tok.sep_id:
+            continue
+        if is_punctuation(tok.decode([t])):
+            out.add(t)
+    return out
+
+
+# -- report --------------------------------------------------------------------------------------
+def analyze(model: GPT, manifest: str, tok, device, batch_size: int = 8, max_batches: int = 8,
+            freq_batches: int = 200, cka_tokens: int = 2048, seed: int = 1234) -> dict:
+    if model.cfg.variant != "grt":
+        raise ConfigError(f"grt analyze needs a GRT (variant 'grt'), got variant {model.cfg.variant!r}")
+    R = model.max_loops
+    dist = Dist()
+    batches = list(val_batches(manifest, batch_size, dist, max_batches, seed))
+    if not batches:
+        raise ConfigError(f"{manifest}: no validation batches")
+    vocab = model.cfg.vocab_size
+    punct = punctuation_ids(tok, vocab)
+    bucket_of = frequency_buckets(token_counts(manifest, freq_batches, seed), vocab, punct)
+    c = collect(model, batches, device, bucket_of, cka_tokens)
+    loss, count = c["loss"], c["count"]
+    by_depth = {r: loss[r, -1].item() / count[-1].item() for r in range(R + 1)}
+    buckets = {}
+    for i, name in enumerate(BUCKETS):
+        if count[i] == 0:
+            continue
+        l0 = loss[0, i].item() / count[i].item()
+        per = [loss[r, i].item() / count[i].item() for r in range(R + 1)]
+        buckets[name] = {"tokens": int(count[i].item()), "loss_by_depth": per,
+                         "recovered_by_step": [(l0 - lr) / l0 for lr in per[1:]],
+                         "vocab_tokens": int((bucket_of == i).sum().item())}
+
+    def at_full(**fwd) -> float:
+        s = lm_sums(model, batches, [R], device, **fwd)
+        return (s[0, 0] / s[0, 1]).item()
+
+    res = {"layout": model.cfg.layout, "trained_loops": R, "tokens": int(count[-1].item()),
+           "loss_by_depth": by_depth,
+           "gate_forcing": ({"trained": by_depth[R], "gate=0": at_full(gate_override=0.0),
+                             "gate=1": at_full(gate_override=1.0)} if model.loop.has_gate else {}),
+           "anchor": {a: (by_depth[R] if a == "prelude" else at_full(anchor=a)) for a in ANCHORS},
+           "gate_mean_by_step": c["gate_mean"], "gate_state_share_by_step": c.get("state_share", []),
+           "buckets": buckets,
+           "cka": cka_matrix(c["states"]) if c["states"] is not None else None,
+           "cka_tokens": int(c["states"][0].shape[0]) if c["states"] is not None else 0}
+    cos = {}
+    if model.loop.proj_state is not None:
+        cos["W_proj"] = half_cosines(model.loop.proj_state.weight, model.loop.anchor.proj.weight)
+    if model.loop.has_gate:
+        cos["gate_fc"] = half_cosines(model.loop.gate_fc_state.weight, model.loop.anchor.gate_fc.weight)
+    res["half_cosines"] = cos
+    return res
+
+
+def plots(res: dict, out: Path) -> dict[str, str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = {}
+    R = res["trained_loops"]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(range(R + 1), [res["loss_by_depth"][r] for r in range(R + 1)], marker="o")
+    ax.set_xlabel("exit depth (loop steps)"), ax.set_ylabel("validation loss"), ax.grid(alpha=0.3)
+    fig.tight_layout(), fig.savefig(out / "loss_by_depth.png", dpi=120), plt.close(fig)
+    files["loss_by_depth"] = "loss_by_depth.png"
+    if res["cka"]:
+        fig, ax = plt.subplots(figsize=(4.5, 4))
+        im = ax.imshow(res["cka"], vmin=0, vmax=1, cmap="viridis")
+        ax.set_xlabel("loop state s_r"), ax.set_ylabel("loop state s_r"), ax.set_title("linear CKA")
+        fig.colorbar(im), fig.tight_layout(), fig.savefig(out / "cka.png", dpi=120), plt.close(fig)
+        files["cka"] = "cka.png"
+    if res["buckets"]:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for name, b in res["buckets"].items():
+            ax.plot(range(1, R + 1), [100 * v for v in b["recovered_by_step"]], marker="o", label=name)
+        ax.set_xlabel("loop step"), ax.set_ylabel("% of depth-0 loss recovered"), ax.grid(alpha=0.3), ax.legend()
+        fig.tight_layout(), fig.savefig(out / "buckets.png", dpi=120), plt.close(fig)
+        files["buckets"] = "buckets.png"
+    if res["gate_mean_by_step"]:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        steps = range(1, R + 1)
+        ax.plot(steps, res["gate_mean_by_step"], marker="o", label="mean gate")
+        if res["gate_state_share_by_step"]:
+            ax.plot(steps, res["gate_state_share_by_step"], marker="s", label="state share of gate-input variance")
+        ax.set_xlabel("loop step"), ax.set_ylim(0, 1), ax.grid(alpha=0.3), ax.legend()
+        fig.tight_layout(), fig.savefig(out / "gates.png", dpi=120), plt.close(fig)
+        files["gates"] = "gates.png"
+    return files
+
+
+def markdown(res: dict, files: dict[str, str], title: str) -> str:
+    R = res["trained_loops"]
+    L = [f"# {title}", "", f"Layout `{res['layout']}`, R = {R}; {res['tokens']:,} validation tokens.", "",
+         "## Loss by exit depth", "", "| depth | loss |", "|---|---|"]
+    L += [f"| {r} | {res['loss_by_depth'][r]:.4f} |" for r in range(R + 1)]
+    if "loss_by_depth" in files:
+        L += ["", f"![loss by depth]({files['loss_by_depth']})"]
+    if res["gate_forcing"]:
+        g = res["gate_forcing"]
+        L += ["", "## Gate forcing (at depth R)", "", "| gate | loss |", "|---|---|",
+              f"| trained | {g['trained']:.4f} |", f"| forced to 0 (s_r = o_r) | {g['gate=0']:.4f} |",
+              f"| forced to 1 (= prelude only, depth 0: {res['loss_by_depth'][0]:.4f}) | {g['gate=1']:.4f} |"]
+    L += ["", "## Anchor replacement (what the loop is fed as e, at depth R)", "", "| anchor | loss |", "|---|---|"]
+    L += [f"| {a} | {v:.4f} |" for a, v in res["anchor"].items()]
+    if res["gate_mean_by_step"]:
+        L += ["", "## Gates by loop step", "", "| step | mean gate | state share of gate-input variance |", "|---|---|---|"]
+        shares = res["gate_state_share_by_step"] or [float("nan")] * R
+        L += [f"| {r + 1} | {g:.4f} | {s:.3f} |" for r, (g, s) in enumerate(zip(res["gate_mean_by_step"], shares))]
+        if "gates" in files:
+            L += ["", f"![gates]({files['gates']})"]
+    if res["cka"]:
+        n = len(res["cka"])
+        L += ["", f"## Linear CKA between loop states s_0..s_{n - 1} ({res['cka_tokens']} tokens)", "",
+              "| | " + " | ".join(f"s_{j}" for j in range(n)) + " |", "|---" * (n + 1) + "|"]
+        L += [f"| s_{i} | " + " | ".join(f"{v:.3f}" for v in row) + " |" for i, row in enumerate(res["cka"])]
+        if "cka" in files:
+            L += ["", f"![CKA]({files['cka']})"]
+    if res["buckets"]:
+        L += ["", "## Share of the depth-0 loss recovered after each step, by token bucket", "",
+              "| bucket | tokens | depth-0 loss | " + " | ".join(f"step {r}" for r in range(1, R + 1)) + " |",
+              "|---" * (R + 3) + "|"]
+        for name, b in res["buckets"].items():
+            L.append(f"| {name} | {b['tokens']} | {b['loss_by_depth'][0]:.3f} | "
+                     + " | ".join(f"{100 * v:.1f}%" for v in b["recovered_by_step"]) + " |")
+        if "buckets" in files:
+            L += ["", f"![buckets]({files['buckets']})"]
+    if res["half_cosines"]:
+        L += ["", "## State half vs anchor half of the input weights", "",
+              "| weight | cosine | mean row cosine | norm (state half) | norm (anchor half) |", "|---|---|---|---|---|"]
+        L += [f"| {k} | {v['cosine']:.4f} | {v['mean_row_cosine']:.4f} | {v['norm_state']:.3f} | {v['norm_anchor']:.3f} |"
+              for k, v in res["half_cosines"].items()]
+    L += ["", "Definitions: see `grt analyze --help` and docs/evaluation.md.", ""]
+    return "\n".join(L)
+
+
+def main(argv=None) -> int:
+    from .load import load_model, parse_dtype, pick_device
+
+    p = argparse.ArgumentParser(prog="grt analyze", description="The paper's analyses of a trained GRT: "
+                                "gate forcing, anchor replacement, gate statistics, CKA, token buckets.")
+    p.add_argument("model", help="exported dir (grt export), run dir, <out>/checkpoints or a step dir")
+    p.add_argument("--out", required=True, help="report directory (report.md, analysis.json, PNGs)")
+    p.add_argument("--data", help="manifest.json (default: the run config's data)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-batches", type=int, default=16, help="validation batches to analyse")
+    p.add_argument("--freq-batches", type=int, default=200, help="training batches (of 16) for token frequencies")
+    p.add_argument("--cka-tokens", type=int, default=2048)
+    p.add_argument("--tokenizer")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    args = p.parse_args(argv)
+    try:
+        loaded = load_model(args.model, device=pick_device(args.device), dtype=parse_dtype(args.dtype),
+                            tokenizer=args.tokenizer)
+        manifest = args.data or loaded.run_config.get("data")
+        if not manifest or not Path(manifest).is_file():
+            raise ConfigError(f"no manifest ({manifest!r}): pass --data <manifest.json>")
+        device = next(loaded.model.parameters()).device
+        res = analyze(loaded.model, manifest, loaded.tokenizer(), device, args.batch_size, args.max_batches,
+                      args.freq_batches, args.cka_tokens, loaded.run_config.get("train", {}).get("seed", 1234))
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"grt analyze: error: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = plots(res, out)
+    res["model"] = str(args.model)
+    (out / "analysis.json").write_text(json.dumps(jsonable(res), indent=2) + "\n")
+    (out / "report.md").write_text(markdown(res, files, f"Analysis of {loaded.cfg.name} ({loaded.cfg.layout})"))
+    print(markdown(res, {}, f"Analysis of {loaded.cfg.name} ({loaded.cfg.layout})"))
+    print(f"report: {out / 'report.md'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
