@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shlex
 import subprocess
@@ -115,9 +116,13 @@ def bench_memory(args) -> list[dict]:
     rows = []
     for loops in args.loops:
         for mode in ("off", "loop_step"):
+            # On CPU the peak is the process's peak RSS. glibc keeps freed chunks mapped and
+            # fragments, which inflates RSS with every alloc/free cycle; serving large tensors
+            # from mmap (returned to the OS on free) makes RSS follow the live tensors.
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
             out = subprocess.run([sys.executable, "-m", "pretrain.bench", "_memory_probe", str(args.d_model),
                                   str(args.seq_len), str(args.batch), str(loops), mode],
-                                 capture_output=True, text=True, check=True, cwd=REPO)
+                                 capture_output=True, text=True, check=True, cwd=REPO, env=env)
             peak = json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
             rows.append({"R": loops, "checkpointing": mode != "off", "peak_bytes": peak})
     return rows

@@ -127,3 +127,19 @@ def test_tensorboard_holds_the_training_scalars(two_rank_run):
     losses = [e.value for e in events.Scalars("train/loss")]
     assert len(losses) == 30
     assert all(0.5 < e.value < 1.0 for e in events.Scalars("gate/mean_step_1"))
+
+
+@pytest.mark.slow
+def test_compiled_loop_step_is_not_recompiled_per_depth(shards, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "compiled"
+    r = grt(*train_args(shards, out, 8)[2:], "--set", "train.compile=true", "--set", "train.eval_every=0",
+            "--set", "train.log_every=2", timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    graphs = [e.value for e in events.Scalars("compile/unique_graphs")]
+    depths = {e.value for e in events.Scalars("train/depth")}
+    assert len(depths) > 1 and graphs[0] > 0
+    assert len(set(graphs)) == 1, graphs  # new depths after the first logged step compiled nothing new
