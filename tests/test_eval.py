@@ -14,7 +14,7 @@ from pretrain.config import ConfigError
 from pretrain.evaluate import (Dist, check_depths, exit_logits, lm_sums, main as eval_main, parse_depths,
                                text_eval, text_windows)
 from pretrain.zero_shot import Item, encode_request, evaluate_task, load_task, score_requests
-from trained_models import (ENV, EVAL_BATCHES, REPO, CharTokenizer, data, grt_run, manifest, small_model,  # noqa: F401
+from trained_models import (single_thread, ENV, EVAL_BATCHES, REPO, CharTokenizer, data, grt_run, manifest, small_model,  # noqa: F401
                             summary, write_export)
 
 CPU = torch.device("cpu")
@@ -30,6 +30,25 @@ def test_exit_depths_are_the_models_forward():
     assert not torch.allclose(got[0], got[3], atol=1e-3)
     dense = small_model("3", variant="dense")
     assert torch.allclose(exit_logits(dense, idx, [0])[0], dense(idx).logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["huginn", "rrt", "ouro", "mor"])
+def test_exit_depths_of_the_baselines(variant):
+    """The comparison baselines expose their loop states too: grt eval scores them by depth."""
+    from pretrain.model import GPT
+    from pretrain.presets import get_preset
+
+    model = GPT(get_preset(f"micro-{variant}")).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)  # Huginn draws its initial state
+    got = exit_logits(model, idx, [0, 1, 3])
+    for r in (0, 1, 3):
+        torch.manual_seed(0)
+        assert torch.allclose(got[r], model(idx, n_loops=r).logits, atol=1e-5), r
+    assert not torch.allclose(got[1], got[3], atol=1e-4)
 
 
 def test_depth_parsing_and_refusal():

@@ -9,7 +9,7 @@ from pretrain.config import ConfigError
 from pretrain.evaluate import Dist, lm_sums, val_batches
 from pretrain.export import main as export_main
 from pretrain.load import TIED_KEY, load_model, resolve_checkpoint
-from trained_models import EVAL_BATCHES, dense_run, grt_run, manifest, summary  # noqa: F401 (fixtures)
+from trained_models import single_thread, EVAL_BATCHES, dense_run, grt_run, manifest, summary  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch
 from pretrain.bench_decode import bench_one, main as bench_main
 from pretrain.generate import filter_logits, generate, main as generate_main, sample_next
 from pretrain.kv_cache import STRATEGIES, CachedDecoder, cache_bytes_formula, cache_slots
-from trained_models import data, small_model, write_export
+from trained_models import single_thread, data, small_model, write_export  # noqa: F401
 
 
 def lively(**kw):

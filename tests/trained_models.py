@@ -21,7 +21,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DEMO_TEXT = REPO / "examples" / "data" / "tinyshakespeare.txt"
 EVAL_BATCHES = 4  # validation batches (of 8) the training run evaluates at its end
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+# one thread: on a busy 2-core machine two OpenMP threads per process spin against each other
+# (measured: 3.6 s vs 0.09 s per micro-grt training step)
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 
 
 def grt(*args: str, cwd: Path = REPO, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -64,6 +66,17 @@ def train(preset: str, steps: int, lr: float = 3e-3, eval_batches: int = EVAL_BA
 
 def summary(run: Path) -> dict:
     return json.loads((run / "summary.json").read_text())
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    """Tests of these modules run torch on one thread (see ENV); the setting is restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
@@ -142,6 +155,8 @@ def torch_trained_grt(steps: int = 150, seed: int = 0):
 
     manifest = data()
     m = Manifest.load(str(manifest))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     torch.manual_seed(seed)
     cfg = get_preset("micro-grt").replace(vocab_size=m.vocab_size, max_seq_len=m.seq_len)
     model = GPT(cfg)
@@ -158,4 +173,5 @@ def torch_trained_grt(steps: int = 150, seed: int = 0):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+    torch.set_num_threads(threads)
     return model.eval(), manifest
