@@ -15,6 +15,18 @@ DEMO_TEXT = os.path.join(ROOT, "examples", "data", "tinyshakespeare.txt")
 
 
 def free_port() -> int:
+    """A free port outside the kernel's ephemeral range (32768+), so that the many sockets
+    other processes open meanwhile cannot take it before rank 0 binds it seconds later."""
+    import random
+
+    for _ in range(200):
+        port = random.randrange(21000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
