@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -45,18 +46,41 @@ def clean_env(**extra) -> dict:
     return env
 
 
+def _end_group(proc) -> None:
+    """End a launch we started and every rank under it (its own process group)."""
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+
+
 def grt_launch(*args, env=None, timeout=400, background=None, check=True):
-    """Run `grt launch ARGS`; with background=LOG_PATH start it with its output going to
-    LOG_PATH (a file, not a pipe: two launches waited on in turn cannot block each other)."""
+    """Run `grt launch ARGS` in its own process group (ended with its ranks on a timeout).
+
+    With background=LOG_PATH start it with its output going to LOG_PATH (a file, not a
+    pipe: two launches waited on in turn cannot block each other)."""
     cmd = [sys.executable, "-m", "pretrain.cli", "launch", *args]
     if background:
         log = open(background, "w")
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env or clean_env(), stdout=log,
-                                stderr=subprocess.STDOUT, text=True)
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
         log.close()
         return proc
-    r = subprocess.run(cmd, cwd=ROOT, env=env or clean_env(), capture_output=True, text=True,
-                       timeout=timeout)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env or clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _end_group(proc)
+        out, err = proc.communicate()
+        raise AssertionError(f"grt launch timed out after {timeout}s\n{out[-4000:]}\n{err[-4000:]}")
+    r = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if check:
         assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     return r
@@ -123,12 +147,8 @@ def wait_all(procs, logs, timeout=400):
             p.wait(timeout=timeout)
     finally:
         for p in procs:
-            if p.poll() is None:  # a hung launch: end it (and its ranks, via its signal handler)
-                p.terminate()
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            if p.poll() is None:  # a hung launch: end it and its ranks
+                _end_group(p)
     texts = [open(l, errors="replace").read() for l in logs]
     assert [p.returncode for p in procs] == [0] * len(procs), "\n----\n".join(t[-3000:] for t in texts)
     return texts
