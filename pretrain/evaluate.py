@@ -310,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wikitext-max-tokens", type=int, help="score only the first N tokens of WikiText-2")
     p.add_argument("--stride", type=int, help="WikiText-2 window stride (default: the window, no overlap)")
     p.add_argument("--limit", type=int, help="at most N items per zero-shot task")
+    p.add_argument("--kv-cache", choices=("full", "first", "last", "average"),
+                   help="zero-shot tasks: decode each continuation token by token through this KV-cache "
+                        "strategy (default: one forward, exact)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--doc-mask", action="store_true", help="held-out split: attend within documents only")
     p.add_argument("--tokenizer", help="tokenizer.model (default: the one next to the model)")
@@ -338,7 +341,8 @@ def run(args) -> dict:
     trained = model.max_loops if model.loop is not None else 0
     depths = check_depths(model, parse_depths(args.depths, trained), args.allow_beyond_trained)
     results: dict = {"model": str(args.model), "name": loaded.cfg.name, "layout": loaded.cfg.layout,
-                     "variant": loaded.cfg.variant, "trained_loops": trained, "depths": depths, "world_size": dist.world}
+                     "variant": loaded.cfg.variant, "trained_loops": trained, "depths": depths, "world_size": dist.world,
+                     "kv_cache": args.kv_cache}
     timings = {}
     say = (lambda *a: None) if args.quiet or dist.rank else (lambda *a: print(*a, file=sys.stderr, flush=True))
     if "val" in parts:
@@ -374,7 +378,8 @@ def run(args) -> dict:
             raise ConfigError(f"{task}: {path} not found (pass --eval-dir)")
         t0 = time.time()
         items = load_task(task, path, args.limit)
-        results.setdefault("tasks", {})[task] = evaluate_task(model, tok, items, depths, device, args.batch_size, dist)
+        results.setdefault("tasks", {})[task] = evaluate_task(model, tok, items, depths, device, args.batch_size, dist,
+                                                              kv_cache=args.kv_cache)
         timings[task] = time.time() - t0
         say(f"{task}: {len(items)} items in {timings[task]:.1f}s")
     results["seconds"] = timings

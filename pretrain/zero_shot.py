@@ -12,6 +12,10 @@ tokens' log-probabilities; "greedy" is whether every continuation token is the a
 - WinoGrande (partial scoring): each option's context -> " " + the shared continuation.
 Multiple choice: acc = argmax of the summed log-likelihood; acc_norm = argmax of the
 log-likelihood divided by the continuation's length in characters.
+
+With a KV-cache strategy (`grt eval --kv-cache average`), the continuation is decoded token
+by token through the cache instead of in one forward, which measures what the looped
+core's shared caches (first/last/average) cost in accuracy; `full` is exact.
 """
 from __future__ import annotations
 
@@ -133,8 +137,37 @@ def score_requests(model: GPT, encoded: list[tuple[list[int], int]], depths: lis
     return ll, greedy
 
 
+@torch.no_grad()
+def score_requests_cached(model: GPT, encoded: list[tuple[list[int], int]], depths: list[int], device,
+                          strategy: str = "full") -> tuple[torch.Tensor, torch.Tensor]:
+    """As score_requests, but the continuation is decoded token by token through the KV cache
+    with the given strategy (pretrain.kv_cache): the context is prefilled, then each
+    continuation token is fed back. `full` gives score_requests' numbers; the shared
+    strategies measure what their approximation costs. One request at a time."""
+    from .kv_cache import CachedDecoder
+
+    ll = torch.zeros(len(encoded), len(depths), dtype=torch.float64)
+    greedy = torch.zeros(len(encoded), len(depths), dtype=torch.bool)
+    for i, (ids, n_cont) in enumerate(encoded):
+        ctx_len = len(ids) - n_cont
+        for j, r in enumerate(depths):
+            dec = CachedDecoder(model, batch=1, max_len=len(ids) - 1, strategy=strategy,
+                                n_loops=r if model.loop is not None else None)
+            logits = dec.forward(torch.tensor([ids[:ctx_len]], device=device))
+            total, hit = 0.0, True
+            for k in range(n_cont):
+                target = ids[ctx_len + k]
+                logp = F.log_softmax(logits[0].float(), dim=-1)
+                total += logp[target].item()
+                hit = hit and int(logp.argmax()) == target
+                if k + 1 < n_cont:
+                    logits = dec.forward(torch.tensor([[target]], device=device))
+            ll[i, j], greedy[i, j] = total, hit
+    return ll, greedy
+
+
 def evaluate_task(model: GPT, tok, items: list[Item], depths: list[int], device, batch_size: int = 8,
-                  dist=None, **fwd) -> dict:
+                  dist=None, kv_cache: str | None = None, **fwd) -> dict:
     """{depth: metrics} for one task; items are sharded over ranks and the sums all-reduced."""
     from .evaluate import Dist
 
@@ -145,8 +178,12 @@ def evaluate_task(model: GPT, tok, items: list[Item], depths: list[int], device,
         for context, cont in item.requests:
             flat.append(encode_request(tok, context, cont, model.cfg.max_seq_len))
             owners.append(k)
-    ll, greedy = score_requests(model, flat, depths, device, batch_size, **fwd) if flat else \
-        (torch.zeros(0, len(depths), dtype=torch.float64), torch.zeros(0, len(depths), dtype=torch.bool))
+    if not flat:
+        ll, greedy = torch.zeros(0, len(depths), dtype=torch.float64), torch.zeros(0, len(depths), dtype=torch.bool)
+    elif kv_cache is not None:
+        ll, greedy = score_requests_cached(model, flat, depths, device, kv_cache)
+    else:
+        ll, greedy = score_requests(model, flat, depths, device, batch_size, **fwd)
     # per depth: correct, correct_norm, items, summed ll, continuation tokens
     sums = torch.zeros(len(depths), 5, dtype=torch.float64)
     pos = 0

@@ -140,3 +140,20 @@ def test_decode_benchmark_reports_every_strategy(tmp_path, capsys):
     assert by[("full", 2)]["cache_bytes_formula"] == by[("dense", 2)]["cache_bytes_formula"]
     assert by[("first", 2)]["cache_bytes_formula"] * 5 == by[("full", 2)]["cache_bytes_formula"] * 3
     assert "ms/token" in capsys.readouterr().out
+
+
+def test_zero_shot_scoring_through_the_kv_cache():
+    """`grt eval --kv-cache`: the full cache reproduces the one-forward scores; the shared
+    strategies change them (they are approximations past the prompt)."""
+    from pretrain.zero_shot import encode_request, score_requests, score_requests_cached
+    from trained_models import CharTokenizer
+
+    model, tok = lively(), CharTokenizer()
+    enc = [encode_request(tok, "The cat sat", " on the mat", 64), encode_request(tok, "Hello", " world!", 64)]
+    ref_ll, ref_greedy = score_requests(model, enc, [1, 3], torch.device("cpu"))
+    ll, greedy = score_requests_cached(model, enc, [1, 3], torch.device("cpu"), "full")
+    assert torch.allclose(ll, ref_ll, atol=1e-3) and torch.equal(greedy, ref_greedy)
+    for s in ("first", "last", "average"):
+        approx, _ = score_requests_cached(model, enc, [1, 3], torch.device("cpu"), s)
+        assert torch.allclose(approx[:, 0], ref_ll[:, 0], atol=1e-3)  # one loop step: exact
+        assert not torch.allclose(approx[:, 1], ref_ll[:, 1], atol=1e-2), s
