@@ -87,6 +87,22 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, strategy: st
     return tokens
 
 
+def render(tok, ids: list[int], stop_at_separator: bool = False, separator: str = "\n\n") -> str:
+    """Decoded text; the document separator (which decodes to nothing) becomes a blank line,
+    or ends the text with stop_at_separator."""
+    if stop_at_separator and tok.sep_id in ids:
+        ids = ids[: ids.index(tok.sep_id)]
+    parts, cur = [], []
+    for i in ids:
+        if i == tok.sep_id:
+            parts.append(cur)
+            cur = []
+        else:
+            cur.append(i)
+    parts.append(cur)
+    return separator.join(tok.decode(p) for p in parts)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grt generate", description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="exported dir (grt export), run dir, <out>/checkpoints or a step dir")
@@ -134,11 +150,7 @@ def main(argv=None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as err:
         print(f"grt generate: error: {err}", file=sys.stderr)
         return 2
-    samples = []
-    for row in tokens.tolist():
-        if args.stop_at_separator and tok.sep_id in row:
-            row = row[: row.index(tok.sep_id)]
-        samples.append(args.prompt + tok.decode(row))
+    samples = [args.prompt + render(tok, row, args.stop_at_separator) for row in tokens.tolist()]
     if args.json:
         print(json.dumps({"samples": samples, "tokens": tokens.tolist(), "seconds": seconds,
                           "depth": depth if depth is not None else (model.max_loops if model.loop is not None else 0),

@@ -104,6 +104,16 @@ def test_sampling_is_seeded_and_stops_at_the_separator():
     assert long.shape == (2, 4)
 
 
+def test_render_shows_document_breaks():
+    from pretrain.generate import render
+    from trained_models import CharTokenizer
+
+    tok = CharTokenizer()
+    ids = tok.encode("ab") + [0] + tok.encode("cd")
+    assert render(tok, ids) == tok.decode(tok.encode("ab")) + "\n\n" + tok.decode(tok.encode("cd"))
+    assert render(tok, ids, stop_at_separator=True) == tok.decode(tok.encode("ab"))
+
+
 def test_generate_command(tmp_path, capsys):
     tok = data().parent.parent / "tok.model"
     from data_pipeline.tokenizer import Tokenizer
