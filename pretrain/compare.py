@@ -213,12 +213,29 @@ def start_run(cfg: RunConfig, nproc: int, log_path: Path, threads: int = 0) -> l
     return procs
 
 
+def _lock(run_dir: Path) -> Path:
+    """Refuse to train a run that another live `grt compare` is training (same --out)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = run_dir / "compare.lock"
+    try:
+        pid = int(lock.read_text().strip())
+        os.kill(pid, 0)
+        if pid != os.getpid():
+            raise RuntimeError(f"{run_dir} is being trained by another grt compare (pid {pid}); wait for it, "
+                               f"or remove {lock} if that process is gone")
+    except (FileNotFoundError, ValueError, ProcessLookupError):
+        pass  # no lock, or a stale one
+    lock.write_text(f"{os.getpid()}\n")
+    return lock
+
+
 def train_all(todo: list[dict], args, out: Path) -> dict[str, float]:
     """Train the runs, up to --parallel at a time; {label: wall seconds}. Raises on a failed run."""
     pending, running, walls = list(todo), {}, {}
     while pending or running:
         while pending and len(running) < max(1, args.parallel):
             run = pending.pop(0)
+            _lock(Path(run["cfg"].out))
             print(f"training {run['label']} ...", flush=True)
             running[run["label"]] = (start_run(run["cfg"], args.nproc, out / f"{run['label']}.log", args.threads),
                                      time.time())
@@ -228,6 +245,7 @@ def train_all(todo: list[dict], args, out: Path) -> dict[str, float]:
             if any(c is None for c in codes):
                 continue
             del running[label]
+            (out / label / "compare.lock").unlink(missing_ok=True)
             if any(codes):
                 for other, _ in running.values():
                     for p in other:
@@ -289,7 +307,7 @@ def collect(run: dict, seq_len: int, wall_s: float | None) -> dict:
         "train_curve": [(rec["step"], rec["loss"]) for rec in records],
         "tokens_per_step": tokens_per_step, "steps": summary.get("steps"),
         "tokens": summary.get("steps", 0) * tokens_per_step,
-        "tokens_per_s": sum(tps) / len(tps) if tps else None,
+        "tokens_per_s": sorted(tps)[len(tps) // 2] if tps else None,  # median: windows with an eval are slow
         "peak_memory_mb": max(peak) / 2**20 if peak else None,
         "wall_s": wall_s,
     }

@@ -1,6 +1,7 @@
 """`grt compare`: config specs, FLOPs/params matching, the table and plot, and one real
 (small) comparison through `grt train`."""
 import json
+import os
 import subprocess
 import sys
 
@@ -112,3 +113,13 @@ def test_compare_trains_each_config_and_writes_table_json_and_plot(shards, tmp_p
     again = grt(*args, timeout=120)
     assert again.returncode == 0 and "training" not in again.stdout
     assert (out / "comparison.md").read_text() in again.stdout
+
+
+def test_a_run_being_trained_by_another_compare_is_refused(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "compare.lock").write_text(f"{os.getppid()}\n")  # a live process that is not us
+    with pytest.raises(RuntimeError, match="being trained by another grt compare"):
+        compare._lock(run)
+    (run / "compare.lock").write_text("999999999\n")  # stale
+    assert compare._lock(run).read_text().strip() == str(os.getpid())
