@@ -25,6 +25,7 @@ How an epoch is laid out (see docs/data.md for the full description):
 from __future__ import annotations
 
 import os
+import signal
 import warnings
 from typing import Dict, Iterator, List, Optional
 
@@ -173,6 +174,14 @@ class _EpochDataset(torch.utils.data.IterableDataset):
             yield batch, new, sorted(report.get("bad", ())) if new else []
 
 
+def _ignore_stop_signals(_worker_id: int) -> None:
+    """Slurm and the deepspeed launcher signal every process of a job: the trainer saves a
+    checkpoint on SIGTERM/SIGUSR1, so its loader workers must not die first (they exit with
+    their parent)."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class TokenBatchLoader:
     """Per-rank iterator of ``{"input_ids", "targets", "doc_ids"}`` batches; see module doc.
 
@@ -246,7 +255,7 @@ class TokenBatchLoader:
             return iter(dataset)
         loader = torch.utils.data.DataLoader(
             dataset, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
-            prefetch_factor=self.prefetch_factor, persistent_workers=False)
+            prefetch_factor=self.prefetch_factor, persistent_workers=False, worker_init_fn=_ignore_stop_signals)
         return iter(loader)
 
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:

@@ -25,6 +25,7 @@ import torch
 
 from .config import ModelConfig
 from .flops import flops_per_token
+from .metrics import peak_flops
 from .model import GPT
 from .parallelize import apply_activation_checkpointing
 
@@ -41,12 +42,14 @@ def equal_flops_pair(d_model: int, n_heads: int, layout: str, seq_len: int, voca
     return grt, dense
 
 
-def _step_fn(model: GPT, n_loops, compiled: bool):
+def _step_fn(model: GPT, n_loops, compiled: bool, dtype: torch.dtype):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=torch.cuda.is_available() or None)
     fwd = torch.compile(model) if compiled else model
+    device_type = next(model.parameters()).device.type
 
     def step(idx):
-        loss = fwd(idx, idx, n_loops=n_loops).loss
+        with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = fwd(idx, idx, n_loops=n_loops).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -59,14 +62,16 @@ def bench_train_step(args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     grt_cfg, dense_cfg = equal_flops_pair(args.d_model, args.n_heads, args.layout, args.seq_len, args.vocab)
     idx = torch.randint(0, args.vocab, (args.batch, args.seq_len), device=device)
-    results = {}
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    peak, peak_note = peak_flops(device, args.peak_tflops)
+    results = {"peak_flops_note": peak_note}
     for compiled in ([False, True] if args.compile else [False]):
         steps = {}
         for name, cfg in (("grt", grt_cfg), ("dense", dense_cfg)):
             torch.manual_seed(0)
             model = GPT(cfg.replace(state_noise_std=cfg.state_noise_std)).to(device).train()
             apply_activation_checkpointing(model, args.checkpointing)
-            steps[name] = _step_fn(model, grt_cfg.max_loops if name == "grt" else None, compiled)
+            steps[name] = _step_fn(model, grt_cfg.max_loops if name == "grt" else None, compiled, dtype)
             for _ in range(args.warmup):
                 steps[name](idx)
         times = {name: 0.0 for name in steps}
@@ -82,9 +87,13 @@ def bench_train_step(args) -> dict:
         tag = "compiled" if compiled else "eager"
         tokens = args.steps * idx.numel()
         for name, cfg in (("grt", grt_cfg), ("dense", dense_cfg)):
+            fpt = flops_per_token(cfg, args.seq_len, executed=True)
             results[f"{name}_{tag}_tokens_per_s"] = tokens / times[name]
-            results[f"{name}_flops_per_token"] = flops_per_token(cfg, args.seq_len)
-        results[f"ratio_{tag}"] = results[f"grt_{tag}_tokens_per_s"] / results[f"dense_{tag}_tokens_per_s"]
+            results[f"{name}_{tag}_mfu"] = 3 * fpt * tokens / times[name] / peak
+            results[f"{name}_flops_per_token"] = fpt
+        # at equal FLOPs per token: the dense model's tokens/s rescaled to the GRT's FLOPs
+        results[f"ratio_{tag}"] = results[f"grt_{tag}_mfu"] / results[f"dense_{tag}_mfu"]
+        results[f"raw_tokens_ratio_{tag}"] = results[f"grt_{tag}_tokens_per_s"] / results[f"dense_{tag}_tokens_per_s"]
     results["grt_tokens_per_s"] = results["grt_eager_tokens_per_s"]
     results["dense_tokens_per_s"] = results["dense_eager_tokens_per_s"]
     results["ratio"] = results["ratio_eager"]
@@ -138,7 +147,7 @@ def bench_zero(args) -> list[dict]:
         subprocess.run([*grt, "data", "tokenizer", "-i", str(text), "--txt-mode", "paragraph", "--vocab-size", "512",
                         "-o", str(tmp / "tok"), "-q"], check=True, cwd=REPO, capture_output=True)
         subprocess.run([*grt, "data", "prepare", "-i", str(text), "--txt-mode", "paragraph", "-t", str(tmp / "tok.model"),
-                        "-o", str(tmp / "shards"), "--seq-len", "128", "--shard-size-mb", "0.2", "-q"],
+                        "-o", str(tmp / "shards"), "--seq-len", str(args.seq_len), "--shard-size-mb", "0.2", "-q"],
                        check=True, cwd=REPO, capture_output=True)
         runs = [(ranks, stage, pin) for ranks in args.ranks for stage in args.stages
                 for pin in ((True, False) if stage == 3 else (True,))]
@@ -151,8 +160,8 @@ def bench_zero(args) -> list[dict]:
             out = tmp / f"run-{ranks}-{stage}-{pin}"
             cmd = [*(["deepspeed", "--num_gpus", str(ranks), "--no_local_rank", "--module"] if ranks > 1 else [sys.executable, "-m"]),
                    "pretrain.cli", "train", "--preset", args.preset, "--data", str(tmp / "shards" / "manifest.json"),
-                   "--out", str(out), "--steps", str(args.steps), "--micro-batch-size", "8", "--ds-config", str(ds),
-                   "--set", f"model.max_seq_len=128", "--set", f"train.log_every={args.steps // 2}",
+                   "--out", str(out), "--steps", str(args.steps), "--micro-batch-size", str(args.micro_batch_size),
+                   "--ds-config", str(ds), "--set", f"model.max_seq_len={args.seq_len}", "--set", f"train.log_every={args.steps // 2}",
                    "--set", "train.eval_every=0", "--set", f"train.save_every={10 * args.steps}",
                    "--set", f"train.zero3_pin_core={pin}"]
             proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
@@ -198,6 +207,8 @@ def main(argv=None) -> int:
     ts.add_argument("--warmup", type=int, default=2)
     ts.add_argument("--checkpointing", default="off", choices=["off", "loop_step", "block"])
     ts.add_argument("--compile", action="store_true", help="also time torch.compile'd models")
+    ts.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast (GPU)")
+    ts.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (default: looked up)")
     mem = sub.add_parser("memory", help="peak memory against R")
     mem.add_argument("--loops", type=int, nargs="+", default=[1, 4, 8])
     mem.add_argument("--d-model", type=int, default=256)
@@ -208,6 +219,8 @@ def main(argv=None) -> int:
     zr.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     zr.add_argument("--preset", default="tiny-grt")
     zr.add_argument("--steps", type=int, default=20)
+    zr.add_argument("--seq-len", type=int, default=128)
+    zr.add_argument("--micro-batch-size", type=int, default=8)
     for sp in (ts, mem, zr):
         sp.add_argument("--json", action="store_true", help="print machine-readable JSON only")
     args = p.parse_args(argv)

@@ -51,6 +51,7 @@ class TrainConfig:
     peak_tflops: float = 0.0            # device peak for MFU; 0 = look up the device
     compile: bool = False
     zero3_pin_core: bool = True         # keep the looped core gathered under ZeRO-3 (pretrain/zero3.py)
+    allow_data_change: bool = False     # resume although the shard list changed since the checkpoint
 
 
 @dataclass

@@ -33,7 +33,7 @@ from .flops import count_params, flops_per_token
 from .metrics import MetricsWriter, peak_flops, peak_memory_bytes
 from .model import GPT
 from .parallelize import apply_activation_checkpointing, apply_compile, compile_stats
-from .run_config import RunConfig, TrainConfig
+from .run_config import RunConfig
 
 log = logging.getLogger("grt.train")
 
@@ -335,12 +335,11 @@ def _preflight(cfg: RunConfig, tag: str | None, ckpt_root: Path) -> None:
             f"order; restore the original manifest, or resume anyway with {_ALLOW_DATA_CHANGE_HINT}")
 
 
-_ALLOW_DATA_CHANGE_HINT = "GRT_ALLOW_DATA_CHANGE=1 in the environment" + (
-    " or --set train.allow_data_change=true" if "allow_data_change" in TrainConfig.__dataclass_fields__ else "")
+_ALLOW_DATA_CHANGE_HINT = "--set train.allow_data_change=true (or GRT_ALLOW_DATA_CHANGE=1 in the environment)"
 
 
 def _allow_data_change(cfg: RunConfig) -> bool:
-    return bool(getattr(cfg.train, "allow_data_change", False)) or os.environ.get("GRT_ALLOW_DATA_CHANGE") == "1"
+    return cfg.train.allow_data_change or os.environ.get("GRT_ALLOW_DATA_CHANGE") == "1"
 
 
 def _rss_mb() -> float:

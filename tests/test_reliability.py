@@ -298,8 +298,6 @@ def test_sigterm_and_sigusr1_checkpoint_and_exit_cleanly(data, reference, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="data_pipeline/loader.py: DataLoader workers die on SIGTERM (torch's worker "
-                   "signal handlers); needs a worker_init_fn that ignores SIGTERM/SIGUSR1/SIGINT")
 def test_sigterm_to_every_process_with_loader_workers(data, tmp_path):
     """Slurm's pre-emption and DeepSpeed's launcher signal every process, data-loader
     workers included: the run must still save and exit 0."""
