@@ -6,10 +6,10 @@ from collections import Counter
 import pytest
 import torch
 
-from pretrain.analyze import (BUCKETS, analyze, cka_matrix, collect, frequency_buckets, half_cosines, is_punctuation,
+from pretrain.analyze import (BUCKETS, cka_matrix, collect, frequency_buckets, half_cosines, is_punctuation,
                               linear_cka, main as analyze_main, variance_share)
 from pretrain.evaluate import Dist, lm_sums, val_batches
-from trained_models import single_thread, CharTokenizer, small_model, torch_trained_grt, write_export  # noqa: F401
+from trained_models import single_thread, small_model, torch_trained_grt, write_export  # noqa: F401
 
 CPU = torch.device("cpu")
 

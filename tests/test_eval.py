@@ -1,21 +1,18 @@
 """`grt eval`: each metric against a value computed by hand on a few examples."""
 import json
 import math
-import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from pretrain.config import ConfigError
 from pretrain.evaluate import (Dist, check_depths, exit_logits, lm_sums, main as eval_main, parse_depths,
                                text_eval, text_windows)
 from pretrain.zero_shot import Item, encode_request, evaluate_task, load_task, score_requests
-from trained_models import (single_thread, ENV, EVAL_BATCHES, REPO, CharTokenizer, data, grt_run, manifest, small_model,  # noqa: F401
-                            summary, write_export)
+from trained_models import (single_thread, ENV, EVAL_BATCHES, REPO, CharTokenizer, grt_run, manifest,  # noqa: F401
+                            small_model, summary)
 
 CPU = torch.device("cpu")
 
