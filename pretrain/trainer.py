@@ -391,6 +391,9 @@ def _train(cfg: RunConfig, resume: bool = False) -> dict:
              cfg.model.name, cfg.model.layout, f"{counts['params']:,}", f"{counts['non_embedding_params']:,}",
              zero_stage(ds), world, "bf16" if ds["bf16"]["enabled"] else "fp32", tokens_per_step)
     log.info("MFU peak: %s", peak_note)
+    log.info("optimizer: %s (fused: DeepSpeed's FusedAdam on CUDA, torch's fused AdamW on CPU); layer norm: "
+             "torch.nn.LayerNorm; checkpointing: %s; compile: %s", _optimizer_name(engine),
+             t.activation_checkpointing, t.compile)
 
     loader = TokenBatchLoader(cfg.data, split="train", micro_batch_size=t.micro_batch_size, rank=rank,
                               world_size=world, num_workers=t.num_workers, seed=t.seed,
@@ -531,6 +534,13 @@ def _fault_injected(step: int) -> bool:
         _INJECTED[step] += 1
         return True
     return False
+
+
+def _optimizer_name(engine) -> str:
+    """The optimizer doing the update, below DeepSpeed's ZeRO wrapper."""
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    fused = getattr(inner, "defaults", {}).get("fused")
+    return f"{type(inner).__module__}.{type(inner).__name__}" + (" (fused=True)" if fused else "")
 
 
 def _zero3_param_counts(cfg: RunConfig) -> dict:
