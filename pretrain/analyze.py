@@ -11,7 +11,8 @@ On held-out batches (the manifest's validation split):
   pre-activation is W_s LN(s) + W_e LN(e) + b. The share of the state half is
   tr Var(W_s LN(s)) / (tr Var(W_s LN(s)) + tr Var(W_e LN(e))), variances over tokens
   (our definition: the paper's exact one is unknown);
-- linear CKA between the loop states s_0..s_R (a heat-map);
+- linear CKA between the loop states s_0..s_R (a heat-map), and with `--dense` against a
+  dense model's layers (residual stream after the embedding and each block);
 - easy vs hard tokens: target tokens bucketed as punctuation (the piece is punctuation
   and/or spaces) or, by frequency in the training split, frequent (the most frequent
   tokens making up the first 50% of occurrences), medium (the next 40%) and rare (the
@@ -156,6 +157,31 @@ def collect(model: GPT, batches, device, bucket_of: torch.Tensor | None, cka_tok
     return res
 
 
+@torch.no_grad()
+def dense_layer_states(dense: GPT, batches, device, n_tokens: int) -> list[torch.Tensor]:
+    """A dense model's residual stream after the embedding and after each block, on the first
+    n_tokens tokens of the batches (the same tokens `collect` keeps for CKA)."""
+    kept, got = None, 0
+    for batch in batches:
+        if got >= n_tokens:
+            break
+        idx = batch["input_ids"].to(device)
+        x, ctx = dense.embed(idx), AttentionContext()
+        layers = [x]
+        for block in list(dense.prelude) + list(dense.coda):
+            x = block(x, ctx)
+            layers.append(x)
+        take = min(n_tokens - got, idx.numel())
+        flat = [h.flatten(0, 1)[:take].float().cpu() for h in layers]
+        kept = flat if kept is None else [torch.cat([a, b]) for a, b in zip(kept, flat)]
+        got += take
+    return kept or []
+
+
+def cross_cka(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[list[float]]:
+    return [[linear_cka(x, y) for y in b] for x in a]
+
+
 def token_counts(manifest: str, max_batches: int, seed: int = 1234) -> Counter:
     from data_pipeline.loader import TokenBatchLoader
 
@@ -181,7 +207,7 @@ def punctuation_ids(tok, vocab_size: int) -> set[int]:
 
 # -- report --------------------------------------------------------------------------------------
 def analyze(model: GPT, manifest: str, tok, device, batch_size: int = 8, max_batches: int = 8,
-            freq_batches: int = 200, cka_tokens: int = 2048, seed: int = 1234) -> dict:
+            freq_batches: int = 200, cka_tokens: int = 2048, seed: int = 1234, dense: GPT | None = None) -> dict:
     if model.cfg.variant != "grt":
         raise ConfigError(f"grt analyze needs a GRT (variant 'grt'), got variant {model.cfg.variant!r}")
     R = model.max_loops
@@ -218,6 +244,14 @@ def analyze(model: GPT, manifest: str, tok, device, batch_size: int = 8, max_bat
            "buckets": buckets,
            "cka": cka_matrix(c["states"]) if c["states"] is not None else None,
            "cka_tokens": int(c["states"][0].shape[0]) if c["states"] is not None else 0}
+    if dense is not None and c["states"] is not None:
+        if dense.cfg.vocab_size != model.cfg.vocab_size:
+            raise ConfigError(f"--dense: vocabulary {dense.cfg.vocab_size} differs from the GRT's "
+                              f"{model.cfg.vocab_size}; CKA needs the same tokens")
+        layers = dense_layer_states(dense, batches, device, res["cka_tokens"])
+        m = cross_cka(c["states"], layers)
+        res["cka_dense"] = {"layout": dense.cfg.layout, "matrix": m,
+                            "best_layer_by_state": [max(range(len(row)), key=row.__getitem__) for row in m]}
     cos = {}
     if model.loop.proj_state is not None:
         cos["W_proj"] = half_cosines(model.loop.proj_state.weight, model.loop.anchor.proj.weight)
@@ -246,6 +280,14 @@ def plots(res: dict, out: Path) -> dict[str, str]:
         ax.set_xlabel("loop state s_r"), ax.set_ylabel("loop state s_r"), ax.set_title("linear CKA")
         fig.colorbar(im), fig.tight_layout(), fig.savefig(out / "cka.png", dpi=120), plt.close(fig)
         files["cka"] = "cka.png"
+    if res.get("cka_dense"):
+        m = res["cka_dense"]["matrix"]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        im = ax.imshow(m, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        ax.set_xlabel("dense layer (0 = embeddings)"), ax.set_ylabel("loop state s_r")
+        ax.set_title("linear CKA: GRT loop states vs dense layers")
+        fig.colorbar(im), fig.tight_layout(), fig.savefig(out / "cka_dense.png", dpi=120), plt.close(fig)
+        files["cka_dense"] = "cka_dense.png"
     if res["buckets"]:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for name, b in res["buckets"].items():
@@ -292,6 +334,13 @@ def markdown(res: dict, files: dict[str, str], title: str) -> str:
         L += [f"| s_{i} | " + " | ".join(f"{v:.3f}" for v in row) + " |" for i, row in enumerate(res["cka"])]
         if "cka" in files:
             L += ["", f"![CKA]({files['cka']})"]
+    if res.get("cka_dense"):
+        cd = res["cka_dense"]
+        L += ["", f"## Linear CKA against a dense model ({cd['layout']} layers)", "",
+              "| loop state | best-aligned dense layer | CKA |", "|---|---|---|"]
+        L += [f"| s_{i} | {j} | {cd['matrix'][i][j]:.3f} |" for i, j in enumerate(cd["best_layer_by_state"])]
+        if "cka_dense" in files:
+            L += ["", f"![CKA vs dense]({files['cka_dense']})"]
     if res["buckets"]:
         L += ["", "## Share of the depth-0 loss recovered after each step, by token bucket", "",
               "| bucket | tokens | depth-0 loss | " + " | ".join(f"step {r}" for r in range(1, R + 1)) + " |",
@@ -322,6 +371,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-batches", type=int, default=16, help="validation batches to analyse")
     p.add_argument("--freq-batches", type=int, default=200, help="training batches (of 16) for token frequencies")
     p.add_argument("--cka-tokens", type=int, default=2048)
+    p.add_argument("--dense", help="a dense model (same tokenizer) to compare the loop states with by CKA")
     p.add_argument("--tokenizer")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
@@ -333,8 +383,12 @@ def main(argv=None) -> int:
         if not manifest or not Path(manifest).is_file():
             raise ConfigError(f"no manifest ({manifest!r}): pass --data <manifest.json>")
         device = next(loaded.model.parameters()).device
+        dense = load_model(args.dense, device=device, dtype=parse_dtype(args.dtype)).model if args.dense else None
+        if dense is not None and dense.loop is not None:
+            raise ConfigError(f"--dense {args.dense}: expected a dense model, got layout {dense.cfg.layout!r}")
         res = analyze(loaded.model, manifest, loaded.tokenizer(), device, args.batch_size, args.max_batches,
-                      args.freq_batches, args.cka_tokens, loaded.run_config.get("train", {}).get("seed", 1234))
+                      args.freq_batches, args.cka_tokens, loaded.run_config.get("train", {}).get("seed", 1234),
+                      dense=dense)
     except (ConfigError, FileNotFoundError) as err:
         print(f"grt analyze: error: {err}", file=sys.stderr)
         return 2

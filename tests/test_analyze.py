@@ -9,6 +9,7 @@ import torch
 from pretrain.analyze import (BUCKETS, cka_matrix, collect, frequency_buckets, half_cosines, is_punctuation,
                               linear_cka, main as analyze_main, variance_share)
 from pretrain.evaluate import Dist, lm_sums, val_batches
+from pretrain.model.layers import AttentionContext
 from trained_models import single_thread, small_model, torch_trained_grt, write_export  # noqa: F401
 
 CPU = torch.device("cpu")
@@ -91,6 +92,24 @@ def test_bucket_losses_by_hand():
     assert res["count"][-1].item() == 20
 
 
+def test_cka_against_dense_layers_by_hand():
+    from pretrain.analyze import cross_cka, dense_layer_states
+
+    grt, dense = small_model(), small_model("3", variant="dense", seed=1)
+    idx = torch.randint(1, 64, (2, 16), generator=torch.Generator().manual_seed(4))
+    batches = [{"input_ids": idx, "targets": idx}]
+    states = collect(grt, batches, CPU, None, cka_tokens=20)["states"]
+    layers = dense_layer_states(dense, batches, CPU, 20)
+    assert len(layers) == 4 and layers[0].shape == (20, 32)
+    x = dense.embed(idx)
+    assert torch.allclose(layers[0], x.flatten(0, 1)[:20])
+    x = dense.prelude[0](x, AttentionContext())
+    assert torch.allclose(layers[1], x.flatten(0, 1)[:20], atol=1e-6)
+    m = cross_cka(states, layers)
+    assert m[2][3] == pytest.approx(linear_cka(states[2], layers[3]))
+    assert cross_cka(layers, layers)[1][1] == pytest.approx(1.0)
+
+
 def test_half_cosines_by_hand():
     w = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     assert half_cosines(w, w)["cosine"] == pytest.approx(1.0)
@@ -141,7 +160,13 @@ def test_analyze_command_writes_the_report(trained, tmp_path, capsys):
         assert section in report
     for png in ("loss_by_depth.png", "cka.png", "buckets.png", "gates.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
-    dense = write_export(small_model("3", variant="dense"), tmp_path / "d", tokenizer=tok_path,
-                         run_config={"data": str(manifest)})
+    dense_model = small_model("3", variant="dense", vocab=model.cfg.vocab_size)
+    dense = write_export(dense_model, tmp_path / "d", tokenizer=tok_path, run_config={"data": str(manifest)})
+    assert analyze_main([str(export), "--out", str(tmp_path / "withdense"), "--max-batches", "2", "--freq-batches", "5",
+                         "--cka-tokens", "128", "--dense", str(dense)]) == 0
+    cd = json.loads((tmp_path / "withdense" / "analysis.json").read_text())["cka_dense"]
+    assert len(cd["matrix"]) == 4 and len(cd["matrix"][0]) == 4  # s_0..s_3 x (embeddings + 3 blocks)
+    assert (tmp_path / "withdense" / "cka_dense.png").is_file()
+    capsys.readouterr()
     assert analyze_main([str(dense), "--out", str(tmp_path / "x")]) == 2
     assert "needs a GRT" in capsys.readouterr().err
