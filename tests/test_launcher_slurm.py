@@ -123,8 +123,10 @@ def test_preempted_probe_is_requeued_and_resumes(cluster, tmp_path):
 
 def test_slurm_trains_two_tasks(cluster, tmp_path):
     out = tmp_path / "run"
-    job = submit(cluster, "--procs-per-node", "2", "--time", "00:20:00", "--", *train_args(out, 4))
-    wait_done(cluster, job, out)
+    # --wait: `grt launch` returns when the job has ended, with its exit status
+    job = submit(cluster, "--procs-per-node", "2", "--time", "00:20:00", "--wait", "--", *train_args(out, 4))
+    assert cluster.job_state(job)["JobState"] == "COMPLETED"
+    wait_done(cluster, job, out, timeout=30)
     check_trained(out, 4)
     log = job_log(out, job)
     assert "step 4/4" in log and "saved checkpoint" in log
