@@ -10,6 +10,8 @@ the final norm and the LM head (`exit_hidden`), which is the function
   the UTF-8 bytes of the text), windows of the model's context (optional stride);
 - zero-shot tasks (`pretrain.zero_shot`): LAMBADA (acc, ppl), HellaSwag, PIQA,
   ARC-Easy/Challenge, WinoGrande (acc, acc_norm).
+With `--kv-cache STRATEGY` every part decodes token by token through the KV cache
+(pretrain.kv_cache), which measures what the looped core's shared caches cost.
 
 Run under a launcher (torchrun, deepspeed, srun, mpirun) it shards batches and items by
 rank and all-reduces the sums; results are identical to one process up to float order.
@@ -167,6 +169,29 @@ def lm_sums(model: GPT, batches: Iterable[dict], depths: list[int], device: torc
     return (dist or Dist()).all_reduce(sums)
 
 
+@torch.no_grad()
+def lm_sums_cached(model: GPT, batches: Iterable[dict], depths: list[int], device, strategy: str,
+                   dist: Dist | None = None) -> torch.Tensor:
+    """As lm_sums, but every token is decoded one at a time through the KV cache with the given
+    strategy (the first token is the prompt): what a shared cache costs in loss. `full` gives
+    lm_sums' numbers (tested). No document mask."""
+    from .kv_cache import CachedDecoder
+
+    sums = torch.zeros(len(depths), 2, dtype=torch.float64)
+    for batch in batches:
+        idx = batch["input_ids"].to(device)
+        targets = batch["targets"].to(device)
+        b, t = idx.shape
+        for i, r in enumerate(depths):
+            dec = CachedDecoder(model, batch=b, max_len=t, strategy=strategy,
+                                n_loops=r if model.loop is not None else None)
+            for pos in range(t):
+                logits = dec.forward(idx[:, pos:pos + 1]).float()
+                sums[i, 0] += F.cross_entropy(logits, targets[:, pos], ignore_index=-100, reduction="sum").double().item()
+            sums[i, 1] += (targets != -100).sum().item()
+    return (dist or Dist()).all_reduce(sums)
+
+
 def val_batches(manifest: str, batch_size: int, dist: Dist, max_batches: int | None = None, seed: int = 1234,
                 split: str = "val") -> Iterator[dict]:
     from data_pipeline.loader import TokenBatchLoader
@@ -213,15 +238,19 @@ def text_batches(ids: list[int], window: int, batch_size: int, dist: Dist, strid
 
 
 def text_eval(model: GPT, tok, text: str, depths: list[int], device, batch_size: int, dist: Dist,
-              window: int | None = None, stride: int | None = None, max_tokens: int | None = None, **fwd) -> dict:
+              window: int | None = None, stride: int | None = None, max_tokens: int | None = None,
+              kv_cache: str | None = None, **fwd) -> dict:
     """Perplexity and bits per byte of a raw text, scored as one document after a separator."""
     ids = [tok.sep_id] + tok.encode(text)
     if max_tokens is not None and len(ids) - 1 > max_tokens:
         ids = ids[: max_tokens + 1]
         text = tok.decode(ids[1:])
     n_bytes = len(text.encode("utf-8"))
-    sums = lm_sums(model, text_batches(ids, window or model.cfg.max_seq_len, batch_size, dist, stride), depths,
-                   device, dist=dist, **fwd)
+    batches = text_batches(ids, window or model.cfg.max_seq_len, batch_size, dist, stride)
+    if kv_cache is not None:
+        sums = lm_sums_cached(model, batches, depths, device, kv_cache, dist=dist)
+    else:
+        sums = lm_sums(model, batches, depths, device, dist=dist, **fwd)
     out = {}
     for i, r in enumerate(depths):
         nll, n = sums[i].tolist()
@@ -311,8 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=int, help="WikiText-2 window stride (default: the window, no overlap)")
     p.add_argument("--limit", type=int, help="at most N items per zero-shot task")
     p.add_argument("--kv-cache", choices=("full", "first", "last", "average"),
-                   help="zero-shot tasks: decode each continuation token by token through this KV-cache "
-                        "strategy (default: one forward, exact)")
+                   help="decode token by token through this KV-cache strategy (held-out loss, WikiText-2, "
+                        "zero-shot continuations) instead of one forward per sequence; full is exact")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--doc-mask", action="store_true", help="held-out split: attend within documents only")
     p.add_argument("--tokenizer", help="tokenizer.model (default: the one next to the model)")
@@ -354,8 +383,11 @@ def run(args) -> dict:
         else:
             t0 = time.time()
             seed = loaded.run_config.get("train", {}).get("seed", 1234)
-            sums = lm_sums(model, val_batches(manifest, args.batch_size, dist, args.max_batches, seed, args.split),
-                           depths, device, doc_mask=args.doc_mask, dist=dist)
+            batches = val_batches(manifest, args.batch_size, dist, args.max_batches, seed, args.split)
+            if args.kv_cache is not None:
+                sums = lm_sums_cached(model, batches, depths, device, args.kv_cache, dist=dist)
+            else:
+                sums = lm_sums(model, batches, depths, device, doc_mask=args.doc_mask, dist=dist)
             results["val"] = loss_table(sums, depths)
             results["val_manifest"] = str(manifest)
             timings["val"] = time.time() - t0
@@ -369,7 +401,8 @@ def run(args) -> dict:
             raise ConfigError(f"WikiText-2: {path} not found (pass --wikitext or --eval-dir)")
         t0 = time.time()
         results["wikitext2"] = text_eval(model, tok, path.read_text(encoding="utf-8"), depths, device,
-                                         args.batch_size, dist, stride=args.stride, max_tokens=args.wikitext_max_tokens)
+                                         args.batch_size, dist, stride=args.stride, max_tokens=args.wikitext_max_tokens,
+                                         kv_cache=args.kv_cache)
         results["wikitext2_file"] = str(path)
         timings["wikitext2"] = time.time() - t0
     for task in [p for p in parts if p in TASKS]:

@@ -167,3 +167,22 @@ def test_zero_shot_scoring_through_the_kv_cache():
         approx, _ = score_requests_cached(model, enc, [1, 3], torch.device("cpu"), s)
         assert torch.allclose(approx[:, 0], ref_ll[:, 0], atol=1e-3)  # one loop step: exact
         assert not torch.allclose(approx[:, 1], ref_ll[:, 1], atol=1e-2), s
+
+
+def test_loss_through_the_kv_cache():
+    """`grt eval --kv-cache` on held-out text: full = one forward; average/last/first differ."""
+    from pretrain.evaluate import lm_sums, lm_sums_cached
+
+    model = lively()
+    g = torch.Generator().manual_seed(7)
+    idx = torch.randint(1, 64, (3, 12), generator=g)
+    targets = torch.randint(0, 64, (3, 12), generator=g)
+    targets[2, 8:] = -100  # padding of a short window
+    batches = [{"input_ids": idx, "targets": targets}]
+    ref = lm_sums(model, batches, [0, 3], torch.device("cpu"))
+    full = lm_sums_cached(model, batches, [0, 3], torch.device("cpu"), "full")
+    assert torch.allclose(full, ref, rtol=1e-5) and full[0, 1] == 32
+    for s in ("first", "last", "average"):
+        approx = lm_sums_cached(model, batches, [0, 3], torch.device("cpu"), s)
+        assert approx[0, 0].item() == pytest.approx(ref[0, 0].item(), rel=1e-5)  # depth 0: no loop, exact
+        assert abs(approx[1, 0].item() - ref[1, 0].item()) > 1e-2, s
