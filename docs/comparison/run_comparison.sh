@@ -1,0 +1,15 @@
+#!/bin/sh
+# Reproduces docs/comparison.md's CPU-scale tables and plots (run from the repository root;
+# about 45 minutes of a 2-core CPU shared with other jobs). Output under runs/ (not committed).
+set -e
+# data: a 2,048-piece tokenizer and ~6 MB of the shared Gutenberg corpus in 128-token sequences
+python -m pretrain.cli data tokenizer -i ../shared/data/corpus/train-00000.jsonl.gz -o runs/cmpdata/tok \
+    --vocab-size 2048 --max-chars 3000000 --workers 1 -q
+python -m pretrain.cli data prepare -i ../shared/data/corpus/ -t runs/cmpdata/tok.model -o runs/cmpdata/shards \
+    --seq-len 128 --shard-size-mb 1 --val-fraction 0.12 --seed 1 --max-mb 6 --workers 1 -q
+COMMON="--data runs/cmpdata/shards/manifest.json --out runs/compare --tokens 3e5 --micro-batch-size 8 --lr 3e-3 --set model.d_model=64 --set model.n_heads=2 --evals 4 --eval-batches 20 --parallel 2 --threads 1"
+python -m pretrain.cli compare $COMMON --configs tiny-grt,tiny-dense,tiny-huginn,tiny-rrt,tiny-ouro,tiny-mor --match flops --tag methods
+python -m pretrain.cli compare $COMMON --configs ladder-0-loop-only,ladder-1-prelude-coda,ladder-2-noise,ladder-3-reinject,tiny-grt --match none --tag ladder
+python -m pretrain.cli compare $COMMON --configs tiny-grt,docs/comparison/grt-gate-bias-0.json --match none --tag gate
+# seed repeat (another data order and initialisation) of three runs, for the run-to-run spread
+python -m pretrain.cli compare $COMMON --out runs/compare-seed2 --set train.seed=2 --configs tiny-grt,ladder-1-prelude-coda,ladder-2-noise --match none --tag seed2
