@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .config import ConfigError
 from .model import GPT
 from .model.layers import Block
 
@@ -87,9 +88,9 @@ class CachedDecoder:
     def __init__(self, model: GPT, batch: int, max_len: int | None = None, strategy: str = "full",
                  n_loops: int | None = None):
         if strategy not in STRATEGIES:
-            raise ValueError(f"strategy={strategy!r}: accepted values are {', '.join(STRATEGIES)}")
+            raise ConfigError(f"strategy={strategy!r}: accepted values are {', '.join(STRATEGIES)}")
         if model.cfg.variant not in ("grt", "dense"):
-            raise ValueError(f"the KV cache supports the grt and dense variants, not {model.cfg.variant!r}: "
+            raise ConfigError(f"the KV cache supports the grt and dense variants, not {model.cfg.variant!r}: "
                              "decode it without a cache (--no-cache)")
         self.model = model.eval()
         cfg = model.cfg

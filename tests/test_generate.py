@@ -186,3 +186,14 @@ def test_loss_through_the_kv_cache():
         approx = lm_sums_cached(model, batches, [0, 3], torch.device("cpu"), s)
         assert approx[0, 0].item() == pytest.approx(ref[0, 0].item(), rel=1e-5)  # depth 0: no loop, exact
         assert abs(approx[1, 0].item() - ref[1, 0].item()) > 1e-2, s
+
+
+def test_baselines_decode_without_a_cache_only():
+    from pretrain.config import ConfigError
+    from pretrain.model import GPT
+    from pretrain.presets import get_preset
+
+    model = GPT(get_preset("micro-rrt")).eval()
+    with pytest.raises(ConfigError, match="--no-cache"):
+        CachedDecoder(model, batch=1)
+    assert generate(model, prompts(b=1), 3, use_cache=False, greedy=True).shape == (1, 3)
