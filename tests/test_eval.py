@@ -225,7 +225,12 @@ def test_distributed_eval_matches_one_process(eval_inputs, manifest, tmp_path):
     common = ["--tasks", "val,piqa,wikitext2", "--eval-dir", str(root / "eval"), "--data", str(manifest),
               "--limit", "5", "--batch-size", "4"]
     assert eval_main([str(root / "export"), *common, "--json-out", str(tmp_path / "one.json")]) == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29731",
+    import socket
+
+    with socket.socket() as sock:  # a free port: other jobs on the machine may hold a fixed one
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
            "-m", "pretrain.cli", "eval", str(root / "export"), *common, "--json-out", str(tmp_path / "two.json")]
     proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
