@@ -156,6 +156,8 @@ def bench_zero(args) -> list[dict]:
             base = json.loads((REPO / "ds_configs" / f"zero{max(stage, 1)}.json").read_text())
             if stage == 0:
                 base["zero_optimization"] = {"stage": 0}
+            if stage == 3:  # a tiny model's matrices are under the default persistence threshold
+                base["zero_optimization"]["stage3_param_persistence_threshold"] = args.persistence_threshold
             ds.write_text(json.dumps(base))
             out = tmp / f"run-{ranks}-{stage}-{pin}"
             cmd = [*(["deepspeed", "--num_gpus", str(ranks), "--no_local_rank", "--module"] if ranks > 1 else [sys.executable, "-m"]),
@@ -221,6 +223,9 @@ def main(argv=None) -> int:
     zr.add_argument("--steps", type=int, default=20)
     zr.add_argument("--seq-len", type=int, default=128)
     zr.add_argument("--micro-batch-size", type=int, default=8)
+    zr.add_argument("--persistence-threshold", type=int, default=1000,
+                    help="ZeRO-3 stage3_param_persistence_threshold; the default 1000 makes a tiny model's "
+                         "matrices sharded, as a GPT-2-sized model's are")
     for sp in (ts, mem, zr):
         sp.add_argument("--json", action="store_true", help="print machine-readable JSON only")
     args = p.parse_args(argv)
