@@ -6,7 +6,8 @@ changes with R, invalidate its recorded trace (which disables prefetching). Pinn
 core marks its parameters persistent: they are all-gathered once after each optimizer
 step and stay resident through every loop step, forward and backward, at the cost of
 one full copy of the core per rank (small: the core is the model's few unique blocks).
-The optimizer still shards their fp32 master weights and moments.
+The optimizer still shards their fp32 master weights and moments, and gradients are
+still reduce-scattered.
 """
 from __future__ import annotations
 
@@ -50,14 +51,44 @@ def install_counters() -> Zero3Counters:
     return COUNTERS
 
 
+# A module id no real module has: while it is in a parameter's `ds_active_sub_modules`,
+# DeepSpeed's coordinator never partitions that parameter. `ds_persist` alone is not
+# enough: while the trace is recording or was just invalidated (every time the depth
+# changes), the coordinator releases persistent parameters too.
+_PIN_ID = -0x6A7
+
+
 def pin_parameters(engine, module: torch.nn.Module) -> int:
-    """Keep `module`'s ZeRO-3 parameters gathered for the whole run; returns how many."""
+    """Keep `module`'s ZeRO-3 parameters gathered for the whole run; returns how many.
+    `engine.step` re-gathers them after each optimizer step (which partitions them)."""
     persistent = engine.optimizer.parameter_offload.persistent_parameters
     known = {id(p) for p in persistent}
-    new = [p for p in module.parameters() if id(p) not in known]
+    params = list(module.parameters())
+    new = [p for p in params if id(p) not in known]
     for p in new:
         p.ds_persist = True
     persistent.extend(new)
-    if new:
-        new[0].all_gather(new)
-    return len(new)
+    engine.grt_pinned_parameters = params
+    hold_pinned(engine)
+    step = engine.step
+
+    def step_and_hold(*args, **kwargs):
+        result = step(*args, **kwargs)
+        hold_pinned(engine)
+        return result
+
+    engine.step = step_and_hold
+    return len(params)
+
+
+def hold_pinned(engine) -> None:
+    """Re-gather pinned parameters the step partitioned and mark them in use again."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    params = getattr(engine, "grt_pinned_parameters", ())
+    missing = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    if missing:
+        COUNTERS.gathers += len(missing)
+        missing[0].all_gather(missing)
+    for p in params:
+        p.ds_active_sub_modules.add(_PIN_ID)

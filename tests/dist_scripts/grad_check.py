@@ -8,6 +8,7 @@ does not reach (the loop at depth 0, per-step LoRA adapters and routers past the
 gradient is not exactly zero: under ZeRO-3 they would be stale.
 """
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -38,8 +39,21 @@ def unused(name: str, depth: int) -> bool:
     return name.startswith("loop.") and depth == 0
 
 
+def ds_config_path() -> str:
+    """The shipped config; for ZeRO-3 with no persistence threshold, so that a micro model's
+    parameters are sharded and gathered as a GPT-2-sized model's are (the pinned core included)."""
+    shipped = REPO / "ds_configs" / f"zero{stage}.json"
+    if stage != 3:
+        return str(shipped)
+    ds = json.loads(shipped.read_text())
+    ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    path = out_path.with_name(f"zero3-threshold0-rank{os.environ.get('RANK', '0')}.json")
+    path.write_text(json.dumps(ds))
+    return str(path)
+
+
 def check(preset: str) -> dict:
-    cfg = RunConfig(data="unused", ds_config=str(REPO / "ds_configs" / f"zero{stage}.json"))
+    cfg = RunConfig(data="unused", ds_config=ds_config_path())
     cfg.model = noise_off(get_preset(preset).replace(max_seq_len=T))
     cfg.train.micro_batch_size, cfg.train.grad_accum = B, GA
     cfg.train.activation_checkpointing = "loop_step"
