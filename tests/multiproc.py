@@ -38,3 +38,9 @@ def run_ranks(args: list[str], world: int = 2, timeout: float = 300, env: dict |
                 p.kill()
                 p.wait()
     return results
+
+
+def grt(*args: str, cwd: Path = REPO, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `python -m pretrain.cli <args>` (the `grt` command) and capture its output."""
+    return subprocess.run([sys.executable, "-m", "pretrain.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)

@@ -4,8 +4,6 @@ method's defining property, FLOPs, ZeRO-2/3 gradients against a single-process r
 import json
 import math
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -247,21 +245,6 @@ def test_zero_gradients_equal_single_process_reference(tmp_path, stage):
             assert step["unused_with_nonzero_grad"] == [], (preset, step["depth"])
 
 
-def grt(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "pretrain.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory, demo_text):
-    d = tmp_path_factory.mktemp("data")
-    for args in (["data", "tokenizer", "-i", str(demo_text), "--txt-mode", "paragraph", "--vocab-size", "512",
-                  "-o", str(d / "tok"), "-q"],
-                 ["data", "prepare", "-i", str(demo_text), "--txt-mode", "paragraph", "-t", str(d / "tok.model"),
-                  "-o", str(d / "shards"), "--seq-len", "64", "--shard-size-mb", "0.1", "--val-fraction", "0.05", "-q"]):
-        r = grt(*args)
-        assert r.returncode == 0, r.stderr
-    return d / "shards" / "manifest.json"
 
 
 def train_args(manifest, out, variant, *extra):

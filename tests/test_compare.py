@@ -2,12 +2,10 @@
 (small) comparison through `grt train`."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from multiproc import REPO
+from multiproc import REPO, grt
 from pretrain import compare
 from pretrain.config import ConfigError
 from pretrain.presets import get_preset
@@ -15,21 +13,6 @@ from pretrain.presets import get_preset
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
-def grt(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "pretrain.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory, demo_text):
-    d = tmp_path_factory.mktemp("data")
-    for args in (["data", "tokenizer", "-i", str(demo_text), "--txt-mode", "paragraph", "--vocab-size", "512",
-                  "-o", str(d / "tok"), "-q"],
-                 ["data", "prepare", "-i", str(demo_text), "--txt-mode", "paragraph", "-t", str(d / "tok.model"),
-                  "-o", str(d / "shards"), "--seq-len", "64", "--shard-size-mb", "0.1", "--val-fraction", "0.05", "-q"]):
-        r = grt(*args)
-        assert r.returncode == 0, r.stderr
-    return d / "shards" / "manifest.json"
 
 
 def test_config_specs_presets_and_json(tmp_path):

@@ -1,12 +1,10 @@
 """The DeepSpeed trainer: gradient correctness under ZeRO, multi-rank training, exact resume,
 identical depths across ranks, TensorBoard scalars."""
 import json
-import subprocess
-import sys
 
 import pytest
 
-from multiproc import REPO, run_ranks
+from multiproc import REPO, grt, run_ranks
 from pretrain.depth import sample_depth
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -40,21 +38,6 @@ def test_zero_gradients_equal_single_process_reference(tmp_path, stage, preset):
         assert step["unused_with_nonzero_grad"] == []
 
 
-def grt(*args, cwd=REPO, timeout=300):
-    return subprocess.run([sys.executable, "-m", "pretrain.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory, demo_text):
-    d = tmp_path_factory.mktemp("data")
-    for args in (["data", "tokenizer", "-i", str(demo_text), "--txt-mode", "paragraph", "--vocab-size", "512",
-                  "-o", str(d / "tok"), "-q"],
-                 ["data", "prepare", "-i", str(demo_text), "--txt-mode", "paragraph", "-t", str(d / "tok.model"),
-                  "-o", str(d / "shards"), "--seq-len", "64", "--shard-size-mb", "0.1", "--val-fraction", "0.05", "-q"]):
-        r = grt(*args)
-        assert r.returncode == 0, r.stderr
-    return d / "shards" / "manifest.json"
 
 
 def train_args(manifest, out, steps=30, *extra):
