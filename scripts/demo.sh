@@ -3,5 +3,5 @@
 # (tokenizer -> shards -> DeepSpeed ZeRO-3 training with TensorBoard -> early-exit evaluation).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-GRT_SKIP_APT=1 bash scripts/install.sh
+GRT_MINIMAL=1 bash scripts/install.sh
 exec python3 -m pretrain.cli demo "$@"

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Installs everything the project needs on a fresh Debian machine (run as root or with sudo).
+# Installs what the project needs on a fresh Debian machine (run as root or with sudo).
+#   bash scripts/install.sh           everything for the tests: Debian's slurm-wlm, munge, OpenMPI
+#                                     (for the launcher tests and mpi4py), then the package with [dev]
+#   GRT_MINIMAL=1 bash scripts/install.sh   only what training needs (the main job)
 # CPU torch is pinned: an unpinned `torch` would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-if [ "${GRT_SKIP_APT:-0}" != 1 ] && command -v apt-get >/dev/null; then
+if [ "${GRT_MINIMAL:-0}" != 1 ] && command -v apt-get >/dev/null; then
   need=""
   for tool in sbatch:slurm-wlm munged:munge mpirun:openmpi-bin mpicc:libopenmpi-dev gcc:build-essential; do
     command -v "${tool%%:*}" >/dev/null || need="$need ${tool#*:}"
@@ -15,4 +18,8 @@ if [ "${GRT_SKIP_APT:-0}" != 1 ] && command -v apt-get >/dev/null; then
   fi
 fi
 python3 -m pip install -q "torch==${GRT_TORCH_VERSION:-2.13.0}"
-python3 -m pip install -q -e ".[dev]"
+if [ "${GRT_MINIMAL:-0}" = 1 ]; then
+  python3 -m pip install -q -e .
+else
+  python3 -m pip install -q -e ".[dev]"
+fi
