@@ -27,6 +27,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Dict, List, Mapping, Optional
@@ -364,3 +365,24 @@ def barrier() -> None:
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def exit_process(code: int) -> int:
+    """After a process group existed, end the process here with `code`: at interpreter exit
+    the communication threads of a group whose peer has already gone can abort the process
+    ("terminate called without an active exception", exit -6) and hide the real exit code
+    from the launcher. Everything the run writes is closed or flushed by now."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return code
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a peer may be gone; the exit code is what matters
+        pass
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()  # mpirun counts a rank that exits without MPI_Finalize as failed
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

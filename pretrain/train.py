@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from .config import ConfigError, ModelConfig
+from .distributed import exit_process
 from .presets import PRESETS, get_preset
 from .run_config import RunConfig, apply_overrides
 
@@ -60,28 +60,10 @@ def main(argv=None) -> int:
         summary = train(cfg, resume=args.resume)
     except ConfigError as err:
         print(f"grt train: error: {err}", file=sys.stderr)
-        return _exit(2)
+        return exit_process(2)
     except TrainingStopped as err:
         print(f"grt train: stopped: {err}", file=sys.stderr)
-        return _exit(3)
+        return exit_process(3)
     if summary:
         print(json.dumps(summary, indent=2))
-    return _exit(0)
-
-
-def _exit(code: int) -> int:
-    """After a process group existed, end the process here with `code`: at interpreter exit
-    the communication threads of a group whose peer has already gone can abort the process
-    ("terminate called without an active exception", exit -6) and hide the real exit code
-    from the launcher. Everything the run writes is closed or flushed by now."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return code
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - a peer may be gone; the exit code is what matters
-        pass
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    return exit_process(0)

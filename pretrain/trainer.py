@@ -414,7 +414,7 @@ def _train(cfg: RunConfig, resume: bool = False) -> dict:
     window_tokens, window_start = 0, time.time()
     last_val = {}
     summary = {}
-    loss_value = float("nan")  # a resume of a finished run trains no step
+    loss_value, stop_requested = float("nan"), False  # a resume of a finished run trains no step
 
     def save_now(at_step):
         try:

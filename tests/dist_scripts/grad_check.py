@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO))
 
 from deepspeed.utils import safe_get_full_grad, safe_get_full_fp32_param  # noqa: E402
 
-from pretrain.distributed import init_distributed  # noqa: E402
+from pretrain.distributed import exit_process, init_distributed  # noqa: E402
 from pretrain.model import GPT  # noqa: E402
 from pretrain.model.baselines import noise_off  # noqa: E402
 from pretrain.presets import get_preset  # noqa: E402
@@ -103,3 +103,4 @@ rank, world = info.rank, info.world_size
 reports = {p: check(p) for p in presets}
 if rank == 0:
     out_path.write_text(json.dumps(reports[presets[0]] if len(presets) == 1 else reports))
+exit_process(0)
