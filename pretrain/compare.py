@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from .config import ConfigError, ModelConfig
+from .config import ConfigError, ModelConfig, load_json_object
 from .presets import PRESETS, get_preset
 from .run_config import RunConfig, apply_overrides
 
@@ -76,14 +76,7 @@ def load_spec(spec: str) -> tuple[str, ModelConfig, dict]:
         return spec, get_preset(spec), {}
     if not path.suffix == ".json":
         raise ConfigError(f"config {spec!r}: not a preset ({', '.join(PRESETS)}) nor a .json file")
-    if not path.is_file():
-        raise ConfigError(f"config {spec!r}: no such file")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"config {spec!r}: not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config {spec!r}: must hold a JSON object")
+    data = load_json_object(path, f"config {spec!r}")
     if "model" in data or "label" in data or "train" in data:
         unknown = set(data) - {"label", "model", "train"}
         if unknown:

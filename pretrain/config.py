@@ -208,6 +208,21 @@ class ModelConfig:
         return dataclasses.replace(self, **check_keys(type(self), changes, "model config"))
 
 
+def load_json_object(path: str | Path, what: str, missing_hint: str = "") -> dict[str, Any]:
+    """Read a JSON object from `path`; a missing file, bad JSON or a non-object is a
+    ConfigError that names `what` (e.g. "ds_config='x.json'")."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what}: no such file{missing_hint}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{what}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}: must hold a JSON object")
+    return data
+
+
 def check_keys(cls, data: dict[str, Any], what: str) -> dict[str, Any]:
     """Refuse unknown keys and wrong types, naming the key and the accepted values."""
     fields = {f.name: f for f in dataclasses.fields(cls)}

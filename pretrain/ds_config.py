@@ -4,24 +4,15 @@ schedule, precision and clipping; a DeepSpeed file that disagrees is refused."""
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
-from .config import ConfigError
+from .config import ConfigError, load_json_object
 from .run_config import TrainConfig
 
 
 def load_ds_json(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"ds_config={str(path)!r}: no such file (configs ship in ds_configs/: zero1.json, zero2.json, zero3.json)")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"ds_config={str(path)!r}: not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"ds_config={str(path)!r}: must hold a JSON object")
-    return data
+    return load_json_object(path, f"ds_config={str(path)!r}",
+                            " (configs ship in ds_configs/: zero1.json, zero2.json, zero3.json)")
 
 
 def zero_stage(ds: dict) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, ModelConfig, check_keys, coerce
+from .config import ConfigError, ModelConfig, check_keys, coerce, load_json_object
 from .parallelize import CHECKPOINT_MODES
 from .presets import get_preset
 
@@ -106,10 +106,7 @@ class RunConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "RunConfig":
-        try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}: not valid JSON ({err})") from None
+        return cls.from_dict(load_json_object(path, str(path)))
 
 
 def _tuples(train: dict) -> dict:
