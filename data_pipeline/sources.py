@@ -22,7 +22,7 @@ import io
 import json
 import os
 import re
-from dataclasses import dataclass, field, asdict
+from dataclasses import asdict, dataclass
 from typing import Iterator, List, Sequence
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -110,6 +110,16 @@ def open_binary(path: str):
     return open(path, "rb")
 
 
+def _decode_accept(raw: bytes, stats: "SourceStats", strip: str | None = None) -> str | None:
+    """UTF-8 decode (a non-UTF-8 document is skipped and counted), then `_accept`."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        stats.skipped_non_utf8 += 1
+        return None
+    return _accept(text.strip(strip) if strip is not None else text, stats)
+
+
 def _accept(text, stats: SourceStats):
     """Return the document text if it is usable, else None (and count why)."""
     if not isinstance(text, str):
@@ -173,24 +183,14 @@ def iter_file_documents(path: str, text_field: str = "text", txt_mode: str = "fi
                 return
             data = fh.read()
         if txt_mode == "file":
-            try:
-                text = data.decode("utf-8")
-            except UnicodeDecodeError:
-                stats.skipped_non_utf8 += 1
-                return
-            text = _accept(text, stats)
+            text = _decode_accept(data, stats)
             if text is not None:
                 yield text
         else:  # paragraph: decode per paragraph so that one bad byte loses one paragraph
             for para in re.split(rb"\n[ \t\r]*\n", data):
                 if not para.strip():
                     continue
-                try:
-                    text = para.decode("utf-8").strip("\r\n")
-                except UnicodeDecodeError:
-                    stats.skipped_non_utf8 += 1
-                    continue
-                text = _accept(text, stats)
+                text = _decode_accept(para, stats, strip="\r\n")
                 if text is not None:
                     yield text
     else:

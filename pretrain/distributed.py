@@ -320,28 +320,8 @@ def init_distributed(timeout_s: float = 600) -> DistInfo:
             rank=info.rank,
             world_size=info.world_size,
         )
-        _unlink_shm_allreduce_buffer(info)
     _INFO = info
     return info
-
-
-def _unlink_shm_allreduce_buffer(info: DistInfo) -> None:
-    """DeepSpeed's CPU comm op creates /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
-    (66 MB) when all ranks share a machine and never unlinks it: every CPU run, killed or
-    not, would leave one per rank (tens of GB over a test suite). Every rank has mapped every
-    buffer once initialisation returns, so after a barrier the names can go; the mappings
-    stay valid and the memory is freed when the last process exits."""
-    import torch.distributed as dist
-
-    path = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_" \
-           f"{os.environ.get('MASTER_PORT', '')}_{info.rank}"
-    if not os.path.exists(path):
-        return
-    dist.barrier()
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def get_info() -> DistInfo:

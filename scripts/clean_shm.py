@@ -1,8 +1,8 @@
 """Remove DeepSpeed CPU all-reduce buffers in /dev/shm that no live process maps.
 
-DeepSpeed's shared-memory comm op never unlinks them; `pretrain.distributed` now unlinks
-its own right after start-up, but a run killed during start-up (or older runs) can still
-leave 66 MB files behind.
+DeepSpeed's shared-memory comm op creates one (66 MB) per rank when LOCAL_SIZE equals the
+world size and never unlinks it. `pretrain.distributed` keeps LOCAL_SIZE out of the
+environment on CPU so that none is created; this clears what other tools or older runs left.
 """
 import glob
 import os
