@@ -15,15 +15,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 COMMANDS = {
     "presets": ("pretrain.presets", "print the model presets"),
     "train": ("pretrain.train", "train a model with DeepSpeed"),
-    "export": ("pretrain.export", "consolidate a checkpoint into a standalone directory"),
-    "eval": ("pretrain.evaluate", "evaluate a model at every exit depth"),
-    "analyze": ("pretrain.analyze", "the paper's analyses of a trained GRT"),
-    "generate": ("pretrain.generate", "sample text with a KV cache"),
-    "compare": ("pretrain.compare", "train several methods at equal FLOPs and tabulate"),
-    "demo": ("pretrain.demo", "the main job: tokenizer, shards, training, evaluation"),
+    "export": ("pretrain.infer.export", "consolidate a checkpoint into a standalone directory"),
+    "eval": ("pretrain.infer.evaluate", "evaluate a model at every exit depth"),
+    "analyze": ("pretrain.infer.analyze", "the paper's analyses of a trained GRT"),
+    "generate": ("pretrain.infer.generate", "sample text with a KV cache"),
+    "compare": ("pretrain.tools.compare", "train several methods at equal FLOPs and tabulate"),
+    "demo": ("pretrain.tools.demo", "the main job: tokenizer, shards, training, evaluation"),
     "data": ("data_pipeline.cli", "tokenizer training and shard preparation"),
     "launch": ("launcher.cli", "start a run locally, with deepspeed, Slurm or MPI"),
-    "bench": ("pretrain.bench", "benchmarks (data, train-step, memory, zero, decode)"),
+    "bench": ("pretrain.tools.bench", "benchmarks (data, train-step, memory, zero, decode)"),
 }
 
 

@@ -40,6 +40,9 @@ __all__ = [
     "init_distributed",
     "is_main",
     "barrier",
+    "comm_device",
+    "all_reduce",
+    "all_agree",
     "get_info",
     "expand_nodelist",
     "parse_tasks_per_node",
@@ -338,6 +341,39 @@ def is_main() -> bool:
     except ImportError:  # pragma: no cover
         pass
     return get_info().rank == 0
+
+
+def comm_device():
+    """The device whose tensors the process group's backend takes: the rank's GPU under
+    NCCL, the CPU under gloo (and with no process group)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+
+
+def all_reduce(t, op: str = "sum"):
+    """Reduce `t` over all ranks and return the result on the communication device (a copy
+    when `t` lives elsewhere; `t` itself otherwise). Without a process group: `t`."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return t
+    x = t.to(comm_device())
+    dist.all_reduce(x, op=getattr(dist.ReduceOp, _OPS[op]))
+    return x
+
+
+def all_agree(ok: bool) -> bool:
+    """True on every rank iff `ok` on every rank (one collective)."""
+    import torch
+
+    return bool(all_reduce(torch.tensor([0.0 if ok else 1.0]), op="max").item() == 0)
 
 
 def barrier() -> None:

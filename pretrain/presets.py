@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from .config import ConfigError, ModelConfig
+from pretrain.config import ConfigError, ModelConfig
 
 HF = dict(bias=True, pad_vocab_multiple=1, vocab_size=50257)
 NANOGPT = dict(bias=False, pad_vocab_multiple=64, vocab_size=50257)
@@ -100,8 +100,8 @@ def get_preset(name: str) -> ModelConfig:
 
 
 def describe(cfg: ModelConfig) -> dict:
-    from .flops import count_params, flops_per_token
-    from .model import GPT
+    from pretrain.model.flops import count_params, flops_per_token
+    from pretrain.model import GPT
 
     with torch.device("meta"):
         counts = count_params(GPT(cfg))

@@ -5,10 +5,10 @@ import argparse
 import json
 import sys
 
-from .config import ConfigError, ModelConfig
-from .distributed import exit_process
-from .presets import PRESETS, get_preset
-from .run_config import RunConfig, apply_overrides
+from pretrain.config import ConfigError, ModelConfig
+from pretrain.distributed import exit_process
+from pretrain.presets import PRESETS, get_preset
+from pretrain.training.run_config import RunConfig, apply_overrides
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
         if args.print_config:
             print(json.dumps(cfg.to_dict(), indent=2))
             return 0
-        from .trainer import TrainingStopped, train
+        from pretrain.training.trainer import TrainingStopped, train
 
         summary = train(cfg, resume=args.resume)
     except ConfigError as err:

@@ -6,9 +6,9 @@ from collections import Counter
 import pytest
 import torch
 
-from pretrain.analyze import (BUCKETS, cka_matrix, collect, frequency_buckets, half_cosines, is_punctuation,
+from pretrain.infer.analyze import (BUCKETS, cka_matrix, collect, frequency_buckets, half_cosines, is_punctuation,
                               linear_cka, main as analyze_main, variance_share)
-from pretrain.evaluate import Dist, lm_sums, val_batches
+from pretrain.infer.evaluate import Dist, lm_sums, val_batches
 from pretrain.model.layers import AttentionContext
 from trained_models import single_thread, small_model, torch_trained_grt, write_export  # noqa: F401
 
@@ -93,7 +93,7 @@ def test_bucket_losses_by_hand():
 
 
 def test_cka_against_dense_layers_by_hand():
-    from pretrain.analyze import cross_cka, dense_layer_states
+    from pretrain.infer.analyze import cross_cka, dense_layer_states
 
     grt, dense = small_model(), small_model("3", variant="dense", seed=1)
     idx = torch.randint(1, 64, (2, 16), generator=torch.Generator().manual_seed(4))

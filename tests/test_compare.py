@@ -6,7 +6,7 @@ import os
 import pytest
 
 from multiproc import REPO, grt
-from pretrain import compare
+from pretrain.tools import compare
 from pretrain.config import ConfigError
 from pretrain.presets import get_preset
 

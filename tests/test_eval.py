@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from pretrain.config import ConfigError
-from pretrain.evaluate import (Dist, check_depths, exit_logits, lm_sums, main as eval_main, parse_depths,
+from pretrain.infer.evaluate import (Dist, check_depths, exit_logits, lm_sums, main as eval_main, parse_depths,
                                text_eval, text_windows)
-from pretrain.zero_shot import Item, encode_request, evaluate_task, load_task, score_requests
+from pretrain.infer.zero_shot import Item, encode_request, evaluate_task, load_task, score_requests
 from trained_models import (single_thread, ENV, EVAL_BATCHES, REPO, CharTokenizer, grt_run, manifest,  # noqa: F401
                             small_model, summary)
 
@@ -178,7 +178,7 @@ def test_long_requests_are_cut_from_the_left():
 # -- the command, end to end ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def eval_inputs(grt_run, tmp_path_factory):
-    from pretrain.export import main as export_main
+    from pretrain.infer.export import main as export_main
 
     root = tmp_path_factory.mktemp("evalcli")
     assert export_main(["--checkpoint", str(grt_run), "--out", str(root / "export")]) == 0

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from pretrain.bench_decode import bench_one, main as bench_main
-from pretrain.generate import filter_logits, generate, main as generate_main, sample_next
-from pretrain.kv_cache import STRATEGIES, CachedDecoder, cache_bytes_formula, cache_slots
+from pretrain.tools.bench_decode import bench_one, main as bench_main
+from pretrain.infer.generate import filter_logits, generate, main as generate_main, sample_next
+from pretrain.infer.kv_cache import STRATEGIES, CachedDecoder, cache_bytes_formula, cache_slots
 from trained_models import single_thread, data, small_model, write_export  # noqa: F401
 
 
@@ -105,7 +105,7 @@ def test_sampling_is_seeded_and_stops_at_the_separator():
 
 
 def test_render_shows_document_breaks():
-    from pretrain.generate import render
+    from pretrain.infer.generate import render
     from trained_models import CharTokenizer
 
     tok = CharTokenizer()
@@ -155,7 +155,7 @@ def test_decode_benchmark_reports_every_strategy(tmp_path, capsys):
 def test_zero_shot_scoring_through_the_kv_cache():
     """`grt eval --kv-cache`: the full cache reproduces the one-forward scores; the shared
     strategies change them (they are approximations past the prompt)."""
-    from pretrain.zero_shot import encode_request, score_requests, score_requests_cached
+    from pretrain.infer.zero_shot import encode_request, score_requests, score_requests_cached
     from trained_models import CharTokenizer
 
     model, tok = lively(), CharTokenizer()
@@ -171,7 +171,7 @@ def test_zero_shot_scoring_through_the_kv_cache():
 
 def test_loss_through_the_kv_cache():
     """`grt eval --kv-cache` on held-out text: full = one forward; average/last/first differ."""
-    from pretrain.evaluate import lm_sums, lm_sums_cached
+    from pretrain.infer.evaluate import lm_sums, lm_sums_cached
 
     model = lively()
     g = torch.Generator().manual_seed(7)

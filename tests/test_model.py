@@ -6,10 +6,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from pretrain.config import ConfigError, ModelConfig, parse_layout
-from pretrain.flops import count_params, flops_per_token
+from pretrain.model.flops import count_params, flops_per_token
 from pretrain.model import GPT
 from pretrain.model.layers import AttentionContext, attention
-from pretrain.parallelize import apply_activation_checkpointing
+from pretrain.training.parallelize import apply_activation_checkpointing
 from pretrain.presets import ADVERTISED_PARAMS, PRESETS, describe, main as presets_main
 
 

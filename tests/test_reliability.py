@@ -145,7 +145,7 @@ def test_eval_depth_beyond_trained_is_refused(reference):
 def test_only_complete_checkpoints_are_ever_chosen(tmp_path):
     """What a kill can leave behind: a tag without COMPLETE, `latest` naming it, a stray
     marker temp file. find_latest picks the newest complete tag in every case."""
-    from pretrain.checkpoint import find_latest
+    from pretrain.training.checkpoint import find_latest
 
     root = tmp_path / "checkpoints"
     assert find_latest(root) is None
@@ -162,7 +162,7 @@ def test_only_complete_checkpoints_are_ever_chosen(tmp_path):
     (root / "latest").write_text("garbage")
     assert find_latest(root) == "step00000008"
 
-    from pretrain.checkpoint import _remove_debris
+    from pretrain.training.checkpoint import _remove_debris
 
     (root / "step00000016").mkdir()
     (root / "step00000016" / ".COMPLETE.tmp4241").write_text("16\n")  # from a kill before a rewrite
@@ -181,7 +181,7 @@ def test_heartbeat_names_the_failed_rank(monkeypatch):
     import torch.distributed as dist
 
     from faults import free_port
-    from pretrain.trainer import Heartbeat
+    from pretrain.training.trainer import Heartbeat
 
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from multiproc import REPO, grt, run_ranks
-from pretrain.depth import sample_depth
+from pretrain.training.depth import sample_depth
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

@@ -130,7 +130,7 @@ def write_export(model, out: Path, tokenizer: Path | None = None, run_config: di
     """An export directory (as `grt export` writes it) for a model built in the test."""
     from safetensors.torch import save_file
 
-    from pretrain.load import WEIGHTS, state_for_saving
+    from pretrain.infer.load import WEIGHTS, state_for_saving
 
     out.mkdir(parents=True, exist_ok=True)
     model.cfg.save(out / "config.json")

@@ -34,9 +34,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import ModelConfig
-from .gpt import GPT, LoopStep, ModelOutput
-from .layers import AttentionContext, Block, Linear, attention, layer_norm
+from pretrain.config import ModelConfig
+from pretrain.model.gpt import GPT, LoopStep, ModelOutput
+from pretrain.model.layers import AttentionContext, Block, Linear, attention, layer_norm
 
 
 def noise_off(cfg: ModelConfig) -> ModelConfig:
@@ -381,11 +381,11 @@ VARIANT_MODELS: dict[str, type[GPT]] = {"huginn": HuginnGPT, "rrt": RRTGPT, "our
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None, n_loops: int | None = None) -> int:
     """Forward FLOPs per token at inference, for every variant: the spec's formula
-    (pretrain.flops) plus what each baseline adds or removes. Ouro: one decode (a fixed
+    (pretrain.model.flops) plus what each baseline adds or removes. Ouro: one decode (a fixed
     exit at depth n) plus its exit gate; training decodes every step (n - 1 more codas and
     heads). MoR: step r runs the core on a share (R - r + 1) / R of the tokens, whose
     attention spans that share of the sequence."""
-    from ..flops import flops_per_token as base_flops
+    from pretrain.model.flops import flops_per_token as base_flops
 
     base = base_flops(cfg, seq_len, n_loops)
     if cfg.variant in ("grt", "dense", "huginn"):

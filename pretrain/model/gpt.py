@@ -11,7 +11,7 @@
 A dense model is a prelude with no loop. The number of loop steps is an argument
 of `forward` (0 = prelude straight to coda), so training can sample it and
 evaluation can exit early. Activation checkpointing and compilation are applied
-from outside (`pretrain.parallelize`); `LoopStep` is the recompute/compile unit.
+from outside (`pretrain.training.parallelize`); `LoopStep` is the recompute/compile unit.
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import ANCHOR_MODES, ModelConfig
-from ..kernels.gate import gate_update
-from .layers import AttentionContext, Block, Embedding, Linear, layer_norm
+from pretrain.config import ANCHOR_MODES, ModelConfig
+from pretrain.kernels.gate import gate_update
+from pretrain.model.layers import AttentionContext, Block, Embedding, Linear, layer_norm
 
 
 class ModelOutput(NamedTuple):
@@ -128,7 +128,7 @@ class GPT(nn.Module):
         # GPT(cfg) builds the comparison baselines too (variant huginn/rrt/ouro/mor: subclasses
         # in baselines.py), so the trainer, loaders and exporters need not know about them
         if cls is GPT and isinstance(cfg, ModelConfig) and cfg.variant not in ("grt", "dense"):
-            from .baselines import VARIANT_MODELS
+            from pretrain.model.baselines import VARIANT_MODELS
 
             cls = VARIANT_MODELS[cfg.variant]
         return super().__new__(cls)

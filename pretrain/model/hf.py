@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ConfigError, ModelConfig
-from .gpt import GPT
+from pretrain.config import ConfigError, ModelConfig
+from pretrain.model.gpt import GPT
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 

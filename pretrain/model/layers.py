@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import ModelConfig
+from pretrain.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

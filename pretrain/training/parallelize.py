@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .model.gpt import GPT
-from .model.layers import Block
+from pretrain.model.gpt import GPT
+from pretrain.model.layers import Block
 
 CHECKPOINT_MODES = ("off", "loop_step", "block")
 

@@ -24,16 +24,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, zero3
-from .config import ConfigError
-from .depth import sample_depth
-from .distributed import discover, init_distributed
-from .ds_config import build_ds_config, load_ds_json, zero_stage
-from .flops import count_params, flops_per_token
-from .metrics import MetricsWriter, peak_flops, peak_memory_bytes
-from .model import GPT
-from .parallelize import apply_activation_checkpointing, apply_compile, compile_stats
-from .run_config import RunConfig
+from pretrain.training import checkpoint
+from pretrain.training import zero3
+from pretrain.config import ConfigError
+from pretrain.training.depth import sample_depth
+from pretrain.distributed import discover, init_distributed
+from pretrain.training.ds_config import build_ds_config, load_ds_json, zero_stage
+from pretrain.model.flops import count_params, flops_per_token
+from pretrain.training.metrics import MetricsWriter, peak_flops, peak_memory_bytes
+from pretrain.model import GPT
+from pretrain.training.parallelize import apply_activation_checkpointing, apply_compile, compile_stats
+from pretrain.training.run_config import RunConfig
 
 log = logging.getLogger("grt.train")
 

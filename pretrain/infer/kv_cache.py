@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config import ConfigError
-from .model import GPT
-from .model.layers import Block
+from pretrain.config import ConfigError
+from pretrain.model import GPT
+from pretrain.model.layers import Block
 
 STRATEGIES = ("full", "first", "last", "average")
 

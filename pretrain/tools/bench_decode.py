@@ -3,7 +3,7 @@ for each cache strategy of a looped model and for a dense model, at several batc
 
 For every (model, strategy, batch): prefill a random prompt, then decode `--new-tokens`
 tokens greedily; latency = decode wall time / new tokens (CUDA synchronised). Memory:
-the cache's bytes from the formula (pretrain.kv_cache.cache_bytes_formula) next to the
+the cache's bytes from the formula (pretrain.infer.kv_cache.cache_bytes_formula) next to the
 measured bytes (CUDA: the allocator's growth when the cache is built; CPU: the buffers'
 sizes), and on CUDA the peak allocated memory while decoding (weights included).
 Models: an exported dir / checkpoint (`--model`, `--dense-model`) or a preset with random
@@ -18,17 +18,17 @@ import time
 
 import torch
 
-from .config import ConfigError
-from .kv_cache import STRATEGIES, CachedDecoder, cache_bytes_formula, cache_slots
-from .model import GPT
+from pretrain.config import ConfigError
+from pretrain.infer.kv_cache import STRATEGIES, CachedDecoder, cache_bytes_formula, cache_slots
+from pretrain.model import GPT
 
 
 def build(path: str | None, preset: str | None, device, dtype, max_seq_len: int | None = None) -> GPT:
     if path:
-        from .load import load_model
+        from pretrain.infer.load import load_model
 
         return load_model(path, device=device, dtype=dtype).model
-    from .presets import get_preset
+    from pretrain.presets import get_preset
 
     cfg = get_preset(preset)
     if max_seq_len:
@@ -110,7 +110,7 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    from .load import parse_dtype, pick_device
+    from pretrain.infer.load import parse_dtype, pick_device
 
     p = argparse.ArgumentParser(prog="grt bench decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="looped model: exported dir or checkpoint (default: --preset, random weights)")

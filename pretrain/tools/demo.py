@@ -11,8 +11,8 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from .presets import get_preset
-from .run_config import RunConfig
+from pretrain.presets import get_preset
+from pretrain.training.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TEXT = REPO / "examples" / "data" / "tinyshakespeare.txt"
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     t.warmup_steps, t.log_every, t.eval_every, t.eval_batches, t.save_every = 50, 25, 200, 10, 200
     print(f"[3/4] training {cfg.model.name} ({cfg.model.layout}, d={cfg.model.d_model}) for {t.steps} steps "
           f"with DeepSpeed ZeRO-3 on CPU; TensorBoard: tensorboard --logdir {out / 'tb'}")
-    from .trainer import train
+    from pretrain.training.trainer import train
 
     summary = train(cfg)
     print("[4/4] early-exit evaluation on the held-out documents")

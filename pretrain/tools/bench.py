@@ -4,7 +4,7 @@
     grt bench train-step  GRT vs the dense model of equal FLOPs: tokens/s, peak memory, ratio
     grt bench memory      peak memory against R, per-loop-step checkpointing on and off
     grt bench zero        tokens/s with ZeRO stage 0/1/2/3 on 1 and 2 ranks (real DeepSpeed)
-    grt bench decode      decode latency and memory per KV-cache strategy (pretrain.bench_decode)
+    grt bench decode      decode latency and memory per KV-cache strategy (pretrain.tools.bench_decode)
 
 On CPU the absolute figures are this machine's; the ratios are what carry over.
 """
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
-from .flops import flops_per_token
-from .metrics import peak_flops
-from .model import GPT
-from .parallelize import apply_activation_checkpointing
+from pretrain.config import ModelConfig
+from pretrain.model.flops import flops_per_token
+from pretrain.training.metrics import peak_flops
+from pretrain.model import GPT
+from pretrain.training.parallelize import apply_activation_checkpointing
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -129,7 +129,7 @@ def bench_memory(args) -> list[dict]:
             # fragments, which inflates RSS with every alloc/free cycle; serving large tensors
             # from mmap (returned to the OS on free) makes RSS follow the live tensors.
             env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-            out = subprocess.run([sys.executable, "-m", "pretrain.bench", "_memory_probe", str(args.d_model),
+            out = subprocess.run([sys.executable, "-m", "pretrain.tools.bench", "_memory_probe", str(args.d_model),
                                   str(args.seq_len), str(args.batch), str(loops), mode],
                                  capture_output=True, text=True, check=True, cwd=REPO, env=env)
             peak = json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
         from data_pipeline.bench import main as data_bench
         return data_bench(argv[1:])
     if argv and argv[0] == "decode":
-        from .bench_decode import main as decode_bench
+        from pretrain.tools.bench_decode import main as decode_bench
         return decode_bench(argv[1:])
     p = argparse.ArgumentParser(prog="grt bench", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)

@@ -7,7 +7,7 @@
     DIR/hf/                dense models only: a transformers.GPT2LMHeadModel directory
 
 Works on CPU without a process group (DeepSpeed's zero_to_fp32 reader, any ZeRO stage).
-Load the result with `pretrain.load.load_model(DIR)` or pass DIR to eval/generate/analyze.
+Load the result with `pretrain.infer.load.load_model(DIR)` or pass DIR to eval/generate/analyze.
 """
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ import shutil
 import sys
 from pathlib import Path
 
-from .config import ConfigError
-from .load import WEIGHTS, consolidate, model_from_state, parse_dtype, read_run_config, resolve_checkpoint, state_for_saving
+from pretrain.config import ConfigError
+from pretrain.infer.load import WEIGHTS, consolidate, model_from_state, parse_dtype, read_run_config, resolve_checkpoint, state_for_saving
 
 
 def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", hf: bool = True,
            overwrite: bool = False) -> dict:
     from safetensors.torch import save_file
 
-    from .config import ModelConfig
+    from pretrain.config import ModelConfig
 
     step_dir = resolve_checkpoint(checkpoint)
     out = Path(out)
@@ -42,7 +42,7 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", hf: boo
         shutil.copyfile(step_dir / "tokenizer.model", out / "tokenizer.model")
     written = ["config.json", "run_config.json", WEIGHTS] + (["tokenizer.model"] if (out / "tokenizer.model").is_file() else [])
     if hf and cfg.variant == "dense":
-        from .model.hf import to_hf
+        from pretrain.model.hf import to_hf
 
         to_hf(model.float()).save_pretrained(str(out / "hf"))
         if (out / "tokenizer.model").is_file():

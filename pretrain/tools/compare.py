@@ -31,9 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-from .config import ConfigError, ModelConfig, load_json_object
-from .presets import PRESETS, get_preset
-from .run_config import RunConfig, apply_overrides
+from pretrain.config import ConfigError, ModelConfig, load_json_object
+from pretrain.presets import PRESETS, get_preset
+from pretrain.training.run_config import RunConfig, apply_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -89,7 +89,7 @@ def load_spec(spec: str) -> tuple[str, ModelConfig, dict]:
 
 
 def model_flops(cfg: ModelConfig, seq_len: int, n_loops: int | None = None) -> int:
-    from .model.baselines import flops_per_token
+    from pretrain.model.baselines import flops_per_token
 
     return flops_per_token(cfg, seq_len, n_loops)
 
@@ -97,8 +97,8 @@ def model_flops(cfg: ModelConfig, seq_len: int, n_loops: int | None = None) -> i
 def model_params(cfg: ModelConfig) -> int:
     import torch
 
-    from .flops import count_params
-    from .model import GPT
+    from pretrain.model.flops import count_params
+    from pretrain.model import GPT
 
     with torch.device("meta"):
         return count_params(GPT(cfg))["params"]

@@ -8,10 +8,10 @@ the final norm and the LM head (`exit_hidden`), which is the function
 - held-out loss/perplexity on the manifest's validation split (token-weighted mean);
 - WikiText-2 raw: loss per token, perplexity and bits per byte (total NLL in bits over
   the UTF-8 bytes of the text), windows of the model's context (optional stride);
-- zero-shot tasks (`pretrain.zero_shot`): LAMBADA (acc, ppl), HellaSwag, PIQA,
+- zero-shot tasks (`pretrain.infer.zero_shot`): LAMBADA (acc, ppl), HellaSwag, PIQA,
   ARC-Easy/Challenge, WinoGrande (acc, acc_norm).
 With `--kv-cache STRATEGY` every part decodes token by token through the KV cache
-(pretrain.kv_cache), which measures what the looped core's shared caches cost.
+(pretrain.infer.kv_cache), which measures what the looped core's shared caches cost.
 
 Run under a launcher (torchrun, deepspeed, srun, mpirun) it shards batches and items by
 rank and all-reduces the sums; results are identical to one process up to float order.
@@ -31,9 +31,9 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from .config import ConfigError
-from .model import GPT
-from .model.layers import AttentionContext
+from pretrain.config import ConfigError
+from pretrain.model import GPT
+from pretrain.model.layers import AttentionContext
 
 REPO = Path(__file__).resolve().parents[1]
 LN2 = math.log(2.0)
@@ -139,7 +139,7 @@ class Dist:
 
 def setup_dist() -> Dist:
     """A process group when started by a launcher with more than one rank; else a lone process."""
-    from .distributed import discover, init_distributed
+    from pretrain.distributed import discover, init_distributed
 
     if discover().world_size <= 1:
         return Dist()
@@ -175,7 +175,7 @@ def lm_sums_cached(model: GPT, batches: Iterable[dict], depths: list[int], devic
     """As lm_sums, but every token is decoded one at a time through the KV cache with the given
     strategy (the first token is the prompt): what a shared cache costs in loss. `full` gives
     lm_sums' numbers (tested). No document mask."""
-    from .kv_cache import CachedDecoder
+    from pretrain.infer.kv_cache import CachedDecoder
 
     sums = torch.zeros(len(depths), 2, dtype=torch.float64)
     for batch in batches:
@@ -354,8 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args) -> dict:
-    from .load import load_model, parse_dtype, pick_device
-    from .zero_shot import TASKS, evaluate_task, load_task
+    from pretrain.infer.load import load_model, parse_dtype, pick_device
+    from pretrain.infer.zero_shot import TASKS, evaluate_task, load_task
 
     parts = list(ALL_PARTS) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in parts if t not in ALL_PARTS]

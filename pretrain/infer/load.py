@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import TAG_RE, find_latest
-from .config import ConfigError, ModelConfig
-from .model import GPT
+from pretrain.training.checkpoint import TAG_RE, find_latest
+from pretrain.config import ConfigError, ModelConfig
+from pretrain.model import GPT
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from .config import ConfigError, load_json_object
-from .run_config import TrainConfig
+from pretrain.config import ConfigError, load_json_object
+from pretrain.training.run_config import TrainConfig
 
 
 def load_ds_json(path: str | Path) -> dict:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import ModelConfig
+from pretrain.config import ModelConfig
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None, n_loops: int | None = None,

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .model import GPT
+from pretrain.model import GPT
 
 
 @dataclass
@@ -106,7 +106,7 @@ def encode_request(tok, context: str, continuation: str, max_len: int) -> tuple[
 def score_requests(model: GPT, encoded: list[tuple[list[int], int]], depths: list[int], device,
                    batch_size: int = 8, **fwd) -> tuple[torch.Tensor, torch.Tensor]:
     """(loglik [N, D] float64, greedy [N, D] bool) for encoded requests at each depth."""
-    from .evaluate import exit_hidden, head
+    from pretrain.infer.evaluate import exit_hidden, head
 
     n, nd = len(encoded), len(depths)
     ll = torch.zeros(n, nd, dtype=torch.float64)
@@ -141,10 +141,10 @@ def score_requests(model: GPT, encoded: list[tuple[list[int], int]], depths: lis
 def score_requests_cached(model: GPT, encoded: list[tuple[list[int], int]], depths: list[int], device,
                           strategy: str = "full") -> tuple[torch.Tensor, torch.Tensor]:
     """As score_requests, but the continuation is decoded token by token through the KV cache
-    with the given strategy (pretrain.kv_cache): the context is prefilled, then each
+    with the given strategy (pretrain.infer.kv_cache): the context is prefilled, then each
     continuation token is fed back. `full` gives score_requests' numbers; the shared
     strategies measure what their approximation costs. One request at a time."""
-    from .kv_cache import CachedDecoder
+    from pretrain.infer.kv_cache import CachedDecoder
 
     ll = torch.zeros(len(encoded), len(depths), dtype=torch.float64)
     greedy = torch.zeros(len(encoded), len(depths), dtype=torch.bool)
@@ -169,7 +169,7 @@ def score_requests_cached(model: GPT, encoded: list[tuple[list[int], int]], dept
 def evaluate_task(model: GPT, tok, items: list[Item], depths: list[int], device, batch_size: int = 8,
                   dist=None, kv_cache: str | None = None, **fwd) -> dict:
     """{depth: metrics} for one task; items are sharded over ranks and the sums all-reduced."""
-    from .evaluate import Dist
+    from pretrain.infer.evaluate import Dist
 
     dist = dist or Dist()
     mine = dist.shard(items)

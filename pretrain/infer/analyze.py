@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .config import ConfigError
-from .evaluate import Dist, decode_state, head, jsonable, lm_sums, val_batches
-from .model import GPT
-from .model.layers import AttentionContext
+from pretrain.config import ConfigError
+from pretrain.infer.evaluate import Dist, decode_state, head, jsonable, lm_sums, val_batches
+from pretrain.model import GPT
+from pretrain.model.layers import AttentionContext
 
 BUCKETS = ("punctuation", "frequent", "medium", "rare")
 ANCHORS = ("prelude", "zeros", "embeddings", "previous")
@@ -360,7 +360,7 @@ def markdown(res: dict, files: dict[str, str], title: str) -> str:
 
 
 def main(argv=None) -> int:
-    from .load import load_model, parse_dtype, pick_device
+    from pretrain.infer.load import load_model, parse_dtype, pick_device
 
     p = argparse.ArgumentParser(prog="grt analyze", description="The paper's analyses of a trained GRT: "
                                 "gate forcing, anchor replacement, gate statistics, CKA, token buckets.")

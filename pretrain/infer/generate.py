@@ -2,7 +2,7 @@
 
 Sampling: greedy (or temperature 0), temperature, top-k, top-p (nucleus). For a GRT the
 exit depth (loop steps per token, `--depth`) and the KV-cache strategy for the looped core
-(`--kv-cache full|first|last|average`, see pretrain.kv_cache) are chosen at decode;
+(`--kv-cache full|first|last|average`, see pretrain.infer.kv_cache) are chosen at decode;
 `--no-cache` recomputes the whole sequence for every token (the reference).
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from .config import ConfigError
-from .kv_cache import STRATEGIES, CachedDecoder
-from .model import GPT
+from pretrain.config import ConfigError
+from pretrain.infer.kv_cache import STRATEGIES, CachedDecoder
+from pretrain.model import GPT
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
@@ -127,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from .evaluate import check_depths
-    from .load import load_model, parse_dtype, pick_device
+    from pretrain.infer.evaluate import check_depths
+    from pretrain.infer.load import load_model, parse_dtype, pick_device
 
     args = build_parser().parse_args(argv)
     try:

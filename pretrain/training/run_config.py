@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, ModelConfig, check_keys, coerce, load_json_object
-from .parallelize import CHECKPOINT_MODES
-from .presets import get_preset
+from pretrain.config import ConfigError, ModelConfig, check_keys, coerce, load_json_object
+from pretrain.training.parallelize import CHECKPOINT_MODES
+from pretrain.presets import get_preset
 
 DEPTH_SAMPLING = ("uniform", "fixed", "poisson")
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -50,7 +50,7 @@ class TrainConfig:
     dist_timeout_s: float = 600.0
     peak_tflops: float = 0.0            # device peak for MFU; 0 = look up the device
     compile: bool = False
-    zero3_pin_core: bool = True         # keep the looped core gathered under ZeRO-3 (pretrain/zero3.py)
+    zero3_pin_core: bool = True         # keep the looped core gathered under ZeRO-3 (pretrain/training/zero3.py)
     allow_data_change: bool = False     # resume although the shard list changed since the checkpoint
 
 
