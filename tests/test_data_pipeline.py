@@ -538,3 +538,62 @@ def test_prepare_killed_with_sigkill_then_rerun(tmp_path, tokenizer):
             assert open(os.path.join(out, f), "rb").read() == ref_files[f], f
     subprocess.run(cmd + ["--out", out], check=True, cwd=REPO)
     assert _dir_bytes(out) == ref_files
+
+
+def _shared_corpus_docs(n_docs, max_chars):
+    """The first documents of the shared Gutenberg corpus (real pretraining-dump text)."""
+    from conftest import SHARED
+
+    path = SHARED / "data" / "corpus" / "train-00000.jsonl.gz"
+    if not path.exists():
+        pytest.skip(f"{path} not found (set GRT_SHARED_DIR)")
+    docs = []
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        for line in fh:
+            docs.append(json.loads(line)["text"][:max_chars])
+            if len(docs) == n_docs:
+                break
+    return docs
+
+
+def test_parquet_input_streams_row_groups_and_equals_jsonl(tmp_path, tokenizer, monkeypatch):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    docs = _shared_corpus_docs(12, 20_000)
+    rows = docs + ["", None]  # an empty and a null text are skipped and counted, as in JSON lines
+    src = tmp_path / "parquet"
+    src.mkdir()
+    pq.write_table(pa.table({"id": [str(i) for i in range(len(rows))], "content": rows}),
+                   src / "part-0.parquet", row_group_size=3)
+    assert pq.ParquetFile(src / "part-0.parquet").num_row_groups == 5
+    with open(tmp_path / "same.jsonl", "w", encoding="utf-8") as fh:
+        for d in docs:
+            fh.write(json.dumps({"content": d}) + "\n")
+
+    read_groups = []
+    real_read = pq.ParquetFile.read_row_group
+    monkeypatch.setattr(pq.ParquetFile, "read", lambda *a, **k: pytest.fail("a whole Parquet file was read at once"))
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group",
+                        lambda self, i, **k: read_groups.append((i, k.get("columns"))) or real_read(self, i, **k))
+    stats = SourceStats()
+    assert list(iter_documents(expand_inputs([str(src)]), text_field="content", stats=stats)) == docs
+    assert read_groups == [(i, ["content"]) for i in range(5)]
+    assert stats.documents == len(docs) and stats.skipped_empty == 1 and stats.skipped_missing_field == 1
+
+    kw = dict(seq_len=SEQ, shard_size_mb=0.5, text_field="content", workers=1, progress=False)
+    a = prepare([str(src)], tokenizer.model_path, str(tmp_path / "a"), **kw)
+    b = prepare([str(tmp_path / "same.jsonl")], tokenizer.model_path, str(tmp_path / "b"), **kw)
+    assert a.fingerprint("train") == b.fingerprint("train")
+
+
+def test_parquet_without_the_text_column_is_named(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"body": ["some text"]}), tmp_path / "x.parquet")
+    with pytest.raises(ValueError, match=r"no column 'text' \(columns: body\).*--text-field"):
+        list(iter_documents([str(tmp_path / "x.parquet")]))
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(ValueError, match="not a readable Parquet file"):
+        list(iter_documents([str(tmp_path / "bad.parquet")]))
