@@ -232,7 +232,7 @@ def test_slurm_apptainer_and_no_signal(tmp_path):
 
 
 def test_slurm_cpu_job_has_no_gpus(tmp_path):
-    plan, _ = build_plan(["--launcher", "slurm", "--procs-per-node", "2", "--run-dir", str(tmp_path),
+    plan, _ = build_plan(["--launcher", "slurm", "--cpu", "--procs-per-node", "2", "--run-dir", str(tmp_path),
                           "--dry-run", "--data", "m.json"], environ={})
     files, argv, _ = split_render(plan.render())
     script = files[argv[-1]]
@@ -284,7 +284,7 @@ def test_slurm_hosts_become_a_nodelist(tmp_path):
 def test_train_flags_pass_without_separator(tmp_path):
     """Unknown flags go to `grt train`, even those that look like abbreviations of ours."""
     out = str(tmp_path / "run")
-    plan, _ = build_plan(["--launcher", "slurm", "--dry-run", "--data", "m.json", "--out", out,
+    plan, _ = build_plan(["--launcher", "slurm", "--cpu", "--dry-run", "--data", "m.json", "--out", out,
                           "--steps", "7"], environ={})
     files, argv, _ = split_render(plan.render())
     config = json.loads(files[os.path.join(out, "launch", "config.json")])

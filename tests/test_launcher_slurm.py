@@ -34,7 +34,7 @@ def cluster():
 
 def submit(cluster, *args):
     """`grt launch --launcher slurm ...` against the test cluster; returns the job id."""
-    r = grt_launch("--launcher", "slurm", *args, env=clean_env(SLURM_CONF=cluster.conf))
+    r = grt_launch("--launcher", "slurm", "--cpu", *args, env=clean_env(SLURM_CONF=cluster.conf))
     job = r.stdout.strip().splitlines()[-1].split(";")[0]
     assert job.isdigit(), r.stdout
     return job
@@ -70,7 +70,7 @@ def wait_requeued(cluster, job, timeout=120):
 
 def test_generated_scripts_pass_sbatch_test_only(cluster, tmp_path):
     env = clean_env(SLURM_CONF=cluster.conf)
-    r = grt_launch("--launcher", "slurm", "--procs-per-node", "2", "--time", "00:10:00",
+    r = grt_launch("--launcher", "slurm", "--cpu", "--procs-per-node", "2", "--time", "00:10:00",
                    "--partition", cluster.partition, "--job-name", "grt-check", "--requeue",
                    "--signal", "USR1@60", "--dry-run", "--run-dir", str(tmp_path), "--entry", "launcher.probe",
                    "--", "--out", str(tmp_path), env=env)
