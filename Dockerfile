@@ -72,8 +72,10 @@ RUN python docker/check_image.py \
     && grt --help \
     && grt launch --launcher slurm --nodes 2 --gpus-per-node 8 --dry-run --no-resolve --run-dir /tmp/grt-check >/dev/null
 
+# the base image's own user with that uid (Ubuntu 24.04 images: `ubuntu`, 1000) makes way
 RUN if [ "${GRT_UID}" != 0 ]; then \
-        useradd --create-home --uid "${GRT_UID}" --shell /bin/bash "${GRT_USER}" \
+        if getent passwd "${GRT_UID}" >/dev/null; then userdel --remove "$(getent passwd "${GRT_UID}" | cut -d: -f1)"; fi \
+        && useradd --create-home --uid "${GRT_UID}" --shell /bin/bash "${GRT_USER}" \
         && chown -R "${GRT_UID}" /workspace/grt; \
     fi
 
