@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks per node (default: --gpus-per-node, else 1); on CPU this is the "
                    "number of processes")
     p.add_argument("--cpu", action="store_true",
-                   help="CPU ranks, no GPU request (a Slurm job needs this or --gpus-per-node)")
+                   help="CPU ranks: no GPU request, CUDA_VISIBLE_DEVICES empty (a Slurm job needs this "
+                   "or --gpus-per-node)")
     p.add_argument("--hostfile", default=None,
                    help="hostfile ('host slots=N' lines); default $GRT_HOSTFILE or $DLTS_HOSTFILE")
     p.add_argument("--hosts", default=None,
@@ -259,6 +260,8 @@ class Resolved:
     def _rank_env(self, environ: Dict[str, str]) -> Dict[str, str]:
         prefixes = tuple(DEFAULT_EXPORT_PREFIXES) + tuple(self.args.export)
         env = {k: v for k, v in sorted(environ.items()) if k.startswith(prefixes) and not SECRET.search(k)}
+        if self.args.cpu:  # the ranks must not pick up a GPU the node happens to have
+            env["CUDA_VISIBLE_DEVICES"] = ""
         if not self.gpus and self.procs > 1 and "OMP_NUM_THREADS" not in env:
             # CPU ranks: share this machine's cores instead of each taking all of them
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.procs))

@@ -237,6 +237,7 @@ def test_slurm_cpu_job_has_no_gpus(tmp_path):
     files, argv, _ = split_render(plan.render())
     script = files[argv[-1]]
     assert "--ntasks-per-node=2" in script and "--gpus-per-node" not in script and "--nv" not in script
+    assert "export CUDA_VISIBLE_DEVICES=''" in script  # --cpu: no rank picks up a GPU
 
 
 # --------------------------------------------------------------------------- local and CLI
