@@ -398,4 +398,4 @@ def test_deepspeed_config_is_merged_and_checked_before_submission(tmp_path, caps
     assert main(["--launcher", "slurm", "--nodes", "4", "--gpus-per-node", "8", "--dry-run", "--", *TRAIN,
                  "--ds-config", str(ds)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "train_micro_batch_size_per_gpu=4" in err and "train.micro_batch_size=8" in err
+    assert err.count("\n") == 1 and "train_micro_batch_size_per_gpu=4" in err and "train.micro_batch_size = 8" in err

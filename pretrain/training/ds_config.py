@@ -61,12 +61,13 @@ def _same(theirs, ours) -> bool:
     return theirs == ours
 
 
-def _agree(key: str, theirs, ours, owner: str) -> None:
+def _agree(key: str, theirs, ours, owner: str, fix: str | None = None) -> None:
     """Refuse a DeepSpeed value that is neither "auto" nor the run config's (one line, both values)."""
     if theirs != AUTO and not _same(theirs, ours):
-        fix = ", or change the run config" if owner.startswith("train.") else ""
+        if fix is None:
+            fix = f", or change {owner}" if owner.startswith("train.") else ""
         raise ConfigError(f"DeepSpeed config {key}={json.dumps(theirs)} disagrees with the run config "
-                          f"({owner}={json.dumps(ours)}): remove it from the DeepSpeed file or set it to "
+                          f"({owner} = {json.dumps(ours)}): remove it from the DeepSpeed file or set it to "
                           f"\"auto\"{fix}")
 
 
@@ -81,14 +82,14 @@ def build_ds_config(base: dict, train: TrainConfig, world_size: int, use_cuda: b
     ds = copy.deepcopy(base)
     mb, ga = train.micro_batch_size, train.grad_accum
     owned = {
-        "train_micro_batch_size_per_gpu": (mb, "train.micro_batch_size"),
-        "gradient_accumulation_steps": (ga, "train.grad_accum"),
-        "train_batch_size": (mb * ga * world_size,
-                             f"train.micro_batch_size x train.grad_accum x {world_size} rank(s)"),
-        "gradient_clipping": (train.grad_clip, "train.grad_clip"),
+        "train_micro_batch_size_per_gpu": (mb, "train.micro_batch_size", None),
+        "gradient_accumulation_steps": (ga, "train.grad_accum", None),
+        "train_batch_size": (mb * ga * world_size, f"micro_batch_size {mb} x grad_accum {ga} x ranks {world_size}",
+                             ", or change train.micro_batch_size, train.grad_accum or the number of ranks"),
+        "gradient_clipping": (train.grad_clip, "train.grad_clip", None),
     }
-    for key, (ours, owner) in owned.items():
-        _agree(key, ds.get(key, AUTO), ours, owner)
+    for key, (ours, owner, fix) in owned.items():
+        _agree(key, ds.get(key, AUTO), ours, owner, fix)
         ds[key] = ours
 
     precision = _precision(train, use_cuda)
