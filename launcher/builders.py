@@ -23,6 +23,10 @@ def _pythonpath(existing: str = "") -> str:
     return os.pathsep.join(parts)
 
 
+def _rank_log_dir(r) -> str:
+    return os.path.join(os.path.abspath(r.run_dir), "logs")
+
+
 def _summary(r, what: str) -> str:
     return (f"{what}: {r.nodes} node(s) x {r.procs} rank(s) = {r.world_size} ranks, "
             f"entry `{' '.join([r.entry_module] + r.entry_args)}`, run dir {r.run_dir}")
@@ -36,11 +40,13 @@ def build_local(r) -> Plan:
         raise ValueError("--launcher local runs on this machine only; use deepspeed, slurm or mpi "
                          "for several nodes")
     py = r.python
-    if r.procs == 1:
+    if r.procs == 1 and not r.args.rank_logs:
         cmd = [py] + r.rank_argv()
     else:
         # torchrun (torch.distributed.run) sets RANK/LOCAL_RANK/WORLD_SIZE for each process
         cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={r.procs}"]
+        if r.args.rank_logs:  # <dir>/<run id>/attempt_N/<rank>/{stdout,stderr}.log, and the console
+            cmd += ["--log-dir", _rank_log_dir(r), "--tee", "3"]
         cmd += ["-m", r.entry_module] + r.entry_args + r.train_args
     env = dict(_parse_user_env(r))
     return Plan("local", cmd, env=env, summary=_summary(r, "local"))
@@ -81,6 +87,14 @@ def build_deepspeed(r) -> Plan:
         cmd += [f"--launcher={a.ds_launcher}"]
         if a.launcher_args:
             cmd += [f"--launcher_args={a.launcher_args}"]
+    # the runner's own options, under their deepspeed names
+    for value, flag in ((a.include, "--include"), (a.exclude, "--exclude"), (a.ssh_port, "--ssh_port")):
+        if value is not None:
+            cmd += [f"{flag}={value}"]
+    if a.no_ssh_check:
+        cmd += ["--no_ssh_check"]
+    if a.rank_logs:
+        cmd += [f"--enable_each_rank_log={_rank_log_dir(r)}"]
     # ranks read LOCAL_RANK from the environment; without this the runner inserts
     # --local_rank=N in front of the module's own arguments
     cmd += ["--no_local_rank", "--module", r.entry_module] + r.entry_args + r.train_args
@@ -128,6 +142,8 @@ def build_mpi(r) -> Plan:
                  and k not in exported]
     for k in exported:
         cmd += ["-x", k]
+    if a.rank_logs:  # OpenMPI: <dir>/1/rank.N/{stdout,stderr}
+        cmd += ["--output-filename", _rank_log_dir(r)]
     if a.mpirun_args:
         cmd += shlex.split(a.mpirun_args)
     cmd += [r.python] + r.rank_argv()
@@ -147,6 +163,28 @@ def _signal_parts(spec: str):
     if name.upper().startswith("SIG"):
         name = name[3:]
     return full, name
+
+
+def container_binds(r) -> List[str]:
+    """Host directories the ranks need inside a container, each mounted at its own path: the
+    working directory, the run directory, the DeepSpeed file's directory, the data (manifest,
+    shards, tokenizer; read from the manifest when it is visible here) and, with --host-code,
+    this checkout. A directory inside another one goes with it."""
+    paths = {os.getcwd(), os.path.abspath(r.run_dir)}
+    if r.config is not None:
+        paths |= {os.path.dirname(r.config[k]) for k in ("data", "ds_config") if "://" not in r.config[k]}
+        try:
+            from data_pipeline.manifest import Manifest, is_url
+
+            manifest = Manifest.load(r.config["data"])
+            paths.add(os.path.dirname(manifest.tokenizer_path))
+            paths |= {os.path.dirname(e.url) for entries in manifest.splits.values() for e in entries
+                      if not is_url(e.url)}
+        except (OSError, ValueError, KeyError):
+            pass  # visible from the nodes only: its directory is mounted, shards next to it are covered
+    if r.args.host_code:
+        paths.add(PROJECT_ROOT)
+    return [p for p in sorted(paths) if not any(p.startswith(q.rstrip("/") + "/") for q in paths)]
 
 
 def slurm_script(r, script_path: str) -> str:
@@ -187,24 +225,36 @@ def slurm_script(r, script_path: str) -> str:
         "export MASTER_PORT=" + (str(r.master_port) if r.master_port else
                                  '"$((20000 + SLURM_JOB_ID % 20000))"'),
         f"export GRT_RUN_DIR={q(run_dir)}",
+        "log() { echo \"$(date '+%Y-%m-%d %H:%M:%S') grt: $*\"; }",
     ]
     lines.append("unset " + " ".join(OUTER_RANK_VARS) + "  # ranks come from Slurm (SLURM_PROCID, ...)")
-    if not (a.container_image or a.apptainer):
+    container = a.container_image or a.apptainer
+    if container and not a.host_code:
+        # the image's code: no checkout on PYTHONPATH, and `python -m` does not put the
+        # working directory (perhaps a checkout) first on sys.path (Python 3.11+)
+        lines += ["unset PYTHONPATH", "export PYTHONSAFEPATH=1"]
+    else:
         lines.append(f"export PYTHONPATH={q(PROJECT_ROOT)}" + '"${PYTHONPATH:+:$PYTHONPATH}"')
     for k, v in r.env.items():
         lines.append(f"export {k}={q(v)}")
-    lines.append('echo "grt: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on '
+    lines.append('log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on '
                  '$SLURM_JOB_NODELIST, $SLURM_NTASKS ranks, master $MASTER_ADDR:$MASTER_PORT"')
 
     srun = ["srun", "--kill-on-bad-exit=1", f"--ntasks-per-node={r.procs}"]
+    if a.cpus_per_task:
+        # srun of Slurm 22.05-23.02 does not inherit the job's --cpus-per-task
+        srun += [f"--cpus-per-task={a.cpus_per_task}"]
+    if a.rank_logs:  # srun opens the files but does not create their directory
+        lines.append(f"mkdir -p {q(_rank_log_dir(r))}")
+        srun += [f"--output={os.path.join(_rank_log_dir(r), 'rank%t.log')}", "--open-mode=append"]
     rank_cmd = [r.python] + r.rank_argv()
     if a.container_image:
-        mounts = a.container_mounts or ",".join(sorted({f"{cwd}:{cwd}", f"{run_dir}:{run_dir}"}))
+        mounts = a.container_mounts or ",".join(f"{b}:{b}" for b in container_binds(r))
         srun += [f"--container-image={a.container_image}", f"--container-mounts={mounts}",
                  f"--container-workdir={cwd}"]
     elif a.apptainer:
-        binds = a.container_mounts or ",".join(sorted({cwd, run_dir}))
-        rank_cmd = ["apptainer", "exec"] + (["--nv"] if r.gpus else []) + ["--bind", binds,
+        binds = a.container_mounts or ",".join(container_binds(r))
+        rank_cmd = ["apptainer", "exec"] + (["--nv"] if r.gpus else []) + ["--bind", binds, "--pwd", cwd,
                                                                            a.apptainer] + rank_cmd
     for extra in a.srun_arg:
         srun += shlex.split(extra)
@@ -218,7 +268,7 @@ def slurm_script(r, script_path: str) -> str:
             "srun_pid=",
             "forward() {",
             '  preempted=1',
-            '  echo "grt: received SIG$1, forwarding it to the ranks"',
+            '  log "received SIG$1, forwarding it to the ranks"',
             '  if [ -n "$srun_pid" ]; then kill -s "$1" "$srun_pid" 2>/dev/null || true; fi',
             "}",
             f"trap 'forward {sig_name}' {sig_name}",
@@ -233,14 +283,14 @@ def slurm_script(r, script_path: str) -> str:
             '  wait "$srun_pid"; status=$?',
             '  kill -0 "$srun_pid" 2>/dev/null || break',
             "done",
-            'echo "grt: ranks exited with status $status"',
+            'log "ranks exited with status $status"',
             'if [ "$preempted" = 1 ] && [ "$status" = 0 ]; then',
         ]
         if a.requeue:
-            lines += ['  echo "grt: checkpoint saved after the pre-emption signal; requeueing job $SLURM_JOB_ID"',
+            lines += ['  log "checkpoint saved after the pre-emption signal; requeueing job $SLURM_JOB_ID"',
                       '  scontrol requeue "$SLURM_JOB_ID"']
         else:
-            lines += [f'  echo "grt: checkpoint saved after the pre-emption signal; resume with: sbatch {script_path}"']
+            lines += [f'  log "checkpoint saved after the pre-emption signal; resume with: sbatch {script_path}"']
         lines += ["fi", 'exit "$status"']
     else:
         lines += [srun_line]
@@ -251,6 +301,11 @@ def build_slurm(r) -> Plan:
     a = r.args
     if a.container_image and a.apptainer:
         raise ValueError("choose one of --container-image (pyxis) and --apptainer")
+    if not r.gpus and not a.cpu:
+        raise ValueError("a Slurm job needs --gpus-per-node G (one rank per GPU), or --cpu for a CPU-only job")
+    if a.host_code and not (a.container_image or a.apptainer):
+        raise ValueError("--host-code goes with --container-image or --apptainer (without a container "
+                         "the ranks run this checkout's code anyway)")
     script_path = os.path.join(r.launch_dir, "slurm.sbatch")
     script = slurm_script(r, script_path)
     cmd = ["sbatch", "--parsable"] + (["--wait"] if a.wait else []) + [script_path]

@@ -31,7 +31,9 @@ from launcher.hosts import env_hostfile, parse_hosts, read_hostfile, slurm_alloc
 from launcher.plan import Plan
 
 LAUNCHERS = ("local", "deepspeed", "slurm", "mpi")
-DS_LAUNCHERS = ("pdsh", "openmpi", "mvapich", "slurm", "mpich", "impi")
+# DeepSpeed's "slurm" backend is left out: it cannot start a module (`--launcher slurm` writes
+# an sbatch script with srun instead)
+DS_LAUNCHERS = ("pdsh", "openmpi", "mvapich", "mpich", "impi")
 DEFAULT_ENTRY = "pretrain.cli train"
 
 
@@ -63,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--procs-per-node", type=int, default=None,
                    help="ranks per node (default: --gpus-per-node, else 1); on CPU this is the "
                    "number of processes")
+    p.add_argument("--cpu", action="store_true",
+                   help="CPU ranks: no GPU request, CUDA_VISIBLE_DEVICES empty (a Slurm job needs this "
+                   "or --gpus-per-node)")
     p.add_argument("--hostfile", default=None,
                    help="hostfile ('host slots=N' lines); default $GRT_HOSTFILE or $DLTS_HOSTFILE")
     p.add_argument("--hosts", default=None,
@@ -78,10 +83,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ssh", action="store_true",
                    help="deepspeed: start only this node's ranks (run once per node with "
                    "--node-rank), no pdsh/ssh")
-    p.add_argument("--ds-launcher", choices=DS_LAUNCHERS, default="pdsh",
-                   help="deepspeed runner's multi-node backend (--launcher of `deepspeed`)")
-    p.add_argument("--launcher-args", default="",
-                   help="extra arguments for the deepspeed runner's backend (--launcher_args)")
+    p.add_argument("--rank-logs", action="store_true",
+                   help="also write each rank's output to RUN_DIR/logs/ (deepspeed: --enable_each_rank_log, "
+                   "slurm: srun --output, mpi: --output-filename, local: torchrun --log-dir)")
+    d = p.add_argument_group("deepspeed runner")
+    d.add_argument("--ds-launcher", choices=DS_LAUNCHERS, default="pdsh",
+                   help="the runner's multi-node backend (--launcher of `deepspeed`; for Slurm use "
+                   "--launcher slurm)")
+    d.add_argument("--launcher-args", default="",
+                   help="extra arguments for the runner's backend (--launcher_args)")
+    d.add_argument("--include", default=None, help="deepspeed --include, e.g. 'node1:0,1@node2'")
+    d.add_argument("--exclude", default=None, help="deepspeed --exclude, e.g. 'node3'")
+    d.add_argument("--ssh-port", type=int, default=None, help="deepspeed --ssh_port")
+    d.add_argument("--no-ssh-check", action="store_true",
+                   help="deepspeed --no_ssh_check: skip the runner's passwordless-ssh test")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment variable for every rank (repeatable)")
     p.add_argument("--export", action="append", default=[], metavar="PREFIX",
@@ -122,7 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--container-image", default=None,
                    help="run the ranks in this image through pyxis/enroot (srun --container-image)")
     s.add_argument("--container-mounts", default=None,
-                   help="pyxis mounts (default: the working directory and run directory)")
+                   help="container mounts (default: the working directory, the run directory, the "
+                   "data's manifest, shards and tokenizer, and the DeepSpeed file's directory)")
+    s.add_argument("--host-code", action="store_true",
+                   help="containers: run this checkout's code (mounted, on PYTHONPATH) instead of the "
+                   "image's")
     s.add_argument("--apptainer", default=None, metavar="IMAGE",
                    help="run the ranks with `apptainer exec --nv IMAGE` instead")
     s.add_argument("--sbatch-arg", action="append", default=[],
@@ -188,7 +207,9 @@ class Resolved:
                 hosts = [(h, 0) for h in alloc]
         if hosts is None:
             self.hostfile = None
-        self.gpus = args.gpus_per_node
+        if args.cpu and args.gpus_per_node:
+            raise ValueError("--cpu and --gpus-per-node exclude each other")
+        self.gpus = 0 if args.cpu else args.gpus_per_node
         if self.gpus is None:
             if hosts and self.hostfile_given:
                 self.gpus = hosts[0][1]
@@ -218,8 +239,10 @@ class Resolved:
         resolve = (entry == DEFAULT_ENTRY.split() and not args.no_resolve
                    and not {"-h", "--help", "--print-config"} & set(train_args))
         resume = False
+        self.ds_config = None  # the merged DeepSpeed config, checked here before anything starts
         if resolve:
             self.config, resume = resolve_train_config(train_args)
+            self.ds_config = checked_ds_config(self.config, self.world_size, use_cuda=self.gpus > 0)
             out = self.config["out"]
         if args.launcher == "slurm" and entry == DEFAULT_ENTRY.split() and not args.no_auto_resume:
             resume = True
@@ -237,6 +260,8 @@ class Resolved:
     def _rank_env(self, environ: Dict[str, str]) -> Dict[str, str]:
         prefixes = tuple(DEFAULT_EXPORT_PREFIXES) + tuple(self.args.export)
         env = {k: v for k, v in sorted(environ.items()) if k.startswith(prefixes) and not SECRET.search(k)}
+        if self.args.cpu:  # the ranks must not pick up a GPU the node happens to have
+            env["CUDA_VISIBLE_DEVICES"] = ""
         if not self.gpus and self.procs > 1 and "OMP_NUM_THREADS" not in env:
             # CPU ranks: share this machine's cores instead of each taking all of them
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.procs))
@@ -278,6 +303,7 @@ def resolve_train_config(train_args: Sequence[str]) -> Tuple[Dict[str, object], 
     """
     from pretrain.config import ConfigError
     from pretrain.train import build_parser as train_parser, config_from_args
+    from pretrain.training.ds_config import resolve_ds_path
 
     try:
         targs = train_parser().parse_args(list(train_args))
@@ -297,11 +323,24 @@ def resolve_train_config(train_args: Sequence[str]) -> Tuple[Dict[str, object], 
     except ConfigError as e:
         raise ValueError(f"run config: {e}") from e
     config = cfg.to_dict()
-    for key in ("data", "ds_config", "out"):
+    for key in ("data", "out"):
         value = config.get(key)
         if isinstance(value, str) and value and not os.path.isabs(value) and "://" not in value:
             config[key] = os.path.abspath(value)
+    config["ds_config"] = os.path.abspath(resolve_ds_path(config["ds_config"]))
     return config, bool(targs.resume)
+
+
+def checked_ds_config(config: Dict[str, object], world_size: int, use_cuda: bool) -> Dict[str, object]:
+    """The DeepSpeed config every rank will build, merged and checked once, here."""
+    from pretrain.config import ConfigError
+    from pretrain.training.ds_config import merged_ds_config
+    from pretrain.training.run_config import RunConfig
+
+    try:
+        return merged_ds_config(RunConfig.from_dict(config), world_size, use_cuda)
+    except ConfigError as e:
+        raise ValueError(f"run config: {e}") from e
 
 
 def _local_gpu_count() -> int:
@@ -324,7 +363,9 @@ def build_plan(argv: Sequence[str], environ: Optional[Dict[str, str]] = None) ->
     if r.config is not None:
         import json
 
-        plan.files = {r.config_path: json.dumps(r.config, indent=2) + "\n", **plan.files}
+        ds_path = os.path.join(r.launch_dir, "ds_config.json")
+        plan.files = {r.config_path: json.dumps(r.config, indent=2) + "\n",
+                      ds_path: json.dumps(r.ds_config, indent=2) + "\n", **plan.files}
     plan.run_dir = r.launch_dir
     plan.record = r.record(argv)
     return plan, args

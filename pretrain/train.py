@@ -1,14 +1,28 @@
-"""`grt train`: build the run config (preset or model JSON + overrides), check it, train."""
+"""`grt train`: build the run config (preset or model JSON + overrides), check it, train.
+
+Also the entry point that plain launchers start, as their users type them:
+`deepspeed --num_gpus N --module pretrain.train ...`, `torchrun --nproc_per_node N pretrain/train.py ...`,
+`python pretrain/train.py ...`. The launchers' own arguments are accepted: `--local_rank`,
+and `--deepspeed [DS_JSON]` / `--deepspeed_config DS_JSON` as aliases of `--ds-config`.
+"""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from pretrain.config import ConfigError, ModelConfig
-from pretrain.distributed import exit_process
-from pretrain.presets import PRESETS, get_preset
-from pretrain.training.run_config import RunConfig, apply_overrides
+if __name__ == "__main__" and not __package__:
+    # run as a script path: import this checkout's package (not another installed copy), and
+    # keep the package's own directory off sys.path (its modules would shadow top-level names)
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# idle OpenMP workers sleep (see pretrain/cli.py); set before torch is imported
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from pretrain.config import ConfigError, ModelConfig  # noqa: E402
+from pretrain.distributed import discover, exit_process  # noqa: E402
+from pretrain.presets import PRESETS, get_preset  # noqa: E402
+from pretrain.training.run_config import RunConfig, apply_overrides  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,7 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", help=f"model preset: {', '.join(PRESETS)}")
     p.add_argument("--model-config", help="model config JSON (instead of --preset)")
     p.add_argument("--data", help="manifest.json written by `grt data prepare`")
-    p.add_argument("--ds-config", help="DeepSpeed JSON (default ds_configs/zero3.json)")
+    p.add_argument("--ds-config", "--deepspeed_config", "--deepspeed-config", dest="ds_config",
+                   help="DeepSpeed JSON (default ds_configs/zero3.json, the shipped one from any directory); "
+                   "its batch sizes, optimizer, schedule, precision and clipping must be \"auto\" or agree "
+                   "with the run config (docs/launching.md)")
+    p.add_argument("--deepspeed", nargs="?", const="", metavar="DS_JSON",
+                   help="accepted for Megatron/HF habits (DeepSpeed is always on); with a path, as --ds-config")
+    p.add_argument("--local_rank", "--local-rank", type=int, dest="local_rank",
+                   help="set by the deepspeed launcher; ranks read LOCAL_RANK from the environment")
     p.add_argument("--out", help="run directory: config, logs, TensorBoard, checkpoints")
     p.add_argument("--steps", type=int)
     p.add_argument("--micro-batch-size", type=int)
@@ -25,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out, if any")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. train.lr=3e-4, model.layout=2+4x4+2 (repeatable)")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved run config and the merged DeepSpeed config, and exit")
     return p
 
 
@@ -37,9 +59,12 @@ def config_from_args(args) -> RunConfig:
         cfg.model = get_preset(args.preset)
     if args.model_config:
         cfg.model = ModelConfig.load(args.model_config)
-    for flag, key in (("data", "data"), ("ds_config", "ds_config"), ("out", "out")):
-        if getattr(args, flag):
-            setattr(cfg, key, getattr(args, flag))
+    if args.ds_config and args.deepspeed and args.ds_config != args.deepspeed:
+        raise ConfigError(f"--deepspeed {args.deepspeed} and --ds-config {args.ds_config} name different "
+                          "DeepSpeed files; give one")
+    for key, value in (("data", args.data), ("ds_config", args.ds_config or args.deepspeed), ("out", args.out)):
+        if value:
+            setattr(cfg, key, value)
     for flag in ("steps", "micro_batch_size", "grad_accum"):
         if getattr(args, flag) is not None:
             setattr(cfg.train, flag, getattr(args, flag))
@@ -50,10 +75,17 @@ def config_from_args(args) -> RunConfig:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     try:
         cfg = config_from_args(args)
         if args.print_config:
-            print(json.dumps(cfg.to_dict(), indent=2))
+            import torch
+
+            from pretrain.training.ds_config import merged_ds_config
+
+            ds = merged_ds_config(cfg, discover().world_size, torch.cuda.is_available())
+            print(json.dumps({"run_config": cfg.to_dict(), "deepspeed_config": ds}, indent=2))
             return 0
         from pretrain.training.trainer import TrainingStopped, train
 
@@ -67,3 +99,7 @@ def main(argv=None) -> int:
     if summary:
         print(json.dumps(summary, indent=2))
     return exit_process(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -232,11 +232,12 @@ def test_slurm_apptainer_and_no_signal(tmp_path):
 
 
 def test_slurm_cpu_job_has_no_gpus(tmp_path):
-    plan, _ = build_plan(["--launcher", "slurm", "--procs-per-node", "2", "--run-dir", str(tmp_path),
+    plan, _ = build_plan(["--launcher", "slurm", "--cpu", "--procs-per-node", "2", "--run-dir", str(tmp_path),
                           "--dry-run", "--data", "m.json"], environ={})
     files, argv, _ = split_render(plan.render())
     script = files[argv[-1]]
     assert "--ntasks-per-node=2" in script and "--gpus-per-node" not in script and "--nv" not in script
+    assert "export CUDA_VISIBLE_DEVICES=''" in script  # --cpu: no rank picks up a GPU
 
 
 # --------------------------------------------------------------------------- local and CLI
@@ -284,9 +285,117 @@ def test_slurm_hosts_become_a_nodelist(tmp_path):
 def test_train_flags_pass_without_separator(tmp_path):
     """Unknown flags go to `grt train`, even those that look like abbreviations of ours."""
     out = str(tmp_path / "run")
-    plan, _ = build_plan(["--launcher", "slurm", "--dry-run", "--data", "m.json", "--out", out,
+    plan, _ = build_plan(["--launcher", "slurm", "--cpu", "--dry-run", "--data", "m.json", "--out", out,
                           "--steps", "7"], environ={})
     files, argv, _ = split_render(plan.render())
     config = json.loads(files[os.path.join(out, "launch", "config.json")])
     assert config["out"] == out and config["train"]["steps"] == 7
     assert f"--output={out}/slurm-%j.out" in files[argv[-1]]
+
+
+# --------------------------------------------------------------------------- cluster habits
+
+
+def write_manifest(root):
+    """A manifest whose tokenizer and shards live in three different directories."""
+    from data_pipeline.manifest import manifest_dict
+
+    for d in ("meta", "tok", "shards-a", "shards-b"):
+        (root / d).mkdir(parents=True)
+    (root / "tok" / "tok.model").write_bytes(b"")
+    for d in ("shards-a", "shards-b"):
+        (root / d / "s0.bin").write_bytes(b"")
+    split = lambda d: [{"name": str(root / d / "s0.bin"), "sequences": 1, "tokens": 64}]  # noqa: E731
+    manifest = manifest_dict(seq_len=64, vocab_size=512, sep_id=0, sep_piece="", ext="u16",
+                             tokenizer_name=str(root / "tok" / "tok.model"), tokenizer_sha256="0",
+                             splits={"train": split("shards-a"), "val": split("shards-b")},
+                             sources=[], stats={}, options={})
+    path = root / "meta" / "manifest.json"
+    path.write_text(json.dumps(manifest))
+    return path
+
+
+def srun_line(plan):
+    files, argv, _ = split_render(plan.render())
+    script = files[argv[-1]]
+    return script, shlex.split(next(l for l in script.splitlines() if l.startswith("srun ")).rstrip(" &"))
+
+
+def test_slurm_container_mounts_the_data_and_uses_the_image_code(tmp_path, monkeypatch):
+    manifest = write_manifest(tmp_path / "data")
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")  # launched from outside the checkout
+    run = tmp_path / "runs" / "r"
+    train = ["--preset", "tiny-grt", "--data", str(manifest), "--out", str(run)]
+    plan = plan_for("slurm", "--container-image", "grt.sqsh", train=train)
+    script, srun = srun_line(plan)
+    mounts = next(a for a in srun if a.startswith("--container-mounts=")).split("=", 1)[1].split(",")
+    d = tmp_path / "data"
+    expected = [str(p) for p in (d / "meta", d / "shards-a", d / "shards-b", d / "tok", run, tmp_path / "work")]
+    assert sorted(m.split(":")[0] for m in mounts) == sorted(expected + [os.path.join(ROOT, "ds_configs")])
+    assert all(m.split(":")[0] == m.split(":")[1] for m in mounts)  # each at its own path
+    assert f"--container-workdir={tmp_path / 'work'}" in srun
+    # the image's code: no checkout mounted or on PYTHONPATH, the working directory not first on sys.path
+    assert "unset PYTHONPATH" in script and "export PYTHONSAFEPATH=1" in script
+    # --host-code: this checkout, mounted and first on PYTHONPATH
+    script, srun = srun_line(plan_for("slurm", "--apptainer", "grt.sif", "--host-code", train=train))
+    binds = srun[srun.index("--bind") + 1].split(",")
+    assert ROOT in binds and str(d / "tok") in binds and srun[srun.index("--pwd") + 1] == str(tmp_path / "work")
+    assert f"export PYTHONPATH={ROOT}" in script and "PYTHONSAFEPATH" not in script
+
+
+def test_slurm_cpus_per_task_rank_logs_and_dated_log_lines(tmp_path):
+    plan = plan_for("slurm", "--cpus-per-task", "12", "--exclusive", "--mem", "0", "--rank-logs",
+                    "--run-dir", str(tmp_path))
+    script, srun = srun_line(plan)
+    assert "#SBATCH --cpus-per-task=12" in script and "--cpus-per-task=12" in srun
+    assert "#SBATCH --exclusive" in script and "#SBATCH --mem=0" in script
+    assert f"--output={tmp_path}/logs/rank%t.log" in srun and "--open-mode=append" in srun
+    assert f"mkdir -p {tmp_path}/logs" in script
+    assert "date '+%Y-%m-%d %H:%M:%S'" in script and 'echo "grt:' not in script
+    (tmp_path / "s.sh").write_text(script)
+    assert subprocess.run(["bash", "-n", str(tmp_path / "s.sh")]).returncode == 0
+
+
+def test_slurm_without_gpus_is_refused_in_one_line(capsys):
+    assert main(["--launcher", "slurm", "--nodes", "4", "--dry-run", "--", *TRAIN]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--gpus-per-node" in err and "--cpu" in err
+    assert main(["--launcher", "slurm", "--cpu", "--gpus-per-node", "8", "--dry-run", "--", *TRAIN]) == 2
+    assert "exclude each other" in capsys.readouterr().err
+
+
+def test_deepspeed_runner_options_pass_through():
+    from deepspeed.launcher import runner as ds_runner
+
+    plan = plan_for("deepspeed", "--hosts", "node[1-4]", "--include", "node1:0,1@node2", "--exclude", "node3",
+                    "--ssh-port", "2222", "--no-ssh-check", "--rank-logs")
+    _, argv, _ = split_render(plan.render())
+    args = ds_runner.parse_args(argv[argv.index("--hostfile"):])
+    assert (args.include, args.exclude, args.ssh_port, args.no_ssh_check) == ("node1:0,1@node2", "node3", 2222, True)
+    assert args.enable_each_rank_log == os.path.join(RUN_DIR, "logs")
+    with pytest.raises(SystemExit):  # DeepSpeed's slurm backend cannot start a module
+        plan_for("deepspeed", "--hosts", "node[1-4]", "--ds-launcher", "slurm")
+
+
+def test_rank_logs_on_local_and_mpi():
+    local, _ = build_plan(["--procs-per-node", "2", "--rank-logs", "--dry-run", "--", *TRAIN], environ={})
+    assert local.command[local.command.index("--log-dir") + 1] == os.path.join(RUN_DIR, "logs")
+    mpi = plan_for("mpi", "--hosts", "node[1-4]", "--rank-logs")
+    assert mpi.command[mpi.command.index("--output-filename") + 1] == os.path.join(RUN_DIR, "logs")
+
+
+def test_deepspeed_config_is_merged_and_checked_before_submission(tmp_path, capsys):
+    ds = tmp_path / "megatron.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+                              "zero_optimization": {"stage": 1}}))
+    # the merged config the 32 ranks will use is written next to the run config
+    plan = plan_for("slurm", train=TRAIN + ["--micro-batch-size", "4", "--ds-config", str(ds)])
+    files, _, _ = split_render(plan.render())
+    merged = json.loads(files[os.path.join(RUN_DIR, "launch", "ds_config.json")])
+    assert merged["train_batch_size"] == 4 * 32 and merged["bf16"]["enabled"] is True
+    # a disagreement stops the launch before sbatch, in one line
+    assert main(["--launcher", "slurm", "--nodes", "4", "--gpus-per-node", "8", "--dry-run", "--", *TRAIN,
+                 "--ds-config", str(ds)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "train_micro_batch_size_per_gpu=4" in err and "train.micro_batch_size = 8" in err

@@ -34,7 +34,7 @@ def cluster():
 
 def submit(cluster, *args):
     """`grt launch --launcher slurm ...` against the test cluster; returns the job id."""
-    r = grt_launch("--launcher", "slurm", *args, env=clean_env(SLURM_CONF=cluster.conf))
+    r = grt_launch("--launcher", "slurm", "--cpu", *args, env=clean_env(SLURM_CONF=cluster.conf))
     job = r.stdout.strip().splitlines()[-1].split(";")[0]
     assert job.isdigit(), r.stdout
     return job
@@ -70,7 +70,7 @@ def wait_requeued(cluster, job, timeout=120):
 
 def test_generated_scripts_pass_sbatch_test_only(cluster, tmp_path):
     env = clean_env(SLURM_CONF=cluster.conf)
-    r = grt_launch("--launcher", "slurm", "--procs-per-node", "2", "--time", "00:10:00",
+    r = grt_launch("--launcher", "slurm", "--cpu", "--procs-per-node", "2", "--time", "00:10:00",
                    "--partition", cluster.partition, "--job-name", "grt-check", "--requeue",
                    "--signal", "USR1@60", "--dry-run", "--run-dir", str(tmp_path), "--entry", "launcher.probe",
                    "--", "--out", str(tmp_path), env=env)
@@ -124,13 +124,20 @@ def test_preempted_probe_is_requeued_and_resumes(cluster, tmp_path):
 def test_slurm_trains_two_tasks(cluster, tmp_path):
     out = tmp_path / "run"
     # --wait: `grt launch` returns when the job has ended, with its exit status
-    job = submit(cluster, "--procs-per-node", "2", "--time", "00:20:00", "--wait", "--", *train_args(out, 4))
+    job = submit(cluster, "--procs-per-node", "2", "--cpus-per-task", "1", "--rank-logs", "--time", "00:20:00",
+                 "--wait", "--", *train_args(out, 4))
     assert cluster.job_state(job)["JobState"] == "COMPLETED"
     wait_done(cluster, job, out, timeout=30)
     check_trained(out, 4)
+    # each rank's output in its own file (srun --output=.../rank%t.log), dated log lines
+    rank0 = open(out / "logs" / "rank0.log").read()
+    assert "step 4/4" in rank0 and "saved checkpoint" in rank0
+    assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[rank 0\] INFO", rank0, flags=re.M), rank0[-2000:]
+    assert os.path.getsize(out / "logs" / "rank1.log") > 0
     log = job_log(out, job)
-    assert "step 4/4" in log and "saved checkpoint" in log
+    assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d grt: job " + job, log, flags=re.M), log[-2000:]
     assert json.load(open(out / "launch" / "config.json")) == json.load(open(out / "config.json"))
+    assert json.load(open(out / "launch" / "ds_config.json")) == json.load(open(out / "ds_config.json"))
 
 
 def test_preempted_training_checkpoints_and_a_resubmission_resumes(cluster, tmp_path):

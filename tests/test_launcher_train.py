@@ -1,16 +1,19 @@
 """`grt launch` trains a few steps of the tiny preset through each real launcher (CPU, gloo):
 the deepspeed runner with 2 local ranks, two "nodes" on one machine (the per-node launch run
-twice with node rank 0 and 1), and `mpirun -np 2` with ranks found through mpi4py.
+twice with node rank 0 and 1), and `mpirun -np 2` with ranks found through mpi4py; and the
+plain `deepspeed` and `torchrun` commands on the training entry point, as their users type them.
 Slurm is in test_launcher_slurm.py."""
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launch_helpers import check_trained, clean_env, free_port, grt_launch, train_args, wait_all  # noqa: E402
+from launch_helpers import ROOT, check_trained, clean_env, free_port, grt_launch, train_args, wait_all  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -63,3 +66,54 @@ def test_mpirun_trains_two_ranks_found_through_mpi4py(tmp_path):
     check_trained(out, 4)
     same_config_on_every_rank(out)
     assert "-np 2" in r.stdout
+
+
+def plain_train_args(out, steps, ds_config):
+    """train_args() with another DeepSpeed file in place of its --ds-config."""
+    args = train_args(out, steps)
+    i = args.index("--ds-config")
+    return args[:i] + args[i + 2:] + ds_config
+
+
+def run_plain(cmd, cwd, env, timeout=400):
+    """A launcher command as its users type it (own process group, ended on a timeout)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def test_plain_deepspeed_module_with_megatron_flags(tmp_path):
+    """`deepspeed --num_gpus 2 --module pretrain.train --deepspeed --deepspeed_config ds.json`:
+    the runner's --local_rank=N is accepted, the HF-style "auto" file is filled and saved."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+                              "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                              "train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+                              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}}))
+    out = tmp_path / "run"
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "pretrain.train",
+           *plain_train_args(out, 3, ["--deepspeed", "--deepspeed_config", str(ds)])]
+    run_plain(cmd, ROOT, clean_env())
+    check_trained(out, 3)
+    saved = json.load(open(out / "ds_config.json"))
+    assert saved["train_batch_size"] == 2 * 1 * 2 and saved["gradient_clipping"] == 1.0
+    assert saved["zero_optimization"] == {"stage": 2} and saved["optimizer"]["params"]["torch_adam"] is True
+
+
+def test_plain_torchrun_script_path_outside_the_checkout(tmp_path):
+    """`torchrun --nproc_per_node 2 <checkout>/pretrain/train.py` from another directory, without
+    PYTHONPATH: the script imports its own checkout and finds a shipped DeepSpeed file by name."""
+    out = tmp_path / "run"
+    env = clean_env()
+    env.pop("PYTHONPATH")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "pretrain", "train.py"), *plain_train_args(out, 3, ["--ds-config", "zero1.json"])]
+    run_plain(cmd, str(tmp_path), env)
+    check_trained(out, 3)
+    assert json.load(open(out / "ds_config.json"))["zero_optimization"]["stage"] == 1

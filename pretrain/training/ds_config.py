@@ -1,46 +1,147 @@
-"""Merge a DeepSpeed JSON from ds_configs/ with the run config, once, before any process
-group exists. The run config is the source of truth for batch sizes, optimizer,
-schedule, precision and clipping; a DeepSpeed file that disagrees is refused."""
+"""Merge a DeepSpeed JSON with the run config, once, before any process group exists.
+
+The rule (docs/launching.md, "DeepSpeed configs"): the run config owns the batch sizes,
+the optimizer, the learning-rate schedule, the precision and gradient clipping. In the
+DeepSpeed file each of these may be absent, "auto" (filled from the run config, as the
+Hugging Face trainer does), or equal to the run config's value; any other value is
+refused with one line naming both values. Everything else (ZeRO, offload, communication,
+logging) belongs to DeepSpeed and is used as written; "auto" there means DeepSpeed's own
+default.
+"""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 from pretrain.config import ConfigError, load_json_object
-from pretrain.training.run_config import TrainConfig
+from pretrain.training.run_config import RunConfig, TrainConfig
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+SHIPPED_DIR = PROJECT_ROOT / "ds_configs"
+AUTO = "auto"
+# optimizer types that are AdamW in DeepSpeed ("Adam" is AdamW unless adam_w_mode is false)
+ADAMW_TYPES = ("adamw", "adam")
+SCHEDULER_TYPE = "WarmupCosineLR"
+
+
+def resolve_ds_path(path: str | Path) -> Path:
+    """The DeepSpeed file `path` names: as given when it exists (or is absolute), else one of
+    the shipped configs (`ds_configs/zero3.json` or `zero3.json`), whatever the working directory."""
+    p = Path(path)
+    if p.is_absolute() or p.exists():
+        return p
+    for base in (PROJECT_ROOT, SHIPPED_DIR):
+        if (base / p).is_file():
+            return base / p
+    return p
 
 
 def load_ds_json(path: str | Path) -> dict:
-    return load_json_object(path, f"ds_config={str(path)!r}",
-                            " (configs ship in ds_configs/: zero1.json, zero2.json, zero3.json)")
+    return load_json_object(resolve_ds_path(path), f"ds_config={str(path)!r}",
+                            f" (configs ship in {SHIPPED_DIR.name}/: zero1.json, zero2.json, zero3.json)")
 
 
 def zero_stage(ds: dict) -> int:
     return int(ds.get("zero_optimization", {}).get("stage", 0))
 
 
+def _precision(train: TrainConfig, use_cuda: bool) -> str:
+    return train.precision if train.precision != "auto" else ("bf16" if use_cuda else "fp32")
+
+
+def _same(theirs, ours) -> bool:
+    if isinstance(ours, (list, tuple)):
+        return isinstance(theirs, (list, tuple)) and len(theirs) == len(ours) and all(
+            _same(a, b) for a, b in zip(theirs, ours))
+    if isinstance(ours, bool) or isinstance(theirs, bool):
+        return theirs is ours
+    if isinstance(ours, (int, float)) and isinstance(theirs, (int, float)):
+        return abs(theirs - ours) <= 1e-12 * max(abs(ours), 1.0)
+    return theirs == ours
+
+
+def _agree(key: str, theirs, ours, owner: str, fix: str | None = None) -> None:
+    """Refuse a DeepSpeed value that is neither "auto" nor the run config's (one line, both values)."""
+    if theirs != AUTO and not _same(theirs, ours):
+        if fix is None:
+            fix = f", or change {owner}" if owner.startswith("train.") else ""
+        raise ConfigError(f"DeepSpeed config {key}={json.dumps(theirs)} disagrees with the run config "
+                          f"({owner} = {json.dumps(ours)}): remove it from the DeepSpeed file or set it to "
+                          f"\"auto\"{fix}")
+
+
+def _drop_auto(tree: dict) -> dict:
+    """DeepSpeed's own keys left "auto": removed, so that DeepSpeed's default applies."""
+    return {k: _drop_auto(v) if isinstance(v, dict) else v for k, v in tree.items() if v != AUTO}
+
+
 def build_ds_config(base: dict, train: TrainConfig, world_size: int, use_cuda: bool) -> dict:
+    """The DeepSpeed config the engine gets: `base` (a DeepSpeed file) merged with the run
+    config by the rule of this module's docstring."""
     ds = copy.deepcopy(base)
     mb, ga = train.micro_batch_size, train.grad_accum
-    for key, ours in (("train_micro_batch_size_per_gpu", mb), ("gradient_accumulation_steps", ga)):
-        if key in ds and ds[key] != ours:
-            raise ConfigError(f"DeepSpeed {key}={ds[key]} disagrees with the run config ({ours}); "
-                              f"remove it from the DeepSpeed file or set train.{'micro_batch_size' if 'micro' in key else 'grad_accum'}")
-    if "train_batch_size" in ds and ds["train_batch_size"] != mb * ga * world_size:
-        raise ConfigError(f"DeepSpeed train_batch_size={ds['train_batch_size']} != micro_batch_size {mb} x grad_accum {ga} "
-                          f"x ranks {world_size} = {mb * ga * world_size}; fix one of train.micro_batch_size, "
-                          "train.grad_accum, the number of ranks, or train_batch_size")
-    ds.update(train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=ga, train_batch_size=mb * ga * world_size,
-              gradient_clipping=train.grad_clip)
+    owned = {
+        "train_micro_batch_size_per_gpu": (mb, "train.micro_batch_size", None),
+        "gradient_accumulation_steps": (ga, "train.grad_accum", None),
+        "train_batch_size": (mb * ga * world_size, f"micro_batch_size {mb} x grad_accum {ga} x ranks {world_size}",
+                             ", or change train.micro_batch_size, train.grad_accum or the number of ranks"),
+        "gradient_clipping": (train.grad_clip, "train.grad_clip", None),
+    }
+    for key, (ours, owner, fix) in owned.items():
+        _agree(key, ds.get(key, AUTO), ours, owner, fix)
+        ds[key] = ours
+
+    precision = _precision(train, use_cuda)
+    precision_owner = f"train.precision ({train.precision!r}: {precision} on {'CUDA' if use_cuda else 'CPU'})"
+    for block, ours in (("bf16", precision == "bf16"), ("fp16", False)):
+        section = dict(ds.get(block) or {})
+        _agree(f"{block}.enabled", section.get("enabled", AUTO), ours,
+               precision_owner if block == "bf16" else "train.precision (no fp16: bf16 or fp32)")
+        ds[block] = {**section, "enabled": ours}
+
     adam = {"lr": train.lr, "betas": list(train.betas), "eps": 1e-8, "weight_decay": train.weight_decay}
     if not use_cuda:
         # DeepSpeed's FusedAdam/CPUAdam JIT-compile on first use; torch's fused AdamW needs no build
         adam.update(torch_adam=True, fused=True)
-    ds.setdefault("optimizer", {"type": "AdamW", "params": adam})
-    ds.setdefault("scheduler", {"type": "WarmupCosineLR", "params": {
-        "total_num_steps": train.steps, "warmup_num_steps": max(1, min(train.warmup_steps, train.steps)),
-        "warmup_min_ratio": 0.0, "cos_min_ratio": train.min_lr / train.lr, "warmup_type": "linear"}})
-    precision = train.precision if train.precision != "auto" else ("bf16" if use_cuda else "fp32")
-    ds["bf16"] = {"enabled": precision == "bf16"}
-    ds.setdefault("fp16", {"enabled": False})
-    return ds
+    optimizer = ds.get("optimizer") or {}
+    kind = optimizer.get("type", AUTO)
+    if kind != AUTO and str(kind).lower() not in ADAMW_TYPES:
+        _agree("optimizer.type", kind, "AdamW", "the trainer's optimizer")
+    params = dict(optimizer.get("params") or {})
+    if params.get("adam_w_mode") is False:
+        _agree("optimizer.params.adam_w_mode", False, True, "the trainer's optimizer (AdamW)")
+    for key, owner in (("lr", "train.lr"), ("betas", "train.betas"), ("weight_decay", "train.weight_decay")):
+        _agree(f"optimizer.params.{key}", params.get(key, AUTO), adam[key], owner)
+    # eps and DeepSpeed's optimizer switches are not in the run config: the file's, else ours
+    ds["optimizer"] = {"type": "AdamW", "params": {**adam, **{k: v for k, v in params.items() if v != AUTO}}}
+
+    schedule = {"total_num_steps": train.steps, "warmup_num_steps": max(1, min(train.warmup_steps, train.steps)),
+                "warmup_min_ratio": 0.0, "cos_min_ratio": train.min_lr / train.lr, "warmup_type": "linear"}
+    schedule_owner = {"total_num_steps": "train.steps", "warmup_num_steps": "train.warmup_steps",
+                      "warmup_min_ratio": "the trainer's warmup (from 0)",
+                      "cos_min_ratio": "train.min_lr / train.lr", "warmup_type": "the trainer's warmup (linear)"}
+    scheduler = ds.get("scheduler") or {}
+    kind = scheduler.get("type", AUTO)
+    if kind != AUTO and kind != SCHEDULER_TYPE:
+        _agree("scheduler.type", kind, SCHEDULER_TYPE,
+               "the run config's schedule: linear warmup over train.warmup_steps, cosine to train.min_lr")
+    for key, value in (scheduler.get("params") or {}).items():
+        if key in schedule:
+            _agree(f"scheduler.params.{key}", value, schedule[key], schedule_owner[key])
+        elif value != AUTO:
+            schedule[key] = value
+    ds["scheduler"] = {"type": SCHEDULER_TYPE, "params": schedule}
+    return _drop_auto(ds)
+
+
+def merged_ds_config(cfg: RunConfig, world_size: int, use_cuda: bool) -> dict:
+    """The run's DeepSpeed config: its `ds_config` file merged with the run config."""
+    return build_ds_config(load_ds_json(cfg.ds_config), cfg.train, world_size, use_cuda)
+
+
+def save_ds_config(ds: dict, out_dir: str | Path) -> Path:
+    """Write the merged DeepSpeed config next to the run config (`<out>/ds_config.json`)."""
+    path = Path(out_dir) / "ds_config.json"
+    path.write_text(json.dumps(ds, indent=2) + "\n")
+    return path

@@ -29,7 +29,7 @@ from pretrain.training import zero3
 from pretrain.config import ConfigError
 from pretrain.training.depth import sample_depth
 from pretrain.distributed import discover, init_distributed
-from pretrain.training.ds_config import build_ds_config, load_ds_json, zero_stage
+from pretrain.training.ds_config import build_ds_config, load_ds_json, save_ds_config, zero_stage
 from pretrain.model.flops import count_params, flops_per_token
 from pretrain.training.metrics import MetricsWriter, peak_flops, peak_memory_bytes
 from pretrain.model import GPT
@@ -157,7 +157,7 @@ class StopSignal:
 
 
 def setup_logging(out: Path | None, rank: int) -> None:
-    fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", "%H:%M:%S")
+    fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
     root = logging.getLogger()
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     for h in list(root.handlers):
@@ -384,6 +384,8 @@ def _train(cfg: RunConfig, resume: bool = False) -> dict:
         (out / "config.json").write_text(config_json)
 
     engine, ds = build_engine(cfg, world, device)
+    if rank == 0:
+        save_ds_config(ds, out)
     counts = count_params(engine.module) if zero_stage(ds) < 3 else _zero3_param_counts(cfg)
     seq_len = manifest.seq_len
     tokens_per_step = t.micro_batch_size * t.grad_accum * world * seq_len
