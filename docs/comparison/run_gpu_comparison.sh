@@ -59,7 +59,7 @@ else
   for f in "$corpus"/train-*.jsonl.gz; do train_inputs+=(-i "$f"); done
   grt data prepare "${train_inputs[@]}" --val-input "$corpus/val.jsonl.gz" -t "$work/tok.model" -o "$work/shards" \
       --seq-len 512 --shard-size-mb 16 -q
-  size=(--set model.d_model=512 --set model.n_heads=8 --set model.max_seq_len=512 --micro-batch-size 32 --lr 1e-3
+  size=(--set model.d_model=512 --set model.n_heads=8 --set model.max_seq_len=512 --micro-batch-size 64 --lr 1.5e-3
         --min-tokens 3e7 --evals 4 --eval-batches 20 --log-every 20)
 fi
 out="${OUT:-$work/results}"
