@@ -9,6 +9,7 @@ from multiproc import REPO, grt
 from pretrain.tools import compare
 from pretrain.config import ConfigError
 from pretrain.presets import get_preset
+from pretrain.training.run_config import RunConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -78,7 +79,7 @@ def test_compare_trains_each_config_and_writes_table_json_and_plot(shards, tmp_p
     out = tmp_path / "cmp"
     args = ["compare", "--data", str(shards), "--out", str(out), "--configs", "micro-grt,micro-ouro",
             "--tokens", "8192", "--micro-batch-size", "8", "--lr", "1e-2", "--evals", "2", "--eval-batches", "2",
-            "--log-every", "2", "--ds-config", str(REPO / "ds_configs" / "zero2.json")]
+            "--log-every", "2", "--ds-config", str(REPO / "ds_configs" / "zero2.json"), "--exit-depth-factor", "2"]
     r = grt(*args)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     result = json.loads((out / "comparison.json").read_text())
@@ -89,9 +90,14 @@ def test_compare_trains_each_config_and_writes_table_json_and_plot(shards, tmp_p
         assert set(row["val_loss_by_depth"]) == {"0", "1", "2", "3"} and row["val_loss"] < 6.0
         assert row["tokens_per_s"] > 0 and row["peak_memory_mb"] > 0
         assert row["train_curve"][-1][1] < row["train_curve"][0][1]
+        # the exit curve to 2R on the final checkpoint repeats the trainer's own losses up to R
+        assert set(row["exit_curve"]) == {str(d) for d in range(7)}
+        for depth in range(4):
+            assert row["exit_curve"][str(depth)] == pytest.approx(row["val_loss_by_depth"][str(depth)], abs=1e-4)
     assert rows["micro-ouro"]["train_flops_per_token"] > 3 * rows["micro-ouro"]["flops_per_token"]  # decodes every step
     assert (out / "loss_curves.png").stat().st_size > 10_000
     assert "| Ouro | micro-ouro |" in (out / "comparison.md").read_text()
+    assert "(beyond R: " in (out / "comparison.md").read_text()
     # a second call reuses the finished runs (no training) and rebuilds the same table
     again = grt(*args, timeout=120)
     assert again.returncode == 0 and "training" not in again.stdout
@@ -106,3 +112,54 @@ def test_a_run_being_trained_by_another_compare_is_refused(tmp_path):
         compare._lock(run)
     (run / "compare.lock").write_text("999999999\n")  # stale
     assert compare._lock(run).read_text().strip() == str(os.getpid())
+
+
+def _run(label: str, preset: str, steps: int, sampling: str = "uniform") -> dict:
+    cfg = RunConfig(model=get_preset(preset), data="unused")
+    cfg.train.steps, cfg.train.depth_sampling = steps, sampling
+    return {"label": label, "cfg": cfg}
+
+
+def test_depth_counts_follow_each_recipe():
+    assert compare.depth_counts(_run("d", "micro-dense", 50)["cfg"]) == {0: 50}
+    assert compare.depth_counts(_run("f", "micro-rrt", 50, "fixed")["cfg"]) == {3: 50}
+    uniform = compare.depth_counts(_run("g", "micro-grt", 300)["cfg"])
+    assert set(uniform) == {1, 2, 3} and sum(uniform.values()) == 300 and min(uniform.values()) > 60
+
+
+def test_time_budget_sizing_fills_the_budget_and_no_more():
+    runs = [_run("grt", "micro-grt", 300), _run("dense", "micro-dense", 300)]
+    timed = [{1: 0.01, 2: 0.02, 3: 0.03}, {0: 0.025}]
+    sizing = compare.size_tokens(runs, timed, startup_s=5.0, budget_s=100.0, tokens_per_step=512, evals=2,
+                                 eval_batches=2, exit_factor=2)
+    grt_step = sum(timed[0][d] * n for d, n in compare.depth_counts(runs[0]["cfg"]).items()) / 300
+    assert sizing["runs"]["grt"]["step_s"] == pytest.approx(grt_step) and 0.019 < grt_step < 0.021
+    # start-up: the first run's one-step probe less its step; evaluations: 2 x 2 batches x (R + 1) forwards
+    assert sizing["runs"]["dense"]["overhead_s"] == pytest.approx(5.0 - grt_step + 2 * 2 * 1 * 0.025 / 3)
+    usable = 100.0 * (1 - compare.UNPLANNED_SHARE)
+    assert sizing["planned_s"] <= usable < sizing["planned_s"] + grt_step + 0.025  # one more step would not fit
+    assert sizing["tokens"] == sizing["steps"] * 512 and sizing["steps"] > 1000
+    starved = compare.size_tokens(runs, timed, 5.0, 8.0, 512, 2, 2, 2)
+    assert starved["steps"] == 1 and starved["planned_s"] > 8.0  # reported (and warned about), never zero steps
+
+
+def test_time_budget_needs_one_process_one_run_at_a_time(tmp_path, capsys):
+    assert compare.main(["--data", str(tmp_path / "none.json"), "--out", str(tmp_path / "c"), "--configs",
+                         "micro-grt", "--time-budget", "60", "--parallel", "2"]) == 2
+    assert "--time-budget times one process" in capsys.readouterr().err
+
+
+def test_table_shows_the_exit_curve_beyond_r():
+    row = {"label": "g", "method": "GRT", "variant": "grt", "layout": "1+1x3+1", "loops": 3, "matched_from": None,
+           "params": 1000, "flops_per_token": 2e6, "train_flops_per_token": 6e6, "val_loss": 3.0,
+           "val_loss_by_depth": {0: 5.0, 1: 4.0, 2: 3.5, 3: 3.0}, "tokens_per_s": 1.0, "peak_memory_mb": 1.0,
+           "exit_curve": {0: 5.0, 1: 4.0, 2: 3.5, 3: 3.0, 4: 2.9, 5: 2.95, 6: 3.1}}
+    assert "| 5.000 / 4.000 / 3.500 / 3.000 (beyond R: 2.900 / 2.950 / 3.100) |" in compare.table([row])
+
+
+@pytest.mark.slow
+def test_step_timing_uses_the_real_engine_at_each_recipe_depth():
+    run = _run("grt", "micro-grt", 20)
+    run["cfg"].ds_config = str(REPO / "ds_configs" / "zero2.json")
+    timed = compare.measure_steps_apart([run], seq_len=64, repeats=1)
+    assert len(timed) == 1 and set(timed[0]) == {1, 2, 3} and all(t > 0 for t in timed[0].values())

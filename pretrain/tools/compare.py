@@ -18,6 +18,13 @@ Writes <out>/<label>/ (the run: config.json, metrics.jsonl, summary.json, tb/),
 <out>/comparison.json, <out>/comparison.md (the table) and <out>/loss_curves.png.
 Runs that already finished (summary.json present) are not trained again, so the table
 and plot can be rebuilt with the same command; an interrupted run is resumed.
+
+`--time-budget S` sizes the tokens by measurement instead of --tokens: one optimizer step
+of each run at each depth its recipe trains at is timed first (the trainer's own engine, in
+a fresh process), then every run gets the largest equal token count for which all of them,
+one after another, finish within S seconds of the command's start (<out>/sizing.json keeps
+the result, so the same command rebuilds the table). `--exit-depth-factor 2` adds the
+early-exit curve beyond the trained R, up to 2R, evaluated on each final checkpoint.
 """
 from __future__ import annotations
 
@@ -29,13 +36,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from pretrain.config import ConfigError, ModelConfig, load_json_object
 from pretrain.presets import PRESETS, get_preset
+from pretrain.training.depth import sample_depth
 from pretrain.training.run_config import RunConfig, apply_overrides
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # each method's own training recipe for the loop depth (spec section 4 / the papers)
 METHOD_TRAIN: dict[str, dict] = {
@@ -125,7 +134,7 @@ def match(cfg: ModelConfig, target: float, what: str, seq_len: int) -> ModelConf
     return best
 
 
-def build_runs(args) -> list[dict]:
+def build_runs(args, tokens: float) -> list[dict]:
     from data_pipeline.manifest import Manifest
 
     manifest = Manifest.load(args.data)
@@ -156,7 +165,7 @@ def build_runs(args) -> list[dict]:
                 run["cfg"].model = match(run["cfg"].model, target, args.match, seq_len)
                 run["matched_from"] = before
     tokens_per_step = args.micro_batch_size * args.grad_accum * args.nproc * seq_len
-    steps = max(1, int(round(float(args.tokens) / tokens_per_step)))
+    steps = max(1, int(round(float(tokens) / tokens_per_step)))
     for run in runs:
         cfg: RunConfig = run["cfg"]
         t = cfg.train
@@ -175,6 +184,152 @@ def build_runs(args) -> list[dict]:
         apply_overrides(cfg, [s for s in args.overrides if not s.startswith("model.")])
         cfg.validate()
     return runs
+
+
+# -- sizing the tokens by measurement -----------------------------------------------------------
+# Share of the time left after timing that is not planned for: what the timing does not see
+# (data loader start, checkpoint saves, the exit curves, the table and plot).
+UNPLANNED_SHARE = 0.1
+
+
+def depth_counts(cfg: RunConfig) -> Counter:
+    """How many of the run's steps train at each loop depth (its recipe, seed and step count)."""
+    t = cfg.train
+    return Counter(sample_depth(t.depth_sampling, cfg.model.max_loops, t.seed, step, t.poisson_mean, t.poisson_sigma)
+                   for step in range(t.steps))
+
+
+def measure_steps(runs: list[tuple[dict, list[int]]], seq_len: int, repeats: int) -> list[dict[int, float]]:
+    """Seconds per optimizer step of each run at each given depth, timed with the trainer's
+    own engine (DeepSpeed, the run's precision, optimizer and checkpointing) on random
+    tokens. Runs in a fresh process (measure_steps_apart): the process group and device
+    memory go with it."""
+    import gc
+
+    import torch
+
+    from pretrain.distributed import init_distributed
+    from pretrain.training.trainer import build_engine
+
+    init_distributed()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    build_engine(RunConfig.from_dict(runs[0][0]), 1, device)  # untimed: JIT builds (FusedAdam) happen once, here
+    measured = []
+    for cfg_dict, depths in runs:
+        cfg = RunConfig.from_dict(cfg_dict)
+        t = cfg.train
+        engine, _ = build_engine(cfg, 1, device)
+        idx = torch.randint(cfg.model.vocab_size, (t.micro_batch_size, seq_len), device=device)
+        step_s = {}
+        for depth in depths:
+            for i in range(repeats + 1):  # the first step at each depth warms up (kernels, allocator)
+                if i == 1:
+                    sync()
+                    begin = time.perf_counter()
+                for _ in range(t.grad_accum):
+                    loss = engine(idx, idx, n_loops=depth).loss
+                    loss.item()  # the trainer's host sync per micro-batch
+                    engine.backward(loss)
+                    engine.step()
+            sync()
+            step_s[depth] = (time.perf_counter() - begin) / repeats
+        measured.append(step_s)
+        del engine, loss
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return measured
+
+
+def measure_steps_apart(runs: list[dict], seq_len: int, repeats: int) -> list[dict[int, float]]:
+    """measure_steps in a spawned process, for each run at every depth its recipe trains at."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    work = [(run["cfg"].to_dict(), sorted(depth_counts(run["cfg"]))) for run in runs]
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(measure_steps, work, seq_len, repeats).result()
+
+
+def measure_startup(run: dict, out: Path) -> float:
+    """Seconds of a real one-step `grt train` of the run: what every run spends besides its
+    steps (process start, imports, engine, data loader, one evaluation, the checkpoint)."""
+    import shutil
+
+    cfg = RunConfig.from_dict(run["cfg"].to_dict())
+    cfg.train.steps, cfg.train.eval_every, cfg.out = 1, 1, str(out / "startup-probe")
+    shutil.rmtree(cfg.out, ignore_errors=True)
+    log = out / "startup-probe.log"
+    begin = time.time()
+    codes = [p.wait() for p in start_run(cfg, 1, log)]
+    if any(codes):
+        raise RuntimeError(f"the start-up probe (grt train of {run['label']}, one step) failed; see {log}")
+    shutil.rmtree(cfg.out)
+    return time.time() - begin
+
+
+def size_tokens(runs: list[dict], step_s_by_depth: list[dict], startup_s: float, budget_s: float,
+                tokens_per_step: int, evals: int, eval_batches: int, exit_factor: int) -> dict:
+    """The largest equal token count (whole steps) for which the runs, one after another, fit
+    in budget_s: each run costs the start-up (startup_s: the one-step run of the first, less
+    that step), its evaluations, and per step its mean step time over the depths its recipe
+    samples (depth_counts)."""
+    mean_step_s = []
+    for run, timed in zip(runs, step_s_by_depth):
+        counts = depth_counts(run["cfg"])
+        mean_step_s.append(sum(timed[d] * n for d, n in counts.items()) / sum(counts.values()))
+    plan, fixed_s, step_sum_s = {}, 0.0, 0.0
+    for run, timed, step_s in zip(runs, step_s_by_depth, mean_step_s):
+        r = run["cfg"].model.max_loops
+        forward_s = max(timed.values()) / 3  # a forward at the deepest timed depth: about a third of a step
+        # the trainer's evaluations at r = 0..R (the probe's one is counted again: a margin), the exit
+        # curve's one pass to F * R
+        eval_s = eval_batches * forward_s * (evals * (r + 1) + (exit_factor if r and exit_factor > 1 else 0))
+        overhead_s = startup_s - mean_step_s[0] + eval_s
+        plan[run["label"]] = {"step_s": step_s, "overhead_s": overhead_s, "step_s_by_depth": timed}
+        fixed_s += overhead_s
+        step_sum_s += step_s
+    steps = max(1, int((budget_s * (1 - UNPLANNED_SHARE) - fixed_s) / step_sum_s))
+    return {"tokens": steps * tokens_per_step, "steps": steps, "budget_s": budget_s, "startup_s": startup_s,
+            "planned_s": fixed_s + steps * step_sum_s, "runs": plan}
+
+
+def sized_tokens(args, out: Path, suffix: str, started: float) -> float:
+    """--tokens, or with --time-budget the measured size (kept in <out>/sizing.json and reused)."""
+    if not args.time_budget:
+        return float(args.tokens)
+    path = out / f"sizing{suffix}.json"
+    runs = build_runs(args, args.min_tokens)  # the depth mix of a run of the minimum size
+    labels = [run["label"] for run in runs]
+    if path.is_file() and not args.retrain:
+        saved = json.loads(path.read_text())
+        if saved.get("labels") == labels:
+            print(f"using the sizing in {path}: {saved['tokens']:,} tokens per run", flush=True)
+            return float(saved["tokens"])
+    from data_pipeline.manifest import Manifest
+
+    seq_len = Manifest.load(args.data).seq_len
+    print(f"timing one optimizer step of each run at each depth it trains at ({args.timing_steps} timed) ...",
+          flush=True)
+    step_s_by_depth = measure_steps_apart(runs, seq_len, args.timing_steps)
+    print("timing the start-up of one run (grt train, one step) ...", flush=True)
+    startup_s = measure_startup(runs[0], out)
+    left_s = args.time_budget - (time.time() - started)
+    tokens_per_step = args.micro_batch_size * args.grad_accum * args.nproc * seq_len
+    sizing = size_tokens(runs, step_s_by_depth, startup_s, left_s, tokens_per_step, args.evals, args.eval_batches,
+                         args.exit_depth_factor)
+    for label, p in sizing["runs"].items():
+        print(f"  {label:<24} {p['step_s'] * 1e3:9.1f} ms/step (mean over its depths)  "
+              f"{tokens_per_step / p['step_s']:>12,.0f} tokens/s  overhead {p['overhead_s']:5.1f} s", flush=True)
+    print(f"sized: {sizing['tokens']:,} tokens per run ({sizing['steps']} steps); planned {sizing['planned_s']:.0f} s "
+          f"of the {left_s:.0f} s left (a one-step run took {startup_s:.1f} s)", flush=True)
+    if sizing["tokens"] < args.min_tokens:
+        print(f"grt compare: warning: the time budget affords {sizing['tokens']:,} tokens per run, below "
+              f"--min-tokens {args.min_tokens:,.0f}", file=sys.stderr, flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"labels": labels, **sizing}, indent=2) + "\n")
+    return float(sizing["tokens"])
 
 
 # -- running -----------------------------------------------------------------------------------
@@ -276,7 +431,29 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, depth: int) -> float:
     return 3 * fwd
 
 
-def collect(run: dict, seq_len: int, wall_s: float | None) -> dict:
+def exit_curve(cfg: RunConfig, depths: list[int]) -> dict[int, float]:
+    """Validation loss at each exit depth of the run's final checkpoint, on the batches its
+    trainer validated on; cached in <run>/exit_curve.json."""
+    from pretrain.infer.evaluate import Dist, lm_sums, loss_table, val_batches
+    from pretrain.infer.load import load_model, pick_device, resolve_checkpoint
+
+    out = Path(cfg.out)
+    checkpoint = resolve_checkpoint(out).name
+    cache = out / "exit_curve.json"
+    if cache.is_file():
+        saved = json.loads(cache.read_text())
+        if saved["checkpoint"] == checkpoint and saved["depths"] == depths:
+            return {int(r): v for r, v in saved["loss"].items()}
+    device = pick_device()
+    model = load_model(out, device=device).model
+    t = cfg.train
+    batches = val_batches(cfg.data, t.micro_batch_size, Dist(), t.eval_batches, t.seed)
+    loss = {r: v["loss"] for r, v in loss_table(lm_sums(model, batches, depths, device, t.doc_mask), depths).items()}
+    cache.write_text(json.dumps({"checkpoint": checkpoint, "depths": depths, "loss": loss}, indent=2) + "\n")
+    return loss
+
+
+def collect(run: dict, seq_len: int, wall_s: float | None, exit_factor: int = 1) -> dict:
     cfg: RunConfig = run["cfg"]
     out = Path(cfg.out)
     summary = json.loads((out / "summary.json").read_text())
@@ -290,12 +467,13 @@ def collect(run: dict, seq_len: int, wall_s: float | None) -> dict:
     train_flops = [train_flops_per_token(cfg.model, seq_len, rec.get("depth", r)) for rec in records]
     return {
         "label": run["label"], "method": describe_method(cfg.model), "variant": cfg.model.variant,
-        "layout": cfg.model.layout, "matched_from": run.get("matched_from"), "d_model": cfg.model.d_model,
+        "layout": cfg.model.layout, "loops": r, "matched_from": run.get("matched_from"), "d_model": cfg.model.d_model,
         "params": model_params(cfg.model), "flops_per_token": model_flops(cfg.model, seq_len),
         "train_flops_per_token": sum(train_flops) / max(1, len(train_flops)),
         "depth_sampling": cfg.train.depth_sampling if r else "-",
         "val_loss": by_depth.get(r, by_depth.get(0)) if by_depth else None,
         "val_loss_by_depth": by_depth,
+        "exit_curve": exit_curve(cfg, list(range(exit_factor * r + 1))) if r and exit_factor > 1 else None,
         "val_curve": [(s, v) for s, v in tb.get("val/loss", [])],
         "train_curve": [(rec["step"], rec["loss"]) for rec in records],
         "tokens_per_step": tokens_per_step, "steps": summary.get("steps"),
@@ -312,10 +490,15 @@ def _fmt(x, spec):
 
 def table(rows: list[dict]) -> str:
     head = ("| method | label | layout | params | fwd MFLOPs/tok | train MFLOPs/tok | val loss | "
-            "early exit (val loss at r = 0, 1, ..., R) | tokens/s | peak mem MB |")
+            "early exit (val loss at r = 0, 1, ..., R; beyond R when evaluated) | tokens/s | peak mem MB |")
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for r in rows:
         exits = " / ".join(f"{v:.3f}" for _, v in sorted(r["val_loss_by_depth"].items())) if r["val_loss_by_depth"] else "-"
+        if r.get("exit_curve"):
+            trained = r["loops"]
+            curve = sorted(r["exit_curve"].items())
+            exits = (" / ".join(f"{v:.3f}" for d, v in curve if d <= trained) + " (beyond R: "
+                     + " / ".join(f"{v:.3f}" for d, v in curve if d > trained) + ")")
         if r["variant"] == "dense":
             exits = "-"
         layout = r["layout"] + (f" (from {r['matched_from']})" if r.get("matched_from") and r["matched_from"] != r["layout"] else "")
@@ -345,9 +528,10 @@ def plot(rows: list[dict], path: Path, smooth: float = 0.9) -> None:
         if r["val_curve"]:
             ax_val.plot([s * r["tokens_per_step"] / 1e6 for s, _ in r["val_curve"]], [v for _, v in r["val_curve"]],
                         style + "o", color=line.get_color(), label=r["label"], markersize=3)
-        if r["val_loss_by_depth"] and r["variant"] != "dense":
-            depths = sorted(r["val_loss_by_depth"])
-            ax_exit.plot(depths, [r["val_loss_by_depth"][d] for d in depths], style + "o", color=line.get_color(),
+        exits = r.get("exit_curve") or r["val_loss_by_depth"]
+        if exits and r["variant"] != "dense":
+            depths = sorted(exits)
+            ax_exit.plot(depths, [exits[d] for d in depths], style + "o", color=line.get_color(),
                          label=r["label"], markersize=3)
         elif r["val_loss"] is not None:
             ax_exit.axhline(r["val_loss"], color=line.get_color(), linestyle=":", label=f"{r['label']} (dense)")
@@ -377,6 +561,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="manifest.json from `grt data prepare` (every run reads it)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--tokens", type=float, default=1e6, help="training tokens per run (default 1e6)")
+    p.add_argument("--time-budget", type=float, default=0, metavar="S",
+                   help="size the tokens per run by measurement (instead of --tokens) so that the whole command "
+                        "finishes within S seconds: each run's step is timed first; needs --nproc 1 --parallel 1")
+    p.add_argument("--min-tokens", type=float, default=1e6,
+                   help="with --time-budget: warn when the budget affords fewer tokens per run (default 1e6)")
+    p.add_argument("--timing-steps", type=int, default=3, help="with --time-budget: timed steps per depth (default 3)")
+    p.add_argument("--exit-depth-factor", type=int, default=1, metavar="F",
+                   help="early exit at r = 0..F*R on each final checkpoint (default 1: the trainer's r = 0..R)")
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (min = lr / 10, warmup 5%%)")
@@ -400,13 +592,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    started = time.time()
     args = build_parser().parse_args(argv)
     out = Path(args.out)
+    suffix = f"-{args.tag}" if args.tag else ""
     try:
-        runs = build_runs(args)
+        if args.time_budget and (args.nproc != 1 or args.parallel != 1):
+            raise ConfigError("--time-budget times one process training one run at a time: "
+                              "use it with --nproc 1 --parallel 1")
+        if args.exit_depth_factor < 1 or args.timing_steps < 1:
+            raise ConfigError("--exit-depth-factor and --timing-steps must be >= 1")
+        runs = build_runs(args, args.tokens if args.dry_run else sized_tokens(args, out, suffix, started))
     except (ConfigError, ValueError, OSError) as err:
         print(f"grt compare: error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # the step timing or the start-up probe failed
+        print(f"grt compare: {err}", file=sys.stderr)
+        return 3
     from data_pipeline.manifest import Manifest
 
     seq_len = Manifest.load(args.data).seq_len
@@ -438,18 +640,22 @@ def main(argv=None) -> int:
     except RuntimeError as err:
         print(f"grt compare: {err}", file=sys.stderr)
         return 3
-    rows = [collect(run, seq_len, walls.get(run["label"])) for run in runs]
+    rows = [collect(run, seq_len, walls.get(run["label"]), args.exit_depth_factor) for run in runs]
     text = table(rows)
     print()
     print(text)
-    suffix = f"-{args.tag}" if args.tag else ""
     (out / f"comparison{suffix}.md").write_text(text + "\n")
     manifest = Manifest.load(args.data)
     data = {"train_fingerprint": manifest.fingerprint("train"), "vocab_size": manifest.vocab_size,
             "seq_len": seq_len, "tokenizer_sha256": manifest.tokenizer_sha256}
+    sizing_path = out / f"sizing{suffix}.json"
+    sizing = json.loads(sizing_path.read_text()) if args.time_budget and sizing_path.is_file() else None
     (out / f"comparison{suffix}.json").write_text(json.dumps({"data": data, "argv": list(argv if argv is not None else sys.argv[1:]),
-                                                    "runs": rows}, indent=2) + "\n")
+                                                    "sizing": sizing, "runs": rows}, indent=2) + "\n")
     plot(rows, out / f"loss_curves{suffix}.png")
+    if sizing and walls:
+        print(f"\ntime: planned {sizing['planned_s']:.0f} s for the runs, they took {sum(walls.values()):.0f} s; "
+              f"the command ran {time.time() - started:.0f} s of its --time-budget {args.time_budget:.0f} s")
     print(f"\nwrote {out / f'comparison{suffix}.md'}, {out / f'comparison{suffix}.json'}, {out / f'loss_curves{suffix}.png'}")
     return 0
 
