@@ -35,7 +35,7 @@ from pretrain.config import ConfigError
 from pretrain.model import GPT
 from pretrain.model.layers import AttentionContext
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LN2 = math.log(2.0)
 
 
