@@ -32,10 +32,10 @@ def test_exit_depths_are_the_models_forward():
 @pytest.mark.parametrize("variant", ["huginn", "rrt", "ouro", "mor"])
 def test_exit_depths_of_the_baselines(variant):
     """The comparison baselines expose their loop states too: grt eval scores them by depth."""
-    from pretrain.model import GPT
+    from pretrain.model import build_model
     from pretrain.presets import get_preset
 
-    model = GPT(get_preset(f"micro-{variant}")).eval()
+    model = build_model(get_preset(f"micro-{variant}")).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))

@@ -190,10 +190,10 @@ def test_loss_through_the_kv_cache():
 
 def test_baselines_decode_without_a_cache_only():
     from pretrain.config import ConfigError
-    from pretrain.model import GPT
+    from pretrain.model import build_model
     from pretrain.presets import get_preset
 
-    model = GPT(get_preset("micro-rrt")).eval()
+    model = build_model(get_preset("micro-rrt")).eval()
     with pytest.raises(ConfigError, match="--no-cache"):
         CachedDecoder(model, batch=1)
     assert generate(model, prompts(b=1), 3, use_cache=False, greedy=True).shape == (1, 3)
