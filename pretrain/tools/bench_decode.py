@@ -20,7 +20,7 @@ import torch
 
 from pretrain.config import ConfigError
 from pretrain.infer.kv_cache import STRATEGIES, CachedDecoder, cache_bytes_formula, cache_slots
-from pretrain.model import GPT
+from pretrain.model import GPT, build_model
 
 
 def build(path: str | None, preset: str | None, device, dtype, max_seq_len: int | None = None) -> GPT:
@@ -34,7 +34,7 @@ def build(path: str | None, preset: str | None, device, dtype, max_seq_len: int 
     if max_seq_len:
         cfg = cfg.replace(max_seq_len=max_seq_len)
     with torch.device(device):
-        model = GPT(cfg)
+        model = build_model(cfg)
     return model.to(dtype or torch.float32).eval()
 
 
