@@ -196,7 +196,7 @@ def test_zero_shot_scoring_through_the_kv_cache():
 
 def test_loss_through_the_kv_cache():
     """`grt eval --kv-cache` on held-out text: full = one forward; average/last/first differ."""
-    from pretrain.infer.evaluate import lm_sums, lm_sums_cached
+    from pretrain.infer.scoring import lm_sums, lm_sums_cached
 
     model = lively()
     g = torch.Generator().manual_seed(7)
