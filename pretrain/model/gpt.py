@@ -209,6 +209,8 @@ class GPT(nn.Module):
         the previous state). Appends s_0..s_n to `states` and g_1..g_n to `gates` when given."""
         if anchor not in ANCHOR_MODES:
             raise ValueError(f"anchor={anchor!r}: accepted values are {', '.join(ANCHOR_MODES)}")
+        if anchor == "embeddings" and emb is None:
+            raise ValueError("anchor='embeddings' needs the token embeddings (emb)")
         s = e
         if states is not None:
             states.append(s)
