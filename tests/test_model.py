@@ -256,3 +256,44 @@ def test_our_dense_model_converts_to_hugging_face():
 def test_describe_counts_tied_head_once():
     row = describe(PRESETS["tiny-grt"])
     assert row["params"] == ADVERTISED_PARAMS["tiny-grt"]
+
+
+# -- imports ---------------------------------------------------------------------------------
+def _project_imports(path) -> set[str]:
+    """The pretrain modules a file imports, at the top or inside functions."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pretrain"):
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)  # `from pretrain.infer import x`
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("pretrain"))
+    return found
+
+
+def test_model_and_infer_modules_import_one_way():
+    """No import circles among the model and inference modules (gpt <-> baselines and
+    evaluate <-> zero_shot were two): the module graph, function-level imports included,
+    has no cycle."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = {f"pretrain.{p.parent.name}.{p.stem}": p for d in ("model", "infer")
+             for p in (root / "pretrain" / d).glob("*.py") if p.stem != "__init__"}
+    graph = {m: {i for i in _project_imports(p) if i in files and i != m} for m, p in files.items()}
+
+    def cycle_from(start, node, seen):
+        for nxt in graph[node]:
+            if nxt == start:
+                return [node, nxt]
+            if nxt not in seen:
+                seen.add(nxt)
+                rest = cycle_from(start, nxt, seen)
+                if rest:
+                    return [node, *rest]
+        return None
+
+    cycles = [c for m in graph if (c := cycle_from(m, m, set()))]
+    assert not cycles, cycles

@@ -16,6 +16,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
+from pretrain.infer.kv_cache import CachedDecoder
 from pretrain.model import GPT
 from pretrain.model.layers import AttentionContext
 
@@ -68,8 +69,6 @@ def lm_sums_cached(model: GPT, batches: Iterable[dict], depths: list[int], devic
     """As lm_sums, but every token is decoded one at a time through the KV cache with the given
     strategy (the first token is the prompt): what a shared cache costs in loss. `full` gives
     lm_sums' numbers (tested). No document mask."""
-    from pretrain.infer.kv_cache import CachedDecoder
-
     sums = torch.zeros(len(depths), 2, dtype=torch.float64, device=device)
     for batch in batches:
         idx = batch["input_ids"].to(device)

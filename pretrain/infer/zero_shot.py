@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pretrain.infer.kv_cache import CachedDecoder
 from pretrain.infer.scoring import exit_hidden
 from pretrain.model import GPT
 
@@ -143,8 +144,6 @@ def score_requests_cached(model: GPT, encoded: list[tuple[list[int], int]], dept
     with the given strategy (pretrain.infer.kv_cache): the context is prefilled, then each
     continuation token is fed back. `full` gives score_requests' numbers; the shared
     strategies measure what their approximation costs. One request at a time."""
-    from pretrain.infer.kv_cache import CachedDecoder
-
     ll = torch.zeros(len(encoded), len(depths), dtype=torch.float64)
     greedy = torch.zeros(len(encoded), len(depths), dtype=torch.bool)
     for i, (ids, n_cont) in enumerate(encoded):
