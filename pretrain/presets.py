@@ -101,10 +101,10 @@ def get_preset(name: str) -> ModelConfig:
 
 def describe(cfg: ModelConfig) -> dict:
     from pretrain.model.flops import count_params, flops_per_token
-    from pretrain.model import GPT
+    from pretrain.model import build_model
 
     with torch.device("meta"):
-        counts = count_params(GPT(cfg))
+        counts = count_params(build_model(cfg))
     return {"name": cfg.name, "variant": cfg.variant, "layout": cfg.layout, "d_model": cfg.d_model,
             "n_heads": cfg.n_heads, "vocab_size": cfg.vocab_size, "padded_vocab_size": cfg.padded_vocab_size,
             "max_seq_len": cfg.max_seq_len, "bias": cfg.bias,
@@ -124,5 +124,6 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['name']:<22}{r['layout']:<11}{r['d_model']:>6}{r['n_heads']:>6}{r['effective_depth']:>6}"
               f"{r['params']:>14,}{r['non_embedding_params']:>14,}{r['flops_per_token'] / 1e9:>11.3f}")
-    print("\nFLOPs: forward per token at max_seq_len (spec formula); training is about 3x.")
+    print("\nFLOPs: forward per token at max_seq_len and the trained depth (pretrain.model.flops, every variant); "
+          "training is about 3x.")
     return 0

@@ -8,6 +8,7 @@ import pytest
 from multiproc import REPO, grt
 from pretrain.tools import compare
 from pretrain.config import ConfigError
+from pretrain.model.flops import flops_per_token
 from pretrain.presets import get_preset
 from pretrain.training.run_config import RunConfig
 
@@ -33,12 +34,12 @@ def test_config_specs_presets_and_json(tmp_path):
 
 def test_matching_flops_and_params():
     grt_cfg = get_preset("tiny-grt")
-    target = compare.model_flops(grt_cfg, 256)
+    target = flops_per_token(grt_cfg, 256)
     dense = compare.match(get_preset("tiny-dense"), target, "flops", 256)
     mor = compare.match(get_preset("tiny-mor"), target, "flops", 256)
     assert dense.layout.isdigit() and mor.parsed_layout.loops > grt_cfg.parsed_layout.loops  # MoR skips tokens
     for cfg in (dense, mor):
-        assert abs(compare.model_flops(cfg, 256) - target) / target < 0.1
+        assert abs(flops_per_token(cfg, 256) - target) / target < 0.1
     bigger = compare.match(get_preset("micro-grt"), 2 * compare.model_params(get_preset("micro-grt")), "params", 64)
     assert bigger.parsed_layout.core > 1 and bigger.parsed_layout.loops == 3
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pretrain.config import ConfigError
-from pretrain.infer.evaluate import (Dist, check_depths, exit_logits, lm_sums, main as eval_main, parse_depths,
-                               text_eval, text_windows)
+from pretrain.infer.evaluate import Dist, check_depths, main as eval_main, parse_depths, text_eval, text_windows
+from pretrain.infer.scoring import exit_logits, lm_sums
 from pretrain.infer.zero_shot import Item, encode_request, evaluate_task, load_task, score_requests
 from trained_models import (single_thread, ENV, EVAL_BATCHES, REPO, CharTokenizer, grt_run, manifest,  # noqa: F401
                             small_model, summary)
@@ -32,10 +32,10 @@ def test_exit_depths_are_the_models_forward():
 @pytest.mark.parametrize("variant", ["huginn", "rrt", "ouro", "mor"])
 def test_exit_depths_of_the_baselines(variant):
     """The comparison baselines expose their loop states too: grt eval scores them by depth."""
-    from pretrain.model import GPT
+    from pretrain.model import build_model
     from pretrain.presets import get_preset
 
-    model = GPT(get_preset(f"micro-{variant}")).eval()
+    model = build_model(get_preset(f"micro-{variant}")).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))

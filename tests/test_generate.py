@@ -60,6 +60,31 @@ def test_shared_strategies_are_exact_on_the_prompt_and_approximate_after():
         assert torch.allclose(one.forward(ref.argmax(-1)[:, None]), ref1, atol=1e-5), s
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_decode_attends_to_the_cache_in_place_without_cudnn_plans(monkeypatch, strategy):
+    """Issue 12's decode slow path: cuDNN attention builds a plan per key length (a new one
+    every token), and a copied cache costs O(context) per layer and loop step. Every decode
+    attention runs with cuDNN off and reads its keys/values straight from the cache."""
+    model = lively()
+    dec = CachedDecoder(model, batch=2, max_len=20, strategy=strategy)
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        cache = (dec.cache.k.untyped_storage().data_ptr(), dec.cache.v.untyped_storage().data_ptr())
+        calls.append((torch.backends.cuda.cudnn_sdp_enabled(),
+                      (k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr()) == cache))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    logits = dec.forward(prompts())
+    for _ in range(3):
+        logits = dec.forward(logits.argmax(-1)[:, None])
+    assert len(calls) == 4 * (1 + 2 * 3 + 1)  # every layer of every token went through the cache
+    assert calls == [(False, True)] * len(calls)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after decoding
+
+
 def test_cache_sizes_follow_the_formula():
     model = small_model()  # P=1, C=2, R=3, K=1, d=32
     assert cache_slots(model, "full", 3) == 1 + 2 * 3 + 1
@@ -171,7 +196,7 @@ def test_zero_shot_scoring_through_the_kv_cache():
 
 def test_loss_through_the_kv_cache():
     """`grt eval --kv-cache` on held-out text: full = one forward; average/last/first differ."""
-    from pretrain.infer.evaluate import lm_sums, lm_sums_cached
+    from pretrain.infer.scoring import lm_sums, lm_sums_cached
 
     model = lively()
     g = torch.Generator().manual_seed(7)
@@ -190,10 +215,10 @@ def test_loss_through_the_kv_cache():
 
 def test_baselines_decode_without_a_cache_only():
     from pretrain.config import ConfigError
-    from pretrain.model import GPT
+    from pretrain.model import build_model
     from pretrain.presets import get_preset
 
-    model = GPT(get_preset("micro-rrt")).eval()
+    model = build_model(get_preset("micro-rrt")).eval()
     with pytest.raises(ConfigError, match="--no-cache"):
         CachedDecoder(model, batch=1)
     assert generate(model, prompts(b=1), 3, use_cache=False, greedy=True).shape == (1, 3)

@@ -51,14 +51,14 @@ def test_model_uses_the_fused_update_and_keeps_its_gradients():
     script = r"""
 import torch
 from pretrain.config import ModelConfig
-from pretrain.model import GPT
+from pretrain.model import build_model
 import pretrain.kernels.gate as gate
 calls = []
 original = gate.FusedGateUpdate.apply
 gate.FusedGateUpdate.apply = lambda *a: calls.append(1) or original(*a)
 cfg = ModelConfig(layout="1+1x3+1", d_model=32, n_heads=2, vocab_size=97, max_seq_len=16, state_noise_std=0, gate_noise_std=0)
 torch.manual_seed(0)
-model = GPT(cfg).train()
+model = build_model(cfg).train()
 idx = torch.randint(0, 97, (2, 16))
 loss = model(idx, idx).loss
 loss.backward()

@@ -7,7 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pretrain.config import ConfigError, ModelConfig, parse_layout
 from pretrain.model.flops import count_params, flops_per_token
-from pretrain.model import GPT
+from pretrain.model import build_model
 from pretrain.model.layers import AttentionContext, attention
 from pretrain.training.parallelize import apply_activation_checkpointing
 from pretrain.presets import ADVERTISED_PARAMS, PRESETS, describe, main as presets_main
@@ -60,7 +60,7 @@ def test_config_rejects_unknown_keys_and_wrong_types():
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_every_preset_builds_on_meta_with_its_advertised_count(name):
     with torch.device("meta"):
-        model = GPT(PRESETS[name])
+        model = build_model(PRESETS[name])
     assert count_params(model)["params"] == ADVERTISED_PARAMS[name]
 
 
@@ -83,30 +83,50 @@ def test_presets_json_lists_required_fields(capsys):
 
 @pytest.mark.parametrize("kw", [dict(), dict(gate=False), dict(reinject_anchor=False, gate=False),
                                 dict(variant="dense", layout="4")])
-def test_flops_formula_matches_counted_matmuls(kw):
-    cfg = small_cfg(attention="naive", **kw)  # the counter sees naive attention's matmuls, not SDPA's kernel
-    model = GPT(cfg).eval()
-    b, t = 2, 32
-    with FlopCounterMode(display=False) as counter:
-        model(tokens(b, t))
-    assert counter.get_total_flops() == flops_per_token(cfg, seq_len=t, executed=True) * b * t
+def test_flops_formula_is_the_specs(kw):
+    cfg = small_cfg(**kw)
+    t = 32
     layout, d, v = cfg.parsed_layout, cfg.d_model, cfg.padded_vocab_size
     extra = layout.loops * ((4 if cfg.reinject_anchor else 0) + (6 if cfg.gate else 0)) * d * d
     spec = layout.effective_depth() * (24 * d * d + 4 * t * d) + extra + 2 * d * v  # the spec's formula
     assert flops_per_token(cfg, seq_len=t) == spec
 
 
+FLOP_CONFIGS = {"grt": small_cfg(), "grt-no-gate": small_cfg(gate=False),
+                "loop-only": small_cfg(reinject_anchor=False, gate=False, state_noise_std=0.0),
+                "dense": small_cfg(variant="dense", layout="4"),
+                **{name: PRESETS[name] for name in ("ladder-0-loop-only", "micro-huginn", "micro-rrt", "micro-ouro",
+                                                    "micro-mor")}}
+
+
+@pytest.mark.parametrize("name", list(FLOP_CONFIGS))
+def test_flops_match_pytorchs_flop_counter_for_every_variant_and_depth(name):
+    cfg = FLOP_CONFIGS[name].replace(attention="naive")  # the counter sees naive attention's matmuls, not SDPA's kernel
+    if name == "ladder-0-loop-only":  # the tiny ladder at micro width: the whole stack looped, no prelude
+        cfg = cfg.replace(d_model=32, n_heads=2, vocab_size=512, max_seq_len=64)
+    model = build_model(cfg).eval()
+    b, t = 2, 32
+    for n in sorted({0, 1, cfg.max_loops}) if cfg.parsed_layout.looped else [None]:
+        with FlopCounterMode(display=False) as counter:
+            model(tokens(b, t, vocab=cfg.vocab_size), n_loops=n)
+        counted, formula = counter.get_total_flops(), flops_per_token(cfg, seq_len=t, n_loops=n, executed=True) * b * t
+        if cfg.variant == "mor":  # capacities are rounded up to whole tokens
+            assert abs(counted - formula) / formula < 0.05, (n, counted, formula)
+        else:
+            assert counted == formula, (n, counted, formula)
+
+
 # -- the GRT loop ------------------------------------------------------------------
 def test_gate_starts_near_0_98():
     cfg = PRESETS["grt-small"].replace(max_seq_len=64, layout="1+1x3+1")
-    model = GPT(cfg).eval()
+    model = build_model(cfg).eval()
     out = model(tokens(2, 32, vocab=cfg.vocab_size), return_gates=True)
     mean_gate = torch.stack(out.gates).mean().item()
     assert abs(mean_gate - 0.98) <= 0.005
 
 
 def test_gate_forced_to_one_is_exactly_prelude_to_coda():
-    model = GPT(small_cfg()).eval()
+    model = build_model(small_cfg()).eval()
     idx = tokens()
     prelude_only = model(idx, n_loops=0).logits
     forced = model(idx, gate_override=1.0).logits
@@ -115,8 +135,8 @@ def test_gate_forced_to_one_is_exactly_prelude_to_coda():
 
 
 def test_gate_forced_to_zero_equals_the_ungated_model():
-    gated = GPT(small_cfg()).eval()
-    ungated = GPT(small_cfg(gate=False)).eval()
+    gated = build_model(small_cfg()).eval()
+    ungated = build_model(small_cfg(gate=False)).eval()
     missing, unexpected = ungated.load_state_dict(gated.state_dict(), strict=False)
     assert not missing and unexpected and all(k.startswith(("loop.gate_", "loop.anchor.gate_")) for k in unexpected)
     idx = tokens()
@@ -124,18 +144,18 @@ def test_gate_forced_to_zero_equals_the_ungated_model():
 
 
 def test_eval_is_deterministic_and_training_is_not():
-    model = GPT(small_cfg())
+    model = build_model(small_cfg())
     idx = tokens()
     model.eval()
     assert torch.equal(model(idx).logits, model(idx).logits)
     model.train()
     assert not torch.equal(model(idx).logits, model(idx).logits)
-    noiseless = GPT(small_cfg(state_noise_std=0.0, gate_noise_std=0.0)).train()
+    noiseless = build_model(small_cfg(state_noise_std=0.0, gate_noise_std=0.0)).train()
     assert torch.equal(noiseless(idx).logits, noiseless(idx).logits)
 
 
 def test_loop_depth_is_a_forward_argument():
-    model = GPT(small_cfg()).eval()
+    model = build_model(small_cfg()).eval()
     idx = tokens()
     out = model(idx, n_loops=5, return_states=True, return_gates=True)
     assert len(out.states) == 6 and len(out.gates) == 5
@@ -147,7 +167,7 @@ def test_loop_depth_is_a_forward_argument():
 
 @pytest.mark.parametrize("anchor", ["zeros", "embeddings", "previous"])
 def test_anchor_replacement_changes_the_function(anchor):
-    model = GPT(small_cfg()).eval()
+    model = build_model(small_cfg()).eval()
     idx = tokens()
     assert not torch.allclose(model(idx, anchor=anchor).logits, model(idx).logits)
 
@@ -156,8 +176,8 @@ def test_anchor_replacement_changes_the_function(anchor):
 def test_checkpointed_loop_steps_give_the_same_loss_and_gradients(mode):
     idx = tokens()
     torch.manual_seed(0)
-    plain = GPT(small_cfg()).train()
-    ckpt = GPT(small_cfg()).train()
+    plain = build_model(small_cfg()).train()
+    ckpt = build_model(small_cfg()).train()
     ckpt.load_state_dict(plain.state_dict())
     apply_activation_checkpointing(ckpt, mode)
     results = []
@@ -184,7 +204,7 @@ def test_sdpa_equals_naive_attention_with_and_without_document_masks():
 
 
 def test_document_mask_isolates_packed_documents():
-    model = GPT(small_cfg()).eval()
+    model = build_model(small_cfg()).eval()
     idx = tokens(1, 24)
     doc_ids = torch.tensor([[0] * 10 + [1] * 14])
     changed = idx.clone()
@@ -228,7 +248,7 @@ def test_our_dense_model_converts_to_hugging_face():
     from pretrain.model.hf import to_hf
 
     torch.manual_seed(0)
-    ours = GPT(small_cfg(variant="dense", layout="3", vocab_size=301, pad_vocab_multiple=64, bias=False)).eval()
+    ours = build_model(small_cfg(variant="dense", layout="3", vocab_size=301, pad_vocab_multiple=64, bias=False)).eval()
     idx = tokens(2, 40, vocab=301)
     assert (to_hf(ours).eval()(idx).logits - ours(idx).logits).abs().max().item() < 1e-4
 
@@ -236,3 +256,44 @@ def test_our_dense_model_converts_to_hugging_face():
 def test_describe_counts_tied_head_once():
     row = describe(PRESETS["tiny-grt"])
     assert row["params"] == ADVERTISED_PARAMS["tiny-grt"]
+
+
+# -- imports ---------------------------------------------------------------------------------
+def _project_imports(path) -> set[str]:
+    """The pretrain modules a file imports, at the top or inside functions."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pretrain"):
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)  # `from pretrain.infer import x`
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("pretrain"))
+    return found
+
+
+def test_model_and_infer_modules_import_one_way():
+    """No import circles among the model and inference modules (gpt <-> baselines and
+    evaluate <-> zero_shot were two): the module graph, function-level imports included,
+    has no cycle."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = {f"pretrain.{p.parent.name}.{p.stem}": p for d in ("model", "infer")
+             for p in (root / "pretrain" / d).glob("*.py") if p.stem != "__init__"}
+    graph = {m: {i for i in _project_imports(p) if i in files and i != m} for m, p in files.items()}
+
+    def cycle_from(start, node, seen):
+        for nxt in graph[node]:
+            if nxt == start:
+                return [node, nxt]
+            if nxt not in seen:
+                seen.add(nxt)
+                rest = cycle_from(start, nxt, seen)
+                if rest:
+                    return [node, *rest]
+        return None
+
+    cycles = [c for m in graph if (c := cycle_from(m, m, set()))]
+    assert not cycles, cycles

@@ -114,12 +114,12 @@ def small_model(layout: str = "1+2x3+1", variant: str = "grt", vocab: int = 64, 
     import torch
 
     from pretrain.config import ModelConfig
-    from pretrain.model import GPT
+    from pretrain.model import build_model
 
     torch.manual_seed(seed)
     cfg = ModelConfig(name="test", variant=variant, layout=layout, d_model=32, n_heads=2, vocab_size=vocab,
                       max_seq_len=64, pad_vocab_multiple=8, **kw)
-    model = GPT(cfg).eval()
+    model = build_model(cfg).eval()
     with torch.no_grad():  # a non-trivial gate (the init bias of 4 makes the loop almost a no-op)
         if model.loop is not None and model.loop.has_gate:
             model.loop.gate_out.bias.normal_(0.0, 1.0)
@@ -150,7 +150,7 @@ def torch_trained_grt(steps: int = 150, seed: int = 0):
 
     from data_pipeline.loader import TokenBatchLoader
     from data_pipeline.manifest import Manifest
-    from pretrain.model import GPT
+    from pretrain.model import build_model
     from pretrain.presets import get_preset
 
     manifest = data()
@@ -159,7 +159,7 @@ def torch_trained_grt(steps: int = 150, seed: int = 0):
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     cfg = get_preset("micro-grt").replace(vocab_size=m.vocab_size, max_seq_len=m.seq_len)
-    model = GPT(cfg)
+    model = build_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
     loader = TokenBatchLoader(str(manifest), split="train", micro_batch_size=16, seed=seed)
     gen = torch.Generator().manual_seed(seed)

@@ -1,5 +1,6 @@
 """`grt analyze`: the paper's analyses of a trained GRT (spec section 5), as one Markdown
-report with a JSON twin and plots.
+report with a JSON twin and plots. (About 400 lines: the measures, the one data pass, the
+plots and the report of one command, which change together.)
 
 On held-out batches (the manifest's validation split):
 - loss at each exit depth 0..R;
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.config import ConfigError
-from pretrain.infer.evaluate import Dist, decode_state, head, jsonable, lm_sums, val_batches
+from pretrain.infer.scoring import jsonable, lm_sums, val_batches
 from pretrain.model import GPT
 from pretrain.model.layers import AttentionContext
 
@@ -123,7 +124,7 @@ def collect(model: GPT, batches, device, bucket_of: torch.Tensor | None, cka_tok
         flat_t = targets.flatten()
         b = bucket_of.to(device)[flat_t.clamp(min=0)] if bucket_of is not None else None
         for r in range(R + 1):
-            logits = head(model, decode_state(model, out.states[r], ctx)).float()
+            logits = model.decode(out.states[r], ctx).float()
             nll = F.cross_entropy(logits.flatten(0, 1), flat_t, reduction="none").double()
             loss[r, nb] += nll.sum().cpu()
             if b is not None:
@@ -211,8 +212,7 @@ def analyze(model: GPT, manifest: str, tok, device, batch_size: int = 8, max_bat
     if model.cfg.variant != "grt":
         raise ConfigError(f"grt analyze needs a GRT (variant 'grt'), got variant {model.cfg.variant!r}")
     R = model.max_loops
-    dist = Dist()
-    batches = list(val_batches(manifest, batch_size, dist, max_batches, seed))
+    batches = list(val_batches(manifest, batch_size, None, max_batches, seed))
     if not batches:
         raise ConfigError(f"{manifest}: no validation batches")
     vocab = model.cfg.vocab_size

@@ -1,9 +1,8 @@
 """`grt eval`: loss, perplexity and zero-shot accuracy at every exit depth.
 
 One forward pass per batch runs the loop to the deepest requested depth and keeps
-every state s_0..s_n; each exit depth r decodes s_r through the exit norm, the coda,
-the final norm and the LM head (`exit_hidden`), which is the function
-`GPT.forward(n_loops=r)` computes (tested). What it measures:
+every state s_0..s_n; each exit depth r decodes s_r with the model's own tail
+(pretrain.infer.scoring, shared with zero-shot and `grt analyze`). What it measures:
 
 - held-out loss/perplexity on the manifest's validation split (token-weighted mean);
 - WikiText-2 raw: loss per token, perplexity and bits per byte (total NLL in bits over
@@ -26,14 +25,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 
 from pretrain.config import ConfigError
+from pretrain.infer.scoring import jsonable, lm_sums, lm_sums_cached, val_batches
+from pretrain.infer.zero_shot import TASKS, evaluate_task, load_task
 from pretrain.model import GPT
-from pretrain.model.layers import AttentionContext
 
 REPO = Path(__file__).resolve().parents[2]
 LN2 = math.log(2.0)
@@ -80,43 +79,6 @@ def check_depths(model: GPT, depths: list[int], allow_beyond: bool) -> list[int]
     return depths
 
 
-# -- the per-depth forward -----------------------------------------------------------------
-@torch.no_grad()
-def exit_hidden(model: GPT, idx: torch.Tensor, depths: Iterable[int], doc_ids: torch.Tensor | None = None,
-                gate_override: float | None = None, anchor: str = "prelude") -> Iterator[tuple[int, torch.Tensor]]:
-    """Yield (depth, final-norm hidden [B, T, d]) for each depth from one pass through the loop."""
-    depths = list(depths)
-    ctx = AttentionContext(doc_ids=doc_ids)
-    if model.loop is None:
-        x = model.embed(idx)
-        for block in list(model.prelude) + list(model.coda):
-            x = block(x, ctx)
-        for r in depths:
-            yield r, model.ln_f(x)
-        return
-    out = model(idx, n_loops=max(depths), doc_ids=doc_ids, gate_override=gate_override, anchor=anchor,
-                return_states=True)
-    for r in depths:
-        yield r, decode_state(model, out.states[r], ctx)
-
-
-def decode_state(model: GPT, s: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-    """A loop state through exit norm, coda and final norm (GPT.forward's tail, without the head)."""
-    x = model.exit_norm(s) if model.exit_norm is not None else s
-    for block in model.coda:
-        x = block(x, ctx)
-    return model.ln_f(x)
-
-
-def head(model: GPT, h: torch.Tensor) -> torch.Tensor:
-    return model.lm_head(h)[..., : model.cfg.vocab_size]
-
-
-@torch.no_grad()
-def exit_logits(model: GPT, idx: torch.Tensor, depths: Iterable[int], **kw) -> dict[int, torch.Tensor]:
-    return {r: head(model, h) for r, h in exit_hidden(model, idx, depths, **kw)}
-
-
 # -- distributed ------------------------------------------------------------------------------
 @dataclass
 class Dist:
@@ -149,61 +111,7 @@ def setup_dist() -> Dist:
     return Dist(info.rank, info.world_size)
 
 
-# -- language-model loss ----------------------------------------------------------------------
-@torch.no_grad()
-def lm_sums(model: GPT, batches: Iterable[dict], depths: list[int], device: torch.device, doc_mask: bool = False,
-            dist: Dist | None = None, **fwd) -> torch.Tensor:
-    """[len(depths), 2]: summed NLL (nats) and scored-token count per depth, summed over ranks.
-    Each batch: input_ids, targets (-100 = not scored), optional doc_ids."""
-    sums = torch.zeros(len(depths), 2, dtype=torch.float64)
-    for batch in batches:
-        idx = batch["input_ids"].to(device)
-        targets = batch["targets"].to(device)
-        doc_ids = batch["doc_ids"].to(device) if doc_mask and "doc_ids" in batch else None
-        n = (targets != -100).sum().item()
-        for i, (_, h) in enumerate(exit_hidden(model, idx, depths, doc_ids=doc_ids, **fwd)):
-            logits = head(model, h).float()
-            sums[i, 0] += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
-                                          reduction="sum").double().item()
-            sums[i, 1] += n
-    return (dist or Dist()).all_reduce(sums)
-
-
-@torch.no_grad()
-def lm_sums_cached(model: GPT, batches: Iterable[dict], depths: list[int], device, strategy: str,
-                   dist: Dist | None = None) -> torch.Tensor:
-    """As lm_sums, but every token is decoded one at a time through the KV cache with the given
-    strategy (the first token is the prompt): what a shared cache costs in loss. `full` gives
-    lm_sums' numbers (tested). No document mask."""
-    from pretrain.infer.kv_cache import CachedDecoder
-
-    sums = torch.zeros(len(depths), 2, dtype=torch.float64)
-    for batch in batches:
-        idx = batch["input_ids"].to(device)
-        targets = batch["targets"].to(device)
-        b, t = idx.shape
-        for i, r in enumerate(depths):
-            dec = CachedDecoder(model, batch=b, max_len=t, strategy=strategy,
-                                n_loops=r if model.loop is not None else None)
-            for pos in range(t):
-                logits = dec.forward(idx[:, pos:pos + 1]).float()
-                sums[i, 0] += F.cross_entropy(logits, targets[:, pos], ignore_index=-100, reduction="sum").double().item()
-            sums[i, 1] += (targets != -100).sum().item()
-    return (dist or Dist()).all_reduce(sums)
-
-
-def val_batches(manifest: str, batch_size: int, dist: Dist, max_batches: int | None = None, seed: int = 1234,
-                split: str = "val") -> Iterator[dict]:
-    from data_pipeline.loader import TokenBatchLoader
-
-    loader = TokenBatchLoader(manifest, split=split, micro_batch_size=batch_size, rank=dist.rank,
-                              world_size=dist.world, num_workers=0, seed=seed, shuffle_buffer=0, loop=False)
-    for i, batch in enumerate(loader):
-        if max_batches is not None and i >= max_batches:
-            break
-        yield batch
-
-
+# -- raw text ----------------------------------------------------------------------------------
 def text_windows(n_tokens: int, window: int, stride: int | None = None) -> list[tuple[int, int, int]]:
     """Windows over a token sequence of n_tokens (predicting ids[1:], n_tokens - 1 targets):
     (begin, end, first_scored) in target indices; inputs are ids[begin:end], targets
@@ -313,14 +221,6 @@ def plot_depths(results: dict, path: str | Path, title: str = "") -> None:
     plt.close(fig)
 
 
-def jsonable(obj):
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [jsonable(v) for v in obj]
-    return obj
-
-
 # -- the command --------------------------------------------------------------------------------------
 ALL_PARTS = ("val", "wikitext2", "lambada", "hellaswag", "piqa", "arc_easy", "arc_challenge", "winogrande")
 
@@ -355,7 +255,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args) -> dict:
     from pretrain.infer.load import load_model, parse_dtype, pick_device
-    from pretrain.infer.zero_shot import TASKS, evaluate_task, load_task
 
     parts = list(ALL_PARTS) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in parts if t not in ALL_PARTS]

@@ -15,6 +15,13 @@ The prompt is prefilled exactly (every loop step attends to its own step's keys,
 `full`), then folded the same way: only generated tokens see approximate caches.
 The exit depth (loop steps per token) is chosen at decode and is fixed for a sequence.
 
+The decoder runs the model's own forward pieces (embed, prelude, `run_loop`, coda, head):
+it hands the model an AttentionContext whose `kv` is the decoder, so every attention layer
+stores its keys/values in its cache slot and attends to the slot (slots are assigned in
+call order: prelude, core blocks step by step, coda). Every strategy attends to a slice of
+its preallocated slot: no cache is copied per token (a shared slot's own-step position is
+written in place, then overwritten by the fold).
+
 Cache bytes: 2 (K and V) * slots * batch * max_len * d_model * bytes per element, with
 slots = P + C*R + K (full), P + C + K (shared strategies), or L (dense).
 """
@@ -22,12 +29,20 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pretrain.config import ConfigError
 from pretrain.model import GPT
-from pretrain.model.layers import Block
+from pretrain.model.layers import AttentionContext
 
 STRATEGIES = ("full", "first", "last", "average")
+
+# cuDNN attention, which PyTorch prefers on Hopper/Blackwell with CUDA 13, builds and caches an
+# execution plan per shape and stride: a decode step has a new key length every token, so it
+# built a plan for every token and layer shape (the H200 figures of issue 12: ~10x slower
+# tokens for whichever model or strategy met a shape first). Flash/memory-efficient kernels
+# take any length without a plan.
+DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def cache_slots(model: GPT, strategy: str, n_loops: int) -> int:
@@ -58,13 +73,6 @@ class KVCache:
         return self.k.nbytes + self.v.nbytes
 
 
-def _qkv(block: Block, x: torch.Tensor):
-    b, t, d = x.shape
-    h = block.attn.n_heads
-    q, k, v = block.attn.c_attn(block.ln_1(x)).view(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4)
-    return q, k, v
-
-
 def _attend(q, keys, values, past: int):
     """q [B,H,t,D] at positions past..past+t-1; keys/values [B,H,past+t,D]."""
     t = q.shape[2]
@@ -74,12 +82,6 @@ def _attend(q, keys, values, past: int):
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
     allowed = torch.arange(past + t, device=q.device)[None, :] <= (past + torch.arange(t, device=q.device))[:, None]
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
-
-
-def _finish(block: Block, x, y):
-    b, _, t, _ = y.shape
-    x = x + block.attn.c_proj(y.transpose(1, 2).reshape(b, t, -1))
-    return x + block.mlp(block.ln_2(x))
 
 
 class CachedDecoder:
@@ -95,7 +97,7 @@ class CachedDecoder:
         self.model = model.eval()
         cfg = model.cfg
         self.strategy = strategy
-        self.n = 0 if model.loop is None else (model.max_loops if n_loops is None else int(n_loops))
+        self.n = 0 if model.loop is None else model.depth(n_loops)
         self.max_len = min(max_len or cfg.max_seq_len, cfg.max_seq_len)
         p = next(model.parameters())
         layout = cfg.parsed_layout
@@ -103,34 +105,8 @@ class CachedDecoder:
         self.cache = KVCache(cache_slots(model, strategy, self.n), batch, cfg.n_heads, self.max_len, cfg.head_dim,
                              p.dtype, p.device)
         self.pos = 0
-
-    # slot numbering: prelude 0..P-1, then core slots, then coda
-    def _core_slot(self, step: int, c: int) -> int:
-        per_step = step if self.strategy == "full" else 0
-        return self.n_pre + per_step * self.n_core + c
-
-    def _coda_slot(self, j: int) -> int:
-        core = self.n_core * (self.n if self.strategy == "full" else (1 if self.n > 0 else 0))
-        return self.n_pre + core + j
-
-    def _cached_block(self, block: Block, x, slot: int):
-        """A block whose keys/values are written to the cache slot, attending to it."""
-        q, k, v = _qkv(block, x)
-        t, p0 = x.shape[1], self.pos
-        ck, cv = self.cache.k[slot], self.cache.v[slot]
-        ck[:, :, p0:p0 + t] = k
-        cv[:, :, p0:p0 + t] = v
-        return _finish(block, x, _attend(q, ck[:, :, : p0 + t], cv[:, :, : p0 + t], p0))
-
-    def _shared_block(self, block: Block, x, slot: int):
-        """A core block under a shared strategy; returns (output, this step's k, v). The tokens
-        fed now attend to the folded cache of earlier positions and to this step's own keys
-        (so a prompt fed at once is exact within itself)."""
-        q, k, v = _qkv(block, x)
-        p0 = self.pos
-        keys = torch.cat([self.cache.k[slot, :, :, :p0], k], dim=2)
-        values = torch.cat([self.cache.v[slot, :, :, :p0], v], dim=2)
-        return _finish(block, x, _attend(q, keys, values, p0)), k, v
+        self._calls = 0           # attention calls so far in the current forward
+        self._fold: list = []     # per core block: the keys/values to fold (first: step 1's; average: the sum)
 
     @torch.no_grad()
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -138,45 +114,54 @@ class CachedDecoder:
         model, t = self.model, idx.shape[1]
         if self.pos + t > self.max_len:
             raise ValueError(f"sequence of {self.pos + t} tokens exceeds the cache/context of {self.max_len}")
-        pos = torch.arange(self.pos, self.pos + t, device=idx.device)
-        x = model.wte(idx) + model.wpe(pos)
-        for i, block in enumerate(model.prelude):
-            x = self._cached_block(block, x, i)
-        if model.loop is not None:
-            x = self._loop(x)
-        for j, block in enumerate(model.coda):
-            x = self._cached_block(block, x, self._coda_slot(j))
+        self._calls, self._fold = 0, [None] * self.n_core
+        ctx = AttentionContext(kv=self)
+        with sdpa_kernel(DECODE_BACKENDS):
+            e = model.run_prelude(model.embed(idx, start=self.pos), ctx)
+            h = model.final_hidden(model.run_loop(e, ctx, self.n), ctx)
+        expected = self.n_pre + self.n * self.n_core + self.n_coda
+        if self._calls != expected:  # the slot numbering assumes the model's layer order
+            raise RuntimeError(f"the KV cache saw {self._calls} attention calls, expected {expected}")
+        self._fold_shared(t)
         self.pos += t
-        return model.lm_head(model.ln_f(x[:, -1]))[..., : model.cfg.vocab_size]
+        return model.head(h[:, -1])
 
-    def _loop(self, e: torch.Tensor) -> torch.Tensor:
-        loop, s = self.model.loop, e
-        terms = loop.anchor_terms(e) if self.n > 0 else None  # the anchor halves, once per token
-        acc = None  # per core block: the folded keys/values for the shared strategies
-        for r in range(self.n):
-            x = loop.project(s, terms)
-            for c, block in enumerate(loop.core):
-                if self.strategy == "full":
-                    x = self._cached_block(block, x, self._core_slot(r, c))
-                    continue
-                x, k, v = self._shared_block(block, x, self._core_slot(r, c))
-                if acc is None:
-                    acc = [None] * self.n_core
-                if self.strategy == "first" and r == 0 or self.strategy == "last" and r == self.n - 1:
-                    acc[c] = (k, v)
-                elif self.strategy == "average":
-                    acc[c] = (k, v) if acc[c] is None else (acc[c][0] + k, acc[c][1] + v)
-            if loop.has_gate:
-                g = torch.sigmoid(loop.gate_logits(s, terms))
-                s = g * s + (1 - g) * x
-            else:
-                s = x
-        if acc is not None:
-            t = e.shape[1]
-            scale = 1.0 / self.n if self.strategy == "average" else 1.0
-            for c, (k, v) in enumerate(acc):
-                slot = self._core_slot(0, c)
-                self.cache.k[slot, :, :, self.pos:self.pos + t] = k * scale
-                self.cache.v[slot, :, :, self.pos:self.pos + t] = v * scale
-        model = self.model
-        return model.exit_norm(s) if model.exit_norm is not None else s
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of one layer (called by the model, in layer order): store k, v [B, H, t, D]
+        at positions pos..pos+t-1 of the layer's slot and attend to the slot up to them."""
+        slot, core_block, step = self._slot(self._calls)
+        self._calls += 1
+        p0, t = self.pos, k.shape[2]
+        ck, cv = self.cache.k[slot], self.cache.v[slot]
+        ck[:, :, p0:p0 + t] = k
+        cv[:, :, p0:p0 + t] = v
+        if core_block is not None and self.strategy in ("first", "average"):
+            kept = self._fold[core_block]
+            if self.strategy == "first" and step == 0 or self.strategy == "average" and kept is None:
+                self._fold[core_block] = (k, v)
+            elif self.strategy == "average":
+                self._fold[core_block] = (kept[0] + k, kept[1] + v)
+        return _attend(q, ck[:, :, : p0 + t], cv[:, :, : p0 + t], p0)
+
+    def _slot(self, call: int) -> tuple[int, int | None, int | None]:
+        """(cache slot, core block or None, loop step or None) of the call-th attention call.
+        Slots: prelude 0..P-1, then the core (C per step for `full`, C shared otherwise), then coda."""
+        if call < self.n_pre:
+            return call, None, None
+        core_calls = self.n * self.n_core
+        if call < self.n_pre + core_calls:
+            step, block = divmod(call - self.n_pre, self.n_core)
+            return self.n_pre + (step * self.n_core if self.strategy == "full" else 0) + block, block, step
+        core_slots = core_calls if self.strategy == "full" else (self.n_core if self.n > 0 else 0)
+        return self.n_pre + core_slots + call - self.n_pre - core_calls, None, None
+
+    def _fold_shared(self, t: int) -> None:
+        """The shared slots hold the last step's keys/values of the tokens just fed (`last` is
+        done); `first` and `average` write step 1's or the mean over the steps instead."""
+        if self.strategy not in ("first", "average") or self.n == 0:
+            return
+        scale = 1.0 / self.n if self.strategy == "average" else 1.0
+        for block, (k, v) in enumerate(self._fold):
+            slot = self.n_pre + block
+            self.cache.k[slot, :, :, self.pos:self.pos + t] = k * scale
+            self.cache.v[slot, :, :, self.pos:self.pos + t] = v * scale

@@ -22,7 +22,7 @@ import torch
 
 from pretrain.training.checkpoint import TAG_RE, find_latest
 from pretrain.config import ConfigError, ModelConfig
-from pretrain.model import GPT
+from pretrain.model import GPT, build_model
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def upgrade_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> GPT:
     """Build the model and load weights; a tied lm_head may be absent (it is the embedding)."""
-    model = GPT(cfg)
+    model = build_model(cfg)
     state = upgrade_state_dict(state) if "loop.proj_state.weight" in model.state_dict() else dict(state)
     if cfg.tie_embeddings:
         state.pop(TIED_KEY, None)

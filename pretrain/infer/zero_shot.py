@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pretrain.infer.kv_cache import CachedDecoder
+from pretrain.infer.scoring import exit_hidden
 from pretrain.model import GPT
 
 
@@ -106,8 +108,6 @@ def encode_request(tok, context: str, continuation: str, max_len: int) -> tuple[
 def score_requests(model: GPT, encoded: list[tuple[list[int], int]], depths: list[int], device,
                    batch_size: int = 8, **fwd) -> tuple[torch.Tensor, torch.Tensor]:
     """(loglik [N, D] float64, greedy [N, D] bool) for encoded requests at each depth."""
-    from pretrain.infer.evaluate import exit_hidden, head
-
     n, nd = len(encoded), len(depths)
     ll = torch.zeros(n, nd, dtype=torch.float64)
     greedy = torch.zeros(n, nd, dtype=torch.bool)
@@ -127,7 +127,7 @@ def score_requests(model: GPT, encoded: list[tuple[list[int], int]], depths: lis
         tgt = torch.tensor(tgts, device=device)
         own = torch.tensor(owner, device=device)
         for j, (_, h) in enumerate(exit_hidden(model, inp.to(device), depths, **fwd)):
-            logp = F.log_softmax(head(model, h[rows_t, cols_t]).float(), dim=-1)
+            logp = F.log_softmax(model.head(h[rows_t, cols_t]).float(), dim=-1)
             tok_ll = logp.gather(1, tgt[:, None]).squeeze(1).double()
             hit = (logp.argmax(-1) == tgt).float()
             sum_ll = torch.zeros(len(chunk), dtype=torch.float64, device=device).index_add_(0, own, tok_ll)
@@ -144,8 +144,6 @@ def score_requests_cached(model: GPT, encoded: list[tuple[list[int], int]], dept
     with the given strategy (pretrain.infer.kv_cache): the context is prefilled, then each
     continuation token is fed back. `full` gives score_requests' numbers; the shared
     strategies measure what their approximation costs. One request at a time."""
-    from pretrain.infer.kv_cache import CachedDecoder
-
     ll = torch.zeros(len(encoded), len(depths), dtype=torch.float64)
     greedy = torch.zeros(len(encoded), len(depths), dtype=torch.bool)
     for i, (ids, n_cont) in enumerate(encoded):
@@ -168,11 +166,9 @@ def score_requests_cached(model: GPT, encoded: list[tuple[list[int], int]], dept
 
 def evaluate_task(model: GPT, tok, items: list[Item], depths: list[int], device, batch_size: int = 8,
                   dist=None, kv_cache: str | None = None, **fwd) -> dict:
-    """{depth: metrics} for one task; items are sharded over ranks and the sums all-reduced."""
-    from pretrain.infer.evaluate import Dist
-
-    dist = dist or Dist()
-    mine = dist.shard(items)
+    """{depth: metrics} for one task; with a dist (pretrain.infer.evaluate.Dist) items are sharded
+    over ranks and the sums all-reduced."""
+    mine = items if dist is None else dist.shard(items)
     flat, owners = [], []
     for k, item in enumerate(mine):
         for context, cont in item.requests:
@@ -200,7 +196,8 @@ def evaluate_task(model: GPT, tok, items: list[Item], depths: list[int], device,
             sums[:, 1] += ((item_ll / chars).argmax(0) == item.gold).double()
         sums[:, 2] += 1
         pos += k
-    sums = dist.all_reduce(sums)
+    if dist is not None:
+        sums = dist.all_reduce(sums)
     out = {}
     for j, r in enumerate(depths):
         c, cn, n, sll, ntok = sums[j].tolist()

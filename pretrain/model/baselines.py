@@ -20,8 +20,9 @@ Every variant keeps ZeRO-3's rule (docs: notes on looped models): each parameter
 part in every training micro-batch, so per-step modules beyond the sampled depth (LoRA
 adapters, routers) and the loop at depth 0 get a zero-weighted touch.
 
-`GPT(cfg)` returns these classes for their variants (GPT.__new__), so the trainer, the
-checkpoint loaders and the gradient checks build them without knowing them. Variant
+`pretrain.model.build_model(cfg)` builds these classes for their variants, so the trainer, the
+checkpoint loaders and the gradient checks build them without knowing them. Each composes
+the GPT's public pieces (`run_prelude`, `loop_step`, `decode`) with its own loop. Variant
 settings live in `cfg.extra` (accepted keys and defaults: config.BASELINE_EXTRA).
 Outputs beyond ModelOutput (per-step losses, exit distribution, router selections) are
 left in `model.last_aux` after each forward.
@@ -35,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pretrain.config import ModelConfig
-from pretrain.model.gpt import GPT, LoopStep, ModelOutput
+from pretrain.model.gpt import GPT, LoopStep, ModelOutput, lm_loss
 from pretrain.model.layers import AttentionContext, Block, Linear, attention, layer_norm
 
 
@@ -55,7 +56,7 @@ def _zero(*tensors: torch.Tensor) -> torch.Tensor:
 
 
 class LoopedBaseline(GPT):
-    """Shared pieces of the baselines: prelude, decoding a state, the loss, argument checks."""
+    """Shared pieces of the baselines: the argument checks and the auxiliary outputs."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -66,27 +67,7 @@ class LoopedBaseline(GPT):
             raise ValueError(f"gate_override: variant {self.cfg.variant!r} has no gate")
         if anchor != "prelude":
             raise ValueError(f"anchor={anchor!r}: variant {self.cfg.variant!r} supports only the prelude anchor")
-        n = self.max_loops if n_loops is None else int(n_loops)
-        if n < 0:
-            raise ValueError(f"n_loops={n}: must be >= 0")
-        return n
-
-    def _prelude(self, idx: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x = self.embed(idx)
-        for block in self.prelude:
-            x = block(x, ctx)
-        return x
-
-    def _decode(self, s: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x = self.exit_norm(s) if self.exit_norm is not None else s
-        for block in self.coda:
-            x = block(x, ctx)
-        return self.lm_head(self.ln_f(x))[..., : self.cfg.vocab_size]
-
-    @staticmethod
-    def _ce(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction)
-        return loss if reduction == "mean" else loss.view(targets.shape)
+        return self.depth(n_loops)
 
 
 # -- Huginn ---------------------------------------------------------------------------------
@@ -108,6 +89,8 @@ class HuginnGPT(LoopedBaseline):
     """s_0 ~ TruncNormal(0, std, +-3 std); s_r = Core_sandwich(W [s_{r-1}; e]); no gate.
     Training runs the first n - k steps under torch.no_grad (truncated backprop)."""
 
+    VARIANTS = ("huginn",)
+
     def build_loop(self, cfg: ModelConfig, out_std: float) -> nn.Module:
         return LoopStep(cfg, out_std, block_cls=SandwichBlock)  # reinject_anchor=True, gate=False: the adapter
 
@@ -124,27 +107,23 @@ class HuginnGPT(LoopedBaseline):
                 return_states=False, return_gates=False) -> ModelOutput:
         n = self._check_args(n_loops, gate_override, anchor)
         ctx = AttentionContext(doc_ids=doc_ids)
-        e = self._prelude(idx, ctx)
+        e = self.run_prelude(self.embed(idx), ctx)
         s = self.initial_state(e)
         k = int(self.cfg.xget("backprop_steps"))
         states = [s] if return_states else []
         for i in range(n):
             if self.training and i < n - k:
                 with torch.no_grad():  # truncated backprop: only the last k steps are differentiated
-                    s, _ = self.loop(s, e, ctx)
+                    s, _ = self.loop_step(s, e, ctx, i)
             else:
-                s, _ = self.loop(s, e, ctx)
+                s, _ = self.loop_step(s, e, ctx, i)
             if return_states:
                 states.append(s)
         if self.training and n == 0:
-            s = s + self._touch_loop(e)
-        logits = self._decode(s, ctx)
-        loss = self._ce(logits, targets) if targets is not None else None
+            s = s + 0.0 * self._touch_loop(e)
+        logits = self.decode(s, ctx)
+        loss = lm_loss(logits, targets) if targets is not None else None
         return ModelOutput(logits=logits, loss=loss, states=states, gates=[])
-
-    def _touch_loop(self, e: torch.Tensor) -> torch.Tensor:
-        head = e[:, :1]
-        return _zero(self.loop(head, head, AttentionContext())[0])
 
 
 # -- RRT ----------------------------------------------------------------------------------
@@ -215,17 +194,22 @@ def _block_with_lora(block: Block, x: torch.Tensor, ctx: AttentionContext, ad: n
 class RRTGPT(LoopedBaseline):
     """s_0 = e; s_r = Core_{W + B_r A_r}(s_{r-1}); no gate, no re-injection."""
 
+    VARIANTS = ("rrt",)
+
     def build_loop(self, cfg: ModelConfig, out_std: float) -> nn.Module:
         return RRTStep(cfg, out_std)
+
+    def loop_step(self, s, e, ctx, step, terms=None, gate_override=None):
+        return self.loop(s, e, ctx, step)  # the step's own LoRA adapters
 
     def forward(self, idx, targets=None, *, n_loops=None, doc_ids=None, gate_override=None, anchor="prelude",
                 return_states=False, return_gates=False) -> ModelOutput:
         n = self._check_args(n_loops, gate_override, anchor)
         ctx = AttentionContext(doc_ids=doc_ids)
-        s = e = self._prelude(idx, ctx)
+        s = e = self.run_prelude(self.embed(idx), ctx)
         states = [s] if return_states else []
         for i in range(n):
-            s, _ = self.loop(s, e, ctx, i)
+            s, _ = self.loop_step(s, e, ctx, i)
             if return_states:
                 states.append(s)
         if self.training:
@@ -233,9 +217,9 @@ class RRTGPT(LoopedBaseline):
             if unused:  # per-step adapters this depth did not reach: zero gradient, not a stale one
                 s = s + self.loop.touch(unused, s)
             if n == 0:
-                s = s + _zero(self.loop(e[:, :1], e[:, :1], AttentionContext(), 0)[0])
-        logits = self._decode(s, ctx)
-        loss = self._ce(logits, targets) if targets is not None else None
+                s = s + 0.0 * self._touch_loop(e)
+        logits = self.decode(s, ctx)
+        loss = lm_loss(logits, targets) if targets is not None else None
         return ModelOutput(logits=logits, loss=loss, states=states, gates=[])
 
 
@@ -244,6 +228,8 @@ class OuroGPT(LoopedBaseline):
     """Plain recurrence; exit gate lambda_t = sigmoid(w . norm(s_t) + b) (shared across steps);
     p_t = lambda_t prod_{j<t} (1 - lambda_j), the last step takes the remaining mass.
     Training loss: mean over tokens of sum_t p_t L_t - beta H(p)."""
+
+    VARIANTS = ("ouro",)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -270,24 +256,23 @@ class OuroGPT(LoopedBaseline):
         if exit not in ("fixed", "learned"):
             raise ValueError(f"exit={exit!r}: accepted values are fixed, learned")
         ctx = AttentionContext(doc_ids=doc_ids)
-        s = self._prelude(idx, ctx)
+        s = self.run_prelude(self.embed(idx), ctx)
         states = [s] if return_states else []
         every_step = (self.training and targets is not None) or exit == "learned"
         logits_steps, lambdas = [], []
-        for _ in range(n):
-            s, _ = self.loop(s, s, ctx)
+        for i in range(n):
+            s, _ = self.loop_step(s, s, ctx, i)
             if return_states:
                 states.append(s)
             lambdas.append(torch.sigmoid(self.exit_logits(s)))
             if every_step:
-                logits_steps.append(self._decode(s, ctx))
+                logits_steps.append(self.decode(s, ctx))
         self.last_aux = {}
         if n == 0 or not every_step:
-            logits = self._decode(s, ctx)
-            loss = self._ce(logits, targets) if targets is not None else None
+            logits = self.decode(s, ctx)
+            loss = lm_loss(logits, targets) if targets is not None else None
             if self.training and loss is not None:  # only at n = 0: with targets, training decodes every step
-                head = s[:, :1]
-                loss = loss + _zero(self.loop(head, head, AttentionContext())[0], self.exit_logits(head))
+                loss = loss + 0.0 * self._touch_loop(s) + _zero(self.exit_logits(s[:, :1]))
             return ModelOutput(logits=logits, loss=loss, states=states, gates=[])
         lam = torch.stack(lambdas)                           # [n, B, T]
         p = self.exit_distribution(lam)
@@ -298,9 +283,9 @@ class OuroGPT(LoopedBaseline):
             stacked = torch.stack(logits_steps)              # [n, B, T, V]
             logits = stacked.gather(0, step[None, ..., None].expand(1, *stacked.shape[1:])).squeeze(0)
             self.last_aux["exit_step"] = step + 1
-            loss = self._ce(logits, targets) if targets is not None else None
+            loss = lm_loss(logits, targets) if targets is not None else None
             return ModelOutput(logits=logits, loss=loss, states=states, gates=[])
-        step_losses = torch.stack([self._ce(lg, targets, reduction="none") for lg in logits_steps])  # [n, B, T]
+        step_losses = torch.stack([lm_loss(lg, targets, reduction="none") for lg in logits_steps])  # [n, B, T]
         valid = (targets != -100).float()
         denom = valid.sum().clamp(min=1.0)
         expected = ((p * step_losses).sum(0) * valid).sum() / denom
@@ -320,6 +305,8 @@ class MoRGPT(LoopedBaseline):
     updated s <- s + g (Core(s) - s) with g = sigmoid(router logit), and scattered back.
     Auxiliary loss: BCE of the router logits against the selection (coef aux_loss_coef)."""
 
+    VARIANTS = ("mor",)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.routers = nn.ModuleList(Linear(cfg.d_model, 1, bias=True, std=cfg.init_std)
@@ -334,7 +321,7 @@ class MoRGPT(LoopedBaseline):
                 return_states=False, return_gates=False) -> ModelOutput:
         n = self._check_args(n_loops, gate_override, anchor)
         ctx = AttentionContext(doc_ids=doc_ids)
-        s = self._prelude(idx, ctx)
+        s = self.run_prelude(self.embed(idx), ctx)
         b, t, d = s.shape
         states = [s] if return_states else []
         active = torch.ones(b, t, dtype=torch.bool, device=s.device)
@@ -353,7 +340,7 @@ class MoRGPT(LoopedBaseline):
             gather_idx = chosen[..., None].expand(b, k, d)
             x = s.gather(1, gather_idx)
             sub_ctx = AttentionContext(doc_ids=doc_ids.gather(1, chosen) if doc_ids is not None else None)
-            out, _ = self.loop(x, x, sub_ctx)
+            out, _ = self.loop_step(x, x, sub_ctx, i)
             g = torch.sigmoid(logits_r.gather(1, chosen))[..., None].to(x.dtype)
             s = s.scatter(1, gather_idx, x + g * (out - x))
             active = picked
@@ -362,50 +349,15 @@ class MoRGPT(LoopedBaseline):
             if return_states:
                 states.append(s)
         self.last_aux = {"selected": selected_counts, "selected_masks": masks}
-        logits = self._decode(s, ctx)
-        loss = self._ce(logits, targets) if targets is not None else None
+        logits = self.decode(s, ctx)
+        loss = lm_loss(logits, targets) if targets is not None else None
         if loss is not None and self.training:
             if aux_terms:
                 loss = loss + float(self.cfg.xget("aux_loss_coef")) * torch.stack(aux_terms).mean()
             head = s[:, :1]
             touch = [self.routers[j](head) for j in range(n, len(self.routers))]  # routers past depth n
             if n == 0:
-                touch.append(self.loop(head, head, AttentionContext())[0])
+                touch.append(self._touch_loop(s))
             if touch:
                 loss = loss + _zero(*touch)
         return ModelOutput(logits=logits, loss=loss, states=states, gates=[])
-
-
-VARIANT_MODELS: dict[str, type[GPT]] = {"huginn": HuginnGPT, "rrt": RRTGPT, "ouro": OuroGPT, "mor": MoRGPT}
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int | None = None, n_loops: int | None = None) -> int:
-    """Forward FLOPs per token at inference, for every variant: the spec's formula
-    (pretrain.model.flops) plus what each baseline adds or removes. Ouro: one decode (a fixed
-    exit at depth n) plus its exit gate; training decodes every step (n - 1 more codas and
-    heads). MoR: step r runs the core on a share (R - r + 1) / R of the tokens, whose
-    attention spans that share of the sequence."""
-    from pretrain.model.flops import flops_per_token as base_flops
-
-    base = base_flops(cfg, seq_len, n_loops)
-    if cfg.variant in ("grt", "dense", "huginn"):
-        return base
-    layout = cfg.parsed_layout
-    d, s = cfg.d_model, seq_len or cfg.max_seq_len
-    r = layout.loops if n_loops is None else n_loops
-    h = cfg.mlp_ratio * d
-    if cfg.variant == "rrt":
-        rank = int(cfg.xget("lora_rank"))
-        per_block = 2 * rank * ((d + 3 * d) + (d + d) + (d + h) + (h + d))
-        return base + r * layout.core * per_block
-    if cfg.variant == "ouro":
-        return base + r * 2 * d
-    if cfg.variant == "mor":
-        block_matmuls = (8 + 4 * cfg.mlp_ratio) * d * d
-        loop = 0.0
-        for i in range(r):
-            share = (layout.loops - min(i, layout.loops - 1)) / layout.loops
-            loop += share * layout.core * (block_matmuls + 4 * share * s * d) + 2 * d
-        outside = base_flops(cfg, seq_len, 0)  # prelude, coda and head
-        return int(round(outside + loop))
-    raise ValueError(f"variant={cfg.variant!r}")

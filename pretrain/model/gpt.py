@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pretrain.config import ANCHOR_MODES, ModelConfig
+from pretrain.config import ANCHOR_MODES, ConfigError, ModelConfig
 from pretrain.kernels.gate import gate_update
 from pretrain.model.layers import AttentionContext, Block, Embedding, Linear, layer_norm
 
@@ -123,19 +123,31 @@ class LoopStep(nn.Module):
         return g * s + (1 - g) * x, g
 
 
-class GPT(nn.Module):
-    def __new__(cls, cfg: ModelConfig | None = None, *args, **kwargs):
-        # GPT(cfg) builds the comparison baselines too (variant huginn/rrt/ouro/mor: subclasses
-        # in baselines.py), so the trainer, loaders and exporters need not know about them
-        if cls is GPT and isinstance(cfg, ModelConfig) and cfg.variant not in ("grt", "dense"):
-            from pretrain.model.baselines import VARIANT_MODELS
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of logits [B, T, V] against targets [B, T] (-100 = not scored), in fp32;
+    reduction 'none' gives the per-token losses [B, T]."""
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction)
+    return loss if reduction != "none" else loss.view(targets.shape)
 
-            cls = VARIANT_MODELS[cfg.variant]
-        return super().__new__(cls)
+
+class GPT(nn.Module):
+    """The GRT (variant grt) and the dense GPT-2 (variant dense). The comparison baselines
+    subclass it (pretrain.model.baselines); build any variant with pretrain.model.build_model.
+
+    The public pieces, which evaluation, the KV cache and the baselines compose instead of
+    copying: `embed`, `run_prelude`, `loop_step` (one loop step), `run_loop` (n steps),
+    `decode` (a state to logits: exit norm -> coda -> final norm -> head -> vocabulary
+    slice), itself `head(final_hidden(s))`.
+    """
+
+    VARIANTS: tuple[str, ...] = ("grt", "dense")  # the variants this class builds
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         cfg.validate()
+        if cfg.variant not in self.VARIANTS:
+            raise ConfigError(f"{type(self).__name__} builds variant(s) {', '.join(self.VARIANTS)}, not "
+                              f"{cfg.variant!r}: build models with pretrain.model.build_model(cfg)")
         self.cfg = cfg
         layout = cfg.parsed_layout
         d, vocab = cfg.d_model, cfg.padded_vocab_size
@@ -161,63 +173,102 @@ class GPT(nn.Module):
     def max_loops(self) -> int:
         return self.cfg.max_loops
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        if t > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
-        pos = torch.arange(t, device=idx.device)
+    def depth(self, n_loops: int | None) -> int:
+        """The loop steps to run: n_loops, or the layout's R when None."""
+        n = self.max_loops if n_loops is None else int(n_loops)
+        if n < 0:
+            raise ValueError(f"n_loops={n}: must be >= 0")
+        return n
+
+    # -- the pieces of a forward pass -----------------------------------------------------
+    def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Token plus position embeddings of idx [B, t] at positions start..start+t-1."""
+        end = start + idx.shape[1]
+        if end > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {end} exceeds max_seq_len={self.cfg.max_seq_len}")
+        pos = torch.arange(start, end, device=idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
-                n_loops: int | None = None, doc_ids: torch.Tensor | None = None,
-                gate_override: float | None = None, anchor: str = "prelude",
+    def run_prelude(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        for block in self.prelude:
+            x = block(x, ctx)
+        return x
+
+    def loop_step(self, s: torch.Tensor, e: torch.Tensor, ctx: AttentionContext, step: int,
+                  terms: AnchorTerms | None = None,
+                  gate_override: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Loop step number `step` (0-based) from state s with anchor e: (s_next, gate or None).
+        terms: loop.anchor_terms(e) when precomputed. The GRT's steps share all weights."""
+        return self.loop(s, e, ctx, gate_override, terms)
+
+    def run_loop(self, e: torch.Tensor, ctx: AttentionContext, n: int, *, emb: torch.Tensor | None = None,
+                 gate_override: float | None = None, anchor: str = "prelude",
+                 states: list | None = None, gates: list | None = None) -> torch.Tensor:
+        """n loop steps from s_0 = e (the prelude output); returns s_n (e itself for a dense model).
+        anchor: what the loop is fed as e (prelude output, zeros, the token embeddings `emb`, or
+        the previous state). Appends s_0..s_n to `states` and g_1..g_n to `gates` when given."""
+        if anchor not in ANCHOR_MODES:
+            raise ValueError(f"anchor={anchor!r}: accepted values are {', '.join(ANCHOR_MODES)}")
+        if anchor == "embeddings" and emb is None:
+            raise ValueError("anchor='embeddings' needs the token embeddings (emb)")
+        s = e
+        if states is not None:
+            states.append(s)
+        if self.loop is None:
+            return s
+        fixed = {"prelude": e, "zeros": torch.zeros_like(e), "embeddings": emb}.get(anchor)
+        terms = self.loop.anchor_terms(fixed) if anchor != "previous" and n > 0 else None
+        for r in range(n):
+            s, g = self.loop_step(s, s if anchor == "previous" else fixed, ctx, r, terms, gate_override)
+            if states is not None:
+                states.append(s)
+            if gates is not None and g is not None:
+                gates.append(g)
+        return s
+
+    def final_hidden(self, s: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """A state through the exit norm, the coda and the final norm: [B, T, d]."""
+        x = self.exit_norm(s) if self.exit_norm is not None else s
+        for block in self.coda:
+            x = block(x, ctx)
+        return self.ln_f(x)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states [..., d] -> logits over the real (unpadded) vocabulary."""
+        return self.lm_head(h)[..., : self.cfg.vocab_size]
+
+    def decode(self, s: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """A state to logits: exit norm -> coda -> final norm -> head -> vocabulary slice."""
+        return self.head(self.final_hidden(s, ctx))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, n_loops: int | None = None,
+                doc_ids: torch.Tensor | None = None, gate_override: float | None = None, anchor: str = "prelude",
                 return_states: bool = False, return_gates: bool = False) -> ModelOutput:
         """idx, targets: [B, T] token ids. n_loops: loop steps to run (default: the layout's R).
         gate_override: force every gate to this constant. anchor: what the loop is fed as e
         (prelude output, zeros, token embeddings, or the previous state)."""
-        if anchor not in ANCHOR_MODES:
-            raise ValueError(f"anchor={anchor!r}: accepted values are {', '.join(ANCHOR_MODES)}")
-        n = self.max_loops if n_loops is None else int(n_loops)
-        if n < 0:
-            raise ValueError(f"n_loops={n}: must be >= 0")
+        n = self.depth(n_loops)
         ctx = AttentionContext(doc_ids=doc_ids)
         emb = self.embed(idx)
-        x = emb
-        for block in self.prelude:
-            x = block(x, ctx)
+        e = self.run_prelude(emb, ctx)
         states, gates = [], []
-        if self.loop is not None:
-            anchor_fixed = {"prelude": x, "zeros": torch.zeros_like(x), "embeddings": emb}.get(anchor)
-            s = x
-            if return_states:
-                states.append(s)
-            fixed_terms = self.loop.anchor_terms(anchor_fixed) if anchor != "previous" and n > 0 else None
-            for _ in range(n):
-                e = s if anchor == "previous" else anchor_fixed
-                s, g = self.loop(s, e, ctx, gate_override, fixed_terms)
-                if return_states:
-                    states.append(s)
-                if return_gates and g is not None:
-                    gates.append(g)
-            if self.training and n == 0:
-                s = s + 0.0 * self._touch_loop(x)
-            x = self.exit_norm(s) if self.exit_norm is not None else s
-        for block in self.coda:
-            x = block(x, ctx)
-        logits = self.lm_head(self.ln_f(x))[..., : self.cfg.vocab_size]
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        s = self.run_loop(e, ctx, n, emb=emb, gate_override=gate_override, anchor=anchor,
+                          states=states if return_states else None, gates=gates if return_gates else None)
+        if self.training and n == 0 and self.loop is not None:
+            s = s + 0.0 * self._touch_loop(e)
+        logits = self.decode(s, ctx)
+        loss = lm_loss(logits, targets) if targets is not None else None
         return ModelOutput(logits=logits, loss=loss, states=states, gates=gates)
-
 
     def _touch_loop(self, x: torch.Tensor) -> torch.Tensor:
         """A zero-weighted loop step on one token, so that a depth-0 training step still
         gives every loop parameter a (zero) gradient: ZeRO-3 otherwise re-applies the stale
-        gradient of the previous step to parameters that took no part in this one."""
+        gradient of the previous step to parameters that took no part in this one.
+
+        The touches stay in the models (this one, and the baselines' per-step modules): ZeRO-3
+        gathers a parameter only inside a call of its module with a real input, and which
+        parameters a forward left out of the loss is the model's knowledge (Ouro's exit gate
+        runs at depth 1 yet does not reach the loss), which a generic hook could only learn
+        by walking the autograd graph every micro-batch."""
         head = x[:, :1]
-        return self.loop(head, head, AttentionContext(), None)[0].sum()
-
-
-def build_model(cfg: ModelConfig) -> GPT:
-    return GPT(cfg)
+        return self.loop_step(head, head, AttentionContext(), 0)[0].float().sum()

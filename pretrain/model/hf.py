@@ -9,6 +9,7 @@ import torch
 
 from pretrain.config import ConfigError, ModelConfig
 from pretrain.model.gpt import GPT
+from pretrain.model.registry import build_model
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -87,7 +88,7 @@ def from_hf(hf_model, **overrides) -> GPT:
                       d_model=c.n_embd, n_heads=c.n_head, vocab_size=c.vocab_size, pad_vocab_multiple=1,
                       max_seq_len=c.n_positions, bias=True, layer_norm_eps=c.layer_norm_epsilon,
                       mlp_ratio=(c.n_inner or 4 * c.n_embd) // c.n_embd, **overrides)
-    model = GPT(cfg)
+    model = build_model(cfg)
     ours = {}
     for key, tensor in hf_model.state_dict().items():
         if key.endswith(("attn.bias", "attn.masked_bias")) and tensor.dtype == torch.bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -54,9 +55,12 @@ class AttentionContext:
 
     doc_ids [B, T] (optional) restricts attention to the token's own document in a
     packed sequence; the masks for each backend are derived from it lazily, once.
+    kv (optional, at decode): an object whose `attend(q, k, v)` stores the keys/values in a
+    cache and attends to it (pretrain.infer.kv_cache.CachedDecoder); every layer goes through it.
     """
 
     doc_ids: torch.Tensor | None = None
+    kv: Any = None
     _cache: dict = field(default_factory=dict)
 
     def sdpa_mask(self) -> torch.Tensor:
@@ -106,6 +110,8 @@ def resolve_backend(requested: str, q: torch.Tensor) -> str:
 
 def attention(q, k, v, ctx: AttentionContext, backend: str, dropout_p: float = 0.0) -> torch.Tensor:
     """Causal attention. q, k, v: [B, H, T, D] -> [B, H, T, D]."""
+    if ctx.kv is not None:
+        return ctx.kv.attend(q, k, v)
     backend = resolve_backend(backend, q)
     masked = ctx.doc_ids is not None
     if backend == "flash_attn":

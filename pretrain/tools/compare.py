@@ -40,6 +40,7 @@ from collections import Counter
 from pathlib import Path
 
 from pretrain.config import ConfigError, ModelConfig, load_json_object
+from pretrain.model.flops import flops_per_token, train_flops_per_token
 from pretrain.presets import PRESETS, get_preset
 from pretrain.training.depth import sample_depth
 from pretrain.training.run_config import RunConfig, apply_overrides
@@ -97,20 +98,14 @@ def load_spec(spec: str) -> tuple[str, ModelConfig, dict]:
     return (cfg.name if cfg.name != "custom" else path.stem), cfg, {}
 
 
-def model_flops(cfg: ModelConfig, seq_len: int, n_loops: int | None = None) -> int:
-    from pretrain.model.baselines import flops_per_token
-
-    return flops_per_token(cfg, seq_len, n_loops)
-
-
 def model_params(cfg: ModelConfig) -> int:
     import torch
 
     from pretrain.model.flops import count_params
-    from pretrain.model import GPT
+    from pretrain.model import build_model
 
     with torch.device("meta"):
-        return count_params(GPT(cfg))["params"]
+        return count_params(build_model(cfg))["params"]
 
 
 def _with_layout(cfg: ModelConfig, **parts) -> ModelConfig:
@@ -126,7 +121,7 @@ def match(cfg: ModelConfig, target: float, what: str, seq_len: int) -> ModelConf
     """The layout change (R for looped, N for dense; C for looped under params) closest to target."""
     if what == "flops":
         key = "r" if cfg.parsed_layout.looped else "n"
-        measure = lambda c: model_flops(c, seq_len)  # noqa: E731
+        measure = lambda c: flops_per_token(c, seq_len)  # noqa: E731
     else:
         key = "c" if cfg.parsed_layout.looped else "n"
         measure = model_params
@@ -158,7 +153,7 @@ def build_runs(args, tokens: float) -> list[dict]:
         if ref_label not in labels:
             raise ConfigError(f"--reference {ref_label!r} is not one of the labels {labels}")
         ref = next(r for r in runs if r["label"] == ref_label)["cfg"].model
-        target = model_flops(ref, seq_len) if args.match == "flops" else model_params(ref)
+        target = flops_per_token(ref, seq_len) if args.match == "flops" else model_params(ref)
         for run in runs:
             if run["label"] != ref_label:
                 before = run["cfg"].model.layout
@@ -415,26 +410,11 @@ def _tb_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
-def train_flops_per_token(cfg: ModelConfig, seq_len: int, depth: int) -> float:
-    """Forward + backward (3x forward) at the sampled depth; Ouro decodes every step in training;
-    Huginn differentiates only the last k steps (the others cost one forward)."""
-    fwd = model_flops(cfg, seq_len, depth)
-    if cfg.variant == "ouro" and depth > 1:
-        layout, d = cfg.parsed_layout, cfg.d_model
-        block = (8 + 4 * cfg.mlp_ratio) * d * d + 4 * seq_len * d
-        fwd += (depth - 1) * (layout.coda * block + 2 * d * cfg.padded_vocab_size)
-    if cfg.variant == "huginn":
-        k = int(cfg.xget("backprop_steps"))
-        if depth > k:
-            no_grad = model_flops(cfg, seq_len, depth) - model_flops(cfg, seq_len, k)
-            return 3 * fwd - 2 * no_grad
-    return 3 * fwd
-
-
 def exit_curve(cfg: RunConfig, depths: list[int]) -> dict[int, float]:
     """Validation loss at each exit depth of the run's final checkpoint, on the batches its
     trainer validated on; cached in <run>/exit_curve.json."""
-    from pretrain.infer.evaluate import Dist, lm_sums, loss_table, val_batches
+    from pretrain.infer.evaluate import Dist, loss_table
+    from pretrain.infer.scoring import lm_sums, val_batches
     from pretrain.infer.load import load_model, pick_device, resolve_checkpoint
 
     out = Path(cfg.out)
@@ -468,7 +448,7 @@ def collect(run: dict, seq_len: int, wall_s: float | None, exit_factor: int = 1)
     return {
         "label": run["label"], "method": describe_method(cfg.model), "variant": cfg.model.variant,
         "layout": cfg.model.layout, "loops": r, "matched_from": run.get("matched_from"), "d_model": cfg.model.d_model,
-        "params": model_params(cfg.model), "flops_per_token": model_flops(cfg.model, seq_len),
+        "params": model_params(cfg.model), "flops_per_token": flops_per_token(cfg.model, seq_len),
         "train_flops_per_token": sum(train_flops) / max(1, len(train_flops)),
         "depth_sampling": cfg.train.depth_sampling if r else "-",
         "val_loss": by_depth.get(r, by_depth.get(0)) if by_depth else None,
@@ -616,7 +596,7 @@ def main(argv=None) -> int:
         run["nproc"] = args.nproc
         c = run["cfg"]
         print(f"{run['label']:<24} {c.model.variant:<7} {c.model.layout:<10} params {model_params(c.model):>10,}  "
-              f"fwd FLOPs/token {model_flops(c.model, seq_len) / 1e6:8.2f}M  steps {c.train.steps}  "
+              f"fwd FLOPs/token {flops_per_token(c.model, seq_len) / 1e6:8.2f}M  steps {c.train.steps}  "
               f"depth {c.train.depth_sampling if c.model.max_loops else '-'}", flush=True)
     if args.dry_run:
         return 0

@@ -16,7 +16,9 @@ def sample_depth(mode: str, max_loops: int, seed: int, step: int,
         return max_loops
     if mode == "uniform":
         return int(rng.integers(1, max_loops + 1))
+    if mode == "loguniform":  # r = floor(exp(U[0, log(max + 1)))): every depth up to max seen, short ones most
+        return int(min(math.exp(rng.uniform(0.0, math.log(max_loops + 1))), max_loops))
     if mode == "poisson":  # Huginn: r ~ Poisson(exp(tau)) + 1, tau ~ N(log rbar - sigma^2/2, sigma)
         tau = rng.normal(math.log(poisson_mean) - poisson_sigma ** 2 / 2, poisson_sigma)
         return int(min(rng.poisson(math.exp(tau)) + 1, 4 * poisson_mean))
-    raise ValueError(f"depth_sampling={mode!r}: accepted values are uniform, fixed, poisson")
+    raise ValueError(f"depth_sampling={mode!r}: accepted values are uniform, fixed, poisson, loguniform")

@@ -32,7 +32,7 @@ from pretrain.distributed import discover, init_distributed
 from pretrain.training.ds_config import build_ds_config, load_ds_json, save_ds_config, zero_stage
 from pretrain.model.flops import count_params, flops_per_token
 from pretrain.training.metrics import MetricsWriter, peak_flops, peak_memory_bytes
-from pretrain.model import GPT
+from pretrain.model import build_model
 from pretrain.training.parallelize import apply_activation_checkpointing, apply_compile, compile_stats
 from pretrain.training.run_config import RunConfig
 
@@ -187,7 +187,7 @@ def build_engine(cfg: RunConfig, world_size: int, device: torch.device):
 
     ds = build_ds_config(load_ds_json(cfg.ds_config), cfg.train, world_size, device.type == "cuda")
     with deepspeed.zero.Init(config_dict_or_path=ds, enabled=zero_stage(ds) == 3):
-        model = GPT(cfg.model)
+        model = build_model(cfg.model)
     if cfg.train.compile:
         apply_compile(model)
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
@@ -548,4 +548,4 @@ def _optimizer_name(engine) -> str:
 
 def _zero3_param_counts(cfg: RunConfig) -> dict:
     with torch.device("meta"):
-        return count_params(GPT(cfg.model))
+        return count_params(build_model(cfg.model))

@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 from deepspeed.utils import safe_get_full_grad, safe_get_full_fp32_param  # noqa: E402
 
 from pretrain.distributed import exit_process, init_distributed  # noqa: E402
-from pretrain.model import GPT  # noqa: E402
+from pretrain.model import build_model  # noqa: E402
 from pretrain.model.baselines import noise_off  # noqa: E402
 from pretrain.presets import get_preset  # noqa: E402
 from pretrain.training.run_config import RunConfig  # noqa: E402
@@ -60,7 +60,7 @@ def check(preset: str) -> dict:
     cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps = 1e-2, 0, 100
     torch.manual_seed(0)
     engine, _ = build_engine(cfg, world, torch.device("cpu"))
-    reference = GPT(cfg.model).train()
+    reference = build_model(cfg.model).train()
     names = [n for n, _ in engine.module.named_parameters()]
     params = dict(engine.module.named_parameters())
 

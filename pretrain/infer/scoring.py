@@ -1,0 +1,107 @@
+"""Scoring helpers shared by `grt eval`, the zero-shot tasks and `grt analyze` (a library: no
+command line here, so that the commands import it and never each other).
+
+One forward pass per batch runs the loop to the deepest requested depth and keeps every
+state s_0..s_n; each exit depth r decodes s_r with the model's own tail (`GPT.final_hidden`
+then `GPT.head`), which is the function `model(idx, n_loops=r)` computes (tested).
+
+Sums are kept on the model's device and copied to the host once per call. A `dist` (any
+object with rank, world, shard and all_reduce, e.g. pretrain.infer.evaluate.Dist) shards
+and sums over ranks; None is one process.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from pretrain.infer.kv_cache import CachedDecoder
+from pretrain.model import GPT
+from pretrain.model.layers import AttentionContext
+
+
+@torch.no_grad()
+def exit_hidden(model: GPT, idx: torch.Tensor, depths: Iterable[int], doc_ids: torch.Tensor | None = None,
+                gate_override: float | None = None, anchor: str = "prelude") -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield (depth, final-norm hidden [B, T, d]) for each depth from one pass through the loop."""
+    depths = list(depths)
+    ctx = AttentionContext(doc_ids=doc_ids)
+    if model.loop is None:  # a dense model: its one state is the prelude's output
+        states = [model.run_prelude(model.embed(idx), ctx)]
+    else:
+        states = model(idx, n_loops=max(depths), doc_ids=doc_ids, gate_override=gate_override, anchor=anchor,
+                       return_states=True).states
+    for r in depths:
+        yield r, model.final_hidden(states[r], ctx)
+
+
+@torch.no_grad()
+def exit_logits(model: GPT, idx: torch.Tensor, depths: Iterable[int], **kw) -> dict[int, torch.Tensor]:
+    return {r: model.head(h) for r, h in exit_hidden(model, idx, depths, **kw)}
+
+
+def _reduced(sums: torch.Tensor, dist) -> torch.Tensor:
+    sums = sums.cpu()
+    return sums if dist is None else dist.all_reduce(sums)
+
+
+@torch.no_grad()
+def lm_sums(model: GPT, batches: Iterable[dict], depths: list[int], device: torch.device, doc_mask: bool = False,
+            dist=None, **fwd) -> torch.Tensor:
+    """[len(depths), 2] on the CPU: summed NLL (nats) and scored-token count per depth, summed
+    over ranks. Each batch: input_ids, targets (-100 = not scored), optional doc_ids."""
+    sums = torch.zeros(len(depths), 2, dtype=torch.float64, device=device)
+    for batch in batches:
+        idx = batch["input_ids"].to(device)
+        targets = batch["targets"].to(device)
+        doc_ids = batch["doc_ids"].to(device) if doc_mask and "doc_ids" in batch else None
+        sums[:, 1] += (targets != -100).sum()
+        for i, (_, h) in enumerate(exit_hidden(model, idx, depths, doc_ids=doc_ids, **fwd)):
+            logits = model.head(h).float()
+            sums[i, 0] += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+    return _reduced(sums, dist)
+
+
+@torch.no_grad()
+def lm_sums_cached(model: GPT, batches: Iterable[dict], depths: list[int], device, strategy: str,
+                   dist=None) -> torch.Tensor:
+    """As lm_sums, but every token is decoded one at a time through the KV cache with the given
+    strategy (the first token is the prompt): what a shared cache costs in loss. `full` gives
+    lm_sums' numbers (tested). No document mask."""
+    sums = torch.zeros(len(depths), 2, dtype=torch.float64, device=device)
+    for batch in batches:
+        idx = batch["input_ids"].to(device)
+        targets = batch["targets"].to(device)
+        b, t = idx.shape
+        sums[:, 1] += (targets != -100).sum()
+        for i, r in enumerate(depths):
+            dec = CachedDecoder(model, batch=b, max_len=t, strategy=strategy,
+                                n_loops=r if model.loop is not None else None)
+            for pos in range(t):
+                logits = dec.forward(idx[:, pos:pos + 1]).float()
+                sums[i, 0] += F.cross_entropy(logits, targets[:, pos], ignore_index=-100, reduction="sum")
+    return _reduced(sums, dist)
+
+
+def val_batches(manifest: str, batch_size: int, dist=None, max_batches: int | None = None, seed: int = 1234,
+                split: str = "val") -> Iterator[dict]:
+    """Batches of a manifest's split (this rank's share when dist is given), in a fixed order."""
+    from data_pipeline.loader import TokenBatchLoader
+
+    rank, world = (dist.rank, dist.world) if dist is not None else (0, 1)
+    loader = TokenBatchLoader(manifest, split=split, micro_batch_size=batch_size, rank=rank,
+                              world_size=world, num_workers=0, seed=seed, shuffle_buffer=0, loop=False)
+    for i, batch in enumerate(loader):
+        if max_batches is not None and i >= max_batches:
+            break
+        yield batch
+
+
+def jsonable(obj):
+    """Dicts with non-string keys (depths) as JSON-ready objects."""
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    return obj
