@@ -261,6 +261,12 @@ class GPT(nn.Module):
     def _touch_loop(self, x: torch.Tensor) -> torch.Tensor:
         """A zero-weighted loop step on one token, so that a depth-0 training step still
         gives every loop parameter a (zero) gradient: ZeRO-3 otherwise re-applies the stale
-        gradient of the previous step to parameters that took no part in this one."""
+        gradient of the previous step to parameters that took no part in this one.
+
+        The touches stay in the models (this one, and the baselines' per-step modules): ZeRO-3
+        gathers a parameter only inside a call of its module with a real input, and which
+        parameters a forward left out of the loss is the model's knowledge (Ouro's exit gate
+        runs at depth 1 yet does not reach the loss), which a generic hook could only learn
+        by walking the autograd graph every micro-batch."""
         head = x[:, :1]
         return self.loop_step(head, head, AttentionContext(), 0)[0].float().sum()

@@ -2,7 +2,8 @@
 for each cache strategy of a looped model and for a dense model, at several batch sizes.
 
 For every (model, strategy, batch): prefill a random prompt, then decode `--new-tokens`
-tokens greedily; latency = decode wall time / new tokens (CUDA synchronised). Memory:
+tokens greedily; latency = decode wall time / new tokens (CUDA synchronised), the median
+of `--repeats` such decodes. Memory:
 the cache's bytes from the formula (pretrain.infer.kv_cache.cache_bytes_formula) next to the
 measured bytes (CUDA: the allocator's growth when the cache is built; CPU: the buffers'
 sizes), and on CUDA the peak allocated memory while decoding (weights included).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
@@ -45,7 +47,7 @@ def _sync(device):
 
 @torch.no_grad()
 def bench_one(model: GPT, strategy: str, batch: int, prompt_len: int, new_tokens: int, depth: int | None,
-              warmup: int = 2, seed: int = 0) -> dict:
+              warmup: int = 2, seed: int = 0, repeats: int = 3) -> dict:
     p = next(model.parameters())
     device, dtype = p.device, p.dtype
     n = 0 if model.loop is None else (model.max_loops if depth is None else depth)
@@ -66,22 +68,28 @@ def bench_one(model: GPT, strategy: str, batch: int, prompt_len: int, new_tokens
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-    decoder = CachedDecoder(model, batch, max_len, strategy, n)
-    measured = (torch.cuda.memory_allocated(device) - before) if cuda else decoder.cache.nbytes
-    t0 = time.perf_counter()
-    logits = decoder.forward(prompt)
-    _sync(device)
-    t1 = time.perf_counter()
-    for _ in range(new_tokens):
-        logits = decoder.forward(logits.argmax(-1)[:, None])
-    _sync(device)
-    t2 = time.perf_counter()
+    prefill, per_token = [], []
+    for i in range(repeats):  # the median repeat: one burst of other work on the host does not decide the figure
+        decoder = CachedDecoder(model, batch, max_len, strategy, n)
+        if i == 0:
+            measured = (torch.cuda.memory_allocated(device) - before) if cuda else decoder.cache.nbytes
+        t0 = time.perf_counter()
+        logits = decoder.forward(prompt)
+        _sync(device)
+        t1 = time.perf_counter()
+        for _ in range(new_tokens):
+            logits = decoder.forward(logits.argmax(-1)[:, None])
+        _sync(device)
+        prefill.append(t1 - t0)
+        per_token.append((time.perf_counter() - t1) / new_tokens)
+        del decoder
+    prefill_s, token_s = statistics.median(prefill), statistics.median(per_token)
     return {
         "model": model.cfg.name, "layout": model.cfg.layout, "variant": model.cfg.variant,
         "strategy": strategy if model.loop is not None else "dense", "depth": n, "batch": batch,
         "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": str(dtype).replace("torch.", ""),
-        "device": str(device), "prefill_ms": 1000 * (t1 - t0), "ms_per_token": 1000 * (t2 - t1) / new_tokens,
-        "tokens_per_s": batch * new_tokens / (t2 - t1), "cache_slots": cache_slots(model, strategy, n),
+        "device": str(device), "prefill_ms": 1000 * prefill_s, "ms_per_token": 1000 * token_s,
+        "tokens_per_s": batch / token_s, "repeats": repeats, "cache_slots": cache_slots(model, strategy, n),
         "cache_bytes_formula": cache_bytes_formula(model, strategy, n, batch, max_len, dtype),
         "cache_bytes_measured": int(measured),
         "peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)) if cuda else None,
@@ -123,6 +131,7 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--depth", type=int, help="loop steps per token (default: the trained R)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="timed decodes per row; the median is reported")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16")
     p.add_argument("--json", nargs="?", const="-", help="print JSON (or write it to this file)")
@@ -134,7 +143,12 @@ def main(argv=None) -> int:
         bad = [s for s in strategies if s not in STRATEGIES]
         if bad:
             raise ConfigError(f"--strategies: unknown {bad}; accepted: {', '.join(STRATEGIES)}")
-        batches = [int(b) for b in args.batch_sizes.split(",")]
+        try:
+            batches = [int(b) for b in args.batch_sizes.split(",")]
+        except ValueError:
+            raise ConfigError(f"--batch-sizes {args.batch_sizes!r}: expected comma-separated integers, e.g. 1,32") from None
+        if args.repeats < 1:
+            raise ConfigError(f"--repeats {args.repeats}: must be at least 1")
         need = args.prompt_len + args.new_tokens
         looped = build(args.model, args.preset, device, dtype, None if args.model else max(need, 64))
         if looped.loop is None:
@@ -145,9 +159,11 @@ def main(argv=None) -> int:
         rows = []
         for b in batches:
             if dense is not None:
-                rows.append(bench_one(dense, "full", b, args.prompt_len, args.new_tokens, None, args.warmup))
+                rows.append(bench_one(dense, "full", b, args.prompt_len, args.new_tokens, None, args.warmup,
+                                      repeats=args.repeats))
             for s in strategies:
-                rows.append(bench_one(looped, s, b, args.prompt_len, args.new_tokens, args.depth, args.warmup))
+                rows.append(bench_one(looped, s, b, args.prompt_len, args.new_tokens, args.depth, args.warmup,
+                                      repeats=args.repeats))
     except (ConfigError, FileNotFoundError) as err:
         print(f"grt bench decode: error: {err}", file=sys.stderr)
         return 2
