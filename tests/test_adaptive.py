@@ -91,3 +91,48 @@ def test_grt_eval_reports_the_adaptive_curve(grt_run, manifest, tmp_path, capsys
     assert ad["0.0"]["loss"] == pytest.approx(res["val"][str(res["trained_loops"])]["loss"], rel=1e-5)
     assert 1 <= ad["0.05"]["mean_steps"] <= res["trained_loops"]
     assert "adaptive exit (update" in capsys.readouterr().out
+
+
+# -- adaptive exit at decode, through the KV cache --------------------------------------------
+def _decode(model, prompts, new_tokens, strategy, threshold, n_loops=None):
+    from pretrain.infer.kv_cache import CachedDecoder
+
+    dec = CachedDecoder(model, batch=prompts.shape[0], max_len=prompts.shape[1] + new_tokens.shape[1],
+                        strategy=strategy, n_loops=n_loops, exit_threshold=threshold)
+    logits = [dec.forward(prompts)]
+    for i in range(new_tokens.shape[1]):
+        logits.append(dec.forward(new_tokens[:, i:i + 1]))
+    return torch.stack(logits, 1), dec
+
+
+@pytest.mark.parametrize("strategy", ["full", "first", "last", "average"])
+def test_decode_threshold_zero_is_the_fixed_depth_decoder(strategy):
+    model = small_model(layout="1+2x4+1")
+    prompts, new = _idx(3, b=2, t=6), _idx(4, b=2, t=5)
+    fixed, _ = _decode(model, prompts, new, strategy, None)
+    adaptive, dec = _decode(model, prompts, new, strategy, 0.0)
+    torch.testing.assert_close(adaptive, fixed, rtol=0, atol=1e-5)
+    assert dec.decoded_tokens == 2 * 5 and dec.decoded_steps == 2 * 5 * 4
+
+
+@pytest.mark.parametrize("strategy", ["full", "first", "last", "average"])
+def test_decode_exits_early_and_a_token_does_not_depend_on_its_batch(strategy):
+    model = small_model(layout="1+2x6+1")
+    prompts, new = _idx(5, b=3, t=6), _idx(6, b=3, t=6)
+    thr = _median_first_change(model, new, "update")
+    together, dec = _decode(model, prompts, new, strategy, thr)
+    assert 1 <= dec.decoded_steps / dec.decoded_tokens < 6  # some tokens left the loop early
+    for b in range(3):  # each row alone: the same logits (exited tokens' cache entries follow the rule)
+        alone, _ = _decode(model, prompts[b:b + 1], new[b:b + 1], strategy, thr)
+        torch.testing.assert_close(alone[0], together[b], rtol=0, atol=2e-5)
+
+
+def test_generate_reports_mean_loop_steps_and_refuses_no_cache():
+    from pretrain.infer.generate import generate
+
+    model = small_model(layout="1+2x6+1")
+    stats = {}
+    out = generate(model, _idx(7, b=2, t=4), 6, strategy="average", exit_threshold=1e9, greedy=True, stats=stats)
+    assert out.shape == (2, 6) and stats["mean_loop_steps"] == 1.0
+    with pytest.raises(ConfigError, match="drop --no-cache"):
+        generate(model, _idx(7, b=1, t=4), 2, use_cache=False, exit_threshold=0.1)
