@@ -30,6 +30,7 @@ from typing import Iterator
 import torch
 
 from pretrain.config import ConfigError
+from pretrain.infer.adaptive import CRITERIA, adaptive_sums, adaptive_table, parse_thresholds
 from pretrain.infer.scoring import jsonable, lm_sums, lm_sums_cached, val_batches
 from pretrain.infer.zero_shot import TASKS, evaluate_task, load_task
 from pretrain.model import GPT
@@ -195,6 +196,11 @@ def format_table(results: dict) -> str:
         lines.append(f"{r:>4}{mark}" + "".join(f"{fn(r):>{w}.4f}" for (_, fn), w in zip(cols, widths)))
     if trained is not None and any(r > trained for r in depths):
         lines.append(f"* beyond the trained maximum of {trained} loop steps")
+    if "adaptive_exit" in results:
+        ad = results["adaptive_exit"]
+        lines += ["", f"adaptive exit ({ad['criterion']}, at most {ad['max_steps']} steps), held-out split:",
+                  f"{'threshold':>10}{'val loss':>12}{'mean steps':>12}"]
+        lines += [f"{thr:>10g}{row['loss']:>12.4f}{row['mean_steps']:>12.3f}" for thr, row in ad["by_threshold"].items()]
     return "\n".join(lines)
 
 
@@ -242,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache", choices=("full", "first", "last", "average"),
                    help="decode token by token through this KV-cache strategy (held-out loss, WikiText-2, "
                         "zero-shot continuations) instead of one forward per sequence; full is exact")
+    p.add_argument("--adaptive-exit", choices=CRITERIA,
+                   help="held-out split: also per-token adaptive exit by this rule (pretrain/infer/adaptive.py)")
+    p.add_argument("--exit-thresholds", default="0.3,0.1,0.03,0.01",
+                   help="adaptive exit: thresholds on the rule's change (default 0.3,0.1,0.03,0.01)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--doc-mask", action="store_true", help="held-out split: attend within documents only")
     p.add_argument("--tokenizer", help="tokenizer.model (default: the one next to the model)")
@@ -260,6 +270,8 @@ def run(args) -> dict:
     unknown = [t for t in parts if t not in ALL_PARTS]
     if unknown:
         raise ConfigError(f"--tasks: unknown {unknown}; accepted: {', '.join(ALL_PARTS)}, all")
+    if args.adaptive_exit and "val" not in parts:
+        raise ConfigError("--adaptive-exit is measured on the held-out split: add val to --tasks")
     dist = setup_dist()
     device = pick_device(args.device)
     if device.type == "cuda" and dist.world > 1:
@@ -288,6 +300,13 @@ def run(args) -> dict:
             else:
                 sums = lm_sums(model, batches, depths, device, doc_mask=args.doc_mask, dist=dist)
             results["val"] = loss_table(sums, depths)
+            if args.adaptive_exit:
+                thresholds = parse_thresholds(args.exit_thresholds)
+                batches = val_batches(manifest, args.batch_size, dist, args.max_batches, seed, args.split)
+                results["adaptive_exit"] = {
+                    "criterion": args.adaptive_exit, "max_steps": max(depths),
+                    "by_threshold": adaptive_table(adaptive_sums(model, batches, thresholds, device, args.adaptive_exit,
+                                                                 max(depths), dist=dist), thresholds)}
             results["val_manifest"] = str(manifest)
             timings["val"] = time.time() - t0
     eval_dir = Path(args.eval_dir) if args.eval_dir else default_eval_dir()

@@ -49,9 +49,11 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, strategy: str = "full", n_loops: int | None = None,
              use_cache: bool = True, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              greedy: bool = False, seed: int | None = None, stop_id: int | None = None,
-             return_logits: bool = False):
+             return_logits: bool = False, exit_threshold: float | None = None, stats: dict | None = None):
     """Continue prompts idx [B, T] by up to max_new_tokens (capped by the context).
-    Returns new tokens [B, n] (and the logits [B, n, V] that chose them when asked)."""
+    Returns new tokens [B, n] (and the logits [B, n, V] that chose them when asked).
+    exit_threshold: per-token adaptive exit of the looped core at decode (needs the cache;
+    CachedDecoder); `stats`, when given, receives the mean loop steps per decoded token."""
     model.eval()
     b, t = idx.shape
     max_new_tokens = min(max_new_tokens, model.cfg.max_seq_len - t)
@@ -60,8 +62,11 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, strategy: st
     gen = torch.Generator(device=idx.device).manual_seed(seed) if seed is not None else None
     out, all_logits = [], []
     done = torch.zeros(b, dtype=torch.bool, device=idx.device)
+    if exit_threshold is not None and not use_cache:
+        raise ConfigError("adaptive exit at decode runs through the KV cache: drop --no-cache")
     if use_cache:
-        decoder = CachedDecoder(model, batch=b, max_len=t + max_new_tokens, strategy=strategy, n_loops=n_loops)
+        decoder = CachedDecoder(model, batch=b, max_len=t + max_new_tokens, strategy=strategy, n_loops=n_loops,
+                                exit_threshold=exit_threshold)
         logits = decoder.forward(idx)
     seq = idx
     for i in range(max_new_tokens):
@@ -82,6 +87,8 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, strategy: st
             else:
                 seq = torch.cat([seq, nxt[:, None]], dim=1)
     tokens = torch.stack(out, dim=1) if out else idx.new_zeros(b, 0)
+    if stats is not None and exit_threshold is not None:
+        stats["mean_loop_steps"] = decoder.decoded_steps / max(decoder.decoded_tokens, 1)
     if return_logits:
         return tokens, (torch.stack(all_logits, dim=1) if all_logits else None)
     return tokens
@@ -117,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, help="loop steps per token (default: the trained R)")
     p.add_argument("--allow-beyond-trained", action="store_true", help="allow --depth above the trained R")
     p.add_argument("--kv-cache", default="full", choices=STRATEGIES, help="KV-cache strategy for the looped core")
+    p.add_argument("--exit-threshold", type=float,
+                   help="per-token adaptive exit: a token stops looping once its state's relative update is "
+                        "below this (pretrain/infer/adaptive.py); prints the mean loop steps used")
     p.add_argument("--no-cache", action="store_true", help="recompute the sequence for every token")
     p.add_argument("--stop-at-separator", action="store_true", help="stop a sample at the document separator")
     p.add_argument("--tokenizer", help="tokenizer.model (default: the one next to the model)")
@@ -142,10 +152,12 @@ def main(argv=None) -> int:
         ids = [tok.sep_id] + tok.encode(args.prompt)
         idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
         t0 = time.time()
+        stats: dict = {}
         tokens = generate(model, idx, args.max_new_tokens, strategy=args.kv_cache, n_loops=depth,
                           use_cache=not args.no_cache, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, greedy=args.greedy, seed=args.seed,
-                          stop_id=tok.sep_id if args.stop_at_separator else None)
+                          stop_id=tok.sep_id if args.stop_at_separator else None,
+                          exit_threshold=args.exit_threshold, stats=stats)
         seconds = time.time() - t0
     except (ConfigError, FileNotFoundError, ValueError) as err:
         print(f"grt generate: error: {err}", file=sys.stderr)
@@ -154,14 +166,16 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({"samples": samples, "tokens": tokens.tolist(), "seconds": seconds,
                           "depth": depth if depth is not None else (model.max_loops if model.loop is not None else 0),
-                          "kv_cache": "none" if args.no_cache else args.kv_cache}, indent=2))
+                          "kv_cache": "none" if args.no_cache else args.kv_cache, **stats}, indent=2))
     else:
         for i, text in enumerate(samples):
             if len(samples) > 1:
                 print(f"--- sample {i + 1}")
             print(text)
         n = tokens.numel()
-        print(f"[{n} tokens in {seconds:.2f}s, {1000 * seconds / max(tokens.shape[1], 1):.1f} ms/step]", file=sys.stderr)
+        steps = f", {stats['mean_loop_steps']:.2f} loop steps per token" if stats else ""
+        print(f"[{n} tokens in {seconds:.2f}s, {1000 * seconds / max(tokens.shape[1], 1):.1f} ms/step{steps}]",
+              file=sys.stderr)
     return 0
 
 

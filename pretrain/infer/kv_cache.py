@@ -88,7 +88,7 @@ class CachedDecoder:
     """Prefill a prompt, then decode one token at a time; returns next-token logits [B, V]."""
 
     def __init__(self, model: GPT, batch: int, max_len: int | None = None, strategy: str = "full",
-                 n_loops: int | None = None):
+                 n_loops: int | None = None, exit_threshold: float | None = None):
         if strategy not in STRATEGIES:
             raise ConfigError(f"strategy={strategy!r}: accepted values are {', '.join(STRATEGIES)}")
         if model.cfg.variant not in ("grt", "dense"):
@@ -104,9 +104,17 @@ class CachedDecoder:
         self.n_pre, self.n_core, self.n_coda = layout.prelude, layout.core, layout.coda
         self.cache = KVCache(cache_slots(model, strategy, self.n), batch, cfg.n_heads, self.max_len, cfg.head_dim,
                              p.dtype, p.device)
+        if exit_threshold is not None and model.loop is None:
+            raise ConfigError(f"adaptive exit needs a looped model; {cfg.name!r} ({cfg.layout}) has no loop")
+        self.exit_threshold = exit_threshold
         self.pos = 0
         self._calls = 0           # attention calls so far in the current forward
         self._fold: list = []     # per core block: the keys/values to fold (first: step 1's; average: the sum)
+        self._active = None       # adaptive exit: [B, t] tokens still looping in the current step
+        self._steps = None        # adaptive exit: [B, t] loop steps each token of this forward ran
+        self._exit_kv: list = []  # adaptive exit: per core block, each token's keys/values of its latest step
+        self.decoded_tokens = 0   # adaptive exit: tokens decoded, and the loop steps they used
+        self.decoded_steps = 0
 
     @torch.no_grad()
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -116,15 +124,54 @@ class CachedDecoder:
             raise ValueError(f"sequence of {self.pos + t} tokens exceeds the cache/context of {self.max_len}")
         self._calls, self._fold = 0, [None] * self.n_core
         ctx = AttentionContext(kv=self)
+        adaptive = self.exit_threshold is not None and self.pos > 0  # the prompt is prefilled at full depth
         with sdpa_kernel(DECODE_BACKENDS):
             e = model.run_prelude(model.embed(idx, start=self.pos), ctx)
-            h = model.final_hidden(model.run_loop(e, ctx, self.n), ctx)
+            s = self._adaptive_loop(e, ctx) if adaptive else model.run_loop(e, ctx, self.n)
+            h = model.final_hidden(s, ctx)
         expected = self.n_pre + self.n * self.n_core + self.n_coda
         if self._calls != expected:  # the slot numbering assumes the model's layer order
             raise RuntimeError(f"the KV cache saw {self._calls} attention calls, expected {expected}")
         self._fold_shared(t)
+        self._steps = None
         self.pos += t
         return model.head(h[:, -1])
+
+    def _adaptive_loop(self, e: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """Per-token adaptive exit (pretrain/infer/adaptive.py, relative-update rule): a token
+        stops once ||s_r - s_{r-1}|| / ||s_{r-1}|| < exit_threshold; its state is frozen. Cache
+        rule: the slots of the steps a token did not run hold the keys/values of its exit step
+        (`full`: those steps' slots; `last`: the shared slot), `average` is the mean over the
+        steps it ran, `first` is unchanged. So a token's cache entries never depend on which
+        other tokens share its batch."""
+        model = self.model
+        terms = model.loop.anchor_terms(e)
+        s = e
+        self._active = torch.ones(e.shape[:2], dtype=torch.bool, device=e.device)
+        self._steps = torch.zeros(e.shape[:2], dtype=torch.long, device=e.device)
+        self._exit_kv = [None] * self.n_core
+        ran = 0
+        for r in range(self.n):
+            new, _ = model.loop_step(s, e, ctx, r, terms)
+            change = (new - s).float().norm(dim=-1) / s.float().norm(dim=-1).clamp_min(1e-12)
+            s = torch.where(self._active[..., None], new, s)
+            self._steps += self._active
+            self._active = self._active & (change >= self.exit_threshold)
+            ran = r + 1
+            if not bool(self._active.any()):  # one host sync per loop step, at decode only
+                break
+        self._active = None
+        if self.strategy == "full":  # the steps no token of the batch ran
+            p0, t = self.pos, e.shape[1]
+            for r in range(ran, self.n):
+                for block, (k, v) in enumerate(self._exit_kv):
+                    slot = self.n_pre + r * self.n_core + block
+                    self.cache.k[slot, :, :, p0:p0 + t] = k
+                    self.cache.v[slot, :, :, p0:p0 + t] = v
+        self._calls = self.n_pre + self.n * self.n_core  # the coda's slots follow every step's
+        self.decoded_tokens += self._steps.numel()
+        self.decoded_steps += int(self._steps.sum())
+        return s
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of one layer (called by the model, in layer order): store k, v [B, H, t, D]
@@ -132,15 +179,23 @@ class CachedDecoder:
         slot, core_block, step = self._slot(self._calls)
         self._calls += 1
         p0, t = self.pos, k.shape[2]
+        own_k, own_v = k, v
+        if core_block is not None and self._active is not None:  # exited tokens keep their exit step's k, v
+            active = self._active[:, None, :, None]
+            kept = self._exit_kv[core_block]
+            if kept is not None:
+                k, v = torch.where(active, k, kept[0]), torch.where(active, v, kept[1])
+            self._exit_kv[core_block] = (k, v)
+            own_k, own_v = own_k * active, own_v * active  # what `average` sums: the steps actually run
         ck, cv = self.cache.k[slot], self.cache.v[slot]
         ck[:, :, p0:p0 + t] = k
         cv[:, :, p0:p0 + t] = v
         if core_block is not None and self.strategy in ("first", "average"):
             kept = self._fold[core_block]
             if self.strategy == "first" and step == 0 or self.strategy == "average" and kept is None:
-                self._fold[core_block] = (k, v)
+                self._fold[core_block] = (own_k, own_v)
             elif self.strategy == "average":
-                self._fold[core_block] = (kept[0] + k, kept[1] + v)
+                self._fold[core_block] = (kept[0] + own_k, kept[1] + own_v)
         return _attend(q, ck[:, :, : p0 + t], cv[:, :, : p0 + t], p0)
 
     def _slot(self, call: int) -> tuple[int, int | None, int | None]:
@@ -161,6 +216,8 @@ class CachedDecoder:
         if self.strategy not in ("first", "average") or self.n == 0:
             return
         scale = 1.0 / self.n if self.strategy == "average" else 1.0
+        if self.strategy == "average" and self._steps is not None:  # adaptive exit: the mean over the steps run
+            scale = 1.0 / self._steps[:, None, :, None].to(self.cache.k.dtype)
         for block, (k, v) in enumerate(self._fold):
             slot = self.n_pre + block
             self.cache.k[slot, :, :, self.pos:self.pos + t] = k * scale
