@@ -8,6 +8,7 @@ import sys
 from pretrain.config import ConfigError, ModelConfig
 from pretrain.distributed import exit_process
 from pretrain.presets import PRESETS, get_preset
+from pretrain.training.resume import load_manifest
 from pretrain.training.run_config import RunConfig, apply_overrides
 
 
@@ -55,8 +56,13 @@ def main(argv=None) -> int:
         if args.print_config:
             print(json.dumps(cfg.to_dict(), indent=2))
             return 0
-        from pretrain.training.trainer import TrainingStopped, train
+        load_manifest(cfg.data)  # a missing, foreign or malformed manifest: one line before anything starts
+    except ConfigError as err:
+        print(f"grt train: error: {err}", file=sys.stderr)
+        return 2
+    from pretrain.training.trainer import TrainingStopped, train
 
+    try:
         summary = train(cfg, resume=args.resume)
     except ConfigError as err:
         print(f"grt train: error: {err}", file=sys.stderr)

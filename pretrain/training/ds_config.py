@@ -37,8 +37,9 @@ def build_ds_config(base: dict, train: TrainConfig, world_size: int, use_cuda: b
         # DeepSpeed's FusedAdam/CPUAdam JIT-compile on first use; torch's fused AdamW needs no build
         adam.update(torch_adam=True, fused=True)
     ds.setdefault("optimizer", {"type": "AdamW", "params": adam})
+    horizon = train.schedule_steps or train.steps
     ds.setdefault("scheduler", {"type": "WarmupCosineLR", "params": {
-        "total_num_steps": train.steps, "warmup_num_steps": max(1, min(train.warmup_steps, train.steps)),
+        "total_num_steps": horizon, "warmup_num_steps": max(1, min(train.warmup_steps, horizon)),
         "warmup_min_ratio": 0.0, "cos_min_ratio": train.min_lr / train.lr, "warmup_type": "linear"}})
     precision = train.precision if train.precision != "auto" else ("bf16" if use_cuda else "fp32")
     ds["bf16"] = {"enabled": precision == "bf16"}
