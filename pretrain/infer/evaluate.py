@@ -332,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-beyond-trained", action="store_true", help="allow depths above the trained R")
     p.add_argument("--tasks", default="all", help=f"comma list of {', '.join(ALL_PARTS)}; or 'all' (default)")
     p.add_argument("--data", help="manifest.json for the held-out split (default: the run config's data)")
-    p.add_argument("--split", default="val")
+    p.add_argument("--split", help="the manifest's split to score (default: val; the error lists the splits there are)")
     p.add_argument("--max-batches", type=int, help="held-out split: at most this many batches per rank")
     p.add_argument("--eval-dir", help="directory of the WikiText-2 and zero-shot files (default ../shared/data/eval)")
     p.add_argument("--wikitext", help="WikiText-2 raw text file (default <eval-dir>/wikitext2_raw_test.txt)")
@@ -351,6 +351,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write a PNG of loss against depth here")
     p.add_argument("--quiet", action="store_true")
     return p
+
+
+def held_out_split(manifest, requested: str | None) -> str:
+    """The split to score: --split, else val; a missing or empty one is refused naming those there are."""
+    split = requested or "val"
+    if not manifest.splits.get(split):
+        have = ", ".join(f"{name} ({len(shards)} shards)" for name, shards in manifest.splits.items()) or "none"
+        hint = "" if requested else "; pass --split NAME to score another split (train data is not held out)"
+        raise ConfigError(f"data={manifest.path!r} has no {split!r} split with shards (its splits: {have}){hint}")
+    return split
 
 
 def run(args) -> dict:
@@ -381,15 +391,17 @@ def run(args) -> dict:
                 raise ConfigError(f"held-out split: no manifest ({manifest!r}); pass --data <manifest.json>")
             say(f"skipping the held-out split: no manifest ({manifest!r}); pass --data")
         else:
+            split = held_out_split(loaded.check_data(manifest), args.split)
             t0 = time.time()
             seed = loaded.run_config.get("train", {}).get("seed", 1234)
-            batches = val_batches(manifest, args.batch_size, dist, args.max_batches, seed, args.split)
+            batches = val_batches(manifest, args.batch_size, dist, args.max_batches, seed, split)
             if args.kv_cache is not None:
                 sums = lm_sums_cached(model, batches, depths, device, args.kv_cache, dist=dist)
             else:
                 sums = lm_sums(model, batches, depths, device, doc_mask=args.doc_mask, dist=dist)
             results["val"] = loss_table(sums, depths)
             results["val_manifest"] = str(manifest)
+            results["val_split"] = split
             timings["val"] = time.time() - t0
     eval_dir = Path(args.eval_dir) if args.eval_dir else default_eval_dir()
     tok = None
@@ -421,9 +433,11 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from data_pipeline.shards import ShardError
+
     try:
         results = run(args)
-    except (ConfigError, FileNotFoundError) as err:
+    except (ConfigError, FileNotFoundError, ShardError) as err:  # ShardError: names the unreadable shard
         print(f"grt eval: error: {err}", file=sys.stderr)
         return 2
     import torch.distributed as tdist
