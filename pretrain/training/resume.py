@@ -57,6 +57,10 @@ def _flat(prefix: str, d: dict) -> dict:
     return {f"{prefix}.{k}": v for k, v in d.items()}
 
 
+def _as_json(cfg: RunConfig) -> dict:
+    return json.loads(json.dumps(cfg.to_dict()))  # tuples as lists, as the checkpoint stores them
+
+
 def _changes(old: dict, new: dict) -> list[str]:
     return [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
 
@@ -71,25 +75,26 @@ def check_resume(cfg: RunConfig, ckpt_root: Path, tag: str | None, world_size: i
     if tag is None or not (ckpt_root / tag / "config.json").is_file():
         return cfg  # checkpoint.load explains a checkpoint without its config
     step_dir = ckpt_root / tag
-    saved = json.loads((step_dir / "config.json").read_text())
+    # through RunConfig: keys added since the checkpoint was written take their defaults
+    saved = _as_json(RunConfig.from_dict(json.loads((step_dir / "config.json").read_text())))
     where = f"checkpoint {tag}"
     manifest = load_manifest(cfg.data)
     saved_tok = step_dir / "tokenizer.model"
     check_same_tokenizer(manifest.tokenizer_sha256, manifest.vocab_size, f"data={cfg.data!r}",
                          file_sha256(str(saved_tok)) if saved_tok.is_file() else None,
                          int(saved["model"]["vocab_size"]), where)
-    now = json.loads(json.dumps(cfg.to_dict()))  # tuples as lists, as the checkpoint stores them
+    now = _as_json(cfg)
     model_changes = _changes(_flat("model", saved["model"]), _flat("model", now["model"]))
     if model_changes:
         raise ConfigError(f"resume: the model differs from {where}'s ({'; '.join(model_changes)}); a run keeps its "
                           f"model: resume with the saved settings (--config-json {step_dir / 'config.json'}) or start "
                           "a new run with another --out")
     old_t = saved["train"]
-    old_horizon = old_t.get("schedule_steps") or old_t["steps"]
+    old_horizon = old_t["schedule_steps"] or old_t["steps"]
     if not cfg.train.schedule_steps and cfg.train.steps != old_horizon:
         cfg.train.schedule_steps = old_horizon  # keep the started schedule
-    new_t = json.loads(json.dumps(cfg.to_dict()))["train"]
-    old_vals = {f"train.{k}": old_t.get(k) for k in REFUSED_TRAIN_KEYS} | {"train.schedule_steps": old_horizon}
+    new_t = _as_json(cfg)["train"]
+    old_vals = {f"train.{k}": old_t[k] for k in REFUSED_TRAIN_KEYS} | {"train.schedule_steps": old_horizon}
     new_vals = {f"train.{k}": new_t[k] for k in REFUSED_TRAIN_KEYS} | {
         "train.schedule_steps": new_t["schedule_steps"] or new_t["steps"]}
     refused = _changes(old_vals, new_vals)
@@ -103,7 +108,7 @@ def check_resume(cfg: RunConfig, ckpt_root: Path, tag: str | None, world_size: i
                           "with another --out")
     top = ("data", "ds_config", "out")
     applied = _changes(_flat("train", old_t), _flat("train", new_t)) + _changes(
-        {k: saved.get(k) for k in top}, {k: now.get(k) for k in top})
+        {k: saved[k] for k in top}, {k: now[k] for k in top})
     if applied and discover().rank == 0:
         note = f" (the learning-rate schedule keeps its {old_horizon}-step horizon)" \
             if new_t["steps"] != old_t["steps"] else ""
