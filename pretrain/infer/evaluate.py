@@ -434,6 +434,7 @@ def run(args) -> dict:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from data_pipeline.shards import ShardError
+    from pretrain.training.checkpoint import atomic_write_text
 
     try:
         results = run(args)
@@ -447,7 +448,7 @@ def main(argv=None) -> int:
     print(format_table(results))
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(jsonable(results), indent=2) + "\n")
+        atomic_write_text(Path(args.json_out), json.dumps(jsonable(results), indent=2) + "\n")  # complete or absent
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot_depths(results, args.plot, f"{results['name']} ({results['layout']})")
