@@ -65,8 +65,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         files = expand_inputs(inputs)
     except (FileNotFoundError, ValueError) as exc:
-        print(f"grt bench data: {exc}\n(point --corpus or $GRT_DATA_CORPUS at a directory of train-*.jsonl.gz, "
-              f"or pass --input)", file=sys.stderr)
+        print(f"grt bench data: error: {exc} (point --corpus or $GRT_DATA_CORPUS at a directory of train-*.jsonl.gz, "
+              "or pass --input)", file=sys.stderr)
         return 2
     work = args.out or tempfile.mkdtemp(prefix="grt-bench-data-")
     os.makedirs(work, exist_ok=True)

@@ -99,12 +99,24 @@ class Manifest:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"manifest {path!r} not found (run `grt data prepare` first; the manifest "
                                     f"is written last, so a missing one can mean an interrupted run)")
-        with open(path, "r", encoding="utf-8") as fh:
-            raw = json.load(fh)
-        if raw.get("format") != FORMAT:
-            raise ValueError(f"{path!r} is not a {FORMAT} manifest (format={raw.get('format')!r})")
-        if int(raw.get("version", 0)) > VERSION:
-            raise ValueError(f"manifest {path!r} has version {raw.get('version')}, this code reads <= {VERSION}")
+        try:
+            with open(path, "r", encoding="utf-8") as fh:
+                raw = json.load(fh)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"manifest {path!r} is not valid JSON ({exc})") from None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise ValueError(f"{path!r} is not a {FORMAT} manifest (format="
+                             f"{raw.get('format') if isinstance(raw, dict) else None!r})")
+        version = raw.get("version", 0)
+        if not isinstance(version, int) or version > VERSION:
+            raise ValueError(f"manifest {path!r} has version {version!r}, this code reads <= {VERSION}")
+        try:
+            return cls._from_raw(path, raw)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a field missing or of the wrong type
+            raise ValueError(f"manifest {path!r} is malformed ({type(exc).__name__}: {exc})") from None
+
+    @classmethod
+    def _from_raw(cls, path: str, raw: dict) -> "Manifest":
         base = os.path.dirname(os.path.abspath(path))
 
         def resolve(name: str) -> str:

@@ -23,6 +23,7 @@ import shlex
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from launcher import builders
@@ -241,7 +242,8 @@ class Resolved:
         resume = False
         self.ds_config = None  # the merged DeepSpeed config, checked here before anything starts
         if resolve:
-            self.config, resume = resolve_train_config(train_args)
+            on_this_host = hosts is None and args.launcher != "slurm"
+            self.config, resume = resolve_train_config(train_args, on_this_host and self.world_size)
             self.ds_config = checked_ds_config(self.config, self.world_size, use_cuda=self.gpus > 0)
             out = self.config["out"]
         if args.launcher == "slurm" and entry == DEFAULT_ENTRY.split() and not args.no_auto_resume:
@@ -293,13 +295,15 @@ class Resolved:
         }
 
 
-def resolve_train_config(train_args: Sequence[str]) -> Tuple[Dict[str, object], bool]:
+def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -> Tuple[Dict[str, object], bool]:
     """Resolve `grt train` arguments into one complete run config, once, on this host.
 
     Like GPT-NeoX, the merged config (preset, model JSON, flags, --set overrides) is built
     here and every rank gets the same file through --config-json.  Paths in it are made
     absolute so that every node reads the same files whatever its working directory.
-    Returns (config dict, whether --resume was given).
+    Returns (config dict, whether --resume was given).  local_world_size > 0: the ranks run on
+    this host, so the data and the checkpoint to resume are checked here, once, before any
+    rank starts (a missing manifest, another tokenizer, a changed schedule).
     """
     from pretrain.config import ConfigError
     from pretrain.train import build_parser as train_parser, config_from_args
@@ -311,7 +315,7 @@ def resolve_train_config(train_args: Sequence[str]) -> Tuple[Dict[str, object], 
         raise ValueError(f"grt train arguments rejected: {' '.join(train_args)}") from e
     try:
         cfg = config_from_args(targs)
-        if cfg.data and os.path.isfile(cfg.data):
+        if cfg.data and (local_world_size or os.path.isfile(cfg.data)):
             # the checks that need the data (vocabulary and context follow the tokenizer);
             # skipped when the manifest is only visible from the cluster's nodes
             try:
@@ -320,6 +324,12 @@ def resolve_train_config(train_args: Sequence[str]) -> Tuple[Dict[str, object], 
                 resolve_with_data = None
             if resolve_with_data is not None:
                 cfg = resolve_with_data(cfg)
+        if local_world_size and targs.resume:
+            from pretrain.training.checkpoint import find_latest
+            from pretrain.training.resume import check_resume
+
+            ckpt_root = Path(cfg.out) / "checkpoints"
+            cfg = check_resume(cfg, ckpt_root, find_latest(ckpt_root), local_world_size)
     except ConfigError as e:
         raise ValueError(f"run config: {e}") from e
     config = cfg.to_dict()

@@ -3,6 +3,7 @@
 Subcommands are imported lazily so that `grt presets` does not pay for DeepSpeed,
 and each component owns its argument parsing.
 """
+import argparse
 import importlib
 import os
 import sys
@@ -34,14 +35,20 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def one_line_usage_error(parser: argparse.ArgumentParser, message: str):
+    """argparse's error, as one line: the usage it prints first wraps over several lines."""
+    parser.exit(2, f"{parser.prog}: error: {message} (see {parser.prog} --help)\n")
+
+
 def main(argv=None) -> int:
+    argparse.ArgumentParser.error = one_line_usage_error  # every subcommand's parser
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"grt: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        print(f"grt: unknown command {name!r} (commands: {', '.join(COMMANDS)}; see grt --help)", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
     return module.main(rest) or 0

@@ -202,7 +202,7 @@ class ModelConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "ModelConfig":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        return cls.from_dict(load_json_object(path, f"model config {str(path)!r}"))
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **check_keys(type(self), changes, "model config"))

@@ -22,6 +22,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from pretrain.config import ConfigError, ModelConfig  # noqa: E402
 from pretrain.distributed import discover, exit_process  # noqa: E402
 from pretrain.presets import PRESETS, get_preset  # noqa: E402
+from pretrain.training.resume import load_manifest  # noqa: E402
 from pretrain.training.run_config import RunConfig, apply_overrides  # noqa: E402
 
 
@@ -87,8 +88,13 @@ def main(argv=None) -> int:
             ds = merged_ds_config(cfg, discover().world_size, torch.cuda.is_available())
             print(json.dumps({"run_config": cfg.to_dict(), "deepspeed_config": ds}, indent=2))
             return 0
-        from pretrain.training.trainer import TrainingStopped, train
+        load_manifest(cfg.data)  # a missing, foreign or malformed manifest: one line before anything starts
+    except ConfigError as err:
+        print(f"grt train: error: {err}", file=sys.stderr)
+        return 2
+    from pretrain.training.trainer import TrainingStopped, train
 
+    try:
         summary = train(cfg, resume=args.resume)
     except ConfigError as err:
         print(f"grt train: error: {err}", file=sys.stderr)

@@ -382,6 +382,7 @@ def main(argv=None) -> int:
         manifest = args.data or loaded.run_config.get("data")
         if not manifest or not Path(manifest).is_file():
             raise ConfigError(f"no manifest ({manifest!r}): pass --data <manifest.json>")
+        loaded.check_data(manifest)  # the model's tokenizer, a readable manifest
         device = next(loaded.model.parameters()).device
         dense = load_model(args.dense, device=device, dtype=parse_dtype(args.dtype)).model if args.dense else None
         if dense is not None and dense.loop is not None:

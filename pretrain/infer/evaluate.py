@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-beyond-trained", action="store_true", help="allow depths above the trained R")
     p.add_argument("--tasks", default="all", help=f"comma list of {', '.join(ALL_PARTS)}; or 'all' (default)")
     p.add_argument("--data", help="manifest.json for the held-out split (default: the run config's data)")
-    p.add_argument("--split", default="val")
+    p.add_argument("--split", help="the manifest's split to score (default: val; the error lists the splits there are)")
     p.add_argument("--max-batches", type=int, help="held-out split: at most this many batches per rank")
     p.add_argument("--eval-dir", help="directory of the WikiText-2 and zero-shot files (default ../shared/data/eval)")
     p.add_argument("--wikitext", help="WikiText-2 raw text file (default <eval-dir>/wikitext2_raw_test.txt)")
@@ -261,6 +261,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write a PNG of loss against depth here")
     p.add_argument("--quiet", action="store_true")
     return p
+
+
+def held_out_split(manifest, requested: str | None) -> str:
+    """The split to score: --split, else val; a missing or empty one is refused naming those there are."""
+    split = requested or "val"
+    if not manifest.splits.get(split):
+        have = ", ".join(f"{name} ({len(shards)} shards)" for name, shards in manifest.splits.items()) or "none"
+        hint = "" if requested else "; pass --split NAME to score another split (train data is not held out)"
+        raise ConfigError(f"data={manifest.path!r} has no {split!r} split with shards (its splits: {have}){hint}")
+    return split
 
 
 def run(args) -> dict:
@@ -292,9 +302,10 @@ def run(args) -> dict:
                 raise ConfigError(f"held-out split: no manifest ({manifest!r}); pass --data <manifest.json>")
             say(f"skipping the held-out split: no manifest ({manifest!r}); pass --data")
         else:
+            split = held_out_split(loaded.check_data(manifest), args.split)
             t0 = time.time()
             seed = loaded.run_config.get("train", {}).get("seed", 1234)
-            batches = val_batches(manifest, args.batch_size, dist, args.max_batches, seed, args.split)
+            batches = val_batches(manifest, args.batch_size, dist, args.max_batches, seed, split)
             if args.kv_cache is not None:
                 sums = lm_sums_cached(model, batches, depths, device, args.kv_cache, dist=dist)
             else:
@@ -308,6 +319,7 @@ def run(args) -> dict:
                     "by_threshold": adaptive_table(adaptive_sums(model, batches, thresholds, device, args.adaptive_exit,
                                                                  max(depths), dist=dist), thresholds)}
             results["val_manifest"] = str(manifest)
+            results["val_split"] = split
             timings["val"] = time.time() - t0
     eval_dir = Path(args.eval_dir) if args.eval_dir else default_eval_dir()
     tok = None
@@ -339,9 +351,12 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from data_pipeline.shards import ShardError
+    from pretrain.training.checkpoint import atomic_write_text
+
     try:
         results = run(args)
-    except (ConfigError, FileNotFoundError) as err:
+    except (ConfigError, FileNotFoundError, ShardError) as err:  # ShardError: names the unreadable shard
         print(f"grt eval: error: {err}", file=sys.stderr)
         return 2
     import torch.distributed as tdist
@@ -351,7 +366,7 @@ def main(argv=None) -> int:
     print(format_table(results))
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(jsonable(results), indent=2) + "\n")
+        atomic_write_text(Path(args.json_out), json.dumps(jsonable(results), indent=2) + "\n")  # complete or absent
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot_depths(results, args.plot, f"{results['name']} ({results['layout']})")

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from pretrain.config import ConfigError
@@ -23,34 +25,67 @@ from pretrain.infer.load import WEIGHTS, consolidate, model_from_state, parse_dt
 
 def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", hf: bool = True,
            overwrite: bool = False) -> dict:
+    """Write the export to a temporary directory beside `out`, then rename it into place:
+    `out` is a complete export or is left as it was, whatever fails or kills the process."""
     from safetensors.torch import save_file
 
     from pretrain.config import ModelConfig
 
     step_dir = resolve_checkpoint(checkpoint)
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a directory")
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(f"{out} exists and is not empty; pass --overwrite to replace its files")
+        raise ConfigError(f"{out} exists and is not empty; pass --overwrite to replace it")
     run_cfg = read_run_config(step_dir)
     cfg = ModelConfig.from_dict(run_cfg["model"])
+    to_hf = _hf_converter() if hf and cfg.variant == "dense" else None  # before anything is written
     model = model_from_state(cfg, consolidate(step_dir), parse_dtype(dtype))
-    out.mkdir(parents=True, exist_ok=True)
-    cfg.save(out / "config.json")
-    (out / "run_config.json").write_text(json.dumps(run_cfg, indent=2) + "\n")
-    save_file(state_for_saving(model), str(out / WEIGHTS), metadata={"format": "pt", "source": step_dir.name})
-    if (step_dir / "tokenizer.model").is_file():
-        shutil.copyfile(step_dir / "tokenizer.model", out / "tokenizer.model")
-    written = ["config.json", "run_config.json", WEIGHTS] + (["tokenizer.model"] if (out / "tokenizer.model").is_file() else [])
-    if hf and cfg.variant == "dense":
-        from pretrain.model.hf import to_hf
-
-        to_hf(model.float()).save_pretrained(str(out / "hf"))
-        if (out / "tokenizer.model").is_file():
-            shutil.copyfile(out / "tokenizer.model", out / "hf" / "tokenizer.model")
-        written.append("hf/")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        cfg.save(tmp / "config.json")
+        (tmp / "run_config.json").write_text(json.dumps(run_cfg, indent=2) + "\n")
+        save_file(state_for_saving(model), str(tmp / WEIGHTS), metadata={"format": "pt", "source": step_dir.name})
+        written = ["config.json", "run_config.json", WEIGHTS]
+        if (step_dir / "tokenizer.model").is_file():
+            shutil.copyfile(step_dir / "tokenizer.model", tmp / "tokenizer.model")
+            written.append("tokenizer.model")
+        if to_hf is not None:
+            to_hf(model.float()).save_pretrained(str(tmp / "hf"))
+            if (tmp / "tokenizer.model").is_file():
+                shutil.copyfile(tmp / "tokenizer.model", tmp / "hf" / "tokenizer.model")
+            written.append("hf/")
+        _replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     n_params = sum(p.numel() for p in model.parameters())
     return {"checkpoint": str(step_dir), "out": str(out), "files": written, "params": n_params,
             "model": cfg.name, "layout": cfg.layout, "variant": cfg.variant}
+
+
+def _hf_converter():
+    """pretrain.model.hf.to_hf, or one line naming the pip extra when transformers is missing."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ConfigError("the Hugging Face copy of a dense model needs transformers: pip install 'grt-pretrain[hf]' "
+                          "(or pass --no-hf)") from None
+    from pretrain.model.hf import to_hf
+
+    return to_hf
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    """Move the finished directory `new` to `out`; an existing `out` is renamed aside first and
+    removed only once the new one is in place."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / out.name)
+    os.replace(new, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def main(argv=None) -> int:
@@ -60,7 +95,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--dtype", default="fp32", help="weights dtype: fp32 (default), bf16, fp16")
     p.add_argument("--no-hf", action="store_true", help="dense models: skip the Hugging Face directory")
-    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (once the new export is complete)")
     args = p.parse_args(argv)
     try:
         info = export(args.checkpoint, args.out, dtype=args.dtype, hf=not args.no_hf, overwrite=args.overwrite)

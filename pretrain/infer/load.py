@@ -13,8 +13,11 @@ Tied embeddings are stored once (`wte.weight`); `lm_head.weight` is re-tied on l
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,17 +37,43 @@ TIED_KEY = "lm_head.weight"
 class LoadedModel:
     model: GPT
     cfg: ModelConfig
-    tokenizer_path: str | None          # tokenizer.model next to the weights, if any
+    tokenizer_path: str | None          # the tokenizer to encode text with: --tokenizer, else the model's own
     run_config: dict = field(default_factory=dict)  # the training run config, if known
     source: str = ""                    # "export" or "checkpoint"
     path: str = ""                      # the directory the weights came from
+    own_tokenizer_path: str | None = None  # tokenizer.model next to the weights: the one it was trained with
+
+    def tokenizer_sha256(self) -> str | None:
+        """The model's tokenizer identity: its own tokenizer.model, else the one given."""
+        from data_pipeline.tokenizer import file_sha256
+
+        path = self.own_tokenizer_path or self.tokenizer_path
+        return file_sha256(path) if path and Path(path).is_file() else None
 
     def tokenizer(self):
+        """The tokenizer to encode text with, refused unless it is the model's (tokenizer identity)."""
         from data_pipeline.tokenizer import Tokenizer
+        from pretrain.training.resume import check_same_tokenizer
 
         if not self.tokenizer_path:
             raise ConfigError(f"{self.path}: no tokenizer.model next to the model; pass --tokenizer")
-        return Tokenizer(self.tokenizer_path)
+        try:
+            tok = Tokenizer(self.tokenizer_path)
+        except RuntimeError as err:  # SentencePiece's word for a file it cannot read
+            raise ConfigError(f"tokenizer {self.tokenizer_path!r} is not a SentencePiece model ({err})") from None
+        check_same_tokenizer(tok.sha256, tok.vocab_size, f"--tokenizer {self.tokenizer_path!r}", self.tokenizer_sha256(),
+                             self.cfg.vocab_size, f"the model {self.path!r}")
+        return tok
+
+    def check_data(self, manifest: str):
+        """The manifest, refused if its shards were made with another tokenizer than the model's
+        or hold token ids beyond its vocabulary (before any tensor is built)."""
+        from pretrain.training.resume import check_same_tokenizer, load_manifest
+
+        m = load_manifest(manifest)
+        check_same_tokenizer(m.tokenizer_sha256, m.vocab_size, f"data={manifest!r}", self.tokenizer_sha256(),
+                             self.cfg.vocab_size, f"the model {self.path!r}")
+        return m
 
 
 def is_export_dir(path: Path) -> bool:
@@ -79,7 +108,10 @@ def consolidate(step_dir: Path) -> dict[str, torch.Tensor]:
     """fp32 state dict of a DeepSpeed checkpoint (ZeRO stage 0-3), on CPU, without a process group."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    state = get_fp32_state_dict_from_zero_checkpoint(str(step_dir.parent), tag=step_dir.name)
+    # its progress bars only where someone watches: in a log or a pipe they are lines of noise
+    quiet = contextlib.nullcontext() if sys.stderr.isatty() else contextlib.redirect_stderr(io.StringIO())
+    with quiet:
+        state = get_fp32_state_dict_from_zero_checkpoint(str(step_dir.parent), tag=step_dir.name)
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
@@ -149,9 +181,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         cfg = ModelConfig.from_dict(run_cfg["model"])
         model = model_from_state(cfg, consolidate(where), dtype)
         source = "checkpoint"
-    tok = tokenizer or (str(where / "tokenizer.model") if (where / "tokenizer.model").is_file() else None)
+    own = str(where / "tokenizer.model") if (where / "tokenizer.model").is_file() else None
     model.to(device)
-    return LoadedModel(model=model, cfg=cfg, tokenizer_path=tok, run_config=run_cfg, source=source, path=str(where))
+    return LoadedModel(model=model, cfg=cfg, tokenizer_path=tokenizer or own, run_config=run_cfg, source=source,
+                       path=str(where), own_tokenizer_path=own)
 
 
 def pick_device(name: str = "auto") -> torch.device:

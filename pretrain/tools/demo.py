@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -44,7 +45,11 @@ def main(argv=None) -> int:
     out = Path(args.out)
     data = out / "data"
     if (out / "checkpoints").exists():
-        raise SystemExit(f"grt demo: {out} already holds a run; remove it or pass --out")
+        print(f"grt demo: error: {out} already holds a run; remove it or pass --out", file=sys.stderr)
+        return 2
+    if not Path(args.text).is_file():
+        print(f"grt demo: error: --text {args.text!r}: no such file", file=sys.stderr)
+        return 2
     common = ["-i", args.text, "--txt-mode", "paragraph", "-q"]
     print(f"[1/4] training a SentencePiece BPE tokenizer (vocab {args.vocab_size}) on {args.text}")
     if data_main(["tokenizer", *common, "--vocab-size", str(args.vocab_size), "-o", str(data / "tokenizer")]):

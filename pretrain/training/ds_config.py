@@ -116,9 +116,10 @@ def build_ds_config(base: dict, train: TrainConfig, world_size: int, use_cuda: b
     # eps and DeepSpeed's optimizer switches are not in the run config: the file's, else ours
     ds["optimizer"] = {"type": "AdamW", "params": {**adam, **{k: v for k, v in params.items() if v != AUTO}}}
 
-    schedule = {"total_num_steps": train.steps, "warmup_num_steps": max(1, min(train.warmup_steps, train.steps)),
+    horizon = train.schedule_steps or train.steps  # a resumed run with more steps keeps its started schedule
+    schedule = {"total_num_steps": horizon, "warmup_num_steps": max(1, min(train.warmup_steps, horizon)),
                 "warmup_min_ratio": 0.0, "cos_min_ratio": train.min_lr / train.lr, "warmup_type": "linear"}
-    schedule_owner = {"total_num_steps": "train.steps", "warmup_num_steps": "train.warmup_steps",
+    schedule_owner = {"total_num_steps": "train.schedule_steps (else train.steps)", "warmup_num_steps": "train.warmup_steps",
                       "warmup_min_ratio": "the trainer's warmup (from 0)",
                       "cos_min_ratio": "train.min_lr / train.lr", "warmup_type": "the trainer's warmup (linear)"}
     scheduler = ds.get("scheduler") or {}

@@ -28,6 +28,7 @@ class TrainConfig:
     lr: float = 6e-4
     min_lr: float = 6e-5
     warmup_steps: int = 2000
+    schedule_steps: int = 0             # learning-rate schedule horizon; 0 = steps (a resume with new steps keeps the old)
     weight_decay: float = 0.1
     betas: tuple = (0.9, 0.95)
     grad_clip: float = 1.0
@@ -73,6 +74,7 @@ class RunConfig:
             (t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size}: must be >= 1"),
             (t.grad_accum >= 1, f"train.grad_accum={t.grad_accum}: must be >= 1"),
             (0 <= t.warmup_steps, f"train.warmup_steps={t.warmup_steps}: must be >= 0"),
+            (0 <= t.schedule_steps, f"train.schedule_steps={t.schedule_steps}: must be >= 0 (0 = train.steps)"),
             (t.lr > 0 and 0 <= t.min_lr <= t.lr, f"train.lr={t.lr}, train.min_lr={t.min_lr}: need 0 <= min_lr <= lr, lr > 0"),
             (len(t.betas) == 2, f"train.betas={t.betas!r}: two numbers"),
             (t.log_every >= 1 and t.eval_every >= 0 and t.save_every >= 0, "train.log_every must be >= 1; eval_every, save_every >= 0 (0 = off)"),

@@ -34,6 +34,7 @@ from pretrain.model.flops import count_params, flops_per_token
 from pretrain.training.metrics import MetricsWriter, peak_flops, peak_memory_bytes
 from pretrain.model import build_model
 from pretrain.training.parallelize import apply_activation_checkpointing, apply_compile, compile_stats
+from pretrain.training.resume import check_resume
 from pretrain.training.run_config import RunConfig
 
 log = logging.getLogger("grt.train")
@@ -366,6 +367,7 @@ def _train(cfg: RunConfig, resume: bool = False) -> dict:
     if tag is not None and not resume:
         raise ConfigError(f"{ckpt_root} already holds checkpoint {tag}: pass --resume to continue it, "
                           "or choose another --out")
+    cfg = check_resume(cfg, ckpt_root, tag)  # before anything is written or compared by fingerprint
     _preflight(cfg, tag, ckpt_root)
     stop = StopSignal()  # before the slow start-up: a signal during it stops after the first step, with a checkpoint
     info = init_distributed(timeout_s=t.dist_timeout_s)

@@ -1,0 +1,356 @@
+"""Bad input never gets a traceback, and a run is never silently changed (issue 15;
+docs/reliability.md, "Bad input").
+
+A table-driven suite feeds every `grt` command and subcommand malformed paths, wrong
+types, empty files, truncated shards, a mismatched tokenizer, a foreign manifest version
+and unknown flags. Each case must end with rc 2 and exactly one line on stderr, no
+traceback, and leave the run directory byte-for-byte as it was (hashes before and after).
+Cases run in-process through `pretrain.cli.main` (the dispatcher a `grt` process runs);
+the ones where the process itself matters (launcher, a missing package, resume) run as
+real processes. Inputs are built once per session.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from trained_models import DEMO_TEXT, ENV, REPO, grt, grt_run, manifest, single_thread  # noqa: F401 (fixtures)
+
+TRIED: Counter = Counter()   # inputs tried per class, printed at the end (-s) for docs/reliability.md
+HANDLED: Counter = Counter()
+
+
+def tree_hash(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def error_lines(stderr: str) -> list[str]:
+    """stderr without DeepSpeed's import-time accelerator notice (printed by its logger on import)."""
+    return [line for line in stderr.splitlines() if line.strip() and "real_accelerator.py" not in line]
+
+
+def in_process(argv: list[str], capsys) -> tuple[int, str]:
+    from pretrain import cli
+
+    capsys.readouterr()
+    try:
+        rc = cli.main(argv)
+    except SystemExit as stop:  # argparse exits; anything else raised is a traceback and fails the test
+        rc = stop.code if isinstance(stop.code, int) else 2
+    return rc, capsys.readouterr().err
+
+
+def as_process(argv: list[str], env: dict | None = None) -> tuple[int, str]:
+    proc = subprocess.run([sys.executable, "-m", "pretrain.cli", *argv], cwd=REPO, env={**ENV, **(env or {})},
+                          capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stderr
+
+
+def check_one_line(kind: str, rc: int, stderr: str, want: str) -> None:
+    TRIED[kind] += 1
+    lines = error_lines(stderr)
+    assert "Traceback" not in stderr, stderr
+    assert rc == 2, f"rc {rc}: {stderr}"
+    assert len(lines) == 1, stderr
+    assert want in lines[0], lines[0]
+    HANDLED[kind] += 1
+
+
+# ------------------------------------------------------------------------------- inputs, built once
+def prepare_with(tok_args: list[str], root: Path) -> Path:
+    """Shards of a slice of the demo text made with a tokenizer trained with tok_args."""
+    grt("data", "tokenizer", "-i", str(DEMO_TEXT), "--txt-mode", "paragraph", *tok_args, "-o", str(root / "tok"), "-q")
+    grt("data", "prepare", "-i", str(DEMO_TEXT), "--txt-mode", "paragraph", "-t", str(root / "tok.model"),
+        "-o", str(root / "shards"), "--seq-len", "64", "--shard-size-mb", "0.1", "--val-fraction", "0.05",
+        "--max-mb", "0.15", "-q")
+    return root / "shards" / "manifest.json"
+
+
+def edited_manifest(src: Path, dest: Path, edit) -> Path:
+    """A copy of manifest `src` (shard and tokenizer paths made absolute) after edit(raw)."""
+    raw = json.loads(src.read_text())
+    for entries in raw["splits"].values():
+        for e in entries:
+            e["name"] = str(src.parent / e["name"])
+    raw["tokenizer"]["path"] = str(src.parent / raw["tokenizer"]["path"])
+    edit(raw)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "manifest.json").write_text(json.dumps(raw))
+    return dest / "manifest.json"
+
+
+@pytest.fixture(scope="module")
+def bad(grt_run, manifest, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bad_input")
+    val_shard = Path(json.loads(manifest.read_text())["splits"]["val"][0]["name"])
+    truncated = root / "truncated" / val_shard.name
+    truncated.parent.mkdir()
+    truncated.write_bytes((manifest.parent / val_shard).read_bytes()[:3000])
+
+    def truncate_val(raw):
+        raw["splits"]["val"] = [dict(raw["splits"]["val"][0], name=str(truncated))]
+
+    empty = root / "empty.json"
+    empty.write_text("")
+    empty_txt = root / "empty.txt"
+    empty_txt.write_text("")
+    not_json = root / "notjson.json"
+    not_json.write_text("{ this is not json")
+    run_copy = root / "run"
+    shutil.copytree(grt_run, run_copy)
+    return {
+        "run": run_copy,
+        "manifest": manifest,
+        "empty": empty,
+        "empty_txt": empty_txt,
+        "not_json": not_json,
+        "missing": root / "does" / "not" / "exist",
+        "no_val": edited_manifest(manifest, root / "no_val", lambda raw: raw["splits"].pop("val")),
+        "truncated_val": edited_manifest(manifest, root / "truncated_val", truncate_val),
+        "version": edited_manifest(manifest, root / "version", lambda raw: raw.update(version=99)),
+        "foreign": edited_manifest(manifest, root / "foreign", lambda raw: raw.update(format="something-else")),
+        "no_seq_len": edited_manifest(manifest, root / "no_seq_len", lambda raw: raw.pop("seq_len")),
+        # another tokenizer of the same vocabulary size (trained on less text), and a larger one
+        "other_tok": prepare_with(["--vocab-size", "512", "--max-chars", "60000"], root / "other_tok"),
+        "big_tok": prepare_with(["--vocab-size", "600"], root / "big_tok"),
+        "tokenizer": grt_run / "checkpoints" / (grt_run / "checkpoints" / "latest").read_text().strip() / "tokenizer.model",
+        "other_tokenizer": root / "other_tok" / "tok.model",
+    }
+
+
+def fill(args: list, paths: dict) -> list[str]:
+    return [str(paths[a[1:]]) if isinstance(a, str) and a.startswith("@") else a for a in args]
+
+
+# (class, argv with @name for a built input, text the one line must contain)
+CASES = [
+    # -- unknown flags and wrong types (argparse, every command)
+    ("unknown flag", ["presets", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ("unknown flag", ["train", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ("unknown flag", ["export", "--checkpoint", "@run", "--out", "@missing", "--frobnicate"], "unrecognized"),
+    ("unknown flag", ["eval", "@run", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ("unknown flag", ["generate", "@run", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ("unknown flag", ["analyze", "@run", "--out", "@missing", "--frobnicate"], "unrecognized"),
+    ("unknown flag", ["compare", "--configs", "micro-grt", "--data", "@manifest", "--out", "@missing", "--frobnicate"],
+     "unrecognized arguments: --frobnicate"),
+    ("unknown flag", ["demo", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ("unknown flag", ["data", "inspect", "@manifest", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ("unknown flag", ["data", "frobnicate"], "invalid choice: 'frobnicate'"),
+    ("unknown flag", ["bench", "frobnicate"], "invalid choice: 'frobnicate'"),
+    ("unknown flag", ["bench", "data", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ("unknown flag", ["bench", "decode", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ("unknown flag", ["frobnicate"], "unknown command 'frobnicate'"),
+    ("wrong type", ["train", "--steps", "many"], "argument --steps: invalid int value: 'many'"),
+    ("wrong type", ["eval", "@run", "--batch-size", "eight"], "invalid int value: 'eight'"),
+    ("wrong type", ["generate", "@run", "--temperature", "hot"], "invalid float value: 'hot'"),
+    ("wrong type", ["data", "prepare", "-i", "@empty_txt", "-t", "@tokenizer", "-o", "@missing", "--seq-len", "x"],
+     "invalid int value: 'x'"),
+    ("wrong type", ["bench", "train-step", "--steps", "x"], "invalid int value: 'x'"),
+    ("wrong type", ["eval", "@run", "--kv-cache", "half"], "invalid choice: 'half'"),
+    ("wrong type", ["train", "--set", "train.steps=many", "--preset", "micro-grt", "--data", "@manifest"],
+     "train.steps='many'"),
+    ("wrong type", ["eval", "@run", "--depths", "two"], "--depths 'two'"),
+    ("wrong type", ["export", "--checkpoint", "@run", "--out", "@missing", "--dtype", "fp7"], "dtype='fp7'"),
+    # -- malformed or missing paths
+    ("missing path", ["eval", "@missing", "--tasks", "val"], "no such file or directory"),
+    ("missing path", ["generate", "@missing"], "no such file or directory"),
+    ("missing path", ["analyze", "@missing", "--out", "@missing"], "no such file or directory"),
+    ("missing path", ["export", "--checkpoint", "@missing", "--out", "@missing"], "neither an exported model"),
+    ("missing path", ["eval", "@run", "--tasks", "val", "--data", "@missing"], "pass --data"),
+    ("missing path", ["train", "--preset", "micro-grt", "--data", "@missing", "--out", "@missing"], "not found"),
+    ("missing path", ["train", "--config-json", "@missing"], "no such file"),
+    ("missing path", ["demo", "--text", "@missing", "--out", "@missing"], "no such file"),
+    ("missing path", ["demo", "--out", "@run"], "already holds a run"),
+    ("wrong type", ["demo", "--steps", "x"], "invalid int value: 'x'"),
+    ("wrong type", ["presets", "--json", "yes"], "unrecognized arguments: yes"),
+    ("missing path", ["data", "inspect", "@missing"], "not found"),
+    ("missing path", ["data", "tokenizer", "-i", "@missing", "-o", "@missing"], "does/not/exist"),
+    ("missing path", ["data", "prepare", "-i", "@empty_txt", "-t", "@missing", "-o", "@missing"], "not found"),
+    ("missing path", ["generate", "@run", "--tokenizer", "@missing"], "not found"),
+    ("missing path", ["bench", "data", "--input", "@missing", "--tokenizer", "@tokenizer"], "does/not/exist"),
+    ("missing path", ["compare", "--configs", "@missing", "--data", "@manifest", "--out", "@missing"], "not a preset"),
+    ("missing path", ["train", "--data", "@manifest", "--model-config", "@missing"],
+     "no such file"),
+    # -- empty and malformed files
+    ("empty file", ["train", "--config-json", "@empty"], "not valid JSON"),
+    ("empty file", ["train", "--preset", "micro-grt", "--data", "@empty", "--out", "@missing"], "not valid JSON"),
+    ("empty file", ["data", "inspect", "@empty"], "not valid JSON"),
+    ("empty file", ["data", "inspect", "@not_json"], "not valid JSON"),
+    ("empty file", ["eval", "@run", "--tasks", "val", "--data", "@empty"], "not valid JSON"),
+    ("empty file", ["data", "tokenizer", "-i", "@empty_txt", "-o", "@missing", "--vocab-size", "300", "-q"],
+     "empty.txt"),
+    ("empty file", ["compare", "--configs", "@empty", "--data", "@manifest", "--out", "@missing"], "not valid JSON"),
+    ("empty file", ["generate", "@run", "--tokenizer", "@empty"], "empty.json"),
+    # -- foreign manifest (version, format, missing field)
+    ("foreign manifest", ["data", "inspect", "@version"], "has version 99"),
+    ("foreign manifest", ["eval", "@run", "--tasks", "val", "--data", "@version"], "has version 99"),
+    ("foreign manifest", ["train", "--preset", "micro-grt", "--data", "@version", "--out", "@missing"],
+     "has version 99"),
+    ("foreign manifest", ["eval", "@run", "--tasks", "val", "--data", "@foreign"], "is not a grt-token-shards"),
+    ("foreign manifest", ["eval", "@run", "--tasks", "val", "--data", "@no_seq_len"], "malformed"),
+    ("foreign manifest", ["analyze", "@run", "--out", "@missing", "--data", "@version"], "has version 99"),
+    # -- truncated shards and missing splits (issue 15, rows 1-2)
+    ("truncated shard", ["eval", "@run", "--tasks", "val", "--data", "@truncated_val"],
+     "corrupt or truncated shard"),
+    ("truncated shard", ["eval", "@run", "--tasks", "val", "--data", "@no_val"], "its splits: train"),
+    ("truncated shard", ["eval", "@run", "--tasks", "val", "--split", "test"], "has no 'test' split"),
+    # -- another tokenizer (issue 15, rows 3 and 5)
+    ("mismatched tokenizer", ["eval", "@run", "--tasks", "val", "--data", "@other_tok"], "cannot switch tokenizer"),
+    ("mismatched tokenizer", ["eval", "@run", "--tasks", "val", "--data", "@big_tok"], "cannot switch tokenizer"),
+    ("mismatched tokenizer", ["generate", "@run", "--tokenizer", "@other_tokenizer"], "cannot switch tokenizer"),
+    ("mismatched tokenizer", ["analyze", "@run", "--out", "@missing", "--data", "@other_tok"],
+     "cannot switch tokenizer"),
+]
+
+
+@pytest.mark.parametrize("kind,argv,want", CASES, ids=[f"{c[0]}:{' '.join(map(str, c[1][:2]))}-{i}"
+                                                        for i, c in enumerate(CASES)])
+def test_bad_input_is_one_line_and_changes_nothing(bad, capsys, kind, argv, want):
+    before = tree_hash(bad["run"])
+    rc, err = in_process(fill(argv, bad), capsys)
+    check_one_line(kind, rc, err, want)
+    assert not bad["missing"].exists(), "an output was written for a refused command"
+    assert tree_hash(bad["run"]) == before, "the run directory changed"
+
+
+# ------------------------------------------------------------------- resume (issue 15, rows 4, 6, 7)
+def resume_argv(run: Path, data: Path, *extra: str) -> list[str]:
+    """Resume `run` with its own saved config, on `data`."""
+    step = (run / "checkpoints" / "latest").read_text().strip()
+    return ["train", "--config-json", str(run / "checkpoints" / step / "config.json"), "--out", str(run),
+            "--data", str(data), "--resume", *extra]
+
+
+RESUME_CASES = [
+    ("mismatched tokenizer", ["@other_tok"], "cannot switch tokenizer"),
+    ("mismatched tokenizer", ["@other_tok", "--set", "train.allow_data_change=true"], "cannot switch tokenizer"),
+    ("mismatched tokenizer", ["@big_tok", "--set", "train.allow_data_change=true"], "cannot switch tokenizer"),
+    ("changed schedule", ["@manifest", "--set", "train.lr=1e-3"], "train.lr 0.003 -> 0.001"),
+    ("changed schedule", ["@manifest", "--set", "train.warmup_steps=2"], "train.warmup_steps 10 -> 2"),
+    ("changed schedule", ["@manifest", "--micro-batch-size", "4"], "train.micro_batch_size 8 -> 4"),
+    ("changed schedule", ["@manifest", "--grad-accum", "2"], "train.grad_accum 1 -> 2"),
+    ("changed schedule", ["@manifest", "--set", "train.schedule_steps=60"], "train.schedule_steps 30 -> 60"),
+    ("changed schedule", ["@manifest", "--set", "model.d_model=64"], "model.d_model 32 -> 64"),
+]
+
+
+@pytest.mark.parametrize("kind,args,want", RESUME_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(RESUME_CASES)])
+def test_resume_refusals_change_nothing(bad, capsys, kind, args, want):
+    """A resume that would switch tokenizer, model, schedule or batch size is refused in one
+    line naming what changes, before any process group; config.json is not rewritten."""
+    import torch.distributed as dist
+
+    run = bad["run"]
+    before = tree_hash(run)
+    data, *extra = fill(args, bad)
+    rc, err = in_process(resume_argv(run, Path(data), *extra), capsys)
+    check_one_line(kind, rc, err, want)
+    assert not dist.is_initialized()
+    assert tree_hash(run) == before, "the run directory changed"
+
+
+def test_launch_with_missing_manifest_is_one_line_before_any_rank(bad, tmp_path):
+    """Issue 15, row 8: checked once by the launcher, no rank started."""
+    rc, err = as_process(["launch", "--procs-per-node", "2", "--", "--preset", "micro-grt",
+                          "--data", str(bad["missing"]), "--out", str(tmp_path / "run")])
+    check_one_line("missing path", rc, err, "no such manifest")
+    assert not (tmp_path / "run").exists()
+    rc, err = as_process(["launch", "--dry-run", "--", *resume_argv(bad["run"], bad["other_tok"])[1:]])
+    check_one_line("mismatched tokenizer", rc, err, "cannot switch tokenizer")
+
+
+def test_export_without_transformers_is_one_line_and_writes_nothing(tmp_path, capsys):
+    """Issue 15, last row: a dense export without transformers names the pip extra and
+    leaves no folder. transformers is made unimportable in a real process."""
+    from trained_models import train
+
+    dense = train("micro-dense", 6)
+    shim = tmp_path / "shim" / "transformers"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError(\"No module named 'transformers'\")\n")
+    out = tmp_path / "export"
+    rc, err = as_process(["export", "--checkpoint", str(dense), "--out", str(out)],
+                         env={"PYTHONPATH": f"{shim.parent}{os.pathsep}{REPO}"})
+    check_one_line("missing dependency", rc, err, "pip install 'grt-pretrain[hf]'")
+    assert not out.exists() and not list(tmp_path.glob(".export*")), "a half-written export was left"
+
+
+def export_contents(out: Path) -> dict[str, str]:
+    """Hashes of an export's files; the weights by their tensors (safetensors orders its
+    metadata differently from one write to the next)."""
+    from safetensors.torch import load_file
+
+    files = tree_hash(out)
+    weights = load_file(str(out / "model.safetensors"))
+    files["model.safetensors"] = hashlib.sha256(b"".join(
+        k.encode() + weights[k].numpy().tobytes() for k in sorted(weights))).hexdigest()
+    return files
+
+
+def test_export_is_complete_or_absent(grt_run, tmp_path, monkeypatch):
+    """A failure while writing leaves neither --out nor the temporary folder; --overwrite
+    replaces a previous export only once the new one is complete."""
+    import safetensors.torch
+
+    from pretrain.infer.export import export
+
+    out = tmp_path / "export"
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(safetensors.torch, "save_file", full_disk)
+        with pytest.raises(OSError):
+            export(grt_run, out)
+    assert list(tmp_path.iterdir()) == [], "a partial export was left"
+    export(grt_run, out)
+    (out / "mine.txt").write_text("from before")
+    previous = export_contents(out)
+    with monkeypatch.context() as m:
+        m.setattr(safetensors.torch, "save_file", full_disk)
+        with pytest.raises(OSError):
+            export(grt_run, out, overwrite=True)
+    assert export_contents(out) == previous, "the previous export changed"
+    export(grt_run, out, overwrite=True)
+    assert export_contents(out) == {k: v for k, v in previous.items() if k != "mine.txt"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_zz_report_counts():
+    """The figures for docs/reliability.md (run with -s)."""
+    print("\nBAD INPUT " + "; ".join(f"{k}: {HANDLED[k]}/{TRIED[k]}" for k in sorted(TRIED))
+          + f"; total {sum(HANDLED.values())}/{sum(TRIED.values())}")
+    assert HANDLED == TRIED
+
+
+@pytest.mark.slow
+def test_resume_with_more_steps_keeps_the_started_schedule(grt_run, tmp_path):
+    """Issue 15, row 7: a run of 30 steps resumed with --steps 40 says so in one line and
+    keeps its 30-step schedule: the learning rate goes on at min_lr (where the cosine of
+    the started run ended) instead of being rebuilt over 40 steps (which would raise it
+    to ~6.7e-4 at step 31)."""
+    run = tmp_path / "run"
+    shutil.copytree(grt_run, run)
+    saved = json.loads((run / "checkpoints" / "step00000030" / "config.json").read_text())
+    argv = resume_argv(run, Path(saved["data"]), "--steps", "40", "--set", "train.log_every=1")
+    proc = subprocess.run([sys.executable, "-m", "pretrain.cli", *argv], cwd=REPO, env=ENV, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("grt train: resuming")]
+    assert len(notes) == 1 and "train.steps 30 -> 40" in notes[0] and "keeps its 30-step horizon" in notes[0], notes
+    min_lr = saved["train"]["min_lr"]
+    for step in (31, 40):
+        lr = float(proc.stdout.split(f"step {step}/40 |")[1].split("| lr ")[1].split()[0])
+        assert lr == pytest.approx(min_lr, rel=1e-2), f"step {step}: the learning rate jumped to {lr} (not {min_lr})"
+    config = json.loads((run / "config.json").read_text())
+    assert config["train"]["steps"] == 40 and config["train"]["schedule_steps"] == 30
