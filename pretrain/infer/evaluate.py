@@ -313,7 +313,7 @@ def run(args) -> dict:
             results["val"] = loss_table(sums, depths)
             if args.adaptive_exit:
                 thresholds = parse_thresholds(args.exit_thresholds)
-                batches = val_batches(manifest, args.batch_size, dist, args.max_batches, seed, args.split)
+                batches = val_batches(manifest, args.batch_size, dist, args.max_batches, seed, split)
                 results["adaptive_exit"] = {
                     "criterion": args.adaptive_exit, "max_steps": max(depths),
                     "by_threshold": adaptive_table(adaptive_sums(model, batches, thresholds, device, args.adaptive_exit,
