@@ -1,7 +1,9 @@
 """The `grt` command: a thin dispatcher to each component's own `main(argv)`.
 
 Subcommands are imported lazily so that `grt presets` does not pay for DeepSpeed,
-and each component owns its argument parsing.
+and each component owns its argument parsing. Every command ends here, through
+`pretrain.distributed.run_command`: a command that started a process group ends the
+process through its one exit path, with the command's exit code.
 """
 import importlib
 import os
@@ -33,7 +35,7 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def dispatch(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
@@ -44,6 +46,13 @@ def main(argv=None) -> int:
         return 2
     module = importlib.import_module(COMMANDS[name][0])
     return module.main(rest) or 0
+
+
+def main(argv=None) -> int:
+    """The `grt` entry point (also `python -m pretrain.cli`)."""
+    from pretrain.distributed import run_command
+
+    return run_command(dispatch, argv)
 
 
 if __name__ == "__main__":

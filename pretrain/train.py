@@ -6,7 +6,6 @@ import json
 import sys
 
 from pretrain.config import ConfigError, ModelConfig
-from pretrain.distributed import exit_process
 from pretrain.presets import PRESETS, get_preset
 from pretrain.training.run_config import RunConfig, apply_overrides
 
@@ -60,10 +59,10 @@ def main(argv=None) -> int:
         summary = train(cfg, resume=args.resume)
     except ConfigError as err:
         print(f"grt train: error: {err}", file=sys.stderr)
-        return exit_process(2)
+        return 2
     except TrainingStopped as err:
         print(f"grt train: stopped: {err}", file=sys.stderr)
-        return exit_process(3)
+        return 3
     if summary:
         print(json.dumps(summary, indent=2))
-    return exit_process(0)
+    return 0

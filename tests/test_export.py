@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pretrain.config import ConfigError
-from pretrain.infer.evaluate import Dist, lm_sums, val_batches
+from pretrain.distributed import Dist
+from pretrain.infer.evaluate import lm_sums, val_batches
 from pretrain.infer.export import main as export_main
 from pretrain.infer.load import TIED_KEY, load_model, resolve_checkpoint
 from trained_models import single_thread, EVAL_BATCHES, dense_run, grt_run, manifest, summary  # noqa: F401 (fixtures)

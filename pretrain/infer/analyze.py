@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.config import ConfigError
-from pretrain.infer.evaluate import Dist, decode_state, head, jsonable, lm_sums, val_batches
+from pretrain.distributed import Dist
+from pretrain.infer.evaluate import decode_state, head, jsonable, lm_sums, val_batches
 from pretrain.model import GPT
 from pretrain.model.layers import AttentionContext
 

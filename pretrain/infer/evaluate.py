@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.config import ConfigError
+from pretrain.distributed import Dist, all_reduce, comm_device, is_main, join_launch, run_command
 from pretrain.model import GPT
 from pretrain.model.layers import AttentionContext
 
@@ -117,67 +118,34 @@ def exit_logits(model: GPT, idx: torch.Tensor, depths: Iterable[int], **kw) -> d
     return {r: head(model, h) for r, h in exit_hidden(model, idx, depths, **kw)}
 
 
-# -- distributed ------------------------------------------------------------------------------
-@dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dev = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
-            x = t.to(dev)
-            dist.all_reduce(x)
-            return x.to(t.device)
-        return t
-
-    def shard(self, items: list) -> list:
-        return items[self.rank::self.world]
-
-
-def setup_dist() -> Dist:
-    """A process group when started by a launcher with more than one rank; else a lone process."""
-    from pretrain.distributed import discover, init_distributed
-
-    if discover().world_size <= 1:
-        return Dist()
-    info = init_distributed()
-    if torch.cuda.is_available():
-        torch.cuda.set_device(info.local_rank)
-    return Dist(info.rank, info.world_size)
-
-
 # -- language-model loss ----------------------------------------------------------------------
 @torch.no_grad()
 def lm_sums(model: GPT, batches: Iterable[dict], depths: list[int], device: torch.device, doc_mask: bool = False,
-            dist: Dist | None = None, **fwd) -> torch.Tensor:
+            **fwd) -> torch.Tensor:
     """[len(depths), 2]: summed NLL (nats) and scored-token count per depth, summed over ranks.
     Each batch: input_ids, targets (-100 = not scored), optional doc_ids."""
-    sums = torch.zeros(len(depths), 2, dtype=torch.float64)
+    sums = torch.zeros(len(depths), 2, dtype=torch.float64, device=device)  # on the device: no sync per batch
     for batch in batches:
         idx = batch["input_ids"].to(device)
         targets = batch["targets"].to(device)
         doc_ids = batch["doc_ids"].to(device) if doc_mask and "doc_ids" in batch else None
-        n = (targets != -100).sum().item()
+        n = (targets != -100).sum()
         for i, (_, h) in enumerate(exit_hidden(model, idx, depths, doc_ids=doc_ids, **fwd)):
             logits = head(model, h).float()
             sums[i, 0] += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
-                                          reduction="sum").double().item()
+                                          reduction="sum").double()
             sums[i, 1] += n
-    return (dist or Dist()).all_reduce(sums)
+    return all_reduce(sums.to(comm_device()))
 
 
 @torch.no_grad()
-def lm_sums_cached(model: GPT, batches: Iterable[dict], depths: list[int], device, strategy: str,
-                   dist: Dist | None = None) -> torch.Tensor:
+def lm_sums_cached(model: GPT, batches: Iterable[dict], depths: list[int], device, strategy: str) -> torch.Tensor:
     """As lm_sums, but every token is decoded one at a time through the KV cache with the given
     strategy (the first token is the prompt): what a shared cache costs in loss. `full` gives
     lm_sums' numbers (tested). No document mask."""
     from pretrain.infer.kv_cache import CachedDecoder
 
-    sums = torch.zeros(len(depths), 2, dtype=torch.float64)
+    sums = torch.zeros(len(depths), 2, dtype=torch.float64, device=device)
     for batch in batches:
         idx = batch["input_ids"].to(device)
         targets = batch["targets"].to(device)
@@ -187,9 +155,9 @@ def lm_sums_cached(model: GPT, batches: Iterable[dict], depths: list[int], devic
                                 n_loops=r if model.loop is not None else None)
             for pos in range(t):
                 logits = dec.forward(idx[:, pos:pos + 1]).float()
-                sums[i, 0] += F.cross_entropy(logits, targets[:, pos], ignore_index=-100, reduction="sum").double().item()
-            sums[i, 1] += (targets != -100).sum().item()
-    return (dist or Dist()).all_reduce(sums)
+                sums[i, 0] += F.cross_entropy(logits, targets[:, pos], ignore_index=-100, reduction="sum").double()
+            sums[i, 1] += (targets != -100).sum()
+    return all_reduce(sums.to(comm_device()))
 
 
 def val_batches(manifest: str, batch_size: int, dist: Dist, max_batches: int | None = None, seed: int = 1234,
@@ -248,9 +216,9 @@ def text_eval(model: GPT, tok, text: str, depths: list[int], device, batch_size:
     n_bytes = len(text.encode("utf-8"))
     batches = text_batches(ids, window or model.cfg.max_seq_len, batch_size, dist, stride)
     if kv_cache is not None:
-        sums = lm_sums_cached(model, batches, depths, device, kv_cache, dist=dist)
+        sums = lm_sums_cached(model, batches, depths, device, kv_cache)
     else:
-        sums = lm_sums(model, batches, depths, device, dist=dist, **fwd)
+        sums = lm_sums(model, batches, depths, device, **fwd)
     out = {}
     for i, r in enumerate(depths):
         nll, n = sums[i].tolist()
@@ -346,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--doc-mask", action="store_true", help="held-out split: attend within documents only")
     p.add_argument("--tokenizer", help="tokenizer.model (default: the one next to the model)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", help="auto (the stored dtype), fp32, bf16, fp16")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on a CUDA GPU, else the stored dtype), fp32, bf16, fp16")
     p.add_argument("--json-out", help="write the results as JSON here")
     p.add_argument("--plot", help="write a PNG of loss against depth here")
     p.add_argument("--quiet", action="store_true")
@@ -354,18 +322,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args) -> dict:
-    from pretrain.infer.load import load_model, parse_dtype, pick_device
+    from pretrain.infer.load import load_model, pick_device, pick_dtype
     from pretrain.infer.zero_shot import TASKS, evaluate_task, load_task
 
     parts = list(ALL_PARTS) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in parts if t not in ALL_PARTS]
     if unknown:
         raise ConfigError(f"--tasks: unknown {unknown}; accepted: {', '.join(ALL_PARTS)}, all")
-    dist = setup_dist()
+    dist = join_launch()
     device = pick_device(args.device)
-    if device.type == "cuda" and dist.world > 1:
-        device = torch.device("cuda", torch.cuda.current_device())
-    loaded = load_model(args.model, device=device, dtype=parse_dtype(args.dtype), tokenizer=args.tokenizer)
+    loaded = load_model(args.model, device=device, dtype=pick_dtype(args.dtype, device), tokenizer=args.tokenizer)
     model = loaded.model
     trained = model.max_loops if model.loop is not None else 0
     depths = check_depths(model, parse_depths(args.depths, trained), args.allow_beyond_trained)
@@ -385,9 +351,9 @@ def run(args) -> dict:
             seed = loaded.run_config.get("train", {}).get("seed", 1234)
             batches = val_batches(manifest, args.batch_size, dist, args.max_batches, seed, args.split)
             if args.kv_cache is not None:
-                sums = lm_sums_cached(model, batches, depths, device, args.kv_cache, dist=dist)
+                sums = lm_sums_cached(model, batches, depths, device, args.kv_cache)
             else:
-                sums = lm_sums(model, batches, depths, device, doc_mask=args.doc_mask, dist=dist)
+                sums = lm_sums(model, batches, depths, device, doc_mask=args.doc_mask)
             results["val"] = loss_table(sums, depths)
             results["val_manifest"] = str(manifest)
             timings["val"] = time.time() - t0
@@ -426,9 +392,7 @@ def main(argv=None) -> int:
     except (ConfigError, FileNotFoundError) as err:
         print(f"grt eval: error: {err}", file=sys.stderr)
         return 2
-    import torch.distributed as tdist
-
-    if tdist.is_available() and tdist.is_initialized() and tdist.get_rank() != 0:
+    if not is_main():
         return 0
     print(format_table(results))
     if args.json_out:
@@ -441,4 +405,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pretrain.distributed import Dist, all_reduce, comm_device
 from pretrain.model import GPT
 
 
@@ -169,8 +170,6 @@ def score_requests_cached(model: GPT, encoded: list[tuple[list[int], int]], dept
 def evaluate_task(model: GPT, tok, items: list[Item], depths: list[int], device, batch_size: int = 8,
                   dist=None, kv_cache: str | None = None, **fwd) -> dict:
     """{depth: metrics} for one task; items are sharded over ranks and the sums all-reduced."""
-    from pretrain.infer.evaluate import Dist
-
     dist = dist or Dist()
     mine = dist.shard(items)
     flat, owners = [], []
@@ -200,7 +199,7 @@ def evaluate_task(model: GPT, tok, items: list[Item], depths: list[int], device,
             sums[:, 1] += ((item_ll / chars).argmax(0) == item.gold).double()
         sums[:, 2] += 1
         pos += k
-    sums = dist.all_reduce(sums)
+    sums = all_reduce(sums.to(comm_device()))
     out = {}
     for j, r in enumerate(depths):
         c, cn, n, sll, ntok = sums[j].tolist()
