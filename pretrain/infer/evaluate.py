@@ -36,7 +36,7 @@ from pretrain.distributed import Dist, all_reduce, comm_device, is_main, join_la
 from pretrain.model import GPT
 from pretrain.model.layers import AttentionContext
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the checkout (this file is in pretrain/<pkg>/)
 LN2 = math.log(2.0)
 
 

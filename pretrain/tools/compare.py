@@ -35,7 +35,7 @@ from pretrain.config import ConfigError, ModelConfig, load_json_object
 from pretrain.presets import PRESETS, get_preset
 from pretrain.training.run_config import RunConfig, apply_overrides
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the checkout (this file is in pretrain/<pkg>/)
 
 # each method's own training recipe for the loop depth (spec section 4 / the papers)
 METHOD_TRAIN: dict[str, dict] = {
