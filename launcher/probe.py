@@ -40,14 +40,13 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from pretrain.distributed import barrier, init_distributed, is_main
+    from pretrain.distributed import all_reduce, barrier, comm_device, init_distributed, is_main
 
     info = init_distributed(timeout_s=120)
     if args.fail_rank is not None and info.rank == args.fail_rank:
         return 3
     os.makedirs(args.out, exist_ok=True)
-    t = torch.tensor([float(info.rank + 1)])
-    dist.all_reduce(t)
+    t = all_reduce(torch.tensor([float(info.rank + 1)], device=comm_device()))
     record = info.to_dict()
     record.update(allreduce_sum=t.item(), expected_sum=info.world_size * (info.world_size + 1) / 2,
                   backend=dist.get_backend(), dist_rank=dist.get_rank(),
@@ -68,8 +67,8 @@ def main(argv=None) -> int:
         step = start
         while step < args.steps:
             time.sleep(args.step_time)
-            s = torch.tensor([float(step), float(stop["flag"])])
-            dist.all_reduce(s, op=dist.ReduceOp.MAX)  # agree on the step and on stopping
+            # agree on the step and on stopping
+            s = all_reduce(torch.tensor([float(step), float(stop["flag"])], device=comm_device()), op="max")
             step += 1
             if is_main():
                 with open(os.path.join(args.out, "probe-progress.json"), "w") as f:
@@ -93,9 +92,10 @@ def main(argv=None) -> int:
     barrier()
     print(f"probe rank {info.rank}/{info.world_size} via {info.launcher}: all_reduce {t.item()}",
           flush=True)
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pretrain.distributed import run_command
+
+    sys.exit(run_command(main))

@@ -1,7 +1,9 @@
 """The `grt` command: a thin dispatcher to each component's own `main(argv)`.
 
 Subcommands are imported lazily so that `grt presets` does not pay for DeepSpeed,
-and each component owns its argument parsing.
+and each component owns its argument parsing. Every command ends here, through
+`pretrain.distributed.run_command`: a command that started a process group ends the
+process through its one exit path, with the command's exit code.
 """
 import argparse
 import importlib
@@ -40,7 +42,7 @@ def one_line_usage_error(parser: argparse.ArgumentParser, message: str):
     parser.exit(2, f"{parser.prog}: error: {message} (see {parser.prog} --help)\n")
 
 
-def main(argv=None) -> int:
+def dispatch(argv=None) -> int:
     argparse.ArgumentParser.error = one_line_usage_error  # every subcommand's parser
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -52,6 +54,13 @@ def main(argv=None) -> int:
         return 2
     module = importlib.import_module(COMMANDS[name][0])
     return module.main(rest) or 0
+
+
+def main(argv=None) -> int:
+    """The `grt` entry point (also `python -m pretrain.cli`)."""
+    from pretrain.distributed import run_command
+
+    return run_command(dispatch, argv)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,10 @@ launcher started it:
 ``deepspeed.init_distributed`` (``nccl`` on CUDA, ``gloo`` otherwise).  It is idempotent,
 and a lone process with no launcher environment still gets a 1-rank group on a free port,
 because the DeepSpeed engine needs one.
+
+Every collective of the project goes through this module (`all_reduce`, `all_agree`,
+`barrier`), on tensors made on `comm_device()`, and every process that started a group
+ends through `exit_process` (`run_command` does it for each command). docs/gpu.md says why.
 """
 from __future__ import annotations
 
@@ -28,9 +32,10 @@ import re
 import socket
 import subprocess
 import sys
+import traceback
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Dict, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -43,6 +48,10 @@ __all__ = [
     "comm_device",
     "all_reduce",
     "all_agree",
+    "Dist",
+    "join_launch",
+    "exit_process",
+    "run_command",
     "get_info",
     "expand_nodelist",
     "parse_tasks_per_node",
@@ -345,7 +354,9 @@ def is_main() -> bool:
 
 def comm_device():
     """The device whose tensors the process group's backend takes: the rank's GPU under
-    NCCL, the CPU under gloo (and with no process group)."""
+    NCCL, the CPU under gloo (and with no process group). Control tensors (flags, loss sums,
+    counts) are created on it, so that one process group with one backend serves every
+    collective (docs/gpu.md says why)."""
     import torch
     import torch.distributed as dist
 
@@ -359,7 +370,8 @@ _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
 def all_reduce(t, op: str = "sum"):
     """Reduce `t` over all ranks and return the result on the communication device (a copy
-    when `t` lives elsewhere; `t` itself otherwise). Without a process group: `t`."""
+    when `t` lives elsewhere; `t` itself otherwise). Without a process group: `t`.
+    Callers create `t` on comm_device(): tests/comm_guard.py fails a run that does not."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -373,32 +385,101 @@ def all_agree(ok: bool) -> bool:
     """True on every rank iff `ok` on every rank (one collective)."""
     import torch
 
-    return bool(all_reduce(torch.tensor([0.0 if ok else 1.0]), op="max").item() == 0)
+    flag = torch.tensor([0.0 if ok else 1.0], device=comm_device())
+    return bool(all_reduce(flag, op="max").item() == 0)
 
 
 def barrier() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        device = comm_device()
+        # NCCL's barrier otherwise guesses the GPU from the rank and warns that it may hang
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+
+
+@dataclass
+class Dist:
+    """Where this process stands in a sharded evaluation: rank `rank` of `world` takes every
+    world-th item (`shard`); the sums are then combined with `all_reduce`."""
+    rank: int = 0
+    world: int = 1
+
+    def shard(self, items: list) -> list:
+        return items[self.rank::self.world]
+
+
+def join_launch() -> Dist:
+    """The process group of a launcher (torchrun, deepspeed, srun, mpirun), one rank
+    included, so that a one-rank launch makes the collectives of a multi-rank one; a lone
+    process (no launcher) makes none."""
+    if discover().launcher == "single":
+        return Dist()
+    info = init_distributed()
+    return Dist(info.rank, info.world_size)
+
+
+def _group_exists() -> bool:
+    # without importing torch: `grt presets` and the data commands never load it
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+# Seconds exit_process waits for the process group to shut down (NCCL's destroy can wait
+# forever on work still in flight) before it ends the process anyway.
+EXIT_GRACE_S = 10.0
 
 
 def exit_process(code: int) -> int:
-    """After a process group existed, end the process here with `code`: at interpreter exit
-    the communication threads of a group whose peer has already gone can abort the process
-    ("terminate called without an active exception", exit -6) and hide the real exit code
-    from the launcher. Everything the run writes is closed or flushed by now."""
+    """The one exit path of a process that created a process group: shut the group down
+    (waiting at most EXIT_GRACE_S), finalize MPI, flush, and end the process here with
+    `code`. At interpreter exit the group's communication threads are still joinable, and
+    C++ destroys them ("terminate called without an active exception", exit -6), which
+    hides the real exit code from the launcher. Without a process group: returns `code`."""
+    import threading
+
+    if not _group_exists():
+        return code
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        return code
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - a peer may be gone; the exit code is what matters
-        pass
+    def destroy():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a peer may be gone; the exit code is what matters
+            pass
+
+    shutdown = threading.Thread(target=destroy, name="grt-exit", daemon=True)
+    shutdown.start()
+    shutdown.join(EXIT_GRACE_S)
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         mpi.Finalize()  # mpirun counts a rank that exits without MPI_Finalize as failed
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _exit_code(err: BaseException) -> int:
+    if isinstance(err, SystemExit):
+        if err.code is None or isinstance(err.code, int):
+            return err.code or 0
+        print(err.code, file=sys.stderr)
+        return 1
+    if isinstance(err, KeyboardInterrupt):
+        return 130
+    traceback.print_exception(err)
+    return 1
+
+
+def run_command(main: Callable[[Optional[List[str]]], Optional[int]], argv: Optional[List[str]] = None) -> int:
+    """Run a command's `main(argv)` as the process entry (the `grt` dispatcher, and every
+    `python -m` module that may start a process group): its exit code, exception included,
+    goes through exit_process, so no command can forget it. Without a process group it
+    returns the code (or lets the exception through), so in-process callers are unaffected."""
+    try:
+        code = main(argv) or 0
+    except BaseException as err:  # noqa: BLE001 - the process ends here with its exit code
+        if not _group_exists():
+            raise
+        code = _exit_code(err)
+    return exit_process(code)

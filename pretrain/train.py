@@ -20,7 +20,7 @@ if __name__ == "__main__" and not __package__:
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pretrain.config import ConfigError, ModelConfig  # noqa: E402
-from pretrain.distributed import discover, exit_process  # noqa: E402
+from pretrain.distributed import discover, run_command  # noqa: E402
 from pretrain.presets import PRESETS, get_preset  # noqa: E402
 from pretrain.training.resume import load_manifest  # noqa: E402
 from pretrain.training.run_config import RunConfig, apply_overrides  # noqa: E402
@@ -98,14 +98,14 @@ def main(argv=None) -> int:
         summary = train(cfg, resume=args.resume)
     except ConfigError as err:
         print(f"grt train: error: {err}", file=sys.stderr)
-        return exit_process(2)
+        return 2
     except TrainingStopped as err:
         print(f"grt train: stopped: {err}", file=sys.stderr)
-        return exit_process(3)
+        return 3
     if summary:
         print(json.dumps(summary, indent=2))
-    return exit_process(0)
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -8,7 +8,7 @@ import torch
 
 from pretrain.infer.analyze import (BUCKETS, cka_matrix, collect, frequency_buckets, half_cosines, is_punctuation,
                               linear_cka, main as analyze_main, variance_share)
-from pretrain.infer.evaluate import Dist
+from pretrain.distributed import Dist
 from pretrain.infer.scoring import lm_sums, val_batches
 from pretrain.model.layers import AttentionContext
 from trained_models import single_thread, small_model, torch_trained_grt, write_export  # noqa: F401

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pretrain.config import ConfigError
-from pretrain.infer.evaluate import Dist, check_depths, main as eval_main, parse_depths, text_eval, text_windows
+from pretrain.distributed import Dist
+from pretrain.infer.evaluate import check_depths, main as eval_main, parse_depths, text_eval, text_windows
 from pretrain.infer.scoring import exit_logits, lm_sums
 from pretrain.infer.zero_shot import Item, encode_request, evaluate_task, load_task, score_requests
 from trained_models import (single_thread, ENV, EVAL_BATCHES, REPO, CharTokenizer, grt_run, manifest,  # noqa: F401

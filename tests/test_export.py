@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pretrain.config import ConfigError
-from pretrain.infer.evaluate import Dist
+from pretrain.distributed import Dist
 from pretrain.infer.scoring import lm_sums, val_batches
 from pretrain.infer.export import main as export_main
 from pretrain.infer.load import TIED_KEY, load_model, resolve_checkpoint

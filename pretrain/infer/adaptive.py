@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.config import ConfigError
+from pretrain.infer.scoring import sum_over_ranks
 from pretrain.model import GPT
 from pretrain.model.layers import AttentionContext
 
@@ -88,8 +89,7 @@ def adaptive_sums(model: GPT, batches: Iterable[dict], thresholds: list[float], 
                                           reduction="sum")
             sums[i, 1] += scored.sum()
             sums[i, 2] += steps[scored].sum()
-    sums = sums.cpu()
-    return sums if dist is None else dist.all_reduce(sums)
+    return sum_over_ranks(sums, dist)
 
 
 def adaptive_table(sums: torch.Tensor, thresholds: list[float]) -> dict[float, dict]:

@@ -360,7 +360,7 @@ def markdown(res: dict, files: dict[str, str], title: str) -> str:
 
 
 def main(argv=None) -> int:
-    from pretrain.infer.load import load_model, parse_dtype, pick_device
+    from pretrain.infer.load import load_model, pick_device, pick_dtype
 
     p = argparse.ArgumentParser(prog="grt analyze", description="The paper's analyses of a trained GRT: "
                                 "gate forcing, anchor replacement, gate statistics, CKA, token buckets.")
@@ -374,17 +374,17 @@ def main(argv=None) -> int:
     p.add_argument("--dense", help="a dense model (same tokenizer) to compare the loop states with by CKA")
     p.add_argument("--tokenizer")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on a CUDA GPU, else the stored dtype), fp32, bf16, fp16")
     args = p.parse_args(argv)
     try:
-        loaded = load_model(args.model, device=pick_device(args.device), dtype=parse_dtype(args.dtype),
-                            tokenizer=args.tokenizer)
+        device = pick_device(args.device)
+        dtype = pick_dtype(args.dtype, device)
+        loaded = load_model(args.model, device=device, dtype=dtype, tokenizer=args.tokenizer)
         manifest = args.data or loaded.run_config.get("data")
         if not manifest or not Path(manifest).is_file():
             raise ConfigError(f"no manifest ({manifest!r}): pass --data <manifest.json>")
         loaded.check_data(manifest)  # the model's tokenizer, a readable manifest
-        device = next(loaded.model.parameters()).device
-        dense = load_model(args.dense, device=device, dtype=parse_dtype(args.dtype)).model if args.dense else None
+        dense = load_model(args.dense, device=device, dtype=dtype).model if args.dense else None
         if dense is not None and dense.loop is not None:
             raise ConfigError(f"--dense {args.dense}: expected a dense model, got layout {dense.cfg.layout!r}")
         res = analyze(loaded.model, manifest, loaded.tokenizer(), device, args.batch_size, args.max_batches,

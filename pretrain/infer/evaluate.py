@@ -23,19 +23,19 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from pretrain.config import ConfigError
+from pretrain.distributed import Dist, is_main, join_launch, run_command
 from pretrain.infer.adaptive import CRITERIA, adaptive_sums, adaptive_table, parse_thresholds
 from pretrain.infer.scoring import jsonable, lm_sums, lm_sums_cached, val_batches
 from pretrain.infer.zero_shot import TASKS, evaluate_task, load_task
 from pretrain.model import GPT
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]  # the checkout (this file is in pretrain/<pkg>/)
 LN2 = math.log(2.0)
 
 
@@ -80,39 +80,6 @@ def check_depths(model: GPT, depths: list[int], allow_beyond: bool) -> list[int]
     return depths
 
 
-# -- distributed ------------------------------------------------------------------------------
-@dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dev = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
-            x = t.to(dev)
-            dist.all_reduce(x)
-            return x.to(t.device)
-        return t
-
-    def shard(self, items: list) -> list:
-        return items[self.rank::self.world]
-
-
-def setup_dist() -> Dist:
-    """A process group when started by a launcher with more than one rank; else a lone process."""
-    from pretrain.distributed import discover, init_distributed
-
-    if discover().world_size <= 1:
-        return Dist()
-    info = init_distributed()
-    if torch.cuda.is_available():
-        torch.cuda.set_device(info.local_rank)
-    return Dist(info.rank, info.world_size)
-
-
-# -- raw text ----------------------------------------------------------------------------------
 def text_windows(n_tokens: int, window: int, stride: int | None = None) -> list[tuple[int, int, int]]:
     """Windows over a token sequence of n_tokens (predicting ids[1:], n_tokens - 1 targets):
     (begin, end, first_scored) in target indices; inputs are ids[begin:end], targets
@@ -256,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--doc-mask", action="store_true", help="held-out split: attend within documents only")
     p.add_argument("--tokenizer", help="tokenizer.model (default: the one next to the model)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", help="auto (the stored dtype), fp32, bf16, fp16")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on a CUDA GPU, else the stored dtype), fp32, bf16, fp16")
     p.add_argument("--json-out", help="write the results as JSON here")
     p.add_argument("--plot", help="write a PNG of loss against depth here")
     p.add_argument("--quiet", action="store_true")
@@ -274,7 +241,7 @@ def held_out_split(manifest, requested: str | None) -> str:
 
 
 def run(args) -> dict:
-    from pretrain.infer.load import load_model, parse_dtype, pick_device
+    from pretrain.infer.load import load_model, pick_device, pick_dtype
 
     parts = list(ALL_PARTS) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in parts if t not in ALL_PARTS]
@@ -282,11 +249,9 @@ def run(args) -> dict:
         raise ConfigError(f"--tasks: unknown {unknown}; accepted: {', '.join(ALL_PARTS)}, all")
     if args.adaptive_exit and "val" not in parts:
         raise ConfigError("--adaptive-exit is measured on the held-out split: add val to --tasks")
-    dist = setup_dist()
+    dist = join_launch()
     device = pick_device(args.device)
-    if device.type == "cuda" and dist.world > 1:
-        device = torch.device("cuda", torch.cuda.current_device())
-    loaded = load_model(args.model, device=device, dtype=parse_dtype(args.dtype), tokenizer=args.tokenizer)
+    loaded = load_model(args.model, device=device, dtype=pick_dtype(args.dtype, device), tokenizer=args.tokenizer)
     model = loaded.model
     trained = model.max_loops if model.loop is not None else 0
     depths = check_depths(model, parse_depths(args.depths, trained), args.allow_beyond_trained)
@@ -359,9 +324,7 @@ def main(argv=None) -> int:
     except (ConfigError, FileNotFoundError, ShardError) as err:  # ShardError: names the unreadable shard
         print(f"grt eval: error: {err}", file=sys.stderr)
         return 2
-    import torch.distributed as tdist
-
-    if tdist.is_available() and tdist.is_initialized() and tdist.get_rank() != 0:
+    if not is_main():
         return 0
     print(format_table(results))
     if args.json_out:
@@ -374,4 +337,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -131,24 +131,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-at-separator", action="store_true", help="stop a sample at the document separator")
     p.add_argument("--tokenizer", help="tokenizer.model (default: the one next to the model)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on a CUDA GPU, else the stored dtype), fp32, bf16, fp16")
     p.add_argument("--json", action="store_true", help="print JSON (samples, tokens, timing)")
     return p
 
 
 def main(argv=None) -> int:
     from pretrain.infer.evaluate import check_depths
-    from pretrain.infer.load import load_model, parse_dtype, pick_device
+    from pretrain.infer.load import load_model, pick_device, pick_dtype
 
     args = build_parser().parse_args(argv)
     try:
-        loaded = load_model(args.model, device=pick_device(args.device), dtype=parse_dtype(args.dtype),
+        device = pick_device(args.device)
+        loaded = load_model(args.model, device=device, dtype=pick_dtype(args.dtype, device),
                             tokenizer=args.tokenizer)
         model, tok = loaded.model, loaded.tokenizer()
         depth = None
         if args.depth is not None:
             depth = check_depths(model, [args.depth], args.allow_beyond_trained)[0] if model.loop is not None else None
-        device = next(model.parameters()).device
         ids = [tok.sep_id] + tok.encode(args.prompt)
         idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
         t0 = time.time()

@@ -203,3 +203,13 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
     if name not in DTYPES:
         raise ConfigError(f"dtype={name!r}: accepted values are auto, {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def pick_dtype(name: str | None, device: torch.device) -> torch.dtype | None:
+    """The dtype a command runs a loaded model in: `name` when given; for auto, bf16 on a GPU
+    that has it (half the memory and bandwidth of fp32, and the tensor cores; the losses are
+    computed in fp32 from its logits), else None: the stored dtype."""
+    dtype = parse_dtype(name)
+    if dtype is None and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return dtype

@@ -6,7 +6,7 @@ state s_0..s_n; each exit depth r decodes s_r with the model's own tail (`GPT.fi
 then `GPT.head`), which is the function `model(idx, n_loops=r)` computes (tested).
 
 Sums are kept on the model's device and copied to the host once per call. A `dist` (any
-object with rank, world, shard and all_reduce, e.g. pretrain.infer.evaluate.Dist) shards
+object with rank, world and shard, e.g. pretrain.distributed.Dist) shards
 and sums over ranks; None is one process.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
+from pretrain.distributed import all_reduce
 from pretrain.infer.kv_cache import CachedDecoder
 from pretrain.model import GPT
 from pretrain.model.layers import AttentionContext
@@ -41,9 +42,9 @@ def exit_logits(model: GPT, idx: torch.Tensor, depths: Iterable[int], **kw) -> d
     return {r: model.head(h) for r, h in exit_hidden(model, idx, depths, **kw)}
 
 
-def _reduced(sums: torch.Tensor, dist) -> torch.Tensor:
-    sums = sums.cpu()
-    return sums if dist is None else dist.all_reduce(sums)
+def sum_over_ranks(sums: torch.Tensor, dist) -> torch.Tensor:
+    """Summed over the ranks of a sharded evaluation (dist given), on the host."""
+    return (sums if dist is None else all_reduce(sums)).cpu()
 
 
 @torch.no_grad()
@@ -60,7 +61,7 @@ def lm_sums(model: GPT, batches: Iterable[dict], depths: list[int], device: torc
         for i, (_, h) in enumerate(exit_hidden(model, idx, depths, doc_ids=doc_ids, **fwd)):
             logits = model.head(h).float()
             sums[i, 0] += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
-    return _reduced(sums, dist)
+    return sum_over_ranks(sums, dist)
 
 
 @torch.no_grad()
@@ -81,7 +82,7 @@ def lm_sums_cached(model: GPT, batches: Iterable[dict], depths: list[int], devic
             for pos in range(t):
                 logits = dec.forward(idx[:, pos:pos + 1]).float()
                 sums[i, 0] += F.cross_entropy(logits, targets[:, pos], ignore_index=-100, reduction="sum")
-    return _reduced(sums, dist)
+    return sum_over_ranks(sums, dist)
 
 
 def val_batches(manifest: str, batch_size: int, dist=None, max_batches: int | None = None, seed: int = 1234,

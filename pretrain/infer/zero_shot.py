@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pretrain.distributed import all_reduce
 from pretrain.infer.kv_cache import CachedDecoder
 from pretrain.infer.scoring import exit_hidden
 from pretrain.model import GPT
@@ -166,7 +167,7 @@ def score_requests_cached(model: GPT, encoded: list[tuple[list[int], int]], dept
 
 def evaluate_task(model: GPT, tok, items: list[Item], depths: list[int], device, batch_size: int = 8,
                   dist=None, kv_cache: str | None = None, **fwd) -> dict:
-    """{depth: metrics} for one task; with a dist (pretrain.infer.evaluate.Dist) items are sharded
+    """{depth: metrics} for one task; with a dist (pretrain.distributed.Dist) items are sharded
     over ranks and the sums all-reduced."""
     mine = items if dist is None else dist.shard(items)
     flat, owners = [], []
@@ -197,7 +198,7 @@ def evaluate_task(model: GPT, tok, items: list[Item], depths: list[int], device,
         sums[:, 2] += 1
         pos += k
     if dist is not None:
-        sums = dist.all_reduce(sums)
+        sums = all_reduce(sums)
     out = {}
     for j, r in enumerate(depths):
         c, cn, n, sll, ntok = sums[j].tolist()

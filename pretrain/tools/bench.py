@@ -29,7 +29,7 @@ from pretrain.training.metrics import peak_flops
 from pretrain.model import GPT, build_model
 from pretrain.training.parallelize import apply_activation_checkpointing
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]  # the checkout (this file is in pretrain/<pkg>/)
 
 
 def equal_flops_pair(d_model: int, n_heads: int, layout: str, seq_len: int, vocab: int) -> tuple[ModelConfig, ModelConfig]:

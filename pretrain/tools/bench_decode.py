@@ -118,7 +118,7 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    from pretrain.infer.load import parse_dtype, pick_device
+    from pretrain.infer.load import pick_device, pick_dtype
 
     p = argparse.ArgumentParser(prog="grt bench decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="looped model: exported dir or checkpoint (default: --preset, random weights)")
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         device = pick_device(args.device)
-        dtype = parse_dtype(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        dtype = pick_dtype(args.dtype, device) or torch.float32
         strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
         bad = [s for s in strategies if s not in STRATEGIES]
         if bad:

@@ -45,7 +45,7 @@ from pretrain.presets import PRESETS, get_preset
 from pretrain.training.depth import sample_depth
 from pretrain.training.run_config import RunConfig, apply_overrides
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]  # the checkout (this file is in pretrain/<pkg>/)
 
 # each method's own training recipe for the loop depth (spec section 4 / the papers)
 METHOD_TRAIN: dict[str, dict] = {
@@ -413,7 +413,8 @@ def _tb_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 def exit_curve(cfg: RunConfig, depths: list[int]) -> dict[int, float]:
     """Validation loss at each exit depth of the run's final checkpoint, on the batches its
     trainer validated on; cached in <run>/exit_curve.json."""
-    from pretrain.infer.evaluate import Dist, loss_table
+    from pretrain.distributed import Dist
+    from pretrain.infer.evaluate import loss_table
     from pretrain.infer.scoring import lm_sums, val_batches
     from pretrain.infer.load import load_model, pick_device, resolve_checkpoint
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from pretrain.presets import get_preset
 from pretrain.training.run_config import RunConfig
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]  # the checkout (this file is in pretrain/<pkg>/)
 DEFAULT_TEXT = REPO / "examples" / "data" / "tinyshakespeare.txt"
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
+
+from pretrain.distributed import all_agree
 
 log = logging.getLogger(__name__)
 TAG_RE = re.compile(r"^step(\d{8})$")
@@ -80,15 +81,6 @@ def find_latest(root: Path) -> str | None:
         log.warning("checkpoint marker %s names %r, which is not complete; using the newest complete one", marker, tag)
     tags = complete_tags(root)
     return tags[-1] if tags else None
-
-
-def _all_ok(ok: bool) -> bool:
-    """True on every rank iff ok on every rank (a failed write on one rank stops all)."""
-    if not dist.is_initialized():
-        return ok
-    flag = torch.tensor([0.0 if ok else 1.0])
-    dist.all_reduce(flag)
-    return flag.item() == 0
 
 
 def _fault(kind: str, step: int, rank: int) -> bool:
@@ -184,7 +176,7 @@ def save(engine, root: Path, step: int, *, config_json: str, tokenizer_path: str
         path.mkdir(exist_ok=True)
     except OSError as err:
         error = err
-    if not _all_ok(error is None):
+    if not all_agree(error is None):
         raise CheckpointError(f"could not create checkpoint directory {path}: "
                               f"{_error_text(error, 'it failed on another rank')}; the previous checkpoint "
                               f"({find_latest(root)}) is intact") from error
@@ -205,7 +197,7 @@ def save(engine, root: Path, step: int, *, config_json: str, tokenizer_path: str
             tmp.unlink(missing_ok=True)
     except Exception as err:  # torch.save reports a full disk as RuntimeError, not OSError
         error = err
-    if not _all_ok(error is None):
+    if not all_agree(error is None):
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
         raise CheckpointError(f"could not write checkpoint {path} (rank {rank}: "
@@ -227,7 +219,7 @@ def save(engine, root: Path, step: int, *, config_json: str, tokenizer_path: str
         except OSError as err:
             error = err
             shutil.rmtree(path, ignore_errors=True)
-    if not _all_ok(error is None):
+    if not all_agree(error is None):
         raise CheckpointError(f"could not finish checkpoint {path}: {_error_text(error, 'rank 0 failed')}; "
                               f"the previous checkpoint ({find_latest(root)}) is intact")
     return tag

@@ -28,7 +28,7 @@ from pretrain.training import checkpoint
 from pretrain.training import zero3
 from pretrain.config import ConfigError
 from pretrain.training.depth import sample_depth
-from pretrain.distributed import discover, init_distributed
+from pretrain.distributed import all_reduce, comm_device, discover, init_distributed
 from pretrain.training.ds_config import build_ds_config, load_ds_json, save_ds_config, zero_stage
 from pretrain.model.flops import count_params, flops_per_token
 from pretrain.training.metrics import MetricsWriter, peak_flops, peak_memory_bytes
@@ -220,9 +220,7 @@ def evaluate_depths(model, batches, depths, device, doc_mask=False) -> dict[int,
         for i, r in enumerate(depths):
             sums[i] += model(idx, targets, n_loops=r, doc_ids=doc_ids).loss.double().item()
         count += 1
-    totals = torch.cat([sums, torch.tensor([float(count)], dtype=torch.float64)])
-    if dist.is_initialized():
-        dist.all_reduce(totals)
+    totals = all_reduce(torch.cat([sums, torch.tensor([float(count)], dtype=torch.float64)]).to(comm_device()))
     model.train(was_training)
     n = max(totals[-1].item(), 1.0)
     return {r: totals[i].item() / n for i, r in enumerate(depths)}
@@ -451,9 +449,8 @@ def _train(cfg: RunConfig, resume: bool = False) -> dict:
                 loss = loss * float("nan")
             # one collective per micro-batch: [loss sum, non-finite flag, stop flag]
             agree = torch.tensor([loss.detach().float().item(), 0.0 if torch.isfinite(loss).item() else 1.0,
-                                  1.0 if stop.received else 0.0], dtype=torch.float64)
-            if dist.is_initialized():
-                dist.all_reduce(agree)
+                                  1.0 if stop.received else 0.0], dtype=torch.float64, device=comm_device())
+            agree = all_reduce(agree)
             stop_requested = stop_requested or agree[2].item() > 0
             if agree[1].item() > 0:  # some rank saw a non-finite loss: every rank skips this micro-batch
                 skipped_total += 1
