@@ -16,7 +16,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from pretrain.distributed import all_reduce
+from pretrain.distributed import all_reduce, comm_device
 from pretrain.infer.kv_cache import CachedDecoder
 from pretrain.model import GPT
 from pretrain.model.layers import AttentionContext
@@ -44,7 +44,7 @@ def exit_logits(model: GPT, idx: torch.Tensor, depths: Iterable[int], **kw) -> d
 
 def sum_over_ranks(sums: torch.Tensor, dist) -> torch.Tensor:
     """Summed over the ranks of a sharded evaluation (dist given), on the host."""
-    return (sums if dist is None else all_reduce(sums)).cpu()
+    return (sums if dist is None else all_reduce(sums.to(comm_device()))).cpu()
 
 
 @torch.no_grad()

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pretrain.distributed import all_reduce
+from pretrain.distributed import all_reduce, comm_device
 from pretrain.infer.kv_cache import CachedDecoder
 from pretrain.infer.scoring import exit_hidden
 from pretrain.model import GPT
@@ -198,7 +198,7 @@ def evaluate_task(model: GPT, tok, items: list[Item], depths: list[int], device,
         sums[:, 2] += 1
         pos += k
     if dist is not None:
-        sums = all_reduce(sums)
+        sums = all_reduce(sums.to(comm_device()))
     out = {}
     for j, r in enumerate(depths):
         c, cn, n, sll, ntok = sums[j].tolist()
