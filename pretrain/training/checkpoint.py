@@ -12,7 +12,6 @@ half-written checkpoint that is loaded. Old checkpoints are pruned to the last K
 """
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import random
@@ -22,7 +21,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
+
+from pretrain.distributed import all_agree
+from pretrain.training import deepspeed_internals
 
 log = logging.getLogger(__name__)
 TAG_RE = re.compile(r"^step(\d{8})$")
@@ -82,15 +83,6 @@ def find_latest(root: Path) -> str | None:
     return tags[-1] if tags else None
 
 
-def _all_ok(ok: bool) -> bool:
-    """True on every rank iff ok on every rank (a failed write on one rank stops all)."""
-    if not dist.is_initialized():
-        return ok
-    flag = torch.tensor([0.0 if ok else 1.0])
-    dist.all_reduce(flag)
-    return flag.item() == 0
-
-
 def _fault(kind: str, step: int, rank: int) -> bool:
     """Fault injection for the reliability tests: GRT_INJECT_CKPT_FAULT=<kind>@<step>[@<rank>]
     (rank 0 by default). kind `kill`: the rank SIGKILLs itself after every rank has written
@@ -99,57 +91,6 @@ def _fault(kind: str, step: int, rank: int) -> bool:
     parts = spec.split("@")
     return len(parts) >= 2 and parts[0] == kind and int(parts[1]) == step and \
         int(parts[2] if len(parts) > 2 else 0) == rank
-
-
-def _inject_enospc(engine) -> None:
-    ckpt_engine = engine.checkpoint_engine
-
-    def failing_save(state_dict, path):
-        with open(path, "wb") as f:
-            f.write(b"\0" * 100)  # a partly written file, as a full disk leaves it
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-
-    ckpt_engine.save = failing_save
-
-
-class _RecordWriteErrors:
-    """For one save: DeepSpeed's file writes (checkpoint_engine.save, the recovery script
-    copy) record their errors instead of raising. A rank whose write fails must still join
-    every collective that save_checkpoint makes after the writes (ZeRO-3 re-gathers its
-    persistent parameters, a barrier ends it): raising out of it would leave the other
-    ranks waiting until dist_timeout_s. The ranks then agree that the checkpoint failed."""
-
-    def __init__(self, engine):
-        self.errors: list[BaseException] = []
-        self.targets = [(engine.checkpoint_engine, "save")]
-        if hasattr(engine, "_copy_recovery_script"):
-            self.targets.append((engine, "_copy_recovery_script"))
-        self.saved = []
-
-    def _wrap(self, fn):
-        def guarded(*args, **kwargs):
-            if self.errors:
-                return None  # the checkpoint is lost already: write nothing more
-            try:
-                return fn(*args, **kwargs)
-            except Exception as err:  # torch.save reports a full disk as RuntimeError
-                self.errors.append(err)
-                return None
-        return guarded
-
-    def __enter__(self):
-        for obj, name in self.targets:
-            self.saved.append((obj, name, name in vars(obj), vars(obj).get(name)))
-            setattr(obj, name, self._wrap(getattr(obj, name)))
-        return self
-
-    def __exit__(self, *exc):
-        for obj, name, had, value in self.saved:
-            if had:
-                setattr(obj, name, value)
-            else:
-                delattr(obj, name)
-        return False
 
 
 def _error_text(err: BaseException | None, fallback: str) -> str:
@@ -184,15 +125,15 @@ def save(engine, root: Path, step: int, *, config_json: str, tokenizer_path: str
         path.mkdir(exist_ok=True)
     except OSError as err:
         error = err
-    if not _all_ok(error is None):
+    if not all_agree(error is None):
         raise CheckpointError(f"could not create checkpoint directory {path}: "
                               f"{_error_text(error, 'it failed on another rank')}; the previous checkpoint "
                               f"({find_latest(root)}) is intact") from error
     # 2. DeepSpeed's files and this rank's state
     try:
         if _fault("enospc", step, rank):
-            _inject_enospc(engine)
-        with _RecordWriteErrors(engine) as writes:
+            deepspeed_internals.inject_enospc(engine)
+        with deepspeed_internals.RecordWriteErrors(engine) as writes:
             engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
         if writes.errors:
             raise writes.errors[0]
@@ -205,7 +146,7 @@ def save(engine, root: Path, step: int, *, config_json: str, tokenizer_path: str
             tmp.unlink(missing_ok=True)
     except Exception as err:  # torch.save reports a full disk as RuntimeError, not OSError
         error = err
-    if not _all_ok(error is None):
+    if not all_agree(error is None):
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
         raise CheckpointError(f"could not write checkpoint {path} (rank {rank}: "
@@ -227,7 +168,7 @@ def save(engine, root: Path, step: int, *, config_json: str, tokenizer_path: str
         except OSError as err:
             error = err
             shutil.rmtree(path, ignore_errors=True)
-    if not _all_ok(error is None):
+    if not all_agree(error is None):
         raise CheckpointError(f"could not finish checkpoint {path}: {_error_text(error, 'rank 0 failed')}; "
                               f"the previous checkpoint ({find_latest(root)}) is intact")
     return tag
