@@ -10,6 +10,6 @@ python3 -m pip install -q -e . 2>/dev/null || true
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
 python3 -m pretrain.cli bench train-step --layout 1+1x10+1 --d-model 768 --n-heads 12 --seq-len 1024 \
     --batch 16 --vocab 50257 --steps 10 --warmup 3 --dtype bf16 --compile | tee "$out/train_step.txt"
-python3 -m pretrain.cli bench zero --stages 0 3 --ranks 1 --preset grt-small --seq-len 1024 \
+python3 -m pretrain.cli bench zero --stages 2 3 --ranks 1 --presets grt-small dense-small --seq-len 1024 \
     --micro-batch-size 16 --steps 20 | tee "$out/zero.txt"
 python3 -m pretrain.cli bench decode | tee "$out/decode.txt"
