@@ -70,7 +70,7 @@ def bench_train_step(args) -> dict:
         steps = {}
         for name, cfg in (("grt", grt_cfg), ("dense", dense_cfg)):
             torch.manual_seed(0)
-            model = GPT(cfg.replace(state_noise_std=cfg.state_noise_std)).to(device).train()
+            model = build_model(cfg).to(device).train()
             apply_activation_checkpointing(model, args.checkpointing)
             steps[name] = _step_fn(model, grt_cfg.max_loops if name == "grt" else None, compiled, dtype)
             for _ in range(args.warmup):
@@ -115,7 +115,7 @@ def memory_probe(argv) -> None:
     d_model, seq_len, batch, loops, mode = int(argv[0]), int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = ModelConfig(layout=f"1+2x{loops}+1", d_model=d_model, n_heads=4, vocab_size=512, max_seq_len=seq_len)
-    model = apply_activation_checkpointing(GPT(cfg).to(device).train(), mode)
+    model = apply_activation_checkpointing(build_model(cfg).to(device).train(), mode)
     idx = torch.randint(0, 512, (batch, seq_len), device=device)
     base = _peak_bytes(device)
     model(idx, idx).loss.backward()

@@ -16,7 +16,6 @@ import logging
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import NamedTuple
 
