@@ -160,7 +160,7 @@ def _bare_tokens_per_s(cfg: ModelConfig, args, compiled: bool, checkpointing: st
 
 def bench_zero(args) -> list[dict]:
     """Short real `grt train` runs, one row per ranks x preset x ZeRO stage x compile x
-    checkpointing, each with its ratio to the bare model step (`_bare_tokens_per_s`: the same
+    checkpointing (x core pinning under ZeRO-3), each with its ratio to the bare model step (`_bare_tokens_per_s`: the same
     model, micro-batch, depth, compile and checkpointing, without DeepSpeed or the loader).
     Depth sampling is `fixed` by default so that both do the same work per step."""
     from itertools import product
@@ -177,8 +177,10 @@ def bench_zero(args) -> list[dict]:
         subprocess.run([*grt, "data", "prepare", "-i", str(text), "--txt-mode", "paragraph", "-t", str(tmp / "tok.model"),
                         "-o", str(tmp / "shards"), "--seq-len", str(args.seq_len), "--shard-size-mb", "0.2", "-q"],
                        check=True, cwd=REPO, capture_output=True)
-        for ranks, preset, stage, compiled, ckpt in product(args.ranks, args.presets, args.stages, args.compile,
-                                                             args.checkpointing):
+        for ranks, preset, stage, compiled, ckpt, pin in product(args.ranks, args.presets, args.stages, args.compile,
+                                                                  args.checkpointing, args.pin_core):
+            if stage != 3 and pin != args.pin_core[0]:
+                continue  # pinning only exists under ZeRO-3
             cfg = get_preset(preset).replace(max_seq_len=args.seq_len, vocab_size=512)
             if (preset, compiled, ckpt) not in bare:
                 bare[(preset, compiled, ckpt)] = _bare_tokens_per_s(cfg, args, compiled, ckpt)
@@ -189,20 +191,20 @@ def bench_zero(args) -> list[dict]:
             if stage == 3:  # a tiny model's matrices are under the default persistence threshold
                 base["zero_optimization"]["stage3_param_persistence_threshold"] = args.persistence_threshold
             ds.write_text(json.dumps(base))
-            out = tmp / f"run-{ranks}-{preset}-{stage}-{compiled}-{ckpt}"
+            out = tmp / f"run-{ranks}-{preset}-{stage}-{compiled}-{ckpt}-{pin}"
             cmd = [*(["deepspeed", "--num_gpus", str(ranks), "--no_local_rank", "--module"] if ranks > 1 else [sys.executable, "-m"]),
                    "pretrain.cli", "train", "--preset", preset, "--data", str(tmp / "shards" / "manifest.json"),
                    "--out", str(out), "--steps", str(args.steps), "--micro-batch-size", str(args.micro_batch_size),
                    "--ds-config", str(ds), "--set", f"model.max_seq_len={args.seq_len}", "--set", f"train.log_every={args.steps // 2}",
                    "--set", "train.eval_every=0", "--set", f"train.save_every={10 * args.steps}",
                    "--set", f"train.compile={str(compiled).lower()}", "--set", f"train.activation_checkpointing={ckpt}",
-                   "--set", f"train.depth_sampling={args.depth_sampling}"]
+                   "--set", f"train.depth_sampling={args.depth_sampling}", "--set", f"train.zero3_pin_core={pin}"]
             proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"{shlex.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
             tokens_per_s = _last_scalar(out / "tb", "perf/tokens_per_s") / ranks  # per rank, as the bare step
             rows.append({"ranks": ranks, "preset": preset, "zero_stage": stage, "compile": compiled,
-                         "checkpointing": ckpt, "tokens_per_s_per_rank": tokens_per_s,
+                         "checkpointing": ckpt, "core_pinned": pin if stage == 3 else None, "tokens_per_s_per_rank": tokens_per_s,
                          "bare_tokens_per_s": bare[(preset, compiled, ckpt)],
                          "ratio_to_bare": tokens_per_s / bare[(preset, compiled, ckpt)],
                          "mfu": _last_scalar(out / "tb", "perf/mfu"),
@@ -265,6 +267,8 @@ def main(argv=None) -> int:
     zr.add_argument("--compile", type=_on_off, nargs="+", default=[False, True], metavar="off|on")
     zr.add_argument("--checkpointing", nargs="+", default=["off", "loop_step"], choices=["off", "loop_step", "block"])
     zr.add_argument("--depth-sampling", default="fixed", choices=["fixed", "uniform", "poisson"])
+    zr.add_argument("--pin-core", type=_on_off, nargs="+", default=[True], metavar="off|on",
+                    help="ZeRO-3: keep the looped core gathered (train.zero3_pin_core); `on off` compares both")
     zr.add_argument("--steps", type=int, default=20)
     zr.add_argument("--seq-len", type=int, default=128)
     zr.add_argument("--micro-batch-size", type=int, default=8)
