@@ -261,3 +261,21 @@ def test_deprecated_collective_warnings_are_hidden_and_others_shown():
     assert [str(w.message) for w in seen] == ["`torch.distributed.all_reduce_coalesced` is deprecated.",
                                               "`torch.distributed.reduce_scatter_tensor` is deprecated.",
                                               "a real problem"]
+
+
+def test_loaders_built_from_one_manifest_hash_the_tokenizer_once(shards, monkeypatch):
+    """The trainer loads the manifest once and builds its train and val loaders from it:
+    the tokenizer file is hashed once, not once per loader."""
+    import data_pipeline.tokenizer as tokenizer
+    from data_pipeline.loader import TokenBatchLoader
+    from data_pipeline.manifest import Manifest
+
+    hashed = []
+    original = tokenizer.file_sha256
+    monkeypatch.setattr(tokenizer, "file_sha256", lambda path: hashed.append(path) or original(path))
+    manifest = Manifest.load(str(shards))
+    for split in ("train", "val", "train"):
+        TokenBatchLoader(manifest, split=split, micro_batch_size=2, loop=split == "train")
+    assert len(hashed) == 1
+    TokenBatchLoader(str(shards), split="val", micro_batch_size=2, loop=False)  # a path: its own manifest, checked
+    assert len(hashed) == 2
