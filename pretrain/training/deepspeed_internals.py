@@ -33,7 +33,8 @@ _COORDINATOR = ("deepspeed.runtime.zero.partitioned_param_coordinator", "Partiti
 _GATHER = "_PartitionedParameterCoordinator__all_gather_params"
 _NAMES = [(_COORDINATOR, _GATHER), (_COORDINATOR, "_invalidate_trace"),
           (("deepspeed.runtime.zero.partition_parameters", "ZeroParamStatus"), "NOT_AVAILABLE"),
-          (("deepspeed.runtime.engine", "DeepSpeedEngine"), "save_checkpoint")]
+          (("deepspeed.utils.tensor_fragment", "tensor_fragment"), "get_lp_grad_fragment"),
+          (("deepspeed.utils.tensor_fragment", "tensor_fragment"), "lp_fragment_address")]
 
 
 def check() -> None:
@@ -47,7 +48,7 @@ def check() -> None:
         except (ImportError, AttributeError):
             missing.append(f"{module}.{cls}")
             continue
-        if not hasattr(owner, name):
+        if not (hasattr(owner, name) or name in getattr(owner, "__dataclass_fields__", {})):
             missing.append(f"{cls}.{name}")
     _refuse(missing)
 
