@@ -9,7 +9,7 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
-        "deepspeed>=0.16",
+        "deepspeed>=0.19.8,<0.20",  # the tested range (pretrain/training/deepspeed_internals.py)
         "numpy",
         "sentencepiece",
         "webdataset",

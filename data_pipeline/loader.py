@@ -192,7 +192,7 @@ class TokenBatchLoader:
     restricted to ``doc_ids[q] == doc_ids[k]`` keeps documents apart.
     """
 
-    def __init__(self, manifest_path: str, split: str = "train", micro_batch_size: int = 8, rank: int = 0,
+    def __init__(self, manifest: "str | Manifest", split: str = "train", micro_batch_size: int = 8, rank: int = 0,
                  world_size: int = 1, num_workers: int = 0, seed: int = 1234, shuffle_buffer: int = 4096,
                  skip_corrupt: bool = False, expected_seq_len: Optional[int] = None,
                  expected_tokenizer_sha256: Optional[str] = None, loop: bool = True, shuffle_shards: bool = True,
@@ -201,7 +201,8 @@ class TokenBatchLoader:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        self.manifest = Manifest.load(manifest_path)
+        # a Manifest object: loaded (and its tokenizer hashed) once by the caller, shared by its loaders
+        self.manifest = manifest if isinstance(manifest, Manifest) else Manifest.load(manifest)
         self.manifest.check(expected_seq_len, expected_tokenizer_sha256)
         if os.path.isfile(self.manifest.tokenizer_path):  # absent when only the manifest was copied
             self.manifest.verify_tokenizer()

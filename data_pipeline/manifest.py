@@ -49,6 +49,7 @@ class Manifest:
     stats: dict = field(default_factory=dict)
     options: dict = field(default_factory=dict)
     raw: dict = field(default_factory=dict, repr=False)
+    tokenizer_verified: bool = field(default=False, repr=False, compare=False)  # hashed once per Manifest
 
     @property
     def sample_tokens(self) -> int:
@@ -83,13 +84,17 @@ class Manifest:
                              f"but sha256 {expected_tokenizer_sha256} was expected")
 
     def verify_tokenizer(self) -> None:
-        """Check that the tokenizer file next to the manifest is the one the shards were made with."""
+        """Check that the tokenizer file next to the manifest is the one the shards were made with
+        (hashed once: every loader built from this Manifest reuses the answer)."""
         from .tokenizer import file_sha256
 
+        if self.tokenizer_verified:
+            return
         actual = file_sha256(self.tokenizer_path)
         if actual != self.tokenizer_sha256:
             raise ValueError(f"tokenizer {self.tokenizer_path!r} has sha256 {actual}, but manifest {self.path!r} "
                              f"records {self.tokenizer_sha256}")
+        self.tokenizer_verified = True
 
     @classmethod
     def load(cls, path: str) -> "Manifest":

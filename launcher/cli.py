@@ -319,7 +319,7 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
             # the checks that need the data (vocabulary and context follow the tokenizer);
             # skipped when the manifest is only visible from the cluster's nodes
             try:
-                from pretrain.training.trainer import resolve as resolve_with_data
+                from pretrain.training.run_config import resolve as resolve_with_data
             except ImportError:  # pragma: no cover
                 resolve_with_data = None
             if resolve_with_data is not None:

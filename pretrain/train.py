@@ -22,8 +22,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from pretrain.config import ConfigError, ModelConfig  # noqa: E402
 from pretrain.distributed import discover, run_command  # noqa: E402
 from pretrain.presets import PRESETS, get_preset  # noqa: E402
-from pretrain.training.resume import load_manifest  # noqa: E402
-from pretrain.training.run_config import RunConfig, apply_overrides  # noqa: E402
+from pretrain.training.run_config import RunConfig, apply_overrides, load_manifest  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

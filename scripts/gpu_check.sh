@@ -85,6 +85,14 @@ row bench-decode - grt bench decode --model "$export_dir" --dense-preset "$dense
   "${decode[@]}" --json "$out/decode.json"
 row compare 1 grt compare --configs "$small,$dense" --data "$data" --out "$out/compare" --tokens "$compare_tokens" \
   --micro-batch-size "$mbs" --ds-config ds_configs/zero1.json --evals 1 --eval-batches "$eval_batches"
+if [ "$cpu" = 0 ] && [ "${GPU_CHECK_PERF:-1}" = 1 ]; then
+  # issue 14's throughput rows (GPU_CHECK_PERF=0 skips them): the bare step, GRT vs dense at equal
+  # FLOPs, eager and compiled; then `grt train` per ZeRO stage as ratios to it (logs: $out/bench-*.log)
+  row bench-train-step - grt bench train-step --layout 1+1x10+1 --d-model 768 --n-heads 12 --seq-len 1024 \
+    --batch 16 --vocab 50257 --steps 10 --warmup 3 --dtype bf16 --compile
+  row bench-zero 2,3 grt bench zero --stages 2 3 --ranks 1 --presets grt-small dense-small --compile off \
+    --checkpointing off --seq-len 1024 --micro-batch-size 16 --steps 20
+fi
 
 python3 - "$rows" "$out/table.md" <<'EOF'
 import sys

@@ -75,3 +75,44 @@ print("ok", worst)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_fused_update_runs_under_bf16_autocast():
+    """Under bf16 autocast the gate logits and the core output are bf16 and the state fp32:
+    the fused kernel must take them as they are (it used to fall back to eager on any dtype
+    mismatch, so it never ran in bf16 training), with eager's output dtypes, and gradients at
+    least as close to fp32 as eager autocast's (the kernel computes in fp32)."""
+    script = r"""
+import torch
+from pretrain.config import ModelConfig
+from pretrain.model import build_model
+import pretrain.kernels.gate as gate
+seen = []
+original = gate.FusedGateUpdate.apply
+gate.FusedGateUpdate.apply = lambda *a: seen.append(tuple(str(t.dtype) for t in a)) or original(*a)
+cfg = ModelConfig(layout="1+1x3+1", d_model=32, n_heads=2, vocab_size=97, max_seq_len=16, state_noise_std=0, gate_noise_std=0)
+torch.manual_seed(0)
+model = build_model(cfg).train()
+idx = torch.randint(0, 97, (2, 16))
+
+def run(bf16=True):
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        out = model(idx, idx, return_states=True)
+    out.loss.backward()
+    return out, {n: p.grad.float().clone() for n, p in model.named_parameters()}
+
+fused_out, fused = run()
+assert len(seen) == 3 and seen[0] == ("torch.bfloat16", "torch.float32", "torch.bfloat16"), seen
+gate.fused_available = lambda t: False
+eager_out, eager = run()
+_, fp32 = run(bf16=False)
+assert [s.dtype for s in fused_out.states] == [s.dtype for s in eager_out.states], "state dtypes differ from eager"
+def worst(grads):
+    return max(((grads[n] - fp32[n]).abs().max() / fp32[n].abs().max().clamp_min(1e-12)).item() for n in fp32)
+assert worst(fused) < 5e-2 and worst(fused) <= worst(eager), (worst(fused), worst(eager))
+print("ok", worst(fused), worst(eager))
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]

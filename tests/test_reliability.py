@@ -181,7 +181,7 @@ def test_heartbeat_names_the_failed_rank(monkeypatch):
     import torch.distributed as dist
 
     from faults import free_port
-    from pretrain.training.trainer import Heartbeat
+    from pretrain.training.health import Heartbeat
 
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)

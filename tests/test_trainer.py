@@ -1,6 +1,8 @@
 """The DeepSpeed trainer: gradient correctness under ZeRO, multi-rank training, exact resume,
 identical depths across ranks, TensorBoard scalars."""
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -126,3 +128,154 @@ def test_compiled_loop_step_is_not_recompiled_per_depth(shards, tmp_path):
     depths = {e.value for e in events.Scalars("train/depth")}
     assert len(depths) > 1 and graphs[0] > 0
     assert len(set(graphs)) == 1, graphs  # new depths after the first logged step compiled nothing new
+
+
+@pytest.mark.slow
+def test_one_host_sync_per_step_outside_logging_steps(shards, tmp_path):
+    """A real `grt train` (ZeRO-3, one micro-batch per step) with every host sync counted by
+    its caller: the trainer and model read the device once per step, except on logging and
+    saving steps. DeepSpeed's own syncs are counted apart (docs/performance.md). The run's
+    output has none of torch's FutureWarnings about DeepSpeed's collectives, and still shows
+    real warnings."""
+    report = tmp_path / "syncs.json"
+    r = subprocess.run([sys.executable, str(REPO / "tests" / "dist_scripts" / "count_syncs.py"), str(report),
+                        "--preset", "micro-grt", "--data", str(shards), "--out", str(tmp_path / "run"), "--steps", "9",
+                        "--micro-batch-size", "2", "--set", "train.log_every=4", "--set", "train.eval_every=0",
+                        "--set", "train.save_every=0"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    output = r.stdout + r.stderr
+    assert r.returncode == 0, output[-3000:]
+    steps = {s["step"]: s for s in json.loads(report.read_text())}
+    assert sorted(steps) == list(range(1, 10))
+    quiet = [s for s in steps.values() if s["step"] not in (1, 4, 8, 9)]  # 1: start-up; 4, 8: logging; 9: last, saved
+    assert all(s["project"] <= 1 for s in quiet), steps
+    assert all(s["project"] >= 1 for s in quiet), "the loss must still be read once per step"
+    print("\nSYNCS per step (project, deepspeed):", [(s["step"], s["project"], s["deepspeed"]) for s in steps.values()])
+    assert "is deprecated" not in output, [line for line in output.splitlines() if "is deprecated" in line]
+    assert "UserWarning: GRT-TEST a real UserWarning" in output
+    assert "FutureWarning: GRT-TEST a FutureWarning of another kind" in output
+    log_line = next(line for line in output.splitlines() if "step 4/9 |" in line)
+    assert "| tokens 512 |" in log_line and "| ETA " in log_line, log_line
+
+
+@pytest.mark.parametrize("preset", ["micro-grt", "micro-dense", "micro-huginn", "micro-rrt", "micro-ouro", "micro-mor"])
+def test_mfu_sums_the_executed_flops_of_each_step_at_its_own_depth(preset, monkeypatch):
+    """MFU over a logging window = (sum over its steps of 3 x tokens x the variant's executed
+    FLOPs per token at that step's depth) / time / peak, never the last step's depth for all."""
+    from pretrain.model.flops import flops_per_token
+    from pretrain.presets import get_preset
+    from pretrain.training import metrics
+
+    cfg, seq, tokens, peak = get_preset(preset), 64, 4096, 1e12
+    asked = []
+    monkeypatch.setattr(metrics, "flops_per_token", lambda c, s, n_loops, executed: asked.append(
+        (c.variant, s, n_loops, executed)) or flops_per_token(c, s, n_loops=n_loops, executed=executed))
+    now = [100.0]
+    meter = metrics.Throughput(cfg, seq, peak, clock=lambda: now[0])
+    depths = [3, 1, 2, 3] if cfg.max_loops else [0, 0, 0, 0]
+    for r in depths:
+        meter.add(tokens, r)
+    now[0] += 2.0
+    perf = meter.read()
+    executed = sum(3 * tokens * flops_per_token(cfg, seq, n_loops=r, executed=True) for r in depths)
+    assert perf["perf/mfu"] == pytest.approx(executed / 2.0 / peak, rel=1e-12)
+    assert perf["perf/tokens_per_s"] == pytest.approx(4 * tokens / 2.0)
+    assert perf["perf/step_time_s"] == pytest.approx(0.5) and perf["perf/samples_per_s"] == pytest.approx(4 * tokens / seq / 2)
+    assert {a[2] for a in asked} == set(depths) and all(a[:2] == (cfg.variant, seq) and a[3] for a in asked)
+    if cfg.max_loops:  # the old formula (the window's tokens/s x the last step's FLOPs) differs
+        last_only = 3 * 4 * tokens * flops_per_token(cfg, seq, n_loops=depths[-1], executed=True) / 2.0 / peak
+        assert perf["perf/mfu"] != pytest.approx(last_only, rel=1e-3)
+    now[0] += 1.0
+    assert meter.read()["perf/tokens_per_s"] == 0  # each read starts a new window
+
+
+def test_deepspeed_internals_missing_name_is_one_line_naming_the_version(monkeypatch):
+    import deepspeed
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    from pretrain.config import ConfigError
+    from pretrain.training import deepspeed_internals
+
+    deepspeed_internals.check()  # the installed DeepSpeed has every name
+    monkeypatch.delattr(PartitionedParameterCoordinator, "_invalidate_trace")
+    with pytest.raises(ConfigError) as err:
+        deepspeed_internals.check()
+    message = str(err.value)
+    assert "\n" not in message and f"DeepSpeed {deepspeed.__version__} lacks " in message
+    assert "PartitionedParameterCoordinator._invalidate_trace" in message and "pip install 'deepspeed>=" in message
+
+
+def test_tested_deepspeed_range_is_pinned_in_setup_and_holds_the_installed_version():
+    import deepspeed
+    from packaging.specifiers import SpecifierSet
+
+    from pretrain.training.deepspeed_internals import TESTED
+
+    assert f'"{TESTED}"' in (REPO / "setup.py").read_text()
+    assert deepspeed.__version__ in SpecifierSet(TESTED.removeprefix("deepspeed"))
+
+
+@pytest.mark.slow
+def test_tensorboard_holds_throughput_tokens_norms_and_the_deepspeed_config(two_rank_run):
+    """ZeRO-3 on 2 ranks: the per-block gradient norms, from each rank's partition with no
+    gather, make up DeepSpeed's global gradient norm; tokens seen is a scalar and the x-axis
+    of the by_tokens/ series; the merged DeepSpeed config is in the run's text."""
+    import math
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(two_rank_run / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    blocks = ("prelude", "core", "gate", "coda")
+    expected = {"perf/step_time_s", "perf/samples_per_s", "train/tokens_seen", "train/param_norm",
+                "by_tokens/train/loss", "by_tokens/val/loss", *(f"grad_norm/{b}" for b in blocks)}
+    assert expected <= tags, expected - tags
+    tokens_per_step = 4 * 2 * 2 * 64  # micro-batch x grad_accum x ranks x seq_len
+    assert [(e.step, e.value) for e in events.Scalars("train/tokens_seen")] == \
+        [(s, s * tokens_per_step) for s in range(1, 31)]
+    assert [e.step for e in events.Scalars("by_tokens/train/loss")] == [s * tokens_per_step for s in range(1, 31)]
+    total = {e.step: e.value for e in events.Scalars("train/grad_norm")}
+    by_block = {b: {e.step: e.value for e in events.Scalars(f"grad_norm/{b}")} for b in blocks}
+    for step, norm in total.items():
+        assert math.sqrt(sum(by_block[b][step] ** 2 for b in blocks)) == pytest.approx(norm, rel=1e-4), step
+    assert all(by_block[b][1] > 0 for b in blocks)
+    assert all(e.value > 1.0 for e in events.Scalars("train/param_norm"))
+    text = events.Tensors("deepspeed_config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert '"stage": 3' in text and '"train_batch_size": 16' in text
+
+
+def test_deprecated_collective_warnings_are_hidden_and_others_shown():
+    import warnings
+
+    from pretrain.training.deepspeed_internals import quiet_deprecated_collectives
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_deprecated_collectives()
+        for name in ("reduce_scatter_tensor", "all_gather_into_tensor"):  # torch's words, as DeepSpeed triggers them
+            warnings.warn(f"`torch.distributed.{name}` is deprecated. Please use `torch.distributed.x` instead.",
+                          FutureWarning)
+        warnings.warn("`torch.distributed.all_reduce_coalesced` is deprecated.", FutureWarning)
+        warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated.", UserWarning)
+        warnings.warn("a real problem", RuntimeWarning)
+    assert [str(w.message) for w in seen] == ["`torch.distributed.all_reduce_coalesced` is deprecated.",
+                                              "`torch.distributed.reduce_scatter_tensor` is deprecated.",
+                                              "a real problem"]
+
+
+def test_loaders_built_from_one_manifest_hash_the_tokenizer_once(shards, monkeypatch):
+    """The trainer loads the manifest once and builds its train and val loaders from it:
+    the tokenizer file is hashed once, not once per loader."""
+    import data_pipeline.tokenizer as tokenizer
+    from data_pipeline.loader import TokenBatchLoader
+    from data_pipeline.manifest import Manifest
+
+    hashed = []
+    original = tokenizer.file_sha256
+    monkeypatch.setattr(tokenizer, "file_sha256", lambda path: hashed.append(path) or original(path))
+    manifest = Manifest.load(str(shards))
+    for split in ("train", "val", "train"):
+        TokenBatchLoader(manifest, split=split, micro_batch_size=2, loop=split == "train")
+    assert len(hashed) == 1
+    TokenBatchLoader(str(shards), split="val", micro_batch_size=2, loop=False)  # a path: its own manifest, checked
+    assert len(hashed) == 2

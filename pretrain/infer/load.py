@@ -68,7 +68,8 @@ class LoadedModel:
     def check_data(self, manifest: str):
         """The manifest, refused if its shards were made with another tokenizer than the model's
         or hold token ids beyond its vocabulary (before any tensor is built)."""
-        from pretrain.training.resume import check_same_tokenizer, load_manifest
+        from pretrain.training.resume import check_same_tokenizer
+        from pretrain.training.run_config import load_manifest
 
         m = load_manifest(manifest)
         check_same_tokenizer(m.tokenizer_sha256, m.vocab_size, f"data={manifest!r}", self.tokenizer_sha256(),

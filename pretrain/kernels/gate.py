@@ -65,8 +65,12 @@ def _grid(n):
 class FusedGateUpdate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, s, o):
+        """Inputs of mixed dtypes are read as they are (the kernel computes in fp32): under
+        bf16 autocast the logits and the core output are bf16 and the state is fp32. The
+        outputs take eager's dtypes: s_new the promoted one, g the logits'."""
         logits, s, o = logits.contiguous(), s.contiguous(), o.contiguous()
-        out, g = torch.empty_like(s), torch.empty_like(s)
+        out = torch.empty_like(s, dtype=torch.promote_types(torch.promote_types(logits.dtype, s.dtype), o.dtype))
+        g = torch.empty_like(logits)
         n = s.numel()
         _gate_fwd[_grid(n)](logits, s, o, out, g, n, BLOCK=BLOCK)
         ctx.save_for_backward(logits, s, o)
@@ -88,7 +92,8 @@ def fused_available(t: torch.Tensor) -> bool:
 
 def gate_update(logits: torch.Tensor, s: torch.Tensor, o: torch.Tensor):
     """(s_new, g): the fused kernel where it can run, the eager reference elsewhere.
-    The returned g carries no gradient of its own in the fused path (it is for analysis)."""
-    if fused_available(s) and logits.dtype == s.dtype == o.dtype:
+    The returned g carries no gradient of its own in the fused path (it is for analysis).
+    The dtypes may differ (bf16 autocast); the shapes may not (no broadcasting)."""
+    if fused_available(s) and logits.shape == s.shape == o.shape:
         return FusedGateUpdate.apply(logits, s, o)
     return gate_update_reference(logits, s, o)

@@ -3,7 +3,8 @@
     grt bench data        data pipeline: prepare MB/s, loader tokens/s (data_pipeline.bench)
     grt bench train-step  GRT vs the dense model of equal FLOPs: tokens/s, peak memory, ratio
     grt bench memory      peak memory against R, per-loop-step checkpointing on and off
-    grt bench zero        tokens/s with ZeRO stage 0/1/2/3 on 1 and 2 ranks (real DeepSpeed)
+    grt bench zero        `grt train` tokens/s per ZeRO stage x compile x checkpointing x preset, as
+                          ratios to the bare model step of train-step (real DeepSpeed)
     grt bench decode      decode latency and memory per KV-cache strategy (pretrain.tools.bench_decode)
 
 On CPU the absolute figures are this machine's; the ratios are what carry over.
@@ -69,7 +70,7 @@ def bench_train_step(args) -> dict:
         steps = {}
         for name, cfg in (("grt", grt_cfg), ("dense", dense_cfg)):
             torch.manual_seed(0)
-            model = build_model(cfg.replace(state_noise_std=cfg.state_noise_std)).to(device).train()
+            model = build_model(cfg).to(device).train()
             apply_activation_checkpointing(model, args.checkpointing)
             steps[name] = _step_fn(model, grt_cfg.max_loops if name == "grt" else None, compiled, dtype)
             for _ in range(args.warmup):
@@ -137,9 +138,36 @@ def bench_memory(args) -> list[dict]:
     return rows
 
 
+def _bare_tokens_per_s(cfg: ModelConfig, args, compiled: bool, checkpointing: str) -> float:
+    """`train-step`'s measurement for one model: forward, backward and AdamW, no DeepSpeed."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as `grt train` picks it
+    torch.manual_seed(0)
+    model = apply_activation_checkpointing(build_model(cfg).to(device).train(), checkpointing)
+    step = _step_fn(model, cfg.max_loops if cfg.parsed_layout.looped else None, compiled, dtype)
+    idx = torch.randint(0, cfg.vocab_size, (args.micro_batch_size, args.seq_len), device=device)
+    for _ in range(2):
+        step(idx)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step(idx)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return args.steps * idx.numel() / (time.perf_counter() - t0)
+
+
 def bench_zero(args) -> list[dict]:
-    """Short real `grt train` runs (micro model) under each ZeRO stage and rank count."""
-    rows = []
+    """Short real `grt train` runs, one row per ranks x preset x ZeRO stage x compile x
+    checkpointing (x core pinning under ZeRO-3), each with its ratio to the bare model step (`_bare_tokens_per_s`: the same
+    model, micro-batch, depth, compile and checkpointing, without DeepSpeed or the loader).
+    Depth sampling is `fixed` by default so that both do the same work per step."""
+    from itertools import product
+
+    from pretrain.presets import get_preset
+
+    rows, bare = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         text = REPO / "examples" / "data" / "tinyshakespeare.txt"
@@ -149,9 +177,13 @@ def bench_zero(args) -> list[dict]:
         subprocess.run([*grt, "data", "prepare", "-i", str(text), "--txt-mode", "paragraph", "-t", str(tmp / "tok.model"),
                         "-o", str(tmp / "shards"), "--seq-len", str(args.seq_len), "--shard-size-mb", "0.2", "-q"],
                        check=True, cwd=REPO, capture_output=True)
-        runs = [(ranks, stage, pin) for ranks in args.ranks for stage in args.stages
-                for pin in ((True, False) if stage == 3 else (True,))]
-        for ranks, stage, pin in runs:
+        for ranks, preset, stage, compiled, ckpt, pin in product(args.ranks, args.presets, args.stages, args.compile,
+                                                                  args.checkpointing, args.pin_core):
+            if stage != 3 and pin != args.pin_core[0]:
+                continue  # pinning only exists under ZeRO-3
+            cfg = get_preset(preset).replace(max_seq_len=args.seq_len, vocab_size=512)
+            if (preset, compiled, ckpt) not in bare:
+                bare[(preset, compiled, ckpt)] = _bare_tokens_per_s(cfg, args, compiled, ckpt)
             ds = tmp / f"zero{stage}.json"
             base = json.loads((REPO / "ds_configs" / f"zero{max(stage, 1)}.json").read_text())
             if stage == 0:
@@ -159,18 +191,24 @@ def bench_zero(args) -> list[dict]:
             if stage == 3:  # a tiny model's matrices are under the default persistence threshold
                 base["zero_optimization"]["stage3_param_persistence_threshold"] = args.persistence_threshold
             ds.write_text(json.dumps(base))
-            out = tmp / f"run-{ranks}-{stage}-{pin}"
+            out = tmp / f"run-{ranks}-{preset}-{stage}-{compiled}-{ckpt}-{pin}"
             cmd = [*(["deepspeed", "--num_gpus", str(ranks), "--no_local_rank", "--module"] if ranks > 1 else [sys.executable, "-m"]),
-                   "pretrain.cli", "train", "--preset", args.preset, "--data", str(tmp / "shards" / "manifest.json"),
+                   "pretrain.cli", "train", "--preset", preset, "--data", str(tmp / "shards" / "manifest.json"),
                    "--out", str(out), "--steps", str(args.steps), "--micro-batch-size", str(args.micro_batch_size),
                    "--ds-config", str(ds), "--set", f"model.max_seq_len={args.seq_len}", "--set", f"train.log_every={args.steps // 2}",
                    "--set", "train.eval_every=0", "--set", f"train.save_every={10 * args.steps}",
-                   "--set", f"train.zero3_pin_core={pin}"]
+                   "--set", f"train.compile={str(compiled).lower()}", "--set", f"train.activation_checkpointing={ckpt}",
+                   "--set", f"train.depth_sampling={args.depth_sampling}", "--set", f"train.zero3_pin_core={pin}"]
             proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"{shlex.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-            rows.append({"ranks": ranks, "zero_stage": stage, "core_pinned": pin if stage == 3 else None,
-                         "tokens_per_s": _last_scalar(out / "tb", "perf/tokens_per_s"),
+            tokens_per_s = _last_scalar(out / "tb", "perf/tokens_per_s") / ranks  # per rank, as the bare step
+            rows.append({"ranks": ranks, "preset": preset, "zero_stage": stage, "compile": compiled,
+                         "checkpointing": ckpt, "core_pinned": pin if stage == 3 else None, "tokens_per_s_per_rank": tokens_per_s,
+                         "bare_tokens_per_s": bare[(preset, compiled, ckpt)],
+                         "ratio_to_bare": tokens_per_s / bare[(preset, compiled, ckpt)],
+                         "mfu": _last_scalar(out / "tb", "perf/mfu"),
+                         "peak_mb": _last_scalar(out / "tb", "memory/peak_bytes") / 2**20,
                          "param_gathers_per_step": _last_scalar(out / "tb", "zero3/param_gathers") / args.steps
                          if stage == 3 else 0.0,
                          "trace_invalidations": _last_scalar(out / "tb", "zero3/trace_invalidations")})
@@ -183,6 +221,12 @@ def _last_scalar(tb_dir: Path, tag: str) -> float:
     events = EventAccumulator(str(tb_dir))
     events.Reload()
     return events.Scalars(tag)[-1].value
+
+
+def _on_off(text: str) -> bool:
+    if text not in ("off", "on"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected off or on")
+    return text == "on"
 
 
 def main(argv=None) -> int:
@@ -216,10 +260,15 @@ def main(argv=None) -> int:
     mem.add_argument("--d-model", type=int, default=256)
     mem.add_argument("--seq-len", type=int, default=512)
     mem.add_argument("--batch", type=int, default=8)
-    zr = sub.add_parser("zero", help="tokens/s per ZeRO stage and rank count")
-    zr.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
-    zr.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
-    zr.add_argument("--preset", default="tiny-grt")
+    zr = sub.add_parser("zero", help="`grt train` per ZeRO stage x compile x checkpointing x preset, against the bare step")
+    zr.add_argument("--stages", type=int, nargs="+", default=[2, 3])
+    zr.add_argument("--ranks", type=int, nargs="+", default=[1])
+    zr.add_argument("--presets", nargs="+", default=["tiny-grt", "tiny-dense"])
+    zr.add_argument("--compile", type=_on_off, nargs="+", default=[False, True], metavar="off|on")
+    zr.add_argument("--checkpointing", nargs="+", default=["off", "loop_step"], choices=["off", "loop_step", "block"])
+    zr.add_argument("--depth-sampling", default="fixed", choices=["fixed", "uniform", "poisson"])
+    zr.add_argument("--pin-core", type=_on_off, nargs="+", default=[True], metavar="off|on",
+                    help="ZeRO-3: keep the looped core gathered (train.zero3_pin_core); `on off` compares both")
     zr.add_argument("--steps", type=int, default=20)
     zr.add_argument("--seq-len", type=int, default=128)
     zr.add_argument("--micro-batch-size", type=int, default=8)
@@ -241,8 +290,14 @@ def main(argv=None) -> int:
         keys = list(result[0])
         print(" | ".join(keys))
         for row in result:
-            print(" | ".join(f"{row[k]:,.1f}" if isinstance(row[k], float) else str(row[k]) for k in keys))
+            print(" | ".join(_cell(k, row[k]) for k in keys))
     return 0
+
+
+def _cell(key: str, value) -> str:
+    if not isinstance(value, float):
+        return str(value)
+    return f"{value:.3f}" if key.startswith(("ratio", "mfu")) else f"{value:,.1f}"
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ half-written checkpoint that is loaded. Old checkpoints are pruned to the last K
 """
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import random
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 
 from pretrain.distributed import all_agree
+from pretrain.training import deepspeed_internals
 
 log = logging.getLogger(__name__)
 TAG_RE = re.compile(r"^step(\d{8})$")
@@ -93,57 +93,6 @@ def _fault(kind: str, step: int, rank: int) -> bool:
         int(parts[2] if len(parts) > 2 else 0) == rank
 
 
-def _inject_enospc(engine) -> None:
-    ckpt_engine = engine.checkpoint_engine
-
-    def failing_save(state_dict, path):
-        with open(path, "wb") as f:
-            f.write(b"\0" * 100)  # a partly written file, as a full disk leaves it
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-
-    ckpt_engine.save = failing_save
-
-
-class _RecordWriteErrors:
-    """For one save: DeepSpeed's file writes (checkpoint_engine.save, the recovery script
-    copy) record their errors instead of raising. A rank whose write fails must still join
-    every collective that save_checkpoint makes after the writes (ZeRO-3 re-gathers its
-    persistent parameters, a barrier ends it): raising out of it would leave the other
-    ranks waiting until dist_timeout_s. The ranks then agree that the checkpoint failed."""
-
-    def __init__(self, engine):
-        self.errors: list[BaseException] = []
-        self.targets = [(engine.checkpoint_engine, "save")]
-        if hasattr(engine, "_copy_recovery_script"):
-            self.targets.append((engine, "_copy_recovery_script"))
-        self.saved = []
-
-    def _wrap(self, fn):
-        def guarded(*args, **kwargs):
-            if self.errors:
-                return None  # the checkpoint is lost already: write nothing more
-            try:
-                return fn(*args, **kwargs)
-            except Exception as err:  # torch.save reports a full disk as RuntimeError
-                self.errors.append(err)
-                return None
-        return guarded
-
-    def __enter__(self):
-        for obj, name in self.targets:
-            self.saved.append((obj, name, name in vars(obj), vars(obj).get(name)))
-            setattr(obj, name, self._wrap(getattr(obj, name)))
-        return self
-
-    def __exit__(self, *exc):
-        for obj, name, had, value in self.saved:
-            if had:
-                setattr(obj, name, value)
-            else:
-                delattr(obj, name)
-        return False
-
-
 def _error_text(err: BaseException | None, fallback: str) -> str:
     return " ".join(f"{type(err).__name__}: {err}".split()) if err is not None else fallback
 
@@ -183,8 +132,8 @@ def save(engine, root: Path, step: int, *, config_json: str, tokenizer_path: str
     # 2. DeepSpeed's files and this rank's state
     try:
         if _fault("enospc", step, rank):
-            _inject_enospc(engine)
-        with _RecordWriteErrors(engine) as writes:
+            deepspeed_internals.inject_enospc(engine)
+        with deepspeed_internals.RecordWriteErrors(engine) as writes:
             engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
         if writes.errors:
             raise writes.errors[0]

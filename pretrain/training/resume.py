@@ -23,20 +23,10 @@ import sys
 from pathlib import Path
 
 from pretrain.config import ConfigError
-from pretrain.training.run_config import RunConfig
+from pretrain.training.run_config import RunConfig, load_manifest
 
 REFUSED_TRAIN_KEYS = ("lr", "min_lr", "warmup_steps", "schedule_steps", "betas", "weight_decay",
                       "micro_batch_size", "grad_accum")
-
-
-def load_manifest(path: str):
-    """The manifest at `path`; a missing, foreign or malformed one is a ConfigError naming it."""
-    from data_pipeline.manifest import Manifest
-
-    try:
-        return Manifest.load(path)
-    except (FileNotFoundError, ValueError) as err:
-        raise ConfigError(f"data={path!r}: {err}") from None
 
 
 def check_same_tokenizer(data_sha256: str | None, data_vocab: int, data_what: str,

@@ -111,6 +111,29 @@ class RunConfig:
         return cls.from_dict(load_json_object(path, str(path)))
 
 
+def load_manifest(path: str):
+    """The manifest at `path`; a missing, foreign or malformed one is a ConfigError naming it."""
+    from data_pipeline.manifest import Manifest
+
+    if not Path(path).is_file():
+        raise ConfigError(f"data={path!r}: no such manifest (write one with `grt data prepare`)")
+    try:
+        return Manifest.load(path)
+    except (ValueError, KeyError) as err:
+        raise ConfigError(f"data={path!r}: {err}") from None
+
+
+def resolve(cfg: RunConfig, manifest=None) -> RunConfig:
+    """Checks that need the data: the model's vocabulary and context follow the tokenizer's."""
+    manifest = manifest or load_manifest(cfg.data)
+    if cfg.model.vocab_size != manifest.vocab_size:
+        cfg.model.vocab_size = manifest.vocab_size
+    if manifest.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(f"the shards' seq_len={manifest.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+    cfg.validate()
+    return cfg
+
+
 def _tuples(train: dict) -> dict:
     return {k: tuple(v) if k == "betas" and isinstance(v, list) else v for k, v in train.items()}
 

@@ -1,11 +1,13 @@
-"""The training loop on the DeepSpeed engine.
+"""The training loop on the DeepSpeed engine: `Trainer.build` wires it, `fit` runs it.
 
 Design choices that keep a looped model correct under ZeRO (docs/zero3.md):
 - the loop depth is a pure function of (seed, step): identical on every rank;
 - activation checkpointing is torch's non-reentrant checkpoint (parallelize.py);
 - every training depth is >= 1, so every parameter of the GRT takes part in every step;
-- one all-reduce per micro-batch carries the loss, a non-finite flag and the stop
-  signal, so that every rank skips, stops and saves together.
+- one all-reduce per micro-batch carries the loss, a non-finite flag, the stop signal and
+  the previous step's gradient-norm check, so that every rank skips, stops and saves
+  together. Reading it is the step's one host sync: with one micro-batch per step the
+  loop syncs once per optimizer step outside logging steps (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -13,148 +15,30 @@ import json
 import logging
 import math
 import os
-import signal
 import sys
-import threading
-import time
-from collections import Counter
-from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
-from pretrain.training import checkpoint
-from pretrain.training import zero3
 from pretrain.config import ConfigError
-from pretrain.training.depth import sample_depth
 from pretrain.distributed import all_reduce, comm_device, discover, init_distributed
-from pretrain.training.ds_config import build_ds_config, load_ds_json, save_ds_config, zero_stage
-from pretrain.model.flops import count_params, flops_per_token
-from pretrain.training.metrics import MetricsWriter, peak_flops, peak_memory_bytes
 from pretrain.model import build_model
+from pretrain.model.flops import count_params
+from pretrain.training import checkpoint, deepspeed_internals
+from pretrain.training.depth import sample_depth
+from pretrain.training.ds_config import build_ds_config, load_ds_json, save_ds_config, zero_stage
+from pretrain.training.health import (Heartbeat, NanInjection, RankFailure, StopSignal, TrainingStopped,
+                                      explain_failure, one_line, rss_mb)
+from pretrain.training.metrics import (MetricsWriter, Throughput, human_count, human_duration, memory_scalars,
+                                       norms, peak_flops)
 from pretrain.training.parallelize import apply_activation_checkpointing, apply_compile, compile_stats
 from pretrain.training.resume import check_resume
-from pretrain.training.run_config import RunConfig
+from pretrain.training.run_config import RunConfig, load_manifest, resolve
 
 log = logging.getLogger("grt.train")
 
-
-class TrainingStopped(RuntimeError):
-    """The run stopped on purpose (too many bad steps); the last good checkpoint is intact."""
-
-
-class RankFailure(TrainingStopped):
-    """A rank died, hung or failed: every surviving rank stops with a message naming it."""
-
-
-class Heartbeat:
-    """Who failed, when a collective breaks (docs/reliability.md).
-
-    A daemon thread on every rank bumps a counter and publishes this rank's step in the
-    rendezvous TCP store (its own client connection, short timeout) every `interval` s.
-    A rank that fails records its error there before exiting. When a collective raises
-    (a peer's connection reset, or gloo/NCCL's dist_timeout_s passed), `diagnose()` reads
-    the store twice, 3 intervals apart: a rank that recorded an error, or whose counter did
-    not move (killed, crashed, frozen), is named; an unreachable store means rank 0's host
-    (which serves it) is gone.
-    """
-
-    def __init__(self, rank: int, world: int, interval: float = 1.0):
-        self.rank, self.world, self.interval = rank, world, interval
-        self.prefix = f"grt/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-        self.step, self.beats = 0, 0
-        self.store = None
-        self._stop = threading.Event()
-        if world < 2:
-            return
-        try:
-            self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                       timeout=timedelta(seconds=max(2.0, 5 * interval)), wait_for_workers=False)
-            self._beat()
-        except Exception as err:  # no store to reach: fall back to the bare collective errors
-            log.warning("heartbeat disabled (rendezvous store unreachable: %s)", err)
-            self.store = None
-            return
-        threading.Thread(target=self._run, name="grt-heartbeat", daemon=True).start()
-
-    def _beat(self) -> None:
-        self.beats += 1
-        self.store.set(f"{self.prefix}hb/{self.rank}", f"{self.beats} {self.step}")
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self._beat()
-            except Exception:
-                return
-
-    def close(self) -> None:
-        self._stop.set()
-
-    def mark_failed(self, message: str, comm: bool = False) -> None:
-        """Record this rank's error; comm=True: it is a failed collective (a symptom, not a cause)."""
-        if self.store is not None:
-            try:
-                self.store.set(f"{self.prefix}failed/{self.rank}", ("comm|" if comm else "own|") + message[:2000])
-            except Exception:
-                pass
-
-    def _read(self, what: str) -> dict[int, str]:
-        keys = {r: f"{self.prefix}{what}/{r}" for r in range(self.world) if r != self.rank}
-        return {r: self.store.get(k).decode() for r, k in keys.items() if self.store.check([k])}
-
-    def diagnose(self) -> list[str]:
-        """Descriptions of the other ranks that failed (empty: none found)."""
-        if self.store is None:
-            return []
-        try:
-            before = self._read("hb")
-            time.sleep(3 * self.interval)
-            after, failed = self._read("hb"), self._read("failed")
-        except Exception:
-            if self.rank == 0:
-                return []
-            return ["rank 0 is unreachable (it serves the rendezvous store: it exited, was killed or its host is down)"]
-        notes, comm = [], []
-        for r in range(self.world):
-            if r == self.rank:
-                continue
-            kind, _, text = failed.get(r, "|").partition("|")
-            if kind == "own":
-                notes.append(f"rank {r} failed: {text}")
-            elif kind == "comm" and before.get(r) != after.get(r):
-                comm.append(r)
-            elif r not in after:
-                notes.append(f"rank {r} never reported (it did not start or died at start-up)")
-            elif before.get(r) == after[r]:
-                notes.append(f"rank {r} stopped responding after step {after[r].split()[1]} "
-                             "(killed, crashed or frozen: no heartbeat for "
-                             f"{round(3 * self.interval, 1):g} s)")
-        if not notes:
-            lagging = [r for r, v in after.items() if int(v.split()[1]) < self.step and r not in comm]
-            notes = [f"rank {r} is alive but stuck at step {after[r].split()[1]} (this rank reached step {self.step})"
-                     for r in lagging]
-        if not notes and comm:
-            notes = [f"no rank died or reported an error of its own; rank(s) {', '.join(map(str, comm))} saw a "
-                     "failed collective too (ranks waiting for each other: a hang or mismatched collectives; "
-                     "see the traceback in each rank's log)"]
-        return notes
-
-
-_HEARTBEAT: Heartbeat | None = None
-
-
-class StopSignal:
-    """SIGTERM / SIGUSR1 (Slurm's --signal) ask for a checkpoint and a clean exit."""
-
-    def __init__(self):
-        self.received = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame):
-        self.received = signal.Signals(signum).name
+_ALLOW_DATA_CHANGE_HINT = "--set train.allow_data_change=true (or GRT_ALLOW_DATA_CHANGE=1 in the environment)"
 
 
 def setup_logging(out: Path | None, rank: int) -> None:
@@ -172,7 +56,6 @@ def setup_logging(out: Path | None, rank: int) -> None:
         fh.setFormatter(fmt)
         root.addHandler(fh)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -194,10 +77,11 @@ def build_engine(cfg: RunConfig, world_size: int, device: torch.device):
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
                                            config=ds)
+    deepspeed_internals.check_engine(engine)
     if zero_stage(ds) == 3:
-        zero3.install_counters()
+        deepspeed_internals.install_counters()
         if cfg.train.zero3_pin_core and model.loop is not None:
-            zero3.pin_parameters(engine, model.loop)
+            deepspeed_internals.pin_parameters(engine, model.loop)
     return engine, ds
 
 
@@ -213,48 +97,298 @@ def evaluate_depths(model, batches, depths, device, doc_mask=False) -> dict[int,
     """Mean loss at each depth over the given batches, averaged over ranks (sum / count)."""
     was_training = model.training
     model.eval()
-    sums = torch.zeros(len(depths), dtype=torch.float64)
-    count = 0
+    totals = torch.zeros(len(depths) + 1, dtype=torch.float64, device=device)  # loss sums, then the count
     for batch in batches:
         idx, targets, doc_ids = move(batch, device, doc_mask)
         for i, r in enumerate(depths):
-            sums[i] += model(idx, targets, n_loops=r, doc_ids=doc_ids).loss.double().item()
-        count += 1
-    totals = all_reduce(torch.cat([sums, torch.tensor([float(count)], dtype=torch.float64)]).to(comm_device()))
+            totals[i] += model(idx, targets, n_loops=r, doc_ids=doc_ids).loss.double()
+        totals[-1] += 1
+    values = all_reduce(totals).tolist()
     model.train(was_training)
-    n = max(totals[-1].item(), 1.0)
-    return {r: totals[i].item() / n for i, r in enumerate(depths)}
+    n = max(values[-1], 1.0)
+    return {r: values[i] / n for i, r in enumerate(depths)}
 
 
-def val_batches(cfg: RunConfig, manifest, rank: int, world: int):
-    from data_pipeline.loader import TokenBatchLoader
-
-    if "val" not in manifest.splits or not manifest.splits["val"]:
-        return None
-    loader = TokenBatchLoader(cfg.data, split="val", micro_batch_size=cfg.train.micro_batch_size, rank=rank,
-                              world_size=world, num_workers=0, seed=cfg.train.seed, shuffle_buffer=0,
-                              skip_corrupt=cfg.train.skip_corrupt_shards, loop=False)
-    batches = []
-    for batch in loader:
-        batches.append(batch)
-        if len(batches) >= cfg.train.eval_batches:
-            break
-    return batches
+def allow_data_change(cfg: RunConfig) -> bool:
+    return cfg.train.allow_data_change or os.environ.get("GRT_ALLOW_DATA_CHANGE") == "1"
 
 
-def resolve(cfg: RunConfig) -> RunConfig:
-    """Checks that need the data: the model's vocabulary and context follow the tokenizer's."""
-    from data_pipeline.manifest import Manifest
+class StepResult(NamedTuple):
+    loss: float               # mean over the step's good micro-batches and the ranks
+    stop_requested: bool      # a rank received SIGTERM/SIGUSR1
+    scalars: dict             # logging steps: norms and gate means
 
-    if not Path(cfg.data).is_file():
-        raise ConfigError(f"data={cfg.data!r}: no such manifest (write one with `grt data prepare`)")
-    manifest = Manifest.load(cfg.data)
-    if cfg.model.vocab_size != manifest.vocab_size:
-        cfg.model.vocab_size = manifest.vocab_size
-    if manifest.seq_len > cfg.model.max_seq_len:
-        raise ConfigError(f"the shards' seq_len={manifest.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
-    cfg.validate()
-    return cfg
+
+class Trainer:
+    """One training run. `train()` below owns its life: build, fit, and close in `finally`."""
+
+    def __init__(self, cfg: RunConfig, resume: bool = False):
+        self.cfg, self.resume = cfg, resume
+        self.out = Path(cfg.out)
+        self.ckpt_root = self.out / "checkpoints"
+        self.heartbeat: Heartbeat | None = None
+        self.writer: MetricsWriter | None = None
+        self.step, self.skipped_total, self.bad_in_a_row = 0, 0, 0
+
+    # -- build ---------------------------------------------------------------------------
+    def build(self) -> None:
+        """Checks first (no process group yet), then the group, engine, loaders and writer."""
+        cfg = self.cfg
+        self.manifest = load_manifest(cfg.data)  # loaded once; its loaders share it (tokenizer hashed once)
+        resolve(cfg, self.manifest)
+        tag = checkpoint.find_latest(self.ckpt_root)
+        if tag is not None and not self.resume:
+            raise ConfigError(f"{self.ckpt_root} already holds checkpoint {tag}: pass --resume to continue it, "
+                              "or choose another --out")
+        # the checkpoint's tokenizer, model, schedule and batch size: before anything is written
+        self.cfg = cfg = check_resume(cfg, self.ckpt_root, tag)
+        t = cfg.train
+        deepspeed_internals.check()
+        build_ds_config(load_ds_json(cfg.ds_config), t, discover().world_size, torch.cuda.is_available())
+        self.check_data_order(tag)
+        self.stop = StopSignal()  # before the slow start-up: a signal during it stops after the first step
+        self.faults = NanInjection()
+        info = init_distributed(timeout_s=t.dist_timeout_s)
+        self.rank, self.world = info.rank, info.world_size
+        self.heartbeat = Heartbeat(self.rank, self.world)
+        setup_logging(self.out, self.rank)
+        deepspeed_internals.quiet_deprecated_collectives()
+        self.device = torch.device(f"cuda:{info.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(t.seed + self.rank)
+        self.config_json = json.dumps(cfg.to_dict(), indent=2) + "\n"
+        self.engine, self.ds = build_engine(cfg, self.world, self.device)
+        self.write_run_config()
+        self.seq_len = self.manifest.seq_len
+        self.tokens_per_step = t.micro_batch_size * t.grad_accum * self.world * self.seq_len
+        self.log_start()
+        self.loader = self.data_loader("train")
+        if tag is not None:
+            state = checkpoint.load(self.engine, self.ckpt_root, tag, self.rank)
+            self.step = state["step"]
+            self.loader.load_state_dict(state["loader"], strict=not allow_data_change(cfg))
+            log.info("resumed from %s at step %d", self.ckpt_root / tag, self.step)
+        self.val = self.val_batches() if t.eval_every else None
+        self.writer = MetricsWriter(self.out, self.rank)
+        self.writer.text("config", self.config_json)
+        self.writer.text("deepspeed_config", json.dumps(self.ds, indent=2))
+        self.throughput = Throughput(cfg.model, self.seq_len, self.peak * self.world)
+        # the control vector's device-side inputs: set without a sync, read with the step's one sync
+        self.stop_flag = torch.zeros((), dtype=torch.float64, device=comm_device())
+        self.grad_norm_bad = torch.zeros((), dtype=torch.float64, device=comm_device())
+        self.grad_norm = None
+
+    def check_data_order(self, tag: str | None) -> None:
+        """On resume, before any process group: the data must be the data the checkpoint saw."""
+        if tag is None:
+            return
+        state_path = self.ckpt_root / tag / "rank0_state.pt"
+        if not state_path.is_file():
+            return  # checkpoint.load explains it
+        saved = torch.load(state_path, weights_only=False).get("loader", {}).get("fingerprint")
+        now = self.manifest.fingerprint("train")
+        if saved is not None and saved != now and not allow_data_change(self.cfg):
+            raise ConfigError(
+                f"data={self.cfg.data!r}: the train split's shard list changed since checkpoint {tag} (fingerprint "
+                f"{saved} -> {now}: shards added, removed, reordered or rewritten), so resuming would not continue "
+                f"the same data order; restore the original manifest, or resume anyway with {_ALLOW_DATA_CHANGE_HINT}")
+
+    def write_run_config(self) -> None:
+        """The run directory's config files (rank 0)."""
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.json").write_text(self.config_json)
+            save_ds_config(self.ds, self.out)
+
+    def log_start(self) -> None:
+        cfg, t, engine = self.cfg, self.cfg.train, self.engine
+        if zero_stage(self.ds) < 3:
+            counts = count_params(engine.module)
+        else:
+            with torch.device("meta"):
+                counts = count_params(build_model(cfg.model))
+        self.peak, peak_note = peak_flops(self.device, t.peak_tflops)
+        log.info("model %s layout %s: %s params (%s non-embedding), ZeRO stage %d, %d rank(s), %s, %d tokens/step",
+                 cfg.model.name, cfg.model.layout, f"{counts['params']:,}", f"{counts['non_embedding_params']:,}",
+                 zero_stage(self.ds), self.world, "bf16" if self.ds["bf16"]["enabled"] else "fp32",
+                 self.tokens_per_step)
+        log.info("MFU peak: %s", peak_note)
+        inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # below DeepSpeed's ZeRO wrapper
+        fused = " (fused=True)" if getattr(inner, "defaults", {}).get("fused") else ""
+        log.info("optimizer: %s.%s%s (fused: DeepSpeed's FusedAdam on CUDA, torch's fused AdamW on CPU); layer norm: "
+                 "torch.nn.LayerNorm; checkpointing: %s; compile: %s", type(inner).__module__, type(inner).__name__,
+                 fused, t.activation_checkpointing, t.compile)
+
+    def data_loader(self, split: str, **overrides):
+        from data_pipeline.loader import TokenBatchLoader
+
+        t = self.cfg.train
+        options = dict(micro_batch_size=t.micro_batch_size, rank=self.rank, world_size=self.world,
+                       num_workers=t.num_workers, seed=t.seed, shuffle_buffer=t.shuffle_buffer,
+                       skip_corrupt=t.skip_corrupt_shards, expected_seq_len=self.manifest.seq_len)
+        return TokenBatchLoader(self.manifest, split=split, **{**options, **overrides})
+
+    def val_batches(self):
+        if not self.manifest.splits.get("val"):
+            return None
+        batches = []
+        for batch in self.data_loader("val", num_workers=0, shuffle_buffer=0, loop=False):
+            batches.append(batch)
+            if len(batches) >= self.cfg.train.eval_batches:
+                break
+        return batches
+
+    # -- one optimizer step --------------------------------------------------------------
+    def train_step(self, batches, depth: int, log_now: bool) -> StepResult:
+        """grad_accum good micro-batches (a non-finite one is skipped on every rank and
+        replaced by the next), then DeepSpeed's optimizer step. Per micro-batch one
+        all-reduce and one host read; nothing else syncs outside logging steps."""
+        t, engine = self.cfg.train, self.engine
+        loss_sum, good, scalars = 0.0, 0, {}
+        stop_requested = False
+        while good < t.grad_accum:
+            self.heartbeat.step = self.step
+            idx, targets, doc_ids = move(next(batches), self.device, t.doc_mask)
+            if self.loader.skipped_shards != self.skipped_shards:
+                log.warning("rank %d skipped %d unreadable shard(s) so far (train.skip_corrupt_shards): %s", self.rank,
+                            self.loader.skipped_shards, ", ".join(self.loader.bad_shards))
+                self.skipped_shards = self.loader.skipped_shards
+            out = engine(idx, targets, n_loops=depth, doc_ids=doc_ids, return_gates=log_now)
+            loss = out.loss * float("nan") if self.faults.poisons(self.step) else out.loss
+            if self.stop.received:
+                self.stop_flag.fill_(1.0)
+            detached = loss.detach().double().to(comm_device())
+            control = torch.stack([detached, (~torch.isfinite(detached)).double(), self.stop_flag, self.grad_norm_bad])
+            loss_total, bad, stops, grad_norm_bad = all_reduce(control).tolist()  # the sync
+            if grad_norm_bad > 0:
+                self.stop_on_bad_grad_norm(self.step)
+            stop_requested = stop_requested or stops > 0
+            if bad > 0:  # some rank saw a non-finite loss: every rank skips this micro-batch
+                self.skipped_total += 1
+                self.bad_in_a_row += 1
+                log.warning("non-finite loss at step %d (depth %d): micro-batch skipped on every rank "
+                            "(%d in a row, limit %d)", self.step + 1, depth, self.bad_in_a_row, t.max_bad_steps)
+                if self.bad_in_a_row >= t.max_bad_steps:
+                    raise TrainingStopped(
+                        f"{self.bad_in_a_row} consecutive non-finite losses at step {self.step + 1}; stopping. The last "
+                        f"good checkpoint is {checkpoint.find_latest(self.ckpt_root) or 'none (no checkpoint yet)'} "
+                        f"in {self.ckpt_root}")
+                continue
+            self.bad_in_a_row = 0
+            engine.backward(loss)
+            good += 1
+            if log_now and good == t.grad_accum:  # the gradients are complete until engine.step() clears them
+                scalars.update(norms(engine.module, self.world))
+                scalars.update({f"gate/mean_step_{i}": g.detach().float().mean() for i, g in enumerate(out.gates, 1)})
+            engine.step()
+            loss_sum += loss_total / self.world
+        grad_norm = engine.get_global_grad_norm()
+        if grad_norm is not None:  # checked inside the next step's control vector (or by check_grad_norm)
+            self.grad_norm = torch.as_tensor(grad_norm, dtype=torch.float64).to(comm_device(), non_blocking=True)
+            self.grad_norm_bad = (~torch.isfinite(self.grad_norm)).double()
+        return StepResult(loss_sum / t.grad_accum, stop_requested,
+                          {k: float(v) for k, v in scalars.items()})
+
+    def check_grad_norm(self) -> float:
+        """Stop now if the last step's gradient norm was not finite (a host sync: logging,
+        saving and the end only). Returns the norm (0 when DeepSpeed does not compute it)."""
+        if self.grad_norm is None:
+            return 0.0
+        value = float(self.grad_norm)
+        if not math.isfinite(value):
+            self.stop_on_bad_grad_norm(self.step)
+        return value
+
+    def stop_on_bad_grad_norm(self, step: int) -> None:
+        raise TrainingStopped(f"non-finite gradient norm at step {step} (finite loss); parameters may be corrupt, "
+                              f"stopping without saving. Resume from {checkpoint.find_latest(self.ckpt_root)}")
+
+    # -- the loop ------------------------------------------------------------------------
+    def fit(self) -> dict:
+        cfg, t, engine = self.cfg, self.cfg.train, self.engine
+        max_r = cfg.model.max_loops
+        batches = iter(self.loader)
+        self.skipped_shards = self.loader.skipped_shards
+        last_val, loss, stop_requested = {}, float("nan"), False  # a resume of a finished run trains no step
+        engine.train()
+        self.throughput.reset()
+        while self.step < t.steps:
+            depth = sample_depth(t.depth_sampling, max_r, t.seed, self.step, t.poisson_mean, t.poisson_sigma)
+            log_now = (self.step + 1) % t.log_every == 0 or self.step + 1 == t.steps
+            loss, stop_requested, scalars = self.train_step(batches, depth, log_now)
+            self.step += 1
+            self.throughput.add(self.tokens_per_step, depth)
+            save_now = (t.save_every and self.step % t.save_every == 0) or self.step == t.steps or stop_requested
+            if log_now:
+                self.log_step(loss, depth, scalars)
+            elif save_now:
+                self.check_grad_norm()
+            self.writer.step_record(self.step, {"loss": loss, "depth": depth, "rss_mb": round(rss_mb(), 1)})
+            if self.val is not None and (self.step % t.eval_every == 0 or self.step == t.steps):
+                last_val = self.validate(max_r)
+            if save_now:
+                saved = self.save()
+                log.info("saved checkpoint %s", self.ckpt_root / saved)
+            if stop_requested:
+                log.info("stop signal received: checkpoint saved at step %d, exiting cleanly", self.step)
+                break
+        if self.rank != 0:
+            return {}
+        summary = {"out": str(self.out), "steps": self.step, "final_loss": loss, "val_loss_by_depth": last_val,
+                   "checkpoint": str(self.ckpt_root / (checkpoint.find_latest(self.ckpt_root) or "")),
+                   "tensorboard": str(self.out / "tb"), "skipped_microbatches": self.skipped_total,
+                   "stopped_by_signal": bool(stop_requested), "skipped_shards": self.loader.skipped_shards}
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+    def log_step(self, loss: float, depth: int, scalars: dict) -> None:
+        t = self.cfg.train
+        grad_norm = self.check_grad_norm()
+        perf = self.throughput.read()
+        tokens_seen = self.step * self.tokens_per_step
+        lr = self.engine.get_lr()[0]
+        values = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "train/depth": depth,
+                  "train/skipped_microbatches": self.skipped_total, "train/tokens_seen": tokens_seen,
+                  **perf, **memory_scalars(self.device), **scalars,
+                  "zero3/trace_invalidations": deepspeed_internals.COUNTERS.trace_invalidations,
+                  "zero3/param_gathers": deepspeed_internals.COUNTERS.gathers}
+        if t.compile:
+            values["compile/unique_graphs"] = compile_stats()["unique_graphs"]
+        self.writer.scalars(self.step, values)
+        self.writer.scalars_by_tokens(tokens_seen, {"train/loss": loss})
+        eta = (t.steps - self.step) * perf["perf/step_time_s"]
+        log.info("step %d/%d | loss %.4f | depth %d | lr %.2e | grad norm %.3f | %.0f tok/s | MFU %.2f%% | "
+                 "peak mem %.0f MB | tokens %s | ETA %s", self.step, t.steps, loss, depth, lr, grad_norm,
+                 perf["perf/tokens_per_s"], 100 * perf["perf/mfu"], values["memory/peak_bytes"] / 2**20,
+                 human_count(tokens_seen), human_duration(eta))
+
+    def validate(self, max_r: int) -> dict[int, float]:
+        t = self.cfg.train
+        by_depth = evaluate_depths(self.engine, self.val, list(range(0, max_r + 1)) if max_r else [0], self.device,
+                                   t.doc_mask)
+        full = by_depth[max_r] if max_r else by_depth[0]
+        self.writer.scalars(self.step, {"val/loss": full, **{f"val/loss_depth_{k}": v for k, v in by_depth.items()}})
+        self.writer.scalars_by_tokens(self.step * self.tokens_per_step, {"val/loss": full})
+        log.info("validation at step %d: loss %.4f at full depth; by exit depth: %s", self.step, full,
+                 " ".join(f"{k}:{v:.3f}" for k, v in by_depth.items()))
+        self.engine.train()
+        self.throughput.reset()  # evaluation time is not training throughput
+        return by_depth
+
+    def save(self) -> str:
+        try:
+            return checkpoint.save(self.engine, self.ckpt_root, self.step, config_json=self.config_json,
+                                   tokenizer_path=self.manifest.tokenizer_path, loader_state=self.loader.state_dict(),
+                                   keep=self.cfg.train.keep_checkpoints, rank=self.rank)
+        except checkpoint.CheckpointError as err:  # every rank agreed on it: stop cleanly, nothing half-written is used
+            raise TrainingStopped(str(err)) from err
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.heartbeat is not None:
+            self.heartbeat.close()
 
 
 def train(cfg: RunConfig, resume: bool = False) -> dict:
@@ -262,289 +396,19 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
     Returns a summary dict on rank 0 (others: {}).
 
     A failure on one rank (an exception, or a peer that died or hung) stops every rank
-    with RankFailure naming the rank that failed (see Heartbeat)."""
-    global _HEARTBEAT
+    with RankFailure naming the rank that failed (see health.Heartbeat)."""
+    trainer = Trainer(cfg, resume)
     try:
-        return _train(cfg, resume)
+        trainer.build()
+        return trainer.fit()
     except (ConfigError, TrainingStopped) as err:
-        if _HEARTBEAT is not None and not isinstance(err, RankFailure):
-            _HEARTBEAT.mark_failed(_one_line(err))
+        if trainer.heartbeat is not None and not isinstance(err, RankFailure):
+            trainer.heartbeat.mark_failed(one_line(err))
         raise
     except Exception as err:
-        explained = _explain_failure(err)
+        explained = explain_failure(err, trainer.heartbeat)
         if explained is err:
             raise
         raise explained from err
     finally:
-        if _HEARTBEAT is not None:
-            _HEARTBEAT.close()
-            _HEARTBEAT = None
-
-
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split()) or type(err).__name__
-    return f"{type(err).__name__}: {text}"[:1000]
-
-
-def _is_comm_error(err: BaseException) -> bool:
-    """A failed collective (peer gone, timeout): a symptom of another rank's failure."""
-    if isinstance(err, getattr(dist, "DistError", ())):
-        return True
-    text = str(err)
-    return isinstance(err, RuntimeError) and any(k in text for k in (
-        "gloo", "NCCL", "Connection reset", "Connection closed", "pair closure", "Timed out", "timed out"))
-
-
-def _explain_failure(err: Exception) -> Exception:
-    """The exception to raise for `err`: RankFailure naming the failed rank, when known."""
-    from data_pipeline.shards import ShardError
-
-    own = _one_line(err)
-    if isinstance(err, ShardError):
-        own += " (set train.skip_corrupt_shards=true to skip unreadable shards with a warning)"
-    hb = _HEARTBEAT
-    if hb is None or hb.store is None:
-        return TrainingStopped(f"data error: {own}") if isinstance(err, ShardError) else err
-    comm = _is_comm_error(err)
-    hb.mark_failed(own, comm=comm)
-    others = hb.diagnose()
-    if comm and others:  # a collective failed here: the cause is elsewhere
-        message = f"rank {hb.rank} stopping: " + "; ".join(others) + f" [this rank saw {own[:300]}]"
-    else:
-        message = f"rank {hb.rank} failed: {own}" + (f"; also: {'; '.join(others)}" if others else "")
-    log.error("%s", message, exc_info=err)
-    return RankFailure(message)
-
-
-def _preflight(cfg: RunConfig, tag: str | None, ckpt_root: Path) -> None:
-    """Checks that need no process group: the DeepSpeed batch sizes, and on resume the data."""
-    from data_pipeline.manifest import Manifest
-
-    build_ds_config(load_ds_json(cfg.ds_config), cfg.train, discover().world_size, torch.cuda.is_available())
-    if tag is None:
-        return
-    state_path = ckpt_root / tag / "rank0_state.pt"
-    if not state_path.is_file():
-        return  # checkpoint.load explains it
-    saved = torch.load(state_path, weights_only=False).get("loader", {}).get("fingerprint")
-    now = Manifest.load(cfg.data).fingerprint("train")
-    if saved is not None and saved != now and not _allow_data_change(cfg):
-        raise ConfigError(
-            f"data={cfg.data!r}: the train split's shard list changed since checkpoint {tag} (fingerprint {saved} "
-            f"-> {now}: shards added, removed, reordered or rewritten), so resuming would not continue the same data "
-            f"order; restore the original manifest, or resume anyway with {_ALLOW_DATA_CHANGE_HINT}")
-
-
-_ALLOW_DATA_CHANGE_HINT = "--set train.allow_data_change=true (or GRT_ALLOW_DATA_CHANGE=1 in the environment)"
-
-
-def _allow_data_change(cfg: RunConfig) -> bool:
-    return cfg.train.allow_data_change or os.environ.get("GRT_ALLOW_DATA_CHANGE") == "1"
-
-
-def _rss_mb() -> float:
-    """This process's resident memory now (MiB)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:
-        import resource
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _train(cfg: RunConfig, resume: bool = False) -> dict:
-    global _HEARTBEAT
-    from data_pipeline.loader import TokenBatchLoader
-    from data_pipeline.manifest import Manifest
-
-    cfg = resolve(cfg)
-    t = cfg.train
-    out = Path(cfg.out)
-    ckpt_root = out / "checkpoints"
-    tag = checkpoint.find_latest(ckpt_root)
-    if tag is not None and not resume:
-        raise ConfigError(f"{ckpt_root} already holds checkpoint {tag}: pass --resume to continue it, "
-                          "or choose another --out")
-    cfg = check_resume(cfg, ckpt_root, tag)  # before anything is written or compared by fingerprint
-    _preflight(cfg, tag, ckpt_root)
-    stop = StopSignal()  # before the slow start-up: a signal during it stops after the first step, with a checkpoint
-    info = init_distributed(timeout_s=t.dist_timeout_s)
-    rank, world = info.rank, info.world_size
-    _HEARTBEAT = Heartbeat(rank, world)
-    setup_logging(out, rank)
-    device = torch.device(f"cuda:{info.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    torch.manual_seed(t.seed + rank)
-    manifest = Manifest.load(cfg.data)
-    manifest.check(expected_seq_len=manifest.seq_len)
-    config_json = json.dumps(cfg.to_dict(), indent=2) + "\n"
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(config_json)
-
-    engine, ds = build_engine(cfg, world, device)
-    if rank == 0:
-        save_ds_config(ds, out)
-    counts = count_params(engine.module) if zero_stage(ds) < 3 else _zero3_param_counts(cfg)
-    seq_len = manifest.seq_len
-    tokens_per_step = t.micro_batch_size * t.grad_accum * world * seq_len
-    peak, peak_note = peak_flops(device, t.peak_tflops)
-    log.info("model %s layout %s: %s params (%s non-embedding), ZeRO stage %d, %d rank(s), %s, %d tokens/step",
-             cfg.model.name, cfg.model.layout, f"{counts['params']:,}", f"{counts['non_embedding_params']:,}",
-             zero_stage(ds), world, "bf16" if ds["bf16"]["enabled"] else "fp32", tokens_per_step)
-    log.info("MFU peak: %s", peak_note)
-    log.info("optimizer: %s (fused: DeepSpeed's FusedAdam on CUDA, torch's fused AdamW on CPU); layer norm: "
-             "torch.nn.LayerNorm; checkpointing: %s; compile: %s", _optimizer_name(engine),
-             t.activation_checkpointing, t.compile)
-
-    loader = TokenBatchLoader(cfg.data, split="train", micro_batch_size=t.micro_batch_size, rank=rank,
-                              world_size=world, num_workers=t.num_workers, seed=t.seed,
-                              shuffle_buffer=t.shuffle_buffer, skip_corrupt=t.skip_corrupt_shards,
-                              expected_seq_len=seq_len, expected_tokenizer_sha256=manifest.tokenizer_sha256)
-    step = 0
-    if tag is not None:
-        state = checkpoint.load(engine, ckpt_root, tag, rank)
-        step = state["step"]
-        loader.load_state_dict(state["loader"], strict=not _allow_data_change(cfg))
-        log.info("resumed from %s at step %d", ckpt_root / tag, step)
-    val = val_batches(cfg, manifest, rank, world) if t.eval_every else None
-    writer = MetricsWriter(out, rank)
-    writer.text("config", config_json)
-    max_r = cfg.model.max_loops
-    batches = iter(loader)
-    bad_in_a_row, skipped_total = 0, 0
-    window_tokens, window_start = 0, time.time()
-    last_val = {}
-    summary = {}
-    loss_value, stop_requested = float("nan"), False  # a resume of a finished run trains no step
-
-    def save_now(at_step):
-        try:
-            return checkpoint.save(engine, ckpt_root, at_step, config_json=config_json,
-                                   tokenizer_path=manifest.tokenizer_path, loader_state=loader.state_dict(),
-                                   keep=t.keep_checkpoints, rank=rank)
-        except checkpoint.CheckpointError as err:  # every rank agreed on it: stop cleanly, nothing half-written is used
-            writer.close()
-            raise TrainingStopped(str(err)) from err
-
-    skipped_shards = loader.skipped_shards
-
-    engine.train()
-    while step < t.steps:
-        r = sample_depth(t.depth_sampling, max_r, t.seed, step, t.poisson_mean, t.poisson_sigma)
-        log_now = (step + 1) % t.log_every == 0 or step + 1 == t.steps
-        losses, gate_means, good = [], None, 0
-        stop_requested = False
-        while good < t.grad_accum:
-            _HEARTBEAT.step = step
-            idx, targets, doc_ids = move(next(batches), device, t.doc_mask)
-            if loader.skipped_shards != skipped_shards:
-                log.warning("rank %d skipped %d unreadable shard(s) so far (train.skip_corrupt_shards): %s", rank,
-                            loader.skipped_shards, ", ".join(loader.bad_shards))
-                skipped_shards = loader.skipped_shards
-            out_ = engine(idx, targets, n_loops=r, doc_ids=doc_ids, return_gates=log_now)
-            loss = out_.loss
-            if _fault_injected(step):
-                loss = loss * float("nan")
-            # one collective per micro-batch: [loss sum, non-finite flag, stop flag]
-            agree = torch.tensor([loss.detach().float().item(), 0.0 if torch.isfinite(loss).item() else 1.0,
-                                  1.0 if stop.received else 0.0], dtype=torch.float64, device=comm_device())
-            agree = all_reduce(agree)
-            stop_requested = stop_requested or agree[2].item() > 0
-            if agree[1].item() > 0:  # some rank saw a non-finite loss: every rank skips this micro-batch
-                skipped_total += 1
-                bad_in_a_row += 1
-                log.warning("non-finite loss at step %d (depth %d): micro-batch skipped on every rank "
-                            "(%d in a row, limit %d)", step + 1, r, bad_in_a_row, t.max_bad_steps)
-                if bad_in_a_row >= t.max_bad_steps:
-                    writer.close()
-                    raise TrainingStopped(
-                        f"{bad_in_a_row} consecutive non-finite losses at step {step + 1}; stopping. The last good "
-                        f"checkpoint is {checkpoint.find_latest(ckpt_root) or 'none (no checkpoint yet)'} in {ckpt_root}")
-                continue
-            bad_in_a_row = 0
-            engine.backward(loss)
-            engine.step()
-            losses.append(agree[0].item() / world)
-            if log_now and out_.gates:
-                gate_means = [g.detach().float().mean().item() for g in out_.gates]
-            good += 1
-            window_tokens += idx.numel() * world
-        step += 1
-        grad_norm = engine.get_global_grad_norm()
-        if grad_norm is not None and not math.isfinite(float(grad_norm)):
-            writer.close()
-            raise TrainingStopped(f"non-finite gradient norm at step {step} (finite loss); parameters may be corrupt, "
-                                  f"stopping without saving. Resume from {checkpoint.find_latest(ckpt_root)}")
-        loss_value = sum(losses) / len(losses)
-        if log_now:
-            elapsed = max(time.time() - window_start, 1e-9)
-            tps = window_tokens / elapsed
-            fpt = flops_per_token(cfg.model, seq_len, n_loops=r, executed=True)
-            mfu = 3 * fpt * tps / (peak * world)
-            lr = engine.get_lr()[0]
-            scalars = {"train/loss": loss_value, "train/lr": lr, "train/grad_norm": float(grad_norm or 0.0),
-                       "train/depth": r, "train/skipped_microbatches": skipped_total,
-                       "perf/tokens_per_s": tps, "perf/mfu": mfu, "memory/peak_bytes": peak_memory_bytes(device),
-                       "zero3/trace_invalidations": zero3.COUNTERS.trace_invalidations,
-                       "zero3/param_gathers": zero3.COUNTERS.gathers}
-            if t.compile:
-                scalars["compile/unique_graphs"] = compile_stats()["unique_graphs"]
-            for i, g in enumerate(gate_means or [], start=1):
-                scalars[f"gate/mean_step_{i}"] = g
-            writer.scalars(step, scalars)
-            log.info("step %d/%d | loss %.4f | depth %d | lr %.2e | grad norm %.3f | %.0f tok/s | MFU %.2f%% | peak mem %.0f MB",
-                     step, t.steps, loss_value, r, lr, float(grad_norm or 0.0), tps, 100 * mfu,
-                     scalars["memory/peak_bytes"] / 2**20)
-            window_tokens, window_start = 0, time.time()
-        writer.step_record(step, {"loss": loss_value, "depth": r, "rss_mb": round(_rss_mb(), 1)})
-        if val is not None and t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-            last_val = evaluate_depths(engine, val, list(range(0, max_r + 1)) if max_r else [0], device, t.doc_mask)
-            full = last_val[max_r] if max_r else last_val[0]
-            writer.scalars(step, {"val/loss": full, **{f"val/loss_depth_{k}": v for k, v in last_val.items()}})
-            log.info("validation at step %d: loss %.4f at full depth; by exit depth: %s", step, full,
-                     " ".join(f"{k}:{v:.3f}" for k, v in last_val.items()))
-            engine.train()
-        if (t.save_every and step % t.save_every == 0) or step == t.steps or stop_requested:
-            saved = save_now(step)
-            log.info("saved checkpoint %s", ckpt_root / saved)
-        if stop_requested:
-            log.info("stop signal received: checkpoint saved at step %d, exiting cleanly", step)
-            break
-    writer.close()
-    if rank == 0:
-        summary = {"out": str(out), "steps": step, "final_loss": loss_value, "val_loss_by_depth": last_val,
-                   "checkpoint": str(ckpt_root / (checkpoint.find_latest(ckpt_root) or "")),
-                   "tensorboard": str(out / "tb"), "skipped_microbatches": skipped_total,
-                   "stopped_by_signal": bool(stop_requested), "skipped_shards": loader.skipped_shards}
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
-
-
-_INJECTED: Counter = Counter()
-
-
-def _fault_injected(step: int) -> bool:
-    """Fault injection for the reliability tests: GRT_INJECT_NAN_STEPS=3,4 makes the loss of the
-    first micro-batch tried at steps 3 and 4 NaN (the retry with the next micro-batch is clean);
-    a step listed k times poisons its first k tries (5,5,5: three bad micro-batches in a row)."""
-    steps = os.environ.get("GRT_INJECT_NAN_STEPS")
-    if not steps:
-        return False
-    if _INJECTED[step] < [s.strip() for s in steps.split(",")].count(str(step + 1)):
-        _INJECTED[step] += 1
-        return True
-    return False
-
-
-def _optimizer_name(engine) -> str:
-    """The optimizer doing the update, below DeepSpeed's ZeRO wrapper."""
-    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    fused = getattr(inner, "defaults", {}).get("fused")
-    return f"{type(inner).__module__}.{type(inner).__name__}" + (" (fused=True)" if fused else "")
-
-
-def _zero3_param_counts(cfg: RunConfig) -> dict:
-    with torch.device("meta"):
-        return count_params(build_model(cfg.model))
+        trainer.close()

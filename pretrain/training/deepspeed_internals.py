@@ -1,0 +1,231 @@
+"""Every private DeepSpeed name this project touches, in one place, checked at start-up.
+
+DeepSpeed renames its internals between releases; `check()` runs before any engine is
+built and fails with one line naming the installed version when a name is gone (setup.py
+pins the tested range). What is patched, and why:
+
+- ZeRO-3 and a looped core: pin the shared core and count what ZeRO-3 does. A loop step
+  calls the same core R times per forward, and R changes every step. ZeRO-3 would
+  all-gather the core's parameters on every call and, because the module order changes
+  with R, invalidate its recorded trace (which disables prefetching). Pinning the core
+  marks its parameters persistent: they are all-gathered once after each optimizer step
+  and stay resident through every loop step, forward and backward, at the cost of one
+  full copy of the core per rank (small: the core is the model's few unique blocks). The
+  optimizer still shards their fp32 master weights and moments, and gradients are still
+  reduce-scattered. The coordinator's gather and trace invalidation are wrapped to count.
+- Checkpoints: DeepSpeed's file writes record their errors instead of raising, so that a
+  rank whose disk is full still joins the collectives the save makes (checkpoint.py).
+- Warnings: torch's FutureWarnings about the collectives DeepSpeed calls, several per step.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from pretrain.config import ConfigError
+
+TESTED = "deepspeed>=0.19.8,<0.20"  # setup.py pins the same range
+_COORDINATOR = ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator")
+_GATHER = "_PartitionedParameterCoordinator__all_gather_params"
+_NAMES = [(_COORDINATOR, _GATHER), (_COORDINATOR, "_invalidate_trace"),
+          (("deepspeed.runtime.zero.partition_parameters", "ZeroParamStatus"), "NOT_AVAILABLE"),
+          (("deepspeed.utils.tensor_fragment", "tensor_fragment"), "get_lp_grad_fragment"),
+          (("deepspeed.utils.tensor_fragment", "tensor_fragment"), "lp_fragment_address")]
+
+
+def check() -> None:
+    """Fail with one line if a DeepSpeed name patched below is missing (once, at start-up)."""
+    import importlib
+
+    missing = []
+    for (module, cls), name in _NAMES:
+        try:
+            owner = getattr(importlib.import_module(module), cls)
+        except (ImportError, AttributeError):
+            missing.append(f"{module}.{cls}")
+            continue
+        if not (hasattr(owner, name) or name in getattr(owner, "__dataclass_fields__", {})):
+            missing.append(f"{cls}.{name}")
+    _refuse(missing)
+
+
+def check_engine(engine) -> None:
+    """The same check for the names that exist only on a built engine."""
+    missing = [] if hasattr(getattr(engine, "checkpoint_engine", None), "save") else ["engine.checkpoint_engine.save"]
+    if engine.zero_optimization_stage() == 3 and not hasattr(
+            getattr(engine.optimizer, "parameter_offload", None), "persistent_parameters"):
+        missing.append("optimizer.parameter_offload.persistent_parameters")
+    _refuse(missing)
+
+
+def _refuse(missing: list[str]) -> None:
+    import deepspeed
+
+    if missing:
+        raise ConfigError(f"DeepSpeed {deepspeed.__version__} lacks {', '.join(missing)}, which "
+                          f"pretrain/training/deepspeed_internals.py patches; install the tested range: "
+                          f"pip install '{TESTED}'")
+
+
+def quiet_deprecated_collectives() -> None:
+    """Hide torch's FutureWarnings about the collectives DeepSpeed calls (reduce_scatter_tensor,
+    all_gather_into_tensor, ...: several lines per step); every other warning still shows."""
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor|"
+                                    r"_all_gather_base|_reduce_scatter_base)` is deprecated")
+
+
+@dataclass
+class Zero3Counters:
+    gathers: int = 0              # parameters all-gathered (a parameter fetched twice counts twice)
+    trace_invalidations: int = 0  # times ZeRO-3 threw away its recorded module order
+
+
+COUNTERS = Zero3Counters()
+_installed = False
+
+
+def install_counters() -> Zero3Counters:
+    """Wrap DeepSpeed's parameter coordinator (once per process) to count gathers and
+    trace invalidations. DeepSpeed prints the latter without a logger; see docs/zero3.md."""
+    global _installed
+    if _installed:
+        return COUNTERS
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as C
+
+    original_gather, original_invalidate = getattr(C, _GATHER), C._invalidate_trace
+
+    def counted_gather(self, params, forward):
+        COUNTERS.gathers += len(params)
+        return original_gather(self, params, forward)
+
+    def counted_invalidate(self):
+        COUNTERS.trace_invalidations += 1
+        return original_invalidate(self)
+
+    setattr(C, _GATHER, counted_gather)
+    C._invalidate_trace = counted_invalidate
+    _installed = True
+    return COUNTERS
+
+
+# A module id no real module has: while it is in a parameter's `ds_active_sub_modules`,
+# DeepSpeed's coordinator never partitions that parameter. `ds_persist` alone is not
+# enough: while the trace is recording or was just invalidated (every time the depth
+# changes), the coordinator releases persistent parameters too.
+_PIN_ID = -0x6A7
+
+
+def pin_parameters(engine, module: torch.nn.Module) -> int:
+    """Keep `module`'s ZeRO-3 parameters gathered for the whole run; returns how many.
+    `engine.step` re-gathers them after each optimizer step (which partitions them)."""
+    persistent = engine.optimizer.parameter_offload.persistent_parameters
+    known = {id(p) for p in persistent}
+    params = list(module.parameters())
+    new = [p for p in params if id(p) not in known]
+    for p in new:
+        p.ds_persist = True
+    persistent.extend(new)
+    engine.grt_pinned_parameters = params
+    hold_pinned(engine)
+    step = engine.step
+
+    def step_and_hold(*args, **kwargs):
+        result = step(*args, **kwargs)
+        hold_pinned(engine)
+        return result
+
+    engine.step = step_and_hold
+    return len(params)
+
+
+def hold_pinned(engine) -> None:
+    """Re-gather pinned parameters the step partitioned and mark them in use again."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    params = getattr(engine, "grt_pinned_parameters", ())
+    missing = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    if missing:
+        COUNTERS.gathers += len(missing)
+        missing[0].all_gather(missing)
+    for p in params:
+        p.ds_active_sub_modules.add(_PIN_ID)
+
+
+def inject_enospc(engine) -> None:
+    """Fault injection (GRT_INJECT_CKPT_FAULT=enospc@...): DeepSpeed's file writes fail as on a full disk."""
+    ckpt_engine = engine.checkpoint_engine
+
+    def failing_save(state_dict, path):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 100)  # a partly written file, as a full disk leaves it
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    ckpt_engine.save = failing_save
+
+
+class RecordWriteErrors:
+    """For one save: DeepSpeed's file writes (checkpoint_engine.save, the recovery script
+    copy) record their errors instead of raising. A rank whose write fails must still join
+    every collective that save_checkpoint makes after the writes (ZeRO-3 re-gathers its
+    persistent parameters, a barrier ends it): raising out of it would leave the other
+    ranks waiting until dist_timeout_s. The ranks then agree that the checkpoint failed."""
+
+    def __init__(self, engine):
+        self.errors: list[BaseException] = []
+        self.targets = [(engine.checkpoint_engine, "save")]
+        if hasattr(engine, "_copy_recovery_script"):
+            self.targets.append((engine, "_copy_recovery_script"))
+        self.saved = []
+
+    def _wrap(self, fn):
+        def guarded(*args, **kwargs):
+            if self.errors:
+                return None  # the checkpoint is lost already: write nothing more
+            try:
+                return fn(*args, **kwargs)
+            except Exception as err:  # torch.save reports a full disk as RuntimeError
+                self.errors.append(err)
+                return None
+        return guarded
+
+    def __enter__(self):
+        for obj, name in self.targets:
+            self.saved.append((obj, name, name in vars(obj), vars(obj).get(name)))
+            setattr(obj, name, self._wrap(getattr(obj, name)))
+        return self
+
+    def __exit__(self, *exc):
+        for obj, name, had, value in self.saved:
+            if had:
+                setattr(obj, name, value)
+            else:
+                delattr(obj, name)
+        return False
+
+
+def local_shares(p: torch.nn.Parameter) -> tuple[torch.Tensor, bool, torch.Tensor | None, bool]:
+    """(param, partitioned?, gradient, partitioned?): this rank's share of p and of its
+    reduced gradient, with no collective. A partitioned share summed (in squares) over the
+    ranks makes the whole; a replicated one is the whole on every rank. ZeRO-3: both are
+    the rank's partition. ZeRO-1/2 (and the bf16 optimizer): the full parameter and the
+    gradient fragment this rank's optimizer owns. ZeRO-0: both full. Valid after the last
+    backward of an optimizer step and before `engine.step()`, which clears the gradients."""
+    if hasattr(p, "ds_id"):
+        from deepspeed.utils import safe_get_local_grad
+
+        return p.ds_tensor, True, safe_get_local_grad(p), True
+    if not hasattr(p, "_hp_mapping"):
+        return p.data, False, p.grad, False
+    mapping = p._hp_mapping
+    if mapping is None:  # no part of p is in this rank's optimizer partition
+        return p.data, False, None, True
+    grad = mapping.get_lp_grad_fragment(p._index_in_param_group).flatten()
+    address = mapping.lp_fragment_address
+    if grad.numel() == p.numel():  # the bf16 optimizer keeps a full accumulation buffer: this rank's fragment
+        grad = grad.narrow(0, address.start, address.numel)
+    return p.data, False, grad, True
