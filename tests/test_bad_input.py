@@ -166,7 +166,7 @@ CASES = [
     ("missing path", ["analyze", "@missing", "--out", "@missing"], "no such file or directory"),
     ("missing path", ["export", "--checkpoint", "@missing", "--out", "@missing"], "neither an exported model"),
     ("missing path", ["eval", "@run", "--tasks", "val", "--data", "@missing"], "pass --data"),
-    ("missing path", ["train", "--preset", "micro-grt", "--data", "@missing", "--out", "@missing"], "not found"),
+    ("missing path", ["train", "--preset", "micro-grt", "--data", "@missing", "--out", "@missing"], "no such manifest"),
     ("missing path", ["train", "--config-json", "@missing"], "no such file"),
     ("missing path", ["demo", "--text", "@missing", "--out", "@missing"], "no such file"),
     ("missing path", ["demo", "--out", "@run"], "already holds a run"),

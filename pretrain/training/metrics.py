@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.distributed import all_reduce
+from pretrain.distributed import all_reduce, comm_device
 from pretrain.model.flops import flops_per_token
 from pretrain.training.deepspeed_internals import local_shares
 
@@ -106,7 +106,7 @@ def norms(model: torch.nn.Module, world: int) -> dict[str, float]:
     totals[0] = torch.stack(squares[0]).sum()
     for block, value in squares[1]:
         totals[1 + block] += value.to(device)
-    values = all_reduce(totals).tolist()
+    values = all_reduce(totals.to(comm_device())).tolist()
     return {"train/param_norm": math.sqrt(values[0]),
             **{f"grad_norm/{b}": math.sqrt(v) for b, v in zip(BLOCKS, values[1:])}}
 

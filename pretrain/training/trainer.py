@@ -103,7 +103,7 @@ def evaluate_depths(model, batches, depths, device, doc_mask=False) -> dict[int,
         for i, r in enumerate(depths):
             totals[i] += model(idx, targets, n_loops=r, doc_ids=doc_ids).loss.double()
         totals[-1] += 1
-    values = all_reduce(totals).tolist()
+    values = all_reduce(totals.to(comm_device())).tolist()
     model.train(was_training)
     n = max(values[-1], 1.0)
     return {r: values[i] / n for i, r in enumerate(depths)}
