@@ -318,12 +318,9 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
         if cfg.data and (local_world_size or os.path.isfile(cfg.data)):
             # the checks that need the data (vocabulary and context follow the tokenizer);
             # skipped when the manifest is only visible from the cluster's nodes
-            try:
-                from pretrain.training.run_config import resolve as resolve_with_data
-            except ImportError:  # pragma: no cover
-                resolve_with_data = None
-            if resolve_with_data is not None:
-                cfg = resolve_with_data(cfg)
+            from pretrain.training.run_config import resolve as resolve_with_data
+
+            cfg = resolve_with_data(cfg)
         if local_world_size and targs.resume:
             from pretrain.training.checkpoint import find_latest
             from pretrain.training.resume import check_resume

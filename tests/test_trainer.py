@@ -20,6 +20,19 @@ def test_sampled_depth_is_a_function_of_seed_and_step():
     assert {sample_depth("fixed", 6, 0, s) for s in range(10)} == {6}
     poisson = [sample_depth("poisson", 32, 0, s, poisson_mean=32) for s in range(300)]
     assert min(poisson) >= 1 and 20 < sum(poisson) / len(poisson) < 45
+    logu = [sample_depth("loguniform", 32, 0, s) for s in range(4000)]
+    assert set(logu) == set(range(1, 33))  # every depth up to the maximum is trained
+    assert logu.count(1) > 4 * logu.count(8) > 0  # short depths most: P(r) ~ log((r+1)/r)
+
+
+def test_max_train_depth_sets_the_sampled_range():
+    from pretrain.training.depth import depth_for_step
+    from pretrain.training.run_config import TrainConfig
+
+    t = TrainConfig(depth_sampling="loguniform", max_train_depth=24)
+    assert max(depth_for_step(t, 4, s) for s in range(2000)) == 24
+    assert {depth_for_step(TrainConfig(), 4, s) for s in range(200)} == {1, 2, 3, 4}  # 0: the layout's R
+    assert depth_for_step(t, 0, 5) == 0  # a dense model has no loop
 
 
 @pytest.mark.slow

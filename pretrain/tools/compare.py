@@ -42,7 +42,7 @@ from pathlib import Path
 from pretrain.config import ConfigError, ModelConfig, load_json_object
 from pretrain.model.flops import flops_per_token, train_flops_per_token
 from pretrain.presets import PRESETS, get_preset
-from pretrain.training.depth import sample_depth
+from pretrain.training.depth import depth_for_step
 from pretrain.training.run_config import RunConfig, apply_overrides
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout (this file is in pretrain/<pkg>/)
@@ -190,7 +190,7 @@ UNPLANNED_SHARE = 0.1
 def depth_counts(cfg: RunConfig) -> Counter:
     """How many of the run's steps train at each loop depth (its recipe, seed and step count)."""
     t = cfg.train
-    return Counter(sample_depth(t.depth_sampling, cfg.model.max_loops, t.seed, step, t.poisson_mean, t.poisson_sigma)
+    return Counter(depth_for_step(t, cfg.model.max_loops, step)
                    for step in range(t.steps))
 
 

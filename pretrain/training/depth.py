@@ -22,3 +22,12 @@ def sample_depth(mode: str, max_loops: int, seed: int, step: int,
         tau = rng.normal(math.log(poisson_mean) - poisson_sigma ** 2 / 2, poisson_sigma)
         return int(min(rng.poisson(math.exp(tau)) + 1, 4 * poisson_mean))
     raise ValueError(f"depth_sampling={mode!r}: accepted values are uniform, fixed, poisson, loguniform")
+
+
+def depth_for_step(train, max_loops: int, step: int) -> int:
+    """The loop depth of training step `step` under a run's settings (`train`: the TrainConfig;
+    `max_loops`: the layout's R, 0 for a dense model)."""
+    if max_loops < 1:
+        return 0
+    return sample_depth(train.depth_sampling, train.max_train_depth or max_loops, train.seed, step,
+                        train.poisson_mean, train.poisson_sigma)

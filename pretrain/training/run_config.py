@@ -16,7 +16,7 @@ from pretrain.config import ConfigError, ModelConfig, check_keys, coerce, load_j
 from pretrain.training.parallelize import CHECKPOINT_MODES
 from pretrain.presets import get_preset
 
-DEPTH_SAMPLING = ("uniform", "fixed", "poisson")
+DEPTH_SAMPLING = ("uniform", "fixed", "poisson", "loguniform")
 PRECISIONS = ("auto", "bf16", "fp32")
 
 
@@ -33,7 +33,10 @@ class TrainConfig:
     betas: tuple = (0.9, 0.95)
     grad_clip: float = 1.0
     seed: int = 1234
-    depth_sampling: str = "uniform"     # uniform: r ~ U{1..R}; fixed: R; poisson: Huginn's heavy tail
+    depth_sampling: str = "uniform"     # uniform: r ~ U{1..R}; fixed: R; poisson: Huginn's heavy tail;
+                                        # loguniform: floor(exp(U[0, log(R+1)))), depth extrapolation
+    max_train_depth: int = 0            # the R of the sampling above (0 = the layout's R); e.g. 32 with
+                                        # loguniform keeps the loss flat past R (docs/evaluation.md)
     poisson_mean: float = 32.0          # rbar of the heavy-tail Poisson (capped at the layout's R x 4)
     poisson_sigma: float = 0.5
     activation_checkpointing: str = "loop_step"
@@ -71,6 +74,7 @@ class RunConfig:
             (t.precision in PRECISIONS, f"train.precision={t.precision!r}: accepted values are {', '.join(PRECISIONS)}"),
             (t.activation_checkpointing in CHECKPOINT_MODES, f"train.activation_checkpointing={t.activation_checkpointing!r}: accepted values are {', '.join(CHECKPOINT_MODES)}"),
             (t.steps >= 1, f"train.steps={t.steps}: must be >= 1"),
+            (t.max_train_depth >= 0, f"train.max_train_depth={t.max_train_depth}: must be >= 0 (0 = the layout's R)"),
             (t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size}: must be >= 1"),
             (t.grad_accum >= 1, f"train.grad_accum={t.grad_accum}: must be >= 1"),
             (0 <= t.warmup_steps, f"train.warmup_steps={t.warmup_steps}: must be >= 0"),

@@ -26,7 +26,7 @@ from pretrain.distributed import all_reduce, comm_device, discover, init_distrib
 from pretrain.model import build_model
 from pretrain.model.flops import count_params
 from pretrain.training import checkpoint, deepspeed_internals
-from pretrain.training.depth import sample_depth
+from pretrain.training.depth import depth_for_step
 from pretrain.training.ds_config import build_ds_config, load_ds_json, save_ds_config, zero_stage
 from pretrain.training.health import (Heartbeat, NanInjection, RankFailure, StopSignal, TrainingStopped,
                                       explain_failure, one_line, rss_mb)
@@ -314,7 +314,7 @@ class Trainer:
         engine.train()
         self.throughput.reset()
         while self.step < t.steps:
-            depth = sample_depth(t.depth_sampling, max_r, t.seed, self.step, t.poisson_mean, t.poisson_sigma)
+            depth = depth_for_step(t, max_r, self.step)
             log_now = (self.step + 1) % t.log_every == 0 or self.step + 1 == t.steps
             loss, stop_requested, scalars = self.train_step(batches, depth, log_now)
             self.step += 1
