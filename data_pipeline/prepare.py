@@ -27,7 +27,8 @@ import numpy as np
 from .manifest import MANIFEST_NAME, Manifest, manifest_dict
 from .shards import DTYPES, build_shard, ext_for_vocab, member_size, write_shard_atomic
 from .sources import SourceStats, expand_inputs, iter_file_documents
-from .tokenizer import Tokenizer, atomic_write_bytes, file_sha256
+from .files import atomic_write_bytes
+from .tokenizer import Tokenizer, file_sha256
 
 TOKENIZER_NAME = "tokenizer.model"
 SPLITS = ("train", "val")

@@ -19,22 +19,14 @@ import sys
 import time
 from typing import Iterable, List, Sequence
 
+from .files import atomic_write_bytes
+
 DEFAULT_SEP_PIECE = "<|endoftext|>"
 MAX_VOCAB_SIZE = 50257  # GPT-2's vocabulary size
 # SentencePiece drops training sentences longer than max_sentence_length bytes; cut
 # lines into pieces of at most this many characters (4 bytes per char worst case).
 _TRAIN_PIECE_CHARS = 1000
 _MAX_SENTENCE_BYTES = 4 * _TRAIN_PIECE_CHARS + 16
-
-
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same directory + rename."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def file_sha256(path: str) -> str:

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from data_pipeline.files import atomic_savefig, atomic_write_text
 from pretrain.config import ConfigError
 from pretrain.infer.scoring import jsonable, lm_sums, val_batches
 from pretrain.model import GPT
@@ -272,13 +273,13 @@ def plots(res: dict, out: Path) -> dict[str, str]:
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(range(R + 1), [res["loss_by_depth"][r] for r in range(R + 1)], marker="o")
     ax.set_xlabel("exit depth (loop steps)"), ax.set_ylabel("validation loss"), ax.grid(alpha=0.3)
-    fig.tight_layout(), fig.savefig(out / "loss_by_depth.png", dpi=120), plt.close(fig)
+    fig.tight_layout(), atomic_savefig(fig, out / "loss_by_depth.png", dpi=120), plt.close(fig)
     files["loss_by_depth"] = "loss_by_depth.png"
     if res["cka"]:
         fig, ax = plt.subplots(figsize=(4.5, 4))
         im = ax.imshow(res["cka"], vmin=0, vmax=1, cmap="viridis")
         ax.set_xlabel("loop state s_r"), ax.set_ylabel("loop state s_r"), ax.set_title("linear CKA")
-        fig.colorbar(im), fig.tight_layout(), fig.savefig(out / "cka.png", dpi=120), plt.close(fig)
+        fig.colorbar(im), fig.tight_layout(), atomic_savefig(fig, out / "cka.png", dpi=120), plt.close(fig)
         files["cka"] = "cka.png"
     if res.get("cka_dense"):
         m = res["cka_dense"]["matrix"]
@@ -286,14 +287,14 @@ def plots(res: dict, out: Path) -> dict[str, str]:
         im = ax.imshow(m, vmin=0, vmax=1, cmap="viridis", aspect="auto")
         ax.set_xlabel("dense layer (0 = embeddings)"), ax.set_ylabel("loop state s_r")
         ax.set_title("linear CKA: GRT loop states vs dense layers")
-        fig.colorbar(im), fig.tight_layout(), fig.savefig(out / "cka_dense.png", dpi=120), plt.close(fig)
+        fig.colorbar(im), fig.tight_layout(), atomic_savefig(fig, out / "cka_dense.png", dpi=120), plt.close(fig)
         files["cka_dense"] = "cka_dense.png"
     if res["buckets"]:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for name, b in res["buckets"].items():
             ax.plot(range(1, R + 1), [100 * v for v in b["recovered_by_step"]], marker="o", label=name)
         ax.set_xlabel("loop step"), ax.set_ylabel("% of depth-0 loss recovered"), ax.grid(alpha=0.3), ax.legend()
-        fig.tight_layout(), fig.savefig(out / "buckets.png", dpi=120), plt.close(fig)
+        fig.tight_layout(), atomic_savefig(fig, out / "buckets.png", dpi=120), plt.close(fig)
         files["buckets"] = "buckets.png"
     if res["gate_mean_by_step"]:
         fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -302,7 +303,7 @@ def plots(res: dict, out: Path) -> dict[str, str]:
         if res["gate_state_share_by_step"]:
             ax.plot(steps, res["gate_state_share_by_step"], marker="s", label="state share of gate-input variance")
         ax.set_xlabel("loop step"), ax.set_ylim(0, 1), ax.grid(alpha=0.3), ax.legend()
-        fig.tight_layout(), fig.savefig(out / "gates.png", dpi=120), plt.close(fig)
+        fig.tight_layout(), atomic_savefig(fig, out / "gates.png", dpi=120), plt.close(fig)
         files["gates"] = "gates.png"
     return files
 
@@ -397,8 +398,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     files = plots(res, out)
     res["model"] = str(args.model)
-    (out / "analysis.json").write_text(json.dumps(jsonable(res), indent=2) + "\n")
-    (out / "report.md").write_text(markdown(res, files, f"Analysis of {loaded.cfg.name} ({loaded.cfg.layout})"))
+    atomic_write_text(out / "analysis.json", json.dumps(jsonable(res), indent=2) + "\n")
+    atomic_write_text(out / "report.md", markdown(res, files, f"Analysis of {loaded.cfg.name} ({loaded.cfg.layout})"))
     print(markdown(res, {}, f"Analysis of {loaded.cfg.name} ({loaded.cfg.layout})"))
     print(f"report: {out / 'report.md'}", file=sys.stderr)
     return 0

@@ -174,6 +174,8 @@ def format_table(results: dict) -> str:
 def plot_depths(results: dict, path: str | Path, title: str = "") -> None:
     import matplotlib
 
+    from data_pipeline.files import atomic_savefig
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -190,7 +192,7 @@ def plot_depths(results: dict, path: str | Path, title: str = "") -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_savefig(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -317,7 +319,7 @@ def run(args) -> dict:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from data_pipeline.shards import ShardError
-    from pretrain.training.checkpoint import atomic_write_text
+    from data_pipeline.files import atomic_write_text
 
     try:
         results = run(args)

@@ -39,6 +39,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from data_pipeline.files import atomic_savefig, atomic_write_text
 from pretrain.config import ConfigError, ModelConfig, load_json_object
 from pretrain.model.flops import flops_per_token, train_flops_per_token
 from pretrain.presets import PRESETS, get_preset
@@ -323,7 +324,7 @@ def sized_tokens(args, out: Path, suffix: str, started: float) -> float:
         print(f"grt compare: warning: the time budget affords {sizing['tokens']:,} tokens per run, below "
               f"--min-tokens {args.min_tokens:,.0f}", file=sys.stderr, flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"labels": labels, **sizing}, indent=2) + "\n")
+    atomic_write_text(path, json.dumps({"labels": labels, **sizing}, indent=2) + "\n")
     return float(sizing["tokens"])
 
 
@@ -430,7 +431,7 @@ def exit_curve(cfg: RunConfig, depths: list[int]) -> dict[int, float]:
     t = cfg.train
     batches = val_batches(cfg.data, t.micro_batch_size, Dist(), t.eval_batches, t.seed)
     loss = {r: v["loss"] for r, v in loss_table(lm_sums(model, batches, depths, device, t.doc_mask), depths).items()}
-    cache.write_text(json.dumps({"checkpoint": checkpoint, "depths": depths, "loss": loss}, indent=2) + "\n")
+    atomic_write_text(cache, json.dumps({"checkpoint": checkpoint, "depths": depths, "loss": loss}, indent=2) + "\n")
     return loss
 
 
@@ -529,7 +530,7 @@ def plot(rows: list[dict], path: Path, smooth: float = 0.9) -> None:
         ax.grid(alpha=0.3)
     ax_train.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_savefig(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -625,14 +626,15 @@ def main(argv=None) -> int:
     text = table(rows)
     print()
     print(text)
-    (out / f"comparison{suffix}.md").write_text(text + "\n")
+    atomic_write_text(out / f"comparison{suffix}.md", text + "\n")
     manifest = Manifest.load(args.data)
     data = {"train_fingerprint": manifest.fingerprint("train"), "vocab_size": manifest.vocab_size,
             "seq_len": seq_len, "tokenizer_sha256": manifest.tokenizer_sha256}
     sizing_path = out / f"sizing{suffix}.json"
     sizing = json.loads(sizing_path.read_text()) if args.time_budget and sizing_path.is_file() else None
-    (out / f"comparison{suffix}.json").write_text(json.dumps({"data": data, "argv": list(argv if argv is not None else sys.argv[1:]),
-                                                    "sizing": sizing, "runs": rows}, indent=2) + "\n")
+    atomic_write_text(out / f"comparison{suffix}.json", json.dumps(
+        {"data": data, "argv": list(argv if argv is not None else sys.argv[1:]), "sizing": sizing, "runs": rows},
+        indent=2) + "\n")
     plot(rows, out / f"loss_curves{suffix}.png")
     if sizing and walls:
         print(f"\ntime: planned {sizing['planned_s']:.0f} s for the runs, they took {sum(walls.values()):.0f} s; "

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data_pipeline.files import atomic_write_text
 from pretrain.distributed import all_agree
 from pretrain.training import deepspeed_internals
 
@@ -35,19 +36,6 @@ class CheckpointError(RuntimeError):
 
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def rng_state() -> dict:

@@ -1,0 +1,37 @@
+"""Files that are complete or absent: each is written beside its final name, flushed to disk,
+then renamed into place, so a crash, a full disk or a kill leaves the old file or none."""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path in `path`'s directory; renamed to `path` when the block succeeds."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_savefig(fig, path: str | os.PathLike, **kw) -> None:
+    """matplotlib's savefig, complete or absent (the format from `path`'s suffix)."""
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format=Path(path).suffix.lstrip(".") or "png", **kw)
