@@ -1,5 +1,8 @@
 """Rank discovery and process-group start-up for every way `grt` is launched.
 
+(Longer than the project's ~400 lines on purpose: the one module that knows the process
+group, from discovery to the collectives to the exit path, so that nothing else needs to.)
+
 `discover()` reads the environment only and tells who this process is, whichever
 launcher started it:
 

@@ -1,6 +1,9 @@
 """`grt compare`: train several methods on the same shards for the same number of tokens
 (each with `grt train`, one run directory per method), then tabulate and plot.
 
+(Longer than the project's ~400 lines: the matching, the time-budget sizing, the runs and
+the table are one command's stages, each short, that share its run list.)
+
     grt compare --data shards/manifest.json --out runs/compare \\
         --configs tiny-grt,tiny-dense,tiny-huginn,tiny-rrt,tiny-ouro,tiny-mor --tokens 2e6 \\
         --match flops --set model.d_model=64 --set model.n_heads=2
