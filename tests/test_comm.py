@@ -126,7 +126,6 @@ def test_loaders_choose_the_gpu_and_bf16(monkeypatch, tmp_path):
 
 # -- the exit path under load ---------------------------------------------------------------
 STRESS_RUNS = 10
-# a 2-rank `grt train` costs about 40 s of DeepSpeed start-up on a 2-core CI machine: fewer runs
 
 
 @pytest.mark.slow
