@@ -120,19 +120,6 @@ class Heartbeat:
         return notes
 
 
-
-class StopSignal:
-    """SIGTERM / SIGUSR1 (Slurm's --signal) ask for a checkpoint and a clean exit."""
-
-    def __init__(self):
-        self.received = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame):
-        self.received = signal.Signals(signum).name
-
-
 class StopSignal:
     """SIGTERM / SIGUSR1 (Slurm's --signal) ask for a checkpoint and a clean exit."""
 
