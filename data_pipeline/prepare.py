@@ -17,10 +17,9 @@ import json
 import multiprocessing as mp
 import os
 import re
-import shutil
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 

@@ -7,13 +7,7 @@ process through its one exit path, with the command's exit code.
 """
 import argparse
 import importlib
-import os
 import sys
-
-# Idle OpenMP workers sleep instead of spinning. On a CPU host a spinning pool (one per
-# thread that runs torch ops, e.g. DeepSpeed's or gloo's) steals cores from the training
-# threads: ZeRO-1/2 steps ran 3-7x slower on 2 cores. Must be set before torch is imported.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 COMMANDS = {
     "presets": ("pretrain.presets", "print the model presets"),

@@ -16,8 +16,6 @@ if __name__ == "__main__" and not __package__:
     # run as a script path: import this checkout's package (not another installed copy), and
     # keep the package's own directory off sys.path (its modules would shadow top-level names)
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# idle OpenMP workers sleep (see pretrain/cli.py); set before torch is imported
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from pretrain.config import ConfigError, ModelConfig  # noqa: E402
 from pretrain.distributed import discover, run_command  # noqa: E402

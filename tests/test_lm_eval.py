@@ -1,7 +1,6 @@
 """The `grt` model of lm-evaluation-harness: offline, on local task files, its numbers equal
 `grt eval`'s on the same examples (the same requests, the same scoring)."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +9,7 @@ import pytest
 import torch
 
 from conftest import SHARED
-from trained_models import ENV, REPO, data, torch_trained_grt, write_export
+from trained_models import ENV, REPO, torch_trained_grt, write_export
 
 pytest.importorskip("lm_eval")
 
@@ -18,7 +17,6 @@ from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from data_pipeline.tokenizer import Tokenizer  # noqa: E402
 from pretrain.infer.generate import generate  # noqa: E402
 from pretrain.infer.lm_eval_model import GRTLM  # noqa: E402
 from pretrain.infer.zero_shot import encode_request, evaluate_task, load_task, score_requests  # noqa: E402

@@ -28,20 +28,21 @@ from typing import Iterator
 
 import torch
 
+from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError
 from pretrain.distributed import Dist, is_main, join_launch, run_command
+from pretrain.infer.kv_cache import STRATEGIES
 from pretrain.infer.adaptive import CRITERIA, adaptive_sums, adaptive_table, parse_thresholds
 from pretrain.infer.scoring import jsonable, lm_sums, lm_sums_cached, val_batches
 from pretrain.infer.zero_shot import TASKS, evaluate_task, load_task
 from pretrain.model import GPT
 
-REPO = Path(__file__).resolve().parents[2]  # the checkout (this file is in pretrain/<pkg>/)
 LN2 = math.log(2.0)
 
 
 def default_eval_dir() -> Path:
     """The shared evaluation data: $GRT_EVAL_DIR, else ../shared/data/eval next to the repo."""
-    return Path(os.environ.get("GRT_EVAL_DIR", REPO.parent / "shared" / "data" / "eval"))
+    return Path(os.environ.get("GRT_EVAL_DIR", PROJECT_ROOT.parent / "shared" / "data" / "eval"))
 
 
 # -- depths ------------------------------------------------------------------------------
@@ -214,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wikitext-max-tokens", type=int, help="score only the first N tokens of WikiText-2")
     p.add_argument("--stride", type=int, help="WikiText-2 window stride (default: the window, no overlap)")
     p.add_argument("--limit", type=int, help="at most N items per zero-shot task")
-    p.add_argument("--kv-cache", choices=("full", "first", "last", "average"),
+    p.add_argument("--kv-cache", choices=STRATEGIES,
                    help="decode token by token through this KV-cache strategy (held-out loss, WikiText-2, "
                         "zero-shot continuations) instead of one forward per sequence; full is exact")
     p.add_argument("--adaptive-exit", choices=CRITERIA,

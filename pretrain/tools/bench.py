@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 
+from pretrain import PROJECT_ROOT
 from pretrain.config import ModelConfig
 from pretrain.model.flops import flops_per_token
 from pretrain.training.metrics import peak_flops
 from pretrain.model import GPT, build_model
 from pretrain.training.parallelize import apply_activation_checkpointing
 
-REPO = Path(__file__).resolve().parents[2]  # the checkout (this file is in pretrain/<pkg>/)
 
 
 def equal_flops_pair(d_model: int, n_heads: int, layout: str, seq_len: int, vocab: int) -> tuple[ModelConfig, ModelConfig]:
@@ -132,7 +132,7 @@ def bench_memory(args) -> list[dict]:
             env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
             out = subprocess.run([sys.executable, "-m", "pretrain.tools.bench", "_memory_probe", str(args.d_model),
                                   str(args.seq_len), str(args.batch), str(loops), mode],
-                                 capture_output=True, text=True, check=True, cwd=REPO, env=env)
+                                 capture_output=True, text=True, check=True, cwd=PROJECT_ROOT, env=env)
             peak = json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
             rows.append({"R": loops, "checkpointing": mode != "off", "peak_bytes": peak})
     return rows
@@ -170,13 +170,13 @@ def bench_zero(args) -> list[dict]:
     rows, bare = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        text = REPO / "examples" / "data" / "tinyshakespeare.txt"
+        text = PROJECT_ROOT / "examples" / "data" / "tinyshakespeare.txt"
         grt = [sys.executable, "-m", "pretrain.cli"]
         subprocess.run([*grt, "data", "tokenizer", "-i", str(text), "--txt-mode", "paragraph", "--vocab-size", "512",
-                        "-o", str(tmp / "tok"), "-q"], check=True, cwd=REPO, capture_output=True)
+                        "-o", str(tmp / "tok"), "-q"], check=True, cwd=PROJECT_ROOT, capture_output=True)
         subprocess.run([*grt, "data", "prepare", "-i", str(text), "--txt-mode", "paragraph", "-t", str(tmp / "tok.model"),
                         "-o", str(tmp / "shards"), "--seq-len", str(args.seq_len), "--shard-size-mb", "0.2", "-q"],
-                       check=True, cwd=REPO, capture_output=True)
+                       check=True, cwd=PROJECT_ROOT, capture_output=True)
         for ranks, preset, stage, compiled, ckpt, pin in product(args.ranks, args.presets, args.stages, args.compile,
                                                                   args.checkpointing, args.pin_core):
             if stage != 3 and pin != args.pin_core[0]:
@@ -185,7 +185,7 @@ def bench_zero(args) -> list[dict]:
             if (preset, compiled, ckpt) not in bare:
                 bare[(preset, compiled, ckpt)] = _bare_tokens_per_s(cfg, args, compiled, ckpt)
             ds = tmp / f"zero{stage}.json"
-            base = json.loads((REPO / "ds_configs" / f"zero{max(stage, 1)}.json").read_text())
+            base = json.loads((PROJECT_ROOT / "ds_configs" / f"zero{max(stage, 1)}.json").read_text())
             if stage == 0:
                 base["zero_optimization"] = {"stage": 0}
             if stage == 3:  # a tiny model's matrices are under the default persistence threshold
@@ -199,7 +199,7 @@ def bench_zero(args) -> list[dict]:
                    "--set", "train.eval_every=0", "--set", f"train.save_every={10 * args.steps}",
                    "--set", f"train.compile={str(compiled).lower()}", "--set", f"train.activation_checkpointing={ckpt}",
                    "--set", f"train.depth_sampling={args.depth_sampling}", "--set", f"train.zero3_pin_core={pin}"]
-            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+            proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"{shlex.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
             tokens_per_s = _last_scalar(out / "tb", "perf/tokens_per_s") / ranks  # per rank, as the bare step

@@ -43,13 +43,13 @@ from collections import Counter
 from pathlib import Path
 
 from data_pipeline.files import atomic_savefig, atomic_write_text
+from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError, ModelConfig, load_json_object
 from pretrain.model.flops import flops_per_token, train_flops_per_token
 from pretrain.presets import PRESETS, get_preset
 from pretrain.training.depth import depth_for_step
 from pretrain.training.run_config import RunConfig, apply_overrides
 
-REPO = Path(__file__).resolve().parents[2]  # the checkout (this file is in pretrain/<pkg>/)
 
 # each method's own training recipe for the loop depth (spec section 4 / the papers)
 METHOD_TRAIN: dict[str, dict] = {
@@ -355,7 +355,7 @@ def start_run(cfg: RunConfig, nproc: int, log_path: Path, threads: int = 0) -> l
             if nproc > 1:
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                            WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
-            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log if rank == 0 else subprocess.DEVNULL,
+            procs.append(subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=log if rank == 0 else subprocess.DEVNULL,
                                           stderr=subprocess.STDOUT))
     return procs
 
@@ -561,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--match", choices=("none", "flops", "params"), default="none",
                    help="adjust layouts to the reference's forward FLOPs per token or parameter count")
     p.add_argument("--reference", help="label of the reference config (default: the first)")
-    p.add_argument("--ds-config", default=str(REPO / "ds_configs" / "zero2.json"))
+    p.add_argument("--ds-config", default=str(PROJECT_ROOT / "ds_configs" / "zero2.json"))
     p.add_argument("--nproc", type=int, default=1, help="ranks per run (local processes)")
     p.add_argument("--parallel", type=int, default=1, help="runs trained at the same time (default 1)")
     p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS per process (0: leave as is)")

@@ -12,11 +12,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from pretrain import PROJECT_ROOT
 from pretrain.presets import get_preset
 from pretrain.training.run_config import RunConfig
 
-REPO = Path(__file__).resolve().parents[2]  # the checkout (this file is in pretrain/<pkg>/)
-DEFAULT_TEXT = REPO / "examples" / "data" / "tinyshakespeare.txt"
+DEFAULT_TEXT = PROJECT_ROOT / "examples" / "data" / "tinyshakespeare.txt"
 
 
 def unigram_entropy(manifest_path: str) -> float:
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     manifest = str(data / "shards" / "manifest.json")
 
     cfg = RunConfig(model=get_preset("tiny-grt").replace(max_seq_len=args.seq_len), data=manifest,
-                    ds_config=str(REPO / "ds_configs" / "zero3.json"), out=str(out))
+                    ds_config=str(PROJECT_ROOT / "ds_configs" / "zero3.json"), out=str(out))
     t = cfg.train
     t.steps, t.micro_batch_size, t.lr, t.min_lr = args.steps, 16, 2e-3, 2e-4
     t.warmup_steps, t.log_every, t.eval_every, t.eval_batches, t.save_every = 50, 25, 200, 10, 200

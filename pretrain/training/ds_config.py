@@ -14,10 +14,10 @@ import copy
 import json
 from pathlib import Path
 
+from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError, load_json_object
 from pretrain.training.run_config import RunConfig, TrainConfig
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_DIR = PROJECT_ROOT / "ds_configs"
 AUTO = "auto"
 # optimizer types that are AdamW in DeepSpeed ("Adam" is AdamW unless adam_w_mode is false)
