@@ -1,6 +1,9 @@
 """`grt export`: a ZeRO-3 checkpoint becomes one directory that loads without DeepSpeed
 and computes what the training engine computed."""
 import json
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +13,10 @@ from pretrain.distributed import Dist
 from pretrain.infer.scoring import lm_sums, val_batches
 from pretrain.infer.export import main as export_main
 from pretrain.infer.load import TIED_KEY, load_model, resolve_checkpoint
-from trained_models import single_thread, EVAL_BATCHES, dense_run, grt_run, manifest, summary  # noqa: F401 (fixtures)
+from trained_models import ENV, single_thread, EVAL_BATCHES, dense_run, grt_run, manifest, summary  # noqa: F401 (fixtures)
+from conftest import DEMO_TEXT, SHARED
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +30,17 @@ def test_export_writes_the_documented_files(grt_export, grt_run):
     from safetensors import safe_open
 
     names = {p.name for p in grt_export.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.model", "run_config.json"} <= names
-    assert "hf" not in names  # a GRT has no Hugging Face equivalent
+    assert {"config.json", "model.safetensors", "tokenizer.model", "run_config.json", "hf"} <= names
+    hf_names = {p.name for p in (grt_export / "hf").iterdir()}
+    assert {"config.json", "configuration_grt.py", "modeling_grt.py", "grt_gpt.py", "grt_layers.py", "model.safetensors",
+            "tokenizer.model", "tokenizer.json", "tokenizer_config.json"} <= hf_names
+    hf_config = json.loads((grt_export / "hf" / "config.json").read_text())
+    ours = json.loads((grt_export / "config.json").read_text())
+    assert {k: hf_config[k] for k in ours} == ours  # every ModelConfig field
+    assert hf_config["model_type"] == "grt" and hf_config["trained_depth"] == hf_config["depth"] == 3
+    assert set(hf_config["auto_map"]) == {"AutoConfig", "AutoModelForCausalLM"}
+    for f in (grt_export / "hf").glob("*.py"):  # self-contained: transformers copies only this folder
+        assert not re.search(r"^\s*(from|import) pretrain\b", f.read_text(), re.M), f.name
     assert json.loads((grt_export / "config.json").read_text())["layout"] == "1+1x3+1"
     assert json.loads((grt_export / "run_config.json").read_text())["train"]["steps"] == 30
     with safe_open(str(grt_export / "model.safetensors"), "pt") as f:
@@ -75,6 +90,10 @@ def test_dense_export_has_a_hugging_face_twin(dense_run, tmp_path):
     assert a.shape == b.shape
     assert (a - b).abs().max().item() < 1e-4
     assert a.std() > 0.1  # real logits, not a degenerate comparison
+    from transformers import AutoTokenizer
+
+    tok = load_model(out).tokenizer()
+    assert AutoTokenizer.from_pretrained(str(out / "hf"))("To be")["input_ids"] == [tok.sep_id] + tok.encode("To be")
 
 
 def test_export_refuses_bad_inputs(grt_run, tmp_path, capsys):
@@ -90,3 +109,112 @@ def test_export_refuses_bad_inputs(grt_run, tmp_path, capsys):
     incomplete.mkdir(parents=True)
     with pytest.raises(ConfigError, match="no COMPLETE marker"):
         resolve_checkpoint(incomplete)
+
+
+# What a user's machine runs: transformers alone, with the `pretrain` package made unimportable.
+_HF_USER = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+path, prompt, out = sys.argv[1:]
+idx = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))
+tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+ids = tok(prompt, return_tensors="pt").input_ids
+res = {"idx": idx.tolist(), "ids": ids.tolist()}
+for kw in ({}, {"depth": 1}, {"depth": 5}, {"kv_cache": "average"}):
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **kw).eval()
+    key = ",".join(f"{k}={v}" for k, v in kw.items()) or "default"
+    with torch.no_grad():
+        res[key] = {"depth": model.config.depth, "logits": model(idx).logits.tolist(),
+                    "cached": model.generate(ids, max_new_tokens=12, do_sample=False).tolist(),
+                    "uncached": model.generate(ids, max_new_tokens=12, do_sample=False, use_cache=False).tolist()}
+json.dump(res, open(out, "w"))
+"""
+
+
+def test_grt_export_loads_with_transformers_alone(grt_export, tmp_path):
+    """AutoModelForCausalLM(trust_remote_code=True) in a process that cannot import `pretrain`:
+    the logits of our model at the trained depth and at depths set through from_pretrained, and
+    generate()'s greedy tokens with the KV cache (full, and average set through the config) equal
+    our generate()'s (what `grt generate --greedy` runs) and those without a cache."""
+    from pretrain.infer.generate import generate
+
+    shim = tmp_path / "shim" / "pretrain"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError('the pretrain package is not on a user machine')\n")
+    out = tmp_path / "hf_user.json"
+    proc = subprocess.run([sys.executable, "-c", _HF_USER, str(grt_export / "hf"), "ROMEO:", str(out)], cwd=tmp_path,
+                          env={**ENV, **OFFLINE, "PYTHONPATH": str(shim.parent), "HF_MODULES_CACHE": str(tmp_path / "modules")},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    loaded = load_model(grt_export)
+    model, tok = loaded.model, loaded.tokenizer()
+    ids = torch.tensor(res["ids"])
+    assert ids[0].tolist() == [tok.sep_id] + tok.encode("ROMEO:")  # the separator as BOS, as grt generate feeds it
+    idx = torch.tensor(res["idx"])
+    for key, depth, strategy in (("default", 3, "full"), ("depth=1", 1, "full"), ("depth=5", 5, "full"),
+                                 ("kv_cache=average", 3, "average")):
+        got = res[key]
+        assert got["depth"] == depth
+        with torch.no_grad():
+            want = model(idx, n_loops=depth).logits
+        assert (torch.tensor(got["logits"]) - want).abs().max().item() < 1e-4, key
+        new = generate(model, ids, 12, strategy=strategy, n_loops=depth, greedy=True)
+        assert got["cached"][0] == ids[0].tolist() + new[0].tolist(), key
+        uncached = generate(model, ids, 12, n_loops=depth, use_cache=False, greedy=True)
+        assert got["uncached"][0] == ids[0].tolist() + uncached[0].tolist(), key
+    # the depths give different functions, so the comparisons above can tell them apart
+    assert (torch.tensor(res["default"]["logits"]) - torch.tensor(res["depth=1"]["logits"])).abs().max() > 1e-2
+
+
+def _real_texts() -> list[str]:
+    texts = [p for p in DEMO_TEXT.read_text()[:60_000].split("\n\n") if p]
+    lambada = SHARED / "data" / "eval" / "lambada_openai.jsonl"
+    if lambada.exists():
+        rows = [json.loads(line) for line in lambada.read_text().splitlines()[:200]]
+        texts += [r["context"] + " " + r["continuation"] for r in rows]
+    return texts + ["  two leading spaces\n\n\ttab", "bytes: \u00fcn\u00efc\u00f6d\u00e9 \U0001F389", "a literal <|endoftext|>"]
+
+
+def test_hf_tokenizer_gives_our_ids(grt_export, monkeypatch):
+    """AutoTokenizer on the export: our ids with the separator as BOS (how grt eval and grt
+    generate feed text), on real text; decode gives the text back."""
+    from transformers import AutoTokenizer
+
+    for k, v in OFFLINE.items():
+        monkeypatch.setenv(k, v)
+    ours = load_model(grt_export).tokenizer()
+    hf = AutoTokenizer.from_pretrained(str(grt_export / "hf"), trust_remote_code=True)
+    texts = _real_texts()
+    assert len(texts) > 300
+    for text in texts:
+        ids = ours.encode(text)
+        assert hf(text)["input_ids"] == [ours.sep_id] + ids, text[:60]
+        assert hf.decode(ids) == text
+    assert hf.bos_token_id == hf.eos_token_id == ours.sep_id
+
+
+@pytest.mark.parametrize("variant", ["huginn", "rrt", "ouro", "mor"])
+def test_looped_baselines_load_with_transformers(variant, tmp_path, monkeypatch):
+    """Every looped baseline gets the same remote code for free: its logits load equal, and
+    generate() recomputes (the KV cache is for grt and dense)."""
+    from transformers import AutoModelForCausalLM
+
+    from pretrain.model import build_model
+    from pretrain.model.hf import save_pretrained
+    from pretrain.presets import get_preset
+
+    for k, v in OFFLINE.items():
+        monkeypatch.setenv(k, v)
+    torch.manual_seed(0)
+    ours = build_model(get_preset(f"micro-{variant}").replace(vocab_size=64, max_seq_len=32)).eval()
+    save_pretrained(ours, tmp_path / "hf", tokenizer=None)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True).eval()
+    idx = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.manual_seed(2)
+        a = ours(idx).logits
+        torch.manual_seed(2)
+        b = hf(idx).logits
+        assert (a - b).abs().max().item() < 1e-4
+        assert hf.generate(idx[:1, :5], max_new_tokens=4, do_sample=False).shape == (1, 9)
