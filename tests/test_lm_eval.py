@@ -1,5 +1,6 @@
-"""The `grt` model of lm-evaluation-harness: offline, on local task files, its numbers equal
-`grt eval`'s on the same examples (the same requests, the same scoring)."""
+"""The `grt` model of lm-evaluation-harness, and the harness' own `--model hf` on the Hugging
+Face export: offline, on local task files, their numbers equal `grt eval`'s on the same
+examples (the same requests, the same scoring)."""
 import json
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from pretrain.infer.generate import generate  # noqa: E402
 from pretrain.infer.lm_eval_model import GRTLM  # noqa: E402
-from pretrain.infer.zero_shot import encode_request, evaluate_task, load_task, score_requests  # noqa: E402
+from pretrain.infer.zero_shot import TASKS, encode_request, evaluate_task, load_task, score_requests  # noqa: E402
 
 EVAL = SHARED / "data" / "eval"
 LIMIT = 24
@@ -38,7 +39,8 @@ def tasks(tmp_path_factory) -> Path:
         pytest.skip(f"{EVAL} not found (set GRT_SHARED_DIR)")
     d = tmp_path_factory.mktemp("tasks")
     for name, placeholder, file in (("piqa_local", "PIQA_FILE", "piqa.jsonl"),
-                                    ("lambada_local", "LAMBADA_FILE", "lambada_openai.jsonl")):
+                                    ("lambada_local", "LAMBADA_FILE", "lambada_openai.jsonl"),
+                                    ("arc_easy_local", "ARC_EASY_FILE", "arc_easy.jsonl")):
         text = (REPO / "tests" / "lm_eval_tasks" / f"{name}.yaml").read_text()
         (d / f"{name}.yaml").write_text(text.replace(placeholder, str(EVAL / file)))
     return d
@@ -52,7 +54,7 @@ def offline(monkeypatch):
 
 def _grt_eval(export, task, depth):
     lm = GRTLM(path=str(export))
-    items = load_task(task, EVAL / {"piqa": "piqa.jsonl", "lambada": "lambada_openai.jsonl"}[task], limit=LIMIT)
+    items = load_task(task, EVAL / TASKS[task].file, limit=LIMIT)
     return evaluate_task(lm.model, lm.tok, items, [depth], lm.device)[depth]
 
 
@@ -131,3 +133,40 @@ def test_grt_lm_eval_command_runs_offline(export, tasks, tmp_path):
     lm = GRTLM(path=str(export), depth=3, kv_cache="average")
     items = load_task("lambada", EVAL / "lambada_openai.jsonl", limit=8)
     assert acc == pytest.approx(evaluate_task(lm.model, lm.tok, items, [3], lm.device, kv_cache="average")[3]["acc"])
+
+
+@pytest.fixture(scope="module")
+def hf_export(export) -> Path:
+    """The export's hf/ directory, as `grt export` writes it."""
+    from pretrain.model.hf import save_pretrained
+
+    model, _ = torch_trained_grt()
+    save_pretrained(model, export / "hf", export / "tokenizer.model")
+    return export / "hf"
+
+
+@pytest.mark.slow
+def test_plain_lm_eval_on_the_hf_export_equals_grt_eval(export, hf_export, tasks, tmp_path):
+    """`lm_eval --model hf --model_args pretrained=<export>/hf,trust_remote_code=True,depth=2`, the
+    harness' own command and model class: its accuracies equal grt eval's at depth 2, and so does
+    every LAMBADA log-likelihood (the depth reached the model: the trained R is 3)."""
+    depth, out = 2, tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+         f"pretrained={hf_export},trust_remote_code=True,depth={depth}", "--tasks", "arc_easy_local,lambada_local",
+         "--include_path", str(tasks), "--limit", str(LIMIT), "--device", "cpu", "--output_path", str(out), "--log_samples"],
+        cwd=tmp_path, env={**ENV, **OFFLINE, "HF_MODULES_CACHE": str(tmp_path / "modules")},
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (results,) = list(out.rglob("results_*.json"))
+    acc = {task: r["acc,none"] for task, r in json.loads(results.read_text())["results"].items()}
+    assert acc["arc_easy_local"] == pytest.approx(_grt_eval(export, "arc_easy", depth)["acc"], abs=1e-12)
+    assert acc["lambada_local"] == pytest.approx(_grt_eval(export, "lambada", depth)["acc"], abs=1e-12)
+    (samples,) = list(out.rglob("samples_lambada_local_*.jsonl"))
+    rows = sorted((json.loads(line) for line in samples.read_text().splitlines()), key=lambda r: r["doc_id"])
+    assert len(rows) == LIMIT
+    lm = GRTLM(path=str(export))
+    enc = [encode_request(lm.tok, r["doc"]["context"], " " + r["doc"]["continuation"], lm.max_len) for r in rows]
+    ours, _ = score_requests(lm.model, enc, [depth], lm.device)
+    theirs = torch.tensor([float(r["resps"][0][0][0]) for r in rows], dtype=torch.float64)
+    assert (theirs - ours[:, 0]).abs().max().item() < 1e-3
