@@ -218,3 +218,24 @@ def test_looped_baselines_load_with_transformers(variant, tmp_path, monkeypatch)
         b = hf(idx).logits
         assert (a - b).abs().max().item() < 1e-4
         assert hf.generate(idx[:1, :5], max_new_tokens=4, do_sample=False).shape == (1, 9)
+
+
+def test_hf_beam_search_and_padding(tmp_path, monkeypatch):
+    """Beam search through the KV cache (its rows reordered per step) picks what it picks
+    without a cache; left padding, which the model cannot honour, is one clear error."""
+    from transformers import AutoModelForCausalLM
+
+    from pretrain.model.hf import save_pretrained
+    from trained_models import small_model
+
+    for k, v in OFFLINE.items():
+        monkeypatch.setenv(k, v)
+    save_pretrained(small_model("1+2x3+1"), tmp_path / "hf", tokenizer=None)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True).eval()
+    idx = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    beams = dict(max_new_tokens=8, num_beams=3, do_sample=False)
+    assert torch.equal(hf.generate(idx, **beams), hf.generate(idx, use_cache=False, **beams))
+    mask = torch.ones_like(idx)
+    mask[1, :2] = 0
+    with pytest.raises(ValueError, match="left padding is not supported"):
+        hf.generate(idx, attention_mask=mask, max_new_tokens=2)

@@ -48,6 +48,12 @@ class GRTForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.grt.lm_head
 
+    def _reorder_cache(self, cache: CachedDecoder, beam_idx: torch.LongTensor) -> CachedDecoder:
+        """Beam search: the cached keys/values of the beams kept ([slots, B, ...] -> the batch rows)."""
+        kv = cache.cache
+        kv.k, kv.v = kv.k.index_select(1, beam_idx.to(kv.k.device)), kv.v.index_select(1, beam_idx.to(kv.v.device))
+        return cache
+
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                 cache: CachedDecoder | None = None, labels: torch.LongTensor | None = None,
                 use_cache: bool | None = None, logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
