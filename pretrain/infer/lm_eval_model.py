@@ -6,6 +6,10 @@
 there) with the `grt` model registered first: the harness has no plugin hook through which
 plain `lm_eval` could find a model that lives outside its package. From Python,
 `import pretrain.infer.lm_eval_model` registers it for `lm_eval.simple_evaluate(model="grt")`.
+Plain `lm_eval` runs an export instead through the harness' own Hugging Face model, on the
+remote-code directory `grt export` writes (pretrain/model/hf.py):
+
+    lm_eval --model hf --model_args pretrained=<export>/hf,trust_remote_code=True,depth=4 --tasks piqa
 
 Model arguments: `path` (an export or a checkpoint, as for `grt eval`), `depth` (the exit
 depth, default the trained R), `kv_cache` (none = one forward per request, exact; full,
