@@ -13,7 +13,7 @@ from pretrain.distributed import Dist
 from pretrain.infer.scoring import lm_sums, val_batches
 from pretrain.infer.export import main as export_main
 from pretrain.infer.load import TIED_KEY, load_model, resolve_checkpoint
-from trained_models import ENV, single_thread, EVAL_BATCHES, dense_run, grt_run, manifest, summary  # noqa: F401 (fixtures)
+from trained_models import ENV, grt, single_thread, EVAL_BATCHES, dense_run, grt_run, manifest, summary  # noqa: F401 (fixtures)
 from conftest import DEMO_TEXT, SHARED
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -94,6 +94,7 @@ def test_dense_export_has_a_hugging_face_twin(dense_run, tmp_path):
 
     tok = load_model(out).tokenizer()
     assert AutoTokenizer.from_pretrained(str(out / "hf"))("To be")["input_ids"] == [tok.sep_id] + tok.encode("To be")
+    assert hf.config.eos_token_id == hf.generation_config.eos_token_id == tok.sep_id
 
 
 def test_export_refuses_bad_inputs(grt_run, tmp_path, capsys):
@@ -135,7 +136,7 @@ def test_grt_export_loads_with_transformers_alone(grt_export, tmp_path):
     """AutoModelForCausalLM(trust_remote_code=True) in a process that cannot import `pretrain`:
     the logits of our model at the trained depth and at depths set through from_pretrained, and
     generate()'s greedy tokens with the KV cache (full, and average set through the config) equal
-    our generate()'s (what `grt generate --greedy` runs) and those without a cache."""
+    our generate()'s (what `grt generate --greedy --stop-at-separator` runs) and those without a cache."""
     from pretrain.infer.generate import generate
 
     shim = tmp_path / "shim" / "pretrain"
@@ -159,10 +160,14 @@ def test_grt_export_loads_with_transformers_alone(grt_export, tmp_path):
         with torch.no_grad():
             want = model(idx, n_loops=depth).logits
         assert (torch.tensor(got["logits"]) - want).abs().max().item() < 1e-4, key
-        new = generate(model, ids, 12, strategy=strategy, n_loops=depth, greedy=True)
+        # generate() stops at the separator (config eos_token_id) as `grt generate --stop-at-separator` does
+        new = generate(model, ids, 12, strategy=strategy, n_loops=depth, greedy=True, stop_id=tok.sep_id)
         assert got["cached"][0] == ids[0].tolist() + new[0].tolist(), key
-        uncached = generate(model, ids, 12, n_loops=depth, use_cache=False, greedy=True)
+        uncached = generate(model, ids, 12, n_loops=depth, use_cache=False, greedy=True, stop_id=tok.sep_id)
         assert got["uncached"][0] == ids[0].tolist() + uncached[0].tolist(), key
+    cli = json.loads(grt("generate", str(grt_export), "--prompt", "ROMEO:", "--greedy", "--max-new-tokens", "12",
+                         "--stop-at-separator", "--json").stdout)
+    assert res["default"]["cached"][0] == ids[0].tolist() + cli["tokens"][0]  # the command itself, default strategy
     # the depths give different functions, so the comparisons above can tell them apart
     assert (torch.tensor(res["default"]["logits"]) - torch.tensor(res["depth=1"]["logits"])).abs().max() > 1e-2
 

@@ -192,7 +192,11 @@ def save_pretrained(model: GPT, directory: Path, tokenizer: Path | None) -> None
     if tokenizer is not None:
         sep_id = save_tokenizer(tokenizer, directory, model.cfg.max_seq_len)
     if model.cfg.variant == "dense":
-        to_hf(model.float()).save_pretrained(str(directory))
+        hf = to_hf(model.float())
+        if sep_id is not None:  # GPT-2's 50256 is not our separator: generate() stops at ours
+            for config in (hf.config, hf.generation_config):
+                config.bos_token_id = config.eos_token_id = sep_id
+        hf.save_pretrained(str(directory))
     else:
         save_remote(model, directory, sep_id)
 
