@@ -197,6 +197,10 @@ def test_hf_tokenizer_gives_our_ids(grt_export, monkeypatch):
         assert hf(text)["input_ids"] == [ours.sep_id] + ids, text[:60]
         assert hf.decode(ids) == text
     assert hf.bos_token_id == hf.eos_token_id == ours.sep_id
+    # without trust_remote_code transformers asks whether to run the folder's config code; unanswered
+    # (no terminal), it loads the tokenizer all the same
+    plain = AutoTokenizer.from_pretrained(str(grt_export / "hf"))
+    assert plain(texts[0])["input_ids"] == hf(texts[0])["input_ids"]
 
 
 @pytest.mark.parametrize("variant", ["huginn", "rrt", "ouro", "mor"])

@@ -223,7 +223,11 @@ def save_tokenizer(model_file: Path, directory: Path, max_len: int) -> int:
               "add_bos_token": True, "add_eos_token": False, "split_special_tokens": True, "model_max_length": max_len}
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     AutoTokenizer.from_pretrained(str(directory)).save_pretrained(str(directory))  # adds tokenizer.json:
-    hf = AutoTokenizer.from_pretrained(str(directory))  # later loads need no conversion; check what they load
+    saved = json.loads((directory / "tokenizer_config.json").read_text())  # later loads need no conversion
+    for key in ("is_local", "local_files_only"):  # how this load was made, not true of the folder once shared
+        saved.pop(key, None)
+    (directory / "tokenizer_config.json").write_text(json.dumps(saved, indent=2) + "\n")
+    hf = AutoTokenizer.from_pretrained(str(directory))  # what later loads get, checked against ours
     for text in _PROBES:
         got, want = hf(text)["input_ids"], [ours.sep_id] + ours.encode(text)
         if got != want:
