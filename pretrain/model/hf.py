@@ -189,7 +189,7 @@ def save_pretrained(model: GPT, directory: Path, tokenizer: Path | None) -> None
     """<export>/hf/: GPT2LMHeadModel for a dense model, remote code for a looped one; the HF
     tokenizer of `tokenizer` (our SentencePiece model) when given."""
     sep_id = None
-    if tokenizer is not None:
+    if tokenizer is not None:  # first: with config.json there, AutoTokenizer would ask to run its code
         sep_id = save_tokenizer(tokenizer, directory, model.cfg.max_seq_len)
     if model.cfg.variant == "dense":
         hf = to_hf(model.float())
