@@ -26,7 +26,7 @@ def grt_export(grt_run, tmp_path_factory):
     return out
 
 
-def test_export_writes_the_documented_files(grt_export, grt_run):
+def test_export_writes_the_documented_files(grt_export, grt_run, tmp_path):
     from safetensors import safe_open
 
     names = {p.name for p in grt_export.iterdir()}
@@ -41,6 +41,9 @@ def test_export_writes_the_documented_files(grt_export, grt_run):
     assert set(hf_config["auto_map"]) == {"AutoConfig", "AutoModelForCausalLM"}
     for f in (grt_export / "hf").glob("*.py"):  # self-contained: transformers copies only this folder
         assert not re.search(r"^\s*(from|import) pretrain\b", f.read_text(), re.M), f.name
+    no_hf = tmp_path / "no-hf"
+    assert export_main(["--checkpoint", str(grt_run), "--out", str(no_hf), "--no-hf"]) == 0
+    assert {p.name for p in no_hf.iterdir()} == names - {"hf"}
     assert json.loads((grt_export / "config.json").read_text())["layout"] == "1+1x3+1"
     assert json.loads((grt_export / "run_config.json").read_text())["train"]["steps"] == 30
     with safe_open(str(grt_export / "model.safetensors"), "pt") as f:
