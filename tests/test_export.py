@@ -251,3 +251,24 @@ def test_hf_beam_search_and_padding(tmp_path, monkeypatch):
     mask[1, :2] = 0
     with pytest.raises(ValueError, match="left padding is not supported"):
         hf.generate(idx, attention_mask=mask, max_new_tokens=2)
+
+
+def test_hf_model_saves_and_reloads_with_its_code(tmp_path, monkeypatch):
+    """A loaded export saved again by transformers (after fine-tuning, to push it) carries its
+    vendored code along and keeps the depth it was given, the trained R recorded beside it."""
+    from transformers import AutoModelForCausalLM
+
+    from pretrain.model.hf import save_pretrained
+    from trained_models import small_model
+
+    for k, v in OFFLINE.items():
+        monkeypatch.setenv(k, v)
+    save_pretrained(small_model("1+2x3+1"), tmp_path / "hf", tokenizer=None)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True, depth=2).eval()
+    hf.save_pretrained(str(tmp_path / "again"))
+    assert {"grt_gpt.py", "grt_layers.py", "grt_kv_cache.py"} <= {p.name for p in (tmp_path / "again").iterdir()}
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "again"), trust_remote_code=True).eval()
+    assert (again.config.depth, again.config.trained_depth) == (2, 3)
+    idx = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(again(idx).logits, hf(idx).logits)
