@@ -285,7 +285,8 @@ def run(args) -> dict:
                 results["adaptive_exit"] = {
                     "criterion": args.adaptive_exit, "max_steps": max(depths),
                     "by_threshold": adaptive_table(adaptive_sums(model, batches, thresholds, device, args.adaptive_exit,
-                                                                 max(depths), dist=dist), thresholds)}
+                                                                 max(depths), dist=dist, doc_mask=args.doc_mask),
+                                                    thresholds)}
             results["val_manifest"] = str(manifest)
             results["val_split"] = split
             timings["val"] = time.time() - t0
