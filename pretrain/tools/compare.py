@@ -508,7 +508,7 @@ def plot(rows: list[dict], path: Path, smooth: float = 0.9) -> None:
         if r["val_curve"]:
             ax_val.plot([s * r["tokens_per_step"] / 1e6 for s, _ in r["val_curve"]], [v for _, v in r["val_curve"]],
                         style + "o", color=line.get_color(), label=r["label"], markersize=3)
-        exits = r.get("exit_curve") or r["val_loss_by_depth"]
+        exits = {**(r.get("exit_curve") or r["val_loss_by_depth"]), **(r.get("extrapolation") or {})}
         if exits and r["variant"] != "dense":
             depths = sorted(exits)
             ax_exit.plot(depths, [exits[d] for d in depths], style + "o", color=line.get_color(),
@@ -517,7 +517,8 @@ def plot(rows: list[dict], path: Path, smooth: float = 0.9) -> None:
             ax_exit.axhline(r["val_loss"], color=line.get_color(), linestyle=":", label=f"{r['label']} (dense)")
     ax_train.set(title=f"training loss (EMA {smooth})", xlabel="tokens (M)", ylabel="loss")
     ax_val.set(title="validation loss at full depth", xlabel="tokens (M)", ylabel="loss")
-    ax_exit.set(title="early exit: validation loss after r loop steps", xlabel="loop steps r", ylabel="loss")
+    ax_exit.set(title="validation loss after r loop steps (to 4R: past the trained R)", xlabel="loop steps r",
+                ylabel="loss")
     finals = [r["val_loss"] for r in rows if r["val_loss"] is not None]
     if finals:
         lo = min(finals)
