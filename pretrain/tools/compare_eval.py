@@ -15,10 +15,11 @@ The thresholds are one fixed setting per rule for every method (the table compar
 at the same rule, not each at its best threshold): `update` 0.1 and `kl` 0.01, the largest
 of the grids 0.3/0.1/0.05/0.02/0.01 (update) and 0.1/0.03/0.01/0.003/0.001 (kl) at which no
 looped method of docs/comparison.md's CPU runs lost more than 0.005 nats against its own
-full depth (10 validation batches; at the next larger one RRT lost 0.02). `kl` is the
-comparable rule across methods: it is measured in the output distribution, while a state's
-relative update depends on the method's state scale and gate. Results are cached in
-<run>/final_eval.json, keyed by the checkpoint and the settings.
+full depth (`grt eval --adaptive-exit`, 20 validation batches; at the next larger ones RRT
+lost 0.026 and 0.020). `kl` is the comparable rule across methods: it is measured in the
+output distribution, while a state's relative update depends on the method's state scale
+and gate. Results are cached in <run>/final_eval.json, keyed by the checkpoint and the
+settings.
 """
 from __future__ import annotations
 
