@@ -141,6 +141,8 @@ def test_time_budget_sizing_fills_the_budget_and_no_more():
     assert sizing["runs"]["grt"]["step_s"] == pytest.approx(grt_step) and 0.019 < grt_step < 0.021
     # start-up: the first run's one-step probe less its step; evaluations: 2 x 2 batches x (R + 1) forwards
     assert sizing["runs"]["dense"]["overhead_s"] == pytest.approx(5.0 - grt_step + 2 * 2 * 1 * 0.025 / 3)
+    # a looped run also pays the final checkpoint's passes: to 4R, one per adaptive rule, the learned exit
+    assert sizing["runs"]["grt"]["overhead_s"] == pytest.approx(5.0 - grt_step + 2 * 0.03 / 3 * (2 * 4 + 4 + 2 + 1))
     usable = 100.0 * (1 - compare.UNPLANNED_SHARE)
     assert sizing["planned_s"] <= usable < sizing["planned_s"] + grt_step + 0.025  # one more step would not fit
     assert sizing["tokens"] == sizing["steps"] * 512 and sizing["steps"] > 1000

@@ -285,9 +285,11 @@ def size_tokens(runs: list[dict], step_s_by_depth: list[dict], startup_s: float,
     for run, timed, step_s in zip(runs, step_s_by_depth, mean_step_s):
         r = run["cfg"].model.max_loops
         forward_s = max(timed.values()) / 3  # a forward at the deepest timed depth: about a third of a step
-        # the trainer's evaluations at r = 0..R (the probe's one is counted again: a margin), the exit
-        # curve's one pass to F * R
-        eval_s = eval_batches * forward_s * (evals * (r + 1) + (exit_factor if r and exit_factor > 1 else 0))
+        # the trainer's evaluations at r = 0..R (the probe's one is counted again: a margin), and on the
+        # final checkpoint (compare_eval) one pass to max(F, 4) * R, about one full-depth pass per
+        # adaptive rule and one for the learned exit
+        final = max(exit_factor, *EXTRAPOLATION_FACTORS) + len(ADAPTIVE_EXITS) + 1 if r else 0
+        eval_s = eval_batches * forward_s * (evals * (r + 1) + final)
         overhead_s = startup_s - mean_step_s[0] + eval_s
         plan[run["label"]] = {"step_s": step_s, "overhead_s": overhead_s, "step_s_by_depth": timed}
         fixed_s += overhead_s
