@@ -7,6 +7,8 @@ import torch
 from pretrain.config import ConfigError
 from pretrain.infer.adaptive import adaptive_forward, adaptive_sums, adaptive_table, parse_thresholds
 from pretrain.infer.evaluate import main as eval_main
+from pretrain.model import build_model
+from pretrain.presets import get_preset
 from trained_models import grt_run, manifest, single_thread, small_model  # noqa: F401 (fixtures)
 
 R = 3
@@ -46,15 +48,29 @@ def test_tokens_exit_at_their_own_step_with_a_frozen_state(criterion):
 
 
 def _median_first_change(model, idx, criterion):
-    from pretrain.infer.adaptive import _change
+    from pretrain.infer.adaptive import step_change
     from pretrain.model.layers import AttentionContext
 
     ctx = AttentionContext()
     e = model.run_prelude(model.embed(idx), ctx)
     s1, _ = model.loop_step(e, e, ctx, 0)
-    logp = torch.log_softmax(model.decode(e, ctx).float(), -1) if criterion == "kl" else None
-    change, _ = _change(model, criterion, e, s1, ctx, logp)
+    decode = lambda s: model.decode(s, ctx)  # noqa: E731
+    logp = torch.log_softmax(decode(e).float(), -1) if criterion == "kl" else None
+    change, _ = step_change(criterion, e, s1, logp, decode)
     return change.median().item()
+
+
+@pytest.mark.parametrize("variant", ["huginn", "rrt", "ouro"])
+@pytest.mark.parametrize("criterion", ["update", "kl"])
+def test_baselines_run_their_own_loop(variant, criterion):
+    # each variant's recurrence (Huginn's random start, RRT's per-step adapters, Ouro's previous-state
+    # anchor): threshold 0 is its own fixed-depth forward, an infinite one its depth 1
+    torch.manual_seed(0)
+    model, idx = build_model(get_preset(f"micro-{variant}")).eval(), _idx()
+    for threshold, depth in ((0.0, model.max_loops), (float("inf"), 1)):
+        logits, steps = adaptive_forward(model, idx, threshold, criterion)
+        assert torch.equal(steps, torch.full_like(steps, depth))
+        torch.testing.assert_close(logits, model(idx, n_loops=depth).logits, rtol=0, atol=1e-5)
 
 
 def test_sums_count_loss_tokens_and_steps():
@@ -74,6 +90,8 @@ def test_bad_inputs_are_config_errors():
         adaptive_forward(small_model(), _idx(), 0.1, "entropy")
     with pytest.raises(ConfigError, match="has no loop"):
         adaptive_forward(small_model(layout="4", variant="dense"), _idx(), 0.1)
+    with pytest.raises(ConfigError, match="does not apply to MoR"):
+        adaptive_forward(build_model(get_preset("micro-mor")), _idx(), 0.1)
     with pytest.raises(ConfigError, match="comma-separated numbers"):
         parse_thresholds("0.1,abc")
 
@@ -94,36 +112,40 @@ def test_grt_eval_reports_the_adaptive_curve(grt_run, manifest, tmp_path, capsys
 
 
 # -- adaptive exit at decode, through the KV cache --------------------------------------------
-def _decode(model, prompts, new_tokens, strategy, threshold, n_loops=None):
+def _decode(model, prompts, new_tokens, strategy, threshold, rule="update"):
     from pretrain.infer.kv_cache import CachedDecoder
 
     dec = CachedDecoder(model, batch=prompts.shape[0], max_len=prompts.shape[1] + new_tokens.shape[1],
-                        strategy=strategy, n_loops=n_loops, exit_threshold=threshold)
+                        strategy=strategy, exit_threshold=threshold, exit_rule=rule)
     logits = [dec.forward(prompts)]
     for i in range(new_tokens.shape[1]):
         logits.append(dec.forward(new_tokens[:, i:i + 1]))
     return torch.stack(logits, 1), dec
 
 
+@pytest.mark.parametrize("rule", ["update", "kl"])
 @pytest.mark.parametrize("strategy", ["full", "first", "last", "average"])
-def test_decode_threshold_zero_is_the_fixed_depth_decoder(strategy):
+def test_decode_extreme_thresholds_are_the_fixed_depth_decoders(strategy, rule):
     model = small_model(layout="1+2x4+1")
     prompts, new = _idx(3, b=2, t=6), _idx(4, b=2, t=5)
     fixed, _ = _decode(model, prompts, new, strategy, None)
-    adaptive, dec = _decode(model, prompts, new, strategy, 0.0)
+    adaptive, dec = _decode(model, prompts, new, strategy, 0.0, rule)
     torch.testing.assert_close(adaptive, fixed, rtol=0, atol=1e-5)
     assert dec.decoded_tokens == 2 * 5 and dec.decoded_steps == 2 * 5 * 4
+    _, dec = _decode(model, prompts, new, strategy, float("inf"), rule)  # every new token runs one step
+    assert dec.decoded_steps == dec.decoded_tokens == 2 * 5
 
 
+@pytest.mark.parametrize("rule", ["update", "kl"])
 @pytest.mark.parametrize("strategy", ["full", "first", "last", "average"])
-def test_decode_exits_early_and_a_token_does_not_depend_on_its_batch(strategy):
+def test_decode_exits_early_and_a_token_does_not_depend_on_its_batch(strategy, rule):
     model = small_model(layout="1+2x6+1")
     prompts, new = _idx(5, b=3, t=6), _idx(6, b=3, t=6)
-    thr = _median_first_change(model, new, "update")
-    together, dec = _decode(model, prompts, new, strategy, thr)
+    thr = _median_first_change(model, new, rule)
+    together, dec = _decode(model, prompts, new, strategy, thr, rule)
     assert 1 <= dec.decoded_steps / dec.decoded_tokens < 6  # some tokens left the loop early
     for b in range(3):  # each row alone: the same logits (exited tokens' cache entries follow the rule)
-        alone, _ = _decode(model, prompts[b:b + 1], new[b:b + 1], strategy, thr)
+        alone, _ = _decode(model, prompts[b:b + 1], new[b:b + 1], strategy, thr, rule)
         torch.testing.assert_close(alone[0], together[b], rtol=0, atol=2e-5)
 
 

@@ -6,15 +6,14 @@ import os
 import pytest
 
 from multiproc import REPO, grt
-from pretrain.tools import compare
+from pretrain.tools import compare, compare_eval
+from trained_models import grt_run, single_thread  # noqa: F401 (fixtures)
 from pretrain.config import ConfigError
 from pretrain.model.flops import flops_per_token
 from pretrain.presets import get_preset
 from pretrain.training.run_config import RunConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
 
 
 def test_config_specs_presets_and_json(tmp_path):
@@ -95,10 +94,15 @@ def test_compare_trains_each_config_and_writes_table_json_and_plot(shards, tmp_p
         assert set(row["exit_curve"]) == {str(d) for d in range(7)}
         for depth in range(4):
             assert row["exit_curve"][str(depth)] == pytest.approx(row["val_loss_by_depth"][str(depth)], abs=1e-4)
+        assert row["extrapolation"]["6"] == pytest.approx(row["exit_curve"]["6"]) and set(row["extrapolation"]) == {"6", "12"}
+        for result in row["adaptive_exit"].values():
+            assert 1 <= result["mean_steps"] <= 3
+    assert rows["micro-grt"]["learned_exit"] is None and 1 <= rows["micro-ouro"]["learned_exit"]["mean_steps"] <= 3
     assert rows["micro-ouro"]["train_flops_per_token"] > 3 * rows["micro-ouro"]["flops_per_token"]  # decodes every step
     assert (out / "loss_curves.png").stat().st_size > 10_000
     assert "| Ouro | micro-ouro |" in (out / "comparison.md").read_text()
     assert "(beyond R: " in (out / "comparison.md").read_text()
+    assert "past R: val loss at 2R / 4R | adaptive exit update 0.1 / kl 0.01" in (out / "comparison.md").read_text()
     # a second call reuses the finished runs (no training) and rebuilds the same table
     again = grt(*args, timeout=120)
     assert again.returncode == 0 and "training" not in again.stdout
@@ -137,6 +141,8 @@ def test_time_budget_sizing_fills_the_budget_and_no_more():
     assert sizing["runs"]["grt"]["step_s"] == pytest.approx(grt_step) and 0.019 < grt_step < 0.021
     # start-up: the first run's one-step probe less its step; evaluations: 2 x 2 batches x (R + 1) forwards
     assert sizing["runs"]["dense"]["overhead_s"] == pytest.approx(5.0 - grt_step + 2 * 2 * 1 * 0.025 / 3)
+    # a looped run also pays the final checkpoint's passes: to 4R, one per adaptive rule, the learned exit
+    assert sizing["runs"]["grt"]["overhead_s"] == pytest.approx(5.0 - grt_step + 2 * 0.03 / 3 * (2 * 4 + 4 + 2 + 1))
     usable = 100.0 * (1 - compare.UNPLANNED_SHARE)
     assert sizing["planned_s"] <= usable < sizing["planned_s"] + grt_step + 0.025  # one more step would not fit
     assert sizing["tokens"] == sizing["steps"] * 512 and sizing["steps"] > 1000
@@ -164,3 +170,32 @@ def test_step_timing_uses_the_real_engine_at_each_recipe_depth():
     run["cfg"].ds_config = str(REPO / "ds_configs" / "zero2.json")
     timed = compare.measure_steps_apart([run], seq_len=64, repeats=1)
     assert len(timed) == 1 and set(timed[0]) == {1, 2, 3} and all(t > 0 for t in timed[0].values())
+
+
+def test_final_evals_extrapolate_and_exit_adaptively_on_the_trainers_batches(grt_run):
+    cfg = RunConfig.load(grt_run / "config.json")
+    evals = compare_eval.final_evals(cfg, exit_factor=2)
+    by_depth = json.loads((grt_run / "summary.json").read_text())["val_loss_by_depth"]
+    for depth in range(4):  # the trainer's own validation batches: its losses at r = 0..R again
+        assert evals["exit_curve"][depth] == pytest.approx(by_depth[str(depth)], abs=1e-4)
+    assert evals["extrapolation"] == {6: pytest.approx(evals["exit_curve"][6]), 12: pytest.approx(evals["extrapolation"][12])}
+    assert set(evals["adaptive_exit"]) == {"update 0.1", "kl 0.01"} and evals["learned_exit"] is None
+    for result in evals["adaptive_exit"].values():
+        assert 1 <= result["mean_steps"] <= 3 and by_depth["0"] - 1 < result["loss"] < by_depth["0"] + 1
+    assert compare_eval.final_evals(cfg, exit_factor=2) == evals  # cached in the run directory, same keys
+    assert (grt_run / "final_eval.json").is_file()
+
+
+def test_ouro_learned_exit_ends_are_its_fixed_depths():
+    import torch
+
+    from pretrain.model import build_model
+
+    idx = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    batches = [{"input_ids": idx, "targets": idx.roll(-1, 1)}]
+    for threshold, depth in ((1.0, 3), (1e-9, 1)):  # the CDF reaches 1 only at the last step
+        torch.manual_seed(0)
+        model = build_model(get_preset("micro-ouro").replace(extra={"exit_threshold": threshold})).eval()
+        result = compare_eval.learned_exit(model, batches, torch.device("cpu"), doc_mask=False)
+        ref = model(idx, idx.roll(-1, 1), n_loops=depth).loss.item()
+        assert result["mean_steps"] == depth and result["loss"] == pytest.approx(ref, rel=1e-5)

@@ -1,7 +1,8 @@
 """Per-token adaptive exit at inference: a token stops looping when its state stops changing.
 
-The rule. Every token starts at s_0 = e (the prelude output) and runs loop steps r = 1, 2, ...
-up to `max_steps`. After step r, a still-active token's change is measured by one of
+The rule. Every token starts at the variant's s_0 (the prelude output e; Huginn's random
+state) and runs loop steps r = 1, 2, ... up to `max_steps`. After step r, a still-active
+token's change is measured by one of
 
     update   ||s_r - s_{r-1}|| / ||s_{r-1}||                (relative update of the state)
     kl       KL(p_r || p_{r-1}) of the next-token distributions decoded from s_r and s_{r-1}
@@ -14,33 +15,84 @@ token's frozen state (what a batch-parallel implementation that skips the exited
 update computes). `steps` reports the loop steps each token used: the compute an
 implementation that skips exited tokens spends on the core.
 
+Any looped variant whose loop step treats every token alike runs it (GRT, Huginn, RRT,
+Ouro: `loop_recurrence`); MoR routes tokens through its loop by its own learned router,
+which is its adaptive depth, so a threshold rule does not apply to it.
+
 `grt eval --adaptive-exit update --exit-thresholds 0.3,0.1,0.03` reports, on the held-out
 split, the loss and the mean steps per token at each threshold, beside the loss at each
-fixed depth of the same run: a curve of loss against compute.
+fixed depth of the same run: a curve of loss against compute. `grt generate --exit-threshold
+X --exit-rule update|kl` runs the same rule at decode (pretrain/infer/kv_cache.py).
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 
 from pretrain.config import ConfigError
-from pretrain.infer.scoring import sum_over_ranks
 from pretrain.model import GPT
+from pretrain.model.gpt import LoopStep
 from pretrain.model.layers import AttentionContext
 
 CRITERIA = ("update", "kl")
 
 
-def _change(model: GPT, criterion: str, prev: torch.Tensor, new: torch.Tensor, ctx: AttentionContext,
-            prev_logp: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token change [B, T] from state prev to new (and the new log-probabilities for kl)."""
+def step_change(criterion: str, prev: torch.Tensor, new: torch.Tensor, prev_logp: torch.Tensor | None,
+                decode: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token change [B, T] from state prev to new, and for kl the new state's
+    log-probabilities (`decode`: a state to logits; prev_logp: the previous state's)."""
     if criterion == "update":
         rel = (new - prev).float().norm(dim=-1) / prev.float().norm(dim=-1).clamp_min(1e-12)
         return rel, None
-    logp = F.log_softmax(model.decode(new, ctx).float(), dim=-1)
-    return (logp.exp() * (logp - prev_logp)).sum(-1), logp
+    logp = F.log_softmax(decode(new).float(), dim=-1)
+    # KL >= 0; rounding can give -1e-9, which would let threshold 0 exit a token early
+    return (logp.exp() * (logp - prev_logp)).sum(-1).clamp_min(0.0), logp
+
+
+def check_criterion(model: GPT, criterion: str) -> None:
+    if criterion not in CRITERIA:
+        raise ConfigError(f"adaptive exit criterion {criterion!r}: accepted values are {', '.join(CRITERIA)}")
+    if model.loop is None:
+        raise ConfigError(f"adaptive exit needs a looped model; {model.cfg.name!r} ({model.cfg.layout}) has no loop")
+    if model.cfg.variant == "mor":
+        raise ConfigError("adaptive exit by a threshold does not apply to MoR: its learned router already picks "
+                          "the tokens each loop step runs")
+
+
+def loop_recurrence(model: GPT, e: torch.Tensor, ctx: AttentionContext
+                    ) -> tuple[torch.Tensor, Callable[[torch.Tensor, int], torch.Tensor]]:
+    """(s_0, step(s, r) -> s_{r+1}): the variant's own loop as its forward runs it (GRT and RRT
+    from e with e as anchor, Huginn from its random state, Ouro with the previous state as anchor)."""
+    if model.cfg.variant == "ouro":
+        return e, lambda s, r: model.loop_step(s, s, ctx, r)[0]
+    terms = model.loop.anchor_terms(e) if isinstance(model.loop, LoopStep) else None
+    s0 = model.initial_state(e) if model.cfg.variant == "huginn" else e
+    return s0, lambda s, r: model.loop_step(s, e, ctx, r, terms)[0]
+
+
+def adaptive_loop(s: torch.Tensor, step: Callable[[torch.Tensor, int], torch.Tensor], n_max: int, threshold: float,
+                  criterion: str, decode: Callable[[torch.Tensor], torch.Tensor], active: torch.Tensor,
+                  steps: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Up to n_max steps from s_0 = s under the rule; (the final states, loop steps run). The
+    masks active [B, T] (bool, all True) and steps [B, T] (zeros) are updated in place, so that
+    a KV cache sees which tokens a step still runs (pretrain/infer/kv_cache.py)."""
+    logp = F.log_softmax(decode(s).float(), dim=-1) if criterion == "kl" else None
+    ran = 0
+    for r in range(n_max):
+        new = step(s, r)
+        change, new_logp = step_change(criterion, s, new, logp, decode)
+        keep = active[..., None]
+        s = torch.where(keep, new, s)
+        if new_logp is not None:
+            logp = torch.where(keep, new_logp, logp)
+        steps += active
+        active &= change >= threshold
+        ran = r + 1
+        if not bool(active.any()):  # one host sync per step: inference, not the training loop
+            break
+    return s, ran
 
 
 @torch.no_grad()
@@ -48,43 +100,31 @@ def adaptive_forward(model: GPT, idx: torch.Tensor, threshold: float, criterion:
                      max_steps: int | None = None,
                      doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits [B, T, V], steps used per token [B, T]) with per-token adaptive exit."""
-    if criterion not in CRITERIA:
-        raise ConfigError(f"adaptive exit criterion {criterion!r}: accepted values are {', '.join(CRITERIA)}")
-    if model.loop is None:
-        raise ConfigError(f"adaptive exit needs a looped model; {model.cfg.name!r} ({model.cfg.layout}) has no loop")
+    check_criterion(model, criterion)
     n_max = model.depth(max_steps)
     ctx = AttentionContext(doc_ids=doc_ids)
-    e = model.run_prelude(model.embed(idx), ctx)
-    terms = model.loop.anchor_terms(e)
-    s = e
+    s, step = loop_recurrence(model, model.run_prelude(model.embed(idx), ctx), ctx)
+    decode = lambda state: model.decode(state, ctx)  # noqa: E731
     active = torch.ones(idx.shape, dtype=torch.bool, device=idx.device)
     steps = torch.zeros(idx.shape, dtype=torch.long, device=idx.device)
-    logp = F.log_softmax(model.decode(e, ctx).float(), dim=-1) if criterion == "kl" else None
-    for r in range(n_max):
-        new, _ = model.loop_step(s, e, ctx, r, terms)
-        change, new_logp = _change(model, criterion, s, new, ctx, logp)
-        keep = active[..., None]
-        s = torch.where(keep, new, s)
-        if new_logp is not None:
-            logp = torch.where(keep, new_logp, logp)
-        steps += active
-        active &= change >= threshold
-        if not bool(active.any()):  # one host sync per step: evaluation, not the training loop
-            break
+    s, _ = adaptive_loop(s, step, n_max, threshold, criterion, decode, active, steps)
     return model.decode(s, ctx), steps
 
 
 @torch.no_grad()
 def adaptive_sums(model: GPT, batches: Iterable[dict], thresholds: list[float], device, criterion: str = "update",
-                  max_steps: int | None = None, dist=None) -> torch.Tensor:
+                  max_steps: int | None = None, dist=None, doc_mask: bool = False) -> torch.Tensor:
     """[len(thresholds), 3] on the CPU: summed NLL, scored tokens and summed loop steps of the
-    scored tokens, per threshold, summed over ranks."""
+    scored tokens, per threshold, summed over ranks (doc_mask: attend within documents, as lm_sums)."""
+    from pretrain.infer.scoring import sum_over_ranks  # here: scoring imports kv_cache, which imports this module
+
     sums = torch.zeros(len(thresholds), 3, dtype=torch.float64, device=device)
     for batch in batches:
         idx, targets = batch["input_ids"].to(device), batch["targets"].to(device)
+        doc_ids = batch["doc_ids"].to(device) if doc_mask and "doc_ids" in batch else None
         scored = targets != -100
         for i, thr in enumerate(thresholds):
-            logits, steps = adaptive_forward(model, idx, thr, criterion, max_steps)
+            logits, steps = adaptive_forward(model, idx, thr, criterion, max_steps, doc_ids)
             sums[i, 0] += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
                                           reduction="sum")
             sums[i, 1] += scored.sum()

@@ -32,7 +32,7 @@ from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError
 from pretrain.distributed import Dist, is_main, join_launch, run_command
 from pretrain.infer.kv_cache import STRATEGIES
-from pretrain.infer.adaptive import CRITERIA, adaptive_sums, adaptive_table, parse_thresholds
+from pretrain.infer.adaptive import CRITERIA, adaptive_sums, adaptive_table, check_criterion, parse_thresholds
 from pretrain.infer.scoring import jsonable, lm_sums, lm_sums_cached, val_batches
 from pretrain.infer.zero_shot import TASKS, evaluate_task, load_task
 from pretrain.model import GPT
@@ -258,6 +258,8 @@ def run(args) -> dict:
     model = loaded.model
     trained = model.max_loops if model.loop is not None else 0
     depths = check_depths(model, parse_depths(args.depths, trained), args.allow_beyond_trained)
+    if args.adaptive_exit:
+        check_criterion(model, args.adaptive_exit)  # before any evaluation (a dense model or MoR is refused)
     results: dict = {"model": str(args.model), "name": loaded.cfg.name, "layout": loaded.cfg.layout,
                      "variant": loaded.cfg.variant, "trained_loops": trained, "depths": depths, "world_size": dist.world,
                      "kv_cache": args.kv_cache}
@@ -285,7 +287,8 @@ def run(args) -> dict:
                 results["adaptive_exit"] = {
                     "criterion": args.adaptive_exit, "max_steps": max(depths),
                     "by_threshold": adaptive_table(adaptive_sums(model, batches, thresholds, device, args.adaptive_exit,
-                                                                 max(depths), dist=dist), thresholds)}
+                                                                 max(depths), dist=dist, doc_mask=args.doc_mask),
+                                                    thresholds)}
             results["val_manifest"] = str(manifest)
             results["val_split"] = split
             timings["val"] = time.time() - t0

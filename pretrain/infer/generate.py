@@ -15,6 +15,7 @@ import time
 import torch
 
 from pretrain.config import ConfigError
+from pretrain.infer.adaptive import CRITERIA
 from pretrain.infer.kv_cache import STRATEGIES, CachedDecoder
 from pretrain.model import GPT
 
@@ -49,11 +50,12 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, strategy: str = "full", n_loops: int | None = None,
              use_cache: bool = True, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              greedy: bool = False, seed: int | None = None, stop_id: int | None = None,
-             return_logits: bool = False, exit_threshold: float | None = None, stats: dict | None = None):
+             return_logits: bool = False, exit_threshold: float | None = None, exit_rule: str = "update",
+             stats: dict | None = None):
     """Continue prompts idx [B, T] by up to max_new_tokens (capped by the context).
     Returns new tokens [B, n] (and the logits [B, n, V] that chose them when asked).
-    exit_threshold: per-token adaptive exit of the looped core at decode (needs the cache;
-    CachedDecoder); `stats`, when given, receives the mean loop steps per decoded token."""
+    exit_threshold, exit_rule: per-token adaptive exit of the looped core at decode by the rule
+    `update` or `kl` (needs the cache; CachedDecoder); `stats`, when given, receives the mean loop steps per decoded token."""
     model.eval()
     b, t = idx.shape
     max_new_tokens = min(max_new_tokens, model.cfg.max_seq_len - t)
@@ -66,7 +68,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, strategy: st
         raise ConfigError("adaptive exit at decode runs through the KV cache: drop --no-cache")
     if use_cache:
         decoder = CachedDecoder(model, batch=b, max_len=t + max_new_tokens, strategy=strategy, n_loops=n_loops,
-                                exit_threshold=exit_threshold)
+                                exit_threshold=exit_threshold, exit_rule=exit_rule)
         logits = decoder.forward(idx)
     seq = idx
     for i in range(max_new_tokens):
@@ -125,8 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-beyond-trained", action="store_true", help="allow --depth above the trained R")
     p.add_argument("--kv-cache", default="full", choices=STRATEGIES, help="KV-cache strategy for the looped core")
     p.add_argument("--exit-threshold", type=float,
-                   help="per-token adaptive exit: a token stops looping once its state's relative update is "
-                        "below this (pretrain/infer/adaptive.py); prints the mean loop steps used")
+                   help="per-token adaptive exit: a token stops looping once its change (--exit-rule) is below "
+                        "this (pretrain/infer/adaptive.py); prints the mean loop steps used")
+    p.add_argument("--exit-rule", default="update", choices=CRITERIA,
+                   help="adaptive exit's change: update (the state's relative update) or kl (KL between successive "
+                        "steps' next-token distributions; decodes every step through the coda)")
     p.add_argument("--no-cache", action="store_true", help="recompute the sequence for every token")
     p.add_argument("--stop-at-separator", action="store_true", help="stop a sample at the document separator")
     p.add_argument("--tokenizer", help="tokenizer.model (default: the one next to the model)")
@@ -157,7 +162,7 @@ def main(argv=None) -> int:
                           use_cache=not args.no_cache, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, greedy=args.greedy, seed=args.seed,
                           stop_id=tok.sep_id if args.stop_at_separator else None,
-                          exit_threshold=args.exit_threshold, stats=stats)
+                          exit_threshold=args.exit_threshold, exit_rule=args.exit_rule, stats=stats)
         seconds = time.time() - t0
     except (ConfigError, FileNotFoundError, ValueError) as err:
         print(f"grt generate: error: {err}", file=sys.stderr)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pretrain.config import ConfigError
+from pretrain.infer.adaptive import adaptive_loop, check_criterion, loop_recurrence
 from pretrain.model import GPT
 from pretrain.model.layers import AttentionContext
 
@@ -88,7 +89,7 @@ class CachedDecoder:
     """Prefill a prompt, then decode one token at a time; returns next-token logits [B, V]."""
 
     def __init__(self, model: GPT, batch: int, max_len: int | None = None, strategy: str = "full",
-                 n_loops: int | None = None, exit_threshold: float | None = None):
+                 n_loops: int | None = None, exit_threshold: float | None = None, exit_rule: str = "update"):
         if strategy not in STRATEGIES:
             raise ConfigError(f"strategy={strategy!r}: accepted values are {', '.join(STRATEGIES)}")
         if model.cfg.variant not in ("grt", "dense"):
@@ -104,9 +105,9 @@ class CachedDecoder:
         self.n_pre, self.n_core, self.n_coda = layout.prelude, layout.core, layout.coda
         self.cache = KVCache(cache_slots(model, strategy, self.n), batch, cfg.n_heads, self.max_len, cfg.head_dim,
                              p.dtype, p.device)
-        if exit_threshold is not None and model.loop is None:
-            raise ConfigError(f"adaptive exit needs a looped model; {cfg.name!r} ({cfg.layout}) has no loop")
-        self.exit_threshold = exit_threshold
+        if exit_threshold is not None:
+            check_criterion(model, exit_rule)
+        self.exit_threshold, self.exit_rule = exit_threshold, exit_rule
         self.pos = 0
         self._calls = 0           # attention calls so far in the current forward
         self._fold: list = []     # per core block: the keys/values to fold (first: step 1's; average: the sum)
@@ -138,28 +139,18 @@ class CachedDecoder:
         return model.head(h[:, -1])
 
     def _adaptive_loop(self, e: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """Per-token adaptive exit (pretrain/infer/adaptive.py, relative-update rule): a token
-        stops once ||s_r - s_{r-1}|| / ||s_{r-1}|| < exit_threshold; its state is frozen. Cache
-        rule: the slots of the steps a token did not run hold the keys/values of its exit step
-        (`full`: those steps' slots; `last`: the shared slot), `average` is the mean over the
-        steps it ran, `first` is unchanged. So a token's cache entries never depend on which
-        other tokens share its batch."""
-        model = self.model
-        terms = model.loop.anchor_terms(e)
-        s = e
+        """Per-token adaptive exit (pretrain/infer/adaptive.py, rule `exit_rule`): a token stops
+        once its change is below exit_threshold; its state is frozen. Cache rule: the slots of
+        the steps a token did not run hold the keys/values of its exit step (`full`: those
+        steps' slots; `last`: the shared slot), `average` is the mean over the steps it ran,
+        `first` is unchanged. So a token's cache entries never depend on which other tokens
+        share its batch. `kl` decodes every step's state through the coda (`_probe`)."""
+        s, step = loop_recurrence(self.model, e, ctx)
         self._active = torch.ones(e.shape[:2], dtype=torch.bool, device=e.device)
         self._steps = torch.zeros(e.shape[:2], dtype=torch.long, device=e.device)
         self._exit_kv = [None] * self.n_core
-        ran = 0
-        for r in range(self.n):
-            new, _ = model.loop_step(s, e, ctx, r, terms)
-            change = (new - s).float().norm(dim=-1) / s.float().norm(dim=-1).clamp_min(1e-12)
-            s = torch.where(self._active[..., None], new, s)
-            self._steps += self._active
-            self._active = self._active & (change >= self.exit_threshold)
-            ran = r + 1
-            if not bool(self._active.any()):  # one host sync per loop step, at decode only
-                break
+        s, ran = adaptive_loop(s, step, self.n, self.exit_threshold, self.exit_rule,
+                               lambda state: self._probe(state, ctx), self._active, self._steps)
         self._active = None
         if self.strategy == "full":  # the steps no token of the batch ran
             p0, t = self.pos, e.shape[1]
@@ -172,6 +163,15 @@ class CachedDecoder:
         self.decoded_tokens += self._steps.numel()
         self.decoded_steps += int(self._steps.sum())
         return s
+
+    def _probe(self, s: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """Logits of a loop state of the tokens being fed, for the `kl` rule: the coda attends to
+        the past positions' coda keys/values and to the state's own, written at the new
+        positions of the coda's slots, which the final coda pass overwrites."""
+        calls, self._calls = self._calls, self.n_pre + self.n * self.n_core
+        logits = self.model.decode(s, ctx)
+        self._calls = calls
+        return logits
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of one layer (called by the model, in layer order): store k, v [B, H, t, D]

@@ -28,6 +28,8 @@ a fresh process), then every run gets the largest equal token count for which al
 one after another, finish within S seconds of the command's start (<out>/sizing.json keeps
 the result, so the same command rebuilds the table). `--exit-depth-factor 2` adds the
 early-exit curve beyond the trained R, up to 2R, evaluated on each final checkpoint.
+Every looped run's final checkpoint also gets the loss at 2R and 4R, per-token adaptive
+exit at fixed thresholds, and for Ouro its learned exit (pretrain/tools/compare_eval.py).
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError, ModelConfig, load_json_object
 from pretrain.model.flops import flops_per_token, train_flops_per_token
 from pretrain.presets import PRESETS, get_preset
+from pretrain.tools.compare_eval import ADAPTIVE_EXITS, EXTRAPOLATION_FACTORS, adaptive_label, final_evals
 from pretrain.training.depth import depth_for_step
 from pretrain.training.run_config import RunConfig, apply_overrides
 
@@ -282,9 +285,11 @@ def size_tokens(runs: list[dict], step_s_by_depth: list[dict], startup_s: float,
     for run, timed, step_s in zip(runs, step_s_by_depth, mean_step_s):
         r = run["cfg"].model.max_loops
         forward_s = max(timed.values()) / 3  # a forward at the deepest timed depth: about a third of a step
-        # the trainer's evaluations at r = 0..R (the probe's one is counted again: a margin), the exit
-        # curve's one pass to F * R
-        eval_s = eval_batches * forward_s * (evals * (r + 1) + (exit_factor if r and exit_factor > 1 else 0))
+        # the trainer's evaluations at r = 0..R (the probe's one is counted again: a margin), and on the
+        # final checkpoint (compare_eval) one pass to max(F, 4) * R, about one full-depth pass per
+        # adaptive rule and one for the learned exit
+        final = max(exit_factor, *EXTRAPOLATION_FACTORS) + len(ADAPTIVE_EXITS) + 1 if r else 0
+        eval_s = eval_batches * forward_s * (evals * (r + 1) + final)
         overhead_s = startup_s - mean_step_s[0] + eval_s
         plan[run["label"]] = {"step_s": step_s, "overhead_s": overhead_s, "step_s_by_depth": timed}
         fixed_s += overhead_s
@@ -414,30 +419,6 @@ def _tb_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
-def exit_curve(cfg: RunConfig, depths: list[int]) -> dict[int, float]:
-    """Validation loss at each exit depth of the run's final checkpoint, on the batches its
-    trainer validated on; cached in <run>/exit_curve.json."""
-    from pretrain.distributed import Dist
-    from pretrain.infer.evaluate import loss_table
-    from pretrain.infer.scoring import lm_sums, val_batches
-    from pretrain.infer.load import load_model, pick_device, resolve_checkpoint
-
-    out = Path(cfg.out)
-    checkpoint = resolve_checkpoint(out).name
-    cache = out / "exit_curve.json"
-    if cache.is_file():
-        saved = json.loads(cache.read_text())
-        if saved["checkpoint"] == checkpoint and saved["depths"] == depths:
-            return {int(r): v for r, v in saved["loss"].items()}
-    device = pick_device()
-    model = load_model(out, device=device).model
-    t = cfg.train
-    batches = val_batches(cfg.data, t.micro_batch_size, Dist(), t.eval_batches, t.seed)
-    loss = {r: v["loss"] for r, v in loss_table(lm_sums(model, batches, depths, device, t.doc_mask), depths).items()}
-    atomic_write_text(cache, json.dumps({"checkpoint": checkpoint, "depths": depths, "loss": loss}, indent=2) + "\n")
-    return loss
-
-
 def collect(run: dict, seq_len: int, wall_s: float | None, exit_factor: int = 1) -> dict:
     cfg: RunConfig = run["cfg"]
     out = Path(cfg.out)
@@ -448,6 +429,7 @@ def collect(run: dict, seq_len: int, wall_s: float | None, exit_factor: int = 1)
     peak = [v for _, v in tb.get("memory/peak_bytes", [])]
     by_depth = {int(k): v for k, v in summary.get("val_loss_by_depth", {}).items()}
     r = cfg.model.max_loops
+    evals = final_evals(cfg, exit_factor) if r else {}
     tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * seq_len * max(1, run.get("nproc", 1))
     train_flops = [train_flops_per_token(cfg.model, seq_len, rec.get("depth", r)) for rec in records]
     return {
@@ -458,7 +440,10 @@ def collect(run: dict, seq_len: int, wall_s: float | None, exit_factor: int = 1)
         "depth_sampling": cfg.train.depth_sampling if r else "-",
         "val_loss": by_depth.get(r, by_depth.get(0)) if by_depth else None,
         "val_loss_by_depth": by_depth,
-        "exit_curve": exit_curve(cfg, list(range(exit_factor * r + 1))) if r and exit_factor > 1 else None,
+        "exit_curve": evals.get("exit_curve"),
+        "extrapolation": evals.get("extrapolation"),
+        "adaptive_exit": evals.get("adaptive_exit"),
+        "learned_exit": evals.get("learned_exit"),
         "val_curve": [(s, v) for s, v in tb.get("val/loss", [])],
         "train_curve": [(rec["step"], rec["loss"]) for rec in records],
         "tokens_per_step": tokens_per_step, "steps": summary.get("steps"),
@@ -473,9 +458,17 @@ def _fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
+def _at_steps(result: dict | None) -> str:
+    return "-" if not result else f"{result['loss']:.3f} @ {result['mean_steps']:.2f}"
+
+
 def table(rows: list[dict]) -> str:
+    rules = " / ".join(adaptive_label(*a) for a in ADAPTIVE_EXITS)
+    beyond = " / ".join(f"{f}R" for f in EXTRAPOLATION_FACTORS)
     head = ("| method | label | layout | params | fwd MFLOPs/tok | train MFLOPs/tok | val loss | "
-            "early exit (val loss at r = 0, 1, ..., R; beyond R when evaluated) | tokens/s | peak mem MB |")
+            "early exit (val loss at r = 0, 1, ..., R; beyond R when evaluated) | "
+            f"past R: val loss at {beyond} | adaptive exit {rules} (val loss @ mean steps) | "
+            "learned exit (Ouro) | tokens/s | peak mem MB |")
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for r in rows:
         exits = " / ".join(f"{v:.3f}" for _, v in sorted(r["val_loss_by_depth"].items())) if r["val_loss_by_depth"] else "-"
@@ -487,8 +480,12 @@ def table(rows: list[dict]) -> str:
         if r["variant"] == "dense":
             exits = "-"
         layout = r["layout"] + (f" (from {r['matched_from']})" if r.get("matched_from") and r["matched_from"] != r["layout"] else "")
+        beyond = " / ".join(f"{v:.3f}" for _, v in sorted(r["extrapolation"].items())) if r.get("extrapolation") else "-"
+        adaptive = (" / ".join(_at_steps(r["adaptive_exit"].get(adaptive_label(*a))) for a in ADAPTIVE_EXITS)
+                    if r.get("adaptive_exit") else "-")
         lines.append(f"| {r['method']} | {r['label']} | {layout} | {r['params']:,} | {r['flops_per_token'] / 1e6:.2f} | "
-                     f"{r['train_flops_per_token'] / 1e6:.2f} | {_fmt(r['val_loss'], '.3f')} | {exits} | "
+                     f"{r['train_flops_per_token'] / 1e6:.2f} | {_fmt(r['val_loss'], '.3f')} | {exits} | {beyond} | "
+                     f"{adaptive} | {_at_steps(r.get('learned_exit'))} | "
                      f"{_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(r['peak_memory_mb'], ',.0f')} |")
     return "\n".join(lines)
 
@@ -513,7 +510,7 @@ def plot(rows: list[dict], path: Path, smooth: float = 0.9) -> None:
         if r["val_curve"]:
             ax_val.plot([s * r["tokens_per_step"] / 1e6 for s, _ in r["val_curve"]], [v for _, v in r["val_curve"]],
                         style + "o", color=line.get_color(), label=r["label"], markersize=3)
-        exits = r.get("exit_curve") or r["val_loss_by_depth"]
+        exits = {**(r.get("exit_curve") or r["val_loss_by_depth"]), **(r.get("extrapolation") or {})}
         if exits and r["variant"] != "dense":
             depths = sorted(exits)
             ax_exit.plot(depths, [exits[d] for d in depths], style + "o", color=line.get_color(),
@@ -522,7 +519,8 @@ def plot(rows: list[dict], path: Path, smooth: float = 0.9) -> None:
             ax_exit.axhline(r["val_loss"], color=line.get_color(), linestyle=":", label=f"{r['label']} (dense)")
     ax_train.set(title=f"training loss (EMA {smooth})", xlabel="tokens (M)", ylabel="loss")
     ax_val.set(title="validation loss at full depth", xlabel="tokens (M)", ylabel="loss")
-    ax_exit.set(title="early exit: validation loss after r loop steps", xlabel="loop steps r", ylabel="loss")
+    ax_exit.set(title="validation loss after r loop steps (to 4R: past the trained R)", xlabel="loop steps r",
+                ylabel="loss")
     finals = [r["val_loss"] for r in rows if r["val_loss"] is not None]
     if finals:
         lo = min(finals)

@@ -1,0 +1,102 @@
+"""What `grt compare` measures on each looped run's final checkpoint, beyond the trainer's own
+validation at r = 0..R, all on the batches that trainer validated on (its eval_batches,
+micro-batch size, seed and document mask), so every column of a row sees the same tokens:
+
+- the early-exit curve to F * R (`--exit-depth-factor F`);
+- extrapolation: the loss at EXTRAPOLATION_FACTORS x R (2R and 4R), past the trained depth,
+  as `grt eval --depths ... --allow-beyond-trained` computes it;
+- adaptive exit (pretrain/infer/adaptive.py) at ADAPTIVE_EXITS, each (rule, threshold): the
+  loss and the mean loop steps per scored token, for every variant whose loop step treats
+  all tokens alike (not MoR, whose router is its own adaptive depth);
+- Ouro's own learned exit (`exit="learned"` at its `extra.exit_threshold`): loss and mean
+  loop steps, the method the adaptive rules are compared against.
+
+The thresholds are one fixed setting per rule for every method (the table compares methods
+at the same rule, not each at its best threshold): `update` 0.1 and `kl` 0.01, the largest
+of the grids 0.3/0.1/0.05/0.02/0.01 (update) and 0.1/0.03/0.01/0.003/0.001 (kl) at which no
+looped method of docs/comparison.md's CPU runs lost more than 0.005 nats against its own
+full depth (`grt eval --adaptive-exit`, 20 validation batches; at the next larger ones RRT
+lost 0.026 and 0.020). `kl` is the comparable rule across methods: it is measured in the
+output distribution, while a state's relative update depends on the method's state scale
+and gate. Results are cached in <run>/final_eval.json, keyed by the checkpoint and the
+settings.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from data_pipeline.files import atomic_write_text
+from pretrain.training.run_config import RunConfig
+
+ADAPTIVE_EXITS: tuple[tuple[str, float], ...] = (("update", 0.1), ("kl", 0.01))
+EXTRAPOLATION_FACTORS = (2, 4)
+
+
+def adaptive_label(rule: str, threshold: float) -> str:
+    return f"{rule} {threshold:g}"
+
+
+@torch.no_grad()
+def learned_exit(model, batches, device, doc_mask: bool) -> dict:
+    """Ouro's learned exit at its configured threshold: loss and mean loop steps per scored token."""
+    nll, tokens, steps = 0.0, 0, 0
+    for batch in batches:
+        idx, targets = batch["input_ids"].to(device), batch["targets"].to(device)
+        doc_ids = batch["doc_ids"].to(device) if doc_mask and "doc_ids" in batch else None
+        logits = model(idx, doc_ids=doc_ids, exit="learned").logits
+        scored = targets != -100
+        nll += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+        tokens += scored.sum()
+        steps += model.last_aux["exit_step"][scored].sum()
+    tokens = max(int(tokens), 1)  # one host sync per evaluation
+    return {"loss": float(nll) / tokens, "mean_steps": int(steps) / tokens,
+            "threshold": float(model.cfg.xget("exit_threshold"))}
+
+
+def final_evals(cfg: RunConfig, exit_factor: int) -> dict:
+    """{"exit_curve": {r: loss} for r = 0..F*R (F > 1, else None), "extrapolation": {f*R: loss},
+    "adaptive_exit": {label: {loss, mean_steps}}, "learned_exit": {...} or None} of a looped run."""
+    from pretrain.distributed import Dist
+    from pretrain.infer.adaptive import adaptive_sums, adaptive_table
+    from pretrain.infer.evaluate import loss_table
+    from pretrain.infer.load import load_model, pick_device, resolve_checkpoint
+    from pretrain.infer.scoring import lm_sums, val_batches
+
+    out, t, r = Path(cfg.out), cfg.train, cfg.model.max_loops
+    settings = {"checkpoint": resolve_checkpoint(out).name, "exit_factor": exit_factor,
+                "extrapolation_factors": list(EXTRAPOLATION_FACTORS), "adaptive_exits": [list(a) for a in ADAPTIVE_EXITS]}
+    cache = out / "final_eval.json"
+    if cache.is_file():
+        saved = json.loads(cache.read_text())
+        if saved["settings"] == settings:
+            return _depth_keys(saved["results"])
+    device = pick_device()
+    model = load_model(out, device=device).model
+    batches = lambda: val_batches(cfg.data, t.micro_batch_size, Dist(), t.eval_batches, t.seed)  # noqa: E731
+    curve_depths = list(range(exit_factor * r + 1)) if exit_factor > 1 else []
+    depths = sorted(set(curve_depths) | {f * r for f in EXTRAPOLATION_FACTORS})
+    loss = {d: v["loss"] for d, v in loss_table(lm_sums(model, batches(), depths, device, t.doc_mask), depths).items()}
+    results = {"exit_curve": {d: loss[d] for d in curve_depths} or None,
+               "extrapolation": {f * r: loss[f * r] for f in EXTRAPOLATION_FACTORS},
+               "adaptive_exit": None, "learned_exit": None}
+    if cfg.model.variant != "mor":
+        results["adaptive_exit"] = {}
+        for rule, threshold in ADAPTIVE_EXITS:
+            sums = adaptive_sums(model, batches(), [threshold], device, rule, doc_mask=t.doc_mask)
+            results["adaptive_exit"][adaptive_label(rule, threshold)] = adaptive_table(sums, [threshold])[threshold]
+    if cfg.model.variant == "ouro":
+        results["learned_exit"] = learned_exit(model, batches(), device, t.doc_mask)
+    atomic_write_text(cache, json.dumps({"settings": settings, "results": results}, indent=2) + "\n")
+    return _depth_keys(json.loads(json.dumps(results)))
+
+
+def _depth_keys(results: dict) -> dict:
+    """The cached results with integer depths as keys again (JSON keeps them as strings)."""
+    for key in ("exit_curve", "extrapolation"):
+        if results[key] is not None:
+            results[key] = {int(d): v for d, v in results[key].items()}
+    return results
