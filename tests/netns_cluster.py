@@ -2,8 +2,8 @@
 
 Each node has its own network stack (loopback, an address on the bridge, `eth0`), its own
 hostname (a UTS namespace: `socket.gethostname()` in the node says `<prefix>n<i>`), a hosts
-file naming every node (`ip netns exec` mounts /etc/netns/<ns>/hosts over /etc/hosts for
-what runs through it), and its own sshd (host and user keys made per cluster, root login by
+file naming every node (/etc/netns/<ns>/hosts, bound over /etc/hosts for what runs there,
+as `ip netns exec` does), and its own sshd (host and user keys made per cluster, root login by
 key). The filesystem is shared, as on a cluster with a shared home/scratch. Nothing here
 touches the machine's own network, /etc/hosts, ~/.ssh or a running sshd.
 
@@ -39,7 +39,7 @@ class ClusterUnavailable(RuntimeError):
 def unavailable_reason() -> Optional[str]:
     if os.geteuid() != 0:
         return "network namespaces need root"
-    for tool, package in (("ip", "iproute2"), ("unshare", "util-linux"), ("sshd", "openssh-server"),
+    for tool, package in (("ip", "iproute2"), ("unshare", "util-linux"), ("nsenter", "util-linux"), ("sshd", "openssh-server"),
                           ("ssh", "openssh-client"), ("ssh-keygen", "openssh-client")):
         if shutil.which(tool) is None and not os.path.exists(f"/usr/sbin/{tool}"):
             return f"{tool} not installed (Debian package {package})"
@@ -146,9 +146,13 @@ class NetnsCluster:
         return env
 
     def node_command(self, node: int, cmd: List[str]) -> List[str]:
-        """`cmd` run on node `node`: in its network namespace (and hosts file), with its hostname."""
-        return ["ip", "netns", "exec", self.namespaces[node], "unshare", "--uts", "sh", "-c",
-                'hostname "$0" && exec "$@"', self.names[node], *cmd]
+        """`cmd` run on node `node`: in its network namespace, with its hostname (a UTS namespace)
+        and its hosts file (bound over /etc/hosts in a mount namespace of its own). Not `ip netns
+        exec`: that mounts a fresh /sys, without the cgroup hierarchy slurmd needs."""
+        ns = self.namespaces[node]
+        return ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--mount", "--propagation", "slave", "--uts",
+                "sh", "-c", f'mount --bind {NETNS_ETC}/{ns}/hosts /etc/hosts && hostname "$0" && exec "$@"',
+                self.names[node], *cmd]
 
     def popen(self, node: int, cmd: List[str], env: Optional[Dict[str, str]] = None, **kw) -> subprocess.Popen:
         return subprocess.Popen(self.node_command(node, cmd), env=env or self.env, **kw)
@@ -266,3 +270,22 @@ class NetnsCluster:
         if self.bridge in self._created:
             _ip("link", "del", self.bridge, check=False)
         self._created.clear()
+
+
+def netns_slurm(cluster: NetnsCluster, state_dir: str):
+    """A Slurm cluster on the namespace nodes: munged and slurmctld on node 0, `slurmd -N <node>`
+    on every node (own spool, pid and log files: SlurmdSpoolDir=.../spool-%n), clients on node 0.
+    Its own state dir, SLURM_CONF, ports and munge socket: one-node test clusters are not touched."""
+    from slurm_cluster import SlurmCluster
+
+    class NetnsSlurm(SlurmCluster):
+        def node_addrs(self) -> Dict[str, str]:
+            return dict(zip(cluster.names, cluster.addrs))
+
+        def where(self, name: str, cmd: List[str]) -> List[str]:
+            node = cluster.names.index(name[len("slurmd-"):]) if name.startswith("slurmd-") else 0
+            return cluster.node_command(node, cmd)
+
+    slurm = NetnsSlurm(state_dir, name="grtnetns")
+    slurm.host = cluster.names[0]
+    return slurm
