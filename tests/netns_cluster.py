@@ -180,6 +180,9 @@ class NetnsCluster:
         """Cut node `node` off the network (its end of the link), as a failed NIC or switch port would."""
         _ip("-n", self.namespaces[node], "link", "set", "eth0", "down")
 
+    def link_up(self, node: int) -> None:
+        _ip("-n", self.namespaces[node], "link", "set", "eth0", "up")
+
     # ----------------------------------------------------------------- start / stop
     def start(self, timeout: float = 30) -> "NetnsCluster":
         reason = unavailable_reason()

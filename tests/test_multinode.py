@@ -24,6 +24,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch_helpers import (ROOT, _end_group, check_trained, clean_env, complete_lines, free_port,  # noqa: E402
                             grt_launch, read_metrics, train_args)
+from pretrain.distributed import expand_nodelist  # noqa: E402
 from netns_cluster import ClusterUnavailable, NetnsCluster, netns_slurm, unavailable_reason  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -72,6 +73,21 @@ def cluster(tmp_path_factory):
         pytest.skip(f"no namespace cluster: {e}")
     yield c
     c.stop()
+
+
+@pytest.fixture(scope="module")
+def slurm(cluster):
+    """slurmctld on node 0 and one slurmd per node, with their own SLURM_CONF, ports and spool."""
+    from slurm_cluster import SlurmUnavailable
+
+    s = netns_slurm(cluster, os.path.join(cluster.dir, "slurm"))
+    try:
+        s.start()
+    except SlurmUnavailable as e:
+        s.stop()
+        pytest.skip(f"no Slurm on the namespace cluster: {e}")
+    yield s
+    s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +208,141 @@ def test_torchrun_on_each_node(cluster, reference, tmp_path):
     watch.check()
     check_trained(out, STEPS)
     assert_losses_match(out, reference, STEPS)
+
+
+def submit(cluster, slurm, out, *args, log):
+    """`grt launch --launcher slurm` on node 0 (2 nodes x 1 CPU rank); returns the job id."""
+    text = launch_on_node0(cluster, ["--launcher", "slurm", "--cpu", "--nodes", "2", "--procs-per-node", "1", *args],
+                           log, env=node_env(cluster, SLURM_CONF=slurm.conf))
+    job = text.strip().splitlines()[-1].split(";")[0]
+    assert job.isdigit(), text[-3000:]
+    return job
+
+
+def slurm_log(out, job):
+    return open(os.path.join(str(out), f"slurm-{job}.out"), errors="replace").read()
+
+
+def test_slurm_two_nodes(cluster, slurm, reference, tmp_path):
+    out = tmp_path / "run"
+    watch = RankWatch(cluster)
+    job = submit(cluster, slurm, out, "--wait", "--", *run_args(out), log=tmp_path / "launch.log")
+    info = slurm.job_state(job)
+    assert info["JobState"] == "COMPLETED", (info, slurm_log(out, job)[-3000:])
+    assert expand_nodelist(info["NodeList"]) == cluster.names
+    watch.check()
+    check_trained(out, STEPS)
+    assert_losses_match(out, reference, STEPS)
+
+
+def test_slurm_preempted_two_node_job_checkpoints_and_requeue_resumes(cluster, slurm, reference, tmp_path):
+    """SIGTERM to the batch script (as Slurm's pre-emption does) reaches the ranks on both
+    nodes through srun; they agree on one step, save one checkpoint and exit 0; the script
+    requeues the job, which resumes from that checkpoint and reproduces the reference."""
+    out = tmp_path / "run"
+    # checkpoints only at the signal and at the end, so that the signal's one is kept to look at
+    job = submit(cluster, slurm, out, "--requeue", "--", *run_args(out, REF_STEPS, "--set", "train.save_every=0"),
+                 log=tmp_path / "launch.log")
+    slurm.wait_for(lambda: complete_lines(out / "metrics.jsonl") >= 2, timeout=300, what="two training steps")
+    slurm.run("scancel", "--batch", "--signal=TERM", job)
+    info = slurm.wait_job(job, timeout=300, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"))
+    log = slurm_log(out, job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, log[-4000:])
+    assert "received SIGTERM" in log and "requeueing job" in log and "(restart 1)" in log, log[-4000:]
+    tags = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step"))
+    assert len(tags) == 2 and tags[-1] == f"step{REF_STEPS:08d}", tags
+    stopped = int(tags[0][len("step"):])
+    assert 2 <= stopped < REF_STEPS
+    # one checkpoint, consistent: both ranks' ZeRO partitions and states, at the same step
+    import torch
+
+    ckpt = out / "checkpoints" / tags[0]
+    assert (ckpt / "COMPLETE").is_file()
+    states = [torch.load(ckpt / f"rank{r}_state.pt", weights_only=False) for r in (0, 1)]
+    assert [s["step"] for s in states] == [stopped, stopped]
+    assert states[0]["loader"] == states[1]["loader"] and states[0]["loader"]["world_size"] == 2
+    for r in (0, 1):
+        assert (ckpt / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").is_file()
+    assert f"resumed from {ckpt} at step {stopped}" in log
+    assert_losses_match(out, reference, REF_STEPS)
+
+
+# --------------------------------------------------------------------------- faults across nodes
+
+
+class NodeRanks:
+    """One `grt train` rank started directly on each node, with the env:// variables a per-node
+    launcher sets (rank r on node r, rendezvous on node 0). Like faults.Job, across nodes."""
+
+    def __init__(self, cluster, args, logs, port):
+        self.logs = logs
+        self.procs = []
+        for r in range(cluster.n):
+            env = node_env(cluster, MASTER_ADDR=cluster.names[0], MASTER_PORT=str(port), RANK=str(r),
+                           LOCAL_RANK="0", WORLD_SIZE=str(cluster.n), LOCAL_WORLD_SIZE="1")
+            with open(logs[r], "w") as f:
+                self.procs.append(cluster.popen(r, [sys.executable, "-m", "pretrain.cli", "train", *args], env=env,
+                                                cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
+
+    def output(self, rank):
+        return open(self.logs[rank], errors="replace").read()
+
+    def wait(self, timeout):
+        deadline = time.time() + timeout
+        try:
+            for p in self.procs:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"ranks still running after {timeout} s:\n" +
+                                 "\n----\n".join(self.output(r)[-3000:] for r in range(len(self.procs))))
+        finally:
+            self.kill()
+        return [p.returncode for p in self.procs]
+
+    def kill(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.parametrize("fault", ["kill", "link-down"])
+def test_lost_node_is_named_and_resume_reproduces(cluster, reference, tmp_path, fault):
+    """Node 1's rank is SIGKILLed (or node 1's link goes down) in mid-run: the rank on node 0
+    stops within train.dist_timeout_s, naming rank 1 and node 1's hostname; a relaunch with
+    --resume continues from the last complete checkpoint with the reference's losses."""
+    out = tmp_path / "run"
+    timeout_s = 10
+    args = run_args(out, REF_STEPS, "--set", f"train.dist_timeout_s={timeout_s}")
+    ranks = NodeRanks(cluster, args, [tmp_path / f"node{r}.log" for r in range(2)], free_port())
+    try:
+        deadline = time.time() + 240
+        while complete_lines(out / "metrics.jsonl") < 3:
+            assert time.time() < deadline and all(p.poll() is None for p in ranks.procs), ranks.output(0)[-3000:]
+            time.sleep(0.05)
+        t0 = time.time()
+        if fault == "kill":
+            ranks.procs[1].send_signal(signal.SIGKILL)
+        else:
+            cluster.link_down(1)
+        try:
+            ranks.procs[0].wait(timeout=timeout_s + 30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"node 0's rank still running {timeout_s + 30} s after the fault:\n{ranks.output(0)[-3000:]}")
+        took = time.time() - t0
+    finally:
+        ranks.kill()
+        cluster.link_up(1)
+    log0 = ranks.output(0)
+    assert ranks.procs[0].returncode not in (0, None)
+    assert "grt train: stopped: rank 0 stopping: rank 1 stopped responding" in log0, log0[-3000:]
+    assert f"on host {cluster.names[1]}" in log0, log0[-3000:]
+    if fault == "kill":
+        assert took < timeout_s, "a dead peer is noticed at once, not after the timeout"
+    print(f"\nMULTINODE {fault} on {cluster.names[1]}: node 0's rank exited {ranks.procs[0].returncode} "
+          f"after {took:.1f} s (dist_timeout_s={timeout_s})")
+    resumed = NodeRanks(cluster, args + ["--resume"], [tmp_path / f"node{r}.resume.log" for r in range(2)],
+                        free_port())
+    assert resumed.wait(300) == [0, 0], resumed.output(0)[-3000:]
+    assert "resumed from" in resumed.output(0)
+    assert_losses_match(out, reference, REF_STEPS)
