@@ -21,6 +21,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -39,11 +40,11 @@ class ClusterUnavailable(RuntimeError):
 def unavailable_reason() -> Optional[str]:
     if os.geteuid() != 0:
         return "network namespaces need root"
-    for tool, package in (("ip", "iproute2"), ("unshare", "util-linux"), ("nsenter", "util-linux"), ("sshd", "openssh-server"),
-                          ("ssh", "openssh-client"), ("ssh-keygen", "openssh-client")):
+    for tool, package in (("ip", "iproute2"), ("unshare", "util-linux"), ("nsenter", "util-linux"),
+                          ("sshd", "openssh-server"), ("ssh", "openssh-client"), ("ssh-keygen", "openssh-client")):
         if shutil.which(tool) is None and not os.path.exists(f"/usr/sbin/{tool}"):
             return f"{tool} not installed (Debian package {package})"
-    name = f"{PREFIX}probe{os.getpid()}"
+    name = f"{PREFIX}{os.getpid()}probe"
     r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
     if r.returncode != 0:
         return f"`ip netns add` failed: {r.stderr.strip()}"
@@ -248,6 +249,12 @@ class NetnsCluster:
         with open(wrapper, "w") as f:
             f.write(f'#!/bin/sh\nexec {shutil.which("ssh")} -F {self.ssh_config} "$@"\n')
         os.chmod(wrapper, 0o755)
+        for i, name in enumerate(self.names):  # `<dir>/bin/<node> CMD...`: CMD on that node, for people
+            script = os.path.join(self.bin_dir, name)
+            with open(script, "w") as f:
+                f.write(f'#!/bin/sh\nexport PATH={shlex.quote(self.bin_dir)}:"$PATH"\n[ $# -gt 0 ] || set -- bash\n'
+                        f'exec {shlex.join(self.node_command(i, []))} "$@"\n')
+            os.chmod(script, 0o755)
         # every node reaches every node's sshd (and knows its name)
         deadline = time.time() + timeout
         for i in range(self.n):
@@ -292,3 +299,43 @@ def netns_slurm(cluster: NetnsCluster, state_dir: str):
     slurm = NetnsSlurm(state_dir, name="grtnetns")
     slurm.host = cluster.names[0]
     return slurm
+
+
+def main(argv=None) -> int:
+    """`python tests/netns_cluster.py DIR [--nodes N] [--slurm]`: bring a cluster up until Ctrl-C."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python tests/netns_cluster.py",
+                                description="A cluster of network namespaces on this machine (as root), "
+                                "up until Ctrl-C; docs/launching.md")
+    p.add_argument("dir", help="the cluster's directory (keys, configs, hostfile, logs)")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--slurm", action="store_true", help="also slurmctld on node 0 and a slurmd on every node")
+    args = p.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    cluster, slurm = NetnsCluster(args.dir, args.nodes), None
+    try:
+        cluster.start()
+        if args.slurm:
+            slurm = netns_slurm(cluster, os.path.join(cluster.dir, "slurm")).start()
+        print(f"nodes: {', '.join(f'{n} ({a})' for n, a in zip(cluster.names, cluster.addrs))}\n"
+              f"hostfile: {cluster.hostfile()}\n"
+              f"a shell on node 0: {os.path.join(cluster.bin_dir, cluster.names[0])}  (a command: ... CMD ARGS)"
+              + (f"\nSlurm: export SLURM_CONF={slurm.conf}" if slurm else "") + "\nCtrl-C tears it down.", flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        while True:
+            time.sleep(3600)
+    except (KeyboardInterrupt, SystemExit):
+        return 0
+    except (ClusterUnavailable, RuntimeError) as e:  # RuntimeError: slurm_cluster.SlurmUnavailable
+        print(f"netns_cluster: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if slurm is not None:
+            slurm.stop()
+        cluster.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

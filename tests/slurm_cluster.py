@@ -186,7 +186,8 @@ MinJobAge=300
 KillWait=10
 SchedulerParameters=sched_interval=1
 JobRequeue=1
-PartitionName={self.partition} Nodes={','.join(self.node_addrs())} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+PartitionName={self.partition} Nodes={','.join(self.node_addrs())} Default=YES MaxTime=INFINITE State=UP \
+OverSubscribe=NO
 """
         conf += "".join(f"NodeName={name} NodeAddr={addr} CPUs={res['cpus']} RealMemory={res['mem_mb']} State=UNKNOWN\n"
                         for name, addr in self.node_addrs().items())
