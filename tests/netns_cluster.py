@@ -186,10 +186,19 @@ class NetnsCluster:
 
     # ----------------------------------------------------------------- start / stop
     def start(self, timeout: float = 30) -> "NetnsCluster":
+        """Bring the nodes up; on any failure remove what was made, then raise."""
         reason = unavailable_reason()
         if reason:
             raise ClusterUnavailable(reason)
         reap_stale()
+        try:
+            self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self, timeout: float) -> None:
         net = _free_subnet()
         hosts = list(net.hosts())
         self.addrs = [str(hosts[i + 1]) for i in range(self.n)]
@@ -212,7 +221,6 @@ class NetnsCluster:
             _ip("-n", ns, "addr", "add", f"{self.addrs[i]}/{net.prefixlen}", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
         self._start_ssh(timeout)
-        return self
 
     def _start_ssh(self, timeout: float) -> None:
         os.makedirs(self.ssh_dir, exist_ok=True)

@@ -22,7 +22,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch_helpers import (ROOT, _end_group, check_trained, clean_env, complete_lines, free_port,  # noqa: E402
-                            grt_launch, read_metrics, train_args)
+                            grt_launch, train_args)
+from faults import losses  # noqa: E402
 from pretrain.distributed import expand_nodelist  # noqa: E402
 from netns_cluster import ClusterUnavailable, NetnsCluster, netns_slurm  # noqa: E402
 
@@ -45,12 +46,6 @@ def run_args(out, steps=STEPS, *extra):
                       "--set", "train.save_every=2", *extra)
 
 
-def losses(out, rank=0):
-    """step -> loss; a resumed run appends, so the last record of a step wins."""
-    name = "metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl"
-    return {r["step"]: r["loss"] for r in read_metrics(os.path.join(str(out), name))}
-
-
 def assert_losses_match(out, reference, steps):
     got = losses(out)
     assert sorted(got) == list(range(1, steps + 1)), got
@@ -67,7 +62,6 @@ def cluster(tmp_path_factory):
     try:
         c.start()
     except ClusterUnavailable as e:
-        c.stop()
         pytest.skip(f"no namespace cluster: {e}")
     yield c
     c.stop()
@@ -81,9 +75,11 @@ def slurm(cluster):
     s = netns_slurm(cluster, os.path.join(cluster.dir, "slurm"))
     try:
         s.start()
-    except SlurmUnavailable as e:
+    except BaseException as e:  # its daemons stopped whatever went wrong
         s.stop()
-        pytest.skip(f"no Slurm on the namespace cluster: {e}")
+        if isinstance(e, SlurmUnavailable):
+            pytest.skip(f"no Slurm on the namespace cluster: {e}")
+        raise
     yield s
     s.stop()
 
@@ -151,6 +147,45 @@ def launch_on_node0(cluster, args, log, timeout=300, env=None):
     text = open(log, errors="replace").read()
     assert proc.returncode == 0, text[-4000:]
     return text
+
+
+# --------------------------------------------------------------------------- the fixture
+
+
+def _netns_names():
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_three_node_cluster_is_removed_even_after_a_failure(tmp_path):
+    """3 nodes: each reaches every other by name over ssh, with its own hostname; a failure
+    inside still ends with every process in the nodes killed and namespaces, links, bridge and
+    hosts files gone. Leftovers of a dead test process are reaped at the next start."""
+    from netns_cluster import NETNS_ETC, PREFIX, reap_stale
+
+    c = NetnsCluster(str(tmp_path / "c3"), nodes=3)
+    try:
+        c.start()
+    except ClusterUnavailable as e:
+        pytest.skip(f"no namespace cluster: {e}")
+    sleeper = None
+    with pytest.raises(RuntimeError, match="a test failing"):
+        try:
+            r = c.run(2, ["sh", "-c", f"hostname; ssh {c.names[0]} hostname; ssh {c.names[1]} hostname"])
+            assert r.stdout.split() == [c.names[2], c.names[0], c.names[1]]
+            sleeper = c.popen(1, ["sleep", "600"])
+            raise RuntimeError("a test failing")
+        finally:
+            c.stop()
+    assert sleeper.wait(timeout=10) == -signal.SIGKILL
+    assert not any(n in _netns_names() for n in c.names)
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert c.prefix not in links and not any(os.path.exists(os.path.join(NETNS_ETC, n)) for n in c.names)
+    # a cluster whose test process died: removed by the next start (reap_stale)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"{PREFIX}{dead.pid}n0"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    assert stale in reap_stale() and stale not in _netns_names()
 
 
 # --------------------------------------------------------------------------- launchers
