@@ -1,7 +1,7 @@
 """A cluster on one machine: N "nodes" as Linux network namespaces on a private bridge.
 
 Each node has its own network stack (loopback, an address on the bridge, `eth0`), its own
-hostname (a UTS namespace: `socket.gethostname()` in the node says `<prefix>n<i>`), a hosts
+hostname (a UTS namespace: `socket.gethostname()` in the node says `grtc<pid>c<k>n<i>`), a hosts
 file naming every node (/etc/netns/<ns>/hosts, bound over /etc/hosts for what runs there,
 as `ip netns exec` does), and its own sshd (host and user keys made per cluster, root login by
 key). The filesystem is shared, as on a cluster with a shared home/scratch. Nothing here
@@ -106,6 +106,9 @@ def reap_stale() -> List[str]:
     return reaped
 
 
+_clusters_made = 0  # in this process: part of the names, so that two clusters can be up at once
+
+
 def _free_subnet() -> ipaddress.IPv4Network:
     """A /24 in 10.213.0.0/16 that no route of this machine overlaps."""
     used = []
@@ -117,7 +120,7 @@ def _free_subnet() -> ipaddress.IPv4Network:
             except ValueError:
                 pass
     for k in range(256):
-        net = ipaddress.ip_network(f"10.213.{(os.getpid() + k) % 254 + 1}.0/24")
+        net = ipaddress.ip_network(f"10.213.{(os.getpid() + _clusters_made + k) % 254 + 1}.0/24")
         if not any(net.overlaps(u) for u in used):
             return net
     raise ClusterUnavailable("no free /24 in 10.213.0.0/16 for the test cluster")
@@ -127,7 +130,12 @@ class NetnsCluster:
     def __init__(self, workdir: str, nodes: int = 2):
         self.dir = os.path.abspath(workdir)
         self.n = nodes
-        self.prefix = f"{PREFIX}{os.getpid()}"
+        global _clusters_made
+        _clusters_made += 1
+        # <= 15 characters for every link name: grtc + pid (<= 7 digits) + c<k> + br / v<i>
+        self.prefix = f"{PREFIX}{os.getpid()}c{_clusters_made % 10}"
+        if nodes > 10:
+            raise ClusterUnavailable("at most 10 nodes (link names are limited to 15 characters)")
         self.bridge = f"{self.prefix}br"
         self.names = [f"{self.prefix}n{i}" for i in range(nodes)]  # hostnames
         self.namespaces = list(self.names)
