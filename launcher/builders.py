@@ -263,13 +263,16 @@ def slurm_script(r, script_path: str) -> str:
         lines += [
             "# Pre-emption: Slurm signals this script (--signal=B:...) or `scancel --batch "
             f"--signal={sig_name}`; it is",
-            "# forwarded to the ranks through srun; the trainer saves a checkpoint and exits 0.",
+            "# forwarded to the ranks (scancel: every step but this script's); the trainer saves a checkpoint",
+            "# and exits 0.",
             "preempted=0",
             "srun_pid=",
             "forward() {",
             '  preempted=1',
             '  log "received SIG$1, forwarding it to the ranks"',
-            '  if [ -n "$srun_pid" ]; then kill -s "$1" "$srun_pid" 2>/dev/null || true; fi',
+            "  # through Slurm to every rank on every node, not `kill` on srun: srun answers SIGTERM",
+            "  # (or SIGINT) by killing every rank at once, before any could save a checkpoint",
+            '  if [ -n "$srun_pid" ]; then scancel --signal="$1" "$SLURM_JOB_ID" || true; fi',
             "}",
             f"trap 'forward {sig_name}' {sig_name}",
         ]

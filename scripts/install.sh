@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what the project needs on a fresh Debian machine (run as root or with sudo).
-#   bash scripts/install.sh           everything for the tests: Debian's slurm-wlm, munge, OpenMPI
+#   bash scripts/install.sh           everything for the tests: Debian's slurm-wlm, munge, OpenMPI, sshd and pdsh
 #                                     (for the launcher tests and mpi4py), then the package with [dev]
 #   GRT_MINIMAL=1 bash scripts/install.sh   only what training needs (the main job)
 # CPU torch is pinned: an unpinned `torch` would pull a multi-GB CUDA build.
@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
 if [ "${GRT_MINIMAL:-0}" != 1 ] && command -v apt-get >/dev/null; then
   need=""
-  for tool in sbatch:slurm-wlm munged:munge mpirun:openmpi-bin mpicc:libopenmpi-dev gcc:build-essential; do
+  for tool in sbatch:slurm-wlm munged:munge mpirun:openmpi-bin mpicc:libopenmpi-dev gcc:build-essential \
+              sshd:openssh-server ssh:openssh-client pdsh:pdsh; do
     command -v "${tool%%:*}" >/dev/null || need="$need ${tool#*:}"
   done
   if [ -n "$need" ]; then

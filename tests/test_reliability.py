@@ -13,6 +13,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -194,7 +195,7 @@ def test_heartbeat_names_the_failed_rank(monkeypatch):
         time.sleep(0.5)
         hbs[2].close()  # rank 2 goes silent
         assert hbs[0].diagnose() == ["rank 2 stopped responding after step 5 (killed, crashed or frozen: no heartbeat "
-                                     "for 0.3 s)"]
+                                     f"for 0.3 s) on host {socket.gethostname()}"]
         hbs[1].mark_failed("ShardError: corrupt or truncated shard 'x.tar'")
         notes = hbs[0].diagnose()
         assert notes[0] == "rank 1 failed: ShardError: corrupt or truncated shard 'x.tar'" and "rank 2" in notes[1]

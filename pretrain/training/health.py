@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections import Counter
@@ -35,7 +36,8 @@ class Heartbeat:
     (a peer's connection reset, or gloo/NCCL's dist_timeout_s passed), `diagnose()` reads
     the store twice, 3 intervals apart: a rank that recorded an error, or whose counter did
     not move (killed, crashed, frozen), is named; an unreachable store means rank 0's host
-    (which serves it) is gone.
+    (which serves it) is gone. Each rank also publishes its hostname once, so that a lost
+    rank is named with its node.
     """
 
     def __init__(self, rank: int, world: int, interval: float = 1.0):
@@ -49,6 +51,7 @@ class Heartbeat:
         try:
             self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                        timeout=timedelta(seconds=max(2.0, 5 * interval)), wait_for_workers=False)
+            self.store.set(f"{self.prefix}host/{rank}", socket.gethostname())
             self._beat()
         except Exception as err:  # no store to reach: fall back to the bare collective errors
             log.warning("heartbeat disabled (rendezvous store unreachable: %s)", err)
@@ -93,7 +96,16 @@ class Heartbeat:
         except Exception:
             if self.rank == 0:
                 return []
-            return ["rank 0 is unreachable (it serves the rendezvous store: it exited, was killed or its host is down)"]
+            return [f"rank 0 is unreachable on host {os.environ.get('MASTER_ADDR')} (it serves the rendezvous store: "
+                    "it exited, was killed or its host is down)"]
+        try:
+            hosts = self._read("host")
+        except Exception:
+            hosts = {}
+
+        def on_host(r: int) -> str:
+            return f" on host {hosts[r]}" if r in hosts else ""
+
         notes, comm = [], []
         for r in range(self.world):
             if r == self.rank:
@@ -104,14 +116,15 @@ class Heartbeat:
             elif kind == "comm" and before.get(r) != after.get(r):
                 comm.append(r)
             elif r not in after:
-                notes.append(f"rank {r} never reported (it did not start or died at start-up)")
+                notes.append(f"rank {r} never reported (it did not start or died at start-up){on_host(r)}")
             elif before.get(r) == after[r]:
                 notes.append(f"rank {r} stopped responding after step {after[r].split()[1]} "
                              "(killed, crashed or frozen: no heartbeat for "
-                             f"{round(3 * self.interval, 1):g} s)")
+                             f"{round(3 * self.interval, 1):g} s){on_host(r)}")
         if not notes:
             lagging = [r for r, v in after.items() if int(v.split()[1]) < self.step and r not in comm]
             notes = [f"rank {r} is alive but stuck at step {after[r].split()[1]} (this rank reached step {self.step})"
+                     f"{on_host(r)}"
                      for r in lagging]
         if not notes and comm:
             notes = [f"no rank died or reported an error of its own; rank(s) {', '.join(map(str, comm))} saw a "

@@ -1,0 +1,357 @@
+"""A cluster on one machine: N "nodes" as Linux network namespaces on a private bridge.
+
+Each node has its own network stack (loopback, an address on the bridge, `eth0`), its own
+hostname (a UTS namespace: `socket.gethostname()` in the node says `grtc<pid>c<k>n<i>`), a hosts
+file naming every node (/etc/netns/<ns>/hosts, bound over /etc/hosts for what runs there,
+as `ip netns exec` does), and its own sshd (host and user keys made per cluster, root login by
+key). The filesystem is shared, as on a cluster with a shared home/scratch. Nothing here
+touches the machine's own network, /etc/hosts, ~/.ssh or a running sshd.
+
+    cluster = NetnsCluster(workdir, nodes=2).start()   # raises ClusterUnavailable with the reason
+    cluster.run(0, ["hostname"])                        # a command on node 0 (its env: cluster.env)
+    proc = cluster.popen(1, ["python", ...])            # in the background on node 1
+    cluster.stop()                                      # kills every process in the nodes, removes them
+
+`ssh` resolves the nodes through the cluster's own ssh_config: `cluster.env` puts a wrapper
+`ssh` (`ssh -F <workdir>/ssh/config`) first on PATH, which pdsh and mpirun use as they are.
+Run it as root (docs/launching.md has the commands to rehearse a launch script by hand).
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+from typing import Dict, List, Optional
+
+PREFIX = "grtc"  # namespaces, links and node names: grtc<owner pid>...
+SSH_PORT = 2222
+NETNS_ETC = "/etc/netns"
+
+
+class ClusterUnavailable(RuntimeError):
+    """The cluster cannot be built here; the message says why (the tests' skip reason)."""
+
+
+def unavailable_reason() -> Optional[str]:
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool, package in (("ip", "iproute2"), ("unshare", "util-linux"), ("nsenter", "util-linux"),
+                          ("sshd", "openssh-server"), ("ssh", "openssh-client"), ("ssh-keygen", "openssh-client")):
+        if shutil.which(tool) is None and not os.path.exists(f"/usr/sbin/{tool}"):
+            return f"{tool} not installed (Debian package {package})"
+    name = f"{PREFIX}{os.getpid()}probe"
+    r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"`ip netns add` failed: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise ClusterUnavailable(f"ip {' '.join(args)}: {r.stderr.strip()}")
+    return r
+
+
+def _kill_namespace(ns: str) -> None:
+    """SIGKILL every process in namespace `ns` (until none is left), then delete it."""
+    for _ in range(50):
+        pids = [int(p) for p in _ip("netns", "pids", ns, check=False).stdout.split()]
+        pids = [p for p in pids if p != os.getpid()]
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+    _ip("netns", "del", ns, check=False)
+    shutil.rmtree(os.path.join(NETNS_ETC, ns), ignore_errors=True)
+
+
+def reap_stale() -> List[str]:
+    """Remove namespaces and links of clusters whose test process is gone."""
+    reaped = []
+    pattern = re.compile(re.escape(PREFIX) + r"(\d+)")
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        ns = line.split()[0] if line.split() else ""
+        m = pattern.match(ns)
+        if m and not _pid_alive(int(m.group(1))):
+            _kill_namespace(ns)
+            reaped.append(ns)
+    for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
+        parts = line.split(":")
+        link = parts[1].strip().split("@")[0] if len(parts) > 1 else ""
+        m = pattern.match(link)
+        if m and not _pid_alive(int(m.group(1))):
+            _ip("link", "del", link, check=False)
+            reaped.append(link)
+    return reaped
+
+
+_clusters_made = 0  # in this process: part of the names, so that two clusters can be up at once
+
+
+def _free_subnet() -> ipaddress.IPv4Network:
+    """A /24 in 10.213.0.0/16 that no route of this machine overlaps."""
+    used = []
+    for line in _ip("-4", "route", "show", "table", "all", check=False).stdout.splitlines():
+        token = line.split()[0] if line.split() else ""
+        if token[:1].isdigit():
+            try:
+                used.append(ipaddress.ip_network(token if "/" in token else token + "/32", strict=False))
+            except ValueError:
+                pass
+    for k in range(256):
+        net = ipaddress.ip_network(f"10.213.{(os.getpid() + _clusters_made + k) % 254 + 1}.0/24")
+        if not any(net.overlaps(u) for u in used):
+            return net
+    raise ClusterUnavailable("no free /24 in 10.213.0.0/16 for the test cluster")
+
+
+class NetnsCluster:
+    def __init__(self, workdir: str, nodes: int = 2):
+        self.dir = os.path.abspath(workdir)
+        self.n = nodes
+        global _clusters_made
+        _clusters_made += 1
+        # <= 15 characters for every link name: grtc + pid (<= 7 digits) + c<k> + br / v<i>
+        self.prefix = f"{PREFIX}{os.getpid()}c{_clusters_made % 10}"
+        if nodes > 10:
+            raise ClusterUnavailable("at most 10 nodes (link names are limited to 15 characters)")
+        self.bridge = f"{self.prefix}br"
+        self.names = [f"{self.prefix}n{i}" for i in range(nodes)]  # hostnames
+        self.namespaces = list(self.names)
+        self.addrs: List[str] = []
+        self.ssh_dir = os.path.join(self.dir, "ssh")
+        self.bin_dir = os.path.join(self.dir, "bin")
+        self.ssh_config = os.path.join(self.ssh_dir, "config")
+        self.sshd: List[subprocess.Popen] = []
+        self._created: List[str] = []
+
+    # ----------------------------------------------------------------- running things in a node
+    @property
+    def env(self) -> Dict[str, str]:
+        """This environment with the cluster's `ssh` wrapper first on PATH."""
+        env = dict(os.environ)
+        env["PATH"] = self.bin_dir + os.pathsep + env.get("PATH", "")
+        return env
+
+    def node_command(self, node: int, cmd: List[str]) -> List[str]:
+        """`cmd` run on node `node`: in its network namespace, with its hostname (a UTS namespace)
+        and its hosts file (bound over /etc/hosts in a mount namespace of its own). Not `ip netns
+        exec`: that mounts a fresh /sys, without the cgroup hierarchy slurmd needs."""
+        ns = self.namespaces[node]
+        return ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--mount", "--propagation", "slave", "--uts",
+                "sh", "-c", f'mount --bind {NETNS_ETC}/{ns}/hosts /etc/hosts && hostname "$0" && exec "$@"',
+                self.names[node], *cmd]
+
+    def popen(self, node: int, cmd: List[str], env: Optional[Dict[str, str]] = None, **kw) -> subprocess.Popen:
+        return subprocess.Popen(self.node_command(node, cmd), env=env or self.env, **kw)
+
+    def run(self, node: int, cmd: List[str], env: Optional[Dict[str, str]] = None, timeout: float = 60,
+            check: bool = True, **kw) -> subprocess.CompletedProcess:
+        kw.setdefault("capture_output", True)
+        r = subprocess.run(self.node_command(node, cmd), env=env or self.env, text=True, timeout=timeout, **kw)
+        if check and r.returncode != 0:
+            raise ClusterUnavailable(f"on {self.names[node]}: {' '.join(cmd)} exited {r.returncode}: "
+                                     f"{(r.stderr or '')[-2000:]}")
+        return r
+
+    def pids(self, node: int) -> List[int]:
+        return [int(p) for p in _ip("netns", "pids", self.namespaces[node], check=False).stdout.split()]
+
+    def hostfile(self, slots: int = 1) -> str:
+        """A DeepSpeed/OpenMPI hostfile naming every node (written into the cluster's dir)."""
+        path = os.path.join(self.dir, "hostfile")
+        with open(path, "w") as f:
+            f.write("".join(f"{name} slots={slots}\n" for name in self.names))
+        return path
+
+    def link_down(self, node: int) -> None:
+        """Cut node `node` off the network (its end of the link), as a failed NIC or switch port would."""
+        _ip("-n", self.namespaces[node], "link", "set", "eth0", "down")
+
+    def link_up(self, node: int) -> None:
+        _ip("-n", self.namespaces[node], "link", "set", "eth0", "up")
+
+    # ----------------------------------------------------------------- start / stop
+    def start(self, timeout: float = 30) -> "NetnsCluster":
+        """Bring the nodes up; on any failure remove what was made, then raise."""
+        reason = unavailable_reason()
+        if reason:
+            raise ClusterUnavailable(reason)
+        reap_stale()
+        try:
+            self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self, timeout: float) -> None:
+        net = _free_subnet()
+        hosts = list(net.hosts())
+        self.addrs = [str(hosts[i + 1]) for i in range(self.n)]
+        os.makedirs(self.dir, exist_ok=True)
+        _ip("link", "add", self.bridge, "type", "bridge")
+        self._created.append(self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        hosts_text = "127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for a, n in zip(self.addrs, self.names))
+        for i, ns in enumerate(self.namespaces):
+            _ip("netns", "add", ns)
+            self._created.append(ns)
+            os.makedirs(os.path.join(NETNS_ETC, ns), exist_ok=True)
+            with open(os.path.join(NETNS_ETC, ns, "hosts"), "w") as f:
+                f.write(hosts_text)
+            veth = f"{self.prefix}v{i}"
+            _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("link", "set", veth, "master", self.bridge)
+            _ip("link", "set", veth, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "addr", "add", f"{self.addrs[i]}/{net.prefixlen}", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+        self._start_ssh(timeout)
+
+    def _start_ssh(self, timeout: float) -> None:
+        os.makedirs(self.ssh_dir, exist_ok=True)
+        os.makedirs(self.bin_dir, exist_ok=True)
+        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege separation directory (Debian's unit makes it)
+        key = os.path.join(self.ssh_dir, "id_ed25519")
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key], check=True)
+        shutil.copy(key + ".pub", os.path.join(self.ssh_dir, "authorized_keys"))
+        known = []
+        for i, name in enumerate(self.names):
+            host_key = os.path.join(self.ssh_dir, f"host_{name}")
+            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", host_key], check=True)
+            pub = open(host_key + ".pub").read().split()[:2]
+            known.append(f"[{name}]:{SSH_PORT},[{self.addrs[i]}]:{SSH_PORT} {' '.join(pub)}\n")
+            conf = os.path.join(self.ssh_dir, f"sshd_{name}.conf")
+            with open(conf, "w") as f:
+                f.write(f"Port {SSH_PORT}\nListenAddress {self.addrs[i]}\nHostKey {host_key}\n"
+                        f"PidFile {self.ssh_dir}/sshd_{name}.pid\n"
+                        f"AuthorizedKeysFile {self.ssh_dir}/authorized_keys\n"
+                        "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
+                        "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
+                        # as many parallel logins as pdsh and mpirun open at once
+                        "MaxStartups 100\nMaxSessions 100\n")
+            sshd = shutil.which("sshd") or "/usr/sbin/sshd"
+            log = open(os.path.join(self.ssh_dir, f"sshd_{name}.log"), "w")
+            self.sshd.append(self.popen(i, [sshd, "-D", "-e", "-f", conf], stdout=log, stderr=subprocess.STDOUT))
+        with open(os.path.join(self.ssh_dir, "known_hosts"), "w") as f:
+            f.writelines(known)
+        with open(self.ssh_config, "w") as f:
+            f.write(f"Host {' '.join(self.names)} {' '.join(self.addrs)}\n  User root\n  Port {SSH_PORT}\n"
+                    f"  IdentityFile {key}\n  IdentitiesOnly yes\n  UserKnownHostsFile {self.ssh_dir}/known_hosts\n"
+                    "  StrictHostKeyChecking yes\n  BatchMode yes\n  LogLevel ERROR\n")
+        wrapper = os.path.join(self.bin_dir, "ssh")
+        with open(wrapper, "w") as f:
+            f.write(f'#!/bin/sh\nexec {shutil.which("ssh")} -F {self.ssh_config} "$@"\n')
+        os.chmod(wrapper, 0o755)
+        for i, name in enumerate(self.names):  # `<dir>/bin/<node> CMD...`: CMD on that node, for people
+            script = os.path.join(self.bin_dir, name)
+            with open(script, "w") as f:
+                f.write(f'#!/bin/sh\nexport PATH={shlex.quote(self.bin_dir)}:"$PATH"\n[ $# -gt 0 ] || set -- bash\n'
+                        f'exec {shlex.join(self.node_command(i, []))} "$@"\n')
+            os.chmod(script, 0o755)
+        # every node reaches every node's sshd (and knows its name)
+        deadline = time.time() + timeout
+        for i in range(self.n):
+            for j in range(self.n):
+                while True:
+                    r = self.run(i, ["ssh", self.names[j], "hostname"], check=False, timeout=timeout)
+                    if r.returncode == 0 and r.stdout.strip() == self.names[j]:
+                        break
+                    if time.time() > deadline or self.sshd[j].poll() is not None:
+                        raise ClusterUnavailable(f"ssh from {self.names[i]} to {self.names[j]} failed: "
+                                                 f"{r.stderr.strip()[-1000:]}")
+                    time.sleep(0.2)
+
+    def stop(self) -> None:
+        """Kill every process in the nodes, delete the namespaces, their links and the bridge."""
+        for ns in reversed(self._created):
+            if ns in self.namespaces:
+                _kill_namespace(ns)
+        for p in self.sshd:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        if self.bridge in self._created:
+            _ip("link", "del", self.bridge, check=False)
+        self._created.clear()
+
+
+def netns_slurm(cluster: NetnsCluster, state_dir: str):
+    """A Slurm cluster on the namespace nodes: munged and slurmctld on node 0, `slurmd -N <node>`
+    on every node (own spool, pid and log files: SlurmdSpoolDir=.../spool-%n), clients on node 0.
+    Its own state dir, SLURM_CONF, ports and munge socket: one-node test clusters are not touched."""
+    from slurm_cluster import SlurmCluster
+
+    class NetnsSlurm(SlurmCluster):
+        def node_addrs(self) -> Dict[str, str]:
+            return dict(zip(cluster.names, cluster.addrs))
+
+        def where(self, name: str, cmd: List[str]) -> List[str]:
+            node = cluster.names.index(name[len("slurmd-"):]) if name.startswith("slurmd-") else 0
+            return cluster.node_command(node, cmd)
+
+    slurm = NetnsSlurm(state_dir, name="grtnetns")
+    slurm.host = cluster.names[0]
+    return slurm
+
+
+def main(argv=None) -> int:
+    """`python tests/netns_cluster.py DIR [--nodes N] [--slurm]`: bring a cluster up until Ctrl-C."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python tests/netns_cluster.py",
+                                description="A cluster of network namespaces on this machine (as root), "
+                                "up until Ctrl-C; docs/launching.md")
+    p.add_argument("dir", help="the cluster's directory (keys, configs, hostfile, logs)")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--slurm", action="store_true", help="also slurmctld on node 0 and a slurmd on every node")
+    args = p.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    cluster, slurm = NetnsCluster(args.dir, args.nodes), None
+    try:
+        cluster.start()
+        if args.slurm:
+            slurm = netns_slurm(cluster, os.path.join(cluster.dir, "slurm")).start()
+        print(f"nodes: {', '.join(f'{n} ({a})' for n, a in zip(cluster.names, cluster.addrs))}\n"
+              f"hostfile: {cluster.hostfile()}\n"
+              f"a shell on node 0: {os.path.join(cluster.bin_dir, cluster.names[0])}  (a command: ... CMD ARGS)"
+              + (f"\nSlurm: export SLURM_CONF={slurm.conf}" if slurm else "") + "\nCtrl-C tears it down.", flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        while True:
+            time.sleep(3600)
+    except (KeyboardInterrupt, SystemExit):
+        return 0
+    except (ClusterUnavailable, RuntimeError) as e:  # RuntimeError: slurm_cluster.SlurmUnavailable
+        print(f"netns_cluster: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if slurm is not None:
+            slurm.stop()
+        cluster.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
