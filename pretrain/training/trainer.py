@@ -6,8 +6,8 @@ Design choices that keep a looped model correct under ZeRO (docs/zero3.md):
 - every training depth is >= 1, so every parameter of the GRT takes part in every step;
 - one all-reduce per micro-batch carries the loss, a non-finite flag, the stop signal and
   the previous step's gradient-norm check, so that every rank skips, stops and saves
-  together. Reading it is the step's one host sync: with one micro-batch per step the
-  loop syncs once per optimizer step outside logging steps (docs/performance.md).
+  together. The host reads them once per optimizer step outside logging steps, whatever
+  grad_accum is (`Trainer.train_step`, docs/performance.md).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -113,6 +114,29 @@ def allow_data_change(cfg: RunConfig) -> bool:
     return cfg.train.allow_data_change or os.environ.get("GRT_ALLOW_DATA_CHANGE") == "1"
 
 
+class GradientMask:
+    """Zeroes a backward's gradients on the device when a device flag is false, before
+    DeepSpeed accumulates or reduces them: a micro-batch whose non-finite check is not read
+    yet runs its backward under `keep_if(flag)`, and adds nothing if it turns out bad (a
+    non-finite gradient times zero would still be NaN, hence `where`). One hook per
+    parameter, a no-op outside `keep_if`."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.keep: torch.Tensor | None = None
+        self.handles = [p.register_hook(self.mask) for p in module.parameters() if p.requires_grad]
+
+    def mask(self, grad: torch.Tensor) -> torch.Tensor | None:
+        return None if self.keep is None else torch.where(self.keep.to(grad.device), grad, 0.0)
+
+    @contextmanager
+    def keep_if(self, flag: torch.Tensor):
+        self.keep = flag
+        try:
+            yield
+        finally:
+            self.keep = None
+
+
 class StepResult(NamedTuple):
     loss: float               # mean over the step's good micro-batches and the ranks
     stop_requested: bool      # a rank received SIGTERM/SIGUSR1
@@ -178,6 +202,7 @@ class Trainer:
         self.stop_flag = torch.zeros((), dtype=torch.float64, device=comm_device())
         self.grad_norm_bad = torch.zeros((), dtype=torch.float64, device=comm_device())
         self.grad_norm = None
+        self.grad_mask = GradientMask(self.engine.module) if t.grad_accum > 1 else None
 
     def check_data_order(self, tag: str | None) -> None:
         """On resume, before any process group: the data must be the data the checkpoint saw."""
@@ -241,12 +266,19 @@ class Trainer:
 
     # -- one optimizer step --------------------------------------------------------------
     def train_step(self, batches, depth: int, log_now: bool) -> StepResult:
-        """grad_accum good micro-batches (a non-finite one is skipped on every rank and
-        replaced by the next), then DeepSpeed's optimizer step. Per micro-batch one
-        all-reduce and one host read; nothing else syncs outside logging steps."""
+        """grad_accum good micro-batches (one with a non-finite loss on any rank is dropped on
+        every rank and replaced by the next), then DeepSpeed's optimizer step.
+
+        Each micro-batch's control vector is all-reduced on the device; the host reads the
+        vectors not read yet once, after the forward of the micro-batch that completes the
+        step if they are all good, before its backward: one host sync per step outside
+        logging steps, whatever grad_accum is. The micro-batches before it run their backward
+        unread, under `GradientMask`: a dropped one's gradients are zeroed on the device, so
+        it adds nothing. A step that dropped one reads again for its replacements."""
         t, engine = self.cfg.train, self.engine
         loss_sum, good, scalars = 0.0, 0, {}
         stop_requested = False
+        unread = []  # the control vectors of the micro-batches run since the last read
         while good < t.grad_accum:
             self.heartbeat.step = self.step
             idx, targets, doc_ids = move(next(batches), self.device, t.doc_mask)
@@ -259,36 +291,52 @@ class Trainer:
             if self.stop.received:
                 self.stop_flag.fill_(1.0)
             detached = loss.detach().double().to(comm_device())
-            control = torch.stack([detached, (~torch.isfinite(detached)).double(), self.stop_flag, self.grad_norm_bad])
-            loss_total, bad, stops, grad_norm_bad = all_reduce(control).tolist()  # the sync
-            if grad_norm_bad > 0:
-                self.stop_on_bad_grad_norm(self.step)
-            stop_requested = stop_requested or stops > 0
-            if bad > 0:  # some rank saw a non-finite loss: every rank skips this micro-batch
-                self.skipped_total += 1
-                self.bad_in_a_row += 1
-                log.warning("non-finite loss at step %d (depth %d): micro-batch skipped on every rank "
-                            "(%d in a row, limit %d)", self.step + 1, depth, self.bad_in_a_row, t.max_bad_steps)
-                if self.bad_in_a_row >= t.max_bad_steps:
-                    raise TrainingStopped(
-                        f"{self.bad_in_a_row} consecutive non-finite losses at step {self.step + 1}; stopping. The last "
-                        f"good checkpoint is {checkpoint.find_latest(self.ckpt_root) or 'none (no checkpoint yet)'} "
-                        f"in {self.ckpt_root}")
+            unread.append(all_reduce(torch.stack([detached, (~torch.isfinite(detached)).double(), self.stop_flag,
+                                                  self.grad_norm_bad])))
+            if good + len(unread) < t.grad_accum:  # not the last one yet: its flag is read later
+                engine.set_gradient_accumulation_boundary(False)
+                with self.grad_mask.keep_if(unread[-1][1] == 0):
+                    engine.backward(loss)
+                engine.step()
                 continue
-            self.bad_in_a_row = 0
+            controls = torch.stack(unread).tolist()  # the sync
+            unread = []
+            for loss_total, bad, stops, grad_norm_bad in controls:
+                if grad_norm_bad > 0:
+                    self.stop_on_bad_grad_norm(self.step)
+                stop_requested = stop_requested or stops > 0
+                if bad > 0:  # some rank saw a non-finite loss: every rank drops this micro-batch
+                    self.skip_bad_micro_batch(depth)
+                    continue
+                self.bad_in_a_row = 0
+                good += 1
+                loss_sum += loss_total / self.world
+            if controls[-1][1] > 0:  # this micro-batch is dropped before its backward
+                continue
+            engine.set_gradient_accumulation_boundary(good == t.grad_accum)
             engine.backward(loss)
-            good += 1
             if log_now and good == t.grad_accum:  # the gradients are complete until engine.step() clears them
                 scalars.update(norms(engine.module, self.world))
                 scalars.update({f"gate/mean_step_{i}": g.detach().float().mean() for i, g in enumerate(out.gates, 1)})
             engine.step()
-            loss_sum += loss_total / self.world
         grad_norm = engine.get_global_grad_norm()
         if grad_norm is not None:  # checked inside the next step's control vector (or by check_grad_norm)
             self.grad_norm = torch.as_tensor(grad_norm, dtype=torch.float64).to(comm_device(), non_blocking=True)
             self.grad_norm_bad = (~torch.isfinite(self.grad_norm)).double()
         return StepResult(loss_sum / t.grad_accum, stop_requested,
                           {k: float(v) for k, v in scalars.items()})
+
+    def skip_bad_micro_batch(self, depth: int) -> None:
+        t = self.cfg.train
+        self.skipped_total += 1
+        self.bad_in_a_row += 1
+        log.warning("non-finite loss at step %d (depth %d): micro-batch skipped on every rank "
+                    "(%d in a row, limit %d)", self.step + 1, depth, self.bad_in_a_row, t.max_bad_steps)
+        if self.bad_in_a_row >= t.max_bad_steps:
+            raise TrainingStopped(
+                f"{self.bad_in_a_row} consecutive non-finite losses at step {self.step + 1}; stopping. The last "
+                f"good checkpoint is {checkpoint.find_latest(self.ckpt_root) or 'none (no checkpoint yet)'} "
+                f"in {self.ckpt_root}")
 
     def check_grad_norm(self) -> float:
         """Stop now if the last step's gradient norm was not finite (a host sync: logging,
