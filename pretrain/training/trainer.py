@@ -27,13 +27,15 @@ from pretrain.distributed import all_reduce, comm_device, discover, init_distrib
 from pretrain.model import build_model
 from pretrain.model.flops import count_params
 from pretrain.training import checkpoint, deepspeed_internals
-from pretrain.training.depth import depth_for_step
+from pretrain.training.depth import depth_for_step, max_depth
 from pretrain.training.ds_config import build_ds_config, load_ds_json, save_ds_config, zero_stage
 from pretrain.training.health import (Heartbeat, NanInjection, RankFailure, StopSignal, TrainingStopped,
                                       explain_failure, one_line, rss_mb)
 from pretrain.training.metrics import (MetricsWriter, Throughput, human_count, human_duration, memory_scalars,
                                        norms, peak_flops)
-from pretrain.training.parallelize import apply_activation_checkpointing, apply_compile, compile_stats
+from pretrain.training.parallelize import (AUTO, AUTO_MEMORY_SHARE, AUTO_MODES, activation_bytes,
+                                           apply_activation_checkpointing, apply_compile, choose_checkpointing,
+                                           compile_stats, modes_for_stage)
 from pretrain.training.resume import check_resume
 from pretrain.training.run_config import RunConfig, load_manifest, resolve
 
@@ -67,7 +69,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_engine(cfg: RunConfig, world_size: int, device: torch.device):
+def build_engine(cfg: RunConfig, world_size: int, device: torch.device, seq_len: int | None = None):
+    """The DeepSpeed engine and its merged config. Activation checkpointing is applied after
+    DeepSpeed has placed the weights and optimizer state, so that `auto` sees what is left."""
     import deepspeed
 
     ds = build_ds_config(load_ds_json(cfg.ds_config), cfg.train, world_size, device.type == "cuda")
@@ -75,15 +79,40 @@ def build_engine(cfg: RunConfig, world_size: int, device: torch.device):
         model = build_model(cfg.model)
     if cfg.train.compile:
         apply_compile(model)
-    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
                                            config=ds)
+    apply_activation_checkpointing(model, checkpointing_mode(cfg, ds, device, seq_len or cfg.model.max_seq_len))
     deepspeed_internals.check_engine(engine)
     if zero_stage(ds) == 3:
         deepspeed_internals.install_counters()
         if cfg.train.zero3_pin_core and model.loop is not None:
             deepspeed_internals.pin_parameters(engine, model.loop)
     return engine, ds
+
+
+def checkpointing_mode(cfg: RunConfig, ds: dict, device: torch.device, seq_len: int) -> str:
+    """train.activation_checkpointing, with `auto` resolved from the estimated activation
+    memory of one micro-batch at the deepest sampled depth against the device memory left
+    (the least free over the ranks, so that every rank recomputes alike: ZeRO-3 gathers
+    parameters again in a recompute). On the CPU, auto is off. Logs one line."""
+    t = cfg.train
+    if t.activation_checkpointing != AUTO:
+        return t.activation_checkpointing
+    depth, dtype_bytes = max_depth(t, cfg.model.max_loops), 2 if ds["bf16"]["enabled"] else 4
+    estimates = {mode: activation_bytes(cfg.model, t.micro_batch_size * seq_len, depth, mode, dtype_bytes)
+                 for mode in AUTO_MODES if mode in modes_for_stage(zero_stage(ds))}
+    free = None
+    if device.type == "cuda":
+        free_here = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                     - torch.cuda.memory_allocated(device))
+        free = int(all_reduce(torch.tensor(float(free_here), device=comm_device()), op="min").item())
+    mode = choose_checkpointing(estimates, free)
+    log.info("activation checkpointing auto: %s; estimated activation memory per micro-batch (%d x %d tokens, "
+             "depth up to %d): %s; %s -> %s", mode, t.micro_batch_size, seq_len, depth,
+             ", ".join(f"{m} {b / 2**30:.2f} GiB" for m, b in estimates.items()),
+             f"free device memory {free / 2**30:.1f} GiB (least over ranks), {AUTO_MEMORY_SHARE:.0%} usable"
+             if free is not None else "CPU: no checkpointing unless set", mode)
+    return mode
 
 
 def move(batch: dict, device: torch.device, doc_mask: bool):
@@ -168,7 +197,11 @@ class Trainer:
         self.cfg = cfg = check_resume(cfg, self.ckpt_root, tag)
         t = cfg.train
         deepspeed_internals.check()
-        build_ds_config(load_ds_json(cfg.ds_config), t, discover().world_size, torch.cuda.is_available())
+        ds = build_ds_config(load_ds_json(cfg.ds_config), t, discover().world_size, torch.cuda.is_available())
+        if t.activation_checkpointing not in (AUTO, *modes_for_stage(zero_stage(ds))):
+            raise ConfigError(f"train.activation_checkpointing={t.activation_checkpointing!r} is refused under ZeRO "
+                              f"stage 3 (wrong gradients, docs/performance.md): use "
+                              f"{', '.join(modes_for_stage(3))} or auto, or ZeRO-2")
         self.check_data_order(tag)
         self.stop = StopSignal()  # before the slow start-up: a signal during it stops after the first step
         self.faults = NanInjection()
@@ -182,7 +215,7 @@ class Trainer:
             torch.cuda.set_device(self.device)
         torch.manual_seed(t.seed + self.rank)
         self.config_json = json.dumps(cfg.to_dict(), indent=2) + "\n"
-        self.engine, self.ds = build_engine(cfg, self.world, self.device)
+        self.engine, self.ds = build_engine(cfg, self.world, self.device, self.manifest.seq_len)
         self.write_run_config()
         self.seq_len = self.manifest.seq_len
         self.tokens_per_step = t.micro_batch_size * t.grad_accum * self.world * self.seq_len
