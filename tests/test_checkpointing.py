@@ -144,3 +144,23 @@ def test_zero3_refuses_selective_checkpointing_and_auto_never_picks_it(shards, t
     assert "train.activation_checkpointing='selective' is refused under ZeRO stage 3" in message, r.stderr
     assert "Traceback" not in r.stderr
     assert "selective" not in modes_for_stage(3) and "selective" in modes_for_stage(2)
+
+
+def test_selective_checkpointing_is_still_wrong_with_deepspeeds_zero3_linear(monkeypatch):
+    """Why ZeRO-3 refuses selective checkpointing (`modes_for_stage`): with DeepSpeed's ZeRO-3
+    linear in place of F.linear (as `deepspeed.zero.Init` installs it), torch's selective
+    checkpointing gives wrong gradients upstream of the recomputed units, without any engine.
+    When an upgrade fixes it, this test fails: lift the refusal then."""
+    import torch.nn.functional as F
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    idx = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    plain = build_model(tiny()).train()
+    ckpt = apply_activation_checkpointing(build_model(tiny()).train(), "selective")
+    ckpt.load_state_dict(plain.state_dict())
+    _, reference = loss_and_grads(plain, idx, 3)
+    monkeypatch.setattr(F, "linear", zero3_linear_wrap)
+    _, grads = loss_and_grads(ckpt, idx, 3)
+    wrong = [n for n in reference if not torch.allclose(reference[n], grads[n], rtol=1e-4, atol=1e-6)]
+    assert "prelude.0.attn.c_attn.weight" in wrong and not any(n.startswith("coda.") for n in wrong), wrong

@@ -328,3 +328,21 @@ def test_loaders_built_from_one_manifest_hash_the_tokenizer_once(shards, monkeyp
     assert len(hashed) == 1
     TokenBatchLoader(str(shards), split="val", micro_batch_size=2, loop=False)  # a path: its own manifest, checked
     assert len(hashed) == 2
+
+
+def test_zero3_on_one_rank_keeps_every_parameter_gathered_unless_the_file_says():
+    """One rank: a ZeRO-3 partition is the whole parameter, so the shipped zero3.json leaves
+    stage3_param_persistence_threshold to the trainer, which keeps every parameter resident;
+    with more ranks DeepSpeed's default applies; a value in the file (or "auto") wins."""
+    from pretrain.training.ds_config import ALL_PERSISTENT, build_ds_config, load_ds_json
+    from pretrain.training.run_config import TrainConfig
+
+    shipped, t = load_ds_json("ds_configs/zero3.json"), TrainConfig(micro_batch_size=2)
+    assert "stage3_param_persistence_threshold" not in shipped["zero_optimization"]
+    zero = build_ds_config(shipped, t, 1, True)["zero_optimization"]
+    assert zero["stage3_param_persistence_threshold"] == ALL_PERSISTENT
+    assert "stage3_param_persistence_threshold" not in build_ds_config(shipped, t, 2, True)["zero_optimization"]
+    for theirs, expected in ((1000, 1000), ("auto", None)):
+        base = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": theirs}}
+        zero = build_ds_config(base, t, 1, True)["zero_optimization"]
+        assert zero.get("stage3_param_persistence_threshold") == expected

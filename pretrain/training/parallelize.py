@@ -10,8 +10,6 @@ import functools
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
 from pretrain.config import ModelConfig
@@ -40,52 +38,10 @@ def _saved_by_selective() -> list:
     return ops
 
 
-class _Kept:
-    """A recorded op output and its version, to refuse one modified in place since."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor, self.version = tensor.detach(), tensor._version
-
-    def get(self, func) -> torch.Tensor:
-        if self.tensor._version != self.version:
-            raise RuntimeError(f"selective checkpointing: an output of {func} was modified in place")
-        return self.tensor
-
-
-class _KeepOutputs(TorchDispatchMode):
-    """Selective checkpointing's forward: records the outputs of `ops`, in call order."""
-
-    def __init__(self, ops: frozenset, kept: dict):
-        super().__init__()
-        self.ops, self.kept = ops, kept
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in self.ops:
-            self.kept.setdefault(func, []).append(tree_map_only(torch.Tensor, _Kept, out))
-        return out
-
-
-class _ReuseOutputs(TorchDispatchMode):
-    """Selective checkpointing's recompute: returns the recorded outputs of `ops` in the same
-    order, and runs every other op. Unlike torch's own selective checkpoint contexts it does
-    not require the recompute to run exactly the forward's ops: ZeRO-3's parameter gathers
-    allocate differently in a recompute (a parameter prefetched before the forward is
-    gathered inside the recompute)."""
-
-    def __init__(self, ops: frozenset, kept: dict):
-        super().__init__()
-        self.ops, self.kept = ops, kept
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.ops and self.kept.get(func):
-            return tree_map_only(_Kept, lambda k: k.get(func), self.kept[func].pop(0))
-        return func(*args, **(kwargs or {}))
-
-
 def _selective_contexts():
-    ops, kept = frozenset(_saved_by_selective()), {}
-    return _KeepOutputs(ops, kept), _ReuseOutputs(ops, kept)
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_saved_by_selective())
 
 
 def _checkpoint_forward(module: nn.Module, selective: bool = False) -> None:
@@ -157,9 +113,13 @@ def activation_bytes(cfg: ModelConfig, tokens: int, depth: int, mode: str, dtype
 
 
 def modes_for_stage(zero_stage: int) -> tuple[str, ...]:
-    """The modes a ZeRO stage can run. Selective checkpointing gave wrong gradients for the
-    prelude and the embeddings under ZeRO-3 (tests/test_checkpointing.py; right under ZeRO-2
-    and without DeepSpeed), so ZeRO-3 refuses it and its `auto` never picks it."""
+    """The modes a ZeRO stage can run. Under ZeRO-3, torch's selective checkpointing gives
+    wrong gradients upstream of the first checkpointed unit it recomputes in the backward
+    (measured on torch 2.13 with DeepSpeed 0.19.8: the prelude, embeddings and loop, also
+    with every parameter persistent, and also with DeepSpeed's ZeRO-3 linear,
+    `zero3_linear_wrap`, alone without any engine), and its recompute does not repeat the
+    forward's ops once ZeRO-3 gathers a parameter there; so ZeRO-3 refuses it and its
+    `auto` never picks it. ZeRO-0/1/2 and plain PyTorch match the reference."""
     return tuple(m for m in CHECKPOINT_MODES if not (zero_stage == 3 and m == "selective"))
 
 
