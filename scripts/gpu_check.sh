@@ -125,7 +125,7 @@ open(sys.argv[2], "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF
 for log in "$out"/bench-*.log; do
-  [ -f "$log" ] && { echo; echo "## $(basename "$log" .log)"; sed -n '/^# reproduce/,$p' "$log"; }
+  grep -q "^# reproduce" "$log" 2>/dev/null && { echo; echo "## $(basename "$log" .log)"; sed -n '/^# reproduce/,$p' "$log"; }
 done
 if grep -q $'\tFAIL' "$rows"; then
   echo "gpu_check: some rows failed; see the logs in $out/" >&2

@@ -1,6 +1,7 @@
-"""Activation checkpointing: every mode gives the no-checkpointing gradients (eagerly and
-under real DeepSpeed ZeRO-3), the activation-memory estimate matches what torch allocates,
-and `auto` picks the least recompute that fits the device memory left."""
+"""Activation checkpointing: the activation-memory estimate matches what torch allocates,
+`auto` picks the least recompute that fits the device memory left, selective checkpointing
+gives the reference gradients under real DeepSpeed ZeRO-2 and is refused under ZeRO-3 (the
+eager gradients of every mode: tests/test_model.py)."""
 import json
 import weakref
 
@@ -63,24 +64,6 @@ def loss_and_grads(model, idx, depth):
     loss = model(idx, idx, n_loops=depth).loss
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-@pytest.mark.parametrize("mode", [m for m in CHECKPOINT_MODES if m != "off"])
-@pytest.mark.parametrize("layout", ["1+2x3+1", "4"])
-def test_every_mode_gives_the_gradients_of_no_checkpointing(mode, layout):
-    idx = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
-    torch.manual_seed(0)
-    plain = build_model(tiny(layout)).train()
-    ckpt = build_model(tiny(layout)).train()
-    ckpt.load_state_dict(plain.state_dict())
-    apply_activation_checkpointing(ckpt, mode)
-    depth = 3 if "x" in layout else None
-    loss_a, grads_a = loss_and_grads(plain, idx, depth)
-    loss_b, grads_b = loss_and_grads(ckpt, idx, depth)
-    assert torch.equal(loss_a, loss_b)
-    for name in grads_a:
-        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-5, atol=1e-7, msg=name)
-    assert ckpt.state_dict().keys() == plain.state_dict().keys()
 
 
 @pytest.mark.parametrize("cfg,depth", [(tiny("1+2x4+1", d_model=128), 4), (tiny("1+2x4+1", d_model=128), 1),

@@ -208,7 +208,7 @@ def bench_zero(args) -> list[dict]:
                 raise RuntimeError(f"{shlex.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
             tokens_per_s = _last_scalar(out / "tb", "perf/tokens_per_s") / ranks  # per rank, as the bare step
             if ckpt == AUTO:  # the mode `grt train` chose, for the bare step to match
-                ckpt = AUTO + ":" + re.search(r"activation checkpointing auto: (\w+)",
+                ckpt = AUTO + ":" + re.search(r"activation checkpointing auto -> (\w+)",
                                               (out / "train.log").read_text()).group(1)
             mode = ckpt.rpartition(":")[2]
             if (preset, compiled, mode) not in bare:

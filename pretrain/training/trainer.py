@@ -107,11 +107,11 @@ def checkpointing_mode(cfg: RunConfig, ds: dict, device: torch.device, seq_len: 
                      - torch.cuda.memory_allocated(device))
         free = int(all_reduce(torch.tensor(float(free_here), device=comm_device()), op="min").item())
     mode = choose_checkpointing(estimates, free)
-    log.info("activation checkpointing auto: %s; estimated activation memory per micro-batch (%d x %d tokens, "
-             "depth up to %d): %s; %s -> %s", mode, t.micro_batch_size, seq_len, depth,
-             ", ".join(f"{m} {b / 2**30:.2f} GiB" for m, b in estimates.items()),
-             f"free device memory {free / 2**30:.1f} GiB (least over ranks), {AUTO_MEMORY_SHARE:.0%} usable"
-             if free is not None else "CPU: no checkpointing unless set", mode)
+    log.info("activation checkpointing auto -> %s: estimated activation memory per micro-batch (%d x %d tokens, "
+             "depth up to %d): %s; %s", mode, t.micro_batch_size, seq_len, depth,
+             ", ".join(f"{m} {b / 2**20:,.1f} MiB" for m, b in estimates.items()),
+             f"free device memory {free / 2**20:,.0f} MiB (least over ranks), {AUTO_MEMORY_SHARE:.0%} of it usable"
+             if free is not None else "on the CPU: no checkpointing unless set")
     return mode
 
 
