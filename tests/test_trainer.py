@@ -60,7 +60,7 @@ def train_args(manifest, out, steps=30, *extra):
             "--steps", str(steps), "--micro-batch-size", "4", "--grad-accum", "2", "--ds-config",
             str(REPO / "ds_configs" / "zero3.json"), "--set", "train.log_every=1", "--set", "train.save_every=10",
             "--set", "train.eval_every=10", "--set", "train.eval_batches=2", "--set", "train.warmup_steps=3",
-            "--set", "train.lr=3e-3", *extra]
+            "--set", "train.lr=3e-3", "--set", "train.activation_checkpointing=loop_step", *extra]
 
 
 def read_records(path):
