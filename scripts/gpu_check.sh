@@ -8,7 +8,11 @@
 #   scripts/gpu_check.sh           # on the GPU: tiny-grt and grt-small, about 100 steps each
 #   scripts/gpu_check.sh --cpu     # the same rows at a tiny size on the CPU (checks the script)
 #
-# Outputs go to $OUT (default ./gpu_check): one log per row, rows.tsv and table.md.
+# Outputs go to $OUT (default ./gpu_check): one log per row, rows.tsv and table.md; the benchmark
+# rows' own tables (grt bench) are printed after the table.
+#
+#   GPU_CHECK_PERF=0 scripts/gpu_check.sh                # skip issue 14's throughput rows
+#   GPU_CHECK_ROWS='^(data|bench-)' scripts/gpu_check.sh # only the rows whose name matches (a bash regex)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 cpu=0
@@ -44,8 +48,9 @@ rows="$out/rows.tsv"
 row() {
   local name=$1 stage=$2 start rc tps mfu status seconds
   shift 2
+  [[ $name =~ ${GPU_CHECK_ROWS:-.} ]] || return 0
   start=$(date +%s%N)
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  timeout "${row_limit:-$limit}" "$@" > "$out/$name.log" 2>&1
   rc=$?
   seconds=$(awk -v s="$start" -v e="$(date +%s%N)" 'BEGIN { printf "%.1f", (e - s) / 1e9 }')
   tps=$(grep -o '[0-9.]* tok/s' "$out/$name.log" | tail -1 | cut -d' ' -f1)
@@ -85,13 +90,30 @@ row bench-decode - grt bench decode --model "$export_dir" --dense-preset "$dense
   "${decode[@]}" --json "$out/decode.json"
 row compare 1 grt compare --configs "$small,$dense" --data "$data" --out "$out/compare" --tokens "$compare_tokens" \
   --micro-batch-size "$mbs" --ds-config ds_configs/zero1.json --evals 1 --eval-batches "$eval_batches"
-if [ "$cpu" = 0 ] && [ "${GPU_CHECK_PERF:-1}" = 1 ]; then
-  # issue 14's throughput rows (GPU_CHECK_PERF=0 skips them): the bare step, GRT vs dense at equal
-  # FLOPs, eager and compiled; then `grt train` per ZeRO stage as ratios to it (logs: $out/bench-*.log)
+if [ "$cpu" = 1 ]; then
+  # the benchmark's flags at a tiny size: ZeRO-3, `auto` checkpointing, the persistence A/B
+  row bench-zero 3 grt bench zero --stages 3 --presets "$small" --compile off --checkpointing auto \
+    --persistence-threshold trainer 1000 --seq-len "$seq" --micro-batch-size "$mbs" --steps 4
+elif [ "${GPU_CHECK_PERF:-1}" = 1 ]; then
+  # issue 14's throughput rows (GPU_CHECK_PERF=0 skips them), each a table in $out/bench-*.log:
+  # the bare step, GRT vs dense at equal FLOPs, eager and compiled; then real `grt train` runs
+  # (tokens/s, MFU, peak memory) per preset x ZeRO stage x compile x checkpointing, as ratios
+  # to the bare step. One GPU, seq 1024, micro-batch 16, vocabulary 512 (bench zero's tokenizer).
   row bench-train-step - grt bench train-step --layout 1+1x10+1 --d-model 768 --n-heads 12 --seq-len 1024 \
     --batch 16 --vocab 50257 --steps 10 --warmup 3 --dtype bf16 --compile
-  row bench-zero 2,3 grt bench zero --stages 2 3 --ranks 1 --presets grt-small dense-small --compile off \
-    --checkpointing off --seq-len 1024 --micro-batch-size 16 --steps 20
+  zero=(grt bench zero --ranks 1 --seq-len 1024 --micro-batch-size 16 --steps 20 --persistence-threshold trainer)
+  row_limit=1800 row bench-zero-z2 2 "${zero[@]}" --stages 2 --presets grt-small dense-small --compile off on \
+    --checkpointing off selective loop_step
+  # ZeRO-3 refuses selective checkpointing (wrong gradients, docs/performance.md)
+  row_limit=1800 row bench-zero-z3 3 "${zero[@]}" --stages 3 --presets grt-small dense-small --compile off on \
+    --checkpointing off loop_step
+  # the ZeRO-3 knob: every parameter resident on one GPU (the trainer's) against DeepSpeed's 1e5,
+  # with uniform depth sampling (the depth changes every step)
+  row bench-zero-z3-persistence 3 "${zero[@]}" --stages 3 --presets grt-small --compile off --checkpointing off \
+    --depth-sampling uniform --persistence-threshold trainer 100000
+  # grt-medium and grt-large on one GPU, checkpointing as `auto` picks it
+  row_limit=1800 row bench-zero-large 2,3 "${zero[@]}" --stages 2 3 --presets grt-medium grt-large --compile off \
+    --checkpointing auto
 fi
 
 python3 - "$rows" "$out/table.md" <<'EOF'
@@ -102,6 +124,9 @@ lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " |
 open(sys.argv[2], "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF
+for log in "$out"/bench-*.log; do
+  grep -q "^# reproduce" "$log" 2>/dev/null && { echo; echo "## $(basename "$log" .log)"; sed -n '/^# reproduce/,$p' "$log"; }
+done
 if grep -q $'\tFAIL' "$rows"; then
   echo "gpu_check: some rows failed; see the logs in $out/" >&2
   exit 1

@@ -172,7 +172,7 @@ def test_anchor_replacement_changes_the_function(anchor):
     assert not torch.allclose(model(idx, anchor=anchor).logits, model(idx).logits)
 
 
-@pytest.mark.parametrize("mode", ["loop_step", "block"])
+@pytest.mark.parametrize("mode", ["selective", "loop_step", "block"])
 def test_checkpointed_loop_steps_give_the_same_loss_and_gradients(mode):
     idx = tokens()
     torch.manual_seed(0)

@@ -60,7 +60,7 @@ def train_args(manifest, out, steps=30, *extra):
             "--steps", str(steps), "--micro-batch-size", "4", "--grad-accum", "2", "--ds-config",
             str(REPO / "ds_configs" / "zero3.json"), "--set", "train.log_every=1", "--set", "train.save_every=10",
             "--set", "train.eval_every=10", "--set", "train.eval_batches=2", "--set", "train.warmup_steps=3",
-            "--set", "train.lr=3e-3", *extra]
+            "--set", "train.lr=3e-3", "--set", "train.activation_checkpointing=loop_step", *extra]
 
 
 def read_records(path):
@@ -144,17 +144,19 @@ def test_compiled_loop_step_is_not_recompiled_per_depth(shards, tmp_path):
 
 
 @pytest.mark.slow
-def test_one_host_sync_per_step_outside_logging_steps(shards, tmp_path):
-    """A real `grt train` (ZeRO-3, one micro-batch per step) with every host sync counted by
-    its caller: the trainer and model read the device once per step, except on logging and
-    saving steps. DeepSpeed's own syncs are counted apart (docs/performance.md). The run's
-    output has none of torch's FutureWarnings about DeepSpeed's collectives, and still shows
-    real warnings."""
+@pytest.mark.parametrize("grad_accum", [1, 4])
+def test_one_host_sync_per_step_outside_logging_steps(shards, tmp_path, grad_accum):
+    """A real `grt train` (ZeRO-3, 1 or 4 micro-batches per step) with every host sync counted
+    by its caller: the trainer and model read the device once per optimizer step, except on
+    logging and saving steps, however many micro-batches the step has. DeepSpeed's own syncs
+    are counted apart (docs/performance.md). The run's output has none of torch's
+    FutureWarnings about DeepSpeed's collectives, and still shows real warnings."""
     report = tmp_path / "syncs.json"
     r = subprocess.run([sys.executable, str(REPO / "tests" / "dist_scripts" / "count_syncs.py"), str(report),
                         "--preset", "micro-grt", "--data", str(shards), "--out", str(tmp_path / "run"), "--steps", "9",
-                        "--micro-batch-size", "2", "--set", "train.log_every=4", "--set", "train.eval_every=0",
-                        "--set", "train.save_every=0"], cwd=REPO, capture_output=True, text=True, timeout=600)
+                        "--micro-batch-size", "2", "--grad-accum", str(grad_accum), "--set", "train.log_every=4",
+                        "--set", "train.eval_every=0", "--set", "train.save_every=0"],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
     output = r.stdout + r.stderr
     assert r.returncode == 0, output[-3000:]
     steps = {s["step"]: s for s in json.loads(report.read_text())}
@@ -167,7 +169,41 @@ def test_one_host_sync_per_step_outside_logging_steps(shards, tmp_path):
     assert "UserWarning: GRT-TEST a real UserWarning" in output
     assert "FutureWarning: GRT-TEST a FutureWarning of another kind" in output
     log_line = next(line for line in output.splitlines() if "step 4/9 |" in line)
-    assert "| tokens 512 |" in log_line and "| ETA " in log_line, log_line
+    assert f"| tokens {512 * grad_accum / 1000:.2f}k |" in log_line if grad_accum > 1 else "| tokens 512 |" in log_line
+    assert "| ETA " in log_line, log_line
+
+
+@pytest.mark.slow
+def test_non_finite_micro_batches_are_dropped_with_gradient_accumulation(shards, tmp_path):
+    """grad_accum 4 reads the non-finite checks once per step, after the backward of the
+    earlier micro-batches: two NaN micro-batches at step 3 (their backward already ran) must
+    add nothing and be replaced by the next two. Without the device-side gradient mask their
+    NaN gradients reach the optimizer and the run stops on a non-finite gradient norm."""
+    import os
+
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "pretrain.cli", *train_args(shards, out, 5)[2:], "--grad-accum", "4",
+                        "--set", "train.eval_every=0", "--set", "train.save_every=5"],
+                       cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "GRT_INJECT_NAN_STEPS": "3,3"})
+    output = r.stdout + r.stderr
+    assert r.returncode == 0, output[-3000:]
+    assert output.count("non-finite loss at step 3 (depth") == 2, output[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["skipped_microbatches"] == 2 and summary["steps"] == 5
+    records = read_records(out / "metrics.jsonl")
+    assert [rec["step"] for rec in records] == [1, 2, 3, 4, 5]
+    assert all(rec["loss"] == rec["loss"] and rec["loss"] < 10 for rec in records), records
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    norms = [e.value for e in events.Scalars("train/grad_norm")]
+    assert len(norms) == 5 and all(0 < v < 100 for v in norms), norms
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"), tag="step00000005")
+    assert state and all(bool(v.isfinite().all()) for v in state.values())
 
 
 @pytest.mark.parametrize("preset", ["micro-grt", "micro-dense", "micro-huginn", "micro-rrt", "micro-ouro", "micro-mor"])
@@ -292,3 +328,21 @@ def test_loaders_built_from_one_manifest_hash_the_tokenizer_once(shards, monkeyp
     assert len(hashed) == 1
     TokenBatchLoader(str(shards), split="val", micro_batch_size=2, loop=False)  # a path: its own manifest, checked
     assert len(hashed) == 2
+
+
+def test_zero3_on_one_rank_keeps_every_parameter_gathered_unless_the_file_says():
+    """One rank: a ZeRO-3 partition is the whole parameter, so the shipped zero3.json leaves
+    stage3_param_persistence_threshold to the trainer, which keeps every parameter resident;
+    with more ranks DeepSpeed's default applies; a value in the file (or "auto") wins."""
+    from pretrain.training.ds_config import ALL_PERSISTENT, build_ds_config, load_ds_json
+    from pretrain.training.run_config import TrainConfig
+
+    shipped, t = load_ds_json("ds_configs/zero3.json"), TrainConfig(micro_batch_size=2)
+    assert "stage3_param_persistence_threshold" not in shipped["zero_optimization"]
+    zero = build_ds_config(shipped, t, 1, True)["zero_optimization"]
+    assert zero["stage3_param_persistence_threshold"] == ALL_PERSISTENT
+    assert "stage3_param_persistence_threshold" not in build_ds_config(shipped, t, 2, True)["zero_optimization"]
+    for theirs, expected in ((1000, 1000), ("auto", None)):
+        base = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": theirs}}
+        zero = build_ds_config(base, t, 1, True)["zero_optimization"]
+        assert zero.get("stage3_param_persistence_threshold") == expected

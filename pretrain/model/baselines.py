@@ -325,6 +325,7 @@ class MoRGPT(LoopedBaseline):
         b, t, d = s.shape
         states = [s] if return_states else []
         active = torch.ones(b, t, dtype=torch.bool, device=s.device)
+        per_row = t  # tokens active in each sequence (the last step's k): known on the host, no sync
         aux_terms, selected_counts, masks = [], [], []
         noise = float(self.cfg.xget("router_noise_std"))
         for i in range(n):
@@ -332,19 +333,20 @@ class MoRGPT(LoopedBaseline):
             logits_r = router(s).squeeze(-1).float()                       # [B, T]
             if self.training and noise > 0:
                 logits_r = logits_r + noise * torch.randn_like(logits_r)
-            k = min(self.capacity(i, t), int(active.sum(1).min()))
+            k = min(self.capacity(i, t), per_row)
             scores = logits_r.masked_fill(~active, float("-inf"))
             chosen = scores.topk(k, dim=1).indices.sort(dim=1).values      # [B, k], in sequence order
             picked = torch.zeros_like(active).scatter(1, chosen, True)
-            aux_terms.append(F.binary_cross_entropy_with_logits(logits_r[active], picked[active].float()))
+            bce = F.binary_cross_entropy_with_logits(logits_r, picked.float(), reduction="none")
+            aux_terms.append((bce * active).sum() / (b * per_row))  # the mean over the active tokens
             gather_idx = chosen[..., None].expand(b, k, d)
             x = s.gather(1, gather_idx)
             sub_ctx = AttentionContext(doc_ids=doc_ids.gather(1, chosen) if doc_ids is not None else None)
             out, _ = self.loop_step(x, x, sub_ctx, i)
             g = torch.sigmoid(logits_r.gather(1, chosen))[..., None].to(x.dtype)
             s = s.scatter(1, gather_idx, x + g * (out - x))
-            active = picked
-            selected_counts.append(int(picked.sum()))
+            active, per_row = picked, k
+            selected_counts.append(b * k)
             masks.append(picked)
             if return_states:
                 states.append(s)

@@ -3,8 +3,9 @@
     grt bench data        data pipeline: prepare MB/s, loader tokens/s (data_pipeline.bench)
     grt bench train-step  GRT vs the dense model of equal FLOPs: tokens/s, peak memory, ratio
     grt bench memory      peak memory against R, per-loop-step checkpointing on and off
-    grt bench zero        `grt train` tokens/s per ZeRO stage x compile x checkpointing x preset, as
-                          ratios to the bare model step of train-step (real DeepSpeed)
+    grt bench zero        `grt train` tokens/s, MFU and peak memory per ZeRO stage x compile x
+                          checkpointing x preset (x ZeRO-3 persistence), as ratios to the bare
+                          model step of train-step (real DeepSpeed)
     grt bench decode      decode latency and memory per KV-cache strategy (pretrain.tools.bench_decode)
 
 On CPU the absolute figures are this machine's; the ratios are what carry over.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import shlex
 import subprocess
@@ -29,7 +31,7 @@ from pretrain.config import ModelConfig
 from pretrain.model.flops import flops_per_token
 from pretrain.training.metrics import peak_flops
 from pretrain.model import GPT, build_model
-from pretrain.training.parallelize import apply_activation_checkpointing
+from pretrain.training.parallelize import AUTO, CHECKPOINT_MODES, apply_activation_checkpointing, modes_for_stage
 
 
 
@@ -160,8 +162,9 @@ def _bare_tokens_per_s(cfg: ModelConfig, args, compiled: bool, checkpointing: st
 
 def bench_zero(args) -> list[dict]:
     """Short real `grt train` runs, one row per ranks x preset x ZeRO stage x compile x
-    checkpointing (x core pinning under ZeRO-3), each with its ratio to the bare model step (`_bare_tokens_per_s`: the same
-    model, micro-batch, depth, compile and checkpointing, without DeepSpeed or the loader).
+    checkpointing (x core pinning and persistence threshold under ZeRO-3), each with its ratio
+    to the bare model step (`_bare_tokens_per_s`: the same model, micro-batch, depth, compile
+    and checkpointing, without DeepSpeed or the loader).
     Depth sampling is `fixed` by default so that both do the same work per step."""
     from itertools import product
 
@@ -177,21 +180,22 @@ def bench_zero(args) -> list[dict]:
         subprocess.run([*grt, "data", "prepare", "-i", str(text), "--txt-mode", "paragraph", "-t", str(tmp / "tok.model"),
                         "-o", str(tmp / "shards"), "--seq-len", str(args.seq_len), "--shard-size-mb", "0.2", "-q"],
                        check=True, cwd=PROJECT_ROOT, capture_output=True)
-        for ranks, preset, stage, compiled, ckpt, pin in product(args.ranks, args.presets, args.stages, args.compile,
-                                                                  args.checkpointing, args.pin_core):
-            if stage != 3 and pin != args.pin_core[0]:
-                continue  # pinning only exists under ZeRO-3
+        for ranks, preset, stage, compiled, ckpt, pin, persist in product(
+                args.ranks, args.presets, args.stages, args.compile, args.checkpointing, args.pin_core,
+                args.persistence_threshold):
+            if stage != 3 and (pin, persist) != (args.pin_core[0], args.persistence_threshold[0]):
+                continue  # pinning and persistence only exist under ZeRO-3
+            if ckpt != AUTO and ckpt not in modes_for_stage(stage):
+                continue  # refused by `grt train` (selective under ZeRO-3)
             cfg = get_preset(preset).replace(max_seq_len=args.seq_len, vocab_size=512)
-            if (preset, compiled, ckpt) not in bare:
-                bare[(preset, compiled, ckpt)] = _bare_tokens_per_s(cfg, args, compiled, ckpt)
-            ds = tmp / f"zero{stage}.json"
+            ds = tmp / f"zero{stage}-{persist}.json"
             base = json.loads((PROJECT_ROOT / "ds_configs" / f"zero{max(stage, 1)}.json").read_text())
             if stage == 0:
                 base["zero_optimization"] = {"stage": 0}
-            if stage == 3:  # a tiny model's matrices are under the default persistence threshold
-                base["zero_optimization"]["stage3_param_persistence_threshold"] = args.persistence_threshold
+            if stage == 3 and persist != "trainer":
+                base["zero_optimization"]["stage3_param_persistence_threshold"] = int(persist)
             ds.write_text(json.dumps(base))
-            out = tmp / f"run-{ranks}-{preset}-{stage}-{compiled}-{ckpt}-{pin}"
+            out = tmp / f"run-{ranks}-{preset}-{stage}-{compiled}-{ckpt}-{pin}-{persist}"
             cmd = [*(["deepspeed", "--num_gpus", str(ranks), "--no_local_rank", "--module"] if ranks > 1 else [sys.executable, "-m"]),
                    "pretrain.cli", "train", "--preset", preset, "--data", str(tmp / "shards" / "manifest.json"),
                    "--out", str(out), "--steps", str(args.steps), "--micro-batch-size", str(args.micro_batch_size),
@@ -203,10 +207,19 @@ def bench_zero(args) -> list[dict]:
             if proc.returncode != 0:
                 raise RuntimeError(f"{shlex.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
             tokens_per_s = _last_scalar(out / "tb", "perf/tokens_per_s") / ranks  # per rank, as the bare step
+            if ckpt == AUTO:  # the mode `grt train` chose, for the bare step to match
+                ckpt = AUTO + ":" + re.search(r"activation checkpointing auto -> (\w+)",
+                                              (out / "train.log").read_text()).group(1)
+            mode = ckpt.rpartition(":")[2]
+            if (preset, compiled, mode) not in bare:
+                bare[(preset, compiled, mode)] = _bare_tokens_per_s(cfg, args, compiled, mode)
+                if torch.cuda.is_available():  # the next `grt train` (its `auto`) must see the memory free
+                    torch.cuda.empty_cache()
             rows.append({"ranks": ranks, "preset": preset, "zero_stage": stage, "compile": compiled,
-                         "checkpointing": ckpt, "core_pinned": pin if stage == 3 else None, "tokens_per_s_per_rank": tokens_per_s,
-                         "bare_tokens_per_s": bare[(preset, compiled, ckpt)],
-                         "ratio_to_bare": tokens_per_s / bare[(preset, compiled, ckpt)],
+                         "checkpointing": ckpt, "core_pinned": pin if stage == 3 else None,
+                         "persistence": persist if stage == 3 else None, "tokens_per_s_per_rank": tokens_per_s,
+                         "bare_tokens_per_s": bare[(preset, compiled, mode)],
+                         "ratio_to_bare": tokens_per_s / bare[(preset, compiled, mode)],
                          "mfu": _last_scalar(out / "tb", "perf/mfu"),
                          "peak_mb": _last_scalar(out / "tb", "memory/peak_bytes") / 2**20,
                          "param_gathers_per_step": _last_scalar(out / "tb", "zero3/param_gathers") / args.steps
@@ -221,6 +234,12 @@ def _last_scalar(tb_dir: Path, tag: str) -> float:
     events = EventAccumulator(str(tb_dir))
     events.Reload()
     return events.Scalars(tag)[-1].value
+
+
+def _threshold(text: str) -> str:
+    if text != "trainer" and not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of elements or `trainer`")
+    return text
 
 
 def _on_off(text: str) -> bool:
@@ -251,7 +270,7 @@ def main(argv=None) -> int:
     ts.add_argument("--vocab", type=int, default=2048)
     ts.add_argument("--steps", type=int, default=8)
     ts.add_argument("--warmup", type=int, default=2)
-    ts.add_argument("--checkpointing", default="off", choices=["off", "loop_step", "block"])
+    ts.add_argument("--checkpointing", default="off", choices=CHECKPOINT_MODES)
     ts.add_argument("--compile", action="store_true", help="also time torch.compile'd models")
     ts.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast (GPU)")
     ts.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (default: looked up)")
@@ -265,16 +284,19 @@ def main(argv=None) -> int:
     zr.add_argument("--ranks", type=int, nargs="+", default=[1])
     zr.add_argument("--presets", nargs="+", default=["tiny-grt", "tiny-dense"])
     zr.add_argument("--compile", type=_on_off, nargs="+", default=[False, True], metavar="off|on")
-    zr.add_argument("--checkpointing", nargs="+", default=["off", "loop_step"], choices=["off", "loop_step", "block"])
+    zr.add_argument("--checkpointing", nargs="+", default=["off", "loop_step"], choices=[AUTO, *CHECKPOINT_MODES],
+                    help="auto: the row shows the mode `grt train` chose (auto:MODE)")
     zr.add_argument("--depth-sampling", default="fixed", choices=["fixed", "uniform", "poisson"])
     zr.add_argument("--pin-core", type=_on_off, nargs="+", default=[True], metavar="off|on",
                     help="ZeRO-3: keep the looped core gathered (train.zero3_pin_core); `on off` compares both")
     zr.add_argument("--steps", type=int, default=20)
     zr.add_argument("--seq-len", type=int, default=128)
     zr.add_argument("--micro-batch-size", type=int, default=8)
-    zr.add_argument("--persistence-threshold", type=int, default=1000,
-                    help="ZeRO-3 stage3_param_persistence_threshold; the default 1000 makes a tiny model's "
-                         "matrices sharded, as a GPT-2-sized model's are")
+    zr.add_argument("--persistence-threshold", nargs="+", default=["1000"], type=_threshold,
+                    help="ZeRO-3 stage3_param_persistence_threshold, one row each: a number, or `trainer` for "
+                         "the shipped zero3.json's (every parameter on one rank, DeepSpeed's 1e5 otherwise); "
+                         "`trainer 100000` A/Bs it. The default 1000 makes a tiny model's matrices sharded, as "
+                         "a GPT-2-sized model's are")
     for sp in (ts, mem, zr):
         sp.add_argument("--json", action="store_true", help="print machine-readable JSON only")
     args = p.parse_args(argv)

@@ -31,3 +31,12 @@ def depth_for_step(train, max_loops: int, step: int) -> int:
         return 0
     return sample_depth(train.depth_sampling, train.max_train_depth or max_loops, train.seed, step,
                         train.poisson_mean, train.poisson_sigma)
+
+
+def max_depth(train, max_loops: int) -> int:
+    """The deepest loop depth `depth_for_step` can draw under a run's settings."""
+    if max_loops < 1:
+        return 0
+    if train.depth_sampling == "poisson":
+        return int(4 * train.poisson_mean)
+    return train.max_train_depth or max_loops

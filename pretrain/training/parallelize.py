@@ -1,6 +1,6 @@
 """Things applied to a model from outside it: compilation and activation checkpointing.
 
-Checkpointing always uses torch's non-reentrant checkpoint: the reentrant variant (and
+Checkpointing always uses torch's non-reentrant checkpoint (selective checkpointing too): the reentrant variant (and
 DeepSpeed's) fires a shared block's gradient hooks once per loop step and silently
 drops gradients under ZeRO (see docs/zero3.md).
 """
@@ -12,41 +12,127 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from pretrain.config import ModelConfig
 from pretrain.model.gpt import GPT
 from pretrain.model.layers import Block
 
-CHECKPOINT_MODES = ("off", "loop_step", "block")
+# explicit modes, cheapest recompute first; `auto` picks one of AUTO_MODES for the run
+CHECKPOINT_MODES = ("off", "selective", "loop_step", "block")
+AUTO = "auto"
+AUTO_MODES = ("off", "selective", "loop_step")
+# what `auto` may fill: device memory left after the engine is built (weights, optimizer state,
+# buffers) minus headroom for the allocator's fragmentation and ZeRO's gather/reduce buckets
+AUTO_MEMORY_SHARE = 0.8
 
 
-def _checkpoint_forward(module: nn.Module) -> None:
-    """Replace module.forward (on the instance) with a recomputed one; state dict keys stay."""
+def _saved_by_selective() -> list:
+    """The ops whose outputs selective checkpointing keeps: matmuls and attention (the
+    FLOPs). Norms, activations, gates and residual adds are recomputed in the backward."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    ops = [getattr(aten, n).default for n in names if hasattr(aten, n)]
+    flash = getattr(torch.ops, "flash_attn", None)  # flash-attn's own op, when installed
+    if flash is not None and hasattr(flash, "_flash_attn_forward"):
+        ops.append(flash._flash_attn_forward.default)
+    return ops
+
+
+def _selective_contexts():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_saved_by_selective())
+
+
+def _checkpoint_forward(module: nn.Module, selective: bool = False) -> None:
+    """Replace module.forward (on the instance) with a recomputed one; state dict keys stay.
+    selective: keep the outputs of `_saved_by_selective` ops, recompute only the rest."""
     if getattr(module, "_grt_checkpointed", False):
         return
     inner = module.forward
+    options = {"use_reentrant": False, **({"context_fn": _selective_contexts} if selective else {})}
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return checkpoint(inner, *args, **options, **kwargs)
 
     module.forward = forward
     module._grt_checkpointed = True
 
 
 def apply_activation_checkpointing(model: GPT, mode: str) -> GPT:
-    """off: keep all activations; loop_step: recompute each loop step (projection, core,
-    gate) plus each prelude/coda block; block: recompute every transformer block."""
+    """off: keep all activations; selective: per loop step and prelude/coda block, keep the
+    matmul and attention outputs and recompute the cheap ops between them; loop_step:
+    recompute each loop step (projection, core, gate) plus each prelude/coda block; block:
+    recompute every transformer block. (`auto` is resolved first: `choose_checkpointing`.)"""
     if mode not in CHECKPOINT_MODES:
         raise ValueError(f"activation_checkpointing={mode!r}: accepted values are {', '.join(CHECKPOINT_MODES)}")
     if mode == "off":
         return model
-    if mode == "loop_step" and model.loop is not None:
-        _checkpoint_forward(model.loop)
-        units = [*model.prelude, *model.coda]
+    if mode in ("loop_step", "selective"):
+        units = [*model.prelude, *model.coda] + ([model.loop] if model.loop is not None else [])
     else:
         units = [m for m in model.modules() if isinstance(m, Block)]
     for unit in units:
-        _checkpoint_forward(unit)
+        _checkpoint_forward(unit, selective=mode == "selective")
     return model
+
+
+def activation_bytes(cfg: ModelConfig, tokens: int, depth: int, mode: str, dtype_bytes: int) -> int:
+    """Estimated peak activation memory of one training forward and backward of `tokens`
+    tokens at loop depth `depth` under checkpointing `mode`: the tensors the forward keeps
+    for the backward, plus the largest transient (the recompute of one unit, the logits'
+    gradient). Per token and layer, counted from what autograd saves in `pretrain.model`
+    (tests/test_checkpointing.py measures it): a block keeps 16 d-sized tensors (LN inputs
+    and outputs, q/k/v, attention output, the MLP's 4d input and GELU output), 10 of them
+    matmul or attention outputs; a GRT loop step adds 8 for its projection and gate (3 of
+    them matmul outputs); the loss keeps the fp32 log-softmax over the vocabulary."""
+    d, a, layout = cfg.d_model, dtype_bytes, cfg.parsed_layout
+    small = 4 * (cfg.n_heads + 4) + (2 * d if cfg.dropout > 0 else 0)  # fp32 norm stats, attention logsumexp, masks
+    block_full, block_selective = 16 * d * a + small, 10 * d * a + small
+    extra_full, extra_selective = ((8, 3) if cfg.gate else (2, 1))
+    step_full = layout.core * block_full + extra_full * d * a
+    step_selective = layout.core * block_selective + extra_selective * d * a
+    steps = depth if layout.looped else 0
+    units = layout.prelude + layout.coda + steps  # the units loop_step and selective checkpoint
+    unit_input = d * a
+    if mode == "off":
+        kept, recompute = (layout.prelude + layout.coda) * block_full + steps * step_full, 0
+    elif mode == "block":
+        kept = (layout.prelude + layout.coda + steps * layout.core) * unit_input + steps * extra_full * d * a
+        recompute = block_full
+    elif mode == "loop_step":
+        kept, recompute = units * unit_input, max(block_full, step_full if steps else 0)
+    else:  # selective: the recompute rebuilds one unit's cheap tensors
+        kept = units * unit_input + (layout.prelude + layout.coda) * block_selective + steps * step_selective
+        recompute = max(block_full - block_selective, step_full - step_selective if steps else 0)
+    anchor = 2 * d * a if layout.looped else 0  # the anchor terms, computed once per forward
+    head = 4 * cfg.vocab_size + 2 * d * a  # the fp32 log-softmax, the final norm's input and output
+    head_grad = (4 + a) * cfg.padded_vocab_size  # the logits' gradient, in fp32 and in the model's dtype
+    return int(tokens * (kept + anchor + head + max(recompute, head_grad)))
+
+
+def modes_for_stage(zero_stage: int) -> tuple[str, ...]:
+    """The modes a ZeRO stage can run. Under ZeRO-3, torch's selective checkpointing gives
+    wrong gradients upstream of the first checkpointed unit it recomputes in the backward
+    (measured on torch 2.13 with DeepSpeed 0.19.8: the prelude, embeddings and loop, also
+    with every parameter persistent, and also with DeepSpeed's ZeRO-3 linear,
+    `zero3_linear_wrap`, alone without any engine), and its recompute does not repeat the
+    forward's ops once ZeRO-3 gathers a parameter there; so ZeRO-3 refuses it and its
+    `auto` never picks it. ZeRO-0/1/2 and plain PyTorch match the reference."""
+    return tuple(m for m in CHECKPOINT_MODES if not (zero_stage == 3 and m == "selective"))
+
+
+def choose_checkpointing(estimates: dict[str, int], free_bytes: int | None) -> str:
+    """`auto`: the first mode of `estimates` (AUTO_MODES that the ZeRO stage allows, least
+    recompute first) whose estimated activation memory fits AUTO_MEMORY_SHARE of the
+    device's free memory; the last when none does. free_bytes None (the CPU): off."""
+    if free_bytes is None:
+        return "off"
+    for mode, needed in estimates.items():
+        if needed <= AUTO_MEMORY_SHARE * free_bytes:
+            return mode
+    return list(estimates)[-1]
 
 
 def apply_compile(model: GPT) -> GPT:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.config import ConfigError, ModelConfig, check_keys, coerce, load_json_object
-from pretrain.training.parallelize import CHECKPOINT_MODES
+from pretrain.training.parallelize import AUTO, CHECKPOINT_MODES
 from pretrain.presets import get_preset
 
 DEPTH_SAMPLING = ("uniform", "fixed", "poisson", "loguniform")
@@ -39,7 +39,8 @@ class TrainConfig:
                                         # loguniform keeps the loss flat past R (docs/evaluation.md)
     poisson_mean: float = 32.0          # rbar of the heavy-tail Poisson (capped at the layout's R x 4)
     poisson_sigma: float = 0.5
-    activation_checkpointing: str = "loop_step"
+    activation_checkpointing: str = AUTO  # auto: off, selective or loop_step by the device memory left;
+                                          # or one of those, or block (pretrain/training/parallelize.py)
     doc_mask: bool = False              # attend only within a packed document
     precision: str = "auto"             # auto: bf16 on CUDA, fp32 on CPU
     num_workers: int = 0
@@ -72,7 +73,7 @@ class RunConfig:
         checks = [
             (t.depth_sampling in DEPTH_SAMPLING, f"train.depth_sampling={t.depth_sampling!r}: accepted values are {', '.join(DEPTH_SAMPLING)}"),
             (t.precision in PRECISIONS, f"train.precision={t.precision!r}: accepted values are {', '.join(PRECISIONS)}"),
-            (t.activation_checkpointing in CHECKPOINT_MODES, f"train.activation_checkpointing={t.activation_checkpointing!r}: accepted values are {', '.join(CHECKPOINT_MODES)}"),
+            (t.activation_checkpointing in (AUTO, *CHECKPOINT_MODES), f"train.activation_checkpointing={t.activation_checkpointing!r}: accepted values are {', '.join((AUTO, *CHECKPOINT_MODES))}"),
             (t.steps >= 1, f"train.steps={t.steps}: must be >= 1"),
             (t.max_train_depth >= 0, f"train.max_train_depth={t.max_train_depth}: must be >= 0 (0 = the layout's R)"),
             (t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size}: must be >= 1"),

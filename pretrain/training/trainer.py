@@ -6,8 +6,8 @@ Design choices that keep a looped model correct under ZeRO (docs/zero3.md):
 - every training depth is >= 1, so every parameter of the GRT takes part in every step;
 - one all-reduce per micro-batch carries the loss, a non-finite flag, the stop signal and
   the previous step's gradient-norm check, so that every rank skips, stops and saves
-  together. Reading it is the step's one host sync: with one micro-batch per step the
-  loop syncs once per optimizer step outside logging steps (docs/performance.md).
+  together. The host reads them once per optimizer step outside logging steps, whatever
+  grad_accum is (`Trainer.train_step`, docs/performance.md).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -26,13 +27,15 @@ from pretrain.distributed import all_reduce, comm_device, discover, init_distrib
 from pretrain.model import build_model
 from pretrain.model.flops import count_params
 from pretrain.training import checkpoint, deepspeed_internals
-from pretrain.training.depth import depth_for_step
+from pretrain.training.depth import depth_for_step, max_depth
 from pretrain.training.ds_config import build_ds_config, load_ds_json, save_ds_config, zero_stage
 from pretrain.training.health import (Heartbeat, NanInjection, RankFailure, StopSignal, TrainingStopped,
                                       explain_failure, one_line, rss_mb)
 from pretrain.training.metrics import (MetricsWriter, Throughput, human_count, human_duration, memory_scalars,
                                        norms, peak_flops)
-from pretrain.training.parallelize import apply_activation_checkpointing, apply_compile, compile_stats
+from pretrain.training.parallelize import (AUTO, AUTO_MEMORY_SHARE, AUTO_MODES, activation_bytes,
+                                           apply_activation_checkpointing, apply_compile, choose_checkpointing,
+                                           compile_stats, modes_for_stage)
 from pretrain.training.resume import check_resume
 from pretrain.training.run_config import RunConfig, load_manifest, resolve
 
@@ -66,7 +69,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_engine(cfg: RunConfig, world_size: int, device: torch.device):
+def build_engine(cfg: RunConfig, world_size: int, device: torch.device, seq_len: int | None = None):
+    """The DeepSpeed engine and its merged config. Activation checkpointing is applied after
+    DeepSpeed has placed the weights and optimizer state, so that `auto` sees what is left."""
     import deepspeed
 
     ds = build_ds_config(load_ds_json(cfg.ds_config), cfg.train, world_size, device.type == "cuda")
@@ -74,15 +79,40 @@ def build_engine(cfg: RunConfig, world_size: int, device: torch.device):
         model = build_model(cfg.model)
     if cfg.train.compile:
         apply_compile(model)
-    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
                                            config=ds)
+    apply_activation_checkpointing(model, checkpointing_mode(cfg, ds, device, seq_len or cfg.model.max_seq_len))
     deepspeed_internals.check_engine(engine)
     if zero_stage(ds) == 3:
         deepspeed_internals.install_counters()
         if cfg.train.zero3_pin_core and model.loop is not None:
             deepspeed_internals.pin_parameters(engine, model.loop)
     return engine, ds
+
+
+def checkpointing_mode(cfg: RunConfig, ds: dict, device: torch.device, seq_len: int) -> str:
+    """train.activation_checkpointing, with `auto` resolved from the estimated activation
+    memory of one micro-batch at the deepest sampled depth against the device memory left
+    (the least free over the ranks, so that every rank recomputes alike: ZeRO-3 gathers
+    parameters again in a recompute). On the CPU, auto is off. Logs one line."""
+    t = cfg.train
+    if t.activation_checkpointing != AUTO:
+        return t.activation_checkpointing
+    depth, dtype_bytes = max_depth(t, cfg.model.max_loops), 2 if ds["bf16"]["enabled"] else 4
+    estimates = {mode: activation_bytes(cfg.model, t.micro_batch_size * seq_len, depth, mode, dtype_bytes)
+                 for mode in AUTO_MODES if mode in modes_for_stage(zero_stage(ds))}
+    free = None
+    if device.type == "cuda":
+        free_here = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                     - torch.cuda.memory_allocated(device))
+        free = int(all_reduce(torch.tensor(float(free_here), device=comm_device()), op="min").item())
+    mode = choose_checkpointing(estimates, free)
+    log.info("activation checkpointing auto -> %s: estimated activation memory per micro-batch (%d x %d tokens, "
+             "depth up to %d): %s; %s", mode, t.micro_batch_size, seq_len, depth,
+             ", ".join(f"{m} {b / 2**20:,.1f} MiB" for m, b in estimates.items()),
+             f"free device memory {free / 2**20:,.0f} MiB (least over ranks), {AUTO_MEMORY_SHARE:.0%} of it usable"
+             if free is not None else "on the CPU: no checkpointing unless set")
+    return mode
 
 
 def move(batch: dict, device: torch.device, doc_mask: bool):
@@ -111,6 +141,29 @@ def evaluate_depths(model, batches, depths, device, doc_mask=False) -> dict[int,
 
 def allow_data_change(cfg: RunConfig) -> bool:
     return cfg.train.allow_data_change or os.environ.get("GRT_ALLOW_DATA_CHANGE") == "1"
+
+
+class GradientMask:
+    """Zeroes a backward's gradients on the device when a device flag is false, before
+    DeepSpeed accumulates or reduces them: a micro-batch whose non-finite check is not read
+    yet runs its backward under `keep_if(flag)`, and adds nothing if it turns out bad (a
+    non-finite gradient times zero would still be NaN, hence `where`). One hook per
+    parameter, a no-op outside `keep_if`."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.keep: torch.Tensor | None = None
+        self.handles = [p.register_hook(self.mask) for p in module.parameters() if p.requires_grad]
+
+    def mask(self, grad: torch.Tensor) -> torch.Tensor | None:
+        return None if self.keep is None else torch.where(self.keep.to(grad.device), grad, 0.0)
+
+    @contextmanager
+    def keep_if(self, flag: torch.Tensor):
+        self.keep = flag
+        try:
+            yield
+        finally:
+            self.keep = None
 
 
 class StepResult(NamedTuple):
@@ -144,7 +197,11 @@ class Trainer:
         self.cfg = cfg = check_resume(cfg, self.ckpt_root, tag)
         t = cfg.train
         deepspeed_internals.check()
-        build_ds_config(load_ds_json(cfg.ds_config), t, discover().world_size, torch.cuda.is_available())
+        ds = build_ds_config(load_ds_json(cfg.ds_config), t, discover().world_size, torch.cuda.is_available())
+        if t.activation_checkpointing not in (AUTO, *modes_for_stage(zero_stage(ds))):
+            raise ConfigError(f"train.activation_checkpointing={t.activation_checkpointing!r} is refused under ZeRO "
+                              f"stage 3 (wrong gradients, docs/performance.md): use "
+                              f"{', '.join(modes_for_stage(3))} or auto, or ZeRO-2")
         self.check_data_order(tag)
         self.stop = StopSignal()  # before the slow start-up: a signal during it stops after the first step
         self.faults = NanInjection()
@@ -158,7 +215,7 @@ class Trainer:
             torch.cuda.set_device(self.device)
         torch.manual_seed(t.seed + self.rank)
         self.config_json = json.dumps(cfg.to_dict(), indent=2) + "\n"
-        self.engine, self.ds = build_engine(cfg, self.world, self.device)
+        self.engine, self.ds = build_engine(cfg, self.world, self.device, self.manifest.seq_len)
         self.write_run_config()
         self.seq_len = self.manifest.seq_len
         self.tokens_per_step = t.micro_batch_size * t.grad_accum * self.world * self.seq_len
@@ -178,6 +235,7 @@ class Trainer:
         self.stop_flag = torch.zeros((), dtype=torch.float64, device=comm_device())
         self.grad_norm_bad = torch.zeros((), dtype=torch.float64, device=comm_device())
         self.grad_norm = None
+        self.grad_mask = GradientMask(self.engine.module) if t.grad_accum > 1 else None
 
     def check_data_order(self, tag: str | None) -> None:
         """On resume, before any process group: the data must be the data the checkpoint saw."""
@@ -241,12 +299,19 @@ class Trainer:
 
     # -- one optimizer step --------------------------------------------------------------
     def train_step(self, batches, depth: int, log_now: bool) -> StepResult:
-        """grad_accum good micro-batches (a non-finite one is skipped on every rank and
-        replaced by the next), then DeepSpeed's optimizer step. Per micro-batch one
-        all-reduce and one host read; nothing else syncs outside logging steps."""
+        """grad_accum good micro-batches (one with a non-finite loss on any rank is dropped on
+        every rank and replaced by the next), then DeepSpeed's optimizer step.
+
+        Each micro-batch's control vector is all-reduced on the device; the host reads the
+        vectors not read yet once, after the forward of the micro-batch that completes the
+        step if they are all good, before its backward: one host sync per step outside
+        logging steps, whatever grad_accum is. The micro-batches before it run their backward
+        unread, under `GradientMask`: a dropped one's gradients are zeroed on the device, so
+        it adds nothing. A step that dropped one reads again for its replacements."""
         t, engine = self.cfg.train, self.engine
         loss_sum, good, scalars = 0.0, 0, {}
         stop_requested = False
+        unread = []  # the control vectors of the micro-batches run since the last read
         while good < t.grad_accum:
             self.heartbeat.step = self.step
             idx, targets, doc_ids = move(next(batches), self.device, t.doc_mask)
@@ -259,36 +324,52 @@ class Trainer:
             if self.stop.received:
                 self.stop_flag.fill_(1.0)
             detached = loss.detach().double().to(comm_device())
-            control = torch.stack([detached, (~torch.isfinite(detached)).double(), self.stop_flag, self.grad_norm_bad])
-            loss_total, bad, stops, grad_norm_bad = all_reduce(control).tolist()  # the sync
-            if grad_norm_bad > 0:
-                self.stop_on_bad_grad_norm(self.step)
-            stop_requested = stop_requested or stops > 0
-            if bad > 0:  # some rank saw a non-finite loss: every rank skips this micro-batch
-                self.skipped_total += 1
-                self.bad_in_a_row += 1
-                log.warning("non-finite loss at step %d (depth %d): micro-batch skipped on every rank "
-                            "(%d in a row, limit %d)", self.step + 1, depth, self.bad_in_a_row, t.max_bad_steps)
-                if self.bad_in_a_row >= t.max_bad_steps:
-                    raise TrainingStopped(
-                        f"{self.bad_in_a_row} consecutive non-finite losses at step {self.step + 1}; stopping. The last "
-                        f"good checkpoint is {checkpoint.find_latest(self.ckpt_root) or 'none (no checkpoint yet)'} "
-                        f"in {self.ckpt_root}")
+            unread.append(all_reduce(torch.stack([detached, (~torch.isfinite(detached)).double(), self.stop_flag,
+                                                  self.grad_norm_bad])))
+            if good + len(unread) < t.grad_accum:  # not the last one yet: its flag is read later
+                engine.set_gradient_accumulation_boundary(False)
+                with self.grad_mask.keep_if(unread[-1][1] == 0):
+                    engine.backward(loss)
+                engine.step()
                 continue
-            self.bad_in_a_row = 0
+            controls = torch.stack(unread).tolist()  # the sync
+            unread = []
+            for loss_total, bad, stops, grad_norm_bad in controls:
+                if grad_norm_bad > 0:
+                    self.stop_on_bad_grad_norm(self.step)
+                stop_requested = stop_requested or stops > 0
+                if bad > 0:  # some rank saw a non-finite loss: every rank drops this micro-batch
+                    self.skip_bad_micro_batch(depth)
+                    continue
+                self.bad_in_a_row = 0
+                good += 1
+                loss_sum += loss_total / self.world
+            if controls[-1][1] > 0:  # this micro-batch is dropped before its backward
+                continue
+            engine.set_gradient_accumulation_boundary(good == t.grad_accum)
             engine.backward(loss)
-            good += 1
             if log_now and good == t.grad_accum:  # the gradients are complete until engine.step() clears them
                 scalars.update(norms(engine.module, self.world))
                 scalars.update({f"gate/mean_step_{i}": g.detach().float().mean() for i, g in enumerate(out.gates, 1)})
             engine.step()
-            loss_sum += loss_total / self.world
         grad_norm = engine.get_global_grad_norm()
         if grad_norm is not None:  # checked inside the next step's control vector (or by check_grad_norm)
             self.grad_norm = torch.as_tensor(grad_norm, dtype=torch.float64).to(comm_device(), non_blocking=True)
             self.grad_norm_bad = (~torch.isfinite(self.grad_norm)).double()
         return StepResult(loss_sum / t.grad_accum, stop_requested,
                           {k: float(v) for k, v in scalars.items()})
+
+    def skip_bad_micro_batch(self, depth: int) -> None:
+        t = self.cfg.train
+        self.skipped_total += 1
+        self.bad_in_a_row += 1
+        log.warning("non-finite loss at step %d (depth %d): micro-batch skipped on every rank "
+                    "(%d in a row, limit %d)", self.step + 1, depth, self.bad_in_a_row, t.max_bad_steps)
+        if self.bad_in_a_row >= t.max_bad_steps:
+            raise TrainingStopped(
+                f"{self.bad_in_a_row} consecutive non-finite losses at step {self.step + 1}; stopping. The last "
+                f"good checkpoint is {checkpoint.find_latest(self.ckpt_root) or 'none (no checkpoint yet)'} "
+                f"in {self.ckpt_root}")
 
     def check_grad_norm(self) -> float:
         """Stop now if the last step's gradient norm was not finite (a host sync: logging,

@@ -3,9 +3,10 @@
 usage: count_syncs.py OUT_JSON grt-train-args...
 
 A host sync is a call that makes the CPU wait for the device: Tensor.item, tolist,
-__bool__, __float__, __int__, cpu, numpy. Each call is attributed by its Python stack:
-`deepspeed` (inside DeepSpeed), `data` (the host-side data pipeline, whose tensors are
-on the CPU by construction) or `project` (the trainer and the model). The counts between
+__bool__, __float__, __int__, cpu, numpy. Each call is attributed to its innermost caller
+of these: `deepspeed` (DeepSpeed's code, its hooks included), `data` (the host-side data
+pipeline, whose tensors are on the CPU by construction) or `project` (the trainer and the
+model, whose forward runs inside DeepSpeed's engine). The counts between
 two per-step records (`MetricsWriter.step_record`, written once per step after its
 logging) are that step's. At step 3 the run also issues two warnings that must be shown.
 """
@@ -27,17 +28,19 @@ per_step = []
 
 
 def origin() -> str | None:
-    frame, kinds = sys._getframe(2), set()
+    """The innermost caller that is DeepSpeed's, the data pipeline's or the project's: the
+    model's forward runs inside DeepSpeed's engine, and its syncs are the project's."""
+    frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
         if "/deepspeed/" in name:
             return "deepspeed"
         if name.startswith(str(REPO / "data_pipeline")):
-            kinds.add("data")
-        elif name.startswith(str(REPO / "pretrain")):
-            kinds.add("project")
+            return "data"
+        if name.startswith(str(REPO / "pretrain")):
+            return "project"
         frame = frame.f_back
-    return "data" if "data" in kinds else ("project" if kinds else None)
+    return None
 
 
 def counting(original):

@@ -1,7 +1,7 @@
 """Compare DeepSpeed's full gradients (ZeRO stage N, W ranks, grad accumulation 2) with a
 single-process reference on the same global batch, over several depths in a row.
 
-usage: grad_check.py STAGE PRESET[,PRESET...] OUT_JSON [DEPTHS]   (run as W ranks; writes a report from
+usage: grad_check.py STAGE PRESET[,PRESET...] OUT_JSON [DEPTHS [CHECKPOINTING]]   (run as W ranks; writes a report from
 rank 0: {"steps": [...]} for one preset, {preset: {"steps": [...]}} for several). Every random
 perturbation is off (baselines.noise_off). "unused_with_nonzero_grad" lists the parameters a depth
 does not reach (the loop at depth 0, per-step LoRA adapters and routers past the depth) whose
@@ -29,6 +29,7 @@ from pretrain.training.trainer import build_engine  # noqa: E402
 
 stage, presets, out_path = int(sys.argv[1]), sys.argv[2].split(","), Path(sys.argv[3])
 depths = [int(d) for d in (sys.argv[4] if len(sys.argv) > 4 else "3,1,0,2").split(",")]
+checkpointing = sys.argv[5] if len(sys.argv) > 5 else "loop_step"
 GA, B, T = 2, 2, 16
 
 
@@ -56,7 +57,7 @@ def check(preset: str) -> dict:
     cfg = RunConfig(data="unused", ds_config=ds_config_path())
     cfg.model = noise_off(get_preset(preset).replace(max_seq_len=T))
     cfg.train.micro_batch_size, cfg.train.grad_accum = B, GA
-    cfg.train.activation_checkpointing = "loop_step"
+    cfg.train.activation_checkpointing = checkpointing
     cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps = 1e-2, 0, 100
     torch.manual_seed(0)
     engine, _ = build_engine(cfg, world, torch.device("cpu"))
