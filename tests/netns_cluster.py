@@ -28,6 +28,8 @@ import subprocess
 import time
 from typing import Dict, List, Optional
 
+from slurm_cluster import _pid_alive
+
 PREFIX = "grtc"  # namespaces, links and node names: grtc<owner pid>...
 SSH_PORT = 2222
 NETNS_ETC = "/etc/netns"
@@ -50,16 +52,6 @@ def unavailable_reason() -> Optional[str]:
         return f"`ip netns add` failed: {r.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:

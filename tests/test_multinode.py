@@ -191,23 +191,14 @@ def test_three_node_cluster_is_removed_even_after_a_failure(tmp_path):
 # --------------------------------------------------------------------------- launchers
 
 
-def test_deepspeed_runner_over_pdsh(cluster, reference, tmp_path):
-    out = tmp_path / "run"
-    watch = RankWatch(cluster)
-    launch_on_node0(cluster, ["--launcher", "deepspeed", "--hostfile", cluster.hostfile(), "--cpu",
-                              "--procs-per-node", "1", "--master-port", str(free_port()),
-                              "--", *run_args(out)], tmp_path / "launch.log")
-    watch.check()
-    check_trained(out, STEPS)
-    assert_losses_match(out, reference, STEPS)
-
-
-def test_mpirun_over_ssh(cluster, reference, tmp_path):
-    if shutil.which("mpirun") is None:
+@pytest.mark.parametrize("launcher", ["deepspeed", "mpi"])
+def test_launcher_across_nodes(cluster, reference, tmp_path, launcher):
+    """The deepspeed runner over pdsh, and mpirun over ssh, from node 0 with the cluster's hostfile."""
+    if launcher == "mpi" and shutil.which("mpirun") is None:
         pytest.skip("mpirun not installed (Debian package openmpi-bin)")
     out = tmp_path / "run"
     watch = RankWatch(cluster)
-    launch_on_node0(cluster, ["--launcher", "mpi", "--hostfile", cluster.hostfile(), "--cpu",
+    launch_on_node0(cluster, ["--launcher", launcher, "--hostfile", cluster.hostfile(), "--cpu",
                               "--procs-per-node", "1", "--master-port", str(free_port()),
                               "--", *run_args(out)], tmp_path / "launch.log")
     watch.check()
