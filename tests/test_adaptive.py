@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from pretrain.config import ConfigError
-from pretrain.infer.adaptive import adaptive_forward, adaptive_sums, adaptive_table, parse_thresholds
+from pretrain.infer.adaptive import adaptive_forward, adaptive_table, parse_thresholds
+from pretrain.infer.scoring import adaptive_sums
 from pretrain.infer.evaluate import main as eval_main
 from pretrain.model import build_model
 from pretrain.presets import get_preset

@@ -26,7 +26,7 @@ X --exit-rule update|kl` runs the same rule at decode (pretrain/infer/kv_cache.p
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -109,27 +109,6 @@ def adaptive_forward(model: GPT, idx: torch.Tensor, threshold: float, criterion:
     steps = torch.zeros(idx.shape, dtype=torch.long, device=idx.device)
     s, _ = adaptive_loop(s, step, n_max, threshold, criterion, decode, active, steps)
     return model.decode(s, ctx), steps
-
-
-@torch.no_grad()
-def adaptive_sums(model: GPT, batches: Iterable[dict], thresholds: list[float], device, criterion: str = "update",
-                  max_steps: int | None = None, dist=None, doc_mask: bool = False) -> torch.Tensor:
-    """[len(thresholds), 3] on the CPU: summed NLL, scored tokens and summed loop steps of the
-    scored tokens, per threshold, summed over ranks (doc_mask: attend within documents, as lm_sums)."""
-    from pretrain.infer.scoring import sum_over_ranks  # here: scoring imports kv_cache, which imports this module
-
-    sums = torch.zeros(len(thresholds), 3, dtype=torch.float64, device=device)
-    for batch in batches:
-        idx, targets = batch["input_ids"].to(device), batch["targets"].to(device)
-        doc_ids = batch["doc_ids"].to(device) if doc_mask and "doc_ids" in batch else None
-        scored = targets != -100
-        for i, thr in enumerate(thresholds):
-            logits, steps = adaptive_forward(model, idx, thr, criterion, max_steps, doc_ids)
-            sums[i, 0] += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
-                                          reduction="sum")
-            sums[i, 1] += scored.sum()
-            sums[i, 2] += steps[scored].sum()
-    return sum_over_ranks(sums, dist)
 
 
 def adaptive_table(sums: torch.Tensor, thresholds: list[float]) -> dict[float, dict]:

@@ -32,8 +32,8 @@ from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError
 from pretrain.distributed import Dist, is_main, join_launch, run_command
 from pretrain.infer.kv_cache import STRATEGIES
-from pretrain.infer.adaptive import CRITERIA, adaptive_sums, adaptive_table, check_criterion, parse_thresholds
-from pretrain.infer.scoring import jsonable, lm_sums, lm_sums_cached, val_batches
+from pretrain.infer.adaptive import CRITERIA, adaptive_table, check_criterion, parse_thresholds
+from pretrain.infer.scoring import adaptive_sums, jsonable, lm_sums, lm_sums_cached, val_batches
 from pretrain.infer.zero_shot import TASKS, evaluate_task, load_task
 from pretrain.model import GPT
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.distributed import all_reduce, comm_device
+from pretrain.infer.adaptive import adaptive_forward
 from pretrain.infer.kv_cache import CachedDecoder
 from pretrain.model import GPT
 from pretrain.model.layers import AttentionContext
@@ -106,3 +107,22 @@ def jsonable(obj):
     if isinstance(obj, (list, tuple)):
         return [jsonable(v) for v in obj]
     return obj
+
+
+@torch.no_grad()
+def adaptive_sums(model: GPT, batches: Iterable[dict], thresholds: list[float], device, criterion: str = "update",
+                  max_steps: int | None = None, dist=None, doc_mask: bool = False) -> torch.Tensor:
+    """[len(thresholds), 3] on the CPU: summed NLL, scored tokens and summed loop steps of the
+    scored tokens, per threshold, summed over ranks (doc_mask: attend within documents, as lm_sums)."""
+    sums = torch.zeros(len(thresholds), 3, dtype=torch.float64, device=device)
+    for batch in batches:
+        idx, targets = batch["input_ids"].to(device), batch["targets"].to(device)
+        doc_ids = batch["doc_ids"].to(device) if doc_mask and "doc_ids" in batch else None
+        scored = targets != -100
+        for i, thr in enumerate(thresholds):
+            logits, steps = adaptive_forward(model, idx, thr, criterion, max_steps, doc_ids)
+            sums[i, 0] += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                          reduction="sum")
+            sums[i, 1] += scored.sum()
+            sums[i, 2] += steps[scored].sum()
+    return sum_over_ranks(sums, dist)

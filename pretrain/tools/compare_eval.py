@@ -61,10 +61,10 @@ def final_evals(cfg: RunConfig, exit_factor: int) -> dict:
     """{"exit_curve": {r: loss} for r = 0..F*R (F > 1, else None), "extrapolation": {f*R: loss},
     "adaptive_exit": {label: {loss, mean_steps}}, "learned_exit": {...} or None} of a looped run."""
     from pretrain.distributed import Dist
-    from pretrain.infer.adaptive import adaptive_sums, adaptive_table
+    from pretrain.infer.adaptive import adaptive_table
     from pretrain.infer.evaluate import loss_table
     from pretrain.infer.load import load_model, pick_device, resolve_checkpoint
-    from pretrain.infer.scoring import lm_sums, val_batches
+    from pretrain.infer.scoring import adaptive_sums, lm_sums, val_batches
 
     out, t, r = Path(cfg.out), cfg.train, cfg.model.max_loops
     settings = {"checkpoint": resolve_checkpoint(out).name, "exit_factor": exit_factor,
