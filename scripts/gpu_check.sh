@@ -80,7 +80,7 @@ train "train-$large-z3" "run-$large-z3" "$large" 3 "$steps"
 # continue the ZeRO-3 run from its last checkpoint
 train "resume-$small-z3" "run-$small-z3" "$small" 3 "$resume_steps" --resume
 export_dir="$out/export-$small"
-row export 3 grt export --checkpoint "$out/run-$small-z3" --out "$export_dir"
+row export 3 grt export --checkpoint "$out/run-$small-z3" --out "$export_dir" --no-hf  # no transformers on the GPU machine
 row eval - grt eval "$export_dir" --tasks val --data "$data" --max-batches "$eval_batches" \
   --json-out "$out/eval.json"
 row generate - grt generate "$export_dir" --prompt "ROMEO:" --max-new-tokens 64 --kv-cache first
