@@ -101,23 +101,6 @@ def reap_stale() -> List[str]:
 _clusters_made = 0  # in this process: part of the names, so that two clusters can be up at once
 
 
-def _free_subnet() -> ipaddress.IPv4Network:
-    """A /24 in 10.213.0.0/16 that no route of this machine overlaps."""
-    used = []
-    for line in _ip("-4", "route", "show", "table", "all", check=False).stdout.splitlines():
-        token = line.split()[0] if line.split() else ""
-        if token[:1].isdigit():
-            try:
-                used.append(ipaddress.ip_network(token if "/" in token else token + "/32", strict=False))
-            except ValueError:
-                pass
-    for k in range(256):
-        net = ipaddress.ip_network(f"10.213.{(os.getpid() + _clusters_made + k) % 254 + 1}.0/24")
-        if not any(net.overlaps(u) for u in used):
-            return net
-    raise ClusterUnavailable("no free /24 in 10.213.0.0/16 for the test cluster")
-
-
 class NetnsCluster:
     def __init__(self, workdir: str, nodes: int = 2):
         self.dir = os.path.abspath(workdir)
@@ -128,6 +111,8 @@ class NetnsCluster:
         self.prefix = f"{PREFIX}{os.getpid()}c{_clusters_made % 10}"
         if nodes > 10:
             raise ClusterUnavailable("at most 10 nodes (link names are limited to 15 characters)")
+        # each cluster's bridge is a segment of its own: distinct subnets only for people reading logs
+        self.net = ipaddress.ip_network(f"10.213.{(os.getpid() + _clusters_made) % 254 + 1}.0/24")
         self.bridge = f"{self.prefix}br"
         self.names = [f"{self.prefix}n{i}" for i in range(nodes)]  # hostnames
         self.namespaces = list(self.names)
@@ -199,8 +184,7 @@ class NetnsCluster:
         return self
 
     def _start(self, timeout: float) -> None:
-        net = _free_subnet()
-        hosts = list(net.hosts())
+        hosts = list(self.net.hosts())
         self.addrs = [str(hosts[i + 1]) for i in range(self.n)]
         os.makedirs(self.dir, exist_ok=True)
         _ip("link", "add", self.bridge, "type", "bridge")
@@ -218,7 +202,7 @@ class NetnsCluster:
             _ip("link", "set", veth, "master", self.bridge)
             _ip("link", "set", veth, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "addr", "add", f"{self.addrs[i]}/{net.prefixlen}", "dev", "eth0")
+            _ip("-n", ns, "addr", "add", f"{self.addrs[i]}/{self.net.prefixlen}", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
         self._start_ssh(timeout)
 
