@@ -5,7 +5,8 @@ hostname (a UTS namespace: `socket.gethostname()` in the node says `grtc<pid>c<k
 file naming every node (/etc/netns/<ns>/hosts, bound over /etc/hosts for what runs there,
 as `ip netns exec` does), and its own sshd (host and user keys made per cluster, root login by
 key). The filesystem is shared, as on a cluster with a shared home/scratch. Nothing here
-touches the machine's own network, /etc/hosts, ~/.ssh or a running sshd.
+touches the machine's own network, /etc/hosts, ~/.ssh or a running sshd; /etc/netns and
+/run/sshd (sshd's privilege separation directory) are removed by the last stop() if made here.
 
     cluster = NetnsCluster(workdir, nodes=2).start()   # raises ClusterUnavailable with the reason
     cluster.run(0, ["hostname"])                        # a command on node 0 (its env: cluster.env)
@@ -26,7 +27,7 @@ import shutil
 import signal
 import subprocess
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 from slurm_cluster import _pid_alive
 
@@ -79,26 +80,62 @@ def _kill_namespace(ns: str) -> None:
 
 
 def reap_stale() -> List[str]:
-    """Remove namespaces and links of clusters whose test process is gone."""
+    """Remove namespaces, links and /etc/netns entries of clusters whose test process is gone
+    (an entry outlives its namespace when a run dies between `ip netns del` and removing it)."""
     reaped = []
     pattern = re.compile(re.escape(PREFIX) + r"(\d+)")
+
+    def stale(name: str) -> bool:
+        m = pattern.match(name)
+        return bool(m) and not _pid_alive(int(m.group(1)))
+
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         ns = line.split()[0] if line.split() else ""
-        m = pattern.match(ns)
-        if m and not _pid_alive(int(m.group(1))):
+        if stale(ns):
             _kill_namespace(ns)
             reaped.append(ns)
     for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
         parts = line.split(":")
         link = parts[1].strip().split("@")[0] if len(parts) > 1 else ""
-        m = pattern.match(link)
-        if m and not _pid_alive(int(m.group(1))):
+        if stale(link):
             _ip("link", "del", link, check=False)
             reaped.append(link)
+    for entry in os.listdir(NETNS_ETC) if os.path.isdir(NETNS_ETC) else []:
+        if stale(entry):
+            shutil.rmtree(os.path.join(NETNS_ETC, entry), ignore_errors=True)
+            reaped.append(entry)
     return reaped
 
 
 _clusters_made = 0  # in this process: part of the names, so that two clusters can be up at once
+# The directories that clusters need and this process created (absent before): removed by the
+# last cluster's stop, so that the machine is left as found. A directory that another process
+# created stays (it cannot tell whether it was there before).
+SHARED_DIRS = (NETNS_ETC, "/run/sshd")  # /run/sshd: sshd's privilege separation directory
+_dirs_made: Set[str] = set()
+
+
+def _make_shared_dir(path: str) -> None:
+    try:
+        os.mkdir(path)
+        _dirs_made.add(path)
+    except FileExistsError:
+        pass
+
+
+def _remove_shared_dirs() -> None:
+    """rmdir what this process made, once no cluster (of any process) is up: /run/sshd is empty
+    while another cluster's sshd needs it."""
+    if any(line.startswith(PREFIX) for line in _ip("netns", "list", check=False).stdout.splitlines()):
+        return
+    for path in list(_dirs_made):
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            pass
+        except OSError:  # not empty: another tool's entries
+            continue
+        _dirs_made.discard(path)
 
 
 class NetnsCluster:
@@ -187,6 +224,8 @@ class NetnsCluster:
         hosts = list(self.net.hosts())
         self.addrs = [str(hosts[i + 1]) for i in range(self.n)]
         os.makedirs(self.dir, exist_ok=True)
+        for path in SHARED_DIRS:
+            _make_shared_dir(path)
         _ip("link", "add", self.bridge, "type", "bridge")
         self._created.append(self.bridge)
         _ip("link", "set", self.bridge, "up")
@@ -209,7 +248,6 @@ class NetnsCluster:
     def _start_ssh(self, timeout: float) -> None:
         os.makedirs(self.ssh_dir, exist_ok=True)
         os.makedirs(self.bin_dir, exist_ok=True)
-        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege separation directory (Debian's unit makes it)
         key = os.path.join(self.ssh_dir, "id_ed25519")
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key], check=True)
         shutil.copy(key + ".pub", os.path.join(self.ssh_dir, "authorized_keys"))
@@ -261,7 +299,8 @@ class NetnsCluster:
                     time.sleep(0.2)
 
     def stop(self) -> None:
-        """Kill every process in the nodes, delete the namespaces, their links and the bridge."""
+        """Kill every process in the nodes, delete the namespaces, their links and the bridge, and
+        the directories that the cluster made (once no other cluster is up)."""
         for ns in reversed(self._created):
             if ns in self.namespaces:
                 _kill_namespace(ns)
@@ -272,6 +311,7 @@ class NetnsCluster:
         if self.bridge in self._created:
             _ip("link", "del", self.bridge, check=False)
         self._created.clear()
+        _remove_shared_dirs()
 
 
 def netns_slurm(cluster: NetnsCluster, state_dir: str):

@@ -159,9 +159,11 @@ def _netns_names():
 def test_three_node_cluster_is_removed_even_after_a_failure(tmp_path):
     """3 nodes: each reaches every other by name over ssh, with its own hostname; a failure
     inside still ends with every process in the nodes killed and namespaces, links, bridge and
-    hosts files gone. Leftovers of a dead test process are reaped at the next start."""
-    from netns_cluster import NETNS_ETC, PREFIX, reap_stale
+    hosts files gone, and the machine's /etc/netns and /run/sshd as they were. Leftovers of a
+    dead test process are removed by the next start, whose stop leaves the first cluster working."""
+    from netns_cluster import NETNS_ETC, PREFIX, SHARED_DIRS
 
+    found = {d: os.path.isdir(d) for d in SHARED_DIRS}
     c = NetnsCluster(str(tmp_path / "c3"), nodes=3)
     try:
         c.start()
@@ -173,6 +175,22 @@ def test_three_node_cluster_is_removed_even_after_a_failure(tmp_path):
             r = c.run(2, ["sh", "-c", f"hostname; ssh {c.names[0]} hostname; ssh {c.names[1]} hostname"])
             assert r.stdout.split() == [c.names[2], c.names[0], c.names[1]]
             sleeper = c.popen(1, ["sleep", "600"])
+            # what a cluster whose test process died can leave: a namespace with a process in it and
+            # its hosts file, and a hosts file whose namespace is gone (a death between the two removals)
+            dead = subprocess.Popen(["true"])
+            dead.wait()
+            stale, orphan = f"{PREFIX}{dead.pid}c1n0", f"{PREFIX}{dead.pid}c1n1"
+            subprocess.run(["ip", "netns", "add", stale], check=True)
+            stale_sleeper = subprocess.Popen(["nsenter", f"--net=/run/netns/{stale}", "sleep", "600"])
+            for ns in (stale, orphan):
+                os.makedirs(os.path.join(NETNS_ETC, ns))
+                open(os.path.join(NETNS_ETC, ns, "hosts"), "w").close()
+            NetnsCluster(str(tmp_path / "c1"), nodes=1).start().stop()
+            assert stale_sleeper.wait(timeout=10) == -signal.SIGKILL
+            assert stale not in _netns_names()
+            assert not any(os.path.exists(os.path.join(NETNS_ETC, ns)) for ns in (stale, orphan))
+            # the other cluster's stop left what this one's sshd needs
+            assert c.run(2, ["ssh", c.names[0], "hostname"]).stdout.strip() == c.names[0]
             raise RuntimeError("a test failing")
         finally:
             c.stop()
@@ -180,12 +198,8 @@ def test_three_node_cluster_is_removed_even_after_a_failure(tmp_path):
     assert not any(n in _netns_names() for n in c.names)
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert c.prefix not in links and not any(os.path.exists(os.path.join(NETNS_ETC, n)) for n in c.names)
-    # a cluster whose test process died: removed by the next start (reap_stale)
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    stale = f"{PREFIX}{dead.pid}n0"
-    subprocess.run(["ip", "netns", "add", stale], check=True)
-    assert stale in reap_stale() and stale not in _netns_names()
+    if not any(ns.startswith(PREFIX) for ns in _netns_names().splitlines()):  # else another run's cluster is up
+        assert {d: os.path.isdir(d) for d in SHARED_DIRS} == found
 
 
 # --------------------------------------------------------------------------- launchers
