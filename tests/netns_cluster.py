@@ -27,7 +27,7 @@ import shutil
 import signal
 import subprocess
 import time
-from typing import Dict, List, Optional, Set
+from typing import IO, Dict, List, Optional, Set
 
 from slurm_cluster import _pid_alive
 
@@ -140,14 +140,14 @@ def _remove_shared_dirs() -> None:
 
 class NetnsCluster:
     def __init__(self, workdir: str, nodes: int = 2):
+        # <= 15 characters for every link name: grtc + pid (<= 7 digits) + c<k> + br / v<i>
+        if not 1 <= nodes <= 10:
+            raise ValueError(f"1 to 10 nodes (link names are limited to 15 characters), not {nodes}")
         self.dir = os.path.abspath(workdir)
         self.n = nodes
         global _clusters_made
         _clusters_made += 1
-        # <= 15 characters for every link name: grtc + pid (<= 7 digits) + c<k> + br / v<i>
         self.prefix = f"{PREFIX}{os.getpid()}c{_clusters_made % 10}"
-        if nodes > 10:
-            raise ClusterUnavailable("at most 10 nodes (link names are limited to 15 characters)")
         # each cluster's bridge is a segment of its own: distinct subnets only for people reading logs
         self.net = ipaddress.ip_network(f"10.213.{(os.getpid() + _clusters_made) % 254 + 1}.0/24")
         self.bridge = f"{self.prefix}br"
@@ -158,6 +158,7 @@ class NetnsCluster:
         self.bin_dir = os.path.join(self.dir, "bin")
         self.ssh_config = os.path.join(self.ssh_dir, "config")
         self.sshd: List[subprocess.Popen] = []
+        self._logs: List[IO] = []  # the sshd logs, closed by stop()
         self._created: List[str] = []
 
     # ----------------------------------------------------------------- running things in a node
@@ -267,8 +268,9 @@ class NetnsCluster:
                         # as many parallel logins as pdsh and mpirun open at once
                         "MaxStartups 100\nMaxSessions 100\n")
             sshd = shutil.which("sshd") or "/usr/sbin/sshd"
-            log = open(os.path.join(self.ssh_dir, f"sshd_{name}.log"), "w")
-            self.sshd.append(self.popen(i, [sshd, "-D", "-e", "-f", conf], stdout=log, stderr=subprocess.STDOUT))
+            self._logs.append(open(os.path.join(self.ssh_dir, f"sshd_{name}.log"), "w"))
+            self.sshd.append(self.popen(i, [sshd, "-D", "-e", "-f", conf], stdout=self._logs[-1],
+                                        stderr=subprocess.STDOUT))
         with open(os.path.join(self.ssh_dir, "known_hosts"), "w") as f:
             f.writelines(known)
         with open(self.ssh_config, "w") as f:
@@ -304,10 +306,17 @@ class NetnsCluster:
         for ns in reversed(self._created):
             if ns in self.namespaces:
                 _kill_namespace(ns)
-        for p in self.sshd:
+        for p in self.sshd:  # SIGKILLed with their namespace; bounded: one stuck in the kernel must not hang stop()
             if p.poll() is None:
                 p.kill()
-            p.wait()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self.sshd.clear()
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
         if self.bridge in self._created:
             _ip("link", "del", self.bridge, check=False)
         self._created.clear()
@@ -346,8 +355,12 @@ def main(argv=None) -> int:
     p.add_argument("--slurm", action="store_true", help="also slurmctld on node 0 and a slurmd on every node")
     args = p.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    cluster, slurm = NetnsCluster(args.dir, args.nodes), None
+    cluster = slurm = None
+    # a signal ends the loop below as Ctrl-C does, also while the cluster comes up: stop() runs
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: sys.exit(0))
     try:
+        cluster = NetnsCluster(args.dir, args.nodes)
         cluster.start()
         if args.slurm:
             slurm = netns_slurm(cluster, os.path.join(cluster.dir, "slurm")).start()
@@ -355,18 +368,18 @@ def main(argv=None) -> int:
               f"hostfile: {cluster.hostfile()}\n"
               f"a shell on node 0: {os.path.join(cluster.bin_dir, cluster.names[0])}  (a command: ... CMD ARGS)"
               + (f"\nSlurm: export SLURM_CONF={slurm.conf}" if slurm else "") + "\nCtrl-C tears it down.", flush=True)
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         while True:
             time.sleep(3600)
     except (KeyboardInterrupt, SystemExit):
         return 0
-    except (ClusterUnavailable, RuntimeError) as e:  # RuntimeError: slurm_cluster.SlurmUnavailable
+    except (ClusterUnavailable, RuntimeError, ValueError) as e:  # slurm_cluster.SlurmUnavailable; --nodes
         print(f"netns_cluster: {e}", file=sys.stderr)
         return 1
     finally:
         if slurm is not None:
             slurm.stop()
-        cluster.stop()
+        if cluster is not None:
+            cluster.stop()
 
 
 if __name__ == "__main__":

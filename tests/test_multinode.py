@@ -202,6 +202,14 @@ def test_three_node_cluster_is_removed_even_after_a_failure(tmp_path):
         assert {d: os.path.isdir(d) for d in SHARED_DIRS} == found
 
 
+@pytest.mark.parametrize("nodes", [0, 11])
+def test_cluster_command_rejects_a_bad_node_count_in_one_line(tmp_path, nodes):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "netns_cluster.py"), str(tmp_path / "c"),
+                        "--nodes", str(nodes)], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (1, "")
+    assert r.stderr == f"netns_cluster: 1 to 10 nodes (link names are limited to 15 characters), not {nodes}\n"
+
+
 # --------------------------------------------------------------------------- launchers
 
 
