@@ -282,9 +282,11 @@ def test_slurm_two_nodes(cluster, slurm, reference, tmp_path):
 
 
 def test_slurm_preempted_two_node_job_checkpoints_and_requeue_resumes(cluster, slurm, reference, tmp_path):
-    """SIGTERM to the batch script (as Slurm's pre-emption does) reaches the ranks on both
-    nodes through srun; they agree on one step, save one checkpoint and exit 0; the script
-    requeues the job, which resumes from that checkpoint and reproduces the reference."""
+    """SIGTERM to the batch script (as Slurm's pre-emption does) is forwarded by the script to
+    the ranks on both nodes with `scancel --signal=TERM $SLURM_JOB_ID` (every step but the
+    script's), not through srun, which answers SIGTERM by killing every rank at once; they agree
+    on one step, save one checkpoint and exit 0; the script requeues the job, which resumes
+    from that checkpoint and reproduces the reference."""
     out = tmp_path / "run"
     # checkpoints only at the signal and at the end, so that the signal's one is kept to look at
     job = submit(cluster, slurm, out, "--requeue", "--", *run_args(out, REF_STEPS, "--set", "train.save_every=0"),
