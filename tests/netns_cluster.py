@@ -247,7 +247,8 @@ class NetnsCluster:
         self._start_ssh(timeout)
 
     def _start_ssh(self, timeout: float) -> None:
-        os.makedirs(self.ssh_dir, exist_ok=True)
+        shutil.rmtree(self.ssh_dir, ignore_errors=True)  # a former cluster's keys: ssh-keygen would ask to overwrite
+        os.makedirs(self.ssh_dir)
         os.makedirs(self.bin_dir, exist_ok=True)
         key = os.path.join(self.ssh_dir, "id_ed25519")
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key], check=True)
