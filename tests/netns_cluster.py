@@ -5,7 +5,8 @@ hostname (a UTS namespace: `socket.gethostname()` in the node says `grtc<pid>c<k
 file naming every node (/etc/netns/<ns>/hosts, bound over /etc/hosts for what runs there,
 as `ip netns exec` does), and its own sshd (host and user keys made per cluster, root login by
 key). The filesystem is shared, as on a cluster with a shared home/scratch. Nothing here
-touches the machine's own network, /etc/hosts, ~/.ssh or a running sshd.
+touches the machine's own network, /etc/hosts, ~/.ssh or a running sshd; /etc/netns and
+/run/sshd (sshd's privilege separation directory) are removed by the last stop() if made here.
 
     cluster = NetnsCluster(workdir, nodes=2).start()   # raises ClusterUnavailable with the reason
     cluster.run(0, ["hostname"])                        # a command on node 0 (its env: cluster.env)
@@ -26,7 +27,7 @@ import shutil
 import signal
 import subprocess
 import time
-from typing import Dict, List, Optional
+from typing import IO, Dict, List, Optional, Set
 
 from slurm_cluster import _pid_alive
 
@@ -79,55 +80,76 @@ def _kill_namespace(ns: str) -> None:
 
 
 def reap_stale() -> List[str]:
-    """Remove namespaces and links of clusters whose test process is gone."""
+    """Remove namespaces, links and /etc/netns entries of clusters whose test process is gone
+    (an entry outlives its namespace when a run dies between `ip netns del` and removing it)."""
     reaped = []
     pattern = re.compile(re.escape(PREFIX) + r"(\d+)")
+
+    def stale(name: str) -> bool:
+        m = pattern.match(name)
+        return bool(m) and not _pid_alive(int(m.group(1)))
+
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         ns = line.split()[0] if line.split() else ""
-        m = pattern.match(ns)
-        if m and not _pid_alive(int(m.group(1))):
+        if stale(ns):
             _kill_namespace(ns)
             reaped.append(ns)
     for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
         parts = line.split(":")
         link = parts[1].strip().split("@")[0] if len(parts) > 1 else ""
-        m = pattern.match(link)
-        if m and not _pid_alive(int(m.group(1))):
+        if stale(link):
             _ip("link", "del", link, check=False)
             reaped.append(link)
+    for entry in os.listdir(NETNS_ETC) if os.path.isdir(NETNS_ETC) else []:
+        if stale(entry):
+            shutil.rmtree(os.path.join(NETNS_ETC, entry), ignore_errors=True)
+            reaped.append(entry)
     return reaped
 
 
 _clusters_made = 0  # in this process: part of the names, so that two clusters can be up at once
+# The directories that clusters need and this process created (absent before): removed by the
+# last cluster's stop, so that the machine is left as found. A directory that another process
+# created stays (it cannot tell whether it was there before).
+SHARED_DIRS = (NETNS_ETC, "/run/sshd")  # /run/sshd: sshd's privilege separation directory
+_dirs_made: Set[str] = set()
 
 
-def _free_subnet() -> ipaddress.IPv4Network:
-    """A /24 in 10.213.0.0/16 that no route of this machine overlaps."""
-    used = []
-    for line in _ip("-4", "route", "show", "table", "all", check=False).stdout.splitlines():
-        token = line.split()[0] if line.split() else ""
-        if token[:1].isdigit():
-            try:
-                used.append(ipaddress.ip_network(token if "/" in token else token + "/32", strict=False))
-            except ValueError:
-                pass
-    for k in range(256):
-        net = ipaddress.ip_network(f"10.213.{(os.getpid() + _clusters_made + k) % 254 + 1}.0/24")
-        if not any(net.overlaps(u) for u in used):
-            return net
-    raise ClusterUnavailable("no free /24 in 10.213.0.0/16 for the test cluster")
+def _make_shared_dir(path: str) -> None:
+    try:
+        os.mkdir(path)
+        _dirs_made.add(path)
+    except FileExistsError:
+        pass
+
+
+def _remove_shared_dirs() -> None:
+    """rmdir what this process made, once no cluster (of any process) is up: /run/sshd is empty
+    while another cluster's sshd needs it."""
+    if any(line.startswith(PREFIX) for line in _ip("netns", "list", check=False).stdout.splitlines()):
+        return
+    for path in list(_dirs_made):
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            pass
+        except OSError:  # not empty: another tool's entries
+            continue
+        _dirs_made.discard(path)
 
 
 class NetnsCluster:
     def __init__(self, workdir: str, nodes: int = 2):
+        # <= 15 characters for every link name: grtc + pid (<= 7 digits) + c<k> + br / v<i>
+        if not 1 <= nodes <= 10:
+            raise ValueError(f"1 to 10 nodes (link names are limited to 15 characters), not {nodes}")
         self.dir = os.path.abspath(workdir)
         self.n = nodes
         global _clusters_made
         _clusters_made += 1
-        # <= 15 characters for every link name: grtc + pid (<= 7 digits) + c<k> + br / v<i>
         self.prefix = f"{PREFIX}{os.getpid()}c{_clusters_made % 10}"
-        if nodes > 10:
-            raise ClusterUnavailable("at most 10 nodes (link names are limited to 15 characters)")
+        # each cluster's bridge is a segment of its own: distinct subnets only for people reading logs
+        self.net = ipaddress.ip_network(f"10.213.{(os.getpid() + _clusters_made) % 254 + 1}.0/24")
         self.bridge = f"{self.prefix}br"
         self.names = [f"{self.prefix}n{i}" for i in range(nodes)]  # hostnames
         self.namespaces = list(self.names)
@@ -136,6 +158,7 @@ class NetnsCluster:
         self.bin_dir = os.path.join(self.dir, "bin")
         self.ssh_config = os.path.join(self.ssh_dir, "config")
         self.sshd: List[subprocess.Popen] = []
+        self._logs: List[IO] = []  # the sshd logs, closed by stop()
         self._created: List[str] = []
 
     # ----------------------------------------------------------------- running things in a node
@@ -199,10 +222,11 @@ class NetnsCluster:
         return self
 
     def _start(self, timeout: float) -> None:
-        net = _free_subnet()
-        hosts = list(net.hosts())
+        hosts = list(self.net.hosts())
         self.addrs = [str(hosts[i + 1]) for i in range(self.n)]
         os.makedirs(self.dir, exist_ok=True)
+        for path in SHARED_DIRS:
+            _make_shared_dir(path)
         _ip("link", "add", self.bridge, "type", "bridge")
         self._created.append(self.bridge)
         _ip("link", "set", self.bridge, "up")
@@ -218,14 +242,14 @@ class NetnsCluster:
             _ip("link", "set", veth, "master", self.bridge)
             _ip("link", "set", veth, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "addr", "add", f"{self.addrs[i]}/{net.prefixlen}", "dev", "eth0")
+            _ip("-n", ns, "addr", "add", f"{self.addrs[i]}/{self.net.prefixlen}", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
         self._start_ssh(timeout)
 
     def _start_ssh(self, timeout: float) -> None:
-        os.makedirs(self.ssh_dir, exist_ok=True)
+        shutil.rmtree(self.ssh_dir, ignore_errors=True)  # a former cluster's keys: ssh-keygen would ask to overwrite
+        os.makedirs(self.ssh_dir)
         os.makedirs(self.bin_dir, exist_ok=True)
-        os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege separation directory (Debian's unit makes it)
         key = os.path.join(self.ssh_dir, "id_ed25519")
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key], check=True)
         shutil.copy(key + ".pub", os.path.join(self.ssh_dir, "authorized_keys"))
@@ -245,8 +269,9 @@ class NetnsCluster:
                         # as many parallel logins as pdsh and mpirun open at once
                         "MaxStartups 100\nMaxSessions 100\n")
             sshd = shutil.which("sshd") or "/usr/sbin/sshd"
-            log = open(os.path.join(self.ssh_dir, f"sshd_{name}.log"), "w")
-            self.sshd.append(self.popen(i, [sshd, "-D", "-e", "-f", conf], stdout=log, stderr=subprocess.STDOUT))
+            self._logs.append(open(os.path.join(self.ssh_dir, f"sshd_{name}.log"), "w"))
+            self.sshd.append(self.popen(i, [sshd, "-D", "-e", "-f", conf], stdout=self._logs[-1],
+                                        stderr=subprocess.STDOUT))
         with open(os.path.join(self.ssh_dir, "known_hosts"), "w") as f:
             f.writelines(known)
         with open(self.ssh_config, "w") as f:
@@ -277,17 +302,26 @@ class NetnsCluster:
                     time.sleep(0.2)
 
     def stop(self) -> None:
-        """Kill every process in the nodes, delete the namespaces, their links and the bridge."""
+        """Kill every process in the nodes, delete the namespaces, their links and the bridge, and
+        the directories that the cluster made (once no other cluster is up)."""
         for ns in reversed(self._created):
             if ns in self.namespaces:
                 _kill_namespace(ns)
-        for p in self.sshd:
+        for p in self.sshd:  # SIGKILLed with their namespace; bounded: one stuck in the kernel must not hang stop()
             if p.poll() is None:
                 p.kill()
-            p.wait()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self.sshd.clear()
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
         if self.bridge in self._created:
             _ip("link", "del", self.bridge, check=False)
         self._created.clear()
+        _remove_shared_dirs()
 
 
 def netns_slurm(cluster: NetnsCluster, state_dir: str):
@@ -322,8 +356,12 @@ def main(argv=None) -> int:
     p.add_argument("--slurm", action="store_true", help="also slurmctld on node 0 and a slurmd on every node")
     args = p.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    cluster, slurm = NetnsCluster(args.dir, args.nodes), None
+    cluster = slurm = None
+    # a signal ends the loop below as Ctrl-C does, also while the cluster comes up: stop() runs
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: sys.exit(0))
     try:
+        cluster = NetnsCluster(args.dir, args.nodes)
         cluster.start()
         if args.slurm:
             slurm = netns_slurm(cluster, os.path.join(cluster.dir, "slurm")).start()
@@ -331,18 +369,18 @@ def main(argv=None) -> int:
               f"hostfile: {cluster.hostfile()}\n"
               f"a shell on node 0: {os.path.join(cluster.bin_dir, cluster.names[0])}  (a command: ... CMD ARGS)"
               + (f"\nSlurm: export SLURM_CONF={slurm.conf}" if slurm else "") + "\nCtrl-C tears it down.", flush=True)
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         while True:
             time.sleep(3600)
     except (KeyboardInterrupt, SystemExit):
         return 0
-    except (ClusterUnavailable, RuntimeError) as e:  # RuntimeError: slurm_cluster.SlurmUnavailable
+    except (ClusterUnavailable, RuntimeError, ValueError) as e:  # slurm_cluster.SlurmUnavailable; --nodes
         print(f"netns_cluster: {e}", file=sys.stderr)
         return 1
     finally:
         if slurm is not None:
             slurm.stop()
-        cluster.stop()
+        if cluster is not None:
+            cluster.stop()
 
 
 if __name__ == "__main__":

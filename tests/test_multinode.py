@@ -159,9 +159,11 @@ def _netns_names():
 def test_three_node_cluster_is_removed_even_after_a_failure(tmp_path):
     """3 nodes: each reaches every other by name over ssh, with its own hostname; a failure
     inside still ends with every process in the nodes killed and namespaces, links, bridge and
-    hosts files gone. Leftovers of a dead test process are reaped at the next start."""
-    from netns_cluster import NETNS_ETC, PREFIX, reap_stale
+    hosts files gone, and the machine's /etc/netns and /run/sshd as they were. Leftovers of a
+    dead test process are removed by the next start, whose stop leaves the first cluster working."""
+    from netns_cluster import NETNS_ETC, PREFIX, SHARED_DIRS
 
+    found = {d: os.path.isdir(d) for d in SHARED_DIRS}
     c = NetnsCluster(str(tmp_path / "c3"), nodes=3)
     try:
         c.start()
@@ -173,6 +175,23 @@ def test_three_node_cluster_is_removed_even_after_a_failure(tmp_path):
             r = c.run(2, ["sh", "-c", f"hostname; ssh {c.names[0]} hostname; ssh {c.names[1]} hostname"])
             assert r.stdout.split() == [c.names[2], c.names[0], c.names[1]]
             sleeper = c.popen(1, ["sleep", "600"])
+            # what a cluster whose test process died can leave: a namespace with a process in it and
+            # its hosts file, and a hosts file whose namespace is gone (a death between the two removals)
+            dead = subprocess.Popen(["true"])
+            dead.wait()
+            stale, orphan = f"{PREFIX}{dead.pid}c1n0", f"{PREFIX}{dead.pid}c1n1"
+            subprocess.run(["ip", "netns", "add", stale], check=True)
+            stale_sleeper = subprocess.Popen(["nsenter", f"--net=/run/netns/{stale}", "sleep", "600"])
+            for ns in (stale, orphan):
+                os.makedirs(os.path.join(NETNS_ETC, ns))
+                open(os.path.join(NETNS_ETC, ns, "hosts"), "w").close()
+            for _ in range(2):  # the second in the first one's directory, as a rerun of the command would be
+                NetnsCluster(str(tmp_path / "c1"), nodes=1).start().stop()
+            assert stale_sleeper.wait(timeout=10) == -signal.SIGKILL
+            assert stale not in _netns_names()
+            assert not any(os.path.exists(os.path.join(NETNS_ETC, ns)) for ns in (stale, orphan))
+            # the other cluster's stop left what this one's sshd needs
+            assert c.run(2, ["ssh", c.names[0], "hostname"]).stdout.strip() == c.names[0]
             raise RuntimeError("a test failing")
         finally:
             c.stop()
@@ -180,12 +199,16 @@ def test_three_node_cluster_is_removed_even_after_a_failure(tmp_path):
     assert not any(n in _netns_names() for n in c.names)
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert c.prefix not in links and not any(os.path.exists(os.path.join(NETNS_ETC, n)) for n in c.names)
-    # a cluster whose test process died: removed by the next start (reap_stale)
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    stale = f"{PREFIX}{dead.pid}n0"
-    subprocess.run(["ip", "netns", "add", stale], check=True)
-    assert stale in reap_stale() and stale not in _netns_names()
+    if not any(ns.startswith(PREFIX) for ns in _netns_names().splitlines()):  # else another run's cluster is up
+        assert {d: os.path.isdir(d) for d in SHARED_DIRS} == found
+
+
+@pytest.mark.parametrize("nodes", [0, 11])
+def test_cluster_command_rejects_a_bad_node_count_in_one_line(tmp_path, nodes):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "netns_cluster.py"), str(tmp_path / "c"),
+                        "--nodes", str(nodes)], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (1, "")
+    assert r.stderr == f"netns_cluster: 1 to 10 nodes (link names are limited to 15 characters), not {nodes}\n"
 
 
 # --------------------------------------------------------------------------- launchers
@@ -260,9 +283,11 @@ def test_slurm_two_nodes(cluster, slurm, reference, tmp_path):
 
 
 def test_slurm_preempted_two_node_job_checkpoints_and_requeue_resumes(cluster, slurm, reference, tmp_path):
-    """SIGTERM to the batch script (as Slurm's pre-emption does) reaches the ranks on both
-    nodes through srun; they agree on one step, save one checkpoint and exit 0; the script
-    requeues the job, which resumes from that checkpoint and reproduces the reference."""
+    """SIGTERM to the batch script (as Slurm's pre-emption does) is forwarded by the script to
+    the ranks on both nodes with `scancel --signal=TERM $SLURM_JOB_ID` (every step but the
+    script's), not through srun, which answers SIGTERM by killing every rank at once; they agree
+    on one step, save one checkpoint and exit 0; the script requeues the job, which resumes
+    from that checkpoint and reproduces the reference."""
     out = tmp_path / "run"
     # checkpoints only at the signal and at the end, so that the signal's one is kept to look at
     job = submit(cluster, slurm, out, "--requeue", "--", *run_args(out, REF_STEPS, "--set", "train.save_every=0"),
