@@ -27,7 +27,6 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from data_pipeline.files import atomic_write_text
 from pretrain.training.run_config import RunConfig
@@ -43,18 +42,17 @@ def adaptive_label(rule: str, threshold: float) -> str:
 @torch.no_grad()
 def learned_exit(model, batches, device, doc_mask: bool) -> dict:
     """Ouro's learned exit at its configured threshold: loss and mean loop steps per scored token."""
-    nll, tokens, steps = 0.0, 0, 0
+    from pretrain.infer.scoring import add_exit_sums
+
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
     for batch in batches:
         idx, targets = batch["input_ids"].to(device), batch["targets"].to(device)
         doc_ids = batch["doc_ids"].to(device) if doc_mask and "doc_ids" in batch else None
         logits = model(idx, doc_ids=doc_ids, exit="learned").logits
-        scored = targets != -100
-        nll += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
-        tokens += scored.sum()
-        steps += model.last_aux["exit_step"][scored].sum()
-    tokens = max(int(tokens), 1)  # one host sync per evaluation
-    return {"loss": float(nll) / tokens, "mean_steps": int(steps) / tokens,
-            "threshold": float(model.cfg.xget("exit_threshold"))}
+        add_exit_sums(sums, logits, model.last_aux["exit_step"], targets)
+    nll, tokens, steps = sums.tolist()  # one host sync per evaluation
+    tokens = max(tokens, 1.0)
+    return {"loss": nll / tokens, "mean_steps": steps / tokens, "threshold": float(model.cfg.xget("exit_threshold"))}
 
 
 def final_evals(cfg: RunConfig, exit_factor: int) -> dict:
