@@ -173,15 +173,27 @@ def test_step_timing_uses_the_real_engine_at_each_recipe_depth():
 
 
 def test_final_evals_extrapolate_and_exit_adaptively_on_the_trainers_batches(grt_run):
+    from pretrain.distributed import Dist
+    from pretrain.infer.load import load_model, pick_device
+    from pretrain.infer.scoring import adaptive_sums, lm_sums, val_batches
+
     cfg = RunConfig.load(grt_run / "config.json")
     evals = compare_eval.final_evals(cfg, exit_factor=2)
     by_depth = json.loads((grt_run / "summary.json").read_text())["val_loss_by_depth"]
     for depth in range(4):  # the trainer's own validation batches: its losses at r = 0..R again
         assert evals["exit_curve"][depth] == pytest.approx(by_depth[str(depth)], abs=1e-4)
-    assert evals["extrapolation"] == {6: pytest.approx(evals["exit_curve"][6]), 12: pytest.approx(evals["extrapolation"][12])}
+    # the same batches scored here, each setting on its own
+    t, device = cfg.train, pick_device()
+    model = load_model(grt_run, device=device).model
+    batches = lambda: val_batches(cfg.data, t.micro_batch_size, Dist(), t.eval_batches, t.seed)  # noqa: E731
+    nll, tokens = lm_sums(model, batches(), [12], device, t.doc_mask)[0].tolist()
+    assert evals["extrapolation"] == {6: pytest.approx(evals["exit_curve"][6]), 12: pytest.approx(nll / tokens, abs=1e-6)}
     assert set(evals["adaptive_exit"]) == {"update 0.1", "kl 0.01"} and evals["learned_exit"] is None
-    for result in evals["adaptive_exit"].values():
-        assert 1 <= result["mean_steps"] <= 3 and by_depth["0"] - 1 < result["loss"] < by_depth["0"] + 1
+    for rule, threshold in compare_eval.ADAPTIVE_EXITS:
+        nll, tokens, steps = adaptive_sums(model, batches(), [threshold], device, rule, doc_mask=t.doc_mask)[0].tolist()
+        result = evals["adaptive_exit"][compare_eval.adaptive_label(rule, threshold)]
+        assert result == {"loss": pytest.approx(nll / tokens, abs=1e-6), "mean_steps": pytest.approx(steps / tokens, abs=1e-6)}
+        assert 1 <= result["mean_steps"] <= 3
     assert compare_eval.final_evals(cfg, exit_factor=2) == evals  # cached in the run directory, same keys
     assert (grt_run / "final_eval.json").is_file()
 
