@@ -141,13 +141,44 @@ def test_time_budget_sizing_fills_the_budget_and_no_more():
     assert sizing["runs"]["grt"]["step_s"] == pytest.approx(grt_step) and 0.019 < grt_step < 0.021
     # start-up: the first run's one-step probe less its step; evaluations: 2 x 2 batches x (R + 1) forwards
     assert sizing["runs"]["dense"]["overhead_s"] == pytest.approx(5.0 - grt_step + 2 * 2 * 1 * 0.025 / 3)
-    # a looped run also pays the final checkpoint's passes: to 4R, one per adaptive rule, the learned exit
-    assert sizing["runs"]["grt"]["overhead_s"] == pytest.approx(5.0 - grt_step + 2 * 0.03 / 3 * (2 * 4 + 4 + 2 + 1))
+    # a looped run also pays what compare_eval runs on its final checkpoint (counted in the next test)
+    final = compare.final_forwards(runs[0]["cfg"].model, exit_factor=2)
+    assert sizing["runs"]["grt"]["overhead_s"] == pytest.approx(5.0 - grt_step + 2 * 0.03 / 3 * (2 * 4 + final))
     usable = 100.0 * (1 - compare.UNPLANNED_SHARE)
     assert sizing["planned_s"] <= usable < sizing["planned_s"] + grt_step + 0.025  # one more step would not fit
     assert sizing["tokens"] == sizing["steps"] * 512 and sizing["steps"] > 1000
     starved = compare.size_tokens(runs, timed, 5.0, 8.0, 512, 2, 2, 2)
     assert starved["steps"] == 1 and starved["planned_s"] > 8.0  # reported (and warned about), never zero steps
+
+
+def test_time_budget_plan_counts_what_the_final_evals_run(grt_run, tmp_path, monkeypatch):
+    """The plan's loop steps and decodes per batch are those final_evals runs (every adaptive
+    pass to R: threshold 0); Ouro's learned exit adds R of each, MoR runs no adaptive exit."""
+    import shutil
+    from collections import Counter
+
+    from pretrain.infer.scoring import val_batches
+    from pretrain.model import GPT
+
+    run = tmp_path / "run"
+    shutil.copytree(grt_run, run, ignore=shutil.ignore_patterns("final_eval.json"))
+    cfg = RunConfig.load(run / "config.json")
+    cfg.out = str(run)
+    monkeypatch.setattr(compare_eval, "ADAPTIVE_EXITS", (("update", 0.0), ("kl", 0.0)))
+    calls = Counter()
+    for name, key in (("loop_step", "loop_steps"), ("final_hidden", "decodes")):
+        def counted(self, *args, _method=getattr(GPT, name), _key=key, **kwargs):
+            calls[_key] += 1
+            return _method(self, *args, **kwargs)
+        monkeypatch.setattr(GPT, name, counted)
+    compare_eval.final_evals(cfg, exit_factor=2)
+    t = cfg.train
+    batches = len(list(val_batches(cfg.data, t.micro_batch_size, None, t.eval_batches, t.seed)))
+    work = compare_eval.final_eval_work(cfg.model, exit_factor=2)
+    assert dict(calls) == {key: batches * n for key, n in work.items()}
+    r = cfg.model.max_loops  # micro-ouro and micro-mor have micro-grt's layout
+    assert compare_eval.final_eval_work(get_preset("micro-ouro"), 2) == {key: n + r for key, n in work.items()}
+    assert compare_eval.final_eval_work(get_preset("micro-mor"), 2) == {"loop_steps": 4 * r, "decodes": 9}
 
 
 def test_time_budget_needs_one_process_one_run_at_a_time(tmp_path, capsys):
@@ -173,15 +204,27 @@ def test_step_timing_uses_the_real_engine_at_each_recipe_depth():
 
 
 def test_final_evals_extrapolate_and_exit_adaptively_on_the_trainers_batches(grt_run):
+    from pretrain.distributed import Dist
+    from pretrain.infer.load import load_model, pick_device
+    from pretrain.infer.scoring import adaptive_sums, lm_sums, val_batches
+
     cfg = RunConfig.load(grt_run / "config.json")
     evals = compare_eval.final_evals(cfg, exit_factor=2)
     by_depth = json.loads((grt_run / "summary.json").read_text())["val_loss_by_depth"]
     for depth in range(4):  # the trainer's own validation batches: its losses at r = 0..R again
         assert evals["exit_curve"][depth] == pytest.approx(by_depth[str(depth)], abs=1e-4)
-    assert evals["extrapolation"] == {6: pytest.approx(evals["exit_curve"][6]), 12: pytest.approx(evals["extrapolation"][12])}
+    # the same batches scored here, each setting on its own
+    t, device = cfg.train, pick_device()
+    model = load_model(grt_run, device=device).model
+    batches = lambda: val_batches(cfg.data, t.micro_batch_size, Dist(), t.eval_batches, t.seed)  # noqa: E731
+    nll, tokens = lm_sums(model, batches(), [12], device, t.doc_mask)[0].tolist()
+    assert evals["extrapolation"] == {6: pytest.approx(evals["exit_curve"][6]), 12: pytest.approx(nll / tokens, abs=1e-6)}
     assert set(evals["adaptive_exit"]) == {"update 0.1", "kl 0.01"} and evals["learned_exit"] is None
-    for result in evals["adaptive_exit"].values():
-        assert 1 <= result["mean_steps"] <= 3 and by_depth["0"] - 1 < result["loss"] < by_depth["0"] + 1
+    for rule, threshold in compare_eval.ADAPTIVE_EXITS:
+        nll, tokens, steps = adaptive_sums(model, batches(), [threshold], device, rule, doc_mask=t.doc_mask)[0].tolist()
+        result = evals["adaptive_exit"][compare_eval.adaptive_label(rule, threshold)]
+        assert result == {"loss": pytest.approx(nll / tokens, abs=1e-6), "mean_steps": pytest.approx(steps / tokens, abs=1e-6)}
+        assert 1 <= result["mean_steps"] <= 3
     assert compare_eval.final_evals(cfg, exit_factor=2) == evals  # cached in the run directory, same keys
     assert (grt_run / "final_eval.json").is_file()
 

@@ -232,9 +232,9 @@ def test_looped_baselines_load_with_transformers(variant, tmp_path, monkeypatch)
         assert hf.generate(idx[:1, :5], max_new_tokens=4, do_sample=False).shape == (1, 9)
 
 
-def test_hf_beam_search_and_padding(tmp_path, monkeypatch):
-    """Beam search through the KV cache (its rows reordered per step) picks what it picks
-    without a cache; left padding, which the model cannot honour, is one clear error."""
+@pytest.fixture
+def small_hf(tmp_path, monkeypatch):
+    """A small random GRT (1+2x3+1, vocab 64) saved as an hf/ directory and loaded by transformers."""
     from transformers import AutoModelForCausalLM
 
     from pretrain.model.hf import save_pretrained
@@ -243,7 +243,13 @@ def test_hf_beam_search_and_padding(tmp_path, monkeypatch):
     for k, v in OFFLINE.items():
         monkeypatch.setenv(k, v)
     save_pretrained(small_model("1+2x3+1"), tmp_path / "hf", tokenizer=None)
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True).eval()
+    return AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True).eval()
+
+
+def test_hf_beam_search_and_padding(small_hf):
+    """Beam search through the KV cache (its rows reordered per step) picks what it picks
+    without a cache; left padding, which the model cannot honour, is one clear error."""
+    hf = small_hf
     idx = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
     beams = dict(max_new_tokens=8, num_beams=3, do_sample=False)
     assert torch.equal(hf.generate(idx, **beams), hf.generate(idx, use_cache=False, **beams))
@@ -251,6 +257,22 @@ def test_hf_beam_search_and_padding(tmp_path, monkeypatch):
     mask[1, :2] = 0
     with pytest.raises(ValueError, match="left padding is not supported"):
         hf.generate(idx, attention_mask=mask, max_new_tokens=2)
+
+
+def test_hf_right_padding_scores_but_is_refused_by_generate(small_hf):
+    """A right-padded batch scores its real tokens as unpadded (causal attention); generate()
+    would predict a shorter prompt's next token from a pad and append after the pads, so any
+    padding there is one clear error, with or without the cache."""
+    idx = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(idx)
+    mask[1, -2:] = 0
+    with torch.no_grad():
+        assert torch.equal(small_hf(idx, attention_mask=mask).logits, small_hf(idx).logits)
+    for use_cache in (True, False):
+        with pytest.raises(ValueError, match="generate one prompt at a time, or prompts of equal length"):
+            small_hf.generate(idx, attention_mask=mask, max_new_tokens=2, use_cache=use_cache)
+        assert small_hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=2,
+                                 use_cache=use_cache).shape == (2, 8)
 
 
 def test_hf_model_saves_and_reloads_with_its_code(tmp_path, monkeypatch):

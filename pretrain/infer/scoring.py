@@ -118,11 +118,15 @@ def adaptive_sums(model: GPT, batches: Iterable[dict], thresholds: list[float], 
     for batch in batches:
         idx, targets = batch["input_ids"].to(device), batch["targets"].to(device)
         doc_ids = batch["doc_ids"].to(device) if doc_mask and "doc_ids" in batch else None
-        scored = targets != -100
         for i, thr in enumerate(thresholds):
-            logits, steps = adaptive_forward(model, idx, thr, criterion, max_steps, doc_ids)
-            sums[i, 0] += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
-                                          reduction="sum")
-            sums[i, 1] += scored.sum()
-            sums[i, 2] += steps[scored].sum()
+            add_exit_sums(sums[i], *adaptive_forward(model, idx, thr, criterion, max_steps, doc_ids), targets)
     return sum_over_ranks(sums, dist)
+
+
+def add_exit_sums(sums: torch.Tensor, logits: torch.Tensor, steps: torch.Tensor, targets: torch.Tensor) -> None:
+    """Adds one batch's summed NLL, scored tokens and summed loop steps of the scored tokens to
+    sums [3] (in place, on the device): the sums of every per-token exit (adaptive, Ouro's learned)."""
+    scored = targets != -100
+    sums[0] += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+    sums[1] += scored.sum()
+    sums[2] += (steps * scored).sum()  # not steps[scored]: a boolean index waits for the device (nonzero)

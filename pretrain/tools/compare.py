@@ -49,7 +49,8 @@ from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError, ModelConfig, load_json_object
 from pretrain.model.flops import flops_per_token, train_flops_per_token
 from pretrain.presets import PRESETS, get_preset
-from pretrain.tools.compare_eval import ADAPTIVE_EXITS, EXTRAPOLATION_FACTORS, adaptive_label, final_evals
+from pretrain.tools.compare_eval import (ADAPTIVE_EXITS, EXTRAPOLATION_FACTORS, adaptive_label, final_eval_work,
+                                         final_evals)
 from pretrain.training.depth import depth_for_step
 from pretrain.training.run_config import RunConfig, apply_overrides
 
@@ -271,6 +272,15 @@ def measure_startup(run: dict, out: Path) -> float:
     return time.time() - begin
 
 
+def final_forwards(cfg: ModelConfig, exit_factor: int) -> float:
+    """compare_eval's work on a looped model's final checkpoint, in forwards at depth R by FLOPs:
+    a loop step at its share of such a forward, a decode as a forward at depth 0 (its prelude
+    also covers each pass's own: every pass decodes at least once)."""
+    work = final_eval_work(cfg, exit_factor)
+    at_0, at_r = (flops_per_token(cfg, n_loops=n, executed=True) for n in (0, cfg.max_loops))
+    return (work["decodes"] * at_0 + work["loop_steps"] * (at_r - at_0) / cfg.max_loops) / at_r
+
+
 def size_tokens(runs: list[dict], step_s_by_depth: list[dict], startup_s: float, budget_s: float,
                 tokens_per_step: int, evals: int, eval_batches: int, exit_factor: int) -> dict:
     """The largest equal token count (whole steps) for which the runs, one after another, fit
@@ -285,10 +295,9 @@ def size_tokens(runs: list[dict], step_s_by_depth: list[dict], startup_s: float,
     for run, timed, step_s in zip(runs, step_s_by_depth, mean_step_s):
         r = run["cfg"].model.max_loops
         forward_s = max(timed.values()) / 3  # a forward at the deepest timed depth: about a third of a step
-        # the trainer's evaluations at r = 0..R (the probe's one is counted again: a margin), and on the
-        # final checkpoint (compare_eval) one pass to max(F, 4) * R, about one full-depth pass per
-        # adaptive rule and one for the learned exit
-        final = max(exit_factor, *EXTRAPOLATION_FACTORS) + len(ADAPTIVE_EXITS) + 1 if r else 0
+        # the trainer's evaluations at r = 0..R (the probe's one is counted again: a margin), and what
+        # compare_eval runs on the final checkpoint
+        final = final_forwards(run["cfg"].model, exit_factor) if r else 0.0
         eval_s = eval_batches * forward_s * (evals * (r + 1) + final)
         overhead_s = startup_s - mean_step_s[0] + eval_s
         plan[run["label"]] = {"step_s": step_s, "overhead_s": overhead_s, "step_s_by_depth": timed}

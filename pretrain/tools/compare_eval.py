@@ -27,9 +27,9 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from data_pipeline.files import atomic_write_text
+from pretrain.config import ModelConfig
 from pretrain.training.run_config import RunConfig
 
 ADAPTIVE_EXITS: tuple[tuple[str, float], ...] = (("update", 0.1), ("kl", 0.01))
@@ -43,18 +43,38 @@ def adaptive_label(rule: str, threshold: float) -> str:
 @torch.no_grad()
 def learned_exit(model, batches, device, doc_mask: bool) -> dict:
     """Ouro's learned exit at its configured threshold: loss and mean loop steps per scored token."""
-    nll, tokens, steps = 0.0, 0, 0
+    from pretrain.infer.scoring import add_exit_sums
+
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
     for batch in batches:
         idx, targets = batch["input_ids"].to(device), batch["targets"].to(device)
         doc_ids = batch["doc_ids"].to(device) if doc_mask and "doc_ids" in batch else None
         logits = model(idx, doc_ids=doc_ids, exit="learned").logits
-        scored = targets != -100
-        nll += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
-        tokens += scored.sum()
-        steps += model.last_aux["exit_step"][scored].sum()
-    tokens = max(int(tokens), 1)  # one host sync per evaluation
-    return {"loss": float(nll) / tokens, "mean_steps": int(steps) / tokens,
-            "threshold": float(model.cfg.xget("exit_threshold"))}
+        add_exit_sums(sums, logits, model.last_aux["exit_step"], targets)
+    nll, tokens, steps = sums.tolist()  # one host sync per evaluation
+    tokens = max(tokens, 1.0)
+    return {"loss": nll / tokens, "mean_steps": steps / tokens, "threshold": float(model.cfg.xget("exit_threshold"))}
+
+
+def eval_depths(r: int, exit_factor: int) -> tuple[list[int], list[int]]:
+    """(the exit curve's depths, every depth of final_evals' one fixed-depth pass)."""
+    curve = list(range(exit_factor * r + 1)) if exit_factor > 1 else []
+    return curve, sorted(set(curve) | {f * r for f in EXTRAPOLATION_FACTORS})
+
+
+def final_eval_work(cfg: ModelConfig, exit_factor: int) -> dict[str, int]:
+    """Loop steps and decodes (coda and head) final_evals runs per validation batch of a looped
+    model, each adaptive pass at its most (R steps): the `grt compare --time-budget` plan's
+    count (tests/test_compare.py counts them in a real run)."""
+    r, depths = cfg.max_loops, eval_depths(cfg.max_loops, exit_factor)[1]
+    # one pass to the deepest depth: its forward decodes the last state, exit_hidden every depth
+    steps, decodes = max(depths), 1 + len(depths)
+    for rule, _ in ADAPTIVE_EXITS if cfg.variant != "mor" else ():
+        steps += r
+        decodes += 1 + (r + 1 if rule == "kl" else 0)  # kl also decodes s_0 and the state after every step
+    if cfg.variant == "ouro":  # the learned exit decodes after every step
+        steps, decodes = steps + r, decodes + r
+    return {"loop_steps": steps, "decodes": decodes}
 
 
 def final_evals(cfg: RunConfig, exit_factor: int) -> dict:
@@ -77,8 +97,7 @@ def final_evals(cfg: RunConfig, exit_factor: int) -> dict:
     device = pick_device()
     model = load_model(out, device=device).model
     batches = lambda: val_batches(cfg.data, t.micro_batch_size, Dist(), t.eval_batches, t.seed)  # noqa: E731
-    curve_depths = list(range(exit_factor * r + 1)) if exit_factor > 1 else []
-    depths = sorted(set(curve_depths) | {f * r for f in EXTRAPOLATION_FACTORS})
+    curve_depths, depths = eval_depths(r, exit_factor)
     loss = {d: v["loss"] for d, v in loss_table(lm_sums(model, batches(), depths, device, t.doc_mask), depths).items()}
     results = {"exit_curve": {d: loss[d] for d in curve_depths} or None,
                "extrapolation": {f * r: loss[f * r] for f in EXTRAPOLATION_FACTORS},

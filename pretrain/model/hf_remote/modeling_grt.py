@@ -59,11 +59,18 @@ class GRTForCausalLM(PreTrainedModel, GenerationMixin):
                 use_cache: bool | None = None, logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
         """logits [B, T, V] at config.depth loop steps. With use_cache (generate) the tokens go
         through a CachedDecoder, which returns the last position's logits [B, 1, V]; pass it back
-        as `cache` with the next tokens. Right padding is harmless (attention is causal); left
-        padding is refused: the model has no padding mask and counts positions from the first token."""
+        as `cache` with the next tokens. The model has no padding mask: right padding is harmless
+        for scoring only (attention is causal, so real positions never see the pads); left padding,
+        which shifts positions, is refused, and so is any padding in generate (use_cache or
+        logits_to_keep), which would predict from a pad and append after the pads."""
         depth, strategy = self.config.inference_settings()
-        if cache is None and attention_mask is not None and bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
-            raise ValueError("GRT: left padding is not supported (pad on the right, or generate one prompt at a time)")
+        if cache is None and attention_mask is not None:
+            if bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+                raise ValueError("GRT: left padding is not supported (pad on the right to score; generate one prompt "
+                                 "at a time)")
+            if (use_cache or logits_to_keep) and not bool(attention_mask.all()):
+                raise ValueError("GRT: generate() cannot honour padding: generate one prompt at a time, or prompts "
+                                 "of equal length")
         if cache is None and use_cache and self.config.variant in CACHED_VARIANTS:
             cache = CachedDecoder(self.grt, batch=input_ids.shape[0], strategy=strategy, n_loops=depth)
         if cache is not None:
