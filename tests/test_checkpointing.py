@@ -125,6 +125,21 @@ def test_auto_counts_ouros_per_step_heads():
     assert per_step["loop_step"] > depth * 6 * ouro.vocab_size * tokens
 
 
+def test_auto_leaves_room_for_what_the_first_step_allocates():
+    """`auto` reads the free memory before the first step: it takes off the full bf16
+    gradients under ZeRO-0/1 (ZeRO-2 partitions them) and, under ZeRO-3 with more than one
+    rank, the live-parameter budget and the prefetch bucket (at most the model each)."""
+    from pretrain.training.trainer import allocated_later
+
+    n, z3 = 10**8, {"stage": 3, "stage3_max_live_parameters": 6 * 10**7, "stage3_prefetch_bucket_size": 5 * 10**7}
+    assert allocated_later({"zero_optimization": {"stage": 1}}, n, 8, 2) == 2 * n
+    assert allocated_later({}, n, 1, 2) == 2 * n  # no ZeRO section: stage 0
+    assert allocated_later({"zero_optimization": {"stage": 2}}, n, 8, 2) == 0
+    assert allocated_later({"zero_optimization": z3}, n, 1, 2) == 0
+    assert allocated_later({"zero_optimization": z3}, n, 8, 2) == 2 * (6 * 10**7 + 5 * 10**7)
+    assert allocated_later({"zero_optimization": {"stage": 3}}, n, 8, 2) == 2 * (n + 5 * 10**7)  # defaults
+
+
 @pytest.mark.slow
 def test_selective_checkpointing_gradients_under_zero2_equal_the_reference(tmp_path):
     """Real DeepSpeed ZeRO-2 on 2 ranks, gradient accumulation 2, depths 3, 1, 0, 2, selective
