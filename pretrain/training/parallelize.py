@@ -94,9 +94,9 @@ def activation_bytes(cfg: ModelConfig, tokens: int, depth: int, mode: str, dtype
     core_full, core_selective = block_full, block_selective
     if variant == "huginn":  # sandwich blocks: the two extra norms keep their inputs
         core_full, core_selective = core_full + 2 * d * a, core_selective + 2 * d * a
-    if variant == "rrt":  # each of the 4 LoRA sites keeps its rank-sized input; selective also its two outputs
-        rank = int(cfg.xget("lora_rank"))
-        core_full, core_selective = core_full + 4 * rank * a, core_selective + (8 * rank + 9 * d) * a
+    if variant == "rrt":  # the 4 LoRA sites keep their rank-sized inner activation; selective also the
+        rank = int(cfg.xget("lora_rank"))  # outputs of their up matmuls (3d + d + 4d + d)
+        core_full, core_selective = core_full + 4 * rank * a, core_selective + (4 * rank + 9 * d) * a
     extra_full, extra_selective = ((8, 3) if cfg.gate else (2, 1))
     step_full = layout.core * core_full + extra_full * d * a
     step_selective = layout.core * core_selective + extra_selective * d * a
@@ -118,7 +118,7 @@ def activation_bytes(cfg: ModelConfig, tokens: int, depth: int, mode: str, dtype
     if mode == "off":
         kept, recompute = ends * block_full + loop_tokens * step_full, 0
     elif mode == "block":
-        kept = (ends + steps * layout.core) * unit_input + loop_tokens * extra_full * d * a
+        kept = (ends + loop_tokens * layout.core) * unit_input + loop_tokens * extra_full * d * a
         recompute = block_full
     elif mode == "loop_step":
         kept, recompute = units * unit_input, max(block_full, step_full if steps else 0)
