@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from pretrain.config import ModelConfig
+from pretrain.config import ConfigError, ModelConfig
 from pretrain.model.gpt import GPT
 from pretrain.model.layers import Block
 
@@ -141,6 +141,15 @@ def modes_for_stage(zero_stage: int) -> tuple[str, ...]:
     forward's ops once ZeRO-3 gathers a parameter there; so ZeRO-3 refuses it and its
     `auto` never picks it. ZeRO-0/1/2 and plain PyTorch match the reference."""
     return tuple(m for m in CHECKPOINT_MODES if not (zero_stage == 3 and m == "selective"))
+
+
+def check_checkpointing(mode: str, zero_stage: int) -> None:
+    """Refuse a mode the ZeRO stage cannot run (one line): `grt launch` calls it before any
+    rank starts, and the Trainer again for runs started by deepspeed or torchrun directly."""
+    if mode not in (AUTO, *modes_for_stage(zero_stage)):
+        raise ConfigError(f"train.activation_checkpointing={mode!r} is refused under ZeRO stage {zero_stage} "
+                          f"(wrong gradients, docs/performance.md): use {', '.join(modes_for_stage(zero_stage))} "
+                          "or auto, or ZeRO-2")
 
 
 def choose_checkpointing(estimates: dict[str, int], free_bytes: int | None) -> str:

@@ -34,8 +34,8 @@ from pretrain.training.health import (Heartbeat, NanInjection, RankFailure, Stop
 from pretrain.training.metrics import (MetricsWriter, Throughput, human_count, human_duration, memory_scalars,
                                        norms, peak_flops)
 from pretrain.training.parallelize import (AUTO, AUTO_MEMORY_SHARE, AUTO_MODES, activation_bytes,
-                                           apply_activation_checkpointing, apply_compile, choose_checkpointing,
-                                           compile_stats, modes_for_stage)
+                                           apply_activation_checkpointing, apply_compile, check_checkpointing,
+                                           choose_checkpointing, compile_stats, modes_for_stage)
 from pretrain.training.resume import check_resume
 from pretrain.training.run_config import RunConfig, load_manifest, resolve
 
@@ -217,10 +217,7 @@ class Trainer:
         t = cfg.train
         deepspeed_internals.check()
         ds = build_ds_config(load_ds_json(cfg.ds_config), t, discover().world_size, torch.cuda.is_available())
-        if t.activation_checkpointing not in (AUTO, *modes_for_stage(zero_stage(ds))):
-            raise ConfigError(f"train.activation_checkpointing={t.activation_checkpointing!r} is refused under ZeRO "
-                              f"stage 3 (wrong gradients, docs/performance.md): use "
-                              f"{', '.join(modes_for_stage(3))} or auto, or ZeRO-2")
+        check_checkpointing(t.activation_checkpointing, zero_stage(ds))
         self.check_data_order(tag)
         self.stop = StopSignal()  # before the slow start-up: a signal during it stops after the first step
         self.faults = NanInjection()
