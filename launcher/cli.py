@@ -339,13 +339,18 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
 
 
 def checked_ds_config(config: Dict[str, object], world_size: int, use_cuda: bool) -> Dict[str, object]:
-    """The DeepSpeed config every rank will build, merged and checked once, here."""
+    """The DeepSpeed config every rank will build, merged and checked once, here (with the
+    checkpointing mode it allows, so that a refusal is one line, not one per rank)."""
     from pretrain.config import ConfigError
-    from pretrain.training.ds_config import merged_ds_config
+    from pretrain.training.ds_config import merged_ds_config, zero_stage
+    from pretrain.training.parallelize import check_checkpointing
     from pretrain.training.run_config import RunConfig
 
     try:
-        return merged_ds_config(RunConfig.from_dict(config), world_size, use_cuda)
+        cfg = RunConfig.from_dict(config)
+        ds = merged_ds_config(cfg, world_size, use_cuda)
+        check_checkpointing(cfg.train.activation_checkpointing, zero_stage(ds))
+        return ds
     except ConfigError as e:
         raise ValueError(f"run config: {e}") from e
 

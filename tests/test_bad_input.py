@@ -268,6 +268,15 @@ def test_launch_with_missing_manifest_is_one_line_before_any_rank(bad, tmp_path)
     check_one_line("mismatched tokenizer", rc, err, "cannot switch tokenizer")
 
 
+def test_launch_of_selective_checkpointing_under_zero3_is_one_line_before_any_rank(bad, tmp_path):
+    """The launcher refuses it once, as the Trainer would on every rank (docs/performance.md)."""
+    rc, err = as_process(["launch", "--dry-run", "--procs-per-node", "2", "--", "--preset", "micro-grt",
+                          "--data", str(bad["manifest"]), "--out", str(tmp_path / "run"), "--ds-config",
+                          "ds_configs/zero3.json", "--set", "train.activation_checkpointing=selective"])
+    check_one_line("wrong type", rc, err, "train.activation_checkpointing='selective' is refused under ZeRO stage 3")
+    assert not (tmp_path / "run").exists()
+
+
 def test_export_without_transformers_is_one_line_and_writes_nothing(tmp_path, capsys):
     """Issue 15, last row: a dense export without transformers names the pip extra and
     leaves no folder. transformers is made unimportable in a real process."""

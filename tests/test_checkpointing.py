@@ -59,6 +59,11 @@ def tiny(layout="1+2x3+1", d_model=64):
                        vocab_size=256, max_seq_len=64)
 
 
+def tiny_baseline(variant, layout="1+1x3+1"):
+    """A micro baseline preset at the size of `tiny` (micro-huginn differentiates its last 2 steps)."""
+    return get_preset(f"micro-{variant}").replace(layout=layout, d_model=64, n_heads=4, vocab_size=256)
+
+
 def loss_and_grads(model, idx, depth):
     torch.manual_seed(1)  # the same noise draws: non-reentrant checkpoint replays the RNG state
     loss = model(idx, idx, n_loops=depth).loss
@@ -67,10 +72,14 @@ def loss_and_grads(model, idx, depth):
 
 
 @pytest.mark.parametrize("cfg,depth", [(tiny("1+2x4+1", d_model=128), 4), (tiny("1+2x4+1", d_model=128), 1),
-                                       (tiny("1+1x8+1"), 8), (tiny("6", d_model=128), None)])
+                                       (tiny("1+1x8+1"), 8), (tiny("6", d_model=128), None),
+                                       (tiny_baseline("ouro"), 3), (tiny_baseline("huginn", "1+1x6+1"), 6),
+                                       (tiny_baseline("mor"), 3)])
 def test_activation_estimate_is_within_1_5x_of_the_measured_peak(cfg, depth):
     """The peak bytes of the tensors a forward and backward create and free (`ActivationPeak`)
-    against `activation_bytes`, for every mode."""
+    against `activation_bytes`, for every mode; also for the baselines whose loops keep
+    other tensors: Ouro decodes every step, Huginn differentiates only its last steps, MoR
+    runs each step on a share of the tokens."""
     idx = torch.randint(0, cfg.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
     measured = {}
     for mode in CHECKPOINT_MODES:
@@ -97,6 +106,38 @@ def test_auto_picks_the_least_recompute_that_fits(free_gib, expected):
     assert choose_checkpointing(estimates, None if free_gib is None else int(free_gib * GiB)) == expected
     deeper = {m: activation_bytes(cfg, 16 * 1024, 40, m, 2) for m in AUTO_MODES}
     assert deeper["off"] > 3 * estimates["off"] / 1.5  # the loop's share grows with the depth
+
+
+def test_auto_counts_ouros_per_step_heads():
+    """Ouro decodes every loop step in training: at grt-small's size, 16 x 1024 tokens, bf16,
+    depth 4, each step keeps its logits and fp32 log-softmax (about 6 x V bytes per token,
+    18 GiB in all) in every mode. With 24 GiB free the same loop without per-step heads runs
+    without checkpointing; Ouro must not."""
+    from pretrain.presets import LOOP_ONLY
+
+    loop_only = get_preset("grt-small").replace(**LOOP_ONLY)
+    ouro = loop_only.replace(variant="ouro")
+    tokens, depth, free = 16 * 1024, 4, 24 * GiB
+    plain = {m: activation_bytes(loop_only, tokens, depth, m, 2) for m in AUTO_MODES}
+    per_step = {m: activation_bytes(ouro, tokens, depth, m, 2) for m in AUTO_MODES}
+    assert choose_checkpointing(plain, free) == "off"
+    assert choose_checkpointing(per_step, free) != "off"
+    assert per_step["loop_step"] > depth * 6 * ouro.vocab_size * tokens
+
+
+def test_auto_leaves_room_for_what_the_first_step_allocates():
+    """`auto` reads the free memory before the first step: it takes off the full bf16
+    gradients under ZeRO-0/1 (ZeRO-2 partitions them) and, under ZeRO-3 with more than one
+    rank, the live-parameter budget and the prefetch bucket (at most the model each)."""
+    from pretrain.training.trainer import allocated_later
+
+    n, z3 = 10**8, {"stage": 3, "stage3_max_live_parameters": 6 * 10**7, "stage3_prefetch_bucket_size": 5 * 10**7}
+    assert allocated_later({"zero_optimization": {"stage": 1}}, n, 8, 2) == 2 * n
+    assert allocated_later({}, n, 1, 2) == 2 * n  # no ZeRO section: stage 0
+    assert allocated_later({"zero_optimization": {"stage": 2}}, n, 8, 2) == 0
+    assert allocated_later({"zero_optimization": z3}, n, 1, 2) == 0
+    assert allocated_later({"zero_optimization": z3}, n, 8, 2) == 2 * (6 * 10**7 + 5 * 10**7)
+    assert allocated_later({"zero_optimization": {"stage": 3}}, n, 8, 2) == 2 * (n + 5 * 10**7)  # defaults
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from pretrain.config import ModelConfig
+from pretrain.config import ConfigError, ModelConfig
 from pretrain.model.gpt import GPT
 from pretrain.model.layers import Block
 
@@ -86,30 +86,50 @@ def activation_bytes(cfg: ModelConfig, tokens: int, depth: int, mode: str, dtype
     (tests/test_checkpointing.py measures it): a block keeps 16 d-sized tensors (LN inputs
     and outputs, q/k/v, attention output, the MLP's 4d input and GELU output), 10 of them
     matmul or attention outputs; a GRT loop step adds 8 for its projection and gate (3 of
-    them matmul outputs); the loss keeps the fp32 log-softmax over the vocabulary."""
-    d, a, layout = cfg.d_model, dtype_bytes, cfg.parsed_layout
+    them matmul outputs); the loss keeps the fp32 log-softmax over the vocabulary. The
+    baselines (pretrain/model/baselines.py) change the loop's terms, read from cfg.extra."""
+    d, a, layout, variant = cfg.d_model, dtype_bytes, cfg.parsed_layout, cfg.variant
     small = 4 * (cfg.n_heads + 4) + (2 * d if cfg.dropout > 0 else 0)  # fp32 norm stats, attention logsumexp, masks
     block_full, block_selective = 16 * d * a + small, 10 * d * a + small
+    core_full, core_selective = block_full, block_selective
+    if variant == "huginn":  # sandwich blocks: the two extra norms keep their inputs
+        core_full, core_selective = core_full + 2 * d * a, core_selective + 2 * d * a
+    if variant == "rrt":  # the 4 LoRA sites keep their rank-sized inner activation; selective also the
+        rank = int(cfg.xget("lora_rank"))  # outputs of their up matmuls (3d + d + 4d + d)
+        core_full, core_selective = core_full + 4 * rank * a, core_selective + (4 * rank + 9 * d) * a
     extra_full, extra_selective = ((8, 3) if cfg.gate else (2, 1))
-    step_full = layout.core * block_full + extra_full * d * a
-    step_selective = layout.core * block_selective + extra_selective * d * a
+    step_full = layout.core * core_full + extra_full * d * a
+    step_selective = layout.core * core_selective + extra_selective * d * a
     steps = depth if layout.looped else 0
-    units = layout.prelude + layout.coda + steps  # the units loop_step and selective checkpoint
+    if variant == "huginn":  # truncated backprop: the first steps run under no_grad and keep nothing
+        steps = min(steps, int(cfg.xget("backprop_steps")))
+    # MoR runs step i on its capacity share of the tokens; the router keeps the full state and the
+    # gated update the chosen tokens' (out - x), outside the checkpointed loop step
+    r = layout.loops
+    shares = [(r - min(i, r - 1)) / r if variant == "mor" else 1.0 for i in range(steps)]
+    loop_tokens = sum(shares)
+    outside = sum(1 + f for f in shares) * d * a if variant == "mor" else 0
+    # Ouro decodes every loop step in training: coda, final norm and head once per step, and
+    # each step's logits live until the loss; no checkpointing mode removes them
+    decodes = max(steps, 1) if variant == "ouro" else 1
+    ends = layout.prelude + decodes * layout.coda  # prelude and coda blocks run
+    units = ends + loop_tokens  # the units loop_step and selective checkpoint (their inputs)
     unit_input = d * a
     if mode == "off":
-        kept, recompute = (layout.prelude + layout.coda) * block_full + steps * step_full, 0
+        kept, recompute = ends * block_full + loop_tokens * step_full, 0
     elif mode == "block":
-        kept = (layout.prelude + layout.coda + steps * layout.core) * unit_input + steps * extra_full * d * a
+        kept = (ends + loop_tokens * layout.core) * unit_input + loop_tokens * extra_full * d * a
         recompute = block_full
     elif mode == "loop_step":
         kept, recompute = units * unit_input, max(block_full, step_full if steps else 0)
     else:  # selective: the recompute rebuilds one unit's cheap tensors
-        kept = units * unit_input + (layout.prelude + layout.coda) * block_selective + steps * step_selective
+        kept = units * unit_input + ends * block_selective + loop_tokens * step_selective
         recompute = max(block_full - block_selective, step_full - step_selective if steps else 0)
     anchor = 2 * d * a if layout.looped else 0  # the anchor terms, computed once per forward
     head = 4 * cfg.vocab_size + 2 * d * a  # the fp32 log-softmax, the final norm's input and output
+    held_logits = a * cfg.padded_vocab_size if variant == "ouro" else 0  # a step's logits, kept until the loss
     head_grad = (4 + a) * cfg.padded_vocab_size  # the logits' gradient, in fp32 and in the model's dtype
-    return int(tokens * (kept + anchor + head + max(recompute, head_grad)))
+    return int(tokens * (kept + outside + anchor + decodes * (head + held_logits) + max(recompute, head_grad)))
 
 
 def modes_for_stage(zero_stage: int) -> tuple[str, ...]:
@@ -121,6 +141,15 @@ def modes_for_stage(zero_stage: int) -> tuple[str, ...]:
     forward's ops once ZeRO-3 gathers a parameter there; so ZeRO-3 refuses it and its
     `auto` never picks it. ZeRO-0/1/2 and plain PyTorch match the reference."""
     return tuple(m for m in CHECKPOINT_MODES if not (zero_stage == 3 and m == "selective"))
+
+
+def check_checkpointing(mode: str, zero_stage: int) -> None:
+    """Refuse a mode the ZeRO stage cannot run (one line): `grt launch` calls it before any
+    rank starts, and the Trainer again for runs started by deepspeed or torchrun directly."""
+    if mode not in (AUTO, *modes_for_stage(zero_stage)):
+        raise ConfigError(f"train.activation_checkpointing={mode!r} is refused under ZeRO stage {zero_stage} "
+                          f"(wrong gradients, docs/performance.md): use {', '.join(modes_for_stage(zero_stage))} "
+                          "or auto, or ZeRO-2")
 
 
 def choose_checkpointing(estimates: dict[str, int], free_bytes: int | None) -> str:

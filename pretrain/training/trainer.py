@@ -34,8 +34,8 @@ from pretrain.training.health import (Heartbeat, NanInjection, RankFailure, Stop
 from pretrain.training.metrics import (MetricsWriter, Throughput, human_count, human_duration, memory_scalars,
                                        norms, peak_flops)
 from pretrain.training.parallelize import (AUTO, AUTO_MEMORY_SHARE, AUTO_MODES, activation_bytes,
-                                           apply_activation_checkpointing, apply_compile, choose_checkpointing,
-                                           compile_stats, modes_for_stage)
+                                           apply_activation_checkpointing, apply_compile, check_checkpointing,
+                                           choose_checkpointing, compile_stats, modes_for_stage)
 from pretrain.training.resume import check_resume
 from pretrain.training.run_config import RunConfig, load_manifest, resolve
 
@@ -81,7 +81,9 @@ def build_engine(cfg: RunConfig, world_size: int, device: torch.device, seq_len:
         apply_compile(model)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
                                            config=ds)
-    apply_activation_checkpointing(model, checkpointing_mode(cfg, ds, device, seq_len or cfg.model.max_seq_len))
+    numel = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 partitions: ds_numel
+    mode = checkpointing_mode(cfg, ds, device, seq_len or cfg.model.max_seq_len, numel, world_size)
+    apply_activation_checkpointing(model, mode)
     deepspeed_internals.check_engine(engine)
     if zero_stage(ds) == 3:
         deepspeed_internals.install_counters()
@@ -90,27 +92,44 @@ def build_engine(cfg: RunConfig, world_size: int, device: torch.device, seq_len:
     return engine, ds
 
 
-def checkpointing_mode(cfg: RunConfig, ds: dict, device: torch.device, seq_len: int) -> str:
+def allocated_later(ds: dict, numel: int, world_size: int, dtype_bytes: int) -> int:
+    """Device memory the engine allocates only in the first step, after `auto` reads the free
+    memory: the full gradients under ZeRO-0/1 (ZeRO-2 and 3 partition them), and under
+    ZeRO-3 with more than one rank the parameters gathered at once (stage3_max_live_parameters,
+    DeepSpeed's default 1e9) plus the prefetch bucket (default 5e7), each at most the model.
+    torch.compile's workspaces are left to the headroom (AUTO_MEMORY_SHARE)."""
+    zero = ds.get("zero_optimization", {})
+    later = dtype_bytes * numel if zero_stage(ds) < 2 else 0
+    if zero_stage(ds) == 3 and world_size > 1:
+        live = min(numel, int(zero.get("stage3_max_live_parameters", 1e9)))
+        later += dtype_bytes * (live + min(numel, int(zero.get("stage3_prefetch_bucket_size", 5e7))))
+    return later
+
+
+def checkpointing_mode(cfg: RunConfig, ds: dict, device: torch.device, seq_len: int, numel: int,
+                       world_size: int) -> str:
     """train.activation_checkpointing, with `auto` resolved from the estimated activation
     memory of one micro-batch at the deepest sampled depth against the device memory left
-    (the least free over the ranks, so that every rank recomputes alike: ZeRO-3 gathers
-    parameters again in a recompute). On the CPU, auto is off. Logs one line."""
+    once what the first step allocates is taken (`allocated_later` of the model's `numel`
+    parameters; the least free over the ranks, so that every rank recomputes alike: ZeRO-3
+    gathers parameters again in a recompute). On the CPU, auto is off. Logs one line."""
     t = cfg.train
     if t.activation_checkpointing != AUTO:
         return t.activation_checkpointing
     depth, dtype_bytes = max_depth(t, cfg.model.max_loops), 2 if ds["bf16"]["enabled"] else 4
     estimates = {mode: activation_bytes(cfg.model, t.micro_batch_size * seq_len, depth, mode, dtype_bytes)
                  for mode in AUTO_MODES if mode in modes_for_stage(zero_stage(ds))}
-    free = None
+    free, later = None, allocated_later(ds, numel, world_size, dtype_bytes)
     if device.type == "cuda":
         free_here = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
-                     - torch.cuda.memory_allocated(device))
+                     - torch.cuda.memory_allocated(device) - later)
         free = int(all_reduce(torch.tensor(float(free_here), device=comm_device()), op="min").item())
     mode = choose_checkpointing(estimates, free)
     log.info("activation checkpointing auto -> %s: estimated activation memory per micro-batch (%d x %d tokens, "
              "depth up to %d): %s; %s", mode, t.micro_batch_size, seq_len, depth,
              ", ".join(f"{m} {b / 2**20:,.1f} MiB" for m, b in estimates.items()),
-             f"free device memory {free / 2**20:,.0f} MiB (least over ranks), {AUTO_MEMORY_SHARE:.0%} of it usable"
+             f"free device memory {free / 2**20:,.0f} MiB (least over ranks, after {later / 2**20:,.0f} MiB that the "
+             f"first step allocates), {AUTO_MEMORY_SHARE:.0%} of it usable"
              if free is not None else "on the CPU: no checkpointing unless set")
     return mode
 
@@ -198,10 +217,7 @@ class Trainer:
         t = cfg.train
         deepspeed_internals.check()
         ds = build_ds_config(load_ds_json(cfg.ds_config), t, discover().world_size, torch.cuda.is_available())
-        if t.activation_checkpointing not in (AUTO, *modes_for_stage(zero_stage(ds))):
-            raise ConfigError(f"train.activation_checkpointing={t.activation_checkpointing!r} is refused under ZeRO "
-                              f"stage 3 (wrong gradients, docs/performance.md): use "
-                              f"{', '.join(modes_for_stage(3))} or auto, or ZeRO-2")
+        check_checkpointing(t.activation_checkpointing, zero_stage(ds))
         self.check_data_order(tag)
         self.stop = StopSignal()  # before the slow start-up: a signal during it stops after the first step
         self.faults = NanInjection()
