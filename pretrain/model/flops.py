@@ -85,8 +85,12 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, depth: int, executed: 
 
 
 def count_params(model: torch.nn.Module) -> dict[str, int]:
-    """Unique parameters (a tied head counts once) and those outside the embeddings."""
+    """Unique parameters (a tied head counts once) and those outside the embeddings; a ZeRO-3
+    partitioned parameter counts its full size (ds_numel)."""
+    def numel(p):
+        return getattr(p, "ds_numel", p.numel())
+
     unique = {id(p): p for p in model.parameters()}
-    total = sum(p.numel() for p in unique.values())
-    embedding = sum(p.numel() for name, p in model.named_parameters() if name.split(".")[0] in ("wte", "wpe"))
+    total = sum(numel(p) for p in unique.values())
+    embedding = sum(numel(p) for name, p in model.named_parameters() if name.split(".")[0] in ("wte", "wpe"))
     return {"params": total, "non_embedding_params": total - embedding}

@@ -55,10 +55,12 @@ def _changes(old: dict, new: dict) -> list[str]:
     return [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
 
 
-def check_resume(cfg: RunConfig, ckpt_root: Path, tag: str | None, world_size: int | None = None) -> RunConfig:
+def check_resume(cfg: RunConfig, ckpt_root: Path, tag: str | None, world_size: int | None = None,
+                 manifest=None) -> RunConfig:
     """Check `cfg` (resolved against the data) against checkpoint `tag` (None: a fresh start,
     nothing to check) for a run of `world_size` ranks (default: this process's launch);
-    refuse by the rule above (ConfigError), or return cfg with the started schedule kept."""
+    refuse by the rule above (ConfigError), or return cfg with the started schedule kept.
+    `manifest`: cfg.data's, when the caller has loaded it already."""
     from data_pipeline.tokenizer import file_sha256
     from pretrain.distributed import discover
 
@@ -68,7 +70,7 @@ def check_resume(cfg: RunConfig, ckpt_root: Path, tag: str | None, world_size: i
     # through RunConfig: keys added since the checkpoint was written take their defaults
     saved = _as_json(RunConfig.from_dict(json.loads((step_dir / "config.json").read_text())))
     where = f"checkpoint {tag}"
-    manifest = load_manifest(cfg.data)
+    manifest = manifest or load_manifest(cfg.data)
     saved_tok = step_dir / "tokenizer.model"
     check_same_tokenizer(manifest.tokenizer_sha256, manifest.vocab_size, f"data={cfg.data!r}",
                          file_sha256(str(saved_tok)) if saved_tok.is_file() else None,

@@ -69,20 +69,22 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_engine(cfg: RunConfig, world_size: int, device: torch.device, seq_len: int | None = None):
-    """The DeepSpeed engine and its merged config. Activation checkpointing is applied after
-    DeepSpeed has placed the weights and optimizer state, so that `auto` sees what is left."""
+def build_engine(cfg: RunConfig, world_size: int, device: torch.device, seq_len: int | None = None,
+                 ds: dict | None = None):
+    """The DeepSpeed engine and its merged config (`ds`, when the caller has merged it already).
+    Activation checkpointing is applied after DeepSpeed has placed the weights and optimizer
+    state, so that `auto` sees what is left."""
     import deepspeed
 
-    ds = build_ds_config(load_ds_json(cfg.ds_config), cfg.train, world_size, device.type == "cuda")
+    ds = ds or build_ds_config(load_ds_json(cfg.ds_config), cfg.train, world_size, device.type == "cuda")
     with deepspeed.zero.Init(config_dict_or_path=ds, enabled=zero_stage(ds) == 3):
         model = build_model(cfg.model)
     if cfg.train.compile:
         apply_compile(model)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
                                            config=ds)
-    numel = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 partitions: ds_numel
-    mode = checkpointing_mode(cfg, ds, device, seq_len or cfg.model.max_seq_len, numel, world_size)
+    mode = checkpointing_mode(cfg, ds, device, seq_len or cfg.model.max_seq_len, count_params(model)["params"],
+                              world_size)
     apply_activation_checkpointing(model, mode)
     deepspeed_internals.check_engine(engine)
     if zero_stage(ds) == 3:
@@ -213,7 +215,7 @@ class Trainer:
             raise ConfigError(f"{self.ckpt_root} already holds checkpoint {tag}: pass --resume to continue it, "
                               "or choose another --out")
         # the checkpoint's tokenizer, model, schedule and batch size: before anything is written
-        self.cfg = cfg = check_resume(cfg, self.ckpt_root, tag)
+        self.cfg = cfg = check_resume(cfg, self.ckpt_root, tag, manifest=self.manifest)
         t = cfg.train
         deepspeed_internals.check()
         ds = build_ds_config(load_ds_json(cfg.ds_config), t, discover().world_size, torch.cuda.is_available())
@@ -223,6 +225,7 @@ class Trainer:
         self.faults = NanInjection()
         info = init_distributed(timeout_s=t.dist_timeout_s)
         self.rank, self.world = info.rank, info.world_size
+        self.comm = comm_device()  # the device of every collective's tensors (distributed.comm_device)
         self.heartbeat = Heartbeat(self.rank, self.world)
         setup_logging(self.out, self.rank)
         deepspeed_internals.quiet_deprecated_collectives()
@@ -231,7 +234,7 @@ class Trainer:
             torch.cuda.set_device(self.device)
         torch.manual_seed(t.seed + self.rank)
         self.config_json = json.dumps(cfg.to_dict(), indent=2) + "\n"
-        self.engine, self.ds = build_engine(cfg, self.world, self.device, self.manifest.seq_len)
+        self.engine, self.ds = build_engine(cfg, self.world, self.device, self.manifest.seq_len, ds)
         self.write_run_config()
         self.seq_len = self.manifest.seq_len
         self.tokens_per_step = t.micro_batch_size * t.grad_accum * self.world * self.seq_len
@@ -248,8 +251,8 @@ class Trainer:
         self.writer.text("deepspeed_config", json.dumps(self.ds, indent=2))
         self.throughput = Throughput(cfg.model, self.seq_len, self.peak * self.world)
         # the control vector's device-side inputs: set without a sync, read with the step's one sync
-        self.stop_flag = torch.zeros((), dtype=torch.float64, device=comm_device())
-        self.grad_norm_bad = torch.zeros((), dtype=torch.float64, device=comm_device())
+        self.stop_flag = torch.zeros((), dtype=torch.float64, device=self.comm)
+        self.grad_norm_bad = torch.zeros((), dtype=torch.float64, device=self.comm)
         self.grad_norm = None
         self.grad_mask = GradientMask(self.engine.module) if t.grad_accum > 1 else None
 
@@ -277,11 +280,7 @@ class Trainer:
 
     def log_start(self) -> None:
         cfg, t, engine = self.cfg, self.cfg.train, self.engine
-        if zero_stage(self.ds) < 3:
-            counts = count_params(engine.module)
-        else:
-            with torch.device("meta"):
-                counts = count_params(build_model(cfg.model))
+        counts = count_params(engine.module)
         self.peak, peak_note = peak_flops(self.device, t.peak_tflops)
         log.info("model %s layout %s: %s params (%s non-embedding), ZeRO stage %d, %d rank(s), %s, %d tokens/step",
                  cfg.model.name, cfg.model.layout, f"{counts['params']:,}", f"{counts['non_embedding_params']:,}",
@@ -329,7 +328,6 @@ class Trainer:
         stop_requested = False
         unread = []  # the control vectors of the micro-batches run since the last read
         while good < t.grad_accum:
-            self.heartbeat.step = self.step
             idx, targets, doc_ids = move(next(batches), self.device, t.doc_mask)
             if self.loader.skipped_shards != self.skipped_shards:
                 log.warning("rank %d skipped %d unreadable shard(s) so far (train.skip_corrupt_shards): %s", self.rank,
@@ -339,7 +337,7 @@ class Trainer:
             loss = out.loss * float("nan") if self.faults.poisons(self.step) else out.loss
             if self.stop.received:
                 self.stop_flag.fill_(1.0)
-            detached = loss.detach().double().to(comm_device())
+            detached = loss.detach().double().to(self.comm)
             unread.append(all_reduce(torch.stack([detached, (~torch.isfinite(detached)).double(), self.stop_flag,
                                                   self.grad_norm_bad])))
             if good + len(unread) < t.grad_accum:  # not the last one yet: its flag is read later
@@ -352,7 +350,7 @@ class Trainer:
             unread = []
             for loss_total, bad, stops, grad_norm_bad in controls:
                 if grad_norm_bad > 0:
-                    self.stop_on_bad_grad_norm(self.step)
+                    self.stop_on_bad_grad_norm()
                 stop_requested = stop_requested or stops > 0
                 if bad > 0:  # some rank saw a non-finite loss: every rank drops this micro-batch
                     self.skip_bad_micro_batch(depth)
@@ -370,7 +368,7 @@ class Trainer:
             engine.step()
         grad_norm = engine.get_global_grad_norm()
         if grad_norm is not None:  # checked inside the next step's control vector (or by check_grad_norm)
-            self.grad_norm = torch.as_tensor(grad_norm, dtype=torch.float64).to(comm_device(), non_blocking=True)
+            self.grad_norm = torch.as_tensor(grad_norm, dtype=torch.float64).to(self.comm, non_blocking=True)
             self.grad_norm_bad = (~torch.isfinite(self.grad_norm)).double()
         return StepResult(loss_sum / t.grad_accum, stop_requested,
                           {k: float(v) for k, v in scalars.items()})
@@ -394,11 +392,11 @@ class Trainer:
             return 0.0
         value = float(self.grad_norm)
         if not math.isfinite(value):
-            self.stop_on_bad_grad_norm(self.step)
+            self.stop_on_bad_grad_norm()
         return value
 
-    def stop_on_bad_grad_norm(self, step: int) -> None:
-        raise TrainingStopped(f"non-finite gradient norm at step {step} (finite loss); parameters may be corrupt, "
+    def stop_on_bad_grad_norm(self) -> None:
+        raise TrainingStopped(f"non-finite gradient norm at step {self.step} (finite loss); parameters may be corrupt, "
                               f"stopping without saving. Resume from {checkpoint.find_latest(self.ckpt_root)}")
 
     # -- the loop ------------------------------------------------------------------------
@@ -413,6 +411,7 @@ class Trainer:
         while self.step < t.steps:
             depth = depth_for_step(t, max_r, self.step)
             log_now = (self.step + 1) % t.log_every == 0 or self.step + 1 == t.steps
+            self.heartbeat.step = self.step
             loss, stop_requested, scalars = self.train_step(batches, depth, log_now)
             self.step += 1
             self.throughput.add(self.tokens_per_step, depth)
@@ -423,7 +422,7 @@ class Trainer:
                 self.check_grad_norm()
             self.writer.step_record(self.step, {"loss": loss, "depth": depth, "rss_mb": round(rss_mb(), 1)})
             if self.val is not None and (self.step % t.eval_every == 0 or self.step == t.steps):
-                last_val = self.validate(max_r)
+                last_val = self.validate()
             if save_now:
                 saved = self.save()
                 log.info("saved checkpoint %s", self.ckpt_root / saved)
@@ -435,7 +434,7 @@ class Trainer:
         summary = {"out": str(self.out), "steps": self.step, "final_loss": loss, "val_loss_by_depth": last_val,
                    "checkpoint": str(self.ckpt_root / (checkpoint.find_latest(self.ckpt_root) or "")),
                    "tensorboard": str(self.out / "tb"), "skipped_microbatches": self.skipped_total,
-                   "stopped_by_signal": bool(stop_requested), "skipped_shards": self.loader.skipped_shards}
+                   "stopped_by_signal": stop_requested, "skipped_shards": self.loader.skipped_shards}
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
 
@@ -460,11 +459,10 @@ class Trainer:
                  perf["perf/tokens_per_s"], 100 * perf["perf/mfu"], values["memory/peak_bytes"] / 2**20,
                  human_count(tokens_seen), human_duration(eta))
 
-    def validate(self, max_r: int) -> dict[int, float]:
-        t = self.cfg.train
-        by_depth = evaluate_depths(self.engine, self.val, list(range(0, max_r + 1)) if max_r else [0], self.device,
-                                   t.doc_mask)
-        full = by_depth[max_r] if max_r else by_depth[0]
+    def validate(self) -> dict[int, float]:
+        max_r = self.cfg.model.max_loops
+        by_depth = evaluate_depths(self.engine, self.val, list(range(max_r + 1)), self.device, self.cfg.train.doc_mask)
+        full = by_depth[max_r]
         self.writer.scalars(self.step, {"val/loss": full, **{f"val/loss_depth_{k}": v for k, v in by_depth.items()}})
         self.writer.scalars_by_tokens(self.step * self.tokens_per_step, {"val/loss": full})
         log.info("validation at step %d: loss %.4f at full depth; by exit depth: %s", self.step, full,
