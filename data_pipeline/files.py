@@ -3,6 +3,7 @@ then renamed into place, so a crash, a full disk or a kill leaves the old file o
 from __future__ import annotations
 
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -10,7 +11,8 @@ from typing import Iterator
 
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """A temporary path in `path`'s directory; renamed to `path` when the block succeeds."""
+    """A temporary path in `path`'s directory (named as `is_temp` recognises); renamed to
+    `path` when the block succeeds."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -18,6 +20,14 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def is_temp(name: str) -> bool:
+    """An `atomic_path` temporary that a killed writer left behind."""
+    return _TEMP_RE.match(name) is not None
+
+
+_TEMP_RE = re.compile(r"^\..+\.tmp\d+$")
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

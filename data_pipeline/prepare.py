@@ -26,13 +26,13 @@ import numpy as np
 from .manifest import MANIFEST_NAME, Manifest, manifest_dict
 from .shards import DTYPES, build_shard, ext_for_vocab, member_size, write_shard_atomic
 from .sources import SourceStats, expand_inputs, iter_file_documents
-from .files import atomic_write_bytes
+from .files import atomic_write_bytes, is_temp
 from .tokenizer import Tokenizer, file_sha256
 
 TOKENIZER_NAME = "tokenizer.model"
 SPLITS = ("train", "val")
 _SHARD_RE = re.compile(r"^(train|val)-\d{6}\.tar$")
-_TMP_RE = re.compile(r"^(?:(?:train|val)-\d{6}\.tar\.tmp|(?:manifest\.json|tokenizer\.model)\.tmp-\d+)$")
+_SHARD_TMP_RE = re.compile(r"^(train|val)-\d{6}\.tar\.tmp$")
 _CHUNK_CHARS = 1 << 21  # ~2 MB of text per task sent to a worker
 
 # Test hook: called as _after_shard_hook(path) after each shard is written.
@@ -199,7 +199,7 @@ def prepare(inputs: Sequence[str], tokenizer: str, out_dir: str, seq_len: int = 
     if os.path.exists(manifest_path):
         os.unlink(manifest_path)
     for f in os.listdir(out_dir):  # leftovers of an interrupted run (only our own names)
-        if _TMP_RE.match(f):
+        if _SHARD_TMP_RE.match(f) or is_temp(f):  # shards' own temporaries; the manifest's and tokenizer's
             os.unlink(os.path.join(out_dir, f))
     tok_dst = os.path.join(out_dir, TOKENIZER_NAME)
     if not (os.path.exists(tok_dst) and os.path.samefile(tok_dst, tok.model_path)):

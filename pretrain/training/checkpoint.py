@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data_pipeline.files import atomic_write_text
+from data_pipeline.files import atomic_path, atomic_write_text, is_temp
 from pretrain.distributed import all_agree
 from pretrain.training import deepspeed_internals
 
@@ -91,7 +91,7 @@ def _remove_debris(root: Path, tag: str) -> None:
     for p in [*root.iterdir(), *(root / tag).iterdir()]:
         if TAG_RE.match(p.name) and p.name < tag and not (p / "COMPLETE").is_file():
             shutil.rmtree(p, ignore_errors=True)
-        elif p.name.startswith(".") and ".tmp" in p.name and p.is_file():
+        elif is_temp(p.name) and p.is_file():
             p.unlink(missing_ok=True)
 
 
@@ -126,12 +126,8 @@ def save(engine, root: Path, step: int, *, config_json: str, tokenizer_path: str
         if writes.errors:
             raise writes.errors[0]
         state_path = path / f"rank{rank}_state.pt"
-        tmp = state_path.with_suffix(".tmp")
-        try:
+        with atomic_path(state_path) as tmp:
             torch.save({"rng": rng_state(), "loader": loader_state, "step": step}, tmp)
-            os.replace(tmp, state_path)
-        finally:
-            tmp.unlink(missing_ok=True)
     except Exception as err:  # torch.save reports a full disk as RuntimeError, not OSError
         error = err
     if not all_agree(error is None):
