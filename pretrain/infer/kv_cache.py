@@ -85,6 +85,9 @@ def _attend(q, keys, values, past: int):
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
 
 
+CACHED_VARIANTS = ("grt", "dense")  # the variants CachedDecoder decodes; the others recompute
+
+
 class CachedDecoder:
     """Prefill a prompt, then decode one token at a time; returns next-token logits [B, V]."""
 
@@ -92,7 +95,7 @@ class CachedDecoder:
                  n_loops: int | None = None, exit_threshold: float | None = None, exit_rule: str = "update"):
         if strategy not in STRATEGIES:
             raise ConfigError(f"strategy={strategy!r}: accepted values are {', '.join(STRATEGIES)}")
-        if model.cfg.variant not in ("grt", "dense"):
+        if model.cfg.variant not in CACHED_VARIANTS:
             raise ConfigError(f"the KV cache supports the grt and dense variants, not {model.cfg.variant!r}: "
                              "decode it without a cache (--no-cache)")
         self.model = model.eval()

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError, ModelConfig
 from pretrain.model.gpt import GPT
 from pretrain.model.registry import build_model
@@ -154,7 +155,7 @@ def vendored_sources() -> dict[str, str]:
         text = _PROJECT_IMPORT.sub(lambda m: f"{m[1]}from .{_vendored_file(m[2])[:-3]} import ", text)
         if re.search(r"^\s*(import|from) pretrain\b", text, re.M):
             raise RuntimeError(f"{path}: an import of the pretrain package that cannot be vendored (use 'from pretrain.x import y')")
-        source = path.relative_to(Path(importlib.util.find_spec("pretrain").origin).parents[1]).as_posix()
+        source = path.relative_to(PROJECT_ROOT).as_posix()
         out[name] = f"# Vendored by `grt export` from {source}, its imports made relative: edit that file, not this copy.\n{text}"
     return out
 

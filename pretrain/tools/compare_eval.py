@@ -96,21 +96,21 @@ def final_evals(cfg: RunConfig, exit_factor: int) -> dict:
             return _depth_keys(saved["results"])
     device = pick_device()
     model = load_model(out, device=device).model
-    batches = lambda: val_batches(cfg.data, t.micro_batch_size, Dist(), t.eval_batches, t.seed)  # noqa: E731
+    batches = list(val_batches(cfg.data, t.micro_batch_size, Dist(), t.eval_batches, t.seed))  # read once, scored often
     curve_depths, depths = eval_depths(r, exit_factor)
-    loss = {d: v["loss"] for d, v in loss_table(lm_sums(model, batches(), depths, device, t.doc_mask), depths).items()}
+    loss = {d: v["loss"] for d, v in loss_table(lm_sums(model, batches, depths, device, t.doc_mask), depths).items()}
     results = {"exit_curve": {d: loss[d] for d in curve_depths} or None,
                "extrapolation": {f * r: loss[f * r] for f in EXTRAPOLATION_FACTORS},
                "adaptive_exit": None, "learned_exit": None}
     if cfg.model.variant != "mor":
         results["adaptive_exit"] = {}
         for rule, threshold in ADAPTIVE_EXITS:
-            sums = adaptive_sums(model, batches(), [threshold], device, rule, doc_mask=t.doc_mask)
+            sums = adaptive_sums(model, batches, [threshold], device, rule, doc_mask=t.doc_mask)
             results["adaptive_exit"][adaptive_label(rule, threshold)] = adaptive_table(sums, [threshold])[threshold]
     if cfg.model.variant == "ouro":
-        results["learned_exit"] = learned_exit(model, batches(), device, t.doc_mask)
+        results["learned_exit"] = learned_exit(model, batches, device, t.doc_mask)
     atomic_write_text(cache, json.dumps({"settings": settings, "results": results}, indent=2) + "\n")
-    return _depth_keys(json.loads(json.dumps(results)))
+    return results
 
 
 def _depth_keys(results: dict) -> dict:

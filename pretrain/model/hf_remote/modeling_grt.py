@@ -15,10 +15,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_grt import GRTConfig
 from .grt_gpt import lm_loss
-from .grt_kv_cache import CachedDecoder
+from .grt_kv_cache import CACHED_VARIANTS, CachedDecoder
 from .grt_registry import build_model
 
-CACHED_VARIANTS = ("grt", "dense")  # the variants CachedDecoder decodes; the others recompute
 
 
 class GRTForCausalLM(PreTrainedModel, GenerationMixin):
