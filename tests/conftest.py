@@ -32,3 +32,12 @@ def shards(tmp_path_factory, demo_text) -> Path:
         r = grt(*args)
         assert r.returncode == 0, r.stderr
     return d / "shards" / "manifest.json"
+
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # transformers and lm-eval never reach a hub
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    for k, v in OFFLINE.items():
+        monkeypatch.setenv(k, v)

@@ -29,7 +29,7 @@ import subprocess
 import time
 from typing import IO, Dict, List, Optional, Set
 
-from slurm_cluster import _pid_alive
+from slurm_cluster import SlurmCluster, _pid_alive, _tool
 
 PREFIX = "grtc"  # namespaces, links and node names: grtc<owner pid>...
 SSH_PORT = 2222
@@ -45,7 +45,7 @@ def unavailable_reason() -> Optional[str]:
         return "network namespaces need root"
     for tool, package in (("ip", "iproute2"), ("unshare", "util-linux"), ("nsenter", "util-linux"),
                           ("sshd", "openssh-server"), ("ssh", "openssh-client"), ("ssh-keygen", "openssh-client")):
-        if shutil.which(tool) is None and not os.path.exists(f"/usr/sbin/{tool}"):
+        if not os.path.exists(_tool(tool)):
             return f"{tool} not installed (Debian package {package})"
     name = f"{PREFIX}{os.getpid()}probe"
     r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
@@ -268,9 +268,8 @@ class NetnsCluster:
                         "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
                         # as many parallel logins as pdsh and mpirun open at once
                         "MaxStartups 100\nMaxSessions 100\n")
-            sshd = shutil.which("sshd") or "/usr/sbin/sshd"
             self._logs.append(open(os.path.join(self.ssh_dir, f"sshd_{name}.log"), "w"))
-            self.sshd.append(self.popen(i, [sshd, "-D", "-e", "-f", conf], stdout=self._logs[-1],
+            self.sshd.append(self.popen(i, [_tool("sshd"), "-D", "-e", "-f", conf], stdout=self._logs[-1],
                                         stderr=subprocess.STDOUT))
         with open(os.path.join(self.ssh_dir, "known_hosts"), "w") as f:
             f.writelines(known)
@@ -328,8 +327,6 @@ def netns_slurm(cluster: NetnsCluster, state_dir: str):
     """A Slurm cluster on the namespace nodes: munged and slurmctld on node 0, `slurmd -N <node>`
     on every node (own spool, pid and log files: SlurmdSpoolDir=.../spool-%n), clients on node 0.
     Its own state dir, SLURM_CONF, ports and munge socket: one-node test clusters are not touched."""
-    from slurm_cluster import SlurmCluster
-
     class NetnsSlurm(SlurmCluster):
         def node_addrs(self) -> Dict[str, str]:
             return dict(zip(cluster.names, cluster.addrs))
@@ -355,7 +352,6 @@ def main(argv=None) -> int:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--slurm", action="store_true", help="also slurmctld on node 0 and a slurmd on every node")
     args = p.parse_args(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     cluster = slurm = None
     # a signal ends the loop below as Ctrl-C does, also while the cluster comes up: stop() runs
     for sig in (signal.SIGTERM, signal.SIGHUP):

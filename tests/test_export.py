@@ -14,10 +14,7 @@ from pretrain.infer.scoring import lm_sums, val_batches
 from pretrain.infer.export import main as export_main
 from pretrain.infer.load import TIED_KEY, load_model, resolve_checkpoint
 from trained_models import ENV, grt, single_thread, EVAL_BATCHES, dense_run, grt_run, manifest, summary  # noqa: F401 (fixtures)
-from conftest import DEMO_TEXT, SHARED
-
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-
+from conftest import DEMO_TEXT, OFFLINE, SHARED
 
 @pytest.fixture(scope="module")
 def grt_export(grt_run, tmp_path_factory):
@@ -184,13 +181,11 @@ def _real_texts() -> list[str]:
     return texts + ["  two leading spaces\n\n\ttab", "bytes: \u00fcn\u00efc\u00f6d\u00e9 \U0001F389", "a literal <|endoftext|>"]
 
 
-def test_hf_tokenizer_gives_our_ids(grt_export, monkeypatch):
+def test_hf_tokenizer_gives_our_ids(grt_export, offline):
     """AutoTokenizer on the export: our ids with the separator as BOS (how grt eval and grt
     generate feed text), on real text; decode gives the text back."""
     from transformers import AutoTokenizer
 
-    for k, v in OFFLINE.items():
-        monkeypatch.setenv(k, v)
     ours = load_model(grt_export).tokenizer()
     hf = AutoTokenizer.from_pretrained(str(grt_export / "hf"), trust_remote_code=True)
     texts = _real_texts()
@@ -207,7 +202,7 @@ def test_hf_tokenizer_gives_our_ids(grt_export, monkeypatch):
 
 
 @pytest.mark.parametrize("variant", ["huginn", "rrt", "ouro", "mor"])
-def test_looped_baselines_load_with_transformers(variant, tmp_path, monkeypatch):
+def test_looped_baselines_load_with_transformers(variant, tmp_path, offline):
     """Every looped baseline gets the same remote code for free: its logits load equal, and
     generate() recomputes (the KV cache is for grt and dense)."""
     from transformers import AutoModelForCausalLM
@@ -216,8 +211,6 @@ def test_looped_baselines_load_with_transformers(variant, tmp_path, monkeypatch)
     from pretrain.model.hf import save_pretrained
     from pretrain.presets import get_preset
 
-    for k, v in OFFLINE.items():
-        monkeypatch.setenv(k, v)
     torch.manual_seed(0)
     ours = build_model(get_preset(f"micro-{variant}").replace(vocab_size=64, max_seq_len=32)).eval()
     save_pretrained(ours, tmp_path / "hf", tokenizer=None)
@@ -233,15 +226,13 @@ def test_looped_baselines_load_with_transformers(variant, tmp_path, monkeypatch)
 
 
 @pytest.fixture
-def small_hf(tmp_path, monkeypatch):
+def small_hf(tmp_path, offline):
     """A small random GRT (1+2x3+1, vocab 64) saved as an hf/ directory and loaded by transformers."""
     from transformers import AutoModelForCausalLM
 
     from pretrain.model.hf import save_pretrained
     from trained_models import small_model
 
-    for k, v in OFFLINE.items():
-        monkeypatch.setenv(k, v)
     save_pretrained(small_model("1+2x3+1"), tmp_path / "hf", tokenizer=None)
     return AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True).eval()
 
@@ -275,7 +266,7 @@ def test_hf_right_padding_scores_but_is_refused_by_generate(small_hf):
                                  use_cache=use_cache).shape == (2, 8)
 
 
-def test_hf_model_saves_and_reloads_with_its_code(tmp_path, monkeypatch):
+def test_hf_model_saves_and_reloads_with_its_code(tmp_path, offline):
     """A loaded export saved again by transformers (after fine-tuning, to push it) carries its
     vendored code along and keeps the depth it was given, the trained R recorded beside it."""
     from transformers import AutoModelForCausalLM
@@ -283,8 +274,6 @@ def test_hf_model_saves_and_reloads_with_its_code(tmp_path, monkeypatch):
     from pretrain.model.hf import save_pretrained
     from trained_models import small_model
 
-    for k, v in OFFLINE.items():
-        monkeypatch.setenv(k, v)
     save_pretrained(small_model("1+2x3+1"), tmp_path / "hf", tokenizer=None)
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True, depth=2).eval()
     hf.save_pretrained(str(tmp_path / "again"))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SHARED
+from conftest import OFFLINE, SHARED
 from trained_models import ENV, REPO, torch_trained_grt, write_export
 
 pytest.importorskip("lm_eval")
@@ -24,9 +24,6 @@ from pretrain.infer.zero_shot import TASKS, encode_request, evaluate_task, load_
 
 EVAL = SHARED / "data" / "eval"
 LIMIT = 24
-OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-
-
 @pytest.fixture(scope="module")
 def export(tmp_path_factory) -> Path:
     model, manifest = torch_trained_grt()
@@ -46,10 +43,7 @@ def tasks(tmp_path_factory) -> Path:
     return d
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    for k, v in OFFLINE.items():
-        monkeypatch.setenv(k, v)
+pytestmark = pytest.mark.usefixtures("offline")  # every test: no hub
 
 
 def _grt_eval(export, task, depth):
