@@ -22,7 +22,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch_helpers import (ROOT, _end_group, check_trained, clean_env, complete_lines, free_port,  # noqa: E402
-                            grt_launch, train_args)
+                            grt_launch, train_args, wait_all)
 from faults import losses  # noqa: E402
 from pretrain.distributed import expand_nodelist  # noqa: E402
 from netns_cluster import ClusterUnavailable, NetnsCluster, netns_slurm  # noqa: E402
@@ -244,14 +244,7 @@ def test_torchrun_on_each_node(cluster, reference, tmp_path):
                                            "-m", "pretrain.cli", "train", *run_args(out)],
                                        env=node_env(cluster), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
                                        start_new_session=True))
-    try:
-        for p in procs:
-            p.wait(timeout=300)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                _end_group(p)
-    assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(l.read_text()[-3000:] for l in logs)
+    wait_all(procs, logs, timeout=300)
     watch.check()
     check_trained(out, STEPS)
     assert_losses_match(out, reference, STEPS)
