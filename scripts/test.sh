@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 python3 scripts/clean_shm.py
-python3 -m pytest -q -rs tests "$@"  # -rs: every skip with its reason
+python3 -m pytest -q -rfEs tests "$@"  # -rfEs: every failure, error and skip (with its reason) in the summary
