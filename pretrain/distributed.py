@@ -25,7 +25,7 @@ and a lone process with no launcher environment still gets a 1-rank group on a f
 because the DeepSpeed engine needs one.
 
 Every collective of the project goes through this module (`all_reduce`, `all_agree`,
-`barrier`), on tensors made on `comm_device()`, and every process that started a group
+`check_ranks`, `barrier`), on tensors made on `comm_device()`, and every process that started a group
 ends through `exit_process` (`run_command` does it for each command). docs/gpu.md says why.
 """
 from __future__ import annotations
@@ -51,6 +51,8 @@ __all__ = [
     "comm_device",
     "all_reduce",
     "all_agree",
+    "RankFailed",
+    "check_ranks",
     "Dist",
     "join_launch",
     "exit_process",
@@ -390,6 +392,65 @@ def all_agree(ok: bool) -> bool:
 
     flag = torch.tensor([0.0 if ok else 1.0], device=comm_device())
     return bool(all_reduce(flag, op="max").item() == 0)
+
+
+class RankFailed(RuntimeError):
+    """Raised on every rank by `check_ranks` when one or more ranks failed: names each failing
+    rank with its own error; `code` is the exit code the command ends with."""
+
+    def __init__(self, errors: Dict[int, str], code: int = 1):
+        by_text: Dict[str, List[int]] = {}
+        for rank in sorted(errors):
+            by_text.setdefault(errors[rank], []).append(rank)
+        super().__init__("; ".join(f"{_ranks(ranks)} failed: {text}" for text, ranks in by_text.items()))
+        self.errors, self.code = errors, code
+
+
+def _ranks(ranks: List[int]) -> str:
+    """[1] -> 'rank 1'; [0, 1, 2, 5] -> 'ranks 0-2, 5'."""
+    spans: List[List[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+
+
+# Bytes of each failing rank's error (UTF-8) that reach the other ranks.
+ERROR_BYTES = 1000
+
+
+def check_ranks(error: Optional[str] = None, code: int = 1) -> None:
+    """A point that every rank of a job reaches in the same order (a collective), passing its
+    own error (one line) and exit code, or None: returns when no rank passed an error, and
+    otherwise raises RankFailed on every rank, naming each failing rank with its error and
+    carrying the highest exit code. So a rank that fails stops the others at their next check
+    instead of leaving them waiting in a collective it will never join. One all_reduce of a
+    code per rank; a second one, only when a rank failed, carries the errors. Without a
+    process group: raises for `error`, if any."""
+    import torch
+    import torch.distributed as dist
+
+    if not _group_exists():
+        if error is not None:
+            raise RankFailed({0: error}, code)
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    codes = torch.tensor([float(code if r == rank and error is not None else 0) for r in range(world)],
+                         device=comm_device())
+    codes = [int(c) for c in all_reduce(codes, op="max").cpu().tolist()]
+    if not any(codes):
+        return
+    rows = torch.zeros(world, ERROR_BYTES, dtype=torch.uint8)
+    if error is not None:
+        text = error.encode("utf-8")[:ERROR_BYTES]
+        rows[rank, :len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    rows = all_reduce(rows.to(comm_device()), op="max").cpu()
+    errors = {r: bytes(rows[r].tolist()).rstrip(b"\0").decode("utf-8", errors="ignore")
+              for r in range(world) if codes[r]}
+    raise RankFailed(errors, max(codes))
 
 
 def barrier() -> None:

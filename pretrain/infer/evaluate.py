@@ -14,6 +14,8 @@ With `--kv-cache STRATEGY` every part decodes token by token through the KV cach
 
 Run under a launcher (torchrun, deepspeed, srun, mpirun) it shards batches and items by
 rank and all-reduces the sums; results are identical to one process up to float order.
+A rank that fails (an unreadable shard, a missing file, any error in its share) stops every
+rank at the next sum, each with one line naming it and its error (`run`).
 """
 from __future__ import annotations
 
@@ -23,14 +25,16 @@ import math
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
+from data_pipeline.shards import ShardError
 from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError
-from pretrain.distributed import Dist, is_main, join_launch, run_command
+from pretrain.distributed import Dist, RankFailed, check_ranks, is_main, join_launch, run_command
 from pretrain.infer.kv_cache import STRATEGIES
 from pretrain.infer.adaptive import CRITERIA, adaptive_table, check_criterion, parse_thresholds
 from pretrain.infer.scoring import adaptive_sums, jsonable, lm_sums, lm_sums_cached, val_batches
@@ -243,9 +247,14 @@ def held_out_split(manifest, requested: str | None) -> str:
     return split
 
 
-def run(args) -> dict:
-    from pretrain.infer.load import load_model, pick_device, pick_dtype
+# What one process reports in one line (exit 2); anything else is a bug, shown with its traceback (exit 1).
+INPUT_ERRORS = (ConfigError, FileNotFoundError, ShardError)  # ShardError: names the unreadable shard
 
+
+def run(args) -> dict:
+    """The results (on every rank). With several ranks, a rank's own failure is passed to
+    `check_ranks`, which the others reach at their next sum (or at the end): every rank then
+    raises RankFailed naming the failing rank and its error, and no partial table is printed."""
     parts = list(ALL_PARTS) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in parts if t not in ALL_PARTS]
     if unknown:
@@ -253,6 +262,25 @@ def run(args) -> dict:
     if args.adaptive_exit and "val" not in parts:
         raise ConfigError("--adaptive-exit is measured on the held-out split: add val to --tasks")
     dist = join_launch()
+    if dist.world == 1:
+        return evaluate(args, parts, dist)
+    try:
+        results = evaluate(args, parts, dist)
+    except RankFailed:
+        raise
+    except Exception as err:  # this rank's own failure: check_ranks raises RankFailed here, and on the others
+        expected = isinstance(err, INPUT_ERRORS)
+        if not expected:
+            traceback.print_exc()  # a bug: its traceback, as one process shows it
+        text = " ".join(str(err).split())
+        check_ranks(text if expected else f"{type(err).__name__}: {text}", 2 if expected else 1)
+    check_ranks()  # a rank that failed after the last sum
+    return results
+
+
+def evaluate(args, parts: list[str], dist: Dist) -> dict:
+    from pretrain.infer.load import load_model, pick_device, pick_dtype
+
     device = pick_device(args.device)
     loaded = load_model(args.model, device=device, dtype=pick_dtype(args.dtype, device), tokenizer=args.tokenizer)
     model = loaded.model
@@ -322,14 +350,16 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from data_pipeline.shards import ShardError
     from data_pipeline.files import atomic_write_text
 
     try:
         results = run(args)
-    except (ConfigError, FileNotFoundError, ShardError) as err:  # ShardError: names the unreadable shard
+    except INPUT_ERRORS as err:
         print(f"grt eval: error: {err}", file=sys.stderr)
         return 2
+    except RankFailed as err:
+        print(f"grt eval: error: {err}", file=sys.stderr)
+        return err.code
     if not is_main():
         return 0
     print(format_table(results))

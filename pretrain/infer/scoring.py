@@ -7,7 +7,8 @@ then `GPT.head`), which is the function `model(idx, n_loops=r)` computes (tested
 
 Sums are kept on the model's device and copied to the host once per call. A `dist` (any
 object with rank, world and shard, e.g. pretrain.distributed.Dist) shards
-and sums over ranks; None is one process.
+and sums over ranks (`sum_over_ranks`, once per call, after the ranks agreed that none
+failed); None is one process.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from pretrain.distributed import all_reduce, comm_device
+from pretrain.distributed import all_reduce, check_ranks, comm_device
 from pretrain.infer.adaptive import adaptive_forward
 from pretrain.infer.kv_cache import CachedDecoder
 from pretrain.model import GPT
@@ -44,8 +45,15 @@ def exit_logits(model: GPT, idx: torch.Tensor, depths: Iterable[int], **kw) -> d
 
 
 def sum_over_ranks(sums: torch.Tensor, dist) -> torch.Tensor:
-    """Summed over the ranks of a sharded evaluation (dist given), on the host."""
-    return (sums if dist is None else all_reduce(sums.to(comm_device()))).cpu()
+    """Summed over the ranks of a sharded evaluation (dist given), on the host. With more than
+    one rank, the ranks first agree that none failed (`check_ranks`: a rank whose own part of
+    the work raised calls it with its error instead), so a failure stops every rank at once,
+    naming the failing rank, rather than leaving the others waiting in the sum."""
+    if dist is None:
+        return sums.cpu()
+    if dist.world > 1:
+        check_ranks()
+    return all_reduce(sums.to(comm_device())).cpu()
 
 
 @torch.no_grad()

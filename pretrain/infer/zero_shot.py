@@ -27,9 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pretrain.distributed import all_reduce, comm_device
 from pretrain.infer.kv_cache import CachedDecoder
-from pretrain.infer.scoring import exit_hidden
+from pretrain.infer.scoring import exit_hidden, sum_over_ranks
 from pretrain.model import GPT
 
 
@@ -197,8 +196,7 @@ def evaluate_task(model: GPT, tok, items: list[Item], depths: list[int], device,
             sums[:, 1] += ((item_ll / chars).argmax(0) == item.gold).double()
         sums[:, 2] += 1
         pos += k
-    if dist is not None:
-        sums = all_reduce(sums.to(comm_device()))
+    sums = sum_over_ranks(sums, dist)
     out = {}
     for j, r in enumerate(depths):
         c, cn, n, sll, ntok = sums[j].tolist()
