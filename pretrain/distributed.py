@@ -428,15 +428,11 @@ def check_ranks(error: Optional[str] = None, code: int = 1) -> None:
     otherwise raises RankFailed on every rank, naming each failing rank with its error and
     carrying the highest exit code. So a rank that fails stops the others at their next check
     instead of leaving them waiting in a collective it will never join. One all_reduce of a
-    code per rank; a second one, only when a rank failed, carries the errors. Without a
-    process group: raises for `error`, if any."""
+    code per rank; a second one, only when a rank failed, carries the errors. Needs the
+    process group (a sharded evaluation's, `join_launch`)."""
     import torch
     import torch.distributed as dist
 
-    if not _group_exists():
-        if error is not None:
-            raise RankFailed({0: error}, code)
-        return
     rank, world = dist.get_rank(), dist.get_world_size()
     codes = torch.tensor([float(code if r == rank and error is not None else 0) for r in range(world)],
                          device=comm_device())

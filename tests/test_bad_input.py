@@ -17,11 +17,13 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from faults import Job, run_job
 from trained_models import DEMO_TEXT, ENV, REPO, grt, grt_run, manifest, single_thread  # noqa: F401 (fixtures)
 
 TRIED: Counter = Counter()   # inputs tried per class, printed at the end (-s) for docs/reliability.md
@@ -363,3 +365,119 @@ def test_resume_with_more_steps_keeps_the_started_schedule(grt_run, tmp_path):
         assert lr == pytest.approx(min_lr, rel=1e-2), f"step {step}: the learning rate jumped to {lr} (not {min_lr})"
     config = json.loads((run / "config.json").read_text())
     assert config["train"]["steps"] == 40 and config["train"]["schedule_steps"] == 30
+
+
+# ---------------------------------------------------- a rank that fails in a multi-rank `grt eval`
+# sitecustomize for the failing rank: once its command ends with an error, the process (and its
+# connections) stays alive, as a rank whose exit an NCCL collective does not notice. The others
+# must stop on the error it reported, not on its exit.
+HOLD_AFTER_ERROR = """import time
+import pretrain.distributed as pd
+exit_now = pd.exit_process
+def exit_later(code):
+    if code:
+        time.sleep(600)
+    return exit_now(code)
+pd.exit_process = exit_later
+"""
+STOP_WITHIN_S = 60  # the process group's timeout is 600 s
+
+
+def rank_error(output: str) -> str:
+    lines = [line for line in output.splitlines() if line.startswith("grt eval: error:")]
+    assert len(lines) == 1 and "Traceback" not in output, output[-3000:]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def one_rank_corrupt(bad, tmp_path_factory) -> tuple[Path, Path, int]:
+    """A manifest whose val split is a good shard and a truncated copy of it, each read whole
+    by one of 2 ranks at --batch-size 5 (195 sequences each); the truncated shard; the rank that reads it."""
+    from data_pipeline.shards import ShardError
+    from pretrain.distributed import Dist
+    from pretrain.infer.scoring import val_batches
+
+    truncated = Path(json.loads(bad["truncated_val"].read_text())["splits"]["val"][0]["name"])
+    data = edited_manifest(bad["manifest"], tmp_path_factory.mktemp("one_rank_corrupt"),
+                           lambda raw: raw["splits"].update(val=[raw["splits"]["val"][0],
+                                                                 dict(raw["splits"]["val"][0], name=str(truncated))]))
+    failing = []
+    for rank in (0, 1):
+        try:
+            list(val_batches(str(data), 5, Dist(rank, 2), 1, seed=1234))
+        except ShardError:
+            failing.append(rank)
+    assert len(failing) == 1, failing
+    return data, truncated, failing[0]
+
+
+def eval_argv(run: Path, data: Path) -> list[str]:
+    return ["eval", str(run), "--tasks", "val", "--data", str(data), "--batch-size", "5", "--max-batches", "1"]
+
+
+@pytest.mark.slow
+def test_multi_rank_eval_stops_every_rank_on_one_ranks_corrupt_shard(bad, one_rank_corrupt, tmp_path):
+    """The rank that cannot read its shard names it; the other stops at once with the same line,
+    without waiting for that rank's process to end (it is kept alive here)."""
+    data, truncated, failing = one_rank_corrupt
+    healthy = 1 - failing
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(HOLD_AFTER_ERROR)
+    with Job(eval_argv(bad["run"], data), tmp_path / "logs", env={"CUDA_VISIBLE_DEVICES": ""},
+             rank_env={failing: {"PYTHONPATH": f"{shim}{os.pathsep}{REPO}"}}) as job:
+        try:
+            job.procs[healthy].wait(timeout=STOP_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"rank {healthy} still waits {STOP_WITHIN_S} s after start:\n{job.output()}") from None
+        waited = time.time() - job.started
+        assert job.procs[healthy].returncode == 2, job.output()
+        assert job.alive()[failing], "the failing rank was to stay alive"
+        for rank in (0, 1):
+            line = rank_error(job.output(rank, tail=20000))
+            assert line.startswith(f"grt eval: error: rank {failing} failed: corrupt or truncated shard '{truncated}'"), line
+    print(f"\nrank {healthy} stopped {waited:.1f} s after start, rank {failing} still alive")
+
+
+@pytest.mark.slow
+def test_multi_rank_eval_failure_collectives_are_on_the_comm_device(bad, one_rank_corrupt, tmp_path):
+    """The same failure with a communication device that is not the CPU (tests/comm_guard.py):
+    the agreement and the errors it carries travel on it; both ranks exit 2 with one line."""
+    from multiproc import run_ranks
+
+    data, truncated, failing = one_rank_corrupt
+    violations = tmp_path / "violations"
+    procs = run_ranks([str(REPO / "tests" / "comm_guard.py"), str(violations), *eval_argv(bad["run"], data)],
+                      env={"PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}, timeout=STOP_WITHIN_S)
+    assert violations.read_text() == ""
+    for proc in procs:
+        assert proc.returncode == 2, proc.stdout[-3000:]
+        assert f"rank {failing} failed: corrupt or truncated shard '{truncated}'" in rank_error(proc.stdout)
+
+
+@pytest.mark.slow
+def test_multi_rank_eval_stops_every_rank_on_a_task_file_missing_on_one_rank(bad, tmp_path):
+    """After a held-out part both ranks scored, rank 1 lacks the zero-shot file: every rank
+    exits 2 naming rank 1 and the file; no table is printed."""
+    eval_dir, empty = tmp_path / "eval", tmp_path / "empty"
+    eval_dir.mkdir(), empty.mkdir()
+    (eval_dir / "piqa.jsonl").write_text("".join(json.dumps({"query": f"Question: q{i}\n", "choices": ["yes", "no"],
+                                                               "gold": i % 2}) + "\n" for i in range(4)))
+    argv = ["eval", str(bad["run"]), "--tasks", "val,piqa", "--data", str(bad["manifest"]), "--batch-size", "2",
+            "--max-batches", "1"]
+    codes, job = run_job(argv, tmp_path / "logs", timeout=STOP_WITHIN_S,
+                         env={"CUDA_VISIBLE_DEVICES": "", "GRT_EVAL_DIR": str(eval_dir)},
+                         rank_env={1: {"GRT_EVAL_DIR": str(empty)}})
+    assert codes == [2, 2], job.output()
+    for rank in (0, 1):
+        output = job.output(rank, tail=20000)
+        assert rank_error(output) == f"grt eval: error: rank 1 failed: piqa: {empty / 'piqa.jsonl'} not found (pass --eval-dir)"
+        assert "val loss" not in output
+
+
+def test_rank_failures_are_one_line_grouped_by_error():
+    """What every rank prints when ranks failed: identical errors once, with their ranks."""
+    from pretrain.distributed import RankFailed
+
+    failed = RankFailed({5: "disk full", 0: "bad shard", 1: "bad shard", 2: "bad shard"}, code=2)
+    assert str(failed) == "ranks 0-2 failed: bad shard; rank 5 failed: disk full" and failed.code == 2
