@@ -25,8 +25,9 @@ and a lone process with no launcher environment still gets a 1-rank group on a f
 because the DeepSpeed engine needs one.
 
 Every collective of the project goes through this module (`all_reduce`, `all_agree`,
-`check_ranks`, `barrier`), on tensors made on `comm_device()`, and every process that started a group
-ends through `exit_process` (`run_command` does it for each command). docs/gpu.md says why.
+`check_ranks`, `barrier`), on tensors made on `comm_device()`, and every process that
+started a group ends through `exit_process` (`run_command` does it for each command).
+docs/gpu.md says why.
 """
 from __future__ import annotations
 
