@@ -297,3 +297,24 @@ def test_model_and_infer_modules_import_one_way():
 
     cycles = [c for m in graph if (c := cycle_from(m, m, set()))]
     assert not cycles, cycles
+
+
+def test_compiled_block_has_no_graph_break_on_its_first_call(monkeypatch):
+    """torch.compile traces a block in one graph even on the call that logs the attention
+    backend: a logging call inside the trace broke the graph, and torch 2.13 then crashed
+    replaying the views on either side of the break ("invalid shape dimension")."""
+    from torch._dynamo.utils import counters
+
+    from pretrain.model import layers
+
+    monkeypatch.setattr(layers, "_logged_backends", set())  # as in a fresh process
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = PRESETS["micro-grt"].replace(dropout=0.0)
+    torch.manual_seed(0)
+    block = layers.Block(cfg, out_std=0.02)
+    x = torch.randn(2, 16, cfg.d_model, requires_grad=True)
+    compiled = torch.compile(block.forward)(x, AttentionContext())  # first: nothing logged yet
+    compiled.sum().backward()
+    assert dict(counters["graph_break"]) == {}
+    torch.testing.assert_close(compiled, block(x, AttentionContext()))

@@ -89,7 +89,9 @@ _logged_backends: set[str] = set()
 
 
 def _log_backend_once(name: str, why: str) -> None:
-    if name not in _logged_backends:
+    # not while torch.compile traces: a logging call breaks the graph, and torch 2.13's
+    # replay of the view outputs on either side of that break reads garbage sizes
+    if name not in _logged_backends and not torch.compiler.is_compiling():
         _logged_backends.add(name)
         log.info("attention backend: %s (%s)", name, why)
 

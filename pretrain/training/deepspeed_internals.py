@@ -12,7 +12,12 @@ pins the tested range). What is patched, and why:
   and stay resident through every loop step, forward and backward, at the cost of one
   full copy of the core per rank (small: the core is the model's few unique blocks). The
   optimizer still shards their fp32 master weights and moments, and gradients are still
-  reduce-scattered. The coordinator's gather and trace invalidation are wrapped to count.
+  reduce-scattered. With nothing left for them to gather or release, ZeRO-3's module
+  hooks are then removed from the core: its R calls leave the recorded module order,
+  which no longer depends on R and stays valid across depths (a re-recorded trace costs
+  hundreds of host syncs, and the hooks' compiler-disabled calls split a compiled loop
+  step into many graphs). The coordinator's gather and trace invalidation are wrapped to
+  count.
 - Checkpoints: DeepSpeed's file writes record their errors instead of raising, so that a
   rank whose disk is full still joins the collectives the save makes (checkpoint.py).
 - Warnings: torch's FutureWarnings about the collectives DeepSpeed calls, several per step.
@@ -53,12 +58,15 @@ def check() -> None:
     _refuse(missing)
 
 
+_OFFLOAD_NAMES = ("persistent_parameters", "forward_hooks", "backward_hooks")
+
+
 def check_engine(engine) -> None:
     """The same check for the names that exist only on a built engine."""
     missing = [] if hasattr(getattr(engine, "checkpoint_engine", None), "save") else ["engine.checkpoint_engine.save"]
-    if engine.zero_optimization_stage() == 3 and not hasattr(
-            getattr(engine.optimizer, "parameter_offload", None), "persistent_parameters"):
-        missing.append("optimizer.parameter_offload.persistent_parameters")
+    if engine.zero_optimization_stage() == 3:
+        offload = getattr(engine.optimizer, "parameter_offload", None)
+        missing += [f"optimizer.parameter_offload.{name}" for name in _OFFLOAD_NAMES if not hasattr(offload, name)]
     _refuse(missing)
 
 
@@ -132,6 +140,7 @@ def pin_parameters(engine, module: torch.nn.Module) -> int:
     persistent.extend(new)
     engine.grt_pinned_parameters = params
     hold_pinned(engine)
+    _remove_module_hooks(engine, module)
     step = engine.step
 
     def step_and_hold(*args, **kwargs):
@@ -141,6 +150,26 @@ def pin_parameters(engine, module: torch.nn.Module) -> int:
 
     engine.step = step_and_hold
     return len(params)
+
+
+def _remove_module_hooks(engine, module: torch.nn.Module) -> int:
+    """Remove ZeRO-3's forward and backward module hooks from `module` and its submodules;
+    returns how many. Only for pinned modules: the hooks gather and release parameters
+    (pinned ones stay gathered) and record the module order (which then leaves out every
+    call of `module`). Gradients are reduced by per-parameter hooks, which stay."""
+    offload = engine.optimizer.parameter_offload
+    inside = {id(hooks) for m in module.modules() for hooks in (m._forward_pre_hooks, m._forward_hooks)}
+    removed = 0
+    for handles in (offload.forward_hooks, offload.backward_hooks):
+        kept = []
+        for handle in handles:
+            if id(handle.hooks_dict_ref()) in inside:
+                handle.remove()
+                removed += 1
+            else:
+                kept.append(handle)
+        handles[:] = kept
+    return removed
 
 
 def hold_pinned(engine) -> None:

@@ -55,7 +55,7 @@ class TrainConfig:
     dist_timeout_s: float = 600.0
     peak_tflops: float = 0.0            # device peak for MFU; 0 = look up the device
     compile: bool = False
-    zero3_pin_core: bool = True         # keep the looped core gathered under ZeRO-3 (pretrain/training/zero3.py)
+    zero3_pin_core: bool = True         # keep the looped core gathered under ZeRO-3 (pretrain/training/deepspeed_internals.py)
     allow_data_change: bool = False     # resume although the shard list changed since the checkpoint
 
 

@@ -2,8 +2,9 @@
 single-process reference on the same global batch, over several depths in a row.
 
 usage: grad_check.py STAGE PRESET[,PRESET...] OUT_JSON [DEPTHS [CHECKPOINTING]]   (run as W ranks; writes a report from
-rank 0: {"steps": [...]} for one preset, {preset: {"steps": [...]}} for several). Every random
-perturbation is off (baselines.noise_off). "unused_with_nonzero_grad" lists the parameters a depth
+rank 0: {"steps": [...], "trace_invalidations": N} for one preset, {preset: {...}} for several).
+Every random perturbation is off (baselines.noise_off). "trace_invalidations" counts the times
+ZeRO-3 threw away its recorded module order after the first step. "unused_with_nonzero_grad" lists the parameters a depth
 does not reach (the loop at depth 0, per-step LoRA adapters and routers past the depth) whose
 gradient is not exactly zero: under ZeRO-3 they would be stale.
 """
@@ -24,6 +25,7 @@ from pretrain.distributed import exit_process, init_distributed  # noqa: E402
 from pretrain.model import build_model  # noqa: E402
 from pretrain.model.baselines import noise_off  # noqa: E402
 from pretrain.presets import get_preset  # noqa: E402
+from pretrain.training import deepspeed_internals  # noqa: E402
 from pretrain.training.run_config import RunConfig  # noqa: E402
 from pretrain.training.trainer import build_engine  # noqa: E402
 
@@ -41,10 +43,12 @@ def unused(name: str, depth: int) -> bool:
 
 
 def ds_config_path() -> str:
-    """The shipped config; for ZeRO-3 with no persistence threshold, so that a micro model's
-    parameters are sharded and gathered as a GPT-2-sized model's are (the pinned core included)."""
+    """The shipped config; for ZeRO-3 on several ranks with no persistence threshold, so that a
+    micro model's parameters are sharded and gathered as a GPT-2-sized model's are (the pinned
+    core included). One rank keeps the trainer's default: every parameter persistent, the whole
+    model pinned."""
     shipped = REPO / "ds_configs" / f"zero{stage}.json"
-    if stage != 3:
+    if stage != 3 or world == 1:
         return str(shipped)
     ds = json.loads(shipped.read_text())
     ds["zero_optimization"]["stage3_param_persistence_threshold"] = 0
@@ -72,6 +76,8 @@ def check(preset: str) -> dict:
 
     report = {"steps": []}
     for step, depth in enumerate(depths):
+        if step == 1:
+            invalidations_after_first_step = deepspeed_internals.COUNTERS.trace_invalidations
         # reference: the same weights as the engine, the whole global batch in one process
         reference.load_state_dict({n: safe_get_full_fp32_param(params[n]).detach().clone() for n in names}, strict=False)
         reference.zero_grad(set_to_none=False)
@@ -96,6 +102,8 @@ def check(preset: str) -> dict:
             if unused(n, depth) and grads[n].abs().max().item() != 0:
                 unused_nonzero.append(n)
         report["steps"].append({"depth": depth, "grads": worst, "unused_with_nonzero_grad": unused_nonzero})
+    if stage == 3:
+        report["trace_invalidations"] = deepspeed_internals.COUNTERS.trace_invalidations - invalidations_after_first_step
     return report
 
 
