@@ -16,8 +16,9 @@ update computes). `steps` reports the loop steps each token used: the compute an
 implementation that skips exited tokens spends on the core.
 
 Any looped variant whose loop step treats every token alike runs it (GRT, Huginn, RRT,
-Ouro: `loop_recurrence`); MoR routes tokens through its loop by its own learned router,
-which is its adaptive depth, so a threshold rule does not apply to it.
+Ouro), through the model's own `recurrence()`; MoR routes tokens through its loop by its own
+learned router, which is its adaptive depth, so a threshold rule does not apply to it
+(`ADAPTIVE_EXIT_REFUSAL`).
 
 `grt eval --adaptive-exit update --exit-thresholds 0.3,0.1,0.03` reports, on the held-out
 split, the loss and the mean steps per token at each threshold, beside the loss at each
@@ -33,7 +34,6 @@ import torch.nn.functional as F
 
 from pretrain.config import ConfigError
 from pretrain.model import GPT
-from pretrain.model.gpt import LoopStep
 from pretrain.model.layers import AttentionContext
 
 CRITERIA = ("update", "kl")
@@ -56,20 +56,8 @@ def check_criterion(model: GPT, criterion: str) -> None:
         raise ConfigError(f"adaptive exit criterion {criterion!r}: accepted values are {', '.join(CRITERIA)}")
     if model.loop is None:
         raise ConfigError(f"adaptive exit needs a looped model; {model.cfg.name!r} ({model.cfg.layout}) has no loop")
-    if model.cfg.variant == "mor":
-        raise ConfigError("adaptive exit by a threshold does not apply to MoR: its learned router already picks "
-                          "the tokens each loop step runs")
-
-
-def loop_recurrence(model: GPT, e: torch.Tensor, ctx: AttentionContext
-                    ) -> tuple[torch.Tensor, Callable[[torch.Tensor, int], torch.Tensor]]:
-    """(s_0, step(s, r) -> s_{r+1}): the variant's own loop as its forward runs it (GRT and RRT
-    from e with e as anchor, Huginn from its random state, Ouro with the previous state as anchor)."""
-    if model.cfg.variant == "ouro":
-        return e, lambda s, r: model.loop_step(s, s, ctx, r)[0]
-    terms = model.loop.anchor_terms(e) if isinstance(model.loop, LoopStep) else None
-    s0 = model.initial_state(e) if model.cfg.variant == "huginn" else e
-    return s0, lambda s, r: model.loop_step(s, e, ctx, r, terms)[0]
+    if model.ADAPTIVE_EXIT_REFUSAL:
+        raise ConfigError(model.ADAPTIVE_EXIT_REFUSAL)
 
 
 def adaptive_loop(s: torch.Tensor, step: Callable[[torch.Tensor, int], torch.Tensor], n_max: int, threshold: float,
@@ -103,7 +91,7 @@ def adaptive_forward(model: GPT, idx: torch.Tensor, threshold: float, criterion:
     check_criterion(model, criterion)
     n_max = model.depth(max_steps)
     ctx = AttentionContext(doc_ids=doc_ids)
-    s, step = loop_recurrence(model, model.run_prelude(model.embed(idx), ctx), ctx)
+    s, step = model.recurrence(model.run_prelude(model.embed(idx), ctx), ctx)
     decode = lambda state: model.decode(state, ctx)  # noqa: E731
     active = torch.ones(idx.shape, dtype=torch.bool, device=idx.device)
     steps = torch.zeros(idx.shape, dtype=torch.long, device=idx.device)

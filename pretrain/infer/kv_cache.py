@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pretrain.config import ConfigError
-from pretrain.infer.adaptive import adaptive_loop, check_criterion, loop_recurrence
+from pretrain.infer.adaptive import adaptive_loop, check_criterion
 from pretrain.model import GPT
 from pretrain.model.layers import AttentionContext
 
@@ -148,7 +148,7 @@ class CachedDecoder:
         steps' slots; `last`: the shared slot), `average` is the mean over the steps it ran,
         `first` is unchanged. So a token's cache entries never depend on which other tokens
         share its batch. `kl` decodes every step's state through the coda (`_probe`)."""
-        s, step = loop_recurrence(self.model, e, ctx)
+        s, step = self.model.recurrence(e, ctx)
         self._active = torch.ones(e.shape[:2], dtype=torch.bool, device=e.device)
         self._steps = torch.zeros(e.shape[:2], dtype=torch.long, device=e.device)
         self._exit_kv = [None] * self.n_core

@@ -103,6 +103,10 @@ class HuginnGPT(LoopedBaseline):
         s = torch.empty(e.shape, dtype=torch.float32, device=e.device)
         return nn.init.trunc_normal_(s, 0.0, std, -3 * std, 3 * std, generator=gen).to(e.dtype)
 
+    def recurrence(self, e, ctx):
+        _, step = super().recurrence(e, ctx)  # the adapter on [s; e] every step
+        return self.initial_state(e), step
+
     def forward(self, idx, targets=None, *, n_loops=None, doc_ids=None, gate_override=None, anchor="prelude",
                 return_states=False, return_gates=False) -> ModelOutput:
         n = self._check_args(n_loops, gate_override, anchor)
@@ -202,6 +206,9 @@ class RRTGPT(LoopedBaseline):
     def loop_step(self, s, e, ctx, step, terms=None, gate_override=None):
         return self.loop(s, e, ctx, step)  # the step's own LoRA adapters
 
+    def recurrence(self, e, ctx):
+        return e, lambda s, r: self.loop_step(s, e, ctx, r)[0]
+
     def forward(self, idx, targets=None, *, n_loops=None, doc_ids=None, gate_override=None, anchor="prelude",
                 return_states=False, return_gates=False) -> ModelOutput:
         n = self._check_args(n_loops, gate_override, anchor)
@@ -234,6 +241,9 @@ class OuroGPT(LoopedBaseline):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.exit_gate = Linear(cfg.d_model, 1, bias=True, std=cfg.init_std)
+
+    def recurrence(self, e, ctx):
+        return e, lambda s, r: self.loop_step(s, s, ctx, r)[0]  # the previous state as the anchor
 
     def exit_logits(self, s: torch.Tensor) -> torch.Tensor:
         x = self.exit_norm(s) if self.exit_norm is not None else s
@@ -306,6 +316,8 @@ class MoRGPT(LoopedBaseline):
     Auxiliary loss: BCE of the router logits against the selection (coef aux_loss_coef)."""
 
     VARIANTS = ("mor",)
+    ADAPTIVE_EXIT_REFUSAL = ("adaptive exit by a threshold does not apply to MoR: its learned router already picks "
+                             "the tokens each loop step runs")
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)

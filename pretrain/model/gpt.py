@@ -16,7 +16,7 @@ from outside (`pretrain.training.parallelize`); `LoopStep` is the recompute/comp
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -200,6 +200,17 @@ class GPT(nn.Module):
         """Loop step number `step` (0-based) from state s with anchor e: (s_next, gate or None).
         terms: loop.anchor_terms(e) when precomputed. The GRT's steps share all weights."""
         return self.loop(s, e, ctx, gate_override, terms)
+
+    # Why per-token adaptive exit (pretrain/infer/adaptive.py) does not apply, or None.
+    ADAPTIVE_EXIT_REFUSAL: str | None = None
+
+    def recurrence(self, e: torch.Tensor, ctx: AttentionContext
+                   ) -> tuple[torch.Tensor, Callable[[torch.Tensor, int], torch.Tensor]]:
+        """(s_0, step(s, r) -> s_{r+1}): the loop as this model's forward runs it from the
+        prelude output e, one step at a time, for callers that decide per step how far to go
+        (adaptive exit, the KV cache). The GRT: from e, with e as the anchor."""
+        terms = self.loop.anchor_terms(e)
+        return e, lambda s, r: self.loop_step(s, e, ctx, r, terms)[0]
 
     def run_loop(self, e: torch.Tensor, ctx: AttentionContext, n: int, *, emb: torch.Tensor | None = None,
                  gate_override: float | None = None, anchor: str = "prelude",
