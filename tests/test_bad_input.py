@@ -481,3 +481,17 @@ def test_rank_failures_are_one_line_grouped_by_error():
 
     failed = RankFailed({5: "disk full", 0: "bad shard", 1: "bad shard", 2: "bad shard"}, code=2)
     assert str(failed) == "ranks 0-2 failed: bad shard; rank 5 failed: disk full" and failed.code == 2
+
+
+def test_multi_rank_eval_refuses_a_manifest_that_only_some_ranks_see(bad, monkeypatch):
+    """`--tasks all` skips the held-out split when there is no manifest; if some ranks saw one
+    and others did not, their next sums would pair different parts, with the same shape. The
+    ranks agree first (all_agree); here the agreement answers as on a job where they differ."""
+    from pretrain.config import ConfigError
+    from pretrain.distributed import Dist
+    from pretrain.infer import evaluate
+
+    monkeypatch.setattr(evaluate, "all_agree", lambda ok: False)  # neither every rank nor none found it
+    args = evaluate.build_parser().parse_args([str(bad["run"]), "--data", str(bad["manifest"])])
+    with pytest.raises(ConfigError, match="on some ranks' machines only"):
+        evaluate.evaluate(args, list(evaluate.ALL_PARTS), Dist(rank=0, world=2))

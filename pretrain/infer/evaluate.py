@@ -34,7 +34,7 @@ import torch
 from data_pipeline.shards import ShardError
 from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError
-from pretrain.distributed import Dist, RankFailed, check_ranks, is_main, join_launch, run_command
+from pretrain.distributed import Dist, RankFailed, all_agree, check_ranks, is_main, join_launch, run_command
 from pretrain.infer.kv_cache import STRATEGIES
 from pretrain.infer.adaptive import CRITERIA, adaptive_table, check_criterion, parse_thresholds
 from pretrain.infer.scoring import adaptive_sums, jsonable, lm_sums, lm_sums_cached, val_batches
@@ -295,7 +295,12 @@ def evaluate(args, parts: list[str], dist: Dist) -> dict:
     say = (lambda *a: None) if args.quiet or dist.rank else (lambda *a: print(*a, file=sys.stderr, flush=True))
     if "val" in parts:
         manifest = args.data or loaded.run_config.get("data")
-        if not manifest or not Path(manifest).is_file():
+        found = bool(manifest) and Path(manifest).is_file()
+        # skipped on some ranks only, the next sums would pair one rank's val with another's next part
+        if dist.world > 1 and not all_agree(found) and not all_agree(not found):
+            raise ConfigError(f"held-out split: the manifest {manifest!r} is on some ranks' machines only; "
+                              "give every node the same data, or pass --tasks without val")
+        if not found:
             if args.tasks != "all":
                 raise ConfigError(f"held-out split: no manifest ({manifest!r}); pass --data <manifest.json>")
             say(f"skipping the held-out split: no manifest ({manifest!r}); pass --data")
