@@ -439,6 +439,34 @@ def test_multi_rank_eval_stops_every_rank_on_one_ranks_corrupt_shard(bad, one_ra
     print(f"\nrank {healthy} stopped {waited:.1f} s after start, rank {failing} still alive")
 
 
+MODEL_MISSING_ON_THIS_NODE = HOLD_AFTER_ERROR + """
+import pretrain.infer.load as load
+def missing(path, **kw):
+    raise FileNotFoundError(f"{path}: no such directory on this node")
+load.load_model = missing
+"""
+
+
+@pytest.mark.slow
+def test_multi_rank_eval_stops_every_rank_when_one_cannot_load_the_model(bad, tmp_path):
+    """A rank that fails before any sum (the model missing on its node) waits at the ranks'
+    first agreement; the others must reach that agreement before any other collective (the
+    held-out manifest check), or they would pair with it wrongly and wait out the timeout."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(MODEL_MISSING_ON_THIS_NODE)
+    with Job(eval_argv(bad["run"], bad["manifest"]), tmp_path / "logs", env={"CUDA_VISIBLE_DEVICES": ""},
+             rank_env={1: {"PYTHONPATH": f"{shim}{os.pathsep}{REPO}"}}) as job:
+        try:
+            job.procs[0].wait(timeout=STOP_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"rank 0 still waits {STOP_WITHIN_S} s after start:\n{job.output()}") from None
+        assert job.procs[0].returncode == 2, job.output()
+        for rank in (0, 1):
+            assert rank_error(job.output(rank, tail=20000)) == \
+                f"grt eval: error: rank 1 failed: {bad['run']}: no such directory on this node"
+
+
 @pytest.mark.slow
 def test_multi_rank_eval_failure_collectives_are_on_the_comm_device(bad, one_rank_corrupt, tmp_path):
     """The same failure with a communication device that is not the CPU (tests/comm_guard.py):
@@ -492,6 +520,24 @@ def test_multi_rank_eval_refuses_a_manifest_that_only_some_ranks_see(bad, monkey
     from pretrain.infer import evaluate
 
     monkeypatch.setattr(evaluate, "all_agree", lambda ok: False)  # neither every rank nor none found it
+    agreements = []
+    monkeypatch.setattr(evaluate, "check_ranks", lambda: agreements.append("checked"))
+    missing = bad["run"] / "no-such-manifest.json"
+    args = evaluate.build_parser().parse_args([str(bad["run"]), "--data", str(missing)])
+    with pytest.raises(ConfigError, match="no manifest .* on this node, while other ranks have it"):
+        evaluate.evaluate(args, list(evaluate.ALL_PARTS), Dist(rank=0, world=2))
+    assert agreements == ["checked"]  # a rank that failed before (loading) is met first
+    # a rank that has it meets the ranks without it at a second agreement, which names them
+    monkeypatch.setattr(evaluate, "evaluate_task", lambda *a, **k: pytest.fail("scored past the disagreement"))
+    monkeypatch.setattr(evaluate, "lm_sums", lambda *a, **k: pytest.fail("scored past the disagreement"))
     args = evaluate.build_parser().parse_args([str(bad["run"]), "--data", str(bad["manifest"])])
-    with pytest.raises(ConfigError, match="on some ranks' machines only"):
+    agreements.clear()
+
+    def fail_at_second(*_):
+        agreements.append("checked")
+        if len(agreements) == 2:
+            raise RuntimeError("RankFailed, as raised on every rank")
+
+    monkeypatch.setattr(evaluate, "check_ranks", fail_at_second)
+    with pytest.raises(RuntimeError, match="as raised on every rank"):
         evaluate.evaluate(args, list(evaluate.ALL_PARTS), Dist(rank=0, world=2))

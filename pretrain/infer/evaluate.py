@@ -296,10 +296,16 @@ def evaluate(args, parts: list[str], dist: Dist) -> dict:
     if "val" in parts:
         manifest = args.data or loaded.run_config.get("data")
         found = bool(manifest) and Path(manifest).is_file()
-        # skipped on some ranks only, the next sums would pair one rank's val with another's next part
-        if dist.world > 1 and not all_agree(found) and not all_agree(not found):
-            raise ConfigError(f"held-out split: the manifest {manifest!r} is on some ranks' machines only; "
-                              "give every node the same data, or pass --tasks without val")
+        if dist.world > 1:
+            # every collective here follows a check_ranks(): a rank that failed earlier (loading
+            # the model) waits in check_ranks, and any other collective would pair with it wrongly
+            check_ranks()
+            # skipped on some ranks only, the next sums would pair one rank's val with another's next part
+            if not all_agree(found) and not all_agree(not found):
+                if not found:
+                    raise ConfigError(f"held-out split: no manifest {manifest!r} on this node, while other "
+                                      "ranks have it: give every node the same data, or pass --tasks without val")
+                check_ranks()  # meets the ranks without it, and names them
         if not found:
             if args.tasks != "all":
                 raise ConfigError(f"held-out split: no manifest ({manifest!r}); pass --data <manifest.json>")

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pretrain.config import ModelConfig
+from pretrain.config import ConfigError, ModelConfig
 from pretrain.model.gpt import GPT, LoopStep, ModelOutput, lm_loss
 from pretrain.model.layers import AttentionContext, Block, Linear, attention, layer_norm
 
@@ -323,6 +323,9 @@ class MoRGPT(LoopedBaseline):
         super().__init__(cfg)
         self.routers = nn.ModuleList(Linear(cfg.d_model, 1, bias=True, std=cfg.init_std)
                                      for _ in range(cfg.max_loops))
+
+    def recurrence(self, e, ctx):
+        raise ConfigError(self.ADAPTIVE_EXIT_REFUSAL)
 
     def capacity(self, step: int, seq_len: int) -> int:
         r_max = self.max_loops

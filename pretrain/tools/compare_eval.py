@@ -30,6 +30,7 @@ import torch
 
 from data_pipeline.files import atomic_write_text
 from pretrain.config import ModelConfig
+from pretrain.model.registry import MODEL_CLASSES
 from pretrain.training.run_config import RunConfig
 
 ADAPTIVE_EXITS: tuple[tuple[str, float], ...] = (("update", 0.1), ("kl", 0.01))
@@ -69,7 +70,7 @@ def final_eval_work(cfg: ModelConfig, exit_factor: int) -> dict[str, int]:
     r, depths = cfg.max_loops, eval_depths(cfg.max_loops, exit_factor)[1]
     # one pass to the deepest depth: its forward decodes the last state, exit_hidden every depth
     steps, decodes = max(depths), 1 + len(depths)
-    for rule, _ in ADAPTIVE_EXITS if cfg.variant != "mor" else ():
+    for rule, _ in ADAPTIVE_EXITS if not MODEL_CLASSES[cfg.variant].ADAPTIVE_EXIT_REFUSAL else ():
         steps += r
         decodes += 1 + (r + 1 if rule == "kl" else 0)  # kl also decodes s_0 and the state after every step
     if cfg.variant == "ouro":  # the learned exit decodes after every step
@@ -102,7 +103,7 @@ def final_evals(cfg: RunConfig, exit_factor: int) -> dict:
     results = {"exit_curve": {d: loss[d] for d in curve_depths} or None,
                "extrapolation": {f * r: loss[f * r] for f in EXTRAPOLATION_FACTORS},
                "adaptive_exit": None, "learned_exit": None}
-    if cfg.model.variant != "mor":
+    if not model.ADAPTIVE_EXIT_REFUSAL:
         results["adaptive_exit"] = {}
         for rule, threshold in ADAPTIVE_EXITS:
             sums = adaptive_sums(model, batches, [threshold], device, rule, doc_mask=t.doc_mask)

@@ -14,7 +14,8 @@ pins the tested range). What is patched, and why:
   optimizer still shards their fp32 master weights and moments, and gradients are still
   reduce-scattered. With nothing left for them to gather or release, ZeRO-3's module
   hooks are then removed from the core: its R calls leave the recorded module order,
-  which no longer depends on R and stays valid across depths (a re-recorded trace costs
+  which no longer depends on R and stays valid across depths (for the GRT, Huginn and
+  RRT; Ouro's per-step decode and MoR's per-step routers are outside the core) (a re-recorded trace costs
   hundreds of host syncs, and the hooks' compiler-disabled calls split a compiled loop
   step into many graphs). The coordinator's gather and trace invalidation are wrapped to
   count.
@@ -152,6 +153,9 @@ def pin_parameters(engine, module: torch.nn.Module) -> int:
     return len(params)
 
 
+HOOKS_PER_MODULE = 4  # DeepSpeed 0.19: pre- and post-forward, pre- and post-backward
+
+
 def _remove_module_hooks(engine, module: torch.nn.Module) -> int:
     """Remove ZeRO-3's forward and backward module hooks from `module` and its submodules;
     returns how many. Only for pinned modules: the hooks gather and release parameters
@@ -169,6 +173,13 @@ def _remove_module_hooks(engine, module: torch.nn.Module) -> int:
             else:
                 kept.append(handle)
         handles[:] = kept
+    modules = len(list(module.modules()))
+    if removed != HOOKS_PER_MODULE * modules:  # a DeepSpeed that hooks modules otherwise: the speed-up would be lost silently
+        import deepspeed
+
+        raise ConfigError(f"DeepSpeed {deepspeed.__version__}: found {removed} ZeRO-3 module hooks on the {modules} "
+                          f"pinned modules, not {HOOKS_PER_MODULE} each; pretrain/training/deepspeed_internals.py "
+                          f"removes them: install the tested range: pip install '{TESTED}'")
     return removed
 
 

@@ -89,7 +89,7 @@ def build_engine(cfg: RunConfig, world_size: int, device: torch.device, seq_len:
     deepspeed_internals.check_engine(engine)
     if zero_stage(ds) == 3:
         deepspeed_internals.install_counters()
-        if all(p.ds_persist for p in model.parameters()):
+        if cfg.train.zero3_pin_core and all(p.ds_persist for p in model.parameters()):
             # one rank (ds_config.ALL_PERSISTENT), or a threshold above every matrix: no
             # parameter is ever partitioned, so ZeRO-3's module hooks have nothing to do
             deepspeed_internals.pin_parameters(engine, model)

@@ -76,8 +76,6 @@ def check(preset: str) -> dict:
 
     report = {"steps": []}
     for step, depth in enumerate(depths):
-        if step == 1:
-            invalidations_after_first_step = deepspeed_internals.COUNTERS.trace_invalidations
         # reference: the same weights as the engine, the whole global batch in one process
         reference.load_state_dict({n: safe_get_full_fp32_param(params[n]).detach().clone() for n in names}, strict=False)
         reference.zero_grad(set_to_none=False)
@@ -102,6 +100,8 @@ def check(preset: str) -> dict:
             if unused(n, depth) and grads[n].abs().max().item() != 0:
                 unused_nonzero.append(n)
         report["steps"].append({"depth": depth, "grads": worst, "unused_with_nonzero_grad": unused_nonzero})
+        if step == 0:
+            invalidations_after_first_step = deepspeed_internals.COUNTERS.trace_invalidations
     if stage == 3:
         report["trace_invalidations"] = deepspeed_internals.COUNTERS.trace_invalidations - invalidations_after_first_step
     return report
