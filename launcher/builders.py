@@ -66,14 +66,21 @@ def build_deepspeed(r) -> Plan:
     exe = ["deepspeed"] if shutil.which("deepspeed") else [r.python, "-m", "deepspeed.launcher.runner"]
     cmd: List[str] = list(exe)
     multi = r.hosts is not None
+    # the runner's MPI backends start one rank per hostfile slot and refuse --num_nodes,
+    # --num_gpus, --include and --exclude: they get a hostfile of exactly the chosen ranks
+    mpi_backend = multi and not a.no_ssh and a.ds_launcher != "pdsh"
+    if mpi_backend and (a.include or a.exclude):
+        raise ValueError(f"--include/--exclude: the deepspeed runner's {a.ds_launcher} backend cannot "
+                         "select ranks; use --ds-launcher pdsh, or --nodes/--procs-per-node/--hosts")
     if multi:
-        if r.hostfile_given:
+        if r.hostfile_given and not mpi_backend:
             hostfile = r.hostfile
         else:
             hostfile = os.path.join(r.launch_dir, "hostfile")
-            files[hostfile] = format_hostfile(r.hosts)
-        cmd += ["--hostfile", hostfile, f"--num_nodes={r.nodes}"]
-    cmd += [f"--num_gpus={r.procs}"]
+            files[hostfile] = format_hostfile([(h, r.procs) for h, _ in r.hosts] if mpi_backend else r.hosts)
+        cmd += ["--hostfile", hostfile] + ([] if mpi_backend else [f"--num_nodes={r.nodes}"])
+    if not mpi_backend:
+        cmd += [f"--num_gpus={r.procs}"]
     if multi:
         cmd += [f"--master_addr={r.master_addr}"]
     cmd += [f"--master_port={r.master_port or DEFAULT_PORT}"]
@@ -85,8 +92,11 @@ def build_deepspeed(r) -> Plan:
         cmd += ["--no_ssh", f"--node_rank={a.node_rank}"]
     elif multi:
         cmd += [f"--launcher={a.ds_launcher}"]
-        if a.launcher_args:
-            cmd += [f"--launcher_args={a.launcher_args}"]
+        launcher_args = a.launcher_args
+        if a.ds_launcher == "openmpi" and os.geteuid() == 0 and "--allow-run-as-root" not in launcher_args:
+            launcher_args = f"--allow-run-as-root {launcher_args}".strip()  # as `--launcher mpi` does
+        if launcher_args:
+            cmd += [f"--launcher_args={launcher_args}"]
     # the runner's own options, under their deepspeed names
     for value, flag in ((a.include, "--include"), (a.exclude, "--exclude"), (a.ssh_port, "--ssh_port")):
         if value is not None:

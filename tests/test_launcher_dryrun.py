@@ -108,8 +108,7 @@ def test_deepspeed_honours_env_hostfile_and_master_addr(tmp_path):
     hf = tmp_path / "myhosts"
     hf.write_text("# cluster\nworker-0 slots=8\nworker-1 slots=8\nworker-2 slots=8\nworker-3 slots=8\n")
     environ = dict(ENV, DLTS_HOSTFILE=str(hf), MASTER_ADDR="10.0.0.7", MASTER_PORT="6001")
-    plan, _ = build_plan(["--launcher", "deepspeed", "--ds-launcher", "openmpi",
-                          "--launcher-args", "--mca btl_tcp_if_include ib0", "--dry-run", "--", *TRAIN],
+    plan, _ = build_plan(["--launcher", "deepspeed", "--launcher-args=-S", "--dry-run", "--", *TRAIN],
                          environ=environ)
     files, argv, env = split_render(plan.render())
     from deepspeed.launcher import runner as ds_runner
@@ -118,7 +117,33 @@ def test_deepspeed_honours_env_hostfile_and_master_addr(tmp_path):
     assert args.hostfile == str(hf) and str(hf) not in files  # used as is, not rewritten
     assert (args.num_nodes, args.num_gpus) == (4, 8)
     assert (args.master_addr, args.master_port) == ("10.0.0.7", 6001)
-    assert args.launcher == "openmpi" and args.launcher_args == "--mca btl_tcp_if_include ib0"
+    assert args.launcher == "pdsh" and args.launcher_args == "-S"
+
+
+def test_deepspeed_openmpi_backend_gets_a_hostfile_of_the_chosen_ranks(tmp_path):
+    """The runner's MPI backends start one rank per hostfile slot and refuse --num_nodes and
+    --num_gpus (DeepSpeed's own OpenMPIRunner checks the command here): 3 of 4 hosts at 2 of
+    their 8 slots become a hostfile of exactly those 6 ranks."""
+    hf = tmp_path / "myhosts"
+    hf.write_text("".join(f"worker-{i} slots=8\n" for i in range(4)))
+    plan, _ = build_plan(["--launcher", "deepspeed", "--ds-launcher", "openmpi", "--hostfile", str(hf),
+                          "--nodes", "3", "--procs-per-node", "2", "--launcher-args", "--mca btl_tcp_if_include ib0",
+                          "--dry-run", "--", *TRAIN], environ=ENV)
+    files, argv, _ = split_render(plan.render())
+    from deepspeed.launcher import runner as ds_runner
+    from deepspeed.launcher.multinode_runner import OpenMPIRunner
+
+    args = ds_runner.parse_args(argv[1:] if argv[0] == "deepspeed" else argv[3:])
+    assert files[args.hostfile] == "worker-0 slots=2\nworker-1 slots=2\nworker-2 slots=2\n"
+    assert (args.num_nodes, args.num_gpus, args.launcher) == (-1, -1, "openmpi")
+    assert args.launcher_args.endswith("--mca btl_tcp_if_include ib0")
+    assert ("--allow-run-as-root" in args.launcher_args) == (os.geteuid() == 0)  # as --launcher mpi adds it
+    pool = {f"worker-{i}": 2 for i in range(3)}
+    cmd = OpenMPIRunner(args, "", pool).get_cmd({}, pool)  # its constructor validates the arguments
+    assert cmd[cmd.index("-n") + 1] == "6"
+    with pytest.raises(ValueError, match="--include/--exclude: the deepspeed runner's openmpi backend"):
+        build_plan(["--launcher", "deepspeed", "--ds-launcher", "openmpi", "--hostfile", str(hf), "--exclude",
+                    "worker-3", "--dry-run", "--", *TRAIN], environ=ENV)
 
 
 def test_deepspeed_no_ssh_node_rank():

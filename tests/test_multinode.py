@@ -214,14 +214,16 @@ def test_cluster_command_rejects_a_bad_node_count_in_one_line(tmp_path, nodes):
 # --------------------------------------------------------------------------- launchers
 
 
-@pytest.mark.parametrize("launcher", ["deepspeed", "mpi"])
+@pytest.mark.parametrize("launcher", [["deepspeed"], ["deepspeed", "--ds-launcher", "openmpi"], ["mpi"]],
+                         ids=["deepspeed-pdsh", "deepspeed-openmpi", "mpi"])
 def test_launcher_across_nodes(cluster, reference, tmp_path, launcher):
-    """The deepspeed runner over pdsh, and mpirun over ssh, from node 0 with the cluster's hostfile."""
-    if launcher == "mpi" and shutil.which("mpirun") is None:
+    """The deepspeed runner over pdsh and over its OpenMPI backend, and mpirun over ssh, from
+    node 0 with the cluster's hostfile."""
+    if launcher != ["deepspeed"] and shutil.which("mpirun") is None:
         pytest.skip("mpirun not installed (Debian package openmpi-bin)")
     out = tmp_path / "run"
     watch = RankWatch(cluster)
-    launch_on_node0(cluster, ["--launcher", launcher, "--hostfile", cluster.hostfile(), "--cpu",
+    launch_on_node0(cluster, ["--launcher", *launcher, "--hostfile", cluster.hostfile(), "--cpu",
                               "--procs-per-node", "1", "--master-port", str(free_port()),
                               "--", *run_args(out)], tmp_path / "launch.log")
     watch.check()
