@@ -13,12 +13,11 @@ pins the tested range). What is patched, and why:
   full copy of the core per rank (small: the core is the model's few unique blocks). The
   optimizer still shards their fp32 master weights and moments, and gradients are still
   reduce-scattered. With nothing left for them to gather or release, ZeRO-3's module
-  hooks are then removed from the core: its R calls leave the recorded module order,
-  which no longer depends on R and stays valid across depths (for the GRT, Huginn and
-  RRT; Ouro's per-step decode and MoR's per-step routers are outside the core) (a re-recorded trace costs
-  hundreds of host syncs, and the hooks' compiler-disabled calls split a compiled loop
-  step into many graphs). The coordinator's gather and trace invalidation are wrapped to
-  count.
+  hooks are then removed from the core: its R calls leave the recorded module order, which
+  for the GRT, Huginn and RRT no longer depends on R (Ouro's per-step decode and MoR's
+  per-step routers are outside the core). A re-recorded order costs hundreds of host syncs,
+  and the hooks' compiler-disabled calls split a compiled loop step into many graphs. The
+  coordinator's gather and trace invalidation are wrapped to count.
 - Checkpoints: DeepSpeed's file writes record their errors instead of raising, so that a
   rank whose disk is full still joins the collectives the save makes (checkpoint.py).
 - Warnings: torch's FutureWarnings about the collectives DeepSpeed calls, several per step.
@@ -156,9 +155,9 @@ def pin_parameters(engine, module: torch.nn.Module) -> int:
 HOOKS_PER_MODULE = 4  # DeepSpeed 0.19: pre- and post-forward, pre- and post-backward
 
 
-def _remove_module_hooks(engine, module: torch.nn.Module) -> int:
-    """Remove ZeRO-3's forward and backward module hooks from `module` and its submodules;
-    returns how many. Only for pinned modules: the hooks gather and release parameters
+def _remove_module_hooks(engine, module: torch.nn.Module) -> None:
+    """Remove ZeRO-3's forward and backward module hooks from `module` and its submodules.
+    Only for pinned modules: the hooks gather and release parameters
     (pinned ones stay gathered) and record the module order (which then leaves out every
     call of `module`). Gradients are reduced by per-parameter hooks, which stay."""
     offload = engine.optimizer.parameter_offload
@@ -180,7 +179,6 @@ def _remove_module_hooks(engine, module: torch.nn.Module) -> int:
         raise ConfigError(f"DeepSpeed {deepspeed.__version__}: found {removed} ZeRO-3 module hooks on the {modules} "
                           f"pinned modules, not {HOOKS_PER_MODULE} each; pretrain/training/deepspeed_internals.py "
                           f"removes them: install the tested range: pip install '{TESTED}'")
-    return removed
 
 
 def hold_pinned(engine) -> None:

@@ -89,12 +89,11 @@ def build_engine(cfg: RunConfig, world_size: int, device: torch.device, seq_len:
     deepspeed_internals.check_engine(engine)
     if zero_stage(ds) == 3:
         deepspeed_internals.install_counters()
-        if cfg.train.zero3_pin_core and all(p.ds_persist for p in model.parameters()):
-            # one rank (ds_config.ALL_PERSISTENT), or a threshold above every matrix: no
-            # parameter is ever partitioned, so ZeRO-3's module hooks have nothing to do
-            deepspeed_internals.pin_parameters(engine, model)
-        elif cfg.train.zero3_pin_core and model.loop is not None:
-            deepspeed_internals.pin_parameters(engine, model.loop)
+        # the whole model where no parameter is ever partitioned (one rank: ds_config.ALL_PERSISTENT,
+        # or a threshold above every matrix), so that ZeRO-3's module hooks have nothing to do
+        pinned = model if all(p.ds_persist for p in model.parameters()) else model.loop
+        if cfg.train.zero3_pin_core and pinned is not None:
+            deepspeed_internals.pin_parameters(engine, pinned)
     return engine, ds
 
 
