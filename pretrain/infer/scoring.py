@@ -120,21 +120,26 @@ def jsonable(obj):
 @torch.no_grad()
 def adaptive_sums(model: GPT, batches: Iterable[dict], thresholds: list[float], device, criterion: str = "update",
                   max_steps: int | None = None, dist=None, doc_mask: bool = False) -> torch.Tensor:
-    """[len(thresholds), 3] on the CPU: summed NLL, scored tokens and summed loop steps of the
-    scored tokens, per threshold, summed over ranks (doc_mask: attend within documents, as lm_sums)."""
-    sums = torch.zeros(len(thresholds), 3, dtype=torch.float64, device=device)
+    """exit_sums of per-token adaptive exit, one row per threshold."""
+    forwards = [lambda idx, doc_ids, thr=thr: adaptive_forward(model, idx, thr, criterion, max_steps, doc_ids)
+                for thr in thresholds]
+    return exit_sums(forwards, batches, device, dist, doc_mask)
+
+
+@torch.no_grad()
+def exit_sums(forwards: list, batches: Iterable[dict], device, dist=None, doc_mask: bool = False) -> torch.Tensor:
+    """[len(forwards), 3] on the CPU: summed NLL, scored tokens and summed loop steps of the
+    scored tokens of every per-token exit (adaptive, Ouro's learned), one row per
+    forward(idx, doc_ids) -> (logits, loop steps per token), summed over ranks (doc_mask:
+    attend within documents, as lm_sums)."""
+    sums = torch.zeros(len(forwards), 3, dtype=torch.float64, device=device)
     for batch in batches:
         idx, targets = batch["input_ids"].to(device), batch["targets"].to(device)
         doc_ids = batch["doc_ids"].to(device) if doc_mask and "doc_ids" in batch else None
-        for i, thr in enumerate(thresholds):
-            add_exit_sums(sums[i], *adaptive_forward(model, idx, thr, criterion, max_steps, doc_ids), targets)
+        scored = targets != -100
+        for row, forward in zip(sums, forwards):
+            logits, steps = forward(idx, doc_ids)
+            row[0] += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+            row[1] += scored.sum()
+            row[2] += (steps * scored).sum()  # not steps[scored]: a boolean index waits for the device (nonzero)
     return sum_over_ranks(sums, dist)
-
-
-def add_exit_sums(sums: torch.Tensor, logits: torch.Tensor, steps: torch.Tensor, targets: torch.Tensor) -> None:
-    """Adds one batch's summed NLL, scored tokens and summed loop steps of the scored tokens to
-    sums [3] (in place, on the device): the sums of every per-token exit (adaptive, Ouro's learned)."""
-    scored = targets != -100
-    sums[0] += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
-    sums[1] += scored.sum()
-    sums[2] += (steps * scored).sum()  # not steps[scored]: a boolean index waits for the device (nonzero)

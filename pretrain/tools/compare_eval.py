@@ -44,17 +44,16 @@ def adaptive_label(rule: str, threshold: float) -> str:
 @torch.no_grad()
 def learned_exit(model, batches, device, doc_mask: bool) -> dict:
     """Ouro's learned exit at its configured threshold: loss and mean loop steps per scored token."""
-    from pretrain.infer.scoring import add_exit_sums
+    from pretrain.infer.adaptive import adaptive_table
+    from pretrain.infer.scoring import exit_sums
 
-    sums = torch.zeros(3, dtype=torch.float64, device=device)
-    for batch in batches:
-        idx, targets = batch["input_ids"].to(device), batch["targets"].to(device)
-        doc_ids = batch["doc_ids"].to(device) if doc_mask and "doc_ids" in batch else None
+    def forward(idx, doc_ids):
         logits = model(idx, doc_ids=doc_ids, exit="learned").logits
-        add_exit_sums(sums, logits, model.last_aux["exit_step"], targets)
-    nll, tokens, steps = sums.tolist()  # one host sync per evaluation
-    tokens = max(tokens, 1.0)
-    return {"loss": nll / tokens, "mean_steps": steps / tokens, "threshold": float(model.cfg.xget("exit_threshold"))}
+        return logits, model.last_aux["exit_step"]
+
+    threshold = float(model.cfg.xget("exit_threshold"))
+    sums = exit_sums([forward], batches, device, doc_mask=doc_mask)
+    return {**adaptive_table(sums, [threshold])[threshold], "threshold": threshold}
 
 
 def eval_depths(r: int, exit_factor: int) -> tuple[list[int], list[int]]:
