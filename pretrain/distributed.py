@@ -52,6 +52,7 @@ __all__ = [
     "comm_device",
     "all_reduce",
     "all_agree",
+    "ranks_with",
     "RankFailed",
     "check_ranks",
     "Dist",
@@ -393,6 +394,13 @@ def all_agree(ok: bool) -> bool:
 
     flag = torch.tensor([0.0 if ok else 1.0], device=comm_device())
     return bool(all_reduce(flag, op="max").item() == 0)
+
+
+def ranks_with(flag: bool) -> int:
+    """How many ranks have `flag` (one collective)."""
+    import torch
+
+    return int(all_reduce(torch.tensor([float(flag)], device=comm_device())).item())
 
 
 class RankFailed(RuntimeError):

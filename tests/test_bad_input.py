@@ -514,12 +514,12 @@ def test_rank_failures_are_one_line_grouped_by_error():
 def test_multi_rank_eval_refuses_a_manifest_that_only_some_ranks_see(bad, monkeypatch):
     """`--tasks all` skips the held-out split when there is no manifest; if some ranks saw one
     and others did not, their next sums would pair different parts, with the same shape. The
-    ranks agree first (all_agree); here the agreement answers as on a job where they differ."""
+    ranks agree first (ranks_with); here the agreement answers as on a job where they differ."""
     from pretrain.config import ConfigError
     from pretrain.distributed import Dist
     from pretrain.infer import evaluate
 
-    monkeypatch.setattr(evaluate, "all_agree", lambda ok: False)  # neither every rank nor none found it
+    monkeypatch.setattr(evaluate, "ranks_with", lambda flag: 1)  # of 2: neither every rank nor none found it
     agreements = []
     monkeypatch.setattr(evaluate, "check_ranks", lambda: agreements.append("checked"))
     missing = bad["run"] / "no-such-manifest.json"

@@ -34,7 +34,7 @@ import torch
 from data_pipeline.shards import ShardError
 from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError
-from pretrain.distributed import Dist, RankFailed, all_agree, check_ranks, is_main, join_launch, run_command
+from pretrain.distributed import Dist, RankFailed, check_ranks, is_main, join_launch, ranks_with, run_command
 from pretrain.infer.kv_cache import STRATEGIES
 from pretrain.infer.adaptive import CRITERIA, adaptive_table, check_criterion, parse_thresholds
 from pretrain.infer.scoring import adaptive_sums, jsonable, lm_sums, lm_sums_cached, val_batches
@@ -301,7 +301,7 @@ def evaluate(args, parts: list[str], dist: Dist) -> dict:
             # the model) waits in check_ranks, and any other collective would pair with it wrongly
             check_ranks()
             # skipped on some ranks only, the next sums would pair one rank's val with another's next part
-            if not all_agree(found) and not all_agree(not found):
+            if 0 < ranks_with(found) < dist.world:
                 if not found:
                     raise ConfigError(f"held-out split: no manifest {manifest!r} on this node, while other "
                                       "ranks have it: give every node the same data, or pass --tasks without val")
