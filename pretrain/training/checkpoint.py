@@ -123,7 +123,6 @@ def save(engine, root: Path, step: int, *, config_json: str, tokenizer_path: str
             deepspeed_internals.inject_enospc(engine)
         with deepspeed_internals.RecordWriteErrors(engine) as writes:
             engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
-        deepspeed_internals.hold_pinned(engine)  # ZeRO-3's save released every parameter's in-use marks
         if writes.errors:
             raise writes.errors[0]
         state_path = path / f"rank{rank}_state.pt"
@@ -168,7 +167,6 @@ def load(engine, root: Path, tag: str, rank: int) -> dict:
     path, client = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load checkpoint {root / tag}")
-    deepspeed_internals.hold_pinned(engine)  # as after a save
     state = torch.load(state_path, weights_only=False)
     set_rng_state(state["rng"])
     return state

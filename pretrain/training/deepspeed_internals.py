@@ -130,7 +130,8 @@ _PIN_ID = -0x6A7
 
 def pin_parameters(engine, module: torch.nn.Module) -> int:
     """Keep `module`'s ZeRO-3 parameters gathered for the whole run; returns how many.
-    `engine.step` re-gathers them after each optimizer step (which partitions them)."""
+    They are re-gathered and re-marked after each optimizer step and checkpoint save or
+    load, which partition them or clear their in-use marks."""
     persistent = engine.optimizer.parameter_offload.persistent_parameters
     known = {id(p) for p in persistent}
     params = list(module.parameters())
@@ -141,15 +142,20 @@ def pin_parameters(engine, module: torch.nn.Module) -> int:
     engine.grt_pinned_parameters = params
     hold_pinned(engine)
     _remove_module_hooks(engine, module)
-    step = engine.step
+    for name in ("step", "save_checkpoint", "load_checkpoint"):  # each partitions or releases them
+        _hold_after(engine, name)
+    return len(params)
 
-    def step_and_hold(*args, **kwargs):
-        result = step(*args, **kwargs)
+
+def _hold_after(engine, name: str) -> None:
+    call = getattr(engine, name)
+
+    def call_and_hold(*args, **kwargs):
+        result = call(*args, **kwargs)
         hold_pinned(engine)
         return result
 
-    engine.step = step_and_hold
-    return len(params)
+    setattr(engine, name, call_and_hold)
 
 
 HOOKS_PER_MODULE = 4  # DeepSpeed 0.19: pre- and post-forward, pre- and post-backward
