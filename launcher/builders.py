@@ -93,8 +93,8 @@ def build_deepspeed(r) -> Plan:
     elif multi:
         cmd += [f"--launcher={a.ds_launcher}"]
         launcher_args = a.launcher_args
-        if a.ds_launcher == "openmpi" and os.geteuid() == 0 and "--allow-run-as-root" not in launcher_args:
-            launcher_args = f"--allow-run-as-root {launcher_args}".strip()  # as `--launcher mpi` does
+        if a.ds_launcher == "openmpi" and "--allow-run-as-root" not in launcher_args:
+            launcher_args = " ".join(_mpirun_as_root() + [launcher_args]).strip()  # as `--launcher mpi` does
         if launcher_args:
             cmd += [f"--launcher_args={launcher_args}"]
     # the runner's own options, under their deepspeed names
@@ -124,6 +124,11 @@ def build_deepspeed(r) -> Plan:
 # --------------------------------------------------------------------------- mpi
 
 
+def _mpirun_as_root() -> List[str]:
+    """OpenMPI's mpirun refuses to start as root without this flag."""
+    return ["--allow-run-as-root"] if os.geteuid() == 0 else []
+
+
 def build_mpi(r) -> Plan:
     a = r.args
     files: Dict[str, str] = {}
@@ -136,8 +141,7 @@ def build_mpi(r) -> Plan:
             files[hostfile] = format_hostfile(r.hosts)
         cmd += ["--hostfile", hostfile]
     cmd += ["--map-by", f"ppr:{r.procs}:node", "--bind-to", "none"]
-    if os.geteuid() == 0:
-        cmd += ["--allow-run-as-root"]
+    cmd += _mpirun_as_root()
     if r.hosts is None and r.procs > (os.cpu_count() or 1):
         cmd += ["--oversubscribe"]
     env = {"MASTER_ADDR": r.master_addr, "MASTER_PORT": str(r.master_port or DEFAULT_PORT),

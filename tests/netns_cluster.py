@@ -151,8 +151,7 @@ class NetnsCluster:
         # each cluster's bridge is a segment of its own: distinct subnets only for people reading logs
         self.net = ipaddress.ip_network(f"10.213.{(os.getpid() + _clusters_made) % 254 + 1}.0/24")
         self.bridge = f"{self.prefix}br"
-        self.names = [f"{self.prefix}n{i}" for i in range(nodes)]  # hostnames
-        self.namespaces = list(self.names)
+        self.names = [f"{self.prefix}n{i}" for i in range(nodes)]  # hostnames, and the namespaces' names
         self.addrs: List[str] = []
         self.ssh_dir = os.path.join(self.dir, "ssh")
         self.bin_dir = os.path.join(self.dir, "bin")
@@ -173,7 +172,7 @@ class NetnsCluster:
         """`cmd` run on node `node`: in its network namespace, with its hostname (a UTS namespace)
         and its hosts file (bound over /etc/hosts in a mount namespace of its own). Not `ip netns
         exec`: that mounts a fresh /sys, without the cgroup hierarchy slurmd needs."""
-        ns = self.namespaces[node]
+        ns = self.names[node]
         return ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--mount", "--propagation", "slave", "--uts",
                 "sh", "-c", f'mount --bind {NETNS_ETC}/{ns}/hosts /etc/hosts && hostname "$0" && exec "$@"',
                 self.names[node], *cmd]
@@ -191,7 +190,7 @@ class NetnsCluster:
         return r
 
     def pids(self, node: int) -> List[int]:
-        return [int(p) for p in _ip("netns", "pids", self.namespaces[node], check=False).stdout.split()]
+        return [int(p) for p in _ip("netns", "pids", self.names[node], check=False).stdout.split()]
 
     def hostfile(self, slots: int = 1) -> str:
         """A DeepSpeed/OpenMPI hostfile naming every node (written into the cluster's dir)."""
@@ -202,10 +201,10 @@ class NetnsCluster:
 
     def link_down(self, node: int) -> None:
         """Cut node `node` off the network (its end of the link), as a failed NIC or switch port would."""
-        _ip("-n", self.namespaces[node], "link", "set", "eth0", "down")
+        _ip("-n", self.names[node], "link", "set", "eth0", "down")
 
     def link_up(self, node: int) -> None:
-        _ip("-n", self.namespaces[node], "link", "set", "eth0", "up")
+        _ip("-n", self.names[node], "link", "set", "eth0", "up")
 
     # ----------------------------------------------------------------- start / stop
     def start(self, timeout: float = 30) -> "NetnsCluster":
@@ -231,7 +230,7 @@ class NetnsCluster:
         self._created.append(self.bridge)
         _ip("link", "set", self.bridge, "up")
         hosts_text = "127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for a, n in zip(self.addrs, self.names))
-        for i, ns in enumerate(self.namespaces):
+        for i, ns in enumerate(self.names):
             _ip("netns", "add", ns)
             self._created.append(ns)
             os.makedirs(os.path.join(NETNS_ETC, ns), exist_ok=True)
@@ -304,7 +303,7 @@ class NetnsCluster:
         """Kill every process in the nodes, delete the namespaces, their links and the bridge, and
         the directories that the cluster made (once no other cluster is up)."""
         for ns in reversed(self._created):
-            if ns in self.namespaces:
+            if ns in self.names:
                 _kill_namespace(ns)
         for p in self.sshd:  # SIGKILLed with their namespace; bounded: one stuck in the kernel must not hang stop()
             if p.poll() is None:
