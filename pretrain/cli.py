@@ -21,7 +21,7 @@ COMMANDS = {
     "demo": ("pretrain.tools.demo", "the main job: tokenizer, shards, training, evaluation"),
     "data": ("data_pipeline.cli", "tokenizer training and shard preparation"),
     "launch": ("launcher.cli", "start a run locally, with deepspeed, Slurm or MPI"),
-    "bench": ("pretrain.tools.bench", "benchmarks (data, train-step, memory, zero, decode)"),
+    "bench": ("pretrain.tools.bench", "benchmarks (data, train-step, memory, zero, decode, precision, loss)"),
 }
 
 

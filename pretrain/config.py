@@ -23,6 +23,7 @@ BASELINE_EXTRA: dict[str, dict[str, Any]] = {
     "mor": {"aux_loss_coef": 0.01, "router_noise_std": 0.0},
 }
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn", "naive")
+STATE_DTYPES = ("fp32", "weights")
 ANCHOR_MODES = ("prelude", "zeros", "embeddings", "previous")
 
 
@@ -110,6 +111,8 @@ class ModelConfig:
     gate_bias_init: float = 4.0     # sigmoid(4) ~ 0.982: the loop starts by barely writing
     gate_tau: float = 1.0
     exit_norm: bool = True          # LayerNorm on the loop's final state (the "one more d vector")
+    state_dtype: str = "fp32"       # the GRT's loop state s: fp32 whatever the weights' dtype (under bf16 the gate's
+                                    # ~2% writes would be rounded to bf16's 0.4% spacing), or the weights' (docs/model.md)
     attention: str = "auto"         # auto | sdpa | flash_attn | naive
     init_std: float = 0.02
     extra: dict[str, Any] = field(default_factory=dict)  # variant-specific settings (baselines)
@@ -146,6 +149,8 @@ class ModelConfig:
             raise ConfigError(f"variant={self.variant!r} needs a looped layout like '1+5x6+5', got layout={self.layout!r}")
         if self.attention not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention={self.attention!r}: accepted values are {', '.join(ATTENTION_BACKENDS)}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ConfigError(f"state_dtype={self.state_dtype!r}: accepted values are {', '.join(STATE_DTYPES)}")
         for key in ("d_model", "n_heads", "vocab_size", "pad_vocab_multiple", "max_seq_len", "mlp_ratio"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

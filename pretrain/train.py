@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out, if any")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. train.lr=3e-4, model.layout=2+4x4+2 (repeatable)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the run against its data, checkpoint and DeepSpeed config (everything checked before "
+                        "training starts, no process group) and exit")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved run config and the merged DeepSpeed config, and exit")
     return p
@@ -89,9 +92,12 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"grt train: error: {err}", file=sys.stderr)
         return 2
-    from pretrain.training.trainer import TrainingStopped, train
+    from pretrain.training.trainer import TrainingStopped, dry_run, train
 
     try:
+        if args.dry_run:
+            print(f"grt train: dry run: {dry_run(cfg, resume=args.resume)}")
+            return 0
         summary = train(cfg, resume=args.resume)
     except ConfigError as err:
         print(f"grt train: error: {err}", file=sys.stderr)

@@ -1,133 +1,192 @@
 #!/usr/bin/env bash
-# Every command on one GPU machine, in one go (docs/gpu.md): data, train (ZeRO-1, 2 and 3,
-# evaluation and checkpoints on), resume, export, eval, generate, analyze, bench decode and a
-# two-config compare. Prints one table (command, ZeRO stage, seconds, tokens/s, MFU, pass/fail)
-# and exits non-zero if any row failed. Every row runs as its own process under a time limit, so
-# a command that does not exit by itself fails its row instead of stalling the script.
+# The GPU check (docs/gpu.md), planned for the GPU machine's limits: one call of at most 10
+# minutes (15 in all, the machine's start included) that brings back at most 8 files.
 #
-#   scripts/gpu_check.sh           # on the GPU: tiny-grt and grt-small, about 100 steps each
-#   scripts/gpu_check.sh --cpu     # the same rows at a tiny size on the CPU (checks the script)
+#   scripts/gpu_check.sh [1]     call 1 (under 8 minutes): `grt train` throughput of grt-small and
+#                                dense-small (ZeRO-2 and 3, eager and compiled), then a functional
+#                                smoke at GPT-2 size (train with eval and a checkpoint, resume,
+#                                export, eval, generate)
+#   scripts/gpu_check.sh 2       call 2 (optional): checkpointing modes, the ZeRO-3 persistence A/B,
+#                                medium/large, the bench rows (train-step, loss, precision), compare,
+#                                analyze, decode
+#   scripts/gpu_check.sh --cpu [1|2]   the same rows at a tiny size on the CPU (micro presets, seq 64)
+#   scripts/gpu_check.sh --plan [--cpu] [1|2]   print the rows (name, limit, command) without running them
 #
-# Outputs go to $OUT (default ./gpu_check): one log per row, rows.tsv and table.md; the benchmark
-# rows' own tables (grt bench) are printed after the table.
+# Every row is its own process under `timeout -k`, given at most what is left of the call's budget
+# (GPU_CHECK_BUDGET_S: on the GPU 450 s for call 1 and 540 s for call 2, with --cpu 1800 s; counted from the script's start, the wheels'
+# install included); a row that would start with under 20 s left is recorded as skipped. Each row is
+# printed and appended to $OUT/results.tsv the moment it ends, the tail of its log to $OUT/log.txt, and
+# $OUT/summary.md (the ratios against the goals) is rewritten after it, so a call killed halfway keeps
+# every row it finished. $OUT (default ./gpu_check) gets 5 files: gpu.txt, results.tsv, log.txt,
+# summary.md, bench.txt; runs, shards and full logs go to $GPU_CHECK_WORK (default $TMPDIR/gpu_check_work).
 #
-#   GPU_CHECK_PERF=0 scripts/gpu_check.sh                # skip issue 14's throughput rows
-#   GPU_CHECK_ROWS='^(data|bench-)' scripts/gpu_check.sh # only the rows whose name matches (a bash regex)
+#   GPU_CHECK_ROWS='^(data|perf-)' scripts/gpu_check.sh   only the rows whose name matches (a bash regex)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-cpu=0
-case "${1:-}" in
-  --cpu) cpu=1 ;;
-  "") ;;
-  *) echo "usage: scripts/gpu_check.sh [--cpu]" >&2; exit 2 ;;
-esac
+cpu=0 plan=0 call=1
+for arg in "$@"; do
+  case "$arg" in
+    --cpu) cpu=1 ;;
+    --plan) plan=1 ;;
+    1|2) call=$arg ;;
+    *) echo "usage: scripts/gpu_check.sh [--cpu] [--plan] [1|2]" >&2; exit 2 ;;
+  esac
+done
+started=$(date +%s)
 out="${OUT:-gpu_check}"
-rm -rf "$out" && mkdir -p "$out" || exit 1
-. scripts/gpu_env.sh
-gpu_env_install || exit 1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-grt() { python3 -m pretrain.cli "$@"; }
+work="${GPU_CHECK_WORK:-${TMPDIR:-/tmp}/gpu_check_work}"
+budget="${GPU_CHECK_BUDGET_S:-$([ "$cpu" = 1 ] && echo 1800 || { [ "$call" = 1 ] && echo 450 || echo 540; })}"  # the CPU only checks the rows
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 if [ "$cpu" = 1 ]; then
   export CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=1
-  small=micro-grt; large=micro-dense; dense=micro-dense; steps=4; resume_steps=6
-  seq=64; vocab=512; mbs=2; eval_batches=1; compare_tokens=1024; limit=300
-  decode=(--prompt-len 16 --new-tokens 32)  # within the micro models' context of 64
+  grt_small=micro-grt dense_small=micro-dense grt_medium=micro-grt grt_large=micro-grt
+  seq=64 mbs=2 perf_steps=12 log_every=4 smoke_steps=4 resume_steps=6 eval_batches=1 compare_tokens=2048
+  limit_train=240 limit_compiled=400 limit_other=240
+  decode=(--prompt-len 16 --new-tokens 16) bench_tokens=1024 bench_d=64 bench_heads=4 precision=(micro-grt 20)
 else
-  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-  small=tiny-grt; large=grt-small; dense=tiny-dense; steps=100; resume_steps=120
-  seq=1024; vocab=4096; mbs=8; eval_batches=4; compare_tokens=800000; limit=600
-  decode=()
+  grt_small=grt-small dense_small=dense-small grt_medium=grt-medium grt_large=grt-large
+  seq=1024 mbs=16 perf_steps=60 log_every=10 smoke_steps=20 resume_steps=30 eval_batches=4 compare_tokens=2000000
+  limit_train=150 limit_compiled=240 limit_other=150
+  decode=() bench_tokens=16384 bench_d=768 bench_heads=12 precision=(tiny-grt 100)
 fi
-data="$out/data/shards/manifest.json"
-rows="$out/rows.tsv"
-: > "$rows"
+data="$work/data/manifest.json"
+tokenizer=examples/tokenizers/gutenberg-50257.model  # GPT-2's vocabulary size: the head and loss cost what they cost
 
-# row NAME STAGE COMMAND...: run it (output in $out/NAME.log) and record one table row; tokens/s
-# and MFU come from the last step the command logged, if it trains.
+grt() { python3 -m pretrain.cli "$@"; }
+
+if [ "$plan" = 0 ]; then
+  rm -rf "$out" "$work" && mkdir -p "$out" "$work/logs" || exit 1
+  : > "$out/results.tsv"; : > "$out/log.txt"; : > "$out/bench.txt"
+  if [ "$cpu" = 0 ]; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
+  fi
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" >> "$out/gpu.txt" 2>&1
+  . scripts/gpu_env.sh
+  gpu_env_install || exit 1
+else
+  mkdir -p "$work"
+fi
+# the ZeRO-3 persistence A/B's other arm: DeepSpeed's default threshold of 1e5 elements
+python3 - "$work/zero3-persist1e5.json" <<'EOF'
+import json, sys
+ds = json.load(open("ds_configs/zero3.json"))
+ds["zero_optimization"]["stage3_param_persistence_threshold"] = 100000
+json.dump(ds, open(sys.argv[1], "w"), indent=2)
+EOF
+
+# record NAME SECONDS TOKENS_S MFU PEAK_MB RESULT: one line of results.tsv, printed as it is written
+record() {
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$call" "$2" "$3" "$4" "$5" "$6" >> "$out/results.tsv"
+  printf 'gpu_check: %-40s %-8s %6ss  %s tok/s  MFU %s%%  peak %s MB\n' "$1" "$6" "$2" "$3" "$4" "$5"
+}
+
+# row NAME LIMIT_S COMMAND...: run it under `timeout -k` (at most what is left of the budget), then record
+# it. A training row's tokens/s and MFU are over its logged windows after the first (warm-up and compile).
 row() {
-  local name=$1 stage=$2 start rc tps mfu status seconds
+  local name=$1 limit=$2 left start rc log seconds status tps mfu peak
   shift 2
   [[ $name =~ ${GPU_CHECK_ROWS:-.} ]] || return 0
+  if [ "$plan" = 1 ]; then
+    printf '%s\t%s\t%s\n' "$name" "$limit" "$(printf '%q ' "$@")"
+    return 0
+  fi
+  left=$(( budget - ($(date +%s) - started) ))
+  if (( left < 20 )); then
+    record "$name" 0 - - - "skipped (budget of ${budget}s spent)"
+    return 0
+  fi
+  (( limit > left )) && limit=$left
+  log="$work/logs/$name.log"
   start=$(date +%s%N)
-  timeout "${row_limit:-$limit}" "$@" > "$out/$name.log" 2>&1
+  timeout -k 10 "$limit" "$@" > "$log" 2>&1
   rc=$?
   seconds=$(awk -v s="$start" -v e="$(date +%s%N)" 'BEGIN { printf "%.1f", (e - s) / 1e9 }')
-  tps=$(grep -o '[0-9.]* tok/s' "$out/$name.log" | tail -1 | cut -d' ' -f1)
-  mfu=$(grep -o 'MFU [0-9.]*%' "$out/$name.log" | tail -1 | cut -d' ' -f2)
   status=pass
-  [ "$rc" = 0 ] || status="FAIL (exit $rc)"
-  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$stage" "$seconds" "${tps:--}" "${mfu:--}" "$status" >> "$rows"
-  echo "$name: $status" >&2
+  [ "$rc" = 0 ] || status="FAIL (exit $rc$([ "$rc" = 124 ] && echo ": timed out after ${limit}s"))"
+  # harmonic means over the windows after the first: equal tokens per window, so tokens over time
+  tps=$(grep -o '[0-9.]* tok/s' "$log" | awk 'NR > 1 { n++; s += 1 / $1 } END { if (n) printf "%.0f", n / s; else print "-" }')
+  mfu=$(grep -o 'MFU [0-9.]*%' "$log" | tr -d '%' | awk 'NR > 1 { n++; s += 1 / $2 } END { if (n) printf "%.2f", n / s; else print "-" }')
+  peak=$(grep -o 'peak mem [0-9]* MB' "$log" | tail -1 | awk '{ print $3 }')
+  record "$name" "$seconds" "$tps" "$mfu" "${peak:--}" "$status"
+  { echo "===== $name ($status, ${seconds}s): the last 40 lines of its log"; tail -40 "$log"; } >> "$out/log.txt"
+  grep -q '^# reproduce' "$log" && { echo "## $name"; sed -n '/^# reproduce/,$p' "$log"; echo; } >> "$out/bench.txt"
+  python3 scripts/gpu_check_summary.py "$out/results.tsv" > "$out/summary.md"
 }
 
-train() {  # train ROW RUN PRESET STAGE STEPS [extra args]: run directory $out/RUN
-  local name=$1 run=$2 preset=$3 stage=$4 n=$5
+# train ROW LIMIT PRESET STAGE STEPS RUN [args]: `grt train` at the check's sequence length and micro-batch
+train() {
+  local name=$1 limit=$2 preset=$3 stage=$4 steps=$5 run=$6
+  shift 6
+  row "$name" "$limit" grt train --preset "$preset" --data "$data" --out "$work/$run" --steps "$steps" \
+    --micro-batch-size "$mbs" --ds-config "ds_configs/zero$stage.json" --set "train.log_every=$log_every" "$@"
+}
+
+# perf ROW PRESET STAGE COMPILE CHECKPOINTING [args]: a throughput row at the trained depth R every step (the
+# GRT and dense-small at equal FLOPs), without evaluation or checkpoints
+perf() {
+  local name=$1 preset=$2 stage=$3 compile=$4 ckpt=$5 limit=$limit_train
   shift 5
-  row "$name" "$stage" grt train --preset "$preset" --data "$data" --out "$out/$run" --steps "$n" \
-    --micro-batch-size "$mbs" --ds-config "ds_configs/zero$stage.json" --set "train.eval_every=$steps" \
-    --set "train.eval_batches=$eval_batches" --set "train.save_every=$steps" --set train.log_every=10 "$@"
+  [ "$compile" = true ] && limit=$limit_compiled
+  train "$name" "$limit" "$preset" "$stage" "$perf_steps" "run-$name" --set train.depth_sampling=fixed \
+    --set train.eval_every=0 --set train.save_every=0 --set train.save_final=false \
+    --set "train.compile=$compile" --set "train.activation_checkpointing=$ckpt" --set train.warmup_steps=5 "$@"
 }
 
-text=examples/data/tinyshakespeare.txt
-row data - bash -c "python3 -m pretrain.cli data tokenizer -i $text --txt-mode paragraph --vocab-size $vocab \
-  -o $out/data/tok -q && python3 -m pretrain.cli data prepare -i $text --txt-mode paragraph -t $out/data/tok.model \
-  -o $out/data/shards --seq-len $seq --shard-size-mb 1 --val-fraction 0.05 -q"
-for stage in 1 2 3; do
-  train "train-$small-z$stage" "run-$small-z$stage" "$small" "$stage" "$steps"
-done
-train "train-$large-z3" "run-$large-z3" "$large" 3 "$steps"
-# continue the ZeRO-3 run from its last checkpoint
-train "resume-$small-z3" "run-$small-z3" "$small" 3 "$resume_steps" --resume
-export_dir="$out/export-$small"
-row export 3 grt export --checkpoint "$out/run-$small-z3" --out "$export_dir" --no-hf  # no transformers on the GPU machine
-row eval - grt eval "$export_dir" --tasks val --data "$data" --max-batches "$eval_batches" \
-  --json-out "$out/eval.json"
-row generate - grt generate "$export_dir" --prompt "ROMEO:" --max-new-tokens 64 --kv-cache first
-row analyze - grt analyze "$export_dir" --out "$out/analysis" --data "$data" --max-batches "$eval_batches" \
-  --freq-batches 10
-row bench-decode - grt bench decode --model "$export_dir" --dense-preset "$dense" --batch-sizes 1 \
-  "${decode[@]}" --json "$out/decode.json"
-row compare 1 grt compare --configs "$small,$dense" --data "$data" --out "$out/compare" --tokens "$compare_tokens" \
-  --micro-batch-size "$mbs" --ds-config ds_configs/zero1.json --evals 1 --eval-batches "$eval_batches"
-if [ "$cpu" = 1 ]; then
-  # the benchmark's flags at a tiny size: ZeRO-3, `auto` checkpointing, the persistence A/B
-  row bench-zero 3 grt bench zero --stages 3 --presets "$small" --compile off --checkpointing auto \
-    --persistence-threshold trainer 1000 --seq-len "$seq" --micro-batch-size "$mbs" --steps 4
-elif [ "${GPU_CHECK_PERF:-1}" = 1 ]; then
-  # issue 14's throughput rows (GPU_CHECK_PERF=0 skips them), each a table in $out/bench-*.log:
-  # the bare step, GRT vs dense at equal FLOPs, eager and compiled; then real `grt train` runs
-  # (tokens/s, MFU, peak memory) per preset x ZeRO stage x compile x checkpointing, as ratios
-  # to the bare step. One GPU, seq 1024, micro-batch 16, vocabulary 512 (bench zero's tokenizer).
-  row bench-train-step - grt bench train-step --layout 1+1x10+1 --d-model 768 --n-heads 12 --seq-len 1024 \
-    --batch 16 --vocab 50257 --steps 10 --warmup 3 --dtype bf16 --compile
-  zero=(grt bench zero --ranks 1 --seq-len 1024 --micro-batch-size 16 --steps 20 --persistence-threshold trainer)
-  row_limit=1800 row bench-zero-z2 2 "${zero[@]}" --stages 2 --presets grt-small dense-small --compile off on \
-    --checkpointing off selective loop_step
-  # ZeRO-3 refuses selective checkpointing (wrong gradients, docs/performance.md)
-  row_limit=1800 row bench-zero-z3 3 "${zero[@]}" --stages 3 --presets grt-small dense-small --compile off on \
-    --checkpointing off loop_step
-  # the ZeRO-3 knob: every parameter resident on one GPU (the trainer's) against DeepSpeed's 1e5,
-  # with uniform depth sampling (the depth changes every step)
-  row bench-zero-z3-persistence 3 "${zero[@]}" --stages 3 --presets grt-small --compile off --checkpointing off \
-    --depth-sampling uniform --persistence-threshold trainer 100000
-  # grt-medium and grt-large on one GPU, checkpointing as `auto` picks it
-  row_limit=1800 row bench-zero-large 2,3 "${zero[@]}" --stages 2 3 --presets grt-medium grt-large --compile off \
-    --checkpointing auto
+smoke() {  # train with eval and a checkpoint, resume it, export, eval, generate (run directory $work/smoke)
+  train smoke-train "$limit_train" "$grt_small" 3 "$smoke_steps" smoke --set "train.eval_every=$smoke_steps" \
+    --set "train.eval_batches=$eval_batches" --set "train.save_every=$smoke_steps"
+  train smoke-resume "$limit_train" "$grt_small" 3 "$resume_steps" smoke --set "train.eval_every=$smoke_steps" \
+    --set "train.eval_batches=$eval_batches" --set "train.save_every=$smoke_steps" --resume
+  row smoke-export "$limit_other" grt export --checkpoint "$work/smoke" --out "$work/export" --no-hf
+  row smoke-eval "$limit_other" grt eval "$work/export" --tasks val --data "$data" --max-batches "$eval_batches" \
+    --json-out "$work/eval.json"
+  row smoke-generate "$limit_other" grt generate "$work/export" --prompt "ROMEO:" --max-new-tokens 32 --kv-cache first
+}
+
+row data "$limit_other" grt data prepare -i examples/data/tinyshakespeare.txt --txt-mode paragraph -t "$tokenizer" \
+  -o "$work/data" --seq-len "$seq" --shard-size-mb 1 --val-fraction 0.05 -q
+if [ "$call" = 1 ]; then
+  for compile in false true; do
+    for stage in 2 3; do
+      for preset in "$grt_small" "$dense_small"; do
+        perf "perf-$preset-z$stage-$([ $compile = true ] && echo compiled || echo eager)" "$preset" "$stage" "$compile" off
+      done
+    done
+  done
+  smoke
+else
+  # checkpointing modes: selective composed with compile (ZeRO-2: ZeRO-3 refuses selective), loop_step
+  perf "ckpt-$grt_small-z2-selective-eager" "$grt_small" 2 false selective
+  perf "ckpt-$grt_small-z2-selective-compiled" "$grt_small" 2 true selective
+  perf "ckpt-$grt_small-z2-loop_step-compiled" "$grt_small" 2 true loop_step
+  perf "ckpt-$grt_small-z3-loop_step-compiled" "$grt_small" 3 true loop_step
+  # the ZeRO-3 knob with the depth changing every step: every parameter resident (the trainer's setting
+  # on one GPU, perf-*-z3 rows of call 1) against DeepSpeed's 1e5
+  perf "persist-$grt_small-z3-1e5-uniform" "$grt_small" 3 false off --ds-config "$work/zero3-persist1e5.json" \
+    --set train.depth_sampling=uniform
+  perf "persist-$grt_small-z3-trainer-uniform" "$grt_small" 3 false off --set train.depth_sampling=uniform
+  # medium and large on one GPU, checkpointing as `auto` picks it
+  perf "medium-$grt_medium-z3-auto" "$grt_medium" 3 false auto
+  perf "large-$grt_large-z3-auto" "$grt_large" 3 false auto
+  row bench-loss "$limit_other" grt bench loss --tokens "$bench_tokens" --d-model "$bench_d"
+  row bench-precision "$limit_other" grt bench precision --preset "${precision[0]}" --train-steps "${precision[1]}" \
+    --seq-len 64
+  row bench-train-step "$limit_compiled" grt bench train-step --layout 1+1x10+1 --d-model "$bench_d" --n-heads "$bench_heads" \
+    --seq-len "$seq" --batch "$mbs" --vocab 50257 --steps 10 --warmup 3 --dtype bf16 --compile
+  row compare "$limit_compiled" grt compare --configs "$grt_small,$dense_small" --data "$data" --out "$work/compare" \
+    --tokens "$compare_tokens" --micro-batch-size "$mbs" --evals 1 --eval-batches "$eval_batches"
+  smoke
+  row analyze "$limit_other" grt analyze "$work/export" --out "$work/analysis" --data "$data" \
+    --max-batches "$eval_batches" --freq-batches 2
+  row bench-decode "$limit_other" grt bench decode --model "$work/export" --dense-preset "$dense_small" \
+    --batch-sizes 1 "${decode[@]}" --json "$work/decode.json"
 fi
 
-python3 - "$rows" "$out/table.md" <<'EOF'
-import sys
-rows = [line.rstrip("\n").split("\t") for line in open(sys.argv[1]) if line.strip()]
-head = ["command", "ZeRO stage", "seconds", "tokens/s", "MFU", "result"]
-lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
-open(sys.argv[2], "w").write("\n".join(lines) + "\n")
-print("\n".join(lines))
-EOF
-for log in "$out"/bench-*.log; do
-  grep -q "^# reproduce" "$log" 2>/dev/null && { echo; echo "## $(basename "$log" .log)"; sed -n '/^# reproduce/,$p' "$log"; }
-done
-if grep -q $'\tFAIL' "$rows"; then
-  echo "gpu_check: some rows failed; see the logs in $out/" >&2
+[ "$plan" = 1 ] && exit 0
+echo
+cat "$out/summary.md"
+if grep -q $'\tFAIL' "$out/results.tsv"; then
+  echo "gpu_check: some rows failed; the tail of each row's log is in $out/log.txt" >&2
   exit 1
 fi

@@ -116,3 +116,40 @@ print("ok", worst(fused), worst(eager))
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_a_compiled_loop_step_traces_the_eager_gate_and_eager_runs_the_kernel():
+    """Which gate path runs where (kernels/gate.py `fused_path`): eagerly the Triton kernel, inside
+    torch.compile the eager formula, which the compiler fuses (no opaque autograd.Function in the
+    graph, no graph break). Both give the uncompiled reference's gradients."""
+    script = r"""
+import torch
+from pretrain.config import ModelConfig
+from pretrain.model import build_model
+from pretrain.training.parallelize import apply_compile
+import pretrain.kernels.gate as gate
+from torch._dynamo.utils import counters
+calls = []
+original = gate.FusedGateUpdate.apply
+gate.FusedGateUpdate.apply = lambda *a: calls.append(1) or original(*a)
+cfg = ModelConfig(layout="1+1x3+1", d_model=32, n_heads=2, vocab_size=97, max_seq_len=16, state_noise_std=0, gate_noise_std=0)
+idx = torch.randint(0, 97, (2, 16))
+def grads(compiled):
+    torch.manual_seed(0)
+    model = build_model(cfg).train()
+    if compiled:
+        apply_compile(model)
+    model(idx, idx, return_logits=False).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+eager = grads(False)
+eager_calls = len(calls)
+compiled = grads(True)
+assert eager_calls == 3 and len(calls) == 3, (eager_calls, len(calls))  # compiled: no kernel launch of ours
+assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+worst = max(((compiled[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item() for n, g in eager.items())
+assert worst < 1e-4, worst
+print("ok", worst)
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]

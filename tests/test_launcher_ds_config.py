@@ -161,3 +161,16 @@ def test_print_config_shows_the_merged_config_outside_the_checkout(tmp_path):
     assert r.returncode == 0, r.stderr
     ds = json.loads(r.stdout)["deepspeed_config"]
     assert ds["train_micro_batch_size_per_gpu"] == 3 and ds["zero_optimization"]["sub_group_size"] == 1e9
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_overlap_comm_is_on_with_several_ranks_only_unless_the_file_says(stage):
+    """On one GPU there is nothing to overlap the reduction with, and overlap_comm costs DeepSpeed's
+    cuda.synchronize() per backward (ZeRO-2), per bucket (ZeRO-1) or on its reduce stream (ZeRO-3)."""
+    shipped = load_ds_json(f"zero{stage}.json")
+    assert "overlap_comm" not in shipped["zero_optimization"]
+    for world, expected in ((1, False), (2, True), (16, True)):
+        merged = build_ds_config(shipped, train_config(), world, use_cuda=True)
+        assert merged["zero_optimization"]["overlap_comm"] is expected, (stage, world)
+    written = {**shipped, "zero_optimization": {**shipped["zero_optimization"], "overlap_comm": True}}
+    assert build_ds_config(written, train_config(), 1, use_cuda=True)["zero_optimization"]["overlap_comm"] is True

@@ -23,9 +23,16 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _out_dtype(logits: torch.Tensor, s: torch.Tensor, o: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(torch.promote_types(logits.dtype, s.dtype), o.dtype)
+
+
 def gate_update_reference(logits: torch.Tensor, s: torch.Tensor, o: torch.Tensor):
-    g = torch.sigmoid(logits)
-    return g * s + (1 - g) * o, g
+    """The eager formula, computed in fp32 as the kernel computes it: a bf16 sigmoid near the
+    gate's 0.98 would round 1 - g (the share the step writes) to steps of 0.004, about 20% of it.
+    Outputs: s_new in the promoted dtype of the inputs, g in the logits' dtype."""
+    g = torch.sigmoid(logits.float())
+    return (g * s + (1 - g) * o).to(_out_dtype(logits, s, o)), g.to(logits.dtype)
 
 
 if triton is not None:
@@ -69,7 +76,7 @@ class FusedGateUpdate(torch.autograd.Function):
         bf16 autocast the logits and the core output are bf16 and the state is fp32. The
         outputs take eager's dtypes: s_new the promoted one, g the logits'."""
         logits, s, o = logits.contiguous(), s.contiguous(), o.contiguous()
-        out = torch.empty_like(s, dtype=torch.promote_types(torch.promote_types(logits.dtype, s.dtype), o.dtype))
+        out = torch.empty_like(s, dtype=_out_dtype(logits, s, o))
         g = torch.empty_like(logits)
         n = s.numel()
         _gate_fwd[_grid(n)](logits, s, o, out, g, n, BLOCK=BLOCK)
@@ -90,10 +97,17 @@ def fused_available(t: torch.Tensor) -> bool:
     return triton is not None and (t.is_cuda or INTERPRET)
 
 
+def fused_path(s: torch.Tensor) -> bool:
+    """Whether `gate_update` runs the Triton kernel here. Not inside a torch.compile trace:
+    there the eager formula is traced and the compiler fuses it with its neighbours (the
+    kernel, an opaque autograd.Function, would break the graph); eagerly on CUDA, the kernel."""
+    return fused_available(s) and not torch.compiler.is_compiling()
+
+
 def gate_update(logits: torch.Tensor, s: torch.Tensor, o: torch.Tensor):
-    """(s_new, g): the fused kernel where it can run, the eager reference elsewhere.
+    """(s_new, g): the fused kernel where it can run (`fused_path`), the eager formula elsewhere.
     The returned g carries no gradient of its own in the fused path (it is for analysis).
-    The dtypes may differ (bf16 autocast); the shapes may not (no broadcasting)."""
-    if fused_available(s) and logits.shape == s.shape == o.shape:
+    The dtypes may differ (bf16 weights with an fp32 state); the shapes may not (no broadcasting)."""
+    if fused_path(s) and logits.shape == s.shape == o.shape:
         return FusedGateUpdate.apply(logits, s, o)
     return gate_update_reference(logits, s, o)

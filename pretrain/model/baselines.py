@@ -108,7 +108,7 @@ class HuginnGPT(LoopedBaseline):
         return self.initial_state(e), step
 
     def forward(self, idx, targets=None, *, n_loops=None, doc_ids=None, gate_override=None, anchor="prelude",
-                return_states=False, return_gates=False) -> ModelOutput:
+                return_states=False, return_gates=False, return_logits=True) -> ModelOutput:
         n = self._check_args(n_loops, gate_override, anchor)
         ctx = AttentionContext(doc_ids=doc_ids)
         e = self.run_prelude(self.embed(idx), ctx)
@@ -125,8 +125,7 @@ class HuginnGPT(LoopedBaseline):
                 states.append(s)
         if self.training and n == 0:
             s = s + 0.0 * self._touch_loop(e)
-        logits = self.decode(s, ctx)
-        loss = lm_loss(logits, targets) if targets is not None else None
+        logits, loss = self.output(s, ctx, targets, return_logits)
         return ModelOutput(logits=logits, loss=loss, states=states, gates=[])
 
 
@@ -210,7 +209,7 @@ class RRTGPT(LoopedBaseline):
         return e, lambda s, r: self.loop_step(s, e, ctx, r)[0]
 
     def forward(self, idx, targets=None, *, n_loops=None, doc_ids=None, gate_override=None, anchor="prelude",
-                return_states=False, return_gates=False) -> ModelOutput:
+                return_states=False, return_gates=False, return_logits=True) -> ModelOutput:
         n = self._check_args(n_loops, gate_override, anchor)
         ctx = AttentionContext(doc_ids=doc_ids)
         s = e = self.run_prelude(self.embed(idx), ctx)
@@ -225,8 +224,7 @@ class RRTGPT(LoopedBaseline):
                 s = s + self.loop.touch(unused, s)
             if n == 0:
                 s = s + 0.0 * self._touch_loop(e)
-        logits = self.decode(s, ctx)
-        loss = lm_loss(logits, targets) if targets is not None else None
+        logits, loss = self.output(s, ctx, targets, return_logits)
         return ModelOutput(logits=logits, loss=loss, states=states, gates=[])
 
 
@@ -258,10 +256,11 @@ class OuroGPT(LoopedBaseline):
         return torch.cat([p[:-1], survive[-1:]]) if n > 0 else p  # the last step exits whatever is left
 
     def forward(self, idx, targets=None, *, n_loops=None, doc_ids=None, gate_override=None, anchor="prelude",
-                return_states=False, return_gates=False, exit: str = "fixed") -> ModelOutput:
+                return_states=False, return_gates=False, return_logits=True, exit: str = "fixed") -> ModelOutput:
         """exit='fixed': decode after step n (early exit at a chosen depth); exit='learned': each
         token exits at the first step where the learned distribution's CDF >= exit_threshold.
-        In training (with targets) the loss is the expected step loss minus beta x entropy."""
+        In training (with targets) the loss is the expected step loss minus beta x entropy, from
+        every step's logits (return_logits does not apply: each step's per-token losses are kept)."""
         n = self._check_args(n_loops, gate_override, anchor)
         if exit not in ("fixed", "learned"):
             raise ValueError(f"exit={exit!r}: accepted values are fixed, learned")
@@ -279,8 +278,7 @@ class OuroGPT(LoopedBaseline):
                 logits_steps.append(self.decode(s, ctx))
         self.last_aux = {}
         if n == 0 or not every_step:
-            logits = self.decode(s, ctx)
-            loss = lm_loss(logits, targets) if targets is not None else None
+            logits, loss = self.output(s, ctx, targets, return_logits)
             if self.training and loss is not None:  # only at n = 0: with targets, training decodes every step
                 loss = loss + 0.0 * self._touch_loop(s) + _zero(self.exit_logits(s[:, :1]))
             return ModelOutput(logits=logits, loss=loss, states=states, gates=[])
@@ -333,7 +331,7 @@ class MoRGPT(LoopedBaseline):
         return max(1, math.ceil(seq_len * share))
 
     def forward(self, idx, targets=None, *, n_loops=None, doc_ids=None, gate_override=None, anchor="prelude",
-                return_states=False, return_gates=False) -> ModelOutput:
+                return_states=False, return_gates=False, return_logits=True) -> ModelOutput:
         n = self._check_args(n_loops, gate_override, anchor)
         ctx = AttentionContext(doc_ids=doc_ids)
         s = self.run_prelude(self.embed(idx), ctx)
@@ -366,8 +364,7 @@ class MoRGPT(LoopedBaseline):
             if return_states:
                 states.append(s)
         self.last_aux = {"selected": selected_counts, "selected_masks": masks}
-        logits = self.decode(s, ctx)
-        loss = lm_loss(logits, targets) if targets is not None else None
+        logits, loss = self.output(s, ctx, targets, return_logits)
         if loss is not None and self.training:
             if aux_terms:
                 loss = loss + float(self.cfg.xget("aux_loss_coef")) * torch.stack(aux_terms).mean()

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from pretrain.config import ANCHOR_MODES, ConfigError, ModelConfig
 from pretrain.kernels.gate import gate_update
-from pretrain.model.layers import AttentionContext, Block, Embedding, Linear, layer_norm
+from pretrain.model.layers import AttentionContext, Block, Embedding, Linear, LMHead, layer_norm
+from pretrain.model.loss import lm_loss
 
 
 class ModelOutput(NamedTuple):
@@ -80,9 +81,6 @@ class LoopStep(nn.Module):
             self.gate_out = Linear(d, d, bias=True, std=cfg.init_std, bias_init=cfg.gate_bias_init)
         self.has_gate = cfg.gate
 
-    def anchor_terms(self, e: torch.Tensor) -> AnchorTerms:
-        return self.anchor(e)
-
     def project(self, x: torch.Tensor, terms: AnchorTerms) -> torch.Tensor:
         """x_r = W_proj [x ; e] (x is the state, plus noise in training)."""
         return self.proj_state(x) + terms.proj if self.proj_state is not None else x
@@ -102,32 +100,35 @@ class LoopStep(nn.Module):
             return torch.full_like(s, float(override))
         return torch.sigmoid(self.noisy_gate_logits(s, terms))
 
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the step computes in (bf16 under DeepSpeed's bf16 mode); the state may be fp32."""
+        return self.core[0].ln_1.weight.dtype
+
+    def anchor_terms(self, e: torch.Tensor) -> AnchorTerms:
+        return self.anchor(e.to(self.weight_dtype()))
+
     def forward(self, s: torch.Tensor, e: torch.Tensor, ctx: AttentionContext,
                 gate_override: float | None = None,
                 terms: AnchorTerms | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One step from state s with anchor e; `terms` = anchor_terms(e) when precomputed."""
+        """One step from state s with anchor e; `terms` = anchor_terms(e) when precomputed.
+        The projection, core and gate MLP compute in the weights' dtype; the gated update
+        keeps the state's dtype (fp32 under bf16 weights by default: ModelConfig.state_dtype)."""
         if terms is None:
             terms = self.anchor_terms(e)
+        dtype = self.weight_dtype()
         x = s
         if self.training and self.state_noise_std > 0:
             x = x + self.state_noise_std * torch.randn_like(x)
-        x = self.project(x, terms)
+        x = self.project(x.to(dtype), terms)
         for block in self.core:
             x = block(x, ctx)
         if not self.has_gate:
             return x, None
         if gate_override is None:  # sigmoid and update fused into one kernel on GPU (kernels/gate.py)
-            return gate_update(self.noisy_gate_logits(s, terms), s, x)
+            return gate_update(self.noisy_gate_logits(s.to(dtype), terms), s, x)
         g = torch.full_like(s, float(gate_override))
         # g * s + (1 - g) * o, written out so that g = 1 returns s exactly and g = 0 returns o exactly
         return g * s + (1 - g) * x, g
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy of logits [B, T, V] against targets [B, T] (-100 = not scored), in fp32;
-    reduction 'none' gives the per-token losses [B, T]."""
-    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction)
-    return loss if reduction != "none" else loss.view(targets.shape)
 
 
 class GPT(nn.Module):
@@ -161,7 +162,7 @@ class GPT(nn.Module):
         self.exit_norm = layer_norm(cfg) if layout.looped and cfg.exit_norm else None
         self.coda = nn.ModuleList(Block(cfg, out_std) for _ in range(layout.coda))
         self.ln_f = layer_norm(cfg)
-        self.lm_head = Linear(d, vocab, bias=False, std=cfg.init_std)
+        self.lm_head = LMHead(d, vocab, cfg.vocab_size, std=cfg.init_std)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
 
@@ -210,7 +211,11 @@ class GPT(nn.Module):
         prelude output e, one step at a time, for callers that decide per step how far to go
         (adaptive exit, the KV cache). The GRT: from e, with e as the anchor."""
         terms = self.loop.anchor_terms(e)
-        return e, lambda s, r: self.loop_step(s, e, ctx, r, terms)[0]
+        return self.start_state(e), lambda s, r: self.loop_step(s, e, ctx, r, terms)[0]
+
+    def start_state(self, e: torch.Tensor) -> torch.Tensor:
+        """s_0 = e in the loop state's dtype (ModelConfig.state_dtype: fp32 by default)."""
+        return e.float() if self.cfg.state_dtype == "fp32" else e
 
     def run_loop(self, e: torch.Tensor, ctx: AttentionContext, n: int, *, emb: torch.Tensor | None = None,
                  gate_override: float | None = None, anchor: str = "prelude",
@@ -222,11 +227,13 @@ class GPT(nn.Module):
             raise ValueError(f"anchor={anchor!r}: accepted values are {', '.join(ANCHOR_MODES)}")
         if anchor == "embeddings" and emb is None:
             raise ValueError("anchor='embeddings' needs the token embeddings (emb)")
-        s = e
+        if self.loop is None:
+            if states is not None:
+                states.append(e)
+            return e
+        s = self.start_state(e)
         if states is not None:
             states.append(s)
-        if self.loop is None:
-            return s
         fixed = {"prelude": e, "zeros": torch.zeros_like(e), "embeddings": emb}.get(anchor)
         terms = self.loop.anchor_terms(fixed) if anchor != "previous" and n > 0 else None
         for r in range(n):
@@ -238,7 +245,9 @@ class GPT(nn.Module):
         return s
 
     def final_hidden(self, s: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """A state through the exit norm, the coda and the final norm: [B, T, d]."""
+        """A state through the exit norm, the coda and the final norm: [B, T, d]. An fp32 loop
+        state is rounded to the weights' dtype here, once."""
+        s = s.to(self.ln_f.weight.dtype)
         x = self.exit_norm(s) if self.exit_norm is not None else s
         for block in self.coda:
             x = block(x, ctx)
@@ -252,12 +261,24 @@ class GPT(nn.Module):
         """A state to logits: exit norm -> coda -> final norm -> head -> vocabulary slice."""
         return self.head(self.final_hidden(s, ctx))
 
+    def output(self, s: torch.Tensor, ctx: AttentionContext, targets: torch.Tensor | None,
+               return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(logits, loss) of the final state s. Without return_logits, the loss comes straight
+        from the hidden states (`LMHead` with targets: no logits tensor) and logits is None:
+        training's path."""
+        h = self.final_hidden(s, ctx)
+        if targets is not None and not return_logits:
+            return None, self.lm_head(h, targets)
+        logits = self.head(h)
+        return logits, lm_loss(logits, targets) if targets is not None else None
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, n_loops: int | None = None,
                 doc_ids: torch.Tensor | None = None, gate_override: float | None = None, anchor: str = "prelude",
-                return_states: bool = False, return_gates: bool = False) -> ModelOutput:
+                return_states: bool = False, return_gates: bool = False, return_logits: bool = True) -> ModelOutput:
         """idx, targets: [B, T] token ids. n_loops: loop steps to run (default: the layout's R).
         gate_override: force every gate to this constant. anchor: what the loop is fed as e
-        (prelude output, zeros, token embeddings, or the previous state)."""
+        (prelude output, zeros, token embeddings, or the previous state). return_logits=False
+        (with targets): the loss only, without materialising the logits (`output`)."""
         n = self.depth(n_loops)
         ctx = AttentionContext(doc_ids=doc_ids)
         emb = self.embed(idx)
@@ -267,8 +288,7 @@ class GPT(nn.Module):
                           states=states if return_states else None, gates=gates if return_gates else None)
         if self.training and n == 0 and self.loop is not None:
             s = s + 0.0 * self._touch_loop(e)
-        logits = self.decode(s, ctx)
-        loss = lm_loss(logits, targets) if targets is not None else None
+        logits, loss = self.output(s, ctx, targets, return_logits)
         return ModelOutput(logits=logits, loss=loss, states=states, gates=gates)
 
     def _touch_loop(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pretrain.config import ModelConfig
+from pretrain.model.loss import linear_cross_entropy
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,21 @@ class Linear(nn.Linear):
         nn.init.normal_(self.weight, mean=0.0, std=self.std)
         if self.bias is not None:
             nn.init.constant_(self.bias, self.bias_init)
+
+
+class LMHead(Linear):
+    """The output projection to the (padded) vocabulary. Given targets, its forward returns the
+    training loss straight from the hidden states (`linear_cross_entropy`: no logits tensor);
+    as a module call either way, so that ZeRO-3's hooks gather its (tied) weight."""
+
+    def __init__(self, d_model: int, padded_vocab: int, vocab: int, std: float = 0.02):
+        super().__init__(d_model, padded_vocab, bias=False, std=std)
+        self.vocab = vocab
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return super().forward(h)
+        return linear_cross_entropy(h, self.weight, targets, self.vocab)
 
 
 class Embedding(nn.Embedding):

@@ -7,6 +7,8 @@
                           checkpointing x preset (x ZeRO-3 persistence), as ratios to the bare
                           model step of train-step (real DeepSpeed)
     grt bench decode      decode latency and memory per KV-cache strategy (pretrain.tools.bench_decode)
+    grt bench precision   the loop state under bf16, and bf16 training's losses (pretrain.tools.bench_numerics)
+    grt bench loss        peak memory of the training loss at GPT-2's vocabulary (pretrain.tools.bench_numerics)
 
 On CPU the absolute figures are this machine's; the ratios are what carry over.
 """
@@ -31,7 +33,29 @@ from pretrain.config import ModelConfig
 from pretrain.model.flops import flops_per_token
 from pretrain.training.metrics import peak_flops
 from pretrain.model import GPT, build_model
-from pretrain.training.parallelize import AUTO, CHECKPOINT_MODES, apply_activation_checkpointing, modes_for_stage
+from pretrain.training.parallelize import (AUTO, CHECKPOINT_MODES, apply_activation_checkpointing, apply_compile,
+                                           modes_for_stage)
+
+# a tokenizer of GPT-2's vocabulary size (examples/tokenizers/README.md), so that benchmark runs pay
+# for the embedding, head and loss what GPT-2-sized training pays
+GPT2_VOCAB = 50257
+GPT2_VOCAB_TOKENIZER = PROJECT_ROOT / "examples" / "tokenizers" / "gutenberg-50257.model"
+DEMO_TEXT = PROJECT_ROOT / "examples" / "data" / "tinyshakespeare.txt"
+
+
+def make_bench_data(out: Path, seq_len: int, vocab: int) -> Path:
+    """Shards of the bundled text at `seq_len` with the real `grt data` commands; the tokenizer
+    is the shipped GPT-2-sized one at vocab 50257, else one trained here. Returns the manifest."""
+    grt = [sys.executable, "-m", "pretrain.cli"]
+    tokenizer = GPT2_VOCAB_TOKENIZER
+    if vocab != GPT2_VOCAB:
+        tokenizer = out / "tok.model"
+        subprocess.run([*grt, "data", "tokenizer", "-i", str(DEMO_TEXT), "--txt-mode", "paragraph", "--vocab-size",
+                        str(vocab), "-o", str(tokenizer), "-q"], check=True, cwd=PROJECT_ROOT, capture_output=True)
+    subprocess.run([*grt, "data", "prepare", "-i", str(DEMO_TEXT), "--txt-mode", "paragraph", "-t", str(tokenizer),
+                    "-o", str(out / "shards"), "--seq-len", str(seq_len), "--shard-size-mb", "0.2", "-q"],
+                   check=True, cwd=PROJECT_ROOT, capture_output=True)
+    return out / "shards" / "manifest.json"
 
 
 
@@ -46,13 +70,17 @@ def equal_flops_pair(d_model: int, n_heads: int, layout: str, seq_len: int, voca
 
 
 def _step_fn(model: GPT, n_loops, compiled: bool, dtype: torch.dtype):
+    """One optimizer step computed as `grt train` computes it: the weights in the training dtype
+    (DeepSpeed's bf16 mode casts the model; the GRT's loop state stays fp32, ModelConfig.state_dtype),
+    the units compiled as the trainer compiles them (`apply_compile`), the loss without logits.
+    DeepSpeed's optimizer also keeps fp32 master weights; this AdamW steps the weights as they are."""
+    model.to(dtype)
+    if compiled:
+        apply_compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=torch.cuda.is_available() or None)
-    fwd = torch.compile(model) if compiled else model
-    device_type = next(model.parameters()).device.type
 
     def step(idx):
-        with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
-            loss = fwd(idx, idx, n_loops=n_loops).loss
+        loss = model(idx, idx, n_loops=n_loops, return_logits=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -173,13 +201,7 @@ def bench_zero(args) -> list[dict]:
     rows, bare = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        text = PROJECT_ROOT / "examples" / "data" / "tinyshakespeare.txt"
-        grt = [sys.executable, "-m", "pretrain.cli"]
-        subprocess.run([*grt, "data", "tokenizer", "-i", str(text), "--txt-mode", "paragraph", "--vocab-size", "512",
-                        "-o", str(tmp / "tok"), "-q"], check=True, cwd=PROJECT_ROOT, capture_output=True)
-        subprocess.run([*grt, "data", "prepare", "-i", str(text), "--txt-mode", "paragraph", "-t", str(tmp / "tok.model"),
-                        "-o", str(tmp / "shards"), "--seq-len", str(args.seq_len), "--shard-size-mb", "0.2", "-q"],
-                       check=True, cwd=PROJECT_ROOT, capture_output=True)
+        manifest = make_bench_data(tmp, args.seq_len, args.vocab)
         for ranks, preset, stage, compiled, ckpt, pin, persist in product(
                 args.ranks, args.presets, args.stages, args.compile, args.checkpointing, args.pin_core,
                 args.persistence_threshold):
@@ -187,7 +209,7 @@ def bench_zero(args) -> list[dict]:
                 continue  # pinning and persistence only exist under ZeRO-3
             if ckpt != AUTO and ckpt not in modes_for_stage(stage):
                 continue  # refused by `grt train` (selective under ZeRO-3)
-            cfg = get_preset(preset).replace(max_seq_len=args.seq_len, vocab_size=512)
+            cfg = get_preset(preset).replace(max_seq_len=args.seq_len, vocab_size=args.vocab)
             ds = tmp / f"zero{stage}-{persist}.json"
             base = json.loads((PROJECT_ROOT / "ds_configs" / f"zero{max(stage, 1)}.json").read_text())
             if stage == 0:
@@ -197,7 +219,7 @@ def bench_zero(args) -> list[dict]:
             ds.write_text(json.dumps(base))
             out = tmp / f"run-{ranks}-{preset}-{stage}-{compiled}-{ckpt}-{pin}-{persist}"
             cmd = [*(["deepspeed", "--num_gpus", str(ranks), "--no_local_rank", "--module"] if ranks > 1 else [sys.executable, "-m"]),
-                   "pretrain.cli", "train", "--preset", preset, "--data", str(tmp / "shards" / "manifest.json"),
+                   "pretrain.cli", "train", "--preset", preset, "--data", str(manifest),
                    "--out", str(out), "--steps", str(args.steps), "--micro-batch-size", str(args.micro_batch_size),
                    "--ds-config", str(ds), "--set", f"model.max_seq_len={args.seq_len}", "--set", f"train.log_every={args.steps // 2}",
                    "--set", "train.eval_every=0", "--set", f"train.save_every={10 * args.steps}",
@@ -259,6 +281,9 @@ def main(argv=None) -> int:
     if argv and argv[0] == "decode":
         from pretrain.tools.bench_decode import main as decode_bench
         return decode_bench(argv[1:])
+    if argv and argv[0] in ("precision", "loss"):
+        from pretrain.tools.bench_numerics import main as numerics_bench
+        return numerics_bench(argv)
     p = argparse.ArgumentParser(prog="grt bench", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)
     ts = sub.add_parser("train-step", help="GRT vs dense of equal FLOPs")
@@ -272,7 +297,8 @@ def main(argv=None) -> int:
     ts.add_argument("--warmup", type=int, default=2)
     ts.add_argument("--checkpointing", default="off", choices=CHECKPOINT_MODES)
     ts.add_argument("--compile", action="store_true", help="also time torch.compile'd models")
-    ts.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast (GPU)")
+    ts.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                    help="bf16: the weights cast to bf16 as `grt train` runs them (the loop state stays fp32)")
     ts.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (default: looked up)")
     mem = sub.add_parser("memory", help="peak memory against R")
     mem.add_argument("--loops", type=int, nargs="+", default=[1, 4, 8])
@@ -292,6 +318,9 @@ def main(argv=None) -> int:
     zr.add_argument("--steps", type=int, default=20)
     zr.add_argument("--seq-len", type=int, default=128)
     zr.add_argument("--micro-batch-size", type=int, default=8)
+    zr.add_argument("--vocab", type=int, default=GPT2_VOCAB,
+                    help="the tokenizer's vocabulary: 50257 (default) tokenizes with the shipped GPT-2-sized one, "
+                         "any other size trains one on the bundled text")
     zr.add_argument("--persistence-threshold", nargs="+", default=["1000"], type=_threshold,
                     help="ZeRO-3 stage3_param_persistence_threshold, one row each: a number, or `trainer` for "
                          "the shipped zero3.json's (every parameter on one rank, DeepSpeed's 1e5 otherwise); "

@@ -52,7 +52,7 @@ from pretrain.presets import PRESETS, get_preset
 from pretrain.tools.compare_eval import (ADAPTIVE_EXITS, EXTRAPOLATION_FACTORS, adaptive_label, final_eval_work,
                                          final_evals)
 from pretrain.training.depth import depth_for_step
-from pretrain.training.run_config import RunConfig, apply_overrides
+from pretrain.training.run_config import RunConfig, apply_overrides, resolve
 
 
 # each method's own training recipe for the loop depth (spec section 4 / the papers)
@@ -154,7 +154,7 @@ def build_runs(args, tokens: float) -> list[dict]:
         cfg = RunConfig(model=model, data=str(args.data), ds_config=args.ds_config, out=str(Path(args.out) / label))
         model_sets = [s for s in args.overrides if s.startswith("model.")]
         apply_overrides(cfg, model_sets)
-        cfg.model.vocab_size = manifest.vocab_size
+        resolve(cfg, manifest)  # the trainer's rule: the tokenizer's vocabulary, a context that holds the shards
         runs.append({"label": label, "cfg": cfg, "train": train})
     if args.match != "none":
         ref_label = args.reference or labels[0]
@@ -231,7 +231,7 @@ def measure_steps(runs: list[tuple[dict, list[int]]], seq_len: int, repeats: int
                     sync()
                     begin = time.perf_counter()
                 for _ in range(t.grad_accum):
-                    loss = engine(idx, idx, n_loops=depth).loss
+                    loss = engine(idx, idx, n_loops=depth, return_logits=False).loss  # as the trainer calls it
                     loss.item()  # the trainer's host sync per micro-batch
                     engine.backward(loss)
                     engine.step()
@@ -579,7 +579,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override for every run, e.g. model.d_model=64 or train.lr=1e-3 (repeatable)")
     p.add_argument("--retrain", action="store_true", help="train again runs that already finished")
-    p.add_argument("--dry-run", action="store_true", help="print the runs (layout, params, FLOPs) and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the runs (layout, params, FLOPs), check each as `grt train --dry-run` does, and exit")
     return p
 
 
@@ -595,6 +596,10 @@ def main(argv=None) -> int:
         if args.exit_depth_factor < 1 or args.timing_steps < 1:
             raise ConfigError("--exit-depth-factor and --timing-steps must be >= 1")
         runs = build_runs(args, args.tokens if args.dry_run else sized_tokens(args, out, suffix, started))
+        if args.dry_run:  # each run as `grt train --dry-run` checks it
+            from pretrain.training.trainer import dry_run
+
+            checks = [dry_run(run["cfg"], resume=True) for run in runs]
     except (ConfigError, ValueError, OSError) as err:
         print(f"grt compare: error: {err}", file=sys.stderr)
         return 2
@@ -611,6 +616,7 @@ def main(argv=None) -> int:
               f"fwd FLOPs/token {flops_per_token(c.model, seq_len) / 1e6:8.2f}M  steps {c.train.steps}  "
               f"depth {c.train.depth_sampling if c.model.max_loops else '-'}", flush=True)
     if args.dry_run:
+        print("\n".join(f"{run['label']}: {check}" for run, check in zip(runs, checks)))
         return 0
     out.mkdir(parents=True, exist_ok=True)
     todo = []

@@ -75,18 +75,23 @@ def _agree(key: str, theirs, ours, owner: str, fix: str | None = None) -> None:
 ALL_PERSISTENT = 10**15
 
 
-def _zero3_defaults(zero: dict, world_size: int) -> dict:
-    """ZeRO-3 settings filled where the DeepSpeed file leaves them out (a value in the file,
-    "auto" included, is used as the rule above says): DeepSpeed defaults that are wrong for
-    a looped model. Deliberately not set: leaf modules (`set_z3_leaf_modules`,
+def _zero_defaults(zero: dict, world_size: int) -> dict:
+    """ZeRO settings filled where the DeepSpeed file leaves them out (a value in the file,
+    "auto" included, is used as the rule above says):
+    - `overlap_comm` on with more than one rank only: it overlaps the gradient reduction with
+      the backward, and on one GPU, with nothing to reduce, it only costs DeepSpeed's
+      `cuda.synchronize()` at the end of every backward (ZeRO-1 per bucket, ZeRO-3 on its
+      reduce stream);
+    - ZeRO-3 on one rank: every parameter persistent. A parameter's partition is the whole
+      parameter, so partitioning saves no memory; it costs a gather (a second full copy) and a
+      release per module call and per recompute, for every matrix above DeepSpeed's threshold
+      of 1e5 elements.
+    Deliberately not set: leaf modules (`set_z3_leaf_modules`,
     `stage3_module_granularity_threshold`) for the shared core, which fail with an
     AssertionError once the core runs more than once per step (docs/zero3.md); the core is
     pinned instead (`train.zero3_pin_core`)."""
-    filled = {}
-    if world_size == 1:
-        # one rank: a parameter's partition is the whole parameter, so partitioning saves no
-        # memory; it costs a gather (a second full copy) and a release per module call and
-        # per recompute, for every matrix above DeepSpeed's threshold of 1e5 elements
+    filled = {"overlap_comm": world_size > 1}
+    if int(zero.get("stage", 0)) == 3 and world_size == 1:
         filled["stage3_param_persistence_threshold"] = ALL_PERSISTENT
     return {**filled, **zero}
 
@@ -100,8 +105,8 @@ def build_ds_config(base: dict, train: TrainConfig, world_size: int, use_cuda: b
     """The DeepSpeed config the engine gets: `base` (a DeepSpeed file) merged with the run
     config by the rule of this module's docstring."""
     ds = copy.deepcopy(base)
-    if zero_stage(ds) == 3:
-        ds["zero_optimization"] = _zero3_defaults(ds["zero_optimization"], world_size)
+    if zero_stage(ds) >= 1:
+        ds["zero_optimization"] = _zero_defaults(ds["zero_optimization"], world_size)
     mb, ga = train.micro_batch_size, train.grad_accum
     owned = {
         "train_micro_batch_size_per_gpu": (mb, "train.micro_batch_size", None),

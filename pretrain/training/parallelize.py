@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from pretrain.config import ConfigError, ModelConfig
 from pretrain.model.gpt import GPT
 from pretrain.model.layers import Block
+from pretrain.model.loss import chunk_tokens
 
 # explicit modes, cheapest recompute first; `auto` picks one of AUTO_MODES for the run
 CHECKPOINT_MODES = ("off", "selective", "loop_step", "block")
@@ -86,8 +87,10 @@ def activation_bytes(cfg: ModelConfig, tokens: int, depth: int, mode: str, dtype
     (tests/test_checkpointing.py measures it): a block keeps 16 d-sized tensors (LN inputs
     and outputs, q/k/v, attention output, the MLP's 4d input and GELU output), 10 of them
     matmul or attention outputs; a GRT loop step adds 8 for its projection and gate (3 of
-    them matmul outputs); the loss keeps the fp32 log-softmax over the vocabulary. The
-    baselines (pretrain/model/baselines.py) change the loop's terms, read from cfg.extra."""
+    them matmul outputs); the training loss (`return_logits=False`, pretrain/model/loss.py) keeps
+    the hidden states' gradient and, once, a chunk of fp32 logits; Ouro, which scores every
+    step's logits, keeps them and their fp32 log-softmax. The baselines
+    (pretrain/model/baselines.py) change the loop's terms, read from cfg.extra."""
     d, a, layout, variant = cfg.d_model, dtype_bytes, cfg.parsed_layout, cfg.variant
     small = 4 * (cfg.n_heads + 4) + (2 * d if cfg.dropout > 0 else 0)  # fp32 norm stats, attention logsumexp, masks
     block_full, block_selective = 16 * d * a + small, 10 * d * a + small
@@ -126,10 +129,20 @@ def activation_bytes(cfg: ModelConfig, tokens: int, depth: int, mode: str, dtype
         kept = units * unit_input + ends * block_selective + loop_tokens * step_selective
         recompute = max(block_full - block_selective, step_full - step_selective if steps else 0)
     anchor = 2 * d * a if layout.looped else 0  # the anchor terms, computed once per forward
+    # a GRT state kept in fp32 under bf16 weights (ModelConfig.state_dtype): each step's state input
+    state = (4 - a) * d * (2 if mode == "off" else 1) * loop_tokens if cfg.gate and cfg.state_dtype == "fp32" else 0
+    if variant != "ouro":
+        # the training loss straight from the hidden states (pretrain/model/loss.py): per token the final
+        # norm's input and output and the hidden states' gradient; once, one chunk's fp32 logits (and their
+        # copy in the model's dtype) and the head weight's fp32 gradient with the product added to it
+        chunk = min(tokens, chunk_tokens(cfg.vocab_size))
+        loss_once = chunk * cfg.vocab_size * (4 + (a if a != 4 else 0)) + 2 * 4 * cfg.padded_vocab_size * d
+        return int(tokens * (kept + outside + anchor + state + 3 * d * a) + max(tokens * recompute, loss_once))
+    # Ouro scores every step's logits: materialised, with their fp32 log-softmax and gradient
     head = 4 * cfg.vocab_size + 2 * d * a  # the fp32 log-softmax, the final norm's input and output
-    held_logits = a * cfg.padded_vocab_size if variant == "ouro" else 0  # a step's logits, kept until the loss
+    held_logits = a * cfg.padded_vocab_size  # a step's logits, kept until the loss
     head_grad = (4 + a) * cfg.padded_vocab_size  # the logits' gradient, in fp32 and in the model's dtype
-    return int(tokens * (kept + outside + anchor + decodes * (head + held_logits) + max(recompute, head_grad)))
+    return int(tokens * (kept + outside + anchor + state + decodes * (head + held_logits) + max(recompute, head_grad)))
 
 
 def modes_for_stage(zero_stage: int) -> tuple[str, ...]:
@@ -168,7 +181,11 @@ def apply_compile(model: GPT) -> GPT:
     """torch.compile each repeated unit's forward: the loop step (compiled once, reused by
     every loop step and every sampled depth, since the depth is a Python loop outside it)
     and each prelude/coda block. Only `forward` is compiled, so ZeRO-3's module hooks stay
-    eager around it. Apply before activation checkpointing."""
+    eager around it. Apply after activation checkpointing: the compiler then traces the
+    checkpoint itself and recomputes what it says (selective checkpointing's list of kept ops
+    included), where a checkpoint around a compiled forward would see one opaque call and
+    selective's list could not apply inside it. The gate update is the eager formula inside the
+    trace (kernels/gate.py `fused_path`), fused by the compiler."""
     units = [*model.prelude, *model.coda]
     if model.loop is not None:
         units.append(model.loop)

@@ -50,6 +50,7 @@ class TrainConfig:
     eval_every: int = 500
     eval_batches: int = 20
     save_every: int = 1000
+    save_final: bool = True             # a checkpoint at the last step (false: benchmarks, whose runs are thrown away)
     keep_checkpoints: int = 3
     max_bad_steps: int = 5              # consecutive non-finite steps before the run stops
     dist_timeout_s: float = 600.0

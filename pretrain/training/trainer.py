@@ -73,19 +73,19 @@ def build_engine(cfg: RunConfig, world_size: int, device: torch.device, seq_len:
                  ds: dict | None = None):
     """The DeepSpeed engine and its merged config (`ds`, when the caller has merged it already).
     Activation checkpointing is applied after DeepSpeed has placed the weights and optimizer
-    state, so that `auto` sees what is left."""
+    state, so that `auto` sees what is left; compilation last, around it."""
     import deepspeed
 
     ds = ds or build_ds_config(load_ds_json(cfg.ds_config), cfg.train, world_size, device.type == "cuda")
     with deepspeed.zero.Init(config_dict_or_path=ds, enabled=zero_stage(ds) == 3):
         model = build_model(cfg.model)
-    if cfg.train.compile:
-        apply_compile(model)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
                                            config=ds)
     mode = checkpointing_mode(cfg, ds, device, seq_len or cfg.model.max_seq_len, count_params(model)["params"],
                               world_size)
     apply_activation_checkpointing(model, mode)
+    if cfg.train.compile:  # over the checkpointed units: the compiler sees (and keeps) what they recompute
+        apply_compile(model)
     deepspeed_internals.check_engine(engine)
     if zero_stage(ds) == 3:
         deepspeed_internals.install_counters()
@@ -155,7 +155,7 @@ def evaluate_depths(model, batches, depths, device, doc_mask=False) -> dict[int,
     for batch in batches:
         idx, targets, doc_ids = move(batch, device, doc_mask)
         for i, r in enumerate(depths):
-            totals[i] += model(idx, targets, n_loops=r, doc_ids=doc_ids).loss.double()
+            totals[i] += model(idx, targets, n_loops=r, doc_ids=doc_ids, return_logits=False).loss.double()
         totals[-1] += 1
     values = all_reduce(totals.to(comm_device())).tolist()
     model.train(was_training)
@@ -208,22 +208,29 @@ class Trainer:
         self.step, self.skipped_total, self.bad_in_a_row = 0, 0, 0
 
     # -- build ---------------------------------------------------------------------------
-    def build(self) -> None:
-        """Checks first (no process group yet), then the group, engine, loaders and writer."""
-        cfg = self.cfg
-        self.manifest = load_manifest(cfg.data)  # loaded once; its loaders share it (tokenizer hashed once)
-        resolve(cfg, self.manifest)
+    def preflight(self) -> tuple[str | None, dict]:
+        """Every check that needs no process group, before anything is written: the data, the
+        checkpoint to resume (its tokenizer, model, schedule, batch size and data order), the
+        merged DeepSpeed config and the checkpointing mode. Returns (the tag to resume or None,
+        the merged DeepSpeed config). `grt train --dry-run` stops here."""
+        self.manifest = load_manifest(self.cfg.data)  # loaded once; its loaders share it (tokenizer hashed once)
+        resolve(self.cfg, self.manifest)
         tag = checkpoint.find_latest(self.ckpt_root)
         if tag is not None and not self.resume:
             raise ConfigError(f"{self.ckpt_root} already holds checkpoint {tag}: pass --resume to continue it, "
                               "or choose another --out")
-        # the checkpoint's tokenizer, model, schedule and batch size: before anything is written
-        self.cfg = cfg = check_resume(cfg, self.ckpt_root, tag, manifest=self.manifest)
-        t = cfg.train
+        self.cfg = check_resume(self.cfg, self.ckpt_root, tag, manifest=self.manifest)
+        t = self.cfg.train
         deepspeed_internals.check()
-        ds = build_ds_config(load_ds_json(cfg.ds_config), t, discover().world_size, torch.cuda.is_available())
+        ds = build_ds_config(load_ds_json(self.cfg.ds_config), t, discover().world_size, torch.cuda.is_available())
         check_checkpointing(t.activation_checkpointing, zero_stage(ds))
         self.check_data_order(tag)
+        return tag, ds
+
+    def build(self) -> None:
+        """Checks first (`preflight`: no process group yet), then the group, engine, loaders and writer."""
+        tag, ds = self.preflight()
+        cfg, t = self.cfg, self.cfg.train
         self.stop = StopSignal()  # before the slow start-up: a signal during it stops after the first step
         self.faults = NanInjection()
         info = init_distributed(timeout_s=t.dist_timeout_s)
@@ -336,7 +343,7 @@ class Trainer:
                 log.warning("rank %d skipped %d unreadable shard(s) so far (train.skip_corrupt_shards): %s", self.rank,
                             self.loader.skipped_shards, ", ".join(self.loader.bad_shards))
                 self.skipped_shards = self.loader.skipped_shards
-            out = engine(idx, targets, n_loops=depth, doc_ids=doc_ids, return_gates=log_now)
+            out = engine(idx, targets, n_loops=depth, doc_ids=doc_ids, return_gates=log_now, return_logits=False)
             loss = out.loss * float("nan") if self.faults.poisons(self.step) else out.loss
             if self.stop.received:
                 self.stop_flag.fill_(1.0)
@@ -418,7 +425,8 @@ class Trainer:
             loss, stop_requested, scalars = self.train_step(batches, depth, log_now)
             self.step += 1
             self.throughput.add(self.tokens_per_step, depth)
-            save_now = (t.save_every and self.step % t.save_every == 0) or self.step == t.steps or stop_requested
+            save_now = ((t.save_every and self.step % t.save_every == 0) or (t.save_final and self.step == t.steps)
+                        or stop_requested)
             if log_now:
                 self.log_step(loss, depth, scalars)
             elif save_now:
@@ -487,6 +495,19 @@ class Trainer:
             self.writer.close()
         if self.heartbeat is not None:
             self.heartbeat.close()
+
+
+def dry_run(cfg: RunConfig, resume: bool = False) -> str:
+    """`grt train --dry-run`: the run's checks (`Trainer.preflight`) and nothing else; one line
+    saying what would train."""
+    trainer = Trainer(cfg, resume)
+    tag, ds = trainer.preflight()
+    c, m = trainer.cfg, trainer.manifest
+    return (f"would train {c.model.name} ({c.model.variant} {c.model.layout}, d {c.model.d_model}, vocab "
+            f"{c.model.vocab_size}) on {c.data} (seq_len {m.seq_len}) for {c.train.steps} steps, ZeRO stage "
+            f"{zero_stage(ds)}, {'bf16' if ds['bf16']['enabled'] else 'fp32'}, checkpointing "
+            f"{c.train.activation_checkpointing}, compile {c.train.compile}, "
+            f"{'resuming ' + tag if tag else 'from scratch'}")
 
 
 def train(cfg: RunConfig, resume: bool = False) -> dict:

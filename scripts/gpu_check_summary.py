@@ -1,0 +1,70 @@
+"""The GPU check's summary (scripts/gpu_check.sh): its rows so far as a table, then the throughput
+ratios of the `perf-PRESET-zSTAGE-MODE` rows against the goals (docs/performance.md). Rewritten after
+every row, so that a call cut short keeps a summary of what it finished.
+
+    python3 scripts/gpu_check_summary.py RESULTS_TSV > summary.md
+"""
+from __future__ import annotations
+
+import re
+import sys
+
+HEAD = ["row", "call", "seconds", "tokens/s", "MFU %", "peak MB", "result"]
+PERF = re.compile(r"^perf-(?P<preset>.+)-z(?P<stage>\d)-(?P<mode>eager|compiled)$")
+DENSE_TOKENS_GOAL = 470_000  # llm.c's GPT-2 small rate on one GPU
+
+
+def number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def ratio_line(what: str, num: float | None, den: float | None, goal: float, passes) -> str:
+    if num is None or den is None or den == 0:
+        return f"| {what} | - | {goal} | not measured |"
+    value = num / den
+    return f"| {what} | {value:.3f} | {goal} | {'met' if passes(value) else 'NOT met'} |"
+
+
+def summary(rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    perf = {}
+    for r in rows:
+        m = PERF.match(r[0])
+        if m and r[6] == "pass":
+            perf[(m["preset"], int(m["stage"]), m["mode"])] = (number(r[3]), number(r[4]))
+    if not perf:
+        return "\n".join(lines) + "\n"
+    presets = sorted({p for p, _, _ in perf})
+    dense = next((p for p in presets if "dense" in p), None)
+    grt = next((p for p in presets if "dense" not in p), None)
+    get = lambda preset, stage, mode, i: perf.get((preset, stage, mode), (None, None))[i]  # noqa: E731
+    lines += ["", "| goal | measured | target | |", "|---|---|---|---|"]
+    for stage in (2, 3):
+        for mode in ("eager", "compiled"):
+            tokens = get(dense, stage, mode, 0)
+            lines.append(f"| {dense} tokens/s, ZeRO-{stage} {mode} | {tokens or '-'} | >= {DENSE_TOKENS_GOAL:,} | "
+                         f"{'not measured' if tokens is None else 'met' if tokens >= DENSE_TOKENS_GOAL else 'NOT met'} |")
+            lines.append(ratio_line(f"{grt}/{dense} MFU (equal FLOPs), ZeRO-{stage} {mode}", get(grt, stage, mode, 1),
+                                    get(dense, stage, mode, 1), ">= 0.95", lambda v: v >= 0.95))
+    for preset in (grt, dense):
+        for mode in ("eager", "compiled"):
+            lines.append(ratio_line(f"{preset} ZeRO-3/ZeRO-2 tokens/s, {mode}", get(preset, 3, mode, 0),
+                                    get(preset, 2, mode, 0), ">= 0.85", lambda v: v >= 0.85))
+        for stage in (2, 3):
+            lines.append(ratio_line(f"{preset} compiled/eager tokens/s, ZeRO-{stage}", get(preset, stage, "compiled", 0),
+                                    get(preset, stage, "eager", 0), "> 1", lambda v: v > 1))
+    return "\n".join(lines) + "\n"
+
+
+def main(path: str) -> int:
+    rows = [line.rstrip("\n").split("\t") for line in open(path) if line.strip()]
+    sys.stdout.write(summary(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

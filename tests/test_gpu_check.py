@@ -1,0 +1,125 @@
+"""The GPU check (scripts/gpu_check.sh) without a GPU: every GPU-mode row that takes a preset and
+data passes the trainer's own checks against the data the GPU will make (`grt train --dry-run`,
+`grt compare --dry-run`); `--cpu` runs the same rows at a tiny size, within the device's limits on
+files, and a call killed halfway keeps the rows it finished."""
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from multiproc import REPO
+
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+MAX_FILES_BACK = 8  # what the device tool brings back from $OUT
+
+
+def plan(work, *args) -> list[tuple[str, int, list[str]]]:
+    proc = subprocess.run(["bash", str(SCRIPT), "--plan", *args], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "GPU_CHECK_WORK": str(work)}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rows = []
+    for line in proc.stdout.splitlines():
+        name, limit, command = line.split("\t")
+        rows.append((name, int(limit), shlex.split(command)))
+    return rows
+
+
+def test_the_plan_puts_throughput_first_then_the_smoke_within_the_budget(tmp_path):
+    rows = plan(tmp_path)
+    names = [name for name, _, _ in rows]
+    assert names[0] == "data" and all(n.startswith("perf-") for n in names[1:9]), names
+    assert names[9:] == ["smoke-train", "smoke-resume", "smoke-export", "smoke-eval", "smoke-generate"], names
+    perf = {tuple(n.split("-")[-2:]) for n in names[1:9]}
+    assert perf == {(f"z{s}", m) for s in (2, 3) for m in ("eager", "compiled")}, perf
+    for name, _, command in rows[1:9]:
+        text = " ".join(command)
+        assert "train.activation_checkpointing=off" in text and "train.save_final=false" in text, name
+        assert "--steps 60" in text and "train.log_every=10" in text  # 50 measured steps after the first window
+        assert "--preset grt-small" in text or "--preset dense-small" in text
+    assert "gutenberg-50257.model" in " ".join(rows[0][2]) and "--seq-len 1024" in " ".join(rows[0][2])
+    assert len(plan(tmp_path, "2")) > 10
+
+
+@pytest.mark.slow
+def test_every_gpu_row_with_a_preset_passes_the_trainers_checks_on_the_gpu_data(tmp_path):
+    """The GPU's own data (seq 1024, GPT-2's vocabulary), made by the plan's data row, then each
+    `grt train` row of both calls (overrides and DeepSpeed file as written) with --dry-run and each
+    `grt compare` row with its --dry-run. On the script before this test, tiny-grt (256 tokens of
+    context) on seq-1024 shards failed here: `the shards' seq_len=1024 exceeds model.max_seq_len=256`."""
+    rows = plan(tmp_path) + [r for r in plan(tmp_path, "2") if r[0] != "data"]
+    grt = [sys.executable, "-m", "pretrain.cli"]
+    data = next(command for name, _, command in rows if name == "data")
+    made = subprocess.run(grt + data[1:], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    checked = []
+    for name, _, command in rows:
+        if command[:2] in (["grt", "train"], ["grt", "compare"]):
+            proc = subprocess.run(grt + command[1:] + ["--dry-run"], cwd=REPO, capture_output=True, text=True,
+                                  timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+            assert proc.returncode == 0, (name, proc.stderr[-2000:])
+            assert "would train" in proc.stdout, (name, proc.stdout[-2000:])
+            checked.append(name)
+    assert len(checked) >= 20, checked
+
+
+def test_dry_run_refuses_a_preset_whose_context_is_shorter_than_the_shards(tmp_path):
+    """The failure the old GPU check would have met on the GPU, now found before any process starts."""
+    from multiproc import grt
+
+    made = grt("data", "prepare", "-i", str(REPO / "examples" / "data" / "tinyshakespeare.txt"), "--txt-mode",
+               "paragraph", "-t", str(REPO / "examples" / "tokenizers" / "gutenberg-50257.model"), "-o",
+               str(tmp_path / "data"), "--seq-len", "1024", "-q")
+    assert made.returncode == 0, made.stderr
+    r = grt("train", "--preset", "tiny-grt", "--data", str(tmp_path / "data" / "manifest.json"), "--out",
+            str(tmp_path / "run"), "--dry-run")
+    assert r.returncode == 2 and "seq_len=1024 exceeds model.max_seq_len=256" in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def _run(out, work, *args, rows=None):
+    env = {**os.environ, "OUT": str(out), "GPU_CHECK_WORK": str(work)}
+    if rows:
+        env["GPU_CHECK_ROWS"] = rows
+    return subprocess.Popen(["bash", str(SCRIPT), "--cpu", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _results(out):
+    return [line.split("\t") for line in (out / "results.tsv").read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_cpu_mode_runs_every_row_of_call_1_in_the_planned_order(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = _run(out, work)
+    output, _ = proc.communicate(timeout=1200)
+    assert proc.returncode == 0, output[-4000:]
+    results = _results(out)
+    assert [r[0] for r in results] == [name for name, _, _ in plan(work, "--cpu")], results
+    assert all(r[6] == "pass" for r in results), results
+    perf = [r for r in results if r[0].startswith("perf-")]
+    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in perf), perf  # tokens/s and MFU of every perf row
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= MAX_FILES_BACK and all(p.parent == out for p in files), files
+    summary = (out / "summary.md").read_text()
+    assert "micro-grt/micro-dense MFU (equal FLOPs), ZeRO-3 compiled" in summary, summary
+
+
+@pytest.mark.slow
+def test_a_call_killed_halfway_keeps_the_rows_it_finished(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = _run(out, work, rows="^(data|perf-micro-(grt|dense)-z2-eager|smoke-.*)$")
+    deadline = time.time() + 600
+    while time.time() < deadline and not ((out / "results.tsv").is_file() and len(_results(out)) >= 2):
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)  # as the device tool ends a command that ran past its limit
+    proc.communicate(timeout=60)
+    results = _results(out)
+    assert [r[0] for r in results][:2] == ["data", "perf-micro-grt-z2-eager"] and len(results) < 8, results
+    assert all(r[6] == "pass" for r in results), results
+    assert "perf-micro-grt-z2-eager" in (out / "summary.md").read_text()
+    assert "===== perf-micro-grt-z2-eager (pass" in (out / "log.txt").read_text()
