@@ -53,11 +53,9 @@ fi
 data="$work/data/manifest.json"
 tokenizer=examples/tokenizers/gutenberg-50257.model  # GPT-2's vocabulary size: the head and loss cost what they cost
 
-grt() { python3 -m pretrain.cli "$@"; }
-
 if [ "$plan" = 0 ]; then
   rm -rf "$out" "$work" && mkdir -p "$out" "$work/logs" || exit 1
-  : > "$out/results.tsv"; : > "$out/log.txt"; : > "$out/bench.txt"
+  : > "$out/results.tsv"; : > "$out/log.txt"; : > "$out/bench.txt"; : > "$out/summary.md"
   if [ "$cpu" = 0 ]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
   fi
@@ -98,8 +96,11 @@ row() {
   fi
   (( limit > left )) && limit=$left
   log="$work/logs/$name.log"
+  # `grt` is the checkout's own CLI: the GPU machine has the dependencies' wheels, not this package installed
+  [ "$1" = grt ] && { shift; set -- python3 -m pretrain.cli "$@"; }
   start=$(date +%s%N)
-  timeout -k 10 "$limit" "$@" > "$log" 2>&1
+  # --foreground: the row stays in the call's process group, so that whoever ends the call ends its row too
+  timeout --foreground -k 10 "$limit" "$@" > "$log" 2>&1
   rc=$?
   seconds=$(awk -v s="$start" -v e="$(date +%s%N)" 'BEGIN { printf "%.1f", (e - s) / 1e9 }')
   status=pass
@@ -108,10 +109,11 @@ row() {
   tps=$(grep -o '[0-9.]* tok/s' "$log" | awk 'NR > 1 { n++; s += 1 / $1 } END { if (n) printf "%.0f", n / s; else print "-" }')
   mfu=$(grep -o 'MFU [0-9.]*%' "$log" | tr -d '%' | awk 'NR > 1 { n++; s += 1 / $2 } END { if (n) printf "%.2f", n / s; else print "-" }')
   peak=$(grep -o 'peak mem [0-9]* MB' "$log" | tail -1 | awk '{ print $3 }')
-  record "$name" "$seconds" "$tps" "$mfu" "${peak:--}" "$status"
   { echo "===== $name ($status, ${seconds}s): the last 40 lines of its log"; tail -40 "$log"; } >> "$out/log.txt"
   grep -q '^# reproduce' "$log" && { echo "## $name"; sed -n '/^# reproduce/,$p' "$log"; echo; } >> "$out/bench.txt"
-  python3 scripts/gpu_check_summary.py "$out/results.tsv" > "$out/summary.md"
+  record "$name" "$seconds" "$tps" "$mfu" "${peak:--}" "$status"
+  # written whole, then renamed: a call killed meanwhile keeps the previous summary, never half of one
+  python3 scripts/gpu_check_summary.py "$out/results.tsv" > "$work/summary.md" && mv "$work/summary.md" "$out/summary.md"
 }
 
 # train ROW LIMIT PRESET STAGE STEPS RUN [args]: `grt train` at the check's sequence length and micro-batch
@@ -180,7 +182,7 @@ else
   row analyze "$limit_other" grt analyze "$work/export" --out "$work/analysis" --data "$data" \
     --max-batches "$eval_batches" --freq-batches 2
   row bench-decode "$limit_other" grt bench decode --model "$work/export" --dense-preset "$dense_small" \
-    --batch-sizes 1 "${decode[@]}" --json "$work/decode.json"
+    --batch-sizes 1 ${decode[@]+"${decode[@]}"} --json "$work/decode.json"
 fi
 
 [ "$plan" = 1 ] && exit 0

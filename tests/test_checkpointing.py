@@ -188,3 +188,23 @@ def test_selective_checkpointing_is_still_wrong_with_deepspeeds_zero3_linear(mon
     _, grads = loss_and_grads(ckpt, idx, 3)
     wrong = [n for n in reference if not torch.allclose(reference[n], grads[n], rtol=1e-4, atol=1e-6)]
     assert "prelude.0.attn.c_attn.weight" in wrong and not any(n.startswith("coda.") for n in wrong), wrong
+
+
+@pytest.mark.slow
+def test_selective_checkpointing_under_compile_gives_the_eager_gradients():
+    """Compiled around the checkpoint (`checkpoint_and_compile`), selective checkpointing's list of kept
+    ops applies inside the compiled graph, and the gradients are the uncompiled, unchecked model's."""
+    from pretrain.training.parallelize import checkpoint_and_compile
+
+    cfg = ModelConfig(layout="1+1x3+1", d_model=32, n_heads=2, vocab_size=97, max_seq_len=16, state_noise_std=0,
+                      gate_noise_std=0)
+    idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = []
+    for mode, compiled in (("off", False), ("selective", True)):
+        torch.manual_seed(0)
+        model = checkpoint_and_compile(build_model(cfg).train(), mode, compiled)
+        model(idx, idx, return_logits=False).loss.backward()
+        results.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    reference, compiled = results
+    for name, g in reference.items():
+        assert torch.allclose(compiled[name], g, atol=1e-6, rtol=1e-4), name

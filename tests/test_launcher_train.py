@@ -103,7 +103,9 @@ def test_plain_deepspeed_module_with_megatron_flags(tmp_path):
     check_trained(out, 3)
     saved = json.load(open(out / "ds_config.json"))
     assert saved["train_batch_size"] == 2 * 1 * 2 and saved["gradient_clipping"] == 1.0
-    assert saved["zero_optimization"] == {"stage": 2} and saved["optimizer"]["params"]["torch_adam"] is True
+    # "auto" dropped (DeepSpeed's default), overlap_comm filled for 2 ranks (ds_config._zero_defaults)
+    assert saved["zero_optimization"] == {"stage": 2, "overlap_comm": True}
+    assert saved["optimizer"]["params"]["torch_adam"] is True
 
 
 def test_plain_torchrun_script_path_outside_the_checkout(tmp_path):

@@ -60,3 +60,26 @@ def test_the_model_trains_with_the_same_loss_and_gradients_without_logits():
     assert torch.allclose(with_logits.loss, without.loss, atol=1e-6)
     for name, g in ref.items():
         assert torch.allclose(fused[name], g, atol=1e-6, rtol=1e-4), name
+
+
+def test_no_gradient_is_computed_without_grad_mode():
+    """Validation runs the loss under no_grad: one matmul per chunk (the logits), not three."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMatmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+            return func(*args, **(kwargs or {}))
+
+    h = torch.randn(40, 16, requires_grad=True)
+    w = torch.randn(37, 16, requires_grad=True)
+    targets = torch.randint(0, 37, (40,))
+    for grad_mode, expected in ((False, 4), (True, 12)):
+        with torch.set_grad_enabled(grad_mode), CountMatmuls() as counter:
+            loss = linear_cross_entropy(h, w, targets, 37, chunk=10)
+        assert counter.count == expected, (grad_mode, counter.count)
+        assert torch.allclose(loss, lm_loss((h @ w.t())[None], targets[None]).detach(), atol=1e-6)

@@ -9,6 +9,7 @@ import torch
 from multiproc import grt
 from pretrain.config import ConfigError, ModelConfig
 from pretrain.infer.adaptive import adaptive_forward
+from pretrain.infer.analyze import collect
 from pretrain.infer.generate import generate
 from pretrain.model import build_model
 from pretrain.presets import get_preset
@@ -61,6 +62,26 @@ def test_kv_cache_and_adaptive_exit_run_with_bf16_weights(strategy):
         assert torch.equal(new[:, :1], first)
     logits, steps = adaptive_forward(model, idx, 1e-3)
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+
+
+def test_the_analyses_run_with_bf16_weights():
+    """`grt analyze` takes bf16 on a GPU (`--dtype auto`): its gate-half statistics read the fp32 states
+    through the bf16 gate layers."""
+    torch.manual_seed(0)
+    model = build_model(get_preset("micro-grt")).to(torch.bfloat16).eval()
+    idx = torch.randint(0, 512, (2, 16))
+    res = collect(model, [{"input_ids": idx, "targets": idx}], torch.device("cpu"), None, cka_tokens=16)
+    assert len(res["state_share"]) == model.max_loops and all(0 <= v <= 1 for v in res["state_share"]), res
+
+
+def test_without_a_gate_the_state_keeps_the_weights_dtype():
+    """No gate: the step's output replaces the state, so there is no fp32 state to keep (and one dtype
+    for every step's input: one compiled graph)."""
+    cfg = get_preset("ladder-1-prelude-coda").replace(vocab_size=512, d_model=32, n_heads=2, max_seq_len=16)
+    model = build_model(cfg).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        states = model(torch.randint(0, 512, (1, 8)), return_states=True).states
+    assert {s.dtype for s in states} == {torch.bfloat16}
 
 
 def test_an_fp32_loop_state_keeps_the_loops_change_close_to_fp32():

@@ -137,11 +137,12 @@ def collect(model: GPT, batches, device, bucket_of: torch.Tensor | None, cka_tok
             gate_sum[r] += g.double().mean().cpu() * idx.numel()
         gate_n += idx.numel()
         if var is not None:
-            e = out.states[0]  # the prelude output, the anchor
+            dtype = loop.weight_dtype()  # the states may be fp32 under bf16 weights (ModelConfig.state_dtype)
+            e = out.states[0].to(dtype)  # the prelude output, the anchor
             be = loop.anchor.gate_fc(loop.anchor.gate_norm(e)).flatten(0, 1).double()
             w_s = loop.gate_fc_state.weight.double()
             for r in range(R):
-                a = loop.gate_norm_state(out.states[r]).flatten(0, 1).double() @ w_s.T
+                a = loop.gate_norm_state(out.states[r].to(dtype)).flatten(0, 1).double() @ w_s.T
                 var[r, 0] += a.sum(0).cpu()
                 var[r, 1] += (a * a).sum(0).cpu()
                 var[r, 2] += be.sum(0).cpu()

@@ -98,7 +98,7 @@ class LoopStep(nn.Module):
     def gate(self, s: torch.Tensor, terms: AnchorTerms, override: float | None = None) -> torch.Tensor:
         if override is not None:
             return torch.full_like(s, float(override))
-        return torch.sigmoid(self.noisy_gate_logits(s, terms))
+        return torch.sigmoid(self.noisy_gate_logits(s.to(self.weight_dtype()), terms).float())
 
     def weight_dtype(self) -> torch.dtype:
         """The dtype the step computes in (bf16 under DeepSpeed's bf16 mode); the state may be fp32."""
@@ -214,8 +214,9 @@ class GPT(nn.Module):
         return self.start_state(e), lambda s, r: self.loop_step(s, e, ctx, r, terms)[0]
 
     def start_state(self, e: torch.Tensor) -> torch.Tensor:
-        """s_0 = e in the loop state's dtype (ModelConfig.state_dtype: fp32 by default)."""
-        return e.float() if self.cfg.state_dtype == "fp32" else e
+        """s_0 = e in the loop state's dtype (ModelConfig.state_dtype: fp32 by default). Without a
+        gate the step's output replaces the state (s_r = o_r, in the weights' dtype): no fp32 state."""
+        return e.float() if self.cfg.state_dtype == "fp32" and self.cfg.gate else e
 
     def run_loop(self, e: torch.Tensor, ctx: AttentionContext, n: int, *, emb: torch.Tensor | None = None,
                  gate_override: float | None = None, anchor: str = "prelude",
@@ -301,5 +302,5 @@ class GPT(nn.Module):
         parameters a forward left out of the loss is the model's knowledge (Ouro's exit gate
         runs at depth 1 yet does not reach the loss), which a generic hook could only learn
         by walking the autograd graph every micro-batch."""
-        head = x[:, :1]
-        return self.loop_step(head, head, AttentionContext(), 0)[0].float().sum()
+        head = x[:, :1]  # from a state of the loop's own dtype, as every other step (one compiled graph)
+        return self.loop_step(self.start_state(head), head, AttentionContext(), 0)[0].float().sum()

@@ -31,12 +31,13 @@ def chunk_tokens(vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, vocab: int, chunk: int):
+    def forward(ctx, h, weight, targets, vocab: int, chunk: int, grad_enabled: bool):
         w = weight[:vocab]  # the padded rows take no part (the plain head slices its logits)
         scored = targets != IGNORE_INDEX
         count = scored.sum().to(torch.float32)  # a device tensor: no host sync
         safe_targets = targets.clamp_min(0)
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # needs_input_grad follows requires_grad alone: under no_grad (evaluation) no gradient is made
+        want_h, want_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if want_h else None
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_w else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -68,8 +69,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dh = (grad_h * scale).to(grad_h.dtype) if grad_h is not None else None
         dw = None
         if grad_w is not None:
-            dw = F.pad(grad_w * scale, (0, 0, 0, ctx.padded_rows)).to(ctx.weight_dtype)
-        return dh, dw, None, None, None
+            vocab = grad_w.shape[0]
+            dw = torch.zeros((vocab + ctx.padded_rows, grad_w.shape[1]), dtype=ctx.weight_dtype, device=grad_w.device)
+            dw[:vocab] = grad_w * scale
+        return dh, dw, None, None, None, None
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int,
@@ -78,4 +81,4 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     scored) without materialising the logits: `chunk` tokens at a time (default: 256 MiB of
     fp32 logits). Equals `lm_loss(h @ weight.T[..., :vocab], targets)`, gradients included."""
     h2, t2 = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-    return _LinearCrossEntropy.apply(h2, weight, t2, vocab, chunk or chunk_tokens(vocab))
+    return _LinearCrossEntropy.apply(h2, weight, t2, vocab, chunk or chunk_tokens(vocab), torch.is_grad_enabled())

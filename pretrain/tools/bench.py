@@ -33,8 +33,8 @@ from pretrain.config import ModelConfig
 from pretrain.model.flops import flops_per_token
 from pretrain.training.metrics import peak_flops
 from pretrain.model import GPT, build_model
-from pretrain.training.parallelize import (AUTO, CHECKPOINT_MODES, apply_activation_checkpointing, apply_compile,
-                                           modes_for_stage)
+from pretrain.training.parallelize import (AUTO, CHECKPOINT_MODES, apply_activation_checkpointing,
+                                           checkpoint_and_compile, modes_for_stage)
 
 # a tokenizer of GPT-2's vocabulary size (examples/tokenizers/README.md), so that benchmark runs pay
 # for the embedding, head and loss what GPT-2-sized training pays
@@ -69,14 +69,13 @@ def equal_flops_pair(d_model: int, n_heads: int, layout: str, seq_len: int, voca
     return grt, dense
 
 
-def _step_fn(model: GPT, n_loops, compiled: bool, dtype: torch.dtype):
+def _step_fn(model: GPT, n_loops, compiled: bool, dtype: torch.dtype, checkpointing: str):
     """One optimizer step computed as `grt train` computes it: the weights in the training dtype
     (DeepSpeed's bf16 mode casts the model; the GRT's loop state stays fp32, ModelConfig.state_dtype),
-    the units compiled as the trainer compiles them (`apply_compile`), the loss without logits.
+    checkpointing and compilation as the trainer applies them (`checkpoint_and_compile`), the loss
+    without logits.
     DeepSpeed's optimizer also keeps fp32 master weights; this AdamW steps the weights as they are."""
-    model.to(dtype)
-    if compiled:
-        apply_compile(model)
+    checkpoint_and_compile(model.to(dtype), checkpointing, compiled)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=torch.cuda.is_available() or None)
 
     def step(idx):
@@ -101,8 +100,8 @@ def bench_train_step(args) -> dict:
         for name, cfg in (("grt", grt_cfg), ("dense", dense_cfg)):
             torch.manual_seed(0)
             model = build_model(cfg).to(device).train()
-            apply_activation_checkpointing(model, args.checkpointing)
-            steps[name] = _step_fn(model, grt_cfg.max_loops if name == "grt" else None, compiled, dtype)
+            steps[name] = _step_fn(model, grt_cfg.max_loops if name == "grt" else None, compiled, dtype,
+                                   args.checkpointing)
             for _ in range(args.warmup):
                 steps[name](idx)
         times = {name: 0.0 for name in steps}
@@ -173,8 +172,8 @@ def _bare_tokens_per_s(cfg: ModelConfig, args, compiled: bool, checkpointing: st
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as `grt train` picks it
     torch.manual_seed(0)
-    model = apply_activation_checkpointing(build_model(cfg).to(device).train(), checkpointing)
-    step = _step_fn(model, cfg.max_loops if cfg.parsed_layout.looped else None, compiled, dtype)
+    model = build_model(cfg).to(device).train()
+    step = _step_fn(model, cfg.max_loops if cfg.parsed_layout.looped else None, compiled, dtype, checkpointing)
     idx = torch.randint(0, cfg.vocab_size, (args.micro_batch_size, args.seq_len), device=device)
     for _ in range(2):
         step(idx)

@@ -65,7 +65,7 @@ def _train_losses(manifest: Path, preset: str, out: Path, steps: int, precision:
     cmd = [sys.executable, "-m", "pretrain.cli", "train", "--preset", preset, "--data", str(manifest), "--out", str(out),
            "--steps", str(steps), "--micro-batch-size", "8", "--ds-config", "ds_configs/zero2.json",
            "--set", f"train.precision={precision}", "--set", f"model.state_dtype={state}", "--set", "train.eval_every=0",
-           "--set", f"train.save_every={10 * steps}", "--set", f"train.log_every={steps}",
+           "--set", "train.save_every=0", "--set", "train.save_final=false", "--set", f"train.log_every={steps}",
            "--set", f"train.warmup_steps={steps // 10}", "--set", "train.lr=2e-3", "--set", "train.depth_sampling=fixed"]
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")})

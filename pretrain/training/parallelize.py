@@ -134,9 +134,10 @@ def activation_bytes(cfg: ModelConfig, tokens: int, depth: int, mode: str, dtype
     if variant != "ouro":
         # the training loss straight from the hidden states (pretrain/model/loss.py): per token the final
         # norm's input and output and the hidden states' gradient; once, one chunk's fp32 logits (and their
-        # copy in the model's dtype) and the head weight's fp32 gradient with the product added to it
-        chunk = min(tokens, chunk_tokens(cfg.vocab_size))
-        loss_once = chunk * cfg.vocab_size * (4 + (a if a != 4 else 0)) + 2 * 4 * cfg.padded_vocab_size * d
+        # copy in the model's dtype) and the head weight's fp32 gradient with each chunk's product (in the
+        # model's dtype, then fp32) added to it
+        chunk, copy = min(tokens, chunk_tokens(cfg.vocab_size)), (a if a != 4 else 0)
+        loss_once = chunk * cfg.vocab_size * (4 + copy) + (8 + copy) * cfg.padded_vocab_size * d
         return int(tokens * (kept + outside + anchor + state + 3 * d * a) + max(tokens * recompute, loss_once))
     # Ouro scores every step's logits: materialised, with their fp32 log-softmax and gradient
     head = 4 * cfg.vocab_size + 2 * d * a  # the fp32 log-softmax, the final norm's input and output
@@ -181,11 +182,8 @@ def apply_compile(model: GPT) -> GPT:
     """torch.compile each repeated unit's forward: the loop step (compiled once, reused by
     every loop step and every sampled depth, since the depth is a Python loop outside it)
     and each prelude/coda block. Only `forward` is compiled, so ZeRO-3's module hooks stay
-    eager around it. Apply after activation checkpointing: the compiler then traces the
-    checkpoint itself and recomputes what it says (selective checkpointing's list of kept ops
-    included), where a checkpoint around a compiled forward would see one opaque call and
-    selective's list could not apply inside it. The gate update is the eager formula inside the
-    trace (kernels/gate.py `fused_path`), fused by the compiler."""
+    eager around it. The gate update is the eager formula inside the trace (kernels/gate.py
+    `fused_path`), fused by the compiler. `checkpoint_and_compile` applies it in the right order."""
     units = [*model.prelude, *model.coda]
     if model.loop is not None:
         units.append(model.loop)
@@ -199,3 +197,20 @@ def compile_stats() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     return {"unique_graphs": int(counters["stats"]["unique_graphs"])}
+
+
+def checkpoint_and_compile(model: GPT, mode: str, compile: bool) -> GPT:
+    """Activation checkpointing `mode`, then (compile) torch.compile, in the order that keeps each
+    one's meaning:
+    - selective: compiled around the checkpoint, so that the compiler traces it and keeps what
+      its list of kept ops names (a checkpoint around a compiled forward sees one opaque call and
+      its list cannot apply inside it). The checkpoint wrapper is one function for every unit, so
+      its compiled code holds one graph per unit signature (3 on a GRT);
+    - the other modes recompute whole units: each unit's own forward is compiled inside its
+      checkpoint, one graph per unit type (2 on a GRT)."""
+    if compile and mode != "selective":
+        apply_compile(model)
+    apply_activation_checkpointing(model, mode)
+    if compile and mode == "selective":
+        apply_compile(model)
+    return model

@@ -34,7 +34,7 @@ from pretrain.training.health import (Heartbeat, NanInjection, RankFailure, Stop
 from pretrain.training.metrics import (MetricsWriter, Throughput, human_count, human_duration, memory_scalars,
                                        norms, peak_flops)
 from pretrain.training.parallelize import (AUTO, AUTO_MEMORY_SHARE, AUTO_MODES, activation_bytes,
-                                           apply_activation_checkpointing, apply_compile, check_checkpointing,
+                                           check_checkpointing, checkpoint_and_compile,
                                            choose_checkpointing, compile_stats, modes_for_stage)
 from pretrain.training.resume import check_resume
 from pretrain.training.run_config import RunConfig, load_manifest, resolve
@@ -73,7 +73,7 @@ def build_engine(cfg: RunConfig, world_size: int, device: torch.device, seq_len:
                  ds: dict | None = None):
     """The DeepSpeed engine and its merged config (`ds`, when the caller has merged it already).
     Activation checkpointing is applied after DeepSpeed has placed the weights and optimizer
-    state, so that `auto` sees what is left; compilation last, around it."""
+    state, so that `auto` sees what is left; compilation with it (`checkpoint_and_compile`)."""
     import deepspeed
 
     ds = ds or build_ds_config(load_ds_json(cfg.ds_config), cfg.train, world_size, device.type == "cuda")
@@ -83,9 +83,7 @@ def build_engine(cfg: RunConfig, world_size: int, device: torch.device, seq_len:
                                            config=ds)
     mode = checkpointing_mode(cfg, ds, device, seq_len or cfg.model.max_seq_len, count_params(model)["params"],
                               world_size)
-    apply_activation_checkpointing(model, mode)
-    if cfg.train.compile:  # over the checkpointed units: the compiler sees (and keeps) what they recompute
-        apply_compile(model)
+    checkpoint_and_compile(model, mode, cfg.train.compile)
     deepspeed_internals.check_engine(engine)
     if zero_stage(ds) == 3:
         deepspeed_internals.install_counters()

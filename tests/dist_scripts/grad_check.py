@@ -85,7 +85,7 @@ def check(preset: str) -> dict:
                 (reference(idx, tgt, n_loops=depth).loss / (GA * world)).backward()
         for micro in range(GA):
             idx, tgt = batch(step, micro, rank)
-            loss = engine(idx, tgt, n_loops=depth).loss
+            loss = engine(idx, tgt, n_loops=depth, return_logits=False).loss  # the trainer's loss, no logits
             engine.backward(loss)
             if micro == GA - 1:
                 grads = {n: safe_get_full_grad(params[n]) for n in names}  # collective: every rank
