@@ -2,6 +2,7 @@
 data passes the trainer's own checks against the data the GPU will make (`grt train --dry-run`,
 `grt compare --dry-run`); `--cpu` runs the same rows at a tiny size, within the device's limits on
 files, and a call killed halfway keeps the rows it finished."""
+import json
 import os
 import shlex
 import signal
@@ -44,26 +45,39 @@ def test_the_plan_puts_throughput_first_then_the_smoke_within_the_budget(tmp_pat
     assert len(plan(tmp_path, "2")) > 10
 
 
+DRY_RUNS = r"""
+import contextlib, io, json, sys
+from pretrain.train import main as train
+from pretrain.tools.compare import main as compare
+results = []
+for name, command in json.load(sys.stdin):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = {"train": train, "compare": compare}[command[1]](command[2:] + ["--dry-run"])
+    results.append([name, code, out.getvalue()[-1500:], err.getvalue()[-1500:]])
+print(json.dumps(results))
+"""
+
+
 @pytest.mark.slow
 def test_every_gpu_row_with_a_preset_passes_the_trainers_checks_on_the_gpu_data(tmp_path):
     """The GPU's own data (seq 1024, GPT-2's vocabulary), made by the plan's data row, then each
     `grt train` row of both calls (overrides and DeepSpeed file as written) with --dry-run and each
-    `grt compare` row with its --dry-run. On the script before this test, tiny-grt (256 tokens of
-    context) on seq-1024 shards failed here: `the shards' seq_len=1024 exceeds model.max_seq_len=256`."""
+    `grt compare` row with its --dry-run (in one process). On the script before this test,
+    tiny-grt (256 tokens of context) on seq-1024 shards failed here: `the shards' seq_len=1024
+    exceeds model.max_seq_len=256`."""
     rows = plan(tmp_path) + [r for r in plan(tmp_path, "2") if r[0] != "data"]
-    grt = [sys.executable, "-m", "pretrain.cli"]
     data = next(command for name, _, command in rows if name == "data")
-    made = subprocess.run(grt + data[1:], cwd=REPO, capture_output=True, text=True, timeout=300)
+    made = subprocess.run([sys.executable, "-m", "pretrain.cli", *data[1:]], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
     assert made.returncode == 0, made.stderr
-    checked = []
-    for name, _, command in rows:
-        if command[:2] in (["grt", "train"], ["grt", "compare"]):
-            proc = subprocess.run(grt + command[1:] + ["--dry-run"], cwd=REPO, capture_output=True, text=True,
-                                  timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-            assert proc.returncode == 0, (name, proc.stderr[-2000:])
-            assert "would train" in proc.stdout, (name, proc.stdout[-2000:])
-            checked.append(name)
-    assert len(checked) >= 20, checked
+    todo = [[name, command] for name, _, command in rows if command[:2] in (["grt", "train"], ["grt", "compare"])]
+    assert len(todo) >= 20, todo
+    proc = subprocess.run([sys.executable, "-c", DRY_RUNS], input=json.dumps(todo), cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, code, out, err in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert code == 0 and "would train" in out, (name, code, out, err)
 
 
 def test_dry_run_refuses_a_preset_whose_context_is_shorter_than_the_shards(tmp_path):
