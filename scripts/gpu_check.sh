@@ -11,6 +11,7 @@
 #                                analyze, decode
 #   scripts/gpu_check.sh --cpu [1|2]   the same rows at a tiny size on the CPU (micro presets, seq 64)
 #   scripts/gpu_check.sh --plan [--cpu] [1|2]   print the rows (name, limit, command) without running them
+#                                (it writes only the persistence A/B's DeepSpeed file, which its rows name)
 #
 # Every row is its own process under `timeout -k`, given at most what is left of the call's budget
 # (GPU_CHECK_BUDGET_S: on the GPU 450 s for call 1 and 540 s for call 2, with --cpu 1800 s; counted from the script's start, the wheels'
@@ -79,7 +80,7 @@ record() {
   printf 'gpu_check: %-40s %-8s %6ss  %s tok/s  MFU %s%%  peak %s MB\n' "$1" "$6" "$2" "$3" "$4" "$5"
 }
 
-# row NAME LIMIT_S COMMAND...: run it under `timeout -k` (at most what is left of the budget), then record
+# row NAME LIMIT_S COMMAND...: run it under `timeout` (at most what is left of the budget), then record
 # it. A training row's tokens/s and MFU are over its logged windows after the first (warm-up and compile).
 row() {
   local name=$1 limit=$2 left start rc log seconds status tps mfu peak

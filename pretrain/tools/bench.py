@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from pretrain import PROJECT_ROOT
-from pretrain.config import ModelConfig
+from pretrain.config import ConfigError, ModelConfig
 from pretrain.model.flops import flops_per_token
 from pretrain.training.metrics import peak_flops
 from pretrain.model import GPT, build_model
@@ -269,8 +269,36 @@ def _on_off(text: str) -> bool:
     return text == "on"
 
 
+def whole_number(minimum: int):
+    """An argparse type: a whole number >= minimum (a size, a count of steps or tokens)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= {minimum}")
+        return value
+
+    return parse
+
+
 def main(argv=None) -> int:
+    """Every `grt bench` command: one that cannot run (an unknown preset, a size the model or the
+    tokenizer refuses, a data step that fails) ends in one line naming why, exit 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(argv)
+    except ConfigError as err:
+        print(f"grt bench: error: {err}", file=sys.stderr)
+    except subprocess.CalledProcessError as err:  # a step the benchmark runs (its data, a probe): its last line
+        output = err.stderr.decode(errors="replace") if isinstance(err.stderr, bytes) else err.stderr or ""
+        why = output.strip().splitlines()[-1:] or [f"{shlex.join(map(str, err.cmd))} exited {err.returncode}"]
+        print(f"grt bench: error: {why[0]}", file=sys.stderr)
+    return 2
+
+
+def _dispatch(argv: list[str]) -> int:
     if argv and argv[0] == "_memory_probe":
         memory_probe(argv[1:])
         return 0
@@ -317,7 +345,7 @@ def main(argv=None) -> int:
     zr.add_argument("--steps", type=int, default=20)
     zr.add_argument("--seq-len", type=int, default=128)
     zr.add_argument("--micro-batch-size", type=int, default=8)
-    zr.add_argument("--vocab", type=int, default=GPT2_VOCAB,
+    zr.add_argument("--vocab", type=whole_number(1), default=GPT2_VOCAB,
                     help="the tokenizer's vocabulary: 50257 (default) tokenizes with the shipped GPT-2-sized one, "
                          "any other size trains one on the bundled text")
     zr.add_argument("--persistence-threshold", nargs="+", default=["1000"], type=_threshold,

@@ -28,6 +28,7 @@ from pretrain.model import GPT, build_model
 from pretrain.model.layers import AttentionContext
 from pretrain.model.loss import linear_cross_entropy, lm_loss
 from pretrain.presets import get_preset
+from pretrain.tools.bench import _peak_bytes, make_bench_data, whole_number
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -67,8 +68,7 @@ def _train_losses(manifest: Path, preset: str, out: Path, steps: int, precision:
            "--set", f"train.precision={precision}", "--set", f"model.state_dtype={state}", "--set", "train.eval_every=0",
            "--set", "train.save_every=0", "--set", "train.save_final=false", "--set", f"train.log_every={steps}",
            "--set", f"train.warmup_steps={steps // 10}", "--set", "train.lr=2e-3", "--set", "train.depth_sampling=fixed"]
-    proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")})
+    proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -78,8 +78,6 @@ def training_losses(preset: str, steps: int, seq_len: int) -> dict:
     """Short `grt train` runs (ZeRO-2, fixed depth): fp32, then bf16 with the state in bf16 and
     in fp32. Per run: the mean of the last tenth of the losses, and its mean absolute
     difference from fp32's step by step."""
-    from pretrain.tools.bench import make_bench_data
-
     cfg = get_preset(preset)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -98,8 +96,6 @@ def training_losses(preset: str, steps: int, seq_len: int) -> dict:
 def loss_probe(argv: list[str]) -> None:
     """One forward and backward of the training loss in a fresh process; prints the peak memory
     above the baseline (the inputs and weight excluded)."""
-    from pretrain.tools.bench import _peak_bytes
-
     tokens, d, vocab, mode = int(argv[0]), int(argv[1]), int(argv[2]), argv[3]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     h, w, targets = _loss_inputs(tokens, d, vocab, device)
@@ -163,13 +159,13 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="what", required=True)
     pr = sub.add_parser("precision", help="the loop state under bf16: error after R steps, and training losses")
     pr.add_argument("--preset", default="tiny-grt")
-    pr.add_argument("--batch", type=int, default=8)
-    pr.add_argument("--seq-len", type=int, default=128)
-    pr.add_argument("--train-steps", type=int, default=200, help="steps of each `grt train` run (0: none)")
+    pr.add_argument("--batch", type=whole_number(1), default=8)
+    pr.add_argument("--seq-len", type=whole_number(1), default=128)
+    pr.add_argument("--train-steps", type=whole_number(0), default=200, help="steps of each `grt train` run (0: none)")
     lo = sub.add_parser("loss", help="peak memory of the training loss, plain vs fused linear cross-entropy")
-    lo.add_argument("--tokens", type=int, default=4096)
-    lo.add_argument("--d-model", type=int, default=768)
-    lo.add_argument("--vocab", type=int, default=50257)
+    lo.add_argument("--tokens", type=whole_number(1), default=4096)
+    lo.add_argument("--d-model", type=whole_number(1), default=768)
+    lo.add_argument("--vocab", type=whole_number(1), default=50257)
     args = p.parse_args(argv)
     result = {"precision": bench_precision, "loss": bench_loss}[args.what](args)
     print(f"# reproduce: grt bench {' '.join(argv)}")
