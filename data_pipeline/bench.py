@@ -6,6 +6,7 @@ couple of minutes on 2 cores: trains a small tokenizer on a sample, prepares sha
 ``--workers`` processes, then iterates the loader in one process (num_workers=0) from the
 local shards.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,43 +17,55 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import List, Optional
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def default_corpus() -> str:
-    return os.environ.get("GRT_DATA_CORPUS") or os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "data",
-                                                                               "corpus"))
+    return os.environ.get("GRT_DATA_CORPUS") or os.path.normpath(
+        os.path.join(REPO_ROOT, "..", "shared", "data", "corpus")
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="grt bench data", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--corpus", default=None,
-                   help="directory of train-*.jsonl.gz (default $GRT_DATA_CORPUS or ../shared/data/corpus)")
-    p.add_argument("--input", action="append", default=None,
-                   help="explicit inputs instead of <corpus>/train-*.jsonl.gz (repeatable)")
+    p = argparse.ArgumentParser(
+        prog="grt bench data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--corpus",
+        default=None,
+        help="directory of train-*.jsonl.gz (default $GRT_DATA_CORPUS or ../shared/data/corpus)",
+    )
+    p.add_argument(
+        "--input",
+        action="append",
+        default=None,
+        help="explicit inputs instead of <corpus>/train-*.jsonl.gz (repeatable)",
+    )
     p.add_argument("--text-field", default="text")
     p.add_argument("--max-mb", type=float, default=24.0, help="MB of text to prepare (default 24)")
     p.add_argument("--tokenizer", default=None, help="use this .model instead of training one")
     p.add_argument("--vocab-size", type=int, default=8192, help="vocabulary of the trained tokenizer (default 8192)")
-    p.add_argument("--tokenizer-chars", type=int, default=3_000_000,
-                   help="characters the tokenizer trains on (default 3M)")
+    p.add_argument(
+        "--tokenizer-chars", type=int, default=3_000_000, help="characters the tokenizer trains on (default 3M)"
+    )
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--shard-size-mb", type=float, default=16.0)
     p.add_argument("--workers", type=int, default=2, help="prepare worker processes (default 2)")
     p.add_argument("--batch-size", type=int, default=8, help="loader micro batch size (default 8)")
     p.add_argument("--loader-seconds", type=float, default=5.0, help="minimum loader measuring time (default 5)")
     p.add_argument("--loader-workers", type=int, default=0, help="DataLoader workers for the loader run (default 0)")
-    p.add_argument("--parquet", action="store_true",
-                   help="also time prepare from the same text as Parquet (row groups of 64 documents; needs pyarrow)")
+    p.add_argument(
+        "--parquet",
+        action="store_true",
+        help="also time prepare from the same text as Parquet (row groups of 64 documents; needs pyarrow)",
+    )
     p.add_argument("--out", default=None, help="keep the shards in this directory (default: a temp dir, removed)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the results")
     return p
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     from .loader import TokenBatchLoader
@@ -65,40 +78,69 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         files = expand_inputs(inputs)
     except (FileNotFoundError, ValueError) as exc:
-        print(f"grt bench data: error: {exc} (point --corpus or $GRT_DATA_CORPUS at a directory of train-*.jsonl.gz, "
-              "or pass --input)", file=sys.stderr)
+        print(
+            f"grt bench data: error: {exc} (point --corpus or $GRT_DATA_CORPUS at a directory of train-*.jsonl.gz, "
+            "or pass --input)",
+            file=sys.stderr,
+        )
         return 2
     work = args.out or tempfile.mkdtemp(prefix="grt-bench-data-")
     os.makedirs(work, exist_ok=True)
     quiet = args.json
-    result = {"corpus_files": [os.path.basename(f) for f in files], "max_mb": args.max_mb, "seq_len": args.seq_len,
-              "workers": args.workers, "cpu_count": os.cpu_count()}
+    result = {
+        "corpus_files": [os.path.basename(f) for f in files],
+        "max_mb": args.max_mb,
+        "seq_len": args.seq_len,
+        "workers": args.workers,
+        "cpu_count": os.cpu_count(),
+    }
     try:
         if args.tokenizer:
             tok_path = args.tokenizer
         else:
             t0 = time.time()
             tok_path = os.path.join(work, "bench-tokenizer.model")
-            train_tokenizer(files, tok_path, vocab_size=args.vocab_size, text_field=args.text_field,
-                            max_chars=args.tokenizer_chars, progress=not quiet)
+            train_tokenizer(
+                files,
+                tok_path,
+                vocab_size=args.vocab_size,
+                text_field=args.text_field,
+                max_chars=args.tokenizer_chars,
+                progress=not quiet,
+            )
             result["tokenizer_train_s"] = round(time.time() - t0, 2)
             result["vocab_size"] = args.vocab_size
         shard_dir = os.path.join(work, "shards")
         t0 = time.time()
-        m = prepare(files, tok_path, shard_dir, seq_len=args.seq_len, shard_size_mb=args.shard_size_mb,
-                    workers=args.workers, text_field=args.text_field, max_mb=args.max_mb, progress=not quiet)
+        m = prepare(
+            files,
+            tok_path,
+            shard_dir,
+            seq_len=args.seq_len,
+            shard_size_mb=args.shard_size_mb,
+            workers=args.workers,
+            text_field=args.text_field,
+            max_mb=args.max_mb,
+            progress=not quiet,
+        )
         dt = time.time() - t0
         text_mb = m.stats["bytes"] / 1e6
         stream_tokens = sum(m.stats["stream_tokens_per_split"].values())
-        result.update(prepare_s=round(dt, 2), prepare_text_mb=round(text_mb, 2),
-                      prepare_mb_per_s=round(text_mb / dt, 3), prepare_tokens_per_s=round(stream_tokens / dt),
-                      shards=len(m.shards("train")), sequences=m.sequences("train"))
+        result.update(
+            prepare_s=round(dt, 2),
+            prepare_text_mb=round(text_mb, 2),
+            prepare_mb_per_s=round(text_mb / dt, 3),
+            prepare_tokens_per_s=round(stream_tokens / dt),
+            shards=len(m.shards("train")),
+            sequences=m.sequences("train"),
+        )
 
         if args.parquet:
             result.update(_bench_parquet(files, tok_path, work, args, m.stats["bytes"], quiet))
 
-        loader = TokenBatchLoader(m.path, split="train", micro_batch_size=args.batch_size,
-                                  num_workers=args.loader_workers, seed=0, loop=True)
+        loader = TokenBatchLoader(
+            m.path, split="train", micro_batch_size=args.batch_size, num_workers=args.loader_workers, seed=0, loop=True
+        )
         tokens = 0
         batches = 0
         t0 = time.time()
@@ -108,8 +150,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             if batches % 64 == 0 and time.time() - t0 >= args.loader_seconds and batches >= loader.batches_per_epoch:
                 break
         dt = time.time() - t0
-        result.update(loader_tokens_per_s=round(tokens / dt), loader_batches=batches, loader_s=round(dt, 2),
-                      loader_batch_size=args.batch_size, loader_workers=args.loader_workers)
+        result.update(
+            loader_tokens_per_s=round(tokens / dt),
+            loader_batches=batches,
+            loader_s=round(dt, 2),
+            loader_batch_size=args.batch_size,
+            loader_workers=args.loader_workers,
+        )
     finally:
         if not args.out:
             shutil.rmtree(work, ignore_errors=True)
@@ -118,16 +165,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"prepare: {result['prepare_text_mb']:.1f} MB of text in {result['prepare_s']:.1f}s = "
-              f"{result['prepare_mb_per_s']:.2f} MB/s ({result['prepare_tokens_per_s'] / 1e6:.2f}M tokens/s, "
-              f"{args.workers} workers, {os.cpu_count()} CPUs)")
+        print(
+            f"prepare: {result['prepare_text_mb']:.1f} MB of text in {result['prepare_s']:.1f}s = "
+            f"{result['prepare_mb_per_s']:.2f} MB/s ({result['prepare_tokens_per_s'] / 1e6:.2f}M tokens/s, "
+            f"{args.workers} workers, {os.cpu_count()} CPUs)"
+        )
         if "parquet_prepare_mb_per_s" in result:
-            print(f"prepare from Parquet: {result['parquet_prepare_text_mb']:.1f} MB of text in "
-                  f"{result['parquet_prepare_s']:.1f}s = {result['parquet_prepare_mb_per_s']:.2f} MB/s")
+            print(
+                f"prepare from Parquet: {result['parquet_prepare_text_mb']:.1f} MB of text in "
+                f"{result['parquet_prepare_s']:.1f}s = {result['parquet_prepare_mb_per_s']:.2f} MB/s"
+            )
         if "tokenizer_train_s" in result:
             print(f"tokenizer: vocab {args.vocab_size} trained in {result['tokenizer_train_s']:.1f}s")
-        print(f"loader: {result['loader_tokens_per_s'] / 1e6:.2f}M tokens/s ({result['loader_batches']} batches of "
-              f"{args.batch_size}x{args.seq_len}, {args.loader_workers} DataLoader workers, one process)")
+        print(
+            f"loader: {result['loader_tokens_per_s'] / 1e6:.2f}M tokens/s ({result['loader_batches']} batches of "
+            f"{args.batch_size}x{args.seq_len}, {args.loader_workers} DataLoader workers, one process)"
+        )
         print(f"reproduce: {result['command']}")
     return 0
 
@@ -151,13 +204,24 @@ def _bench_parquet(files, tok_path, work, args, text_bytes, quiet) -> dict:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     pq.write_table(pa.table({args.text_field: docs}), path, row_group_size=64)
     t0 = time.time()
-    m = prepare([path], tok_path, os.path.join(work, "shards-parquet"), seq_len=args.seq_len,
-                shard_size_mb=args.shard_size_mb, workers=args.workers, text_field=args.text_field,
-                max_mb=args.max_mb, progress=not quiet)
+    m = prepare(
+        [path],
+        tok_path,
+        os.path.join(work, "shards-parquet"),
+        seq_len=args.seq_len,
+        shard_size_mb=args.shard_size_mb,
+        workers=args.workers,
+        text_field=args.text_field,
+        max_mb=args.max_mb,
+        progress=not quiet,
+    )
     dt = time.time() - t0
     mb = m.stats["bytes"] / 1e6
-    return {"parquet_prepare_s": round(dt, 2), "parquet_prepare_text_mb": round(mb, 2),
-            "parquet_prepare_mb_per_s": round(mb / dt, 3)}
+    return {
+        "parquet_prepare_s": round(dt, 2),
+        "parquet_prepare_text_mb": round(mb, 2),
+        "parquet_prepare_mb_per_s": round(mb / dt, 3),
+    }
 
 
 if __name__ == "__main__":

@@ -1,19 +1,30 @@
 """`grt data ...`: train a tokenizer, prepare token shards, inspect/verify a manifest."""
+
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from typing import List, Optional
 
 
 def _add_input_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--input", "-i", action="append", required=True, metavar="PATH",
-                   help="input file, directory (recursive) or glob of .txt/.jsonl/.jsonl.gz/.jsonl.zst; repeatable")
-    p.add_argument("--text-field", default="text", help="JSON field or Parquet column holding the document text (default: text)")
-    p.add_argument("--txt-mode", choices=("file", "paragraph", "line"), default="file",
-                   help=".txt files: one document per file (default), per blank-line-separated paragraph, "
-                        "or per non-empty line")
+    p.add_argument(
+        "--input",
+        "-i",
+        action="append",
+        required=True,
+        metavar="PATH",
+        help="input file, directory (recursive) or glob of .txt/.jsonl/.jsonl.gz/.jsonl.zst; repeatable",
+    )
+    p.add_argument(
+        "--text-field", default="text", help="JSON field or Parquet column holding the document text (default: text)"
+    )
+    p.add_argument(
+        "--txt-mode",
+        choices=("file", "paragraph", "line"),
+        default="file",
+        help=".txt files: one document per file (default), per blank-line-separated paragraph, or per non-empty line",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for sampling / the validation split (default 0)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress display")
 
@@ -26,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_input_args(t)
     t.add_argument("--out", "-o", required=True, help="output model file (.model appended if missing)")
     t.add_argument("--vocab-size", type=int, default=32000, help="vocabulary size, at most 50257 (default 32000)")
-    t.add_argument("--max-chars", type=int, default=20_000_000,
-                   help="characters sampled from the input to train on (default 20M)")
+    t.add_argument(
+        "--max-chars", type=int, default=20_000_000, help="characters sampled from the input to train on (default 20M)"
+    )
     t.add_argument("--sep-piece", default="<|endoftext|>", help="document separator piece (default <|endoftext|>)")
     t.add_argument("--character-coverage", type=float, default=0.9995)
     t.add_argument("--workers", type=int, default=None, help="training threads (default: CPU count)")
@@ -39,10 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per training sequence (default 1024)")
     p.add_argument("--shard-size-mb", type=float, default=64.0, help="target shard size in MB (default 64)")
     p.add_argument("--workers", type=int, default=None, help="tokeniser processes (default: CPU count)")
-    p.add_argument("--val-fraction", type=float, default=0.0,
-                   help="fraction of documents (by seeded content hash) for the val split (default 0)")
-    p.add_argument("--val-input", action="append", default=[], metavar="PATH",
-                   help="inputs that go entirely to the val split; repeatable")
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.0,
+        help="fraction of documents (by seeded content hash) for the val split (default 0)",
+    )
+    p.add_argument(
+        "--val-input",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="inputs that go entirely to the val split; repeatable",
+    )
     p.add_argument("--max-mb", type=float, default=None, help="stop after this many MB of document text")
 
     s = sub.add_parser("inspect", help="print a manifest's summary; --verify checks every shard")
@@ -63,8 +84,10 @@ def _inspect(args) -> int:
     print(f"  seq_len {m.seq_len}, dtype {m.ext}, vocab {m.vocab_size}, sep id {m.sep_id} ({m.sep_piece!r})")
     print(f"  tokenizer {m.tokenizer_path} sha256 {m.tokenizer_sha256}")
     for split, shards in m.splits.items():
-        print(f"  {split}: {len(shards)} shards, {sum(s.sequences for s in shards):,} sequences, "
-              f"{sum(s.tokens for s in shards):,} tokens, fingerprint {m.fingerprint(split)}")
+        print(
+            f"  {split}: {len(shards)} shards, {sum(s.sequences for s in shards):,} sequences, "
+            f"{sum(s.tokens for s in shards):,} tokens, fingerprint {m.fingerprint(split)}"
+        )
     if m.stats:
         print("  stats " + json.dumps({k: v for k, v in m.stats.items() if not isinstance(v, dict)}))
     bad = 0
@@ -86,9 +109,10 @@ def _inspect(args) -> int:
                     print(f"  BAD  {exc}")
         print(f"verify: {bad} bad shard(s)")
     if args.decode:
-        from .tokenizer import Tokenizer
         import numpy as np
+
         from .shards import DTYPES
+        from .tokenizer import Tokenizer
 
         split = "train" if "train" in m.splits else next(iter(m.splits))
         s = m.splits[split][0]
@@ -98,24 +122,44 @@ def _inspect(args) -> int:
     return 1 if bad else 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.cmd == "tokenizer":
             from .tokenizer import train_tokenizer
 
-            train_tokenizer(args.input, args.out, vocab_size=args.vocab_size, text_field=args.text_field,
-                            txt_mode=args.txt_mode, max_chars=args.max_chars, sep_piece=args.sep_piece,
-                            seed=args.seed, num_threads=args.workers, character_coverage=args.character_coverage,
-                            progress=not args.quiet)
+            train_tokenizer(
+                args.input,
+                args.out,
+                vocab_size=args.vocab_size,
+                text_field=args.text_field,
+                txt_mode=args.txt_mode,
+                max_chars=args.max_chars,
+                sep_piece=args.sep_piece,
+                seed=args.seed,
+                num_threads=args.workers,
+                character_coverage=args.character_coverage,
+                progress=not args.quiet,
+            )
             return 0
         if args.cmd == "prepare":
             from .prepare import prepare
 
-            prepare(args.input, args.tokenizer, args.out, seq_len=args.seq_len, shard_size_mb=args.shard_size_mb,
-                    workers=args.workers, val_fraction=args.val_fraction, val_inputs=args.val_input, seed=args.seed,
-                    text_field=args.text_field, txt_mode=args.txt_mode, max_mb=args.max_mb,
-                    progress=not args.quiet)
+            prepare(
+                args.input,
+                args.tokenizer,
+                args.out,
+                seq_len=args.seq_len,
+                shard_size_mb=args.shard_size_mb,
+                workers=args.workers,
+                val_fraction=args.val_fraction,
+                val_inputs=args.val_input,
+                seed=args.seed,
+                text_field=args.text_field,
+                txt_mode=args.txt_mode,
+                max_mb=args.max_mb,
+                progress=not args.quiet,
+            )
             return 0
         if args.cmd == "inspect":
             return _inspect(args)

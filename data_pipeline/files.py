@@ -1,12 +1,13 @@
 """Files that are complete or absent: each is written beside its final name, flushed to disk,
 then renamed into place, so a crash, a full disk or a kill leaves the old file or none."""
+
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 
 @contextmanager

@@ -22,12 +22,13 @@ How an epoch is laid out (see docs/data.md for the full description):
    needs only ``(epoch, batches consumed)``: each worker skips directly to the block that
    holds its next batch (whole shards before it are never opened).
 """
+
 from __future__ import annotations
 
 import os
 import signal
 import warnings
-from typing import Dict, Iterator, List, Optional
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -41,9 +42,27 @@ STATE_VERSION = 1
 class _EpochPlan:
     """Everything a worker needs to produce its batches of one epoch (picklable)."""
 
-    def __init__(self, *, urls, sequences, epoch, seed, rank, world_size, num_workers, batch_size,
-                 batches, start_batch, shuffle_buffer, shuffle_shards, seq_len, ext, sep_id, vocab_size,
-                 skip_corrupt):
+    def __init__(
+        self,
+        *,
+        urls,
+        sequences,
+        epoch,
+        seed,
+        rank,
+        world_size,
+        num_workers,
+        batch_size,
+        batches,
+        start_batch,
+        shuffle_buffer,
+        shuffle_shards,
+        seq_len,
+        ext,
+        sep_id,
+        vocab_size,
+        skip_corrupt,
+    ):
         self.urls, self.sequences, self.epoch, self.seed = list(urls), list(sequences), epoch, seed
         self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
         self.batch_size, self.batches, self.start_batch = batch_size, batches, start_batch
@@ -67,7 +86,7 @@ class _EpochPlan:
         done = max(0, -(-(self.start_batch - j) // W)) if self.start_batch > j else 0
         return first, counts[j], min(done, counts[j])
 
-    def read(self, pos: int, count: int, report: Dict) -> Iterator[bytes]:
+    def read(self, pos: int, count: int, report: dict) -> Iterator[bytes]:
         """Exactly ``count`` sample payloads from stream position ``pos`` on.
 
         A corrupt or missing shard raises ShardError, or — with skip_corrupt — is reported
@@ -93,8 +112,9 @@ class _EpochPlan:
                 continue
             take = min(remaining, n_in)
             got = 0
-            it = iter_shard(url, self.sequences[shard], self.seq_len + 1, self.ext, start=off,
-                            vocab_size=self.vocab_size)
+            it = iter_shard(
+                url, self.sequences[shard], self.seq_len + 1, self.ext, start=off, vocab_size=self.vocab_size
+            )
             try:
                 for _, data in it:
                     yield data
@@ -117,7 +137,7 @@ class _EpochPlan:
             pos += take
             travelled += take
 
-    def batches_for_worker(self, j: int, report: Dict) -> Iterator[Dict[str, torch.Tensor]]:
+    def batches_for_worker(self, j: int, report: dict) -> Iterator[dict[str, torch.Tensor]]:
         first, nb, done = self.worker_range(j)
         B = self.batch_size
         length = nb * B
@@ -128,7 +148,7 @@ class _EpochPlan:
         block0 = out_start // M
         reader = self.read(first + block0 * M, length - block0 * M, report)
         skip = out_start - block0 * M
-        batch: List[bytes] = []
+        batch: list[bytes] = []
         nblocks = -(-length // M)
         for b in range(block0, nblocks):
             n = min(M, length - b * M)
@@ -146,7 +166,7 @@ class _EpochPlan:
                     batch = []
         reader.close()
 
-    def collate(self, payloads: List[bytes]) -> Dict[str, torch.Tensor]:
+    def collate(self, payloads: list[bytes]) -> dict[str, torch.Tensor]:
         arr = np.frombuffer(b"".join(payloads), dtype=DTYPES[self.ext]).reshape(len(payloads), self.seq_len + 1)
         x = torch.from_numpy(arr.astype(np.int64))
         inp = x[:, :-1].contiguous()
@@ -168,7 +188,7 @@ class _EpochDataset(torch.utils.data.IterableDataset):
         # (start_batch + i) % W so that batch k always comes from logical worker k % W.
         i = 0 if info is None else info.id
         j = (self.plan.start_batch + i) % self.plan.num_workers
-        report: Dict = {}
+        report: dict = {}
         for batch in self.plan.batches_for_worker(j, report):
             new = report.pop("new", 0)
             yield batch, new, sorted(report.get("bad", ())) if new else []
@@ -192,11 +212,25 @@ class TokenBatchLoader:
     restricted to ``doc_ids[q] == doc_ids[k]`` keeps documents apart.
     """
 
-    def __init__(self, manifest: "str | Manifest", split: str = "train", micro_batch_size: int = 8, rank: int = 0,
-                 world_size: int = 1, num_workers: int = 0, seed: int = 1234, shuffle_buffer: int = 4096,
-                 skip_corrupt: bool = False, expected_seq_len: Optional[int] = None,
-                 expected_tokenizer_sha256: Optional[str] = None, loop: bool = True, shuffle_shards: bool = True,
-                 pin_memory: bool = False, prefetch_factor: int = 4, check_token_range: bool = True):
+    def __init__(
+        self,
+        manifest: str | Manifest,
+        split: str = "train",
+        micro_batch_size: int = 8,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        seed: int = 1234,
+        shuffle_buffer: int = 4096,
+        skip_corrupt: bool = False,
+        expected_seq_len: int | None = None,
+        expected_tokenizer_sha256: str | None = None,
+        loop: bool = True,
+        shuffle_shards: bool = True,
+        pin_memory: bool = False,
+        prefetch_factor: int = 4,
+        check_token_range: bool = True,
+    ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if micro_batch_size < 1:
@@ -220,9 +254,11 @@ class TokenBatchLoader:
         self.num_sequences = sum(s.sequences for s in self.shards)
         self.batches_per_epoch = self.num_sequences // (world_size * micro_batch_size)
         if self.batches_per_epoch == 0:
-            msg = (f"split {split!r} of {self.manifest.path!r} has {self.num_sequences} sequences, fewer than one "
-                   f"batch per rank (world_size {world_size} x micro_batch_size {micro_batch_size}); prepare more "
-                   f"data or use smaller batches")
+            msg = (
+                f"split {split!r} of {self.manifest.path!r} has {self.num_sequences} sequences, fewer than one "
+                f"batch per rank (world_size {world_size} x micro_batch_size {micro_batch_size}); prepare more "
+                f"data or use smaller batches"
+            )
             if loop:
                 raise ValueError(msg)
             warnings.warn(msg + "; every rank gets 0 batches", RuntimeWarning)
@@ -231,7 +267,7 @@ class TokenBatchLoader:
         self.batch_in_epoch = 0
         self.samples_consumed = 0
         self.skipped_shards = 0
-        self.bad_shards: List[str] = []
+        self.bad_shards: list[str] = []
 
     # -- iteration -------------------------------------------------------------------
     def __len__(self) -> int:
@@ -242,24 +278,41 @@ class TokenBatchLoader:
 
     def _plan(self) -> _EpochPlan:
         return _EpochPlan(
-            urls=[s.url for s in self.shards], sequences=[s.sequences for s in self.shards], epoch=self.epoch,
-            seed=self.seed, rank=self.rank, world_size=self.world_size, num_workers=max(1, self.num_workers),
-            batch_size=self.micro_batch_size, batches=self.batches_per_epoch, start_batch=self.batch_in_epoch,
-            shuffle_buffer=self.shuffle_buffer, shuffle_shards=self.shuffle_shards, seq_len=self.seq_len,
-            ext=self.manifest.ext, sep_id=self.manifest.sep_id,
+            urls=[s.url for s in self.shards],
+            sequences=[s.sequences for s in self.shards],
+            epoch=self.epoch,
+            seed=self.seed,
+            rank=self.rank,
+            world_size=self.world_size,
+            num_workers=max(1, self.num_workers),
+            batch_size=self.micro_batch_size,
+            batches=self.batches_per_epoch,
+            start_batch=self.batch_in_epoch,
+            shuffle_buffer=self.shuffle_buffer,
+            shuffle_shards=self.shuffle_shards,
+            seq_len=self.seq_len,
+            ext=self.manifest.ext,
+            sep_id=self.manifest.sep_id,
             vocab_size=self.manifest.vocab_size if self.check_token_range else None,
-            skip_corrupt=self.skip_corrupt)
+            skip_corrupt=self.skip_corrupt,
+        )
 
     def _epoch_source(self):
         dataset = _EpochDataset(self._plan())
         if self.num_workers == 0:
             return iter(dataset)
         loader = torch.utils.data.DataLoader(
-            dataset, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
-            prefetch_factor=self.prefetch_factor, persistent_workers=False, worker_init_fn=_ignore_stop_signals)
+            dataset,
+            batch_size=None,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            prefetch_factor=self.prefetch_factor,
+            persistent_workers=False,
+            worker_init_fn=_ignore_stop_signals,
+        )
         return iter(loader)
 
-    def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         if not self.loop and self.batch_in_epoch >= self.batches_per_epoch:
             self.batch_in_epoch = 0  # a new pass over the same (validation) epoch
         if self.batches_per_epoch == 0:
@@ -282,14 +335,18 @@ class TokenBatchLoader:
                             break  # epoch finished (loop=True): start the next one
                     else:
                         if self.loop:
-                            raise RuntimeError(f"rank {self.rank}: epoch {self.epoch} ended after "
-                                               f"{self.batch_in_epoch} of {self.batches_per_epoch} batches")
+                            raise RuntimeError(
+                                f"rank {self.rank}: epoch {self.epoch} ended after "
+                                f"{self.batch_in_epoch} of {self.batches_per_epoch} batches"
+                            )
                 finally:
                     del source
                 if not self.loop:
                     if self.batch_in_epoch < self.batches_per_epoch:
-                        raise RuntimeError(f"rank {self.rank}: epoch {self.epoch} ended after {self.batch_in_epoch} "
-                                           f"of {self.batches_per_epoch} batches")
+                        raise RuntimeError(
+                            f"rank {self.rank}: epoch {self.epoch} ended after {self.batch_in_epoch} "
+                            f"of {self.batches_per_epoch} batches"
+                        )
                     return
             elif self.loop:
                 self.epoch += 1
@@ -300,12 +357,21 @@ class TokenBatchLoader:
     # -- state -----------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Position after the batches already handed to the caller (JSON-serialisable)."""
-        return {"version": STATE_VERSION, "split": self.split, "epoch": self.epoch,
-                "batch_in_epoch": self.batch_in_epoch, "samples_consumed": self.samples_consumed,
-                "seed": self.seed, "fingerprint": self.fingerprint, "world_size": self.world_size,
-                "num_workers": self.num_workers, "micro_batch_size": self.micro_batch_size,
-                "shuffle_buffer": self.shuffle_buffer, "batches_per_epoch": self.batches_per_epoch,
-                "skipped_shards": self.skipped_shards}
+        return {
+            "version": STATE_VERSION,
+            "split": self.split,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "samples_consumed": self.samples_consumed,
+            "seed": self.seed,
+            "fingerprint": self.fingerprint,
+            "world_size": self.world_size,
+            "num_workers": self.num_workers,
+            "micro_batch_size": self.micro_batch_size,
+            "shuffle_buffer": self.shuffle_buffer,
+            "batches_per_epoch": self.batches_per_epoch,
+            "skipped_shards": self.skipped_shards,
+        }
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
         """Continue exactly where ``state`` was taken.
@@ -318,14 +384,18 @@ class TokenBatchLoader:
         if int(state.get("version", 0)) != STATE_VERSION:
             raise ValueError(f"loader state version {state.get('version')} != {STATE_VERSION}")
         if state.get("fingerprint") != self.fingerprint:
-            msg = (f"loader state was saved for shard list {state.get('fingerprint')} but split {self.split!r} of "
-                   f"{self.manifest.path!r} has fingerprint {self.fingerprint}")
+            msg = (
+                f"loader state was saved for shard list {state.get('fingerprint')} but split {self.split!r} of "
+                f"{self.manifest.path!r} has fingerprint {self.fingerprint}"
+            )
             if strict:
                 raise ValueError(msg)
             warnings.warn(msg + "; resuming anyway", RuntimeWarning)
         if int(state["seed"]) != self.seed:
-            warnings.warn(f"loader state has seed {state['seed']}, constructor seed {self.seed}: using the state's",
-                          RuntimeWarning)
+            warnings.warn(
+                f"loader state has seed {state['seed']}, constructor seed {self.seed}: using the state's",
+                RuntimeWarning,
+            )
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
         self.samples_consumed = int(state.get("samples_consumed", 0))
@@ -339,8 +409,11 @@ class TokenBatchLoader:
             new = {k: getattr(self, k) for k in layout}
             done = int(state["batch_in_epoch"]) * int(state["micro_batch_size"]) * int(state["world_size"])
             self.batch_in_epoch = min(self.batches_per_epoch, done // (self.micro_batch_size * self.world_size))
-            warnings.warn(f"loader layout changed {old} -> {new}: resuming epoch {self.epoch} at batch "
-                          f"{self.batch_in_epoch}, not the exact sequence of the original run", RuntimeWarning)
+            warnings.warn(
+                f"loader layout changed {old} -> {new}: resuming epoch {self.epoch} at batch "
+                f"{self.batch_in_epoch}, not the exact sequence of the original run",
+                RuntimeWarning,
+            )
         if self.loop and self.batch_in_epoch >= self.batches_per_epoch:
             self.epoch += 1
             self.batch_in_epoch = 0

@@ -3,13 +3,13 @@
 Written last by ``grt data prepare`` (atomically), so a manifest exists only for a
 complete set of shards. See docs/data.md for the fields.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "grt-token-shards"
@@ -30,8 +30,13 @@ class ShardEntry:
     sha256: str = ""
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "sequences": self.sequences, "tokens": self.tokens,
-                "bytes": self.bytes, "sha256": self.sha256}
+        return {
+            "name": self.name,
+            "sequences": self.sequences,
+            "tokens": self.tokens,
+            "bytes": self.bytes,
+            "sha256": self.sha256,
+        }
 
 
 @dataclass
@@ -43,7 +48,7 @@ class Manifest:
     ext: str
     tokenizer_sha256: str
     tokenizer_path: str  # absolute path of the tokenizer model next to the shards
-    splits: Dict[str, List[ShardEntry]]
+    splits: dict[str, list[ShardEntry]]
     sep_piece: str = ""
     sources: list = field(default_factory=list)
     stats: dict = field(default_factory=dict)
@@ -61,7 +66,7 @@ class Manifest:
     def tokens(self, split: str) -> int:
         return sum(s.tokens for s in self.shards(split))
 
-    def shards(self, split: str) -> List[ShardEntry]:
+    def shards(self, split: str) -> list[ShardEntry]:
         if split not in self.splits:
             raise KeyError(f"manifest {self.path!r} has no split {split!r} (it has {sorted(self.splits)})")
         return self.splits[split]
@@ -77,11 +82,14 @@ class Manifest:
     def check(self, expected_seq_len: int | None = None, expected_tokenizer_sha256: str | None = None) -> None:
         """Refuse a manifest whose sequence length or tokenizer is not the expected one."""
         if expected_seq_len is not None and int(expected_seq_len) != self.seq_len:
-            raise ValueError(f"manifest {self.path!r} has seq_len {self.seq_len}, "
-                             f"but {int(expected_seq_len)} was expected")
+            raise ValueError(
+                f"manifest {self.path!r} has seq_len {self.seq_len}, but {int(expected_seq_len)} was expected"
+            )
         if expected_tokenizer_sha256 is not None and expected_tokenizer_sha256 != self.tokenizer_sha256:
-            raise ValueError(f"manifest {self.path!r} was tokenised with tokenizer sha256 {self.tokenizer_sha256}, "
-                             f"but sha256 {expected_tokenizer_sha256} was expected")
+            raise ValueError(
+                f"manifest {self.path!r} was tokenised with tokenizer sha256 {self.tokenizer_sha256}, "
+                f"but sha256 {expected_tokenizer_sha256} was expected"
+            )
 
     def verify_tokenizer(self) -> None:
         """Check that the tokenizer file next to the manifest is the one the shards were made with
@@ -92,26 +100,31 @@ class Manifest:
             return
         actual = file_sha256(self.tokenizer_path)
         if actual != self.tokenizer_sha256:
-            raise ValueError(f"tokenizer {self.tokenizer_path!r} has sha256 {actual}, but manifest {self.path!r} "
-                             f"records {self.tokenizer_sha256}")
+            raise ValueError(
+                f"tokenizer {self.tokenizer_path!r} has sha256 {actual}, but manifest {self.path!r} "
+                f"records {self.tokenizer_sha256}"
+            )
         self.tokenizer_verified = True
 
     @classmethod
-    def load(cls, path: str) -> "Manifest":
+    def load(cls, path: str) -> Manifest:
         """Load ``path`` (a manifest.json, or a directory holding one)."""
         if os.path.isdir(path):
             path = os.path.join(path, MANIFEST_NAME)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"manifest {path!r} not found (run `grt data prepare` first; the manifest "
-                                    f"is written last, so a missing one can mean an interrupted run)")
+            raise FileNotFoundError(
+                f"manifest {path!r} not found (run `grt data prepare` first; the manifest "
+                f"is written last, so a missing one can mean an interrupted run)"
+            )
         try:
-            with open(path, "r", encoding="utf-8") as fh:
+            with open(path, encoding="utf-8") as fh:
                 raw = json.load(fh)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"manifest {path!r} is not valid JSON ({exc})") from None
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-            raise ValueError(f"{path!r} is not a {FORMAT} manifest (format="
-                             f"{raw.get('format') if isinstance(raw, dict) else None!r})")
+            raise ValueError(
+                f"{path!r} is not a {FORMAT} manifest (format={raw.get('format') if isinstance(raw, dict) else None!r})"
+            )
         version = raw.get("version", 0)
         if not isinstance(version, int) or version > VERSION:
             raise ValueError(f"manifest {path!r} has version {version!r}, this code reads <= {VERSION}")
@@ -121,7 +134,7 @@ class Manifest:
             raise ValueError(f"manifest {path!r} is malformed ({type(exc).__name__}: {exc})") from None
 
     @classmethod
-    def _from_raw(cls, path: str, raw: dict) -> "Manifest":
+    def _from_raw(cls, path: str, raw: dict) -> Manifest:
         base = os.path.dirname(os.path.abspath(path))
 
         def resolve(name: str) -> str:
@@ -131,23 +144,51 @@ class Manifest:
 
         seq_len = int(raw["seq_len"])
         splits = {
-            split: [ShardEntry(name=e["name"], url=resolve(e["name"]), sequences=int(e["sequences"]),
-                               tokens=int(e.get("tokens", int(e["sequences"]) * seq_len)),
-                               bytes=int(e.get("bytes", 0)), sha256=e.get("sha256", ""))
-                    for e in entries]
+            split: [
+                ShardEntry(
+                    name=e["name"],
+                    url=resolve(e["name"]),
+                    sequences=int(e["sequences"]),
+                    tokens=int(e.get("tokens", int(e["sequences"]) * seq_len)),
+                    bytes=int(e.get("bytes", 0)),
+                    sha256=e.get("sha256", ""),
+                )
+                for e in entries
+            ]
             for split, entries in raw["splits"].items()
         }
         tok = raw["tokenizer"]
-        return cls(path=os.path.abspath(path), seq_len=seq_len, vocab_size=int(raw["vocab_size"]),
-                   sep_id=int(raw["sep_id"]), ext=raw["dtype_ext"], tokenizer_sha256=tok["sha256"],
-                   tokenizer_path=os.path.abspath(resolve(tok["path"])), splits=splits,
-                   sep_piece=raw.get("sep_piece", ""), sources=raw.get("sources", []),
-                   stats=raw.get("stats", {}), options=raw.get("options", {}), raw=raw)
+        return cls(
+            path=os.path.abspath(path),
+            seq_len=seq_len,
+            vocab_size=int(raw["vocab_size"]),
+            sep_id=int(raw["sep_id"]),
+            ext=raw["dtype_ext"],
+            tokenizer_sha256=tok["sha256"],
+            tokenizer_path=os.path.abspath(resolve(tok["path"])),
+            splits=splits,
+            sep_piece=raw.get("sep_piece", ""),
+            sources=raw.get("sources", []),
+            stats=raw.get("stats", {}),
+            options=raw.get("options", {}),
+            raw=raw,
+        )
 
 
-def manifest_dict(*, seq_len: int, vocab_size: int, sep_id: int, sep_piece: str, ext: str,
-                  tokenizer_name: str, tokenizer_sha256: str, splits: Dict[str, List[dict]],
-                  sources: list, stats: dict, options: dict) -> dict:
+def manifest_dict(
+    *,
+    seq_len: int,
+    vocab_size: int,
+    sep_id: int,
+    sep_piece: str,
+    ext: str,
+    tokenizer_name: str,
+    tokenizer_sha256: str,
+    splits: dict[str, list[dict]],
+    sources: list,
+    stats: dict,
+    options: dict,
+) -> dict:
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -160,8 +201,14 @@ def manifest_dict(*, seq_len: int, vocab_size: int, sep_id: int, sep_piece: str,
         "sep_piece": sep_piece,
         "tokenizer": {"path": tokenizer_name, "sha256": tokenizer_sha256},
         "splits": splits,
-        "totals": {split: {"shards": len(v), "sequences": sum(e["sequences"] for e in v),
-                           "tokens": sum(e["tokens"] for e in v)} for split, v in splits.items()},
+        "totals": {
+            split: {
+                "shards": len(v),
+                "sequences": sum(e["sequences"] for e in v),
+                "tokens": sum(e["tokens"] for e in v),
+            }
+            for split, v in splits.items()
+        },
         "sources": sources,
         "stats": stats,
         "options": options,

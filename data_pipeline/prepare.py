@@ -9,6 +9,7 @@ document — into samples of ``seq_len + 1`` tokens (sample i covers stream posi
 [i*seq_len, (i+1)*seq_len], so consecutive samples share one token and no token is
 wasted as a target), writes shards atomically, and finally writes the manifest.
 """
+
 from __future__ import annotations
 
 import collections
@@ -19,14 +20,14 @@ import os
 import re
 import sys
 import time
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
+from .files import atomic_write_bytes, is_temp
 from .manifest import MANIFEST_NAME, Manifest, manifest_dict
 from .shards import DTYPES, build_shard, ext_for_vocab, member_size, write_shard_atomic
 from .sources import SourceStats, expand_inputs, iter_file_documents
-from .files import atomic_write_bytes, is_temp
 from .tokenizer import Tokenizer, file_sha256
 
 TOKENIZER_NAME = "tokenizer.model"
@@ -57,7 +58,7 @@ def _init_worker(model_path: str) -> None:
     _worker_segment = not any("\n" in _worker_sp.id_to_piece(i) for i in range(_worker_sp.get_piece_size()))
 
 
-def _segments(text: str, size: int = _SEGMENT_CHARS) -> List[str]:
+def _segments(text: str, size: int = _SEGMENT_CHARS) -> list[str]:
     """Cut ``text`` just before newlines, into pieces of roughly ``size`` characters."""
     if len(text) <= size:
         return [text]
@@ -84,7 +85,7 @@ def _encode_chunk(args):
         flat = _worker_sp.encode(pieces, out_type=int)
         ids, k = [], 0
         for c in counts:
-            ids.append([t for part in flat[k:k + c] for t in part] if c > 1 else flat[k])
+            ids.append([t for part in flat[k : k + c] for t in part] if c > 1 else flat[k])
             k += c
     else:
         ids = _worker_sp.encode(texts, out_type=int)
@@ -98,7 +99,7 @@ def _encode_chunk(args):
         pos = 0
         for d in docs:
             arr[pos] = sep_id
-            arr[pos + 1:pos + 1 + len(d)] = d
+            arr[pos + 1 : pos + 1 + len(d)] = d
             pos += 1 + len(d)
         out[split] = arr
     return out
@@ -111,7 +112,7 @@ def _val_draw(text: str, seed: int) -> float:
     leak through duplicates) and adding a file does not reshuffle the others.
     """
     h = hashlib.blake2b(text.encode("utf-8"), digest_size=8, key=str(seed).encode()[:64])
-    return int.from_bytes(h.digest(), "little") / 2.0 ** 64
+    return int.from_bytes(h.digest(), "little") / 2.0**64
 
 
 class _Packer:
@@ -119,9 +120,9 @@ class _Packer:
 
     def __init__(self, split: str, out_dir: str, seq_len: int, per_shard: int, ext: str):
         self.split, self.out_dir, self.seq_len, self.per_shard, self.ext = split, out_dir, seq_len, per_shard, ext
-        self.pending: List[np.ndarray] = []
+        self.pending: list[np.ndarray] = []
         self.pending_len = 0
-        self.entries: List[dict] = []
+        self.entries: list[dict] = []
         self.documents = 0
         self.stream_tokens = 0  # tokens including separators
 
@@ -134,7 +135,7 @@ class _Packer:
         while self.pending_len >= need:
             stream = np.concatenate(self.pending)
             self._write(stream, self.per_shard)
-            rest = stream[self.per_shard * self.seq_len:]
+            rest = stream[self.per_shard * self.seq_len :]
             self.pending, self.pending_len = [rest], len(rest)
 
     def finish(self) -> int:
@@ -158,16 +159,28 @@ class _Packer:
         path = os.path.join(self.out_dir, name)
         data = build_shard(stem, samples, self.ext)
         sha = write_shard_atomic(path, data)
-        self.entries.append({"name": name, "sequences": int(n), "tokens": int(n * T), "bytes": len(data),
-                             "sha256": sha})
+        self.entries.append(
+            {"name": name, "sequences": int(n), "tokens": int(n * T), "bytes": len(data), "sha256": sha}
+        )
         if _after_shard_hook is not None:
             _after_shard_hook(path)
 
 
-def prepare(inputs: Sequence[str], tokenizer: str, out_dir: str, seq_len: int = 1024,
-            shard_size_mb: float = 64.0, workers: Optional[int] = None, val_fraction: float = 0.0,
-            val_inputs: Sequence[str] = (), seed: int = 0, text_field: str = "text", txt_mode: str = "file",
-            max_mb: Optional[float] = None, progress: bool = True) -> Manifest:
+def prepare(
+    inputs: Sequence[str],
+    tokenizer: str,
+    out_dir: str,
+    seq_len: int = 1024,
+    shard_size_mb: float = 64.0,
+    workers: int | None = None,
+    val_fraction: float = 0.0,
+    val_inputs: Sequence[str] = (),
+    seed: int = 0,
+    text_field: str = "text",
+    txt_mode: str = "file",
+    max_mb: float | None = None,
+    progress: bool = True,
+) -> Manifest:
     """Tokenise ``inputs`` into shards under ``out_dir``; returns the loaded manifest.
 
     ``val_inputs`` go entirely to the ``val`` split; otherwise a ``val_fraction`` of the
@@ -234,18 +247,30 @@ def prepare(inputs: Sequence[str], tokenizer: str, out_dir: str, seq_len: int = 
                     break
             done += fstats.bytes
             stats.add(fstats)
-            sources.append({"path": path, "split": file_split, "file_bytes": os.path.getsize(path),
-                            **{k: v for k, v in fstats.to_dict().items()}})
+            sources.append(
+                {
+                    "path": path,
+                    "split": file_split,
+                    "file_bytes": os.path.getsize(path),
+                    **{k: v for k, v in fstats.to_dict().items()},
+                }
+            )
             if limit is not None and done >= limit:
                 break
         if buf_texts:
             yield buf_texts, buf_splits
 
     # the pool first: fork before tqdm starts its monitor thread
-    pool = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn").Pool(
-        workers, initializer=_init_worker, initargs=(tok.model_path,)) if workers > 1 else None
-    bar = tqdm(desc="prepare", unit="B", unit_scale=True, disable=not progress, file=sys.stderr,
-               smoothing=0.1, mininterval=0.5)
+    pool = (
+        mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn").Pool(
+            workers, initializer=_init_worker, initargs=(tok.model_path,)
+        )
+        if workers > 1
+        else None
+    )
+    bar = tqdm(
+        desc="prepare", unit="B", unit_scale=True, disable=not progress, file=sys.stderr, smoothing=0.1, mininterval=0.5
+    )
     if pool is None:
         _init_worker(tok.model_path)
     try:
@@ -261,8 +286,10 @@ def prepare(inputs: Sequence[str], tokenizer: str, out_dir: str, seq_len: int = 
                     n_tokens += len(out[split])
             bar.update(texts_bytes)
             el = max(1e-9, time.time() - t_start)
-            bar.set_postfix_str(f"{n_tokens / el / 1e6:.2f}M tok/s, "
-                                f"{sum(len(p.entries) for p in packers.values())} shards", refresh=False)
+            bar.set_postfix_str(
+                f"{n_tokens / el / 1e6:.2f}M tok/s, {sum(len(p.entries) for p in packers.values())} shards",
+                refresh=False,
+            )
 
         for texts, splits in chunks():
             nbytes = sum(len(t.encode("utf-8")) for t in texts)
@@ -281,32 +308,58 @@ def prepare(inputs: Sequence[str], tokenizer: str, out_dir: str, seq_len: int = 
     dropped = {s: p.finish() for s, p in packers.items()}
     splits = {s: p.entries for s, p in packers.items() if p.entries or s == "train"}
     if not packers["train"].entries and not packers["val"].entries:
-        raise ValueError(f"no complete sequence of {seq_len + 1} tokens in the input "
-                         f"({stats.documents} usable documents, stats {stats.to_dict()})")
+        raise ValueError(
+            f"no complete sequence of {seq_len + 1} tokens in the input "
+            f"({stats.documents} usable documents, stats {stats.to_dict()})"
+        )
     # Shards a previous (larger) run left behind would be mistaken for part of this one.
     keep = {e["name"] for v in splits.values() for e in v}
     for f in os.listdir(out_dir):
         if _SHARD_RE.match(f) and f not in keep:
             os.unlink(os.path.join(out_dir, f))
     elapsed = time.time() - t_start
-    run_stats = {**stats.to_dict(),
-                 "documents_per_split": {s: p.documents for s, p in packers.items()},
-                 "stream_tokens_per_split": {s: p.stream_tokens for s, p in packers.items()},
-                 "dropped_tail_tokens": dropped}
-    options = {"seq_len": seq_len, "shard_size_mb": shard_size_mb, "sequences_per_shard": per_shard,
-               "val_fraction": val_fraction, "seed": seed, "text_field": text_field, "txt_mode": txt_mode,
-               "max_mb": max_mb}
-    doc = manifest_dict(seq_len=seq_len, vocab_size=tok.vocab_size, sep_id=tok.sep_id, sep_piece=tok.sep_piece,
-                        ext=ext, tokenizer_name=TOKENIZER_NAME, tokenizer_sha256=tok.sha256, splits=splits,
-                        sources=sources, stats=run_stats, options=options)
+    run_stats = {
+        **stats.to_dict(),
+        "documents_per_split": {s: p.documents for s, p in packers.items()},
+        "stream_tokens_per_split": {s: p.stream_tokens for s, p in packers.items()},
+        "dropped_tail_tokens": dropped,
+    }
+    options = {
+        "seq_len": seq_len,
+        "shard_size_mb": shard_size_mb,
+        "sequences_per_shard": per_shard,
+        "val_fraction": val_fraction,
+        "seed": seed,
+        "text_field": text_field,
+        "txt_mode": txt_mode,
+        "max_mb": max_mb,
+    }
+    doc = manifest_dict(
+        seq_len=seq_len,
+        vocab_size=tok.vocab_size,
+        sep_id=tok.sep_id,
+        sep_piece=tok.sep_piece,
+        ext=ext,
+        tokenizer_name=TOKENIZER_NAME,
+        tokenizer_sha256=tok.sha256,
+        splits=splits,
+        sources=sources,
+        stats=run_stats,
+        options=options,
+    )
     atomic_write_bytes(manifest_path, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
     if progress:
         mb = stats.bytes / 1e6
-        print(f"prepare: {stats.documents:,} documents ({mb:.1f} MB, skipped {stats.skipped_empty} empty, "
-              f"{stats.skipped_non_utf8} non-UTF-8, {stats.skipped_bad_json} bad JSON, "
-              f"{stats.skipped_missing_field} without {text_field!r}) -> "
-              + ", ".join(f"{s}: {len(v)} shards / {sum(e['sequences'] for e in v):,} sequences"
-                          for s, v in splits.items())
-              + f" in {elapsed:.1f}s ({mb / max(elapsed, 1e-9):.2f} MB/s, {n_tokens / max(elapsed, 1e-9) / 1e6:.2f}M "
-                f"tokens/s); manifest {manifest_path}", file=sys.stderr, flush=True)
+        print(
+            f"prepare: {stats.documents:,} documents ({mb:.1f} MB, skipped {stats.skipped_empty} empty, "
+            f"{stats.skipped_non_utf8} non-UTF-8, {stats.skipped_bad_json} bad JSON, "
+            f"{stats.skipped_missing_field} without {text_field!r}) -> "
+            + ", ".join(
+                f"{s}: {len(v)} shards / {sum(e['sequences'] for e in v):,} sequences" for s, v in splits.items()
+            )
+            + f" in {elapsed:.1f}s ({mb / max(elapsed, 1e-9):.2f} MB/s, {n_tokens / max(elapsed, 1e-9) / 1e6:.2f}M "
+            f"tokens/s); manifest {manifest_path}",
+            file=sys.stderr,
+            flush=True,
+        )
     return Manifest.load(manifest_path)

@@ -8,6 +8,7 @@ exactly ``seq_len + 1`` tokens, nothing else (no header), so a sample is
 ``u16``. Tar metadata is fixed (mtime 0, uid/gid 0, no user/group names, mode 0644) so
 the same tokens give the same bytes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -15,7 +16,7 @@ import io
 import os
 import re
 import tarfile
-from typing import Iterator, Tuple
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -84,7 +85,7 @@ def write_shard_atomic(path: str, data: bytes) -> str:
 def _write_chunks(fh, data: bytes, chunk: int = 1 << 22) -> None:
     view = memoryview(data)
     for off in range(0, len(view), chunk):
-        fh.write(view[off:off + chunk])
+        fh.write(view[off : off + chunk])
 
 
 _NAME = re.compile(r"^(?:.*/)?(?P<stem>[^/]+)_(?P<idx>\d{7})\.(?P<ext>u16|u32)$")
@@ -104,8 +105,9 @@ def open_stream(url: str):
         raise MissingShardError(url, str(exc)) from exc
 
 
-def iter_shard(url: str, sequences: int, sample_tokens: int, ext: str, start: int = 0,
-               vocab_size: int | None = None) -> Iterator[Tuple[int, bytes]]:
+def iter_shard(
+    url: str, sequences: int, sample_tokens: int, ext: str, start: int = 0, vocab_size: int | None = None
+) -> Iterator[tuple[int, bytes]]:
     """Yield ``(index, payload)`` for samples ``start .. sequences-1`` of one shard.
 
     Streams through ``webdataset.tariterators.tar_file_iterator`` and checks every member
@@ -124,8 +126,11 @@ def iter_shard(url: str, sequences: int, sample_tokens: int, ext: str, start: in
             for item in tar_file_iterator(stream):
                 m = _NAME.match(item["fname"])
                 if m is None or m.group("ext") != ext or int(m.group("idx")) != expected:
-                    raise ShardError(url, f"unexpected member {item['fname']!r} at position {expected} "
-                                          f"(want index {expected:07d}, extension .{ext})")
+                    raise ShardError(
+                        url,
+                        f"unexpected member {item['fname']!r} at position {expected} "
+                        f"(want index {expected:07d}, extension .{ext})",
+                    )
                 data = item["data"]
                 if len(data) != nbytes:
                     raise ShardError(url, f"member {item['fname']!r} has {len(data)} bytes, want {nbytes}")

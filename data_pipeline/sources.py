@@ -17,6 +17,7 @@ order) so that everything downstream is reproducible. Bad documents never stop a
 empty ones, ones that are not valid UTF-8, malformed JSON lines and lines without the
 text field are skipped and counted in :class:`SourceStats`.
 """
+
 from __future__ import annotations
 
 import glob
@@ -25,8 +26,8 @@ import io
 import json
 import os
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Iterator, List, Sequence
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 TXT_SUFFIXES = (".txt",)
@@ -49,7 +50,7 @@ class SourceStats:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def add(self, other: "SourceStats") -> None:
+    def add(self, other: SourceStats) -> None:
         for k, v in asdict(other).items():
             setattr(self, k, getattr(self, k) + v)
 
@@ -74,7 +75,7 @@ def file_kind(path: str) -> str | None:
     return None
 
 
-def expand_inputs(inputs: Sequence[str]) -> List[str]:
+def expand_inputs(inputs: Sequence[str]) -> list[str]:
     """Files named by ``inputs`` (files, directories, globs), sorted and de-duplicated.
 
     Raises FileNotFoundError when an input matches nothing, ValueError for an explicitly
@@ -85,10 +86,7 @@ def expand_inputs(inputs: Sequence[str]) -> List[str]:
         spec = os.path.expanduser(spec)
         if os.path.isdir(spec):
             matches = [
-                os.path.join(root, f)
-                for root, _, files in os.walk(spec)
-                for f in files
-                if file_kind(f) is not None
+                os.path.join(root, f) for root, _, files in os.walk(spec) for f in files if file_kind(f) is not None
             ]
             if not matches:
                 raise FileNotFoundError(f"input directory {spec!r} holds no {SUPPORTED} files")
@@ -118,7 +116,7 @@ def open_binary(path: str):
     return open(path, "rb")
 
 
-def _decode_accept(raw: bytes, stats: "SourceStats", strip: str | None = None) -> str | None:
+def _decode_accept(raw: bytes, stats: SourceStats, strip: str | None = None) -> str | None:
     """UTF-8 decode (a non-UTF-8 document is skipped and counted), then `_accept`."""
     try:
         text = raw.decode("utf-8")
@@ -152,14 +150,18 @@ def _iter_parquet(path: str, text_field: str, stats: SourceStats) -> Iterator[st
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ValueError(f"input {path!r} is Parquet, which needs pyarrow: pip install 'grt-pretrain[parquet]'") from None
+        raise ValueError(
+            f"input {path!r} is Parquet, which needs pyarrow: pip install 'grt-pretrain[parquet]'"
+        ) from None
     try:
         pf = pq.ParquetFile(path)
     except Exception as err:  # noqa: BLE001 - pyarrow raises several types for a bad file
         raise ValueError(f"input {path!r} is not a readable Parquet file: {err}") from None
     if text_field not in pf.schema_arrow.names:
-        raise ValueError(f"input {path!r} has no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
-                         f"choose one with --text-field")
+        raise ValueError(
+            f"input {path!r} has no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
+            f"choose one with --text-field"
+        )
     for group in range(pf.num_row_groups):
         column = pf.read_row_group(group, columns=[text_field]).column(0)
         for text in column.to_pylist():
@@ -168,8 +170,9 @@ def _iter_parquet(path: str, text_field: str, stats: SourceStats) -> Iterator[st
                 yield text
 
 
-def iter_file_documents(path: str, text_field: str = "text", txt_mode: str = "file",
-                        stats: SourceStats | None = None) -> Iterator[str]:
+def iter_file_documents(
+    path: str, text_field: str = "text", txt_mode: str = "file", stats: SourceStats | None = None
+) -> Iterator[str]:
     """Yield the usable documents of one file, counting skipped ones in ``stats``."""
     if stats is None:
         stats = SourceStats()
@@ -228,7 +231,8 @@ def iter_file_documents(path: str, text_field: str = "text", txt_mode: str = "fi
         raise ValueError(f"unsupported input file {path!r}")
 
 
-def iter_documents(files: Sequence[str], text_field: str = "text", txt_mode: str = "file",
-                   stats: SourceStats | None = None) -> Iterator[str]:
+def iter_documents(
+    files: Sequence[str], text_field: str = "text", txt_mode: str = "file", stats: SourceStats | None = None
+) -> Iterator[str]:
     for path in files:
         yield from iter_file_documents(path, text_field=text_field, txt_mode=txt_mode, stats=stats)

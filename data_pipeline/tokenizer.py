@@ -10,6 +10,7 @@ Normalisation is the identity (no NFKC, no whitespace collapsing, no dummy prefi
 ``decode(encode(text)) == text`` for any valid Unicode text: characters outside the
 vocabulary fall back to their UTF-8 bytes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -17,7 +18,7 @@ import os
 import random
 import sys
 import time
-from typing import Iterable, List, Sequence
+from collections.abc import Iterable, Sequence
 
 from .files import atomic_write_bytes
 
@@ -65,18 +66,20 @@ class Tokenizer:
         self.sep_id = int(sep_id)
         self.sep_piece = self.sp.id_to_piece(self.sep_id)
 
-    def encode(self, text: str) -> List[int]:
+    def encode(self, text: str) -> list[int]:
         return self.sp.encode(text, out_type=int)
 
-    def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> List[List[int]]:
+    def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
         return self.sp.encode(list(texts), out_type=int, num_threads=num_threads)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.sp.decode([int(i) for i in ids])
 
     def __repr__(self) -> str:
-        return (f"Tokenizer({os.path.basename(self.model_path)!r}, vocab_size={self.vocab_size}, "
-                f"sep={self.sep_piece!r}:{self.sep_id}, sha256={self.sha256[:12]})")
+        return (
+            f"Tokenizer({os.path.basename(self.model_path)!r}, vocab_size={self.vocab_size}, "
+            f"sep={self.sep_piece!r}:{self.sep_id}, sha256={self.sha256[:12]})"
+        )
 
 
 def _training_pieces(doc: str):
@@ -93,8 +96,14 @@ def _training_pieces(doc: str):
             yield line
 
 
-def sample_training_text(inputs: Sequence[str], max_chars: int, text_field: str = "text",
-                         txt_mode: str = "file", seed: int = 0, progress: bool = True):
+def sample_training_text(
+    inputs: Sequence[str],
+    max_chars: int,
+    text_field: str = "text",
+    txt_mode: str = "file",
+    seed: int = 0,
+    progress: bool = True,
+):
     """Pick a reproducible sample of at most ~max_chars characters of lines from the inputs.
 
     Two passes: the first counts the characters of the usable documents, the second keeps
@@ -115,10 +124,11 @@ def sample_training_text(inputs: Sequence[str], max_chars: int, text_field: str 
         raise ValueError(f"no usable documents in {list(inputs)} (stats: {stats.to_dict()})")
     rate = min(1.0, max_chars / max(1, stats.chars))
     rng = random.Random(seed)
-    sentences: List[str] = []
+    sentences: list[str] = []
     kept = 0
-    with tqdm(total=stats.chars, desc="tokenizer: sample", unit="B", unit_scale=True,
-              disable=not progress, file=sys.stderr) as bar:
+    with tqdm(
+        total=stats.chars, desc="tokenizer: sample", unit="B", unit_scale=True, disable=not progress, file=sys.stderr
+    ) as bar:
         for doc in iter_documents(files, text_field=text_field, txt_mode=txt_mode):
             for piece in _training_pieces(doc):
                 if rate >= 1.0 or rng.random() < rate:
@@ -127,15 +137,30 @@ def sample_training_text(inputs: Sequence[str], max_chars: int, text_field: str 
             bar.update(len(doc))
             if kept >= max_chars:
                 break
-    info = {"files": files, "documents": stats.documents, "input_chars": stats.chars,
-            "sample_chars": kept, "sample_sentences": len(sentences), "source_stats": stats.to_dict()}
+    info = {
+        "files": files,
+        "documents": stats.documents,
+        "input_chars": stats.chars,
+        "sample_chars": kept,
+        "sample_sentences": len(sentences),
+        "source_stats": stats.to_dict(),
+    }
     return sentences, info
 
 
-def train_tokenizer(inputs: Sequence[str], out: str, vocab_size: int = 32000, text_field: str = "text",
-                    txt_mode: str = "file", max_chars: int = 20_000_000, sep_piece: str = DEFAULT_SEP_PIECE,
-                    seed: int = 0, num_threads: int | None = None, character_coverage: float = 0.9995,
-                    progress: bool = True) -> Tokenizer:
+def train_tokenizer(
+    inputs: Sequence[str],
+    out: str,
+    vocab_size: int = 32000,
+    text_field: str = "text",
+    txt_mode: str = "file",
+    max_chars: int = 20_000_000,
+    sep_piece: str = DEFAULT_SEP_PIECE,
+    seed: int = 0,
+    num_threads: int | None = None,
+    character_coverage: float = 0.9995,
+    progress: bool = True,
+) -> Tokenizer:
     """Train a SentencePiece BPE model on a sample of ``inputs`` and write it to ``out``.
 
     ``out`` is the model file (``.model`` is appended if missing). It is written under a
@@ -145,26 +170,33 @@ def train_tokenizer(inputs: Sequence[str], out: str, vocab_size: int = 32000, te
     import sentencepiece as spm
 
     if not 256 + 2 <= vocab_size <= MAX_VOCAB_SIZE:
-        raise ValueError(f"vocab_size must be in [258, {MAX_VOCAB_SIZE}] (256 byte pieces + unk + separator), "
-                         f"got {vocab_size}")
+        raise ValueError(
+            f"vocab_size must be in [258, {MAX_VOCAB_SIZE}] (256 byte pieces + unk + separator), got {vocab_size}"
+        )
     if not out.endswith(".model"):
         out = out + ".model"
     out_dir = os.path.dirname(os.path.abspath(out))
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.time()
-    sentences, info = sample_training_text(inputs, max_chars, text_field=text_field, txt_mode=txt_mode,
-                                           seed=seed, progress=progress)
+    sentences, info = sample_training_text(
+        inputs, max_chars, text_field=text_field, txt_mode=txt_mode, seed=seed, progress=progress
+    )
     if progress:
-        print(f"tokenizer: training BPE vocab={vocab_size} on {info['sample_chars']:,} chars "
-              f"({info['sample_sentences']:,} lines) sampled from {info['input_chars']:,} chars "
-              f"in {len(info['files'])} file(s)", file=sys.stderr, flush=True)
+        print(
+            f"tokenizer: training BPE vocab={vocab_size} on {info['sample_chars']:,} chars "
+            f"({info['sample_sentences']:,} lines) sampled from {info['input_chars']:,} chars "
+            f"in {len(info['files'])} file(s)",
+            file=sys.stderr,
+            flush=True,
+        )
     import io
 
     buf = io.BytesIO()
     # model_writer instead of model_prefix: the model bytes then do not depend on the
     # output path, so the same inputs and flags give the same file (and sha256).
     with _Heartbeat("tokenizer: train BPE", enabled=progress):
-        _train(spm,
+        _train(
+            spm,
             sentence_iterator=iter(sentences),
             model_writer=buf,
             model_type="bpe",
@@ -190,10 +222,13 @@ def train_tokenizer(inputs: Sequence[str], out: str, vocab_size: int = 32000, te
     atomic_write_bytes(out, buf.getvalue())
     tok = Tokenizer(out, sep_piece=sep_piece)
     if progress:
-        print(f"tokenizer: wrote {out} ({tok.vocab_size} pieces, sep {sep_piece!r} = {tok.sep_id}, "
-              f"sha256 {tok.sha256[:12]}) in {time.time() - t0:.1f}s", file=sys.stderr, flush=True)
+        print(
+            f"tokenizer: wrote {out} ({tok.vocab_size} pieces, sep {sep_piece!r} = {tok.sep_id}, "
+            f"sha256 {tok.sha256[:12]}) in {time.time() - t0:.1f}s",
+            file=sys.stderr,
+            flush=True,
+        )
     return tok
-
 
 
 def _train(spm, **kwargs):
@@ -217,8 +252,7 @@ class _Heartbeat:
         if not self.enabled:
             return self
         self._stop = threading.Event()
-        self._bar = tqdm(desc=self.desc, unit="s", file=sys.stderr,
-                         bar_format="{desc}: {elapsed} elapsed")
+        self._bar = tqdm(desc=self.desc, unit="s", file=sys.stderr, bar_format="{desc}: {elapsed} elapsed")
 
         def tick():
             while not self._stop.wait(1.0):

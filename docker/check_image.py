@@ -3,6 +3,7 @@ otherwise fall back from without a word is there. flash-attn and apex import, an
 CUDA ops were compiled at install time (a missing one would be JIT-compiled on every node at
 the first step). Imports only: it runs without a GPU (DeepSpeed is told the accelerator is CUDA,
 which it cannot detect then). Prints one line per problem, exits 1."""
+
 import importlib
 import os
 import sys

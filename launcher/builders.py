@@ -1,10 +1,10 @@
 """One builder per launcher: launch options (`cli.Resolved`) -> `Plan`."""
+
 from __future__ import annotations
 
 import os
 import shlex
 import shutil
-from typing import Dict, List
 
 from launcher.envvars import DEFAULT_EXPORT_PREFIXES, SECRET
 from launcher.hosts import format_hostfile
@@ -12,8 +12,17 @@ from launcher.plan import Plan
 
 # rank variables of an outer launcher that must not reach ranks started by mpirun or srun
 # (pretrain.distributed.discover() reads RANK/WORLD_SIZE first)
-OUTER_RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "NODE_RANK",
-                   "GROUP_RANK", "CROSS_RANK", "CROSS_SIZE")
+OUTER_RANK_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "LOCAL_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "CROSS_RANK",
+    "CROSS_SIZE",
+)
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_PORT = 29500
 
@@ -28,8 +37,10 @@ def _rank_log_dir(r) -> str:
 
 
 def _summary(r, what: str) -> str:
-    return (f"{what}: {r.nodes} node(s) x {r.procs} rank(s) = {r.world_size} ranks, "
-            f"entry `{' '.join([r.entry_module] + r.entry_args)}`, run dir {r.run_dir}")
+    return (
+        f"{what}: {r.nodes} node(s) x {r.procs} rank(s) = {r.world_size} ranks, "
+        f"entry `{' '.join([r.entry_module] + r.entry_args)}`, run dir {r.run_dir}"
+    )
 
 
 # --------------------------------------------------------------------------- local
@@ -37,8 +48,7 @@ def _summary(r, what: str) -> str:
 
 def build_local(r) -> Plan:
     if r.nodes > 1:
-        raise ValueError("--launcher local runs on this machine only; use deepspeed, slurm or mpi "
-                         "for several nodes")
+        raise ValueError("--launcher local runs on this machine only; use deepspeed, slurm or mpi for several nodes")
     py = r.python
     if r.procs == 1 and not r.args.rank_logs:
         cmd = [py] + r.rank_argv()
@@ -52,7 +62,7 @@ def build_local(r) -> Plan:
     return Plan("local", cmd, env=env, summary=_summary(r, "local"))
 
 
-def _parse_user_env(r) -> Dict[str, str]:
+def _parse_user_env(r) -> dict[str, str]:
     """Rank environment this process does not already have (--env, computed defaults)."""
     return {k: v for k, v in r.env.items() if r.environ.get(k) != v}
 
@@ -62,16 +72,18 @@ def _parse_user_env(r) -> Dict[str, str]:
 
 def build_deepspeed(r) -> Plan:
     a = r.args
-    files: Dict[str, str] = {}
+    files: dict[str, str] = {}
     exe = ["deepspeed"] if shutil.which("deepspeed") else [r.python, "-m", "deepspeed.launcher.runner"]
-    cmd: List[str] = list(exe)
+    cmd: list[str] = list(exe)
     multi = r.hosts is not None
     # the runner's MPI backends start one rank per hostfile slot and refuse --num_nodes,
     # --num_gpus, --include and --exclude: they get a hostfile of exactly the chosen ranks
     mpi_backend = multi and not a.no_ssh and a.ds_launcher != "pdsh"
     if mpi_backend and (a.include or a.exclude):
-        raise ValueError(f"--include/--exclude: the deepspeed runner's {a.ds_launcher} backend cannot "
-                         "select ranks; use --ds-launcher pdsh, or --nodes/--procs-per-node/--hosts")
+        raise ValueError(
+            f"--include/--exclude: the deepspeed runner's {a.ds_launcher} backend cannot "
+            "select ranks; use --ds-launcher pdsh, or --nodes/--procs-per-node/--hosts"
+        )
     if multi:
         if r.hostfile_given and not mpi_backend:
             hostfile = r.hostfile
@@ -108,7 +120,7 @@ def build_deepspeed(r) -> Plan:
     # ranks read LOCAL_RANK from the environment; without this the runner inserts
     # --local_rank=N in front of the module's own arguments
     cmd += ["--no_local_rank", "--module", r.entry_module] + r.entry_args + r.train_args
-    env: Dict[str, str] = {}
+    env: dict[str, str] = {}
     if r.env or multi:
         # the deepspeed runner exports every line of this file on every node (multi-node runs)
         env_file = os.path.join(r.launch_dir, ".deepspeed_env")
@@ -124,14 +136,14 @@ def build_deepspeed(r) -> Plan:
 # --------------------------------------------------------------------------- mpi
 
 
-def _mpirun_as_root() -> List[str]:
+def _mpirun_as_root() -> list[str]:
     """OpenMPI's mpirun refuses to start as root without this flag."""
     return ["--allow-run-as-root"] if os.geteuid() == 0 else []
 
 
 def build_mpi(r) -> Plan:
     a = r.args
-    files: Dict[str, str] = {}
+    files: dict[str, str] = {}
     cmd = shlex.split(a.mpirun) + ["-np", str(r.world_size)]
     if r.hosts is not None:
         if r.hostfile_given:
@@ -144,16 +156,18 @@ def build_mpi(r) -> Plan:
     cmd += _mpirun_as_root()
     if r.hosts is None and r.procs > (os.cpu_count() or 1):
         cmd += ["--oversubscribe"]
-    env = {"MASTER_ADDR": r.master_addr, "MASTER_PORT": str(r.master_port or DEFAULT_PORT),
-           "PYTHONPATH": _pythonpath(r.environ.get("PYTHONPATH", ""))}
+    env = {
+        "MASTER_ADDR": r.master_addr,
+        "MASTER_PORT": str(r.master_port or DEFAULT_PORT),
+        "PYTHONPATH": _pythonpath(r.environ.get("PYTHONPATH", "")),
+    }
     user_env = _parse_user_env(r)
     env.update(user_env)
     exported = ["MASTER_ADDR", "MASTER_PORT", "PYTHONPATH", "PATH", "LD_LIBRARY_PATH"]
     exported += [k for k in r.env if k not in exported]
     # secrets are passed by name only (mpirun copies the value from its own environment)
     prefixes = DEFAULT_EXPORT_PREFIXES + tuple(a.export)
-    exported += [k for k in sorted(r.environ) if k.startswith(prefixes) and SECRET.search(k)
-                 and k not in exported]
+    exported += [k for k in sorted(r.environ) if k.startswith(prefixes) and SECRET.search(k) and k not in exported]
     for k in exported:
         cmd += ["-x", k]
     if a.rank_logs:  # OpenMPI: <dir>/1/rank.N/{stdout,stderr}
@@ -179,7 +193,7 @@ def _signal_parts(spec: str):
     return full, name
 
 
-def container_binds(r) -> List[str]:
+def container_binds(r) -> list[str]:
     """Host directories the ranks need inside a container, each mounted at its own path: the
     working directory, the run directory, the DeepSpeed file's directory, the data (manifest,
     shards, tokenizer; read from the manifest when it is visible here) and, with --host-code,
@@ -192,8 +206,9 @@ def container_binds(r) -> List[str]:
 
             manifest = Manifest.load(r.config["data"])
             paths.add(os.path.dirname(manifest.tokenizer_path))
-            paths |= {os.path.dirname(e.url) for entries in manifest.splits.values() for e in entries
-                      if not is_url(e.url)}
+            paths |= {
+                os.path.dirname(e.url) for entries in manifest.splits.values() for e in entries if not is_url(e.url)
+            }
         except (OSError, ValueError, KeyError):
             pass  # visible from the nodes only: its directory is mounted, shards next to it are covered
     if r.args.host_code:
@@ -208,16 +223,19 @@ def slurm_script(r, script_path: str) -> str:
     output = a.output or os.path.join(run_dir, "slurm-%j.out")
     sig_full, sig_name = _signal_parts(a.signal)
     q = shlex.quote
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={a.job_name}", f"#SBATCH --nodes={r.nodes}",
-             f"#SBATCH --ntasks-per-node={r.procs}"]
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={a.job_name}",
+        f"#SBATCH --nodes={r.nodes}",
+        f"#SBATCH --ntasks-per-node={r.procs}",
+    ]
     if r.gpus:
         lines.append(f"#SBATCH --gpus-per-node={r.gpus}")
     if a.cpus_per_task:
         lines.append(f"#SBATCH --cpus-per-task={a.cpus_per_task}")
     if a.mem is not None:
         lines.append(f"#SBATCH --mem={a.mem}")
-    for flag, value in (("time", a.time), ("partition", a.partition), ("account", a.account),
-                        ("qos", a.qos)):
+    for flag, value in (("time", a.time), ("partition", a.partition), ("account", a.account), ("qos", a.qos)):
         if value:
             lines.append(f"#SBATCH --{flag}={value}")
     if a.exclusive:
@@ -234,10 +252,9 @@ def slurm_script(r, script_path: str) -> str:
     lines += [
         "# Written by `grt launch --launcher slurm`; submit with: sbatch " + script_path,
         "set -uo pipefail",
-        "export MASTER_ADDR=" + (q(r.master_addr) if a.master_addr else
-                                 '"$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"'),
-        "export MASTER_PORT=" + (str(r.master_port) if r.master_port else
-                                 '"$((20000 + SLURM_JOB_ID % 20000))"'),
+        "export MASTER_ADDR="
+        + (q(r.master_addr) if a.master_addr else '"$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"'),
+        "export MASTER_PORT=" + (str(r.master_port) if r.master_port else '"$((20000 + SLURM_JOB_ID % 20000))"'),
         f"export GRT_RUN_DIR={q(run_dir)}",
         "log() { echo \"$(date '+%Y-%m-%d %H:%M:%S') grt: $*\"; }",
     ]
@@ -251,8 +268,10 @@ def slurm_script(r, script_path: str) -> str:
         lines.append(f"export PYTHONPATH={q(PROJECT_ROOT)}" + '"${PYTHONPATH:+:$PYTHONPATH}"')
     for k, v in r.env.items():
         lines.append(f"export {k}={q(v)}")
-    lines.append('log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on '
-                 '$SLURM_JOB_NODELIST, $SLURM_NTASKS ranks, master $MASTER_ADDR:$MASTER_PORT"')
+    lines.append(
+        'log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on '
+        '$SLURM_JOB_NODELIST, $SLURM_NTASKS ranks, master $MASTER_ADDR:$MASTER_PORT"'
+    )
 
     srun = ["srun", "--kill-on-bad-exit=1", f"--ntasks-per-node={r.procs}"]
     if a.cpus_per_task:
@@ -264,12 +283,15 @@ def slurm_script(r, script_path: str) -> str:
     rank_cmd = [r.python] + r.rank_argv()
     if a.container_image:
         mounts = a.container_mounts or ",".join(f"{b}:{b}" for b in container_binds(r))
-        srun += [f"--container-image={a.container_image}", f"--container-mounts={mounts}",
-                 f"--container-workdir={cwd}"]
+        srun += [f"--container-image={a.container_image}", f"--container-mounts={mounts}", f"--container-workdir={cwd}"]
     elif a.apptainer:
         binds = a.container_mounts or ",".join(container_binds(r))
-        rank_cmd = ["apptainer", "exec"] + (["--nv"] if r.gpus else []) + ["--bind", binds, "--pwd", cwd,
-                                                                           a.apptainer] + rank_cmd
+        rank_cmd = (
+            ["apptainer", "exec"]
+            + (["--nv"] if r.gpus else [])
+            + ["--bind", binds, "--pwd", cwd, a.apptainer]
+            + rank_cmd
+        )
     for extra in a.srun_arg:
         srun += shlex.split(extra)
     srun_line = shlex.join(srun + rank_cmd)
@@ -282,7 +304,7 @@ def slurm_script(r, script_path: str) -> str:
             "preempted=0",
             "srun_pid=",
             "forward() {",
-            '  preempted=1',
+            "  preempted=1",
             '  log "received SIG$1, forwarding it to the ranks"',
             "  # through Slurm to every rank on every node, not `kill` on srun: srun answers SIGTERM",
             "  # (or SIGINT) by killing every rank at once, before any could save a checkpoint",
@@ -304,8 +326,10 @@ def slurm_script(r, script_path: str) -> str:
             'if [ "$preempted" = 1 ] && [ "$status" = 0 ]; then',
         ]
         if a.requeue:
-            lines += ['  log "checkpoint saved after the pre-emption signal; requeueing job $SLURM_JOB_ID"',
-                      '  scontrol requeue "$SLURM_JOB_ID"']
+            lines += [
+                '  log "checkpoint saved after the pre-emption signal; requeueing job $SLURM_JOB_ID"',
+                '  scontrol requeue "$SLURM_JOB_ID"',
+            ]
         else:
             lines += [f'  log "checkpoint saved after the pre-emption signal; resume with: sbatch {script_path}"']
         lines += ["fi", 'exit "$status"']
@@ -321,13 +345,21 @@ def build_slurm(r) -> Plan:
     if not r.gpus and not a.cpu:
         raise ValueError("a Slurm job needs --gpus-per-node G (one rank per GPU), or --cpu for a CPU-only job")
     if a.host_code and not (a.container_image or a.apptainer):
-        raise ValueError("--host-code goes with --container-image or --apptainer (without a container "
-                         "the ranks run this checkout's code anyway)")
+        raise ValueError(
+            "--host-code goes with --container-image or --apptainer (without a container "
+            "the ranks run this checkout's code anyway)"
+        )
     script_path = os.path.join(r.launch_dir, "slurm.sbatch")
     script = slurm_script(r, script_path)
     cmd = ["sbatch", "--parsable"] + (["--wait"] if a.wait else []) + [script_path]
-    return Plan("slurm", cmd, files={script_path: script}, executable_files=[script_path],
-                env=_parse_user_env(r), summary=_summary(r, "slurm batch job"))
+    return Plan(
+        "slurm",
+        cmd,
+        files={script_path: script},
+        executable_files=[script_path],
+        env=_parse_user_env(r),
+        summary=_summary(r, "slurm batch job"),
+    )
 
 
 BUILDERS = {"local": build_local, "deepspeed": build_deepspeed, "mpi": build_mpi, "slurm": build_slurm}

@@ -14,6 +14,7 @@ directory (`--run-dir`, else the train `--out` directory, else `runs/launch-<tim
 with `launch.json` (the command and environment), and the command runs in the foreground
 (Slurm: the script is submitted with `sbatch`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,8 @@ import shlex
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
 
 from launcher import builders
 from launcher.envvars import DEFAULT_EXPORT_PREFIXES, SECRET
@@ -55,69 +56,112 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
         allow_abbrev=False,  # `--out` is grt train's, not an abbreviation of `--output`
     )
-    p.add_argument("--launcher", choices=LAUNCHERS, default="local",
-                   help="local: one process, or torchrun for several on this machine; deepspeed: "
-                   "the deepspeed runner; slurm: an sbatch script with srun; mpi: mpirun")
-    p.add_argument("--nodes", type=int, default=None,
-                   help="number of nodes (default: hosts in the hostfile, else 1)")
-    p.add_argument("--gpus-per-node", type=int, default=None,
-                   help="GPUs per node; one rank per GPU (default: hostfile slots, else 0 on a "
-                   "machine without CUDA)")
-    p.add_argument("--procs-per-node", type=int, default=None,
-                   help="ranks per node (default: --gpus-per-node, else 1); on CPU this is the "
-                   "number of processes")
-    p.add_argument("--cpu", action="store_true",
-                   help="CPU ranks: no GPU request, CUDA_VISIBLE_DEVICES empty (a Slurm job needs this "
-                   "or --gpus-per-node)")
-    p.add_argument("--hostfile", default=None,
-                   help="hostfile ('host slots=N' lines); default $GRT_HOSTFILE or $DLTS_HOSTFILE")
-    p.add_argument("--hosts", default=None,
-                   help="comma-separated host names instead of a hostfile (Slurm ranges allowed: "
-                   "node[01-04]); inside a Slurm allocation its nodes are used by default")
-    p.add_argument("--master-addr", default=None,
-                   help="rendezvous address (default: $MASTER_ADDR, else the first host)")
-    p.add_argument("--master-port", type=int, default=None,
-                   help="rendezvous port (default: $MASTER_PORT, else 29500; Slurm: derived "
-                   "from the job id)")
-    p.add_argument("--node-rank", type=int, default=None,
-                   help="deepspeed --no-ssh: this node's index in the hostfile")
-    p.add_argument("--no-ssh", action="store_true",
-                   help="deepspeed: start only this node's ranks (run once per node with "
-                   "--node-rank), no pdsh/ssh")
-    p.add_argument("--rank-logs", action="store_true",
-                   help="also write each rank's output to RUN_DIR/logs/ (deepspeed: --enable_each_rank_log, "
-                   "slurm: srun --output, mpi: --output-filename, local: torchrun --log-dir)")
+    p.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="local",
+        help="local: one process, or torchrun for several on this machine; deepspeed: "
+        "the deepspeed runner; slurm: an sbatch script with srun; mpi: mpirun",
+    )
+    p.add_argument("--nodes", type=int, default=None, help="number of nodes (default: hosts in the hostfile, else 1)")
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        help="GPUs per node; one rank per GPU (default: hostfile slots, else 0 on a machine without CUDA)",
+    )
+    p.add_argument(
+        "--procs-per-node",
+        type=int,
+        default=None,
+        help="ranks per node (default: --gpus-per-node, else 1); on CPU this is the number of processes",
+    )
+    p.add_argument(
+        "--cpu",
+        action="store_true",
+        help="CPU ranks: no GPU request, CUDA_VISIBLE_DEVICES empty (a Slurm job needs this or --gpus-per-node)",
+    )
+    p.add_argument(
+        "--hostfile", default=None, help="hostfile ('host slots=N' lines); default $GRT_HOSTFILE or $DLTS_HOSTFILE"
+    )
+    p.add_argument(
+        "--hosts",
+        default=None,
+        help="comma-separated host names instead of a hostfile (Slurm ranges allowed: "
+        "node[01-04]); inside a Slurm allocation its nodes are used by default",
+    )
+    p.add_argument(
+        "--master-addr", default=None, help="rendezvous address (default: $MASTER_ADDR, else the first host)"
+    )
+    p.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        help="rendezvous port (default: $MASTER_PORT, else 29500; Slurm: derived from the job id)",
+    )
+    p.add_argument("--node-rank", type=int, default=None, help="deepspeed --no-ssh: this node's index in the hostfile")
+    p.add_argument(
+        "--no-ssh",
+        action="store_true",
+        help="deepspeed: start only this node's ranks (run once per node with --node-rank), no pdsh/ssh",
+    )
+    p.add_argument(
+        "--rank-logs",
+        action="store_true",
+        help="also write each rank's output to RUN_DIR/logs/ (deepspeed: --enable_each_rank_log, "
+        "slurm: srun --output, mpi: --output-filename, local: torchrun --log-dir)",
+    )
     d = p.add_argument_group("deepspeed runner")
-    d.add_argument("--ds-launcher", choices=DS_LAUNCHERS, default="pdsh",
-                   help="the runner's multi-node backend (--launcher of `deepspeed`; for Slurm use "
-                   "--launcher slurm)")
-    d.add_argument("--launcher-args", default="",
-                   help="extra arguments for the runner's backend (--launcher_args)")
+    d.add_argument(
+        "--ds-launcher",
+        choices=DS_LAUNCHERS,
+        default="pdsh",
+        help="the runner's multi-node backend (--launcher of `deepspeed`; for Slurm use --launcher slurm)",
+    )
+    d.add_argument("--launcher-args", default="", help="extra arguments for the runner's backend (--launcher_args)")
     d.add_argument("--include", default=None, help="deepspeed --include, e.g. 'node1:0,1@node2'")
     d.add_argument("--exclude", default=None, help="deepspeed --exclude, e.g. 'node3'")
     d.add_argument("--ssh-port", type=int, default=None, help="deepspeed --ssh_port")
-    d.add_argument("--no-ssh-check", action="store_true",
-                   help="deepspeed --no_ssh_check: skip the runner's passwordless-ssh test")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                   help="environment variable for every rank (repeatable)")
-    p.add_argument("--export", action="append", default=[], metavar="PREFIX",
-                   help="also pass variables starting with PREFIX from this environment to "
-                   "every rank (NCCL_, UCX_, FI_, GRT_, ... always are)")
-    p.add_argument("--run-dir", default=None,
-                   help="where the launch files go (default: the train --out directory, else "
-                   "runs/launch-<time>)")
-    p.add_argument("--entry", default=DEFAULT_ENTRY,
-                   help="per-rank python module and its leading arguments")
-    p.add_argument("--no-resolve", action="store_true",
-                   help="hand the train arguments to every rank as they are, instead of resolving "
-                   "the run config here once and handing every rank --config-json")
-    p.add_argument("--no-auto-resume", action="store_true",
-                   help="slurm: do not add --resume (by default a Slurm job resumes from the newest "
-                   "checkpoint in --out, so that a requeued or resubmitted job continues)")
-    p.add_argument("--python", default=None,
-                   help="python on the nodes (default: this interpreter; 'python' in a container)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the files and the command, run nothing")
+    d.add_argument(
+        "--no-ssh-check", action="store_true", help="deepspeed --no_ssh_check: skip the runner's passwordless-ssh test"
+    )
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment variable for every rank (repeatable)",
+    )
+    p.add_argument(
+        "--export",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="also pass variables starting with PREFIX from this environment to "
+        "every rank (NCCL_, UCX_, FI_, GRT_, ... always are)",
+    )
+    p.add_argument(
+        "--run-dir",
+        default=None,
+        help="where the launch files go (default: the train --out directory, else runs/launch-<time>)",
+    )
+    p.add_argument("--entry", default=DEFAULT_ENTRY, help="per-rank python module and its leading arguments")
+    p.add_argument(
+        "--no-resolve",
+        action="store_true",
+        help="hand the train arguments to every rank as they are, instead of resolving "
+        "the run config here once and handing every rank --config-json",
+    )
+    p.add_argument(
+        "--no-auto-resume",
+        action="store_true",
+        help="slurm: do not add --resume (by default a Slurm job resumes from the newest "
+        "checkpoint in --out, so that a requeued or resubmitted job continues)",
+    )
+    p.add_argument(
+        "--python", default=None, help="python on the nodes (default: this interpreter; 'python' in a container)"
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the files and the command, run nothing")
     s = p.add_argument_group("slurm")
     s.add_argument("--job-name", default="grt", help="job name")
     s.add_argument("--partition", default=None, help="partition (default: the cluster's default)")
@@ -127,28 +171,45 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cpus-per-task", type=int, default=None, help="CPUs for each rank")
     s.add_argument("--mem", default=None, help="memory per node, e.g. 0 for all")
     s.add_argument("--exclusive", action="store_true", help="whole nodes only")
-    s.add_argument("--output", default=None,
-                   help="job log path (default RUN_DIR/slurm-%%j.out)")
-    s.add_argument("--signal", default="USR1@120",
-                   help="pre-emption warning: SIG@SECONDS before the time limit, sent to the batch "
-                   "script, which forwards it to the ranks ('' for none)")
-    s.add_argument("--requeue", action="store_true",
-                   help="requeue the job after a pre-emption signal led to a checkpoint (and let "
-                   "Slurm requeue it on node failure/pre-emption)")
-    s.add_argument("--container-image", default=None,
-                   help="run the ranks in this image through pyxis/enroot (srun --container-image)")
-    s.add_argument("--container-mounts", default=None,
-                   help="container mounts (default: the working directory, the run directory, the "
-                   "data's manifest, shards and tokenizer, and the DeepSpeed file's directory)")
-    s.add_argument("--host-code", action="store_true",
-                   help="containers: run this checkout's code (mounted, on PYTHONPATH) instead of the "
-                   "image's")
-    s.add_argument("--apptainer", default=None, metavar="IMAGE",
-                   help="run the ranks with `apptainer exec --nv IMAGE` instead")
-    s.add_argument("--sbatch-arg", action="append", default=[],
-                   help="extra '#SBATCH' option, e.g. --sbatch-arg=--constraint=h100 (repeatable)")
-    s.add_argument("--srun-arg", action="append", default=[],
-                   help="extra srun option (repeatable)")
+    s.add_argument("--output", default=None, help="job log path (default RUN_DIR/slurm-%%j.out)")
+    s.add_argument(
+        "--signal",
+        default="USR1@120",
+        help="pre-emption warning: SIG@SECONDS before the time limit, sent to the batch "
+        "script, which forwards it to the ranks ('' for none)",
+    )
+    s.add_argument(
+        "--requeue",
+        action="store_true",
+        help="requeue the job after a pre-emption signal led to a checkpoint (and let "
+        "Slurm requeue it on node failure/pre-emption)",
+    )
+    s.add_argument(
+        "--container-image",
+        default=None,
+        help="run the ranks in this image through pyxis/enroot (srun --container-image)",
+    )
+    s.add_argument(
+        "--container-mounts",
+        default=None,
+        help="container mounts (default: the working directory, the run directory, the "
+        "data's manifest, shards and tokenizer, and the DeepSpeed file's directory)",
+    )
+    s.add_argument(
+        "--host-code",
+        action="store_true",
+        help="containers: run this checkout's code (mounted, on PYTHONPATH) instead of the image's",
+    )
+    s.add_argument(
+        "--apptainer", default=None, metavar="IMAGE", help="run the ranks with `apptainer exec --nv IMAGE` instead"
+    )
+    s.add_argument(
+        "--sbatch-arg",
+        action="append",
+        default=[],
+        help="extra '#SBATCH' option, e.g. --sbatch-arg=--constraint=h100 (repeatable)",
+    )
+    s.add_argument("--srun-arg", action="append", default=[], help="extra srun option (repeatable)")
     s.add_argument("--wait", action="store_true", help="sbatch --wait: return when the job ends")
     m = p.add_argument_group("mpi")
     m.add_argument("--mpirun", default="mpirun", help="the mpirun program")
@@ -156,15 +217,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def split_argv(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
+def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     argv = list(argv)
     if "--" in argv:
         i = argv.index("--")
-        return argv[:i], argv[i + 1:]
+        return argv[:i], argv[i + 1 :]
     return argv, []
 
 
-def _train_out_dir(train_args: Sequence[str]) -> Optional[str]:
+def _train_out_dir(train_args: Sequence[str]) -> str | None:
     for i, a in enumerate(train_args):
         for flag in ("--out", "--out-dir", "--output-dir"):
             if a == flag and i + 1 < len(train_args):
@@ -174,7 +235,7 @@ def _train_out_dir(train_args: Sequence[str]) -> Optional[str]:
     return None
 
 
-def _parse_env(pairs: Sequence[str]) -> Dict[str, str]:
+def _parse_env(pairs: Sequence[str]) -> dict[str, str]:
     env = {}
     for pair in pairs:
         if "=" not in pair:
@@ -187,12 +248,12 @@ def _parse_env(pairs: Sequence[str]) -> Dict[str, str]:
 class Resolved:
     """The launch options after defaults, hostfile and environment are applied."""
 
-    def __init__(self, args: argparse.Namespace, train_args: List[str], environ: Dict[str, str]):
+    def __init__(self, args: argparse.Namespace, train_args: list[str], environ: dict[str, str]):
         self.args = args
         self.train_args = train_args
         self.environ = environ
         self.hostfile = args.hostfile or (env_hostfile(environ) if args.launcher in ("deepspeed", "mpi") else None)
-        hosts: Optional[List[Tuple[str, int]]] = None
+        hosts: list[tuple[str, int]] | None = None
         if args.hosts:
             hosts = [(h, 0) for h in parse_hosts(args.hosts)]
             self.hostfile_given = False
@@ -223,12 +284,12 @@ class Resolved:
                 raise SystemExit(f"grt launch: --nodes {self.nodes} but only {len(hosts)} hosts given")
             hosts = [(h, s or self.procs) for h, s in hosts[: self.nodes]]
         elif self.nodes > 1 and args.launcher in ("deepspeed", "mpi"):
-            raise SystemExit(f"grt launch: {self.nodes} nodes need --hostfile or --hosts "
-                             "(or a Slurm allocation)")
+            raise SystemExit(f"grt launch: {self.nodes} nodes need --hostfile or --hosts (or a Slurm allocation)")
         self.hosts = hosts
         self.world_size = self.nodes * self.procs
-        self.master_addr = args.master_addr or environ.get("MASTER_ADDR") or (
-            hosts[0][0] if hosts and self.nodes > 1 else "127.0.0.1")
+        self.master_addr = (
+            args.master_addr or environ.get("MASTER_ADDR") or (hosts[0][0] if hosts and self.nodes > 1 else "127.0.0.1")
+        )
         port = args.master_port or environ.get("MASTER_PORT")
         self.master_port = int(port) if port else None
         entry = shlex.split(args.entry)
@@ -237,8 +298,11 @@ class Resolved:
         self.entry_module, self.entry_args = entry[0], entry[1:]
         self.config = None  # the resolved run config (dict), when the entry is `grt train`
         out = _train_out_dir(train_args)
-        resolve = (entry == DEFAULT_ENTRY.split() and not args.no_resolve
-                   and not {"-h", "--help", "--print-config"} & set(train_args))
+        resolve = (
+            entry == DEFAULT_ENTRY.split()
+            and not args.no_resolve
+            and not {"-h", "--help", "--print-config"} & set(train_args)
+        )
         resume = False
         self.ds_config = None  # the merged DeepSpeed config, checked here before anything starts
         if resolve:
@@ -259,7 +323,7 @@ class Resolved:
         self.python = args.python or ("python" if container else sys.executable)
         self.env = self._rank_env(environ)
 
-    def _rank_env(self, environ: Dict[str, str]) -> Dict[str, str]:
+    def _rank_env(self, environ: dict[str, str]) -> dict[str, str]:
         prefixes = tuple(DEFAULT_EXPORT_PREFIXES) + tuple(self.args.export)
         env = {k: v for k, v in sorted(environ.items()) if k.startswith(prefixes) and not SECRET.search(k)}
         if self.args.cpu:  # the ranks must not pick up a GPU the node happens to have
@@ -270,14 +334,16 @@ class Resolved:
         env.update(_parse_env(self.args.env))
         return env
 
-    def rank_argv(self) -> List[str]:
+    def rank_argv(self) -> list[str]:
         """The per-rank program after `python`: -m MODULE ARGS..."""
         return ["-m", self.entry_module] + self.entry_args + self.train_args
 
-    def record(self, argv: Sequence[str]) -> Dict[str, object]:
+    def record(self, argv: Sequence[str]) -> dict[str, object]:
         return {
-            "grt_launch_argv": [re.sub(r"^([^=]+)=.*", r"\1=<redacted>", a) if SECRET.search(a.split("=", 1)[0])
-                                and "=" in a else a for a in argv],
+            "grt_launch_argv": [
+                re.sub(r"^([^=]+)=.*", r"\1=<redacted>", a) if SECRET.search(a.split("=", 1)[0]) and "=" in a else a
+                for a in argv
+            ],
             "train_args": self.train_args,
             "entry": [self.entry_module] + self.entry_args,
             "nodes": self.nodes,
@@ -295,7 +361,7 @@ class Resolved:
         }
 
 
-def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -> Tuple[Dict[str, object], bool]:
+def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -> tuple[dict[str, object], bool]:
     """Resolve `grt train` arguments into one complete run config, once, on this host.
 
     Like GPT-NeoX, the merged config (preset, model JSON, flags, --set overrides) is built
@@ -306,7 +372,8 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
     rank starts (a missing manifest, another tokenizer, a changed schedule).
     """
     from pretrain.config import ConfigError
-    from pretrain.train import build_parser as train_parser, config_from_args
+    from pretrain.train import build_parser as train_parser
+    from pretrain.train import config_from_args
     from pretrain.training.ds_config import resolve_ds_path
 
     try:
@@ -338,7 +405,7 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
     return config, bool(targs.resume)
 
 
-def checked_ds_config(config: Dict[str, object], world_size: int, use_cuda: bool) -> Dict[str, object]:
+def checked_ds_config(config: dict[str, object], world_size: int, use_cuda: bool) -> dict[str, object]:
     """The DeepSpeed config every rank will build, merged and checked once, here (with the
     checkpointing mode it allows, so that a refusal is one line, not one per rank)."""
     from pretrain.config import ConfigError
@@ -364,7 +431,7 @@ def _local_gpu_count() -> int:
         return 0
 
 
-def build_plan(argv: Sequence[str], environ: Optional[Dict[str, str]] = None) -> Tuple[Plan, argparse.Namespace]:
+def build_plan(argv: Sequence[str], environ: dict[str, str] | None = None) -> tuple[Plan, argparse.Namespace]:
     own, train_args = split_argv(argv)
     parser = build_parser()
     args, unknown = parser.parse_known_args(own)
@@ -376,8 +443,11 @@ def build_plan(argv: Sequence[str], environ: Optional[Dict[str, str]] = None) ->
         import json
 
         ds_path = os.path.join(r.launch_dir, "ds_config.json")
-        plan.files = {r.config_path: json.dumps(r.config, indent=2) + "\n",
-                      ds_path: json.dumps(r.ds_config, indent=2) + "\n", **plan.files}
+        plan.files = {
+            r.config_path: json.dumps(r.config, indent=2) + "\n",
+            ds_path: json.dumps(r.ds_config, indent=2) + "\n",
+            **plan.files,
+        }
     plan.run_dir = r.launch_dir
     plan.record = r.record(argv)
     return plan, args

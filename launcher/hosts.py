@@ -1,18 +1,18 @@
 """Hostfiles (`host slots=N`, the format DeepSpeed and OpenMPI share) and node lists."""
+
 from __future__ import annotations
 
 import os
 import re
-from typing import List, Optional, Tuple
 
 from pretrain.distributed import expand_nodelist
 
-Host = Tuple[str, int]  # (hostname, slots)
+Host = tuple[str, int]  # (hostname, slots)
 
 
-def read_hostfile(path: str) -> List[Host]:
+def read_hostfile(path: str) -> list[Host]:
     """Parse a DeepSpeed/OpenMPI hostfile; comments and blank lines are skipped."""
-    hosts: List[Host] = []
+    hosts: list[Host] = []
     seen = set()
     with open(path) as f:
         for lineno, raw in enumerate(f, 1):
@@ -32,20 +32,20 @@ def read_hostfile(path: str) -> List[Host]:
     return hosts
 
 
-def format_hostfile(hosts: List[Host]) -> str:
+def format_hostfile(hosts: list[Host]) -> str:
     return "".join(f"{h} slots={s}\n" for h, s in hosts)
 
 
-def parse_hosts(text: str) -> List[str]:
+def parse_hosts(text: str) -> list[str]:
     """`--hosts` value: comma/space separated names, Slurm ranges allowed (node[1-4])."""
-    out: List[str] = []
+    out: list[str] = []
     for token in re.split(r"\s+", text.strip()):
         if token:
             out.extend(expand_nodelist(token))
     return out
 
 
-def env_hostfile(environ=None) -> Optional[str]:
+def env_hostfile(environ=None) -> str | None:
     """A hostfile named by the environment (GRT_HOSTFILE, or DeepSpeed/GPT-NeoX's DLTS_HOSTFILE)."""
     environ = os.environ if environ is None else environ
     for name in ("GRT_HOSTFILE", "DLTS_HOSTFILE"):
@@ -55,7 +55,7 @@ def env_hostfile(environ=None) -> Optional[str]:
     return None
 
 
-def slurm_allocation_hosts(environ=None) -> Optional[List[str]]:
+def slurm_allocation_hosts(environ=None) -> list[str] | None:
     """The nodes of the Slurm allocation this command runs in, if any."""
     environ = os.environ if environ is None else environ
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")

@@ -1,4 +1,5 @@
 """What a launch does: files to write, environment to set, one command to run."""
+
 from __future__ import annotations
 
 import json
@@ -8,20 +9,19 @@ import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
 
 
 @dataclass
 class Plan:
     launcher: str
-    command: List[str]
-    env: Dict[str, str] = field(default_factory=dict)  # set for the launching command only
-    unset: List[str] = field(default_factory=list)  # removed from its environment
-    files: Dict[str, str] = field(default_factory=dict)  # path -> content, written first
-    executable_files: List[str] = field(default_factory=list)
+    command: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # set for the launching command only
+    unset: list[str] = field(default_factory=list)  # removed from its environment
+    files: dict[str, str] = field(default_factory=dict)  # path -> content, written first
+    executable_files: list[str] = field(default_factory=list)
     summary: str = ""
-    run_dir: Optional[str] = None
-    record: Dict[str, object] = field(default_factory=dict)
+    run_dir: str | None = None
+    record: dict[str, object] = field(default_factory=dict)
 
     def shell_command(self) -> str:
         words = []
@@ -58,8 +58,7 @@ class Plan:
             from launcher.envvars import SECRET
 
             env = {k: ("<redacted>" if SECRET.search(k) else v) for k, v in self.env.items()}
-            record.update(launcher=self.launcher, command=self.command, env=env,
-                          files=sorted(self.files))
+            record.update(launcher=self.launcher, command=self.command, env=env, files=sorted(self.files))
             with open(os.path.join(self.run_dir, "launch.json"), "w") as f:
                 json.dump(record, f, indent=2, sort_keys=True)
                 f.write("\n")

@@ -9,6 +9,7 @@ With `--steps N` it also behaves like a pre-emptible trainer: one collective "st
 agrees to stop at the next step, rank 0 writes `OUT/probe-checkpoint.json` and all exit 0;
 a later start resumes from that checkpoint.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,11 +49,17 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     t = all_reduce(torch.tensor([float(info.rank + 1)], device=comm_device()))
     record = info.to_dict()
-    record.update(allreduce_sum=t.item(), expected_sum=info.world_size * (info.world_size + 1) / 2,
-                  backend=dist.get_backend(), dist_rank=dist.get_rank(),
-                  dist_world_size=dist.get_world_size(), hostname=socket.gethostname(), pid=os.getpid(),
-                  slurm_job_id=os.environ.get("SLURM_JOB_ID"),
-                  slurm_restart_count=os.environ.get("SLURM_RESTART_COUNT"))
+    record.update(
+        allreduce_sum=t.item(),
+        expected_sum=info.world_size * (info.world_size + 1) / 2,
+        backend=dist.get_backend(),
+        dist_rank=dist.get_rank(),
+        dist_world_size=dist.get_world_size(),
+        hostname=socket.gethostname(),
+        pid=os.getpid(),
+        slurm_job_id=os.environ.get("SLURM_JOB_ID"),
+        slurm_restart_count=os.environ.get("SLURM_RESTART_COUNT"),
+    )
     if info.launcher == "mpi":
         from mpi4py import MPI
 
@@ -90,8 +97,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, f"probe-rank{info.rank}.json"), "w") as f:
         json.dump(record, f, indent=1)
     barrier()
-    print(f"probe rank {info.rank}/{info.world_size} via {info.launcher}: all_reduce {t.item()}",
-          flush=True)
+    print(f"probe rank {info.rank}/{info.world_size} via {info.launcher}: all_reduce {t.item()}", flush=True)
     return 0
 
 

@@ -1,4 +1,5 @@
 """GRT pretraining: models (plain PyTorch) and the DeepSpeed trainer."""
+
 import os
 from pathlib import Path
 

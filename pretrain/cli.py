@@ -5,6 +5,7 @@ and each component owns its argument parsing. Every command ends here, through
 `pretrain.distributed.run_command`: a command that started a process group ends the
 process through its one exit path, with the command's exit code.
 """
+
 import argparse
 import importlib
 import sys

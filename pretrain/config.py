@@ -4,6 +4,7 @@ A layout is `N` (dense: N blocks run once), `CxR` (the whole stack of C blocks
 looped R times: no prelude, no coda) or `P+CxR+K` (prelude, shared core looped R
 times, coda). Every part that is written must be at least 1.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -69,9 +70,11 @@ def parse_layout(text: str) -> Layout:
         raise ConfigError(f"layout must be a string like '1+5x6+5', got {text!r}")
     s = text.strip().replace("×", "x").replace("X", "x").replace(" ", "")
     accepted = "accepted forms: 'N' (dense), 'CxR' (whole stack looped), 'P+CxR+K' (prelude+core x loops+coda)"
-    for pattern, names in ((_FULL, ("prelude", "core", "loops", "coda")),
-                           (_LOOP_ONLY, ("core", "loops")),
-                           (_DENSE, ("prelude",))):
+    for pattern, names in (
+        (_FULL, ("prelude", "core", "loops", "coda")),
+        (_LOOP_ONLY, ("core", "loops")),
+        (_DENSE, ("prelude",)),
+    ):
         m = pattern.match(s)
         if not m:
             continue
@@ -80,9 +83,9 @@ def parse_layout(text: str) -> Layout:
         if zero:
             raise ConfigError(
                 f"layout {text!r}: {', '.join(zero)} must be at least 1 "
-                f"(write 'CxR' to loop the whole stack without prelude/coda); {accepted}")
-        return Layout(parts.get("prelude", 0), parts.get("core", 0),
-                      parts.get("loops", 0), parts.get("coda", 0))
+                f"(write 'CxR' to loop the whole stack without prelude/coda); {accepted}"
+            )
+        return Layout(parts.get("prelude", 0), parts.get("core", 0), parts.get("loops", 0), parts.get("coda", 0))
     raise ConfigError(f"layout {text!r} does not parse; {accepted}")
 
 
@@ -91,29 +94,29 @@ class ModelConfig:
     """Everything that defines a model's function and parameter shapes."""
 
     name: str = "custom"
-    variant: str = "grt"            # dense | grt (loop-only = grt with gate, noise, re-injection off) | huginn | rrt | ouro | mor
+    variant: str = "grt"  # dense | grt (loop-only = grt with gate, noise, re-injection off) | huginn | rrt | ouro | mor
     layout: str = "1+2x4+1"
     d_model: int = 128
     n_heads: int = 4
     vocab_size: int = 50257
-    pad_vocab_multiple: int = 1     # 64 pads 50257 -> 50304 (nanoGPT); logits are sliced back
+    pad_vocab_multiple: int = 1  # 64 pads 50257 -> 50304 (nanoGPT); logits are sliced back
     max_seq_len: int = 1024
-    bias: bool = False              # biases in linears and LayerNorms (HF GPT-2: True)
+    bias: bool = False  # biases in linears and LayerNorms (HF GPT-2: True)
     tie_embeddings: bool = True
     dropout: float = 0.0
     layer_norm_eps: float = 1e-5
     mlp_ratio: int = 4
     # GRT switches (the paper's ablation components)
-    state_noise_std: float = 0.1    # eps_x added to the state before the projection (training only)
-    reinject_anchor: bool = True    # project [s + eps_x ; e] (False: the core reads s + eps_x)
-    gate: bool = True               # False: s_r = o_r
-    gate_noise_std: float = 0.1     # eps_g added to the gate logits (training only)
-    gate_bias_init: float = 4.0     # sigmoid(4) ~ 0.982: the loop starts by barely writing
+    state_noise_std: float = 0.1  # eps_x added to the state before the projection (training only)
+    reinject_anchor: bool = True  # project [s + eps_x ; e] (False: the core reads s + eps_x)
+    gate: bool = True  # False: s_r = o_r
+    gate_noise_std: float = 0.1  # eps_g added to the gate logits (training only)
+    gate_bias_init: float = 4.0  # sigmoid(4) ~ 0.982: the loop starts by barely writing
     gate_tau: float = 1.0
-    exit_norm: bool = True          # LayerNorm on the loop's final state (the "one more d vector")
-    state_dtype: str = "fp32"       # the GRT's loop state s: fp32 whatever the weights' dtype (under bf16 the gate's
-                                    # ~2% writes would be rounded to bf16's 0.4% spacing), or the weights' (docs/model.md)
-    attention: str = "auto"         # auto | sdpa | flash_attn | naive
+    exit_norm: bool = True  # LayerNorm on the loop's final state (the "one more d vector")
+    state_dtype: str = "fp32"  # the GRT's loop state s: fp32 whatever the weights' dtype (under bf16 the gate's
+    # ~2% writes would be rounded to bf16's 0.4% spacing), or the weights' (docs/model.md)
+    attention: str = "auto"  # auto | sdpa | flash_attn | naive
     init_std: float = 0.02
     extra: dict[str, Any] = field(default_factory=dict)  # variant-specific settings (baselines)
 
@@ -146,7 +149,9 @@ class ModelConfig:
         if self.variant == "dense" and layout.looped:
             raise ConfigError(f"variant='dense' needs a dense layout like '12', got layout={self.layout!r}")
         if self.variant != "dense" and not layout.looped:
-            raise ConfigError(f"variant={self.variant!r} needs a looped layout like '1+5x6+5', got layout={self.layout!r}")
+            raise ConfigError(
+                f"variant={self.variant!r} needs a looped layout like '1+5x6+5', got layout={self.layout!r}"
+            )
         if self.attention not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention={self.attention!r}: accepted values are {', '.join(ATTENTION_BACKENDS)}")
         if self.state_dtype not in STATE_DTYPES:
@@ -165,27 +170,37 @@ class ModelConfig:
         if self.variant in BASELINE_EXTRA:
             self._validate_baseline()
         elif self.extra:
-            raise ConfigError(f"extra={self.extra!r}: variant={self.variant!r} takes no extra settings "
-                              f"(they are for the baselines {', '.join(BASELINE_EXTRA)})")
+            raise ConfigError(
+                f"extra={self.extra!r}: variant={self.variant!r} takes no extra settings "
+                f"(they are for the baselines {', '.join(BASELINE_EXTRA)})"
+            )
 
     def _validate_baseline(self) -> None:
         accepted = BASELINE_EXTRA[self.variant]
         unknown = sorted(set(self.extra) - set(accepted))
         if unknown:
-            raise ConfigError(f"extra key(s) {', '.join(unknown)} for variant={self.variant!r}; accepted keys: "
-                              f"{', '.join(f'{k} (default {v})' for k, v in accepted.items())}")
+            raise ConfigError(
+                f"extra key(s) {', '.join(unknown)} for variant={self.variant!r}; accepted keys: "
+                f"{', '.join(f'{k} (default {v})' for k, v in accepted.items())}"
+            )
         if self.gate or self.state_noise_std:
-            raise ConfigError(f"variant={self.variant!r} has no GRT gate and no state noise: set gate=false and "
-                              "state_noise_std=0 (the presets micro-/tiny-{huginn,rrt,ouro,mor} do)")
+            raise ConfigError(
+                f"variant={self.variant!r} has no GRT gate and no state noise: set gate=false and "
+                "state_noise_std=0 (the presets micro-/tiny-{huginn,rrt,ouro,mor} do)"
+            )
         if self.reinject_anchor != (self.variant == "huginn"):
-            raise ConfigError(f"variant={self.variant!r}: reinject_anchor must be {self.variant == 'huginn'} "
-                              "(only Huginn's adapter reads [s; e])")
+            raise ConfigError(
+                f"variant={self.variant!r}: reinject_anchor must be {self.variant == 'huginn'} "
+                "(only Huginn's adapter reads [s; e])"
+            )
         for key, value in self.extra.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"extra.{key}={value!r}: must be a number >= 0")
         if self.variant == "huginn" and int(self.xget("backprop_steps")) < 1:
             raise ConfigError("extra.backprop_steps must be >= 1")
-        if self.variant == "rrt" and (int(self.xget("lora_rank")) < 1 or self.xget("lora_rank") != int(self.xget("lora_rank"))):
+        if self.variant == "rrt" and (
+            int(self.xget("lora_rank")) < 1 or self.xget("lora_rank") != int(self.xget("lora_rank"))
+        ):
             raise ConfigError(f"extra.lora_rank={self.xget('lora_rank')!r}: must be a positive integer")
         if self.variant == "ouro" and not 0 < self.xget("exit_threshold") <= 1:
             raise ConfigError(f"extra.exit_threshold={self.xget('exit_threshold')!r}: must be in (0, 1]")
@@ -199,17 +214,17 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         return cls(**check_keys(cls, data, "model config"))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> "ModelConfig":
+    def load(cls, path: str | Path) -> ModelConfig:
         return cls.from_dict(load_json_object(path, f"model config {str(path)!r}"))
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **check_keys(type(self), changes, "model config"))
 
 

@@ -29,6 +29,7 @@ Every collective of the project goes through this module (`all_reduce`, `all_agr
 started a group ends through `exit_process` (`run_command` does it for each command).
 docs/gpu.md says why.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,9 +38,9 @@ import socket
 import subprocess
 import sys
 import traceback
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Callable, Dict, List, Mapping, Optional
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -84,14 +85,14 @@ class DistInfo:
     def num_nodes(self) -> int:
         return max(1, -(-self.world_size // max(1, self.local_world_size)))
 
-    def to_dict(self) -> Dict[str, object]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
 # --------------------------------------------------------------------------- Slurm lists
 
 
-def _split_top_level(text: str, sep: str = ",") -> List[str]:
+def _split_top_level(text: str, sep: str = ",") -> list[str]:
     """Split on `sep` outside brackets: 'a[1-2],b' -> ['a[1-2]', 'b']."""
     parts, depth, cur = [], 0, []
     for ch in text:
@@ -109,12 +110,12 @@ def _split_top_level(text: str, sep: str = ",") -> List[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
-def _expand_one(host: str) -> List[str]:
+def _expand_one(host: str) -> list[str]:
     m = re.search(r"\[([^\[\]]*)\]", host)
     if not m:
         return [host]
-    prefix, suffix = host[: m.start()], host[m.end():]
-    out: List[str] = []
+    prefix, suffix = host[: m.start()], host[m.end() :]
+    out: list[str] = []
     for item in m.group(1).split(","):
         item = item.strip()
         if "-" in item:
@@ -129,13 +130,13 @@ def _expand_one(host: str) -> List[str]:
     return out
 
 
-def expand_nodelist(nodelist: str) -> List[str]:
+def expand_nodelist(nodelist: str) -> list[str]:
     """Expand a Slurm hostlist expression, like `scontrol show hostnames` does.
 
     'gpu[001-003,7],login-a[1-2]-ib' -> ['gpu001', 'gpu002', 'gpu003', 'gpu7',
     'login-a1-ib', 'login-a2-ib'].
     """
-    hosts: List[str] = []
+    hosts: list[str] = []
     for part in _split_top_level(nodelist.strip()):
         hosts.extend(_expand_one(part))
     return hosts
@@ -148,14 +149,15 @@ def _first_host(nodelist: str) -> str:
             return hosts[0]
     except ValueError:
         pass
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                         text=True, check=True).stdout.split()
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+    ).stdout.split()
     return out[0]
 
 
-def parse_tasks_per_node(value: str) -> List[int]:
+def parse_tasks_per_node(value: str) -> list[int]:
     """'8(x4),2' -> [8, 8, 8, 8, 2] (the format of SLURM_TASKS_PER_NODE)."""
-    counts: List[int] = []
+    counts: list[int] = []
     for part in value.split(","):
         part = part.strip()
         if not part:
@@ -170,7 +172,7 @@ def parse_tasks_per_node(value: str) -> List[int]:
 # --------------------------------------------------------------------------- discovery
 
 
-def _int(env: Mapping[str, str], *names: str, default: Optional[int] = None) -> Optional[int]:
+def _int(env: Mapping[str, str], *names: str, default: int | None = None) -> int | None:
     for name in names:
         v = env.get(name)
         if v not in (None, ""):
@@ -191,10 +193,17 @@ def _from_torchrun(env: Mapping[str, str]) -> DistInfo:
         # deepspeed.launcher.launch does not export LOCAL_WORLD_SIZE; its CROSS_* variables help
         cross = _int(env, "CROSS_SIZE", default=None)
         local_world = world // cross if cross else world
-    node_rank = _int(env, "GROUP_RANK", "CROSS_RANK", "NODE_RANK",
-                     default=rank // max(1, local_world))
-    return DistInfo(rank, local_rank, world, local_world, node_rank,
-                    env.get("MASTER_ADDR") or "127.0.0.1", _port(env), "torchrun/deepspeed")
+    node_rank = _int(env, "GROUP_RANK", "CROSS_RANK", "NODE_RANK", default=rank // max(1, local_world))
+    return DistInfo(
+        rank,
+        local_rank,
+        world,
+        local_world,
+        node_rank,
+        env.get("MASTER_ADDR") or "127.0.0.1",
+        _port(env),
+        "torchrun/deepspeed",
+    )
 
 
 def _from_ompi(env: Mapping[str, str]) -> DistInfo:
@@ -216,8 +225,7 @@ def _from_mpi4py(env: Mapping[str, str]) -> DistInfo:
     rank, world = comm.Get_rank(), comm.Get_size()
     local_rank, local_world = local.Get_rank(), local.Get_size()
     addr = env.get("MASTER_ADDR") or comm.bcast(socket.gethostname() if rank == 0 else None, root=0)
-    return DistInfo(rank, local_rank, world, local_world, rank // max(1, local_world), addr,
-                    _port(env), "mpi")
+    return DistInfo(rank, local_rank, world, local_world, rank // max(1, local_world), addr, _port(env), "mpi")
 
 
 def _from_slurm(env: Mapping[str, str]) -> DistInfo:
@@ -252,7 +260,7 @@ def _in_slurm_step(env: Mapping[str, str]) -> bool:
     return step not in ("batch", "extern", "4294967294", "4294967291")
 
 
-def discover(env: Optional[Mapping[str, str]] = None) -> DistInfo:
+def discover(env: Mapping[str, str] | None = None) -> DistInfo:
     """Who this process is, from the environment (see the module docstring)."""
     env = os.environ if env is None else env
     if env.get("GRT_DIST_DISCOVERY", "").lower() == "mpi4py":
@@ -271,14 +279,13 @@ def discover(env: Optional[Mapping[str, str]] = None) -> DistInfo:
         if None in (world, local_rank, local_world) or (local_world < world and not env.get("MASTER_ADDR")):
             return _from_mpi4py(env)
         addr = env.get("MASTER_ADDR") or "127.0.0.1"
-        return DistInfo(rank, local_rank, world, local_world, rank // max(1, local_world), addr,
-                        _port(env), "mpi")
+        return DistInfo(rank, local_rank, world, local_world, rank // max(1, local_world), addr, _port(env), "mpi")
     return DistInfo(master_addr=env.get("MASTER_ADDR") or "127.0.0.1", master_port=_port(env))
 
 
 # --------------------------------------------------------------------------- start-up
 
-_INFO: Optional[DistInfo] = None
+_INFO: DistInfo | None = None
 
 
 def _free_port() -> int:
@@ -308,16 +315,18 @@ def init_distributed(timeout_s: float = 600) -> DistInfo:
         info.master_addr, info.master_port = "127.0.0.1", _free_port()
     if info.launcher == "mpi" and not info.master_addr:
         info.master_addr = _mpi_master_addr()
-    os.environ.update({
-        "MASTER_ADDR": info.master_addr,
-        "MASTER_PORT": str(info.master_port),
-        "RANK": str(info.rank),
-        "LOCAL_RANK": str(info.local_rank),
-        "WORLD_SIZE": str(info.world_size),
-        "LOCAL_WORLD_SIZE": str(info.local_world_size),
-        "LOCAL_SIZE": str(info.local_world_size),
-        "NODE_RANK": str(info.node_rank),
-    })
+    os.environ.update(
+        {
+            "MASTER_ADDR": info.master_addr,
+            "MASTER_PORT": str(info.master_port),
+            "RANK": str(info.rank),
+            "LOCAL_RANK": str(info.local_rank),
+            "WORLD_SIZE": str(info.world_size),
+            "LOCAL_WORLD_SIZE": str(info.local_world_size),
+            "LOCAL_SIZE": str(info.local_world_size),
+            "NODE_RANK": str(info.node_rank),
+        }
+    )
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(info.local_rank % max(1, torch.cuda.device_count()))
@@ -407,17 +416,17 @@ class RankFailed(RuntimeError):
     """Raised on every rank by `check_ranks` when one or more ranks failed: names each failing
     rank with its own error; `code` is the exit code the command ends with."""
 
-    def __init__(self, errors: Dict[int, str], code: int = 1):
-        by_text: Dict[str, List[int]] = {}
+    def __init__(self, errors: dict[int, str], code: int = 1):
+        by_text: dict[str, list[int]] = {}
         for rank in sorted(errors):
             by_text.setdefault(errors[rank], []).append(rank)
         super().__init__("; ".join(f"{_ranks(ranks)} failed: {text}" for text, ranks in by_text.items()))
         self.errors, self.code = errors, code
 
 
-def _ranks(ranks: List[int]) -> str:
+def _ranks(ranks: list[int]) -> str:
     """[1] -> 'rank 1'; [0, 1, 2, 5] -> 'ranks 0-2, 5'."""
-    spans: List[List[int]] = []
+    spans: list[list[int]] = []
     for r in ranks:
         if spans and r == spans[-1][1] + 1:
             spans[-1][1] = r
@@ -431,7 +440,7 @@ def _ranks(ranks: List[int]) -> str:
 ERROR_BYTES = 1000
 
 
-def check_ranks(error: Optional[str] = None, code: int = 1) -> None:
+def check_ranks(error: str | None = None, code: int = 1) -> None:
     """A point that every rank of a job reaches in the same order (a collective), passing its
     own error (one line) and exit code, or None: returns when no rank passed an error, and
     otherwise raises RankFailed on every rank, naming each failing rank with its error and
@@ -443,18 +452,20 @@ def check_ranks(error: Optional[str] = None, code: int = 1) -> None:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    codes = torch.tensor([float(code if r == rank and error is not None else 0) for r in range(world)],
-                         device=comm_device())
+    codes = torch.tensor(
+        [float(code if r == rank and error is not None else 0) for r in range(world)], device=comm_device()
+    )
     codes = [int(c) for c in all_reduce(codes, op="max").cpu().tolist()]
     if not any(codes):
         return
     rows = torch.zeros(world, ERROR_BYTES, dtype=torch.uint8)
     if error is not None:
         text = error.encode("utf-8")[:ERROR_BYTES]
-        rows[rank, :len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        rows[rank, : len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     rows = all_reduce(rows.to(comm_device()), op="max").cpu()
-    errors = {r: bytes(rows[r].tolist()).rstrip(b"\0").decode("utf-8", errors="ignore")
-              for r in range(world) if codes[r]}
+    errors = {
+        r: bytes(rows[r].tolist()).rstrip(b"\0").decode("utf-8", errors="ignore") for r in range(world) if codes[r]
+    }
     raise RankFailed(errors, max(codes))
 
 
@@ -471,11 +482,12 @@ def barrier() -> None:
 class Dist:
     """Where this process stands in a sharded evaluation: rank `rank` of `world` takes every
     world-th item (`shard`); the sums are then combined with `all_reduce`."""
+
     rank: int = 0
     world: int = 1
 
     def shard(self, items: list) -> list:
-        return items[self.rank::self.world]
+        return items[self.rank :: self.world]
 
 
 def join_launch() -> Dist:
@@ -540,7 +552,7 @@ def _exit_code(err: BaseException) -> int:
     return 1
 
 
-def run_command(main: Callable[[Optional[List[str]]], Optional[int]], argv: Optional[List[str]] = None) -> int:
+def run_command(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
     """Run a command's `main(argv)` as the process entry (the `grt` dispatcher, and every
     `python -m` module that may start a process group): its exit code, exception included,
     goes through exit_process, so no command can forget it. Without a process group it

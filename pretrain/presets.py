@@ -5,6 +5,7 @@ dense-small is GPT-2's 124,439,808 parameters. GRT presets use the authors' nano
 conventions (no biases, vocabulary padded to 50,304), which reproduce their model
 cards exactly (grt-large 290,196,480; grt-large-isoparams 781,780,480).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,46 +21,71 @@ TINY = dict(bias=False, pad_vocab_multiple=64, vocab_size=4096, max_seq_len=256)
 
 
 LOOP_ONLY = dict(gate=False, reinject_anchor=False, state_noise_std=0.0)
-BASELINE_SWITCHES = {"huginn": dict(gate=False, state_noise_std=0.0, reinject_anchor=True),
-                     **{v: LOOP_ONLY for v in ("rrt", "ouro", "mor")}}
+BASELINE_SWITCHES = {
+    "huginn": dict(gate=False, state_noise_std=0.0, reinject_anchor=True),
+    **{v: LOOP_ONLY for v in ("rrt", "ouro", "mor")},
+}
 
 
 def _preset(name, variant, layout, d_model, n_heads, conventions, **overrides):
-    return name, ModelConfig(name=name, variant=variant, layout=layout, d_model=d_model,
-                             n_heads=n_heads, **{**conventions, **overrides})
+    return name, ModelConfig(
+        name=name, variant=variant, layout=layout, d_model=d_model, n_heads=n_heads, **{**conventions, **overrides}
+    )
 
 
-PRESETS: dict[str, ModelConfig] = dict([
-    _preset("dense-small", "dense", "12", 768, 12, HF),
-    _preset("dense-medium", "dense", "24", 1024, 16, HF),
-    _preset("dense-large", "dense", "36", 1280, 20, HF),
-    _preset("grt-small", "grt", "1+1x10+1", 768, 12, NANOGPT),
-    _preset("grt-medium", "grt", "2+5x4+2", 1024, 16, NANOGPT),
-    _preset("grt-large", "grt", "1+5x6+5", 1280, 20, NANOGPT),
-    _preset("grt-small-isoparams", "grt", "1+10x10+1", 768, 12, NANOGPT),
-    _preset("grt-medium-isoparams", "grt", "2+20x4+2", 1024, 16, NANOGPT),
-    _preset("grt-large-isoparams", "grt", "3+30x6+3", 1280, 20, NANOGPT),
-    # tiny presets for CPU tests and the demo; tiny-dense has tiny-grt's FLOPs per token
-    _preset("tiny-grt", "grt", "1+2x4+1", 128, 4, TINY),
-    _preset("tiny-dense", "dense", "10", 128, 4, TINY),
-    _preset("micro-grt", "grt", "1+1x3+1", 32, 2, TINY, vocab_size=512, max_seq_len=64),
-    _preset("micro-dense", "dense", "5", 32, 2, TINY, vocab_size=512, max_seq_len=64),
-    # the baselines of the paper's comparison (docs/comparison.md): no GRT gate, no state noise
-    *[_preset(f"{size}-{v}", v, layout, d, heads, TINY, **sizing, **BASELINE_SWITCHES[v],
-              **({"extra": {"backprop_steps": 2}} if v == "huginn" else {}))
-      for size, layout, d, heads, sizing in (("micro", "1+1x3+1", 32, 2, dict(vocab_size=512, max_seq_len=64)),
-                                             ("tiny", "1+2x4+1", 128, 4, {}))
-      for v in ("huginn", "rrt", "ouro", "mor")],
-    # the ablation ladder at tiny size: loop only, then add prelude/coda, state noise,
-    # prelude re-injection and the gate (ladder-4 is tiny-grt); loop only loops the whole
-    # stack, 2x5 (the effective depth 10 of 1+2x4+1)
-    _preset("ladder-0-loop-only", "grt", "2x5", 128, 4, TINY, **LOOP_ONLY),
-    _preset("ladder-1-prelude-coda", "grt", "1+2x4+1", 128, 4, TINY, **LOOP_ONLY),
-    _preset("ladder-2-noise", "grt", "1+2x4+1", 128, 4, TINY, **{**LOOP_ONLY, "state_noise_std": 0.1}),
-    _preset("ladder-3-reinject", "grt", "1+2x4+1", 128, 4, TINY,
-            **{**LOOP_ONLY, "state_noise_std": 0.1, "reinject_anchor": True}),
-    _preset("ladder-4-gate", "grt", "1+2x4+1", 128, 4, TINY),
-])
+PRESETS: dict[str, ModelConfig] = dict(
+    [
+        _preset("dense-small", "dense", "12", 768, 12, HF),
+        _preset("dense-medium", "dense", "24", 1024, 16, HF),
+        _preset("dense-large", "dense", "36", 1280, 20, HF),
+        _preset("grt-small", "grt", "1+1x10+1", 768, 12, NANOGPT),
+        _preset("grt-medium", "grt", "2+5x4+2", 1024, 16, NANOGPT),
+        _preset("grt-large", "grt", "1+5x6+5", 1280, 20, NANOGPT),
+        _preset("grt-small-isoparams", "grt", "1+10x10+1", 768, 12, NANOGPT),
+        _preset("grt-medium-isoparams", "grt", "2+20x4+2", 1024, 16, NANOGPT),
+        _preset("grt-large-isoparams", "grt", "3+30x6+3", 1280, 20, NANOGPT),
+        # tiny presets for CPU tests and the demo; tiny-dense has tiny-grt's FLOPs per token
+        _preset("tiny-grt", "grt", "1+2x4+1", 128, 4, TINY),
+        _preset("tiny-dense", "dense", "10", 128, 4, TINY),
+        _preset("micro-grt", "grt", "1+1x3+1", 32, 2, TINY, vocab_size=512, max_seq_len=64),
+        _preset("micro-dense", "dense", "5", 32, 2, TINY, vocab_size=512, max_seq_len=64),
+        # the baselines of the paper's comparison (docs/comparison.md): no GRT gate, no state noise
+        *[
+            _preset(
+                f"{size}-{v}",
+                v,
+                layout,
+                d,
+                heads,
+                TINY,
+                **sizing,
+                **BASELINE_SWITCHES[v],
+                **({"extra": {"backprop_steps": 2}} if v == "huginn" else {}),
+            )
+            for size, layout, d, heads, sizing in (
+                ("micro", "1+1x3+1", 32, 2, dict(vocab_size=512, max_seq_len=64)),
+                ("tiny", "1+2x4+1", 128, 4, {}),
+            )
+            for v in ("huginn", "rrt", "ouro", "mor")
+        ],
+        # the ablation ladder at tiny size: loop only, then add prelude/coda, state noise,
+        # prelude re-injection and the gate (ladder-4 is tiny-grt); loop only loops the whole
+        # stack, 2x5 (the effective depth 10 of 1+2x4+1)
+        _preset("ladder-0-loop-only", "grt", "2x5", 128, 4, TINY, **LOOP_ONLY),
+        _preset("ladder-1-prelude-coda", "grt", "1+2x4+1", 128, 4, TINY, **LOOP_ONLY),
+        _preset("ladder-2-noise", "grt", "1+2x4+1", 128, 4, TINY, **{**LOOP_ONLY, "state_noise_std": 0.1}),
+        _preset(
+            "ladder-3-reinject",
+            "grt",
+            "1+2x4+1",
+            128,
+            4,
+            TINY,
+            **{**LOOP_ONLY, "state_noise_std": 0.1, "reinject_anchor": True},
+        ),
+        _preset("ladder-4-gate", "grt", "1+2x4+1", 128, 4, TINY),
+    ]
+)
 
 # The parameter counts each preset advertises (docs, model cards); a test builds every
 # preset on the meta device and checks it against these.
@@ -100,16 +126,25 @@ def get_preset(name: str) -> ModelConfig:
 
 
 def describe(cfg: ModelConfig) -> dict:
-    from pretrain.model.flops import count_params, flops_per_token
     from pretrain.model import build_model
+    from pretrain.model.flops import count_params, flops_per_token
 
     with torch.device("meta"):
         counts = count_params(build_model(cfg))
-    return {"name": cfg.name, "variant": cfg.variant, "layout": cfg.layout, "d_model": cfg.d_model,
-            "n_heads": cfg.n_heads, "vocab_size": cfg.vocab_size, "padded_vocab_size": cfg.padded_vocab_size,
-            "max_seq_len": cfg.max_seq_len, "bias": cfg.bias,
-            "effective_depth": cfg.parsed_layout.effective_depth(), **counts,
-            "flops_per_token": flops_per_token(cfg)}
+    return {
+        "name": cfg.name,
+        "variant": cfg.variant,
+        "layout": cfg.layout,
+        "d_model": cfg.d_model,
+        "n_heads": cfg.n_heads,
+        "vocab_size": cfg.vocab_size,
+        "padded_vocab_size": cfg.padded_vocab_size,
+        "max_seq_len": cfg.max_seq_len,
+        "bias": cfg.bias,
+        "effective_depth": cfg.parsed_layout.effective_depth(),
+        **counts,
+        "flops_per_token": flops_per_token(cfg),
+    }
 
 
 def main(argv=None) -> int:
@@ -120,10 +155,16 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'preset':<22}{'layout':<11}{'d':>6}{'heads':>6}{'depth':>6}{'params':>14}{'non-emb':>14}{'GFLOPs/tok':>11}")
+    print(
+        f"{'preset':<22}{'layout':<11}{'d':>6}{'heads':>6}{'depth':>6}{'params':>14}{'non-emb':>14}{'GFLOPs/tok':>11}"
+    )
     for r in rows:
-        print(f"{r['name']:<22}{r['layout']:<11}{r['d_model']:>6}{r['n_heads']:>6}{r['effective_depth']:>6}"
-              f"{r['params']:>14,}{r['non_embedding_params']:>14,}{r['flops_per_token'] / 1e9:>11.3f}")
-    print("\nFLOPs: forward per token at max_seq_len and the trained depth (pretrain.model.flops, every variant); "
-          "training is about 3x.")
+        print(
+            f"{r['name']:<22}{r['layout']:<11}{r['d_model']:>6}{r['n_heads']:>6}{r['effective_depth']:>6}"
+            f"{r['params']:>14,}{r['non_embedding_params']:>14,}{r['flops_per_token'] / 1e9:>11.3f}"
+        )
+    print(
+        "\nFLOPs: forward per token at max_seq_len and the trained depth (pretrain.model.flops, every variant); "
+        "training is about 3x."
+    )
     return 0

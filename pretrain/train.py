@@ -5,6 +5,7 @@ Also the entry point that plain launchers start, as their users type them:
 `python pretrain/train.py ...`. The launchers' own arguments are accepted: `--local_rank`,
 and `--deepspeed [DS_JSON]` / `--deepspeed_config DS_JSON` as aliases of `--ds-config`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,30 +26,61 @@ from pretrain.training.run_config import RunConfig, apply_overrides, load_manife
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grt train", description="Train a GRT or dense model with DeepSpeed.")
-    p.add_argument("--config-json", help="a complete run config (as saved in <out>/config.json); flags below override it")
+    p.add_argument(
+        "--config-json", help="a complete run config (as saved in <out>/config.json); flags below override it"
+    )
     p.add_argument("--preset", help=f"model preset: {', '.join(PRESETS)}")
     p.add_argument("--model-config", help="model config JSON (instead of --preset)")
     p.add_argument("--data", help="manifest.json written by `grt data prepare`")
-    p.add_argument("--ds-config", "--deepspeed_config", "--deepspeed-config", dest="ds_config",
-                   help="DeepSpeed JSON (default ds_configs/zero3.json, the shipped one from any directory); "
-                   "its batch sizes, optimizer, schedule, precision and clipping must be \"auto\" or agree "
-                   "with the run config (docs/launching.md)")
-    p.add_argument("--deepspeed", nargs="?", const="", metavar="DS_JSON",
-                   help="accepted for Megatron/HF habits (DeepSpeed is always on); with a path, as --ds-config")
-    p.add_argument("--local_rank", "--local-rank", type=int, dest="local_rank",
-                   help="set by the deepspeed launcher; ranks read LOCAL_RANK from the environment")
+    p.add_argument(
+        "--ds-config",
+        "--deepspeed_config",
+        "--deepspeed-config",
+        dest="ds_config",
+        help="DeepSpeed JSON (default ds_configs/zero3.json, the shipped one from any directory); "
+        'its batch sizes, optimizer, schedule, precision and clipping must be "auto" or agree '
+        "with the run config (docs/launching.md)",
+    )
+    p.add_argument(
+        "--deepspeed",
+        nargs="?",
+        const="",
+        metavar="DS_JSON",
+        help="accepted for Megatron/HF habits (DeepSpeed is always on); with a path, as --ds-config",
+    )
+    p.add_argument(
+        "--local_rank",
+        "--local-rank",
+        type=int,
+        dest="local_rank",
+        help="set by the deepspeed launcher; ranks read LOCAL_RANK from the environment",
+    )
     p.add_argument("--out", help="run directory: config, logs, TensorBoard, checkpoints")
     p.add_argument("--steps", type=int)
     p.add_argument("--micro-batch-size", type=int)
     p.add_argument("--grad-accum", type=int)
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out, if any")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any config key, e.g. train.lr=3e-4, model.layout=2+4x4+2 (repeatable)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="check the run against its data, checkpoint and DeepSpeed config (everything checked before "
-                        "training starts, no process group) and exit")
-    p.add_argument("--print-config", action="store_true",
-                   help="print the resolved run config and the merged DeepSpeed config, and exit")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the newest complete checkpoint in --out, if any"
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any config key, e.g. train.lr=3e-4, model.layout=2+4x4+2 (repeatable)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the run against its data, checkpoint and DeepSpeed config (everything checked before "
+        "training starts, no process group) and exit",
+    )
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved run config and the merged DeepSpeed config, and exit",
+    )
     return p
 
 
@@ -61,8 +93,9 @@ def config_from_args(args) -> RunConfig:
     if args.model_config:
         cfg.model = ModelConfig.load(args.model_config)
     if args.ds_config and args.deepspeed and args.ds_config != args.deepspeed:
-        raise ConfigError(f"--deepspeed {args.deepspeed} and --ds-config {args.ds_config} name different "
-                          "DeepSpeed files; give one")
+        raise ConfigError(
+            f"--deepspeed {args.deepspeed} and --ds-config {args.ds_config} name different DeepSpeed files; give one"
+        )
     for key, value in (("data", args.data), ("ds_config", args.ds_config or args.deepspeed), ("out", args.out)):
         if value:
             setattr(cfg, key, value)

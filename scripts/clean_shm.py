@@ -4,6 +4,7 @@ DeepSpeed's shared-memory comm op creates one (66 MB) per rank when LOCAL_SIZE e
 world size and never unlinks it. `pretrain.distributed` keeps LOCAL_SIZE out of the
 environment on CPU so that none is created; this clears what other tools or older runs left.
 """
+
 import glob
 import os
 

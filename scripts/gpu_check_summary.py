@@ -4,6 +4,7 @@ every row, so that a call cut short keeps a summary of what it finished.
 
     python3 scripts/gpu_check_summary.py RESULTS_TSV > summary.md
 """
+
 from __future__ import annotations
 
 import re
@@ -49,17 +50,40 @@ def summary(rows: list[list[str]]) -> str:
     for stage in (2, 3):
         for mode in ("eager", "compiled"):
             tokens = get(dense, stage, mode, 0)
-            lines.append(f"| {dense} tokens/s, ZeRO-{stage} {mode} | {tokens or '-'} | >= {DENSE_TOKENS_GOAL:,} | "
-                         f"{'not measured' if tokens is None else 'met' if tokens >= DENSE_TOKENS_GOAL else 'NOT met'} |")
-            lines.append(ratio_line(f"{grt}/{dense} MFU (equal FLOPs), ZeRO-{stage} {mode}", get(grt, stage, mode, 1),
-                                    get(dense, stage, mode, 1), ">= 0.95", lambda v: v >= 0.95))
+            lines.append(
+                f"| {dense} tokens/s, ZeRO-{stage} {mode} | {tokens or '-'} | >= {DENSE_TOKENS_GOAL:,} | "
+                f"{'not measured' if tokens is None else 'met' if tokens >= DENSE_TOKENS_GOAL else 'NOT met'} |"
+            )
+            lines.append(
+                ratio_line(
+                    f"{grt}/{dense} MFU (equal FLOPs), ZeRO-{stage} {mode}",
+                    get(grt, stage, mode, 1),
+                    get(dense, stage, mode, 1),
+                    ">= 0.95",
+                    lambda v: v >= 0.95,
+                )
+            )
     for preset in (grt, dense):
         for mode in ("eager", "compiled"):
-            lines.append(ratio_line(f"{preset} ZeRO-3/ZeRO-2 tokens/s, {mode}", get(preset, 3, mode, 0),
-                                    get(preset, 2, mode, 0), ">= 0.85", lambda v: v >= 0.85))
+            lines.append(
+                ratio_line(
+                    f"{preset} ZeRO-3/ZeRO-2 tokens/s, {mode}",
+                    get(preset, 3, mode, 0),
+                    get(preset, 2, mode, 0),
+                    ">= 0.85",
+                    lambda v: v >= 0.85,
+                )
+            )
         for stage in (2, 3):
-            lines.append(ratio_line(f"{preset} compiled/eager tokens/s, ZeRO-{stage}", get(preset, stage, "compiled", 0),
-                                    get(preset, stage, "eager", 0), "> 1", lambda v: v > 1))
+            lines.append(
+                ratio_line(
+                    f"{preset} compiled/eager tokens/s, ZeRO-{stage}",
+                    get(preset, stage, "compiled", 0),
+                    get(preset, stage, "eager", 0),
+                    "> 1",
+                    lambda v: v > 1,
+                )
+            )
     return "\n".join(lines) + "\n"
 
 

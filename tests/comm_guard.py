@@ -17,6 +17,7 @@ code that assumes the CPU (or "cuda", or the model's device) fails, as it would 
 DeepSpeed's own collectives pass: under NCCL their tensors are the model's, on the GPU.
 The gloo process group underneath does the real work on the wrapped CPU tensors.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,9 +51,15 @@ class OnCommDevice(torch.Tensor):
 
     @staticmethod
     def __new__(cls, elem: torch.Tensor):
-        r = torch.Tensor._make_wrapper_subclass(cls, elem.size(), strides=elem.stride(),
-                                                storage_offset=elem.storage_offset(), dtype=elem.dtype,
-                                                device=COMM, requires_grad=False)
+        r = torch.Tensor._make_wrapper_subclass(
+            cls,
+            elem.size(),
+            strides=elem.stride(),
+            storage_offset=elem.storage_offset(),
+            dtype=elem.dtype,
+            device=COMM,
+            requires_grad=False,
+        )
         r.elem = elem
         return r
 
@@ -65,13 +72,18 @@ class OnCommDevice(torch.Tensor):
         leaves, _ = tree_flatten((args, kwargs))
         cpu = [t for t in leaves if isinstance(t, torch.Tensor) and not isinstance(t, OnCommDevice) and t.dim() > 0]
         if cpu and func is not torch.ops.aten.copy_.default:
-            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
-                               f"{COMM} and cpu! ({func})")
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but found at least two devices, "
+                f"{COMM} and cpu! ({func})"
+            )
         originals = {id(t.elem): t for t in leaves if isinstance(t, OnCommDevice)}
         unwrap = lambda t: t.elem if isinstance(t, OnCommDevice) else t  # noqa: E731
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
-        to_cpu = func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None \
+        to_cpu = (
+            func is torch.ops.aten._to_copy.default
+            and kwargs.get("device") is not None
             and torch.device(kwargs["device"]).type == "cpu"
+        )
 
         def wrap(t):
             if not isinstance(t, torch.Tensor) or to_cpu:
@@ -79,6 +91,7 @@ class OnCommDevice(torch.Tensor):
             if id(t) in originals:
                 return originals[id(t)]
             return t if any(t is x for x in leaves) else OnCommDevice(t)
+
         return tree_map(wrap, out)
 
 
@@ -143,11 +156,23 @@ def guard_collective(name: str):
             violation(f"torch.distributed.{name} (from {caller})", leaves)
         unwrap = lambda t: t.elem if isinstance(t, OnCommDevice) else t  # noqa: E731
         return real(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
     return collective
 
 
-COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter")
+COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+)
 
 
 def main() -> int:

@@ -25,10 +25,40 @@ def shards(tmp_path_factory, demo_text) -> Path:
     from multiproc import grt
 
     d = tmp_path_factory.mktemp("data")
-    for args in (["data", "tokenizer", "-i", str(demo_text), "--txt-mode", "paragraph", "--vocab-size", "512",
-                  "-o", str(d / "tok"), "-q"],
-                 ["data", "prepare", "-i", str(demo_text), "--txt-mode", "paragraph", "-t", str(d / "tok.model"),
-                  "-o", str(d / "shards"), "--seq-len", "64", "--shard-size-mb", "0.1", "--val-fraction", "0.05", "-q"]):
+    for args in (
+        [
+            "data",
+            "tokenizer",
+            "-i",
+            str(demo_text),
+            "--txt-mode",
+            "paragraph",
+            "--vocab-size",
+            "512",
+            "-o",
+            str(d / "tok"),
+            "-q",
+        ],
+        [
+            "data",
+            "prepare",
+            "-i",
+            str(demo_text),
+            "--txt-mode",
+            "paragraph",
+            "-t",
+            str(d / "tok.model"),
+            "-o",
+            str(d / "shards"),
+            "--seq-len",
+            "64",
+            "--shard-size-mb",
+            "0.1",
+            "--val-fraction",
+            "0.05",
+            "-q",
+        ],
+    ):
         r = grt(*args)
         assert r.returncode == 0, r.stderr
     return d / "shards" / "manifest.json"

@@ -5,6 +5,7 @@ with the env:// rendezvous a launcher would set up, so signals, kills and exit c
 the real ones. Each rank is the leader of its own session, so a test can kill one rank
 (or its whole tree) by process id without touching anything it did not start.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,13 @@ REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO / "examples" / "data" / "tinyshakespeare.txt"
 
 # The tiny job every test trains: micro-grt, 64-token samples, 4 sequences per micro-batch.
-BASE_SETS = ["train.log_every=100", "train.eval_every=0", "train.warmup_steps=2", "train.lr=3e-3",
-             "train.shuffle_buffer=64"]
+BASE_SETS = [
+    "train.log_every=100",
+    "train.eval_every=0",
+    "train.warmup_steps=2",
+    "train.lr=3e-3",
+    "train.shuffle_buffer=64",
+]
 
 
 def cli(*args: str) -> list[str]:
@@ -37,18 +43,75 @@ def free_port() -> int:
 def build_data(root: Path) -> Path:
     """Tokenizer + shards of the demo text under `root`; returns the manifest path."""
     root.mkdir(parents=True, exist_ok=True)
-    subprocess.run(cli("data", "tokenizer", "-i", str(TEXT), "--txt-mode", "paragraph", "--vocab-size", "512",
-                       "-o", str(root / "tok"), "-q"), cwd=REPO, check=True, capture_output=True)
-    subprocess.run(cli("data", "prepare", "-i", str(TEXT), "--txt-mode", "paragraph", "-t", str(root / "tok.model"),
-                       "-o", str(root / "shards"), "--seq-len", "64", "--shard-size-mb", "0.1",
-                       "--val-fraction", "0.05", "-q"), cwd=REPO, check=True, capture_output=True)
+    subprocess.run(
+        cli(
+            "data",
+            "tokenizer",
+            "-i",
+            str(TEXT),
+            "--txt-mode",
+            "paragraph",
+            "--vocab-size",
+            "512",
+            "-o",
+            str(root / "tok"),
+            "-q",
+        ),
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(
+        cli(
+            "data",
+            "prepare",
+            "-i",
+            str(TEXT),
+            "--txt-mode",
+            "paragraph",
+            "-t",
+            str(root / "tok.model"),
+            "-o",
+            str(root / "shards"),
+            "--seq-len",
+            "64",
+            "--shard-size-mb",
+            "0.1",
+            "--val-fraction",
+            "0.05",
+            "-q",
+        ),
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
     return root / "shards" / "manifest.json"
 
 
-def train_args(data: Path, out: Path, steps: int, *sets: str, resume: bool = False,
-               ds_config: str = "ds_configs/zero3.json", micro_batch_size: int = 4) -> list[str]:
-    args = ["train", "--preset", "micro-grt", "--data", str(data), "--out", str(out), "--steps", str(steps),
-            "--micro-batch-size", str(micro_batch_size), "--ds-config", ds_config]
+def train_args(
+    data: Path,
+    out: Path,
+    steps: int,
+    *sets: str,
+    resume: bool = False,
+    ds_config: str = "ds_configs/zero3.json",
+    micro_batch_size: int = 4,
+) -> list[str]:
+    args = [
+        "train",
+        "--preset",
+        "micro-grt",
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--micro-batch-size",
+        str(micro_batch_size),
+        "--ds-config",
+        ds_config,
+    ]
     for s in (*BASE_SETS, *sets):
         args += ["--set", s]
     if resume:
@@ -63,8 +126,14 @@ class Job:
     `env` applies to every rank, `rank_env[r]` to rank r only.
     """
 
-    def __init__(self, args: list[str], logs: Path, world: int = 2, env: dict | None = None,
-                 rank_env: dict[int, dict] | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        logs: Path,
+        world: int = 2,
+        env: dict | None = None,
+        rank_env: dict[int, dict] | None = None,
+    ):
         logs.mkdir(parents=True, exist_ok=True)
         n = len(list(logs.glob("rank0.*.log")))
         port = free_port()
@@ -73,13 +142,28 @@ class Job:
         self.procs: list[subprocess.Popen] = []
         self.started = time.time()
         for r in range(world):
-            rank_vars = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
-                         "LOCAL_RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
-            full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                        **(rank_vars if world > 1 else {}), **(env or {}), **((rank_env or {}).get(r, {}))}
+            rank_vars = {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(world),
+            }
+            full_env = {
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1",
+                **(rank_vars if world > 1 else {}),
+                **(env or {}),
+                **((rank_env or {}).get(r, {})),
+            }
             with open(self.logs[r], "w") as fh:
-                self.procs.append(subprocess.Popen(cli(*args), cwd=REPO, env=full_env, stdout=fh,
-                                                   stderr=subprocess.STDOUT, start_new_session=True))
+                self.procs.append(
+                    subprocess.Popen(
+                        cli(*args), cwd=REPO, env=full_env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+                    )
+                )
 
     @property
     def pids(self) -> list[int]:
@@ -100,20 +184,20 @@ class Job:
         return [p.returncode for p in self.procs]
 
     def signal(self, sig: int, ranks=None) -> None:
-        for r in (range(self.world) if ranks is None else ranks):
+        for r in range(self.world) if ranks is None else ranks:
             if self.procs[r].poll() is None:
                 os.kill(self.procs[r].pid, sig)
 
     def kill(self, ranks=None) -> None:
         """SIGKILL the given ranks (default all) and every process they started."""
-        for r in (range(self.world) if ranks is None else ranks):
+        for r in range(self.world) if ranks is None else ranks:
             p = self.procs[r]
             for pid in [*descendants(p.pid), p.pid]:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        for r in (range(self.world) if ranks is None else ranks):
+        for r in range(self.world) if ranks is None else ranks:
             self.procs[r].wait()
 
     def output(self, rank: int | None = None, tail: int = 4000) -> str:
@@ -198,7 +282,9 @@ def ckpt_tags(out: Path) -> dict[str, bool]:
     root = out / "checkpoints"
     if not root.is_dir():
         return {}
-    return {p.name: (p / "COMPLETE").is_file() for p in sorted(root.iterdir()) if p.is_dir() and p.name.startswith("step")}
+    return {
+        p.name: (p / "COMPLETE").is_file() for p in sorted(root.iterdir()) if p.is_dir() and p.name.startswith("step")
+    }
 
 
 def latest(out: Path) -> str | None:

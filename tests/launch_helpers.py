@@ -1,5 +1,6 @@
 """Helpers for the launcher tests: a clean environment, `grt launch` in a subprocess,
 tiny token shards for training through each launcher."""
+
 from __future__ import annotations
 
 import glob
@@ -35,11 +36,28 @@ def free_port() -> int:
 
 def clean_env(**extra) -> dict:
     """This environment without any launcher's rank variables (tests may run inside one)."""
-    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR",
-            "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE", "NODE_RANK", "GROUP_RANK", "GRT_HOSTFILE",
-            "DLTS_HOSTFILE", "GRT_DIST_DISCOVERY", "DS_ENV_FILE")
-    env = {k: v for k, v in os.environ.items()
-           if k not in drop and not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "OMPI_", "PMI", "PMIX_"))}
+    drop = (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "LOCAL_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "CROSS_RANK",
+        "CROSS_SIZE",
+        "NODE_RANK",
+        "GROUP_RANK",
+        "GRT_HOSTFILE",
+        "DLTS_HOSTFILE",
+        "GRT_DIST_DISCOVERY",
+        "DS_ENV_FILE",
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in drop and not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "OMPI_", "PMI", "PMIX_"))
+    }
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
@@ -68,12 +86,26 @@ def grt_launch(*args, env=None, timeout=400, background=None, check=True):
     cmd = [sys.executable, "-m", "pretrain.cli", "launch", *args]
     if background:
         log = open(background, "w")
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env or clean_env(), stdout=log,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=env or clean_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         log.close()
         return proc
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env or clean_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env or clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -105,13 +137,48 @@ def tiny_shards() -> str:
     if "manifest" in _SHARDS:
         return _SHARDS["manifest"]
     d = tempfile.mkdtemp(prefix="grt-launch-shards-")
-    for args in (["data", "tokenizer", "-i", DEMO_TEXT, "--txt-mode", "paragraph", "--vocab-size", "512",
-                  "-o", os.path.join(d, "tok"), "-q"],
-                 ["data", "prepare", "-i", DEMO_TEXT, "--txt-mode", "paragraph", "-t",
-                  os.path.join(d, "tok.model"), "-o", os.path.join(d, "shards"), "--seq-len", "64",
-                  "--shard-size-mb", "0.1", "--val-fraction", "0.05", "-q"]):
-        r = subprocess.run([sys.executable, "-m", "pretrain.cli", *args], cwd=ROOT, env=clean_env(),
-                           capture_output=True, text=True, timeout=300)
+    for args in (
+        [
+            "data",
+            "tokenizer",
+            "-i",
+            DEMO_TEXT,
+            "--txt-mode",
+            "paragraph",
+            "--vocab-size",
+            "512",
+            "-o",
+            os.path.join(d, "tok"),
+            "-q",
+        ],
+        [
+            "data",
+            "prepare",
+            "-i",
+            DEMO_TEXT,
+            "--txt-mode",
+            "paragraph",
+            "-t",
+            os.path.join(d, "tok.model"),
+            "-o",
+            os.path.join(d, "shards"),
+            "--seq-len",
+            "64",
+            "--shard-size-mb",
+            "0.1",
+            "--val-fraction",
+            "0.05",
+            "-q",
+        ],
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "pretrain.cli", *args],
+            cwd=ROOT,
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
     _SHARDS["manifest"] = os.path.join(d, "shards", "manifest.json")
     return _SHARDS["manifest"]
@@ -119,11 +186,31 @@ def tiny_shards() -> str:
 
 def train_args(out, steps=4, preset="tiny-grt", *extra):
     """`grt train` arguments for a few fast CPU steps (ZeRO-2, a checkpoint at the end)."""
-    return ["--preset", preset, "--data", tiny_shards(), "--out", str(out), "--steps", str(steps),
-            "--micro-batch-size", "2", "--grad-accum", "1",
-            "--ds-config", os.path.join(ROOT, "ds_configs", "zero2.json"),
-            "--set", "train.log_every=1", "--set", "train.eval_every=0", "--set", "train.save_every=0",
-            "--set", "train.warmup_steps=1", *extra]
+    return [
+        "--preset",
+        preset,
+        "--data",
+        tiny_shards(),
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--micro-batch-size",
+        "2",
+        "--grad-accum",
+        "1",
+        "--ds-config",
+        os.path.join(ROOT, "ds_configs", "zero2.json"),
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "train.save_every=0",
+        "--set",
+        "train.warmup_steps=1",
+        *extra,
+    ]
 
 
 def read_metrics(path):
@@ -161,8 +248,9 @@ def check_trained(out, steps, world=2, first_step=1):
     assert [r["step"] for r in rank0][-1] == steps and rank0[0]["step"] == first_step
     for rank in range(1, world):
         other = read_metrics(os.path.join(out, f"metrics.rank{rank}.jsonl"))
-        assert [(r["step"], r["loss"], r["depth"]) for r in other] == \
-            [(r["step"], r["loss"], r["depth"]) for r in rank0]
+        assert [(r["step"], r["loss"], r["depth"]) for r in other] == [
+            (r["step"], r["loss"], r["depth"]) for r in rank0
+        ]
     latest = open(os.path.join(out, "checkpoints", "latest")).read().strip()
     assert os.path.exists(os.path.join(out, "checkpoints", latest, "COMPLETE"))
     summary = json.load(open(os.path.join(out, "summary.json")))

@@ -1,4 +1,5 @@
 """Start N local ranks of a Python command the way a launcher would (env:// rendezvous)."""
+
 from __future__ import annotations
 
 import os
@@ -16,17 +17,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(args: list[str], world: int = 2, timeout: float = 300, env: dict | None = None,
-              cwd: Path = REPO) -> list[subprocess.CompletedProcess]:
+def run_ranks(
+    args: list[str], world: int = 2, timeout: float = 300, env: dict | None = None, cwd: Path = REPO
+) -> list[subprocess.CompletedProcess]:
     """Run `python <args>` as ranks 0..world-1; returns the finished processes (rank order)."""
     port = free_port()
     procs = []
     for rank in range(world):
-        rank_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                    "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-                    "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-        procs.append(subprocess.Popen([sys.executable, *args], env=rank_env, cwd=cwd,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        rank_env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *args],
+                env=rank_env,
+                cwd=cwd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     results = []
     try:
         for rank, p in enumerate(procs):
@@ -42,5 +61,6 @@ def run_ranks(args: list[str], world: int = 2, timeout: float = 300, env: dict |
 
 def grt(*args: str, cwd: Path = REPO, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run `python -m pretrain.cli <args>` (the `grt` command) and capture its output."""
-    return subprocess.run([sys.executable, "-m", "pretrain.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "pretrain.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )

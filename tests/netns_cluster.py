@@ -17,6 +17,7 @@ touches the machine's own network, /etc/hosts, ~/.ssh or a running sshd; /etc/ne
 `ssh` (`ssh -F <workdir>/ssh/config`) first on PATH, which pdsh and mpirun use as they are.
 Run it as root (docs/launching.md has the commands to rehearse a launch script by hand).
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -27,7 +28,7 @@ import shutil
 import signal
 import subprocess
 import time
-from typing import IO, Dict, List, Optional, Set
+from typing import IO
 
 from slurm_cluster import SlurmCluster, _pid_alive, _tool
 
@@ -40,11 +41,17 @@ class ClusterUnavailable(RuntimeError):
     """The cluster cannot be built here; the message says why (the tests' skip reason)."""
 
 
-def unavailable_reason() -> Optional[str]:
+def unavailable_reason() -> str | None:
     if os.geteuid() != 0:
         return "network namespaces need root"
-    for tool, package in (("ip", "iproute2"), ("unshare", "util-linux"), ("nsenter", "util-linux"),
-                          ("sshd", "openssh-server"), ("ssh", "openssh-client"), ("ssh-keygen", "openssh-client")):
+    for tool, package in (
+        ("ip", "iproute2"),
+        ("unshare", "util-linux"),
+        ("nsenter", "util-linux"),
+        ("sshd", "openssh-server"),
+        ("ssh", "openssh-client"),
+        ("ssh-keygen", "openssh-client"),
+    ):
         if not os.path.exists(_tool(tool)):
             return f"{tool} not installed (Debian package {package})"
     name = f"{PREFIX}{os.getpid()}probe"
@@ -79,7 +86,7 @@ def _kill_namespace(ns: str) -> None:
     shutil.rmtree(os.path.join(NETNS_ETC, ns), ignore_errors=True)
 
 
-def reap_stale() -> List[str]:
+def reap_stale() -> list[str]:
     """Remove namespaces, links and /etc/netns entries of clusters whose test process is gone
     (an entry outlives its namespace when a run dies between `ip netns del` and removing it)."""
     reaped = []
@@ -112,7 +119,7 @@ _clusters_made = 0  # in this process: part of the names, so that two clusters c
 # last cluster's stop, so that the machine is left as found. A directory that another process
 # created stays (it cannot tell whether it was there before).
 SHARED_DIRS = (NETNS_ETC, "/run/sshd")  # /run/sshd: sshd's privilege separation directory
-_dirs_made: Set[str] = set()
+_dirs_made: set[str] = set()
 
 
 def _make_shared_dir(path: str) -> None:
@@ -152,44 +159,63 @@ class NetnsCluster:
         self.net = ipaddress.ip_network(f"10.213.{(os.getpid() + _clusters_made) % 254 + 1}.0/24")
         self.bridge = f"{self.prefix}br"
         self.names = [f"{self.prefix}n{i}" for i in range(nodes)]  # hostnames, and the namespaces' names
-        self.addrs: List[str] = []
+        self.addrs: list[str] = []
         self.ssh_dir = os.path.join(self.dir, "ssh")
         self.bin_dir = os.path.join(self.dir, "bin")
         self.ssh_config = os.path.join(self.ssh_dir, "config")
-        self.sshd: List[subprocess.Popen] = []
-        self._logs: List[IO] = []  # the sshd logs, closed by stop()
-        self._created: List[str] = []
+        self.sshd: list[subprocess.Popen] = []
+        self._logs: list[IO] = []  # the sshd logs, closed by stop()
+        self._created: list[str] = []
 
     # ----------------------------------------------------------------- running things in a node
     @property
-    def env(self) -> Dict[str, str]:
+    def env(self) -> dict[str, str]:
         """This environment with the cluster's `ssh` wrapper first on PATH."""
         env = dict(os.environ)
         env["PATH"] = self.bin_dir + os.pathsep + env.get("PATH", "")
         return env
 
-    def node_command(self, node: int, cmd: List[str]) -> List[str]:
+    def node_command(self, node: int, cmd: list[str]) -> list[str]:
         """`cmd` run on node `node`: in its network namespace, with its hostname (a UTS namespace)
         and its hosts file (bound over /etc/hosts in a mount namespace of its own). Not `ip netns
         exec`: that mounts a fresh /sys, without the cgroup hierarchy slurmd needs."""
         ns = self.names[node]
-        return ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--mount", "--propagation", "slave", "--uts",
-                "sh", "-c", f'mount --bind {NETNS_ETC}/{ns}/hosts /etc/hosts && hostname "$0" && exec "$@"',
-                self.names[node], *cmd]
+        return [
+            "nsenter",
+            f"--net=/run/netns/{ns}",
+            "unshare",
+            "--mount",
+            "--propagation",
+            "slave",
+            "--uts",
+            "sh",
+            "-c",
+            f'mount --bind {NETNS_ETC}/{ns}/hosts /etc/hosts && hostname "$0" && exec "$@"',
+            self.names[node],
+            *cmd,
+        ]
 
-    def popen(self, node: int, cmd: List[str], env: Optional[Dict[str, str]] = None, **kw) -> subprocess.Popen:
+    def popen(self, node: int, cmd: list[str], env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
         return subprocess.Popen(self.node_command(node, cmd), env=env or self.env, **kw)
 
-    def run(self, node: int, cmd: List[str], env: Optional[Dict[str, str]] = None, timeout: float = 60,
-            check: bool = True, **kw) -> subprocess.CompletedProcess:
+    def run(
+        self,
+        node: int,
+        cmd: list[str],
+        env: dict[str, str] | None = None,
+        timeout: float = 60,
+        check: bool = True,
+        **kw,
+    ) -> subprocess.CompletedProcess:
         kw.setdefault("capture_output", True)
         r = subprocess.run(self.node_command(node, cmd), env=env or self.env, text=True, timeout=timeout, **kw)
         if check and r.returncode != 0:
-            raise ClusterUnavailable(f"on {self.names[node]}: {' '.join(cmd)} exited {r.returncode}: "
-                                     f"{(r.stderr or '')[-2000:]}")
+            raise ClusterUnavailable(
+                f"on {self.names[node]}: {' '.join(cmd)} exited {r.returncode}: {(r.stderr or '')[-2000:]}"
+            )
         return r
 
-    def pids(self, node: int) -> List[int]:
+    def pids(self, node: int) -> list[int]:
         return [int(p) for p in _ip("netns", "pids", self.names[node], check=False).stdout.split()]
 
     def hostfile(self, slots: int = 1) -> str:
@@ -207,7 +233,7 @@ class NetnsCluster:
         _ip("-n", self.names[node], "link", "set", "eth0", "up")
 
     # ----------------------------------------------------------------- start / stop
-    def start(self, timeout: float = 30) -> "NetnsCluster":
+    def start(self, timeout: float = 30) -> NetnsCluster:
         """Bring the nodes up; on any failure remove what was made, then raise."""
         reason = unavailable_reason()
         if reason:
@@ -260,22 +286,27 @@ class NetnsCluster:
             known.append(f"[{name}]:{SSH_PORT},[{self.addrs[i]}]:{SSH_PORT} {' '.join(pub)}\n")
             conf = os.path.join(self.ssh_dir, f"sshd_{name}.conf")
             with open(conf, "w") as f:
-                f.write(f"Port {SSH_PORT}\nListenAddress {self.addrs[i]}\nHostKey {host_key}\n"
-                        f"PidFile {self.ssh_dir}/sshd_{name}.pid\n"
-                        f"AuthorizedKeysFile {self.ssh_dir}/authorized_keys\n"
-                        "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
-                        "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
-                        # as many parallel logins as pdsh and mpirun open at once
-                        "MaxStartups 100\nMaxSessions 100\n")
+                f.write(
+                    f"Port {SSH_PORT}\nListenAddress {self.addrs[i]}\nHostKey {host_key}\n"
+                    f"PidFile {self.ssh_dir}/sshd_{name}.pid\n"
+                    f"AuthorizedKeysFile {self.ssh_dir}/authorized_keys\n"
+                    "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
+                    "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
+                    # as many parallel logins as pdsh and mpirun open at once
+                    "MaxStartups 100\nMaxSessions 100\n"
+                )
             self._logs.append(open(os.path.join(self.ssh_dir, f"sshd_{name}.log"), "w"))
-            self.sshd.append(self.popen(i, [_tool("sshd"), "-D", "-e", "-f", conf], stdout=self._logs[-1],
-                                        stderr=subprocess.STDOUT))
+            self.sshd.append(
+                self.popen(i, [_tool("sshd"), "-D", "-e", "-f", conf], stdout=self._logs[-1], stderr=subprocess.STDOUT)
+            )
         with open(os.path.join(self.ssh_dir, "known_hosts"), "w") as f:
             f.writelines(known)
         with open(self.ssh_config, "w") as f:
-            f.write(f"Host {' '.join(self.names)} {' '.join(self.addrs)}\n  User root\n  Port {SSH_PORT}\n"
-                    f"  IdentityFile {key}\n  IdentitiesOnly yes\n  UserKnownHostsFile {self.ssh_dir}/known_hosts\n"
-                    "  StrictHostKeyChecking yes\n  BatchMode yes\n  LogLevel ERROR\n")
+            f.write(
+                f"Host {' '.join(self.names)} {' '.join(self.addrs)}\n  User root\n  Port {SSH_PORT}\n"
+                f"  IdentityFile {key}\n  IdentitiesOnly yes\n  UserKnownHostsFile {self.ssh_dir}/known_hosts\n"
+                "  StrictHostKeyChecking yes\n  BatchMode yes\n  LogLevel ERROR\n"
+            )
         wrapper = os.path.join(self.bin_dir, "ssh")
         with open(wrapper, "w") as f:
             f.write(f'#!/bin/sh\nexec {shutil.which("ssh")} -F {self.ssh_config} "$@"\n')
@@ -283,8 +314,10 @@ class NetnsCluster:
         for i, name in enumerate(self.names):  # `<dir>/bin/<node> CMD...`: CMD on that node, for people
             script = os.path.join(self.bin_dir, name)
             with open(script, "w") as f:
-                f.write(f'#!/bin/sh\nexport PATH={shlex.quote(self.bin_dir)}:"$PATH"\n[ $# -gt 0 ] || set -- bash\n'
-                        f'exec {shlex.join(self.node_command(i, []))} "$@"\n')
+                f.write(
+                    f'#!/bin/sh\nexport PATH={shlex.quote(self.bin_dir)}:"$PATH"\n[ $# -gt 0 ] || set -- bash\n'
+                    f'exec {shlex.join(self.node_command(i, []))} "$@"\n'
+                )
             os.chmod(script, 0o755)
         # every node reaches every node's sshd (and knows its name)
         deadline = time.time() + timeout
@@ -295,8 +328,9 @@ class NetnsCluster:
                     if r.returncode == 0 and r.stdout.strip() == self.names[j]:
                         break
                     if time.time() > deadline or self.sshd[j].poll() is not None:
-                        raise ClusterUnavailable(f"ssh from {self.names[i]} to {self.names[j]} failed: "
-                                                 f"{r.stderr.strip()[-1000:]}")
+                        raise ClusterUnavailable(
+                            f"ssh from {self.names[i]} to {self.names[j]} failed: {r.stderr.strip()[-1000:]}"
+                        )
                     time.sleep(0.2)
 
     def stop(self) -> None:
@@ -326,12 +360,13 @@ def netns_slurm(cluster: NetnsCluster, state_dir: str):
     """A Slurm cluster on the namespace nodes: munged and slurmctld on node 0, `slurmd -N <node>`
     on every node (own spool, pid and log files: SlurmdSpoolDir=.../spool-%n), clients on node 0.
     Its own state dir, SLURM_CONF, ports and munge socket: one-node test clusters are not touched."""
+
     class NetnsSlurm(SlurmCluster):
-        def node_addrs(self) -> Dict[str, str]:
+        def node_addrs(self) -> dict[str, str]:
             return dict(zip(cluster.names, cluster.addrs))
 
-        def where(self, name: str, cmd: List[str]) -> List[str]:
-            node = cluster.names.index(name[len("slurmd-"):]) if name.startswith("slurmd-") else 0
+        def where(self, name: str, cmd: list[str]) -> list[str]:
+            node = cluster.names.index(name[len("slurmd-") :]) if name.startswith("slurmd-") else 0
             return cluster.node_command(node, cmd)
 
     slurm = NetnsSlurm(state_dir, name="grtnetns")
@@ -344,9 +379,10 @@ def main(argv=None) -> int:
     import argparse
     import sys
 
-    p = argparse.ArgumentParser(prog="python tests/netns_cluster.py",
-                                description="A cluster of network namespaces on this machine (as root), "
-                                "up until Ctrl-C; docs/launching.md")
+    p = argparse.ArgumentParser(
+        prog="python tests/netns_cluster.py",
+        description="A cluster of network namespaces on this machine (as root), up until Ctrl-C; docs/launching.md",
+    )
     p.add_argument("dir", help="the cluster's directory (keys, configs, hostfile, logs)")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--slurm", action="store_true", help="also slurmctld on node 0 and a slurmd on every node")
@@ -360,10 +396,14 @@ def main(argv=None) -> int:
         cluster.start()
         if args.slurm:
             slurm = netns_slurm(cluster, os.path.join(cluster.dir, "slurm")).start()
-        print(f"nodes: {', '.join(f'{n} ({a})' for n, a in zip(cluster.names, cluster.addrs))}\n"
-              f"hostfile: {cluster.hostfile()}\n"
-              f"a shell on node 0: {os.path.join(cluster.bin_dir, cluster.names[0])}  (a command: ... CMD ARGS)"
-              + (f"\nSlurm: export SLURM_CONF={slurm.conf}" if slurm else "") + "\nCtrl-C tears it down.", flush=True)
+        print(
+            f"nodes: {', '.join(f'{n} ({a})' for n, a in zip(cluster.names, cluster.addrs))}\n"
+            f"hostfile: {cluster.hostfile()}\n"
+            f"a shell on node 0: {os.path.join(cluster.bin_dir, cluster.names[0])}  (a command: ... CMD ARGS)"
+            + (f"\nSlurm: export SLURM_CONF={slurm.conf}" if slurm else "")
+            + "\nCtrl-C tears it down.",
+            flush=True,
+        )
         while True:
             time.sleep(3600)
     except (KeyboardInterrupt, SystemExit):

@@ -10,6 +10,7 @@ or a Slurm that may already run here.  Clients reach it through `SLURM_CONF` (se
     subprocess.run(["sbatch", ...], env=cluster.env)
     cluster.stop()
 """
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,6 @@ import signal
 import socket
 import subprocess
 import time
-from typing import Dict, List, Optional
 
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sinfo", "scancel")
 DAEMON_NAMES = ("munged", "slurmctld", "slurmd", "slurmstepd")
@@ -29,9 +29,8 @@ class SlurmUnavailable(RuntimeError):
     """The cluster cannot run here; the message says why (used as the skip reason)."""
 
 
-def missing_tools() -> List[str]:
-    return [t for t in TOOLS if shutil.which(t) is None
-            and not os.path.exists(os.path.join("/usr/sbin", t))]
+def missing_tools() -> list[str]:
+    return [t for t in TOOLS if shutil.which(t) is None and not os.path.exists(os.path.join("/usr/sbin", t))]
 
 
 def _tool(name: str) -> str:
@@ -44,7 +43,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _node_resources() -> Dict[str, int]:
+def _node_resources() -> dict[str, int]:
     cpus = os.cpu_count() or 1
     mem_mb = 1024
     try:
@@ -81,12 +80,12 @@ class SlurmCluster:
         self.name = name
         self.host = socket.gethostname().split(".")[0]
         self.conf = os.path.join(self.dir, "slurm.conf")
-        self.procs: Dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen] = {}
         self.partition = "debug"
 
     # ----------------------------------------------------------------- environment
     @property
-    def env(self) -> Dict[str, str]:
+    def env(self) -> dict[str, str]:
         env = dict(os.environ)
         for k in list(env):
             if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")):
@@ -95,23 +94,26 @@ class SlurmCluster:
         return env
 
     def run(self, *cmd: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run(self.where("client", list(cmd)), env=self.env, capture_output=True, text=True,
-                              check=check, timeout=timeout)
+        return subprocess.run(
+            self.where("client", list(cmd)), env=self.env, capture_output=True, text=True, check=check, timeout=timeout
+        )
 
     # ----------------------------------------------------------------- where things run
-    def where(self, name: str, cmd: List[str]) -> List[str]:
+    def where(self, name: str, cmd: list[str]) -> list[str]:
         """The command line that runs `cmd` (daemon `name`, or a "client" command) on its node:
         here, all on this machine (netns_cluster.NetnsSlurm puts each on its own node)."""
         return cmd
 
-    def node_addrs(self) -> Dict[str, str]:
+    def node_addrs(self) -> dict[str, str]:
         """Node name -> address, one slurmd each; the first also runs slurmctld."""
         return {self.host: "127.0.0.1"}
 
     # ----------------------------------------------------------------- clean-up of old runs
-    def _pidfiles(self) -> List[str]:
-        return [os.path.join(self.dir, f"{n}.pid")
-                for n in ["munged", "slurmctld"] + [f"slurmd-{node}" for node in self.node_addrs()]]
+    def _pidfiles(self) -> list[str]:
+        return [
+            os.path.join(self.dir, f"{n}.pid")
+            for n in ["munged", "slurmctld"] + [f"slurmd-{node}" for node in self.node_addrs()]
+        ]
 
     def kill_leftovers(self) -> None:
         """Stop daemons (and job steps) a previous run left behind in this state dir."""
@@ -129,8 +131,11 @@ class SlurmCluster:
                     cmd = _cmdline(int(entry))
                     if self.dir in cmd and any(n in cmd for n in DAEMON_NAMES):
                         pids.append(int(entry))
-        pids = [p for p in dict.fromkeys(pids) if p != os.getpid() and _pid_alive(p)
-                and any(n in _cmdline(p) for n in DAEMON_NAMES)]
+        pids = [
+            p
+            for p in dict.fromkeys(pids)
+            if p != os.getpid() and _pid_alive(p) and any(n in _cmdline(p) for n in DAEMON_NAMES)
+        ]
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -186,19 +191,22 @@ MinJobAge=300
 KillWait=10
 SchedulerParameters=sched_interval=1
 JobRequeue=1
-PartitionName={self.partition} Nodes={','.join(self.node_addrs())} Default=YES MaxTime=INFINITE State=UP \
+PartitionName={self.partition} Nodes={",".join(self.node_addrs())} Default=YES MaxTime=INFINITE State=UP \
 OverSubscribe=NO
 """
-        conf += "".join(f"NodeName={name} NodeAddr={addr} CPUs={res['cpus']} RealMemory={res['mem_mb']} State=UNKNOWN\n"
-                        for name, addr in self.node_addrs().items())
+        conf += "".join(
+            f"NodeName={name} NodeAddr={addr} CPUs={res['cpus']} RealMemory={res['mem_mb']} State=UNKNOWN\n"
+            for name, addr in self.node_addrs().items()
+        )
         with open(self.conf, "w") as f:
             f.write(conf)
         open(os.path.join(d, "plugstack.conf"), "w").close()
 
-    def _spawn(self, name: str, cmd: List[str]) -> None:
+    def _spawn(self, name: str, cmd: list[str]) -> None:
         log = open(os.path.join(self.dir, f"{name}.stdout"), "w")
-        proc = subprocess.Popen(self.where(name, cmd), stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            self.where(name, cmd), stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
         self.procs[name] = proc
         with open(os.path.join(self.dir, f"{name}.pid"), "w") as f:
             f.write(f"{proc.pid}\n")
@@ -208,13 +216,16 @@ OverSubscribe=NO
         while time.time() < deadline:
             for name, proc in self.procs.items():
                 if proc.poll() is not None:
-                    raise SlurmUnavailable(f"{name} exited with {proc.returncode} while waiting for "
-                                           f"{what}: {self._log_tail(name)}")
+                    raise SlurmUnavailable(
+                        f"{name} exited with {proc.returncode} while waiting for {what}: {self._log_tail(name)}"
+                    )
             if ok():
                 return
             time.sleep(0.3)
-        raise SlurmUnavailable(f"timed out waiting for {what}: {self._log_tail('slurmctld')} " +
-                               " ".join(self._log_tail(f"slurmd-{n}") for n in self.node_addrs()))
+        raise SlurmUnavailable(
+            f"timed out waiting for {what}: {self._log_tail('slurmctld')} "
+            + " ".join(self._log_tail(f"slurmd-{n}") for n in self.node_addrs())
+        )
 
     def _log_tail(self, name: str, n: int = 1500) -> str:
         text = ""
@@ -226,11 +237,12 @@ OverSubscribe=NO
                 pass
         return text.strip()
 
-    def start(self, timeout: float = 60) -> "SlurmCluster":
+    def start(self, timeout: float = 60) -> SlurmCluster:
         missing = missing_tools()
         if missing:
-            raise SlurmUnavailable("Slurm/munge not installed (missing: " + ", ".join(missing) +
-                                   "; Debian packages slurm-wlm and munge)")
+            raise SlurmUnavailable(
+                "Slurm/munge not installed (missing: " + ", ".join(missing) + "; Debian packages slurm-wlm and munge)"
+            )
         if os.geteuid() != 0:
             raise SlurmUnavailable("the test Slurm cluster runs its daemons as root")
         reap_stale()
@@ -246,9 +258,19 @@ OverSubscribe=NO
         os.chmod(key, 0o400)
         self._write_config()
         d = self.dir
-        self._spawn("munged", [_tool("munged"), "-F", "--force", f"--socket={d}/munge.socket",
-                               f"--key-file={key}", f"--log-file={d}/munged.log",
-                               f"--pid-file={d}/munged.run.pid", f"--seed-file={d}/munged.seed"])
+        self._spawn(
+            "munged",
+            [
+                _tool("munged"),
+                "-F",
+                "--force",
+                f"--socket={d}/munge.socket",
+                f"--key-file={key}",
+                f"--log-file={d}/munged.log",
+                f"--pid-file={d}/munged.run.pid",
+                f"--seed-file={d}/munged.seed",
+            ],
+        )
         self._wait("munged", lambda: os.path.exists(f"{d}/munge.socket"), 15)
         self._spawn("slurmctld", [_tool("slurmctld"), "-D", "-c", "-i", "-f", self.conf])
         names = list(self.node_addrs())
@@ -279,20 +301,33 @@ OverSubscribe=NO
         self.kill_leftovers()
 
     # ----------------------------------------------------------------- jobs
-    def job_state(self, job_id: str) -> Dict[str, str]:
+    def job_state(self, job_id: str) -> dict[str, str]:
         r = self.run("scontrol", "show", "job", "-o", job_id, check=False, timeout=15)
-        fields: Dict[str, str] = {}
+        fields: dict[str, str] = {}
         for token in r.stdout.split():
             if "=" in token:
                 k, v = token.split("=", 1)
                 fields.setdefault(k, v)
         return fields
 
-    def wait_job(self, job_id: str, timeout: float = 300, states=("COMPLETED", "FAILED", "CANCELLED",
-                                                                   "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                                                                   "BOOT_FAIL", "DEADLINE", "PREEMPTED")) -> Dict[str, str]:
+    def wait_job(
+        self,
+        job_id: str,
+        timeout: float = 300,
+        states=(
+            "COMPLETED",
+            "FAILED",
+            "CANCELLED",
+            "TIMEOUT",
+            "NODE_FAIL",
+            "OUT_OF_MEMORY",
+            "BOOT_FAIL",
+            "DEADLINE",
+            "PREEMPTED",
+        ),
+    ) -> dict[str, str]:
         deadline = time.time() + timeout
-        info: Dict[str, str] = {}
+        info: dict[str, str] = {}
         while time.time() < deadline:
             info = self.job_state(job_id)
             if info.get("JobState") in states:
@@ -324,7 +359,7 @@ def default_state_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"{STATE_PREFIX}{os.getuid()}-{os.getpid()}")
 
 
-def reap_stale() -> List[str]:
+def reap_stale() -> list[str]:
     """Stop the daemons of test clusters whose test process is gone, and remove their dirs."""
     import tempfile
 
@@ -344,7 +379,7 @@ def reap_stale() -> List[str]:
     return reaped
 
 
-def try_start(state_dir: Optional[str] = None) -> SlurmCluster:
+def try_start(state_dir: str | None = None) -> SlurmCluster:
     cluster = SlurmCluster(state_dir or default_state_dir())
     try:
         return cluster.start()

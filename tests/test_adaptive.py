@@ -1,16 +1,17 @@
 """Per-token adaptive exit (pretrain/infer/adaptive.py) and `grt eval --adaptive-exit`."""
+
 import json
 
 import pytest
 import torch
+from trained_models import grt_run, manifest, single_thread, small_model  # noqa: F401 (fixtures)
 
 from pretrain.config import ConfigError
 from pretrain.infer.adaptive import adaptive_forward, adaptive_table, parse_thresholds
-from pretrain.infer.scoring import adaptive_sums
 from pretrain.infer.evaluate import main as eval_main
+from pretrain.infer.scoring import adaptive_sums
 from pretrain.model import build_model
 from pretrain.presets import get_preset
-from trained_models import grt_run, manifest, single_thread, small_model  # noqa: F401 (fixtures)
 
 R = 3
 
@@ -41,7 +42,7 @@ def test_tokens_exit_at_their_own_step_with_a_frozen_state(criterion):
     # position 0 attends only to itself: its logits are a fixed-depth forward at its own step count
     for b in range(idx.shape[0]):
         n = int(steps[b, 0])
-        ref = model(idx[b:b + 1, :1], n_loops=n).logits[0, 0]
+        ref = model(idx[b : b + 1, :1], n_loops=n).logits[0, 0]
         torch.testing.assert_close(logits[b, 0], ref, rtol=0, atol=1e-5)
     # a lower threshold never uses fewer steps on average
     _, more = adaptive_forward(model, idx, thr / 4, criterion)
@@ -80,8 +81,9 @@ def test_sums_count_loss_tokens_and_steps():
     targets[:, -3:] = -100
     batches = [{"input_ids": idx, "targets": targets}]
     table = adaptive_table(adaptive_sums(model, batches, [0.0], torch.device("cpu")), [0.0])
-    ref = torch.nn.functional.cross_entropy(model(idx, n_loops=R).logits.flatten(0, 1), targets.flatten(),
-                                            ignore_index=-100)
+    ref = torch.nn.functional.cross_entropy(
+        model(idx, n_loops=R).logits.flatten(0, 1), targets.flatten(), ignore_index=-100
+    )
     assert table[0.0]["loss"] == pytest.approx(ref.item(), rel=1e-5)
     assert table[0.0]["mean_steps"] == R
 
@@ -99,8 +101,24 @@ def test_bad_inputs_are_config_errors():
 
 def test_grt_eval_reports_the_adaptive_curve(grt_run, manifest, tmp_path, capsys):
     out = tmp_path / "eval.json"
-    rc = eval_main([str(grt_run / "checkpoints"), "--tasks", "val", "--data", str(manifest), "--max-batches", "2",
-                    "--adaptive-exit", "update", "--exit-thresholds", "1e9,0.05,0", "--json-out", str(out), "--quiet"])
+    rc = eval_main(
+        [
+            str(grt_run / "checkpoints"),
+            "--tasks",
+            "val",
+            "--data",
+            str(manifest),
+            "--max-batches",
+            "2",
+            "--adaptive-exit",
+            "update",
+            "--exit-thresholds",
+            "1e9,0.05,0",
+            "--json-out",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
     ad = res["adaptive_exit"]["by_threshold"]
@@ -116,11 +134,17 @@ def test_grt_eval_reports_the_adaptive_curve(grt_run, manifest, tmp_path, capsys
 def _decode(model, prompts, new_tokens, strategy, threshold, rule="update"):
     from pretrain.infer.kv_cache import CachedDecoder
 
-    dec = CachedDecoder(model, batch=prompts.shape[0], max_len=prompts.shape[1] + new_tokens.shape[1],
-                        strategy=strategy, exit_threshold=threshold, exit_rule=rule)
+    dec = CachedDecoder(
+        model,
+        batch=prompts.shape[0],
+        max_len=prompts.shape[1] + new_tokens.shape[1],
+        strategy=strategy,
+        exit_threshold=threshold,
+        exit_rule=rule,
+    )
     logits = [dec.forward(prompts)]
     for i in range(new_tokens.shape[1]):
-        logits.append(dec.forward(new_tokens[:, i:i + 1]))
+        logits.append(dec.forward(new_tokens[:, i : i + 1]))
     return torch.stack(logits, 1), dec
 
 
@@ -146,7 +170,7 @@ def test_decode_exits_early_and_a_token_does_not_depend_on_its_batch(strategy, r
     together, dec = _decode(model, prompts, new, strategy, thr, rule)
     assert 1 <= dec.decoded_steps / dec.decoded_tokens < 6  # some tokens left the loop early
     for b in range(3):  # each row alone: the same logits (exited tokens' cache entries follow the rule)
-        alone, _ = _decode(model, prompts[b:b + 1], new[b:b + 1], strategy, thr, rule)
+        alone, _ = _decode(model, prompts[b : b + 1], new[b : b + 1], strategy, thr, rule)
         torch.testing.assert_close(alone[0], together[b], rtol=0, atol=2e-5)
 
 

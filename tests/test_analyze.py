@@ -1,17 +1,29 @@
 """`grt analyze`: CKA, variance shares, buckets and weight cosines against hand values; gate
 forcing and anchor replacement move the loss of a trained tiny GRT the expected way."""
+
 import json
 from collections import Counter
 
 import pytest
 import torch
+from trained_models import single_thread, small_model, torch_trained_grt, write_export  # noqa: F401
 
-from pretrain.infer.analyze import (BUCKETS, cka_matrix, collect, frequency_buckets, half_cosines, is_punctuation,
-                              linear_cka, main as analyze_main, variance_share)
 from pretrain.distributed import Dist
+from pretrain.infer.analyze import (
+    BUCKETS,
+    cka_matrix,
+    collect,
+    frequency_buckets,
+    half_cosines,
+    is_punctuation,
+    linear_cka,
+    variance_share,
+)
+from pretrain.infer.analyze import (
+    main as analyze_main,
+)
 from pretrain.infer.scoring import lm_sums, val_batches
 from pretrain.model.layers import AttentionContext
-from trained_models import single_thread, small_model, torch_trained_grt, write_export  # noqa: F401
 
 CPU = torch.device("cpu")
 
@@ -117,8 +129,8 @@ def test_half_cosines_by_hand():
     assert half_cosines(w, -w)["mean_row_cosine"] == pytest.approx(-1.0)
     e = torch.tensor([[2.0, -1.0], [4.0, -3.0]])  # row-wise orthogonal to w
     assert half_cosines(w, e)["mean_row_cosine"] == pytest.approx(0.0, abs=1e-12)
-    assert half_cosines(w, e)["cosine"] == pytest.approx((2 - 2 + 12 - 12) / 30 ** 0.5 / 30 ** 0.5, abs=1e-12)
-    assert half_cosines(w, e)["norm_state"] == pytest.approx(30 ** 0.5)
+    assert half_cosines(w, e)["cosine"] == pytest.approx((2 - 2 + 12 - 12) / 30**0.5 / 30**0.5, abs=1e-12)
+    assert half_cosines(w, e)["norm_state"] == pytest.approx(30**0.5)
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +159,12 @@ def test_analyze_command_writes_the_report(trained, tmp_path, capsys):
     tok_path = manifest.parent / "tokenizer.model"
     export = write_export(model, tmp_path / "m", tokenizer=tok_path, run_config={"data": str(manifest)})
     out = tmp_path / "report"
-    assert analyze_main([str(export), "--out", str(out), "--max-batches", "3", "--freq-batches", "20",
-                         "--cka-tokens", "256"]) == 0
+    assert (
+        analyze_main(
+            [str(export), "--out", str(out), "--max-batches", "3", "--freq-batches", "20", "--cka-tokens", "256"]
+        )
+        == 0
+    )
     res = json.loads((out / "analysis.json").read_text())
     assert set(res["loss_by_depth"]) == {"0", "1", "2", "3"}
     assert res["gate_forcing"]["gate=1"] == pytest.approx(res["loss_by_depth"]["0"], abs=1e-6)
@@ -163,8 +179,24 @@ def test_analyze_command_writes_the_report(trained, tmp_path, capsys):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     dense_model = small_model("3", variant="dense", vocab=model.cfg.vocab_size)
     dense = write_export(dense_model, tmp_path / "d", tokenizer=tok_path, run_config={"data": str(manifest)})
-    assert analyze_main([str(export), "--out", str(tmp_path / "withdense"), "--max-batches", "2", "--freq-batches", "5",
-                         "--cka-tokens", "128", "--dense", str(dense)]) == 0
+    assert (
+        analyze_main(
+            [
+                str(export),
+                "--out",
+                str(tmp_path / "withdense"),
+                "--max-batches",
+                "2",
+                "--freq-batches",
+                "5",
+                "--cka-tokens",
+                "128",
+                "--dense",
+                str(dense),
+            ]
+        )
+        == 0
+    )
     cd = json.loads((tmp_path / "withdense" / "analysis.json").read_text())["cka_dense"]
     assert len(cd["matrix"]) == 4 and len(cd["matrix"][0]) == 4  # s_0..s_3 x (embeddings + 3 blocks)
     assert (tmp_path / "withdense" / "cka_dense.png").is_file()

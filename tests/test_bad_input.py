@@ -9,6 +9,7 @@ Cases run in-process through `pretrain.cli.main` (the dispatcher a `grt` process
 the ones where the process itself matters (launcher, a missing package, resume) run as
 real processes. Inputs are built once per session.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,17 +23,19 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from faults import Job, run_job
 from trained_models import DEMO_TEXT, ENV, REPO, grt, grt_run, manifest, single_thread  # noqa: F401 (fixtures)
 
-TRIED: Counter = Counter()   # inputs tried per class, printed at the end (-s) for docs/reliability.md
+TRIED: Counter = Counter()  # inputs tried per class, printed at the end (-s) for docs/reliability.md
 HANDLED: Counter = Counter()
 
 
 def tree_hash(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -52,8 +55,14 @@ def in_process(argv: list[str], capsys) -> tuple[int, str]:
 
 
 def as_process(argv: list[str], env: dict | None = None) -> tuple[int, str]:
-    proc = subprocess.run([sys.executable, "-m", "pretrain.cli", *argv], cwd=REPO, env={**ENV, **(env or {})},
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pretrain.cli", *argv],
+        cwd=REPO,
+        env={**ENV, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return proc.returncode, proc.stderr
 
 
@@ -71,9 +80,27 @@ def check_one_line(kind: str, rc: int, stderr: str, want: str) -> None:
 def prepare_with(tok_args: list[str], root: Path) -> Path:
     """Shards of a slice of the demo text made with a tokenizer trained with tok_args."""
     grt("data", "tokenizer", "-i", str(DEMO_TEXT), "--txt-mode", "paragraph", *tok_args, "-o", str(root / "tok"), "-q")
-    grt("data", "prepare", "-i", str(DEMO_TEXT), "--txt-mode", "paragraph", "-t", str(root / "tok.model"),
-        "-o", str(root / "shards"), "--seq-len", "64", "--shard-size-mb", "0.1", "--val-fraction", "0.05",
-        "--max-mb", "0.15", "-q")
+    grt(
+        "data",
+        "prepare",
+        "-i",
+        str(DEMO_TEXT),
+        "--txt-mode",
+        "paragraph",
+        "-t",
+        str(root / "tok.model"),
+        "-o",
+        str(root / "shards"),
+        "--seq-len",
+        "64",
+        "--shard-size-mb",
+        "0.1",
+        "--val-fraction",
+        "0.05",
+        "--max-mb",
+        "0.15",
+        "-q",
+    )
     return root / "shards" / "manifest.json"
 
 
@@ -124,7 +151,10 @@ def bad(grt_run, manifest, tmp_path_factory) -> dict[str, Path]:
         # another tokenizer of the same vocabulary size (trained on less text), and a larger one
         "other_tok": prepare_with(["--vocab-size", "512", "--max-chars", "60000"], root / "other_tok"),
         "big_tok": prepare_with(["--vocab-size", "600"], root / "big_tok"),
-        "tokenizer": grt_run / "checkpoints" / (grt_run / "checkpoints" / "latest").read_text().strip() / "tokenizer.model",
+        "tokenizer": grt_run
+        / "checkpoints"
+        / (grt_run / "checkpoints" / "latest").read_text().strip()
+        / "tokenizer.model",
         "other_tokenizer": root / "other_tok" / "tok.model",
     }
 
@@ -142,8 +172,11 @@ CASES = [
     ("unknown flag", ["eval", "@run", "--frobnicate"], "unrecognized arguments: --frobnicate"),
     ("unknown flag", ["generate", "@run", "--frobnicate"], "unrecognized arguments: --frobnicate"),
     ("unknown flag", ["analyze", "@run", "--out", "@missing", "--frobnicate"], "unrecognized"),
-    ("unknown flag", ["compare", "--configs", "micro-grt", "--data", "@manifest", "--out", "@missing", "--frobnicate"],
-     "unrecognized arguments: --frobnicate"),
+    (
+        "unknown flag",
+        ["compare", "--configs", "micro-grt", "--data", "@manifest", "--out", "@missing", "--frobnicate"],
+        "unrecognized arguments: --frobnicate",
+    ),
     ("unknown flag", ["demo", "--frobnicate"], "unrecognized arguments: --frobnicate"),
     ("unknown flag", ["data", "inspect", "@manifest", "--frobnicate"], "unrecognized arguments: --frobnicate"),
     ("unknown flag", ["data", "frobnicate"], "invalid choice: 'frobnicate'"),
@@ -154,17 +187,37 @@ CASES = [
     ("wrong type", ["train", "--steps", "many"], "argument --steps: invalid int value: 'many'"),
     ("wrong type", ["eval", "@run", "--batch-size", "eight"], "invalid int value: 'eight'"),
     ("wrong type", ["generate", "@run", "--temperature", "hot"], "invalid float value: 'hot'"),
-    ("wrong type", ["data", "prepare", "-i", "@empty_txt", "-t", "@tokenizer", "-o", "@missing", "--seq-len", "x"],
-     "invalid int value: 'x'"),
+    (
+        "wrong type",
+        ["data", "prepare", "-i", "@empty_txt", "-t", "@tokenizer", "-o", "@missing", "--seq-len", "x"],
+        "invalid int value: 'x'",
+    ),
     ("wrong type", ["bench", "train-step", "--steps", "x"], "invalid int value: 'x'"),
     ("bad value", ["bench", "loss", "--tokens", "0"], "'0': expected a whole number >= 1"),
     ("bad value", ["bench", "precision", "--preset", "nope", "--train-steps", "0"], "unknown preset 'nope'"),
     ("bad value", ["bench", "zero", "--vocab", "100", "--presets", "micro-grt"], "vocab_size must be in [258, 50257]"),
-    ("bad value", ["train", "--preset", "micro-grt", "--data", "@manifest", "--out", "@missing", "--set",
-                   "model.state_dtype=fp16", "--dry-run"], "state_dtype='fp16': accepted values are fp32, weights"),
+    (
+        "bad value",
+        [
+            "train",
+            "--preset",
+            "micro-grt",
+            "--data",
+            "@manifest",
+            "--out",
+            "@missing",
+            "--set",
+            "model.state_dtype=fp16",
+            "--dry-run",
+        ],
+        "state_dtype='fp16': accepted values are fp32, weights",
+    ),
     ("wrong type", ["eval", "@run", "--kv-cache", "half"], "invalid choice: 'half'"),
-    ("wrong type", ["train", "--set", "train.steps=many", "--preset", "micro-grt", "--data", "@manifest"],
-     "train.steps='many'"),
+    (
+        "wrong type",
+        ["train", "--set", "train.steps=many", "--preset", "micro-grt", "--data", "@manifest"],
+        "train.steps='many'",
+    ),
     ("wrong type", ["eval", "@run", "--depths", "two"], "--depths 'two'"),
     ("wrong type", ["export", "--checkpoint", "@run", "--out", "@missing", "--dtype", "fp7"], "dtype='fp7'"),
     # -- malformed or missing paths
@@ -185,42 +238,50 @@ CASES = [
     ("missing path", ["generate", "@run", "--tokenizer", "@missing"], "not found"),
     ("missing path", ["bench", "data", "--input", "@missing", "--tokenizer", "@tokenizer"], "does/not/exist"),
     ("missing path", ["compare", "--configs", "@missing", "--data", "@manifest", "--out", "@missing"], "not a preset"),
-    ("missing path", ["train", "--data", "@manifest", "--model-config", "@missing"],
-     "no such file"),
+    ("missing path", ["train", "--data", "@manifest", "--model-config", "@missing"], "no such file"),
     # -- empty and malformed files
     ("empty file", ["train", "--config-json", "@empty"], "not valid JSON"),
     ("empty file", ["train", "--preset", "micro-grt", "--data", "@empty", "--out", "@missing"], "not valid JSON"),
     ("empty file", ["data", "inspect", "@empty"], "not valid JSON"),
     ("empty file", ["data", "inspect", "@not_json"], "not valid JSON"),
     ("empty file", ["eval", "@run", "--tasks", "val", "--data", "@empty"], "not valid JSON"),
-    ("empty file", ["data", "tokenizer", "-i", "@empty_txt", "-o", "@missing", "--vocab-size", "300", "-q"],
-     "empty.txt"),
+    (
+        "empty file",
+        ["data", "tokenizer", "-i", "@empty_txt", "-o", "@missing", "--vocab-size", "300", "-q"],
+        "empty.txt",
+    ),
     ("empty file", ["compare", "--configs", "@empty", "--data", "@manifest", "--out", "@missing"], "not valid JSON"),
     ("empty file", ["generate", "@run", "--tokenizer", "@empty"], "empty.json"),
     # -- foreign manifest (version, format, missing field)
     ("foreign manifest", ["data", "inspect", "@version"], "has version 99"),
     ("foreign manifest", ["eval", "@run", "--tasks", "val", "--data", "@version"], "has version 99"),
-    ("foreign manifest", ["train", "--preset", "micro-grt", "--data", "@version", "--out", "@missing"],
-     "has version 99"),
+    (
+        "foreign manifest",
+        ["train", "--preset", "micro-grt", "--data", "@version", "--out", "@missing"],
+        "has version 99",
+    ),
     ("foreign manifest", ["eval", "@run", "--tasks", "val", "--data", "@foreign"], "is not a grt-token-shards"),
     ("foreign manifest", ["eval", "@run", "--tasks", "val", "--data", "@no_seq_len"], "malformed"),
     ("foreign manifest", ["analyze", "@run", "--out", "@missing", "--data", "@version"], "has version 99"),
     # -- truncated shards and missing splits (issue 15, rows 1-2)
-    ("truncated shard", ["eval", "@run", "--tasks", "val", "--data", "@truncated_val"],
-     "corrupt or truncated shard"),
+    ("truncated shard", ["eval", "@run", "--tasks", "val", "--data", "@truncated_val"], "corrupt or truncated shard"),
     ("truncated shard", ["eval", "@run", "--tasks", "val", "--data", "@no_val"], "its splits: train"),
     ("truncated shard", ["eval", "@run", "--tasks", "val", "--split", "test"], "has no 'test' split"),
     # -- another tokenizer (issue 15, rows 3 and 5)
     ("mismatched tokenizer", ["eval", "@run", "--tasks", "val", "--data", "@other_tok"], "cannot switch tokenizer"),
     ("mismatched tokenizer", ["eval", "@run", "--tasks", "val", "--data", "@big_tok"], "cannot switch tokenizer"),
     ("mismatched tokenizer", ["generate", "@run", "--tokenizer", "@other_tokenizer"], "cannot switch tokenizer"),
-    ("mismatched tokenizer", ["analyze", "@run", "--out", "@missing", "--data", "@other_tok"],
-     "cannot switch tokenizer"),
+    (
+        "mismatched tokenizer",
+        ["analyze", "@run", "--out", "@missing", "--data", "@other_tok"],
+        "cannot switch tokenizer",
+    ),
 ]
 
 
-@pytest.mark.parametrize("kind,argv,want", CASES, ids=[f"{c[0]}:{' '.join(map(str, c[1][:2]))}-{i}"
-                                                        for i, c in enumerate(CASES)])
+@pytest.mark.parametrize(
+    "kind,argv,want", CASES, ids=[f"{c[0]}:{' '.join(map(str, c[1][:2]))}-{i}" for i, c in enumerate(CASES)]
+)
 def test_bad_input_is_one_line_and_changes_nothing(bad, capsys, kind, argv, want):
     before = tree_hash(bad["run"])
     rc, err = in_process(fill(argv, bad), capsys)
@@ -233,8 +294,17 @@ def test_bad_input_is_one_line_and_changes_nothing(bad, capsys, kind, argv, want
 def resume_argv(run: Path, data: Path, *extra: str) -> list[str]:
     """Resume `run` with its own saved config, on `data`."""
     step = (run / "checkpoints" / "latest").read_text().strip()
-    return ["train", "--config-json", str(run / "checkpoints" / step / "config.json"), "--out", str(run),
-            "--data", str(data), "--resume", *extra]
+    return [
+        "train",
+        "--config-json",
+        str(run / "checkpoints" / step / "config.json"),
+        "--out",
+        str(run),
+        "--data",
+        str(data),
+        "--resume",
+        *extra,
+    ]
 
 
 RESUME_CASES = [
@@ -267,8 +337,20 @@ def test_resume_refusals_change_nothing(bad, capsys, kind, args, want):
 
 def test_launch_with_missing_manifest_is_one_line_before_any_rank(bad, tmp_path):
     """Issue 15, row 8: checked once by the launcher, no rank started."""
-    rc, err = as_process(["launch", "--procs-per-node", "2", "--", "--preset", "micro-grt",
-                          "--data", str(bad["missing"]), "--out", str(tmp_path / "run")])
+    rc, err = as_process(
+        [
+            "launch",
+            "--procs-per-node",
+            "2",
+            "--",
+            "--preset",
+            "micro-grt",
+            "--data",
+            str(bad["missing"]),
+            "--out",
+            str(tmp_path / "run"),
+        ]
+    )
     check_one_line("missing path", rc, err, "no such manifest")
     assert not (tmp_path / "run").exists()
     rc, err = as_process(["launch", "--dry-run", "--", *resume_argv(bad["run"], bad["other_tok"])[1:]])
@@ -277,9 +359,25 @@ def test_launch_with_missing_manifest_is_one_line_before_any_rank(bad, tmp_path)
 
 def test_launch_of_selective_checkpointing_under_zero3_is_one_line_before_any_rank(bad, tmp_path):
     """The launcher refuses it once, as the Trainer would on every rank (docs/performance.md)."""
-    rc, err = as_process(["launch", "--dry-run", "--procs-per-node", "2", "--", "--preset", "micro-grt",
-                          "--data", str(bad["manifest"]), "--out", str(tmp_path / "run"), "--ds-config",
-                          "ds_configs/zero3.json", "--set", "train.activation_checkpointing=selective"])
+    rc, err = as_process(
+        [
+            "launch",
+            "--dry-run",
+            "--procs-per-node",
+            "2",
+            "--",
+            "--preset",
+            "micro-grt",
+            "--data",
+            str(bad["manifest"]),
+            "--out",
+            str(tmp_path / "run"),
+            "--ds-config",
+            "ds_configs/zero3.json",
+            "--set",
+            "train.activation_checkpointing=selective",
+        ]
+    )
     check_one_line("wrong type", rc, err, "train.activation_checkpointing='selective' is refused under ZeRO stage 3")
     assert not (tmp_path / "run").exists()
 
@@ -294,8 +392,10 @@ def test_export_without_transformers_is_one_line_and_writes_nothing(tmp_path, ca
     shim.mkdir(parents=True)
     (shim / "__init__.py").write_text("raise ImportError(\"No module named 'transformers'\")\n")
     out = tmp_path / "export"
-    rc, err = as_process(["export", "--checkpoint", str(dense), "--out", str(out)],
-                         env={"PYTHONPATH": f"{shim.parent}{os.pathsep}{REPO}"})
+    rc, err = as_process(
+        ["export", "--checkpoint", str(dense), "--out", str(out)],
+        env={"PYTHONPATH": f"{shim.parent}{os.pathsep}{REPO}"},
+    )
     check_one_line("missing dependency", rc, err, "pip install 'grt-pretrain[hf]'")
     assert not out.exists() and not list(tmp_path.glob(".export*")), "a half-written export was left"
 
@@ -307,8 +407,9 @@ def export_contents(out: Path) -> dict[str, str]:
 
     files = tree_hash(out)
     weights = load_file(str(out / "model.safetensors"))
-    files["model.safetensors"] = hashlib.sha256(b"".join(
-        k.encode() + weights[k].numpy().tobytes() for k in sorted(weights))).hexdigest()
+    files["model.safetensors"] = hashlib.sha256(
+        b"".join(k.encode() + weights[k].numpy().tobytes() for k in sorted(weights))
+    ).hexdigest()
     return files
 
 
@@ -344,8 +445,11 @@ def test_export_is_complete_or_absent(grt_run, tmp_path, monkeypatch):
 
 def test_zz_report_counts():
     """The figures for docs/reliability.md (run with -s)."""
-    print("\nBAD INPUT " + "; ".join(f"{k}: {HANDLED[k]}/{TRIED[k]}" for k in sorted(TRIED))
-          + f"; total {sum(HANDLED.values())}/{sum(TRIED.values())}")
+    print(
+        "\nBAD INPUT "
+        + "; ".join(f"{k}: {HANDLED[k]}/{TRIED[k]}" for k in sorted(TRIED))
+        + f"; total {sum(HANDLED.values())}/{sum(TRIED.values())}"
+    )
     assert HANDLED == TRIED
 
 
@@ -359,8 +463,9 @@ def test_resume_with_more_steps_keeps_the_started_schedule(grt_run, tmp_path):
     shutil.copytree(grt_run, run)
     saved = json.loads((run / "checkpoints" / "step00000030" / "config.json").read_text())
     argv = resume_argv(run, Path(saved["data"]), "--steps", "40", "--set", "train.log_every=1")
-    proc = subprocess.run([sys.executable, "-m", "pretrain.cli", *argv], cwd=REPO, env=ENV, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pretrain.cli", *argv], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     notes = [line for line in proc.stderr.splitlines() if line.startswith("grt train: resuming")]
     assert len(notes) == 1 and "train.steps 30 -> 40" in notes[0] and "keeps its 30-step horizon" in notes[0], notes
@@ -403,9 +508,13 @@ def one_rank_corrupt(bad, tmp_path_factory) -> tuple[Path, Path, int]:
     from pretrain.infer.scoring import val_batches
 
     truncated = Path(json.loads(bad["truncated_val"].read_text())["splits"]["val"][0]["name"])
-    data = edited_manifest(bad["manifest"], tmp_path_factory.mktemp("one_rank_corrupt"),
-                           lambda raw: raw["splits"].update(val=[raw["splits"]["val"][0],
-                                                                 dict(raw["splits"]["val"][0], name=str(truncated))]))
+    data = edited_manifest(
+        bad["manifest"],
+        tmp_path_factory.mktemp("one_rank_corrupt"),
+        lambda raw: raw["splits"].update(
+            val=[raw["splits"]["val"][0], dict(raw["splits"]["val"][0], name=str(truncated))]
+        ),
+    )
     failing = []
     for rank in (0, 1):
         try:
@@ -429,8 +538,12 @@ def test_multi_rank_eval_stops_every_rank_on_one_ranks_corrupt_shard(bad, one_ra
     shim = tmp_path / "shim"
     shim.mkdir()
     (shim / "sitecustomize.py").write_text(HOLD_AFTER_ERROR)
-    with Job(eval_argv(bad["run"], data), tmp_path / "logs", env={"CUDA_VISIBLE_DEVICES": ""},
-             rank_env={failing: {"PYTHONPATH": f"{shim}{os.pathsep}{REPO}"}}) as job:
+    with Job(
+        eval_argv(bad["run"], data),
+        tmp_path / "logs",
+        env={"CUDA_VISIBLE_DEVICES": ""},
+        rank_env={failing: {"PYTHONPATH": f"{shim}{os.pathsep}{REPO}"}},
+    ) as job:
         try:
             job.procs[healthy].wait(timeout=STOP_WITHIN_S)
         except subprocess.TimeoutExpired:
@@ -440,16 +553,21 @@ def test_multi_rank_eval_stops_every_rank_on_one_ranks_corrupt_shard(bad, one_ra
         assert job.alive()[failing], "the failing rank was to stay alive"
         for rank in (0, 1):
             line = rank_error(job.output(rank, tail=20000))
-            assert line.startswith(f"grt eval: error: rank {failing} failed: corrupt or truncated shard '{truncated}'"), line
+            assert line.startswith(
+                f"grt eval: error: rank {failing} failed: corrupt or truncated shard '{truncated}'"
+            ), line
     print(f"\nrank {healthy} stopped {waited:.1f} s after start, rank {failing} still alive")
 
 
-MODEL_MISSING_ON_THIS_NODE = HOLD_AFTER_ERROR + """
+MODEL_MISSING_ON_THIS_NODE = (
+    HOLD_AFTER_ERROR
+    + """
 import pretrain.infer.load as load
 def missing(path, **kw):
     raise FileNotFoundError(f"{path}: no such directory on this node")
 load.load_model = missing
 """
+)
 
 
 @pytest.mark.slow
@@ -460,16 +578,22 @@ def test_multi_rank_eval_stops_every_rank_when_one_cannot_load_the_model(bad, tm
     shim = tmp_path / "shim"
     shim.mkdir()
     (shim / "sitecustomize.py").write_text(MODEL_MISSING_ON_THIS_NODE)
-    with Job(eval_argv(bad["run"], bad["manifest"]), tmp_path / "logs", env={"CUDA_VISIBLE_DEVICES": ""},
-             rank_env={1: {"PYTHONPATH": f"{shim}{os.pathsep}{REPO}"}}) as job:
+    with Job(
+        eval_argv(bad["run"], bad["manifest"]),
+        tmp_path / "logs",
+        env={"CUDA_VISIBLE_DEVICES": ""},
+        rank_env={1: {"PYTHONPATH": f"{shim}{os.pathsep}{REPO}"}},
+    ) as job:
         try:
             job.procs[0].wait(timeout=STOP_WITHIN_S)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"rank 0 still waits {STOP_WITHIN_S} s after start:\n{job.output()}") from None
         assert job.procs[0].returncode == 2, job.output()
         for rank in (0, 1):
-            assert rank_error(job.output(rank, tail=20000)) == \
-                f"grt eval: error: rank 1 failed: {bad['run']}: no such directory on this node"
+            assert (
+                rank_error(job.output(rank, tail=20000))
+                == f"grt eval: error: rank 1 failed: {bad['run']}: no such directory on this node"
+            )
 
 
 @pytest.mark.slow
@@ -480,8 +604,11 @@ def test_multi_rank_eval_failure_collectives_are_on_the_comm_device(bad, one_ran
 
     data, truncated, failing = one_rank_corrupt
     violations = tmp_path / "violations"
-    procs = run_ranks([str(REPO / "tests" / "comm_guard.py"), str(violations), *eval_argv(bad["run"], data)],
-                      env={"PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}, timeout=STOP_WITHIN_S)
+    procs = run_ranks(
+        [str(REPO / "tests" / "comm_guard.py"), str(violations), *eval_argv(bad["run"], data)],
+        env={"PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""},
+        timeout=STOP_WITHIN_S,
+    )
     assert violations.read_text() == ""
     for proc in procs:
         assert proc.returncode == 2, proc.stdout[-3000:]
@@ -494,17 +621,37 @@ def test_multi_rank_eval_stops_every_rank_on_a_task_file_missing_on_one_rank(bad
     exits 2 naming rank 1 and the file; no table is printed."""
     eval_dir, empty = tmp_path / "eval", tmp_path / "empty"
     eval_dir.mkdir(), empty.mkdir()
-    (eval_dir / "piqa.jsonl").write_text("".join(json.dumps({"query": f"Question: q{i}\n", "choices": ["yes", "no"],
-                                                               "gold": i % 2}) + "\n" for i in range(4)))
-    argv = ["eval", str(bad["run"]), "--tasks", "val,piqa", "--data", str(bad["manifest"]), "--batch-size", "2",
-            "--max-batches", "1"]
-    codes, job = run_job(argv, tmp_path / "logs", timeout=STOP_WITHIN_S,
-                         env={"CUDA_VISIBLE_DEVICES": "", "GRT_EVAL_DIR": str(eval_dir)},
-                         rank_env={1: {"GRT_EVAL_DIR": str(empty)}})
+    (eval_dir / "piqa.jsonl").write_text(
+        "".join(
+            json.dumps({"query": f"Question: q{i}\n", "choices": ["yes", "no"], "gold": i % 2}) + "\n" for i in range(4)
+        )
+    )
+    argv = [
+        "eval",
+        str(bad["run"]),
+        "--tasks",
+        "val,piqa",
+        "--data",
+        str(bad["manifest"]),
+        "--batch-size",
+        "2",
+        "--max-batches",
+        "1",
+    ]
+    codes, job = run_job(
+        argv,
+        tmp_path / "logs",
+        timeout=STOP_WITHIN_S,
+        env={"CUDA_VISIBLE_DEVICES": "", "GRT_EVAL_DIR": str(eval_dir)},
+        rank_env={1: {"GRT_EVAL_DIR": str(empty)}},
+    )
     assert codes == [2, 2], job.output()
     for rank in (0, 1):
         output = job.output(rank, tail=20000)
-        assert rank_error(output) == f"grt eval: error: rank 1 failed: piqa: {empty / 'piqa.jsonl'} not found (pass --eval-dir)"
+        assert (
+            rank_error(output)
+            == f"grt eval: error: rank 1 failed: piqa: {empty / 'piqa.jsonl'} not found (pass --eval-dir)"
+        )
         assert "val loss" not in output
 
 

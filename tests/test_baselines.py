@@ -1,17 +1,18 @@
 """The comparison baselines (Huginn, RRT, Ouro, MoR) and the ablation-ladder presets: each
 method's defining property, ZeRO-2/3 gradients against a single-process reference
 (2 ranks), and training + exact resume under ZeRO-3 through `grt train`."""
+
 import json
 import math
 import shutil
 
 import pytest
 import torch
-
 from multiproc import REPO, run_ranks
+
 from pretrain.config import ConfigError
 from pretrain.model import GPT, build_model
-from pretrain.model.baselines import HuginnGPT, MoRGPT, OuroGPT, RRTGPT, noise_off
+from pretrain.model.baselines import RRTGPT, HuginnGPT, MoRGPT, OuroGPT, noise_off
 from pretrain.model.gpt import lm_loss
 from pretrain.presets import PRESETS, get_preset
 
@@ -57,10 +58,17 @@ def test_baseline_settings_are_checked():
 
 def test_ladder_presets_switch_one_component_at_a_time():
     keys = ("layout", "state_noise_std", "reinject_anchor", "gate")
-    ladder = [tuple(getattr(PRESETS[n], k) for k in keys) for n in
-              ("ladder-0-loop-only", "ladder-1-prelude-coda", "ladder-2-noise", "ladder-3-reinject", "ladder-4-gate")]
-    assert ladder == [("2x5", 0.0, False, False), ("1+2x4+1", 0.0, False, False), ("1+2x4+1", 0.1, False, False),
-                      ("1+2x4+1", 0.1, True, False), ("1+2x4+1", 0.1, True, True)]
+    ladder = [
+        tuple(getattr(PRESETS[n], k) for k in keys)
+        for n in ("ladder-0-loop-only", "ladder-1-prelude-coda", "ladder-2-noise", "ladder-3-reinject", "ladder-4-gate")
+    ]
+    assert ladder == [
+        ("2x5", 0.0, False, False),
+        ("1+2x4+1", 0.0, False, False),
+        ("1+2x4+1", 0.1, False, False),
+        ("1+2x4+1", 0.1, True, False),
+        ("1+2x4+1", 0.1, True, True),
+    ]
     assert PRESETS["ladder-4-gate"].to_dict() | {"name": ""} == PRESETS["tiny-grt"].to_dict() | {"name": ""}
 
 
@@ -220,8 +228,11 @@ def test_mor_unselected_tokens_keep_their_state_and_causality_holds():
 def test_zero_gradients_equal_single_process_reference(tmp_path, stage):
     report_path = tmp_path / "report.json"
     presets = ",".join(f"micro-{v}" for v in VARIANTS)
-    results = run_ranks([str(REPO / "tests" / "dist_scripts" / "grad_check.py"), str(stage), presets,
-                         str(report_path), "3,1,0,2"], world=2, timeout=400)
+    results = run_ranks(
+        [str(REPO / "tests" / "dist_scripts" / "grad_check.py"), str(stage), presets, str(report_path), "3,1,0,2"],
+        world=2,
+        timeout=400,
+    )
     for r in results:
         assert r.returncode == 0, r.stdout[-3000:]
     reports = json.loads(report_path.read_text())
@@ -233,14 +244,39 @@ def test_zero_gradients_equal_single_process_reference(tmp_path, stage):
             assert step["unused_with_nonzero_grad"] == [], (preset, step["depth"])
 
 
-
-
 def train_args(manifest, out, variant, *extra):
-    return ["-m", "pretrain.cli", "train", "--preset", f"micro-{variant}", "--data", str(manifest), "--out", str(out),
-            "--steps", "12", "--micro-batch-size", "8", "--grad-accum", "1", "--ds-config",
-            str(REPO / "ds_configs" / "zero3.json"), "--set", "train.log_every=1", "--set", "train.save_every=6",
-            "--set", "train.eval_every=12", "--set", "train.eval_batches=2", "--set", "train.warmup_steps=2",
-            "--set", "train.lr=1e-2", *extra]
+    return [
+        "-m",
+        "pretrain.cli",
+        "train",
+        "--preset",
+        f"micro-{variant}",
+        "--data",
+        str(manifest),
+        "--out",
+        str(out),
+        "--steps",
+        "12",
+        "--micro-batch-size",
+        "8",
+        "--grad-accum",
+        "1",
+        "--ds-config",
+        str(REPO / "ds_configs" / "zero3.json"),
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "train.save_every=6",
+        "--set",
+        "train.eval_every=12",
+        "--set",
+        "train.eval_batches=2",
+        "--set",
+        "train.warmup_steps=2",
+        "--set",
+        "train.lr=1e-2",
+        *extra,
+    ]
 
 
 def records(path):

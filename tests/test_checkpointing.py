@@ -2,20 +2,26 @@
 `auto` picks the least recompute that fits the device memory left, selective checkpointing
 gives the reference gradients under real DeepSpeed ZeRO-2 and is refused under ZeRO-3 (the
 eager gradients of every mode: tests/test_model.py)."""
+
 import json
 import weakref
 
 import pytest
 import torch
+from multiproc import REPO, run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from multiproc import REPO, run_ranks
 from pretrain.config import ModelConfig
 from pretrain.model import build_model
 from pretrain.presets import get_preset
-from pretrain.training.parallelize import (AUTO_MODES, CHECKPOINT_MODES, activation_bytes,
-                                           apply_activation_checkpointing, choose_checkpointing)
+from pretrain.training.parallelize import (
+    AUTO_MODES,
+    CHECKPOINT_MODES,
+    activation_bytes,
+    apply_activation_checkpointing,
+    choose_checkpointing,
+)
 
 GiB = 2**30
 
@@ -55,8 +61,14 @@ class ActivationPeak(TorchDispatchMode):
 
 
 def tiny(layout="1+2x3+1", d_model=64):
-    return ModelConfig(variant="grt" if "x" in layout else "dense", layout=layout, d_model=d_model, n_heads=4,
-                       vocab_size=256, max_seq_len=64)
+    return ModelConfig(
+        variant="grt" if "x" in layout else "dense",
+        layout=layout,
+        d_model=d_model,
+        n_heads=4,
+        vocab_size=256,
+        max_seq_len=64,
+    )
 
 
 def tiny_baseline(variant, layout="1+1x3+1"):
@@ -71,10 +83,18 @@ def loss_and_grads(model, idx, depth):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("cfg,depth", [(tiny("1+2x4+1", d_model=128), 4), (tiny("1+2x4+1", d_model=128), 1),
-                                       (tiny("1+1x8+1"), 8), (tiny("6", d_model=128), None),
-                                       (tiny_baseline("ouro"), 3), (tiny_baseline("huginn", "1+1x6+1"), 6),
-                                       (tiny_baseline("mor"), 3)])
+@pytest.mark.parametrize(
+    "cfg,depth",
+    [
+        (tiny("1+2x4+1", d_model=128), 4),
+        (tiny("1+2x4+1", d_model=128), 1),
+        (tiny("1+1x8+1"), 8),
+        (tiny("6", d_model=128), None),
+        (tiny_baseline("ouro"), 3),
+        (tiny_baseline("huginn", "1+1x6+1"), 6),
+        (tiny_baseline("mor"), 3),
+    ],
+)
 def test_activation_estimate_is_within_1_5x_of_the_measured_peak(cfg, depth):
     """The peak bytes of the tensors a forward and backward create and free (`ActivationPeak`)
     against `activation_bytes`, for every mode; also for the baselines whose loops keep
@@ -93,8 +113,9 @@ def test_activation_estimate_is_within_1_5x_of_the_measured_peak(cfg, depth):
     assert measured["loop_step"] < measured["selective"] < measured["off"], measured
 
 
-@pytest.mark.parametrize("free_gib,expected", [(None, "off"), (80, "off"), (10, "off"), (8, "selective"),
-                                               (5, "loop_step"), (1, "loop_step")])
+@pytest.mark.parametrize(
+    "free_gib,expected", [(None, "off"), (80, "off"), (10, "off"), (8, "selective"), (5, "loop_step"), (1, "loop_step")]
+)
 def test_auto_picks_the_least_recompute_that_fits(free_gib, expected):
     """grt-small (1+1x10+1, d 768) at micro-batch 16 x 1024 tokens, bf16, depth up to 10
     (about 7.6, 4.8 and 1.3 GiB: the training loss keeps no [tokens x vocabulary] logits, which were
@@ -146,8 +167,18 @@ def test_selective_checkpointing_gradients_under_zero2_equal_the_reference(tmp_p
     checkpointing: the full gradients equal a single-process reference without
     checkpointing (loop_step under ZeRO-3: tests/test_trainer.py)."""
     report_path = tmp_path / "report.json"
-    results = run_ranks([str(REPO / "tests" / "dist_scripts" / "grad_check.py"), "2", "micro-grt",
-                         str(report_path), "3,1,0,2", "selective"], world=2, timeout=300)
+    results = run_ranks(
+        [
+            str(REPO / "tests" / "dist_scripts" / "grad_check.py"),
+            "2",
+            "micro-grt",
+            str(report_path),
+            "3,1,0,2",
+            "selective",
+        ],
+        world=2,
+        timeout=300,
+    )
     for r in results:
         assert r.returncode == 0, r.stdout[-3000:]
     steps = json.loads(report_path.read_text())["steps"]
@@ -159,10 +190,24 @@ def test_selective_checkpointing_gradients_under_zero2_equal_the_reference(tmp_p
 
 def test_zero3_refuses_selective_checkpointing_and_auto_never_picks_it(shards, tmp_path):
     from multiproc import grt
+
     from pretrain.training.parallelize import modes_for_stage
 
-    r = grt("train", "--preset", "micro-grt", "--data", str(shards), "--out", str(tmp_path / "run"), "--steps", "1",
-            "--ds-config", "ds_configs/zero3.json", "--set", "train.activation_checkpointing=selective")
+    r = grt(
+        "train",
+        "--preset",
+        "micro-grt",
+        "--data",
+        str(shards),
+        "--out",
+        str(tmp_path / "run"),
+        "--steps",
+        "1",
+        "--ds-config",
+        "ds_configs/zero3.json",
+        "--set",
+        "train.activation_checkpointing=selective",
+    )
     assert r.returncode != 0 and not (tmp_path / "run").exists()
     message = r.stderr.strip().splitlines()[-1]
     assert "train.activation_checkpointing='selective' is refused under ZeRO stage 3" in message, r.stderr
@@ -196,8 +241,9 @@ def test_selective_checkpointing_under_compile_gives_the_eager_gradients():
     ops applies inside the compiled graph, and the gradients are the uncompiled, unchecked model's."""
     from pretrain.training.parallelize import checkpoint_and_compile
 
-    cfg = ModelConfig(layout="1+1x3+1", d_model=32, n_heads=2, vocab_size=97, max_seq_len=16, state_noise_std=0,
-                      gate_noise_std=0)
+    cfg = ModelConfig(
+        layout="1+1x3+1", d_model=32, n_heads=2, vocab_size=97, max_seq_len=16, state_noise_std=0, gate_noise_std=0
+    )
     idx = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
     results = []
     for mode, compiled in (("off", False), ("selective", True)):

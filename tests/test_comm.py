@@ -1,6 +1,7 @@
 """Collectives and the exit path (docs/gpu.md): every collective goes through
 pretrain.distributed with its tensors on the communication device, every command that
 starts a process group ends through one exit path, and the loaders choose the GPU and bf16."""
+
 from __future__ import annotations
 
 import ast
@@ -13,14 +14,27 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from multiproc import free_port, run_ranks
 from trained_models import ENV, REPO, manifest  # noqa: F401 (fixture)
 
 GUARD = REPO / "tests" / "comm_guard.py"
-COLLECTIVES = {"all_reduce", "broadcast", "reduce", "all_gather", "all_gather_object", "all_gather_into_tensor",
-               "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter",
-               "barrier", "broadcast_object_list", "monitored_barrier"}
+COLLECTIVES = {
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "barrier",
+    "broadcast_object_list",
+    "monitored_barrier",
+}
 COMM_MODULES = ("torch.distributed", "deepspeed.comm")
 
 
@@ -43,7 +57,11 @@ def _bypasses(path: Path) -> list[str]:
         f = node.func
         if isinstance(f, ast.Name) and f.id in names:
             found.append(f"{path.relative_to(REPO)}:{node.lineno}: {f.id}()")
-        elif isinstance(f, ast.Attribute) and f.attr in COLLECTIVES and ast.unparse(f.value) in aliases | set(COMM_MODULES):
+        elif (
+            isinstance(f, ast.Attribute)
+            and f.attr in COLLECTIVES
+            and ast.unparse(f.value) in aliases | set(COMM_MODULES)
+        ):
             found.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(f)}()")
     return found
 
@@ -62,8 +80,14 @@ def _guarded(tmp_path: Path, name: str, *args: str, launcher: bool = False) -> N
     env = {**ENV}
     if launcher:  # a one-rank launch: the process group, and the collectives, of a multi-rank one
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    proc = subprocess.run([sys.executable, str(GUARD), str(violations), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(GUARD), str(violations), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert violations.read_text() == "", f"{name}: collectives off the communication device:\n{violations.read_text()}"
     assert proc.returncode == 0, f"{name} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
 
@@ -73,22 +97,69 @@ def test_every_collective_is_on_the_comm_device(manifest, tmp_path):  # noqa: F8
     launch probe, each with a process group whose communication device is not the CPU (see
     tests/comm_guard.py): what NCCL on a GPU asks for, which CI cannot give."""
     out = tmp_path / "run"
-    train = ["train", "--preset", "micro-grt", "--data", str(manifest), "--out", str(out), "--micro-batch-size", "4",
-             "--ds-config", "ds_configs/zero1.json", "--set", "train.eval_every=2", "--set", "train.eval_batches=1",
-             "--set", "train.save_every=2", "--set", "train.log_every=1"]
+    train = [
+        "train",
+        "--preset",
+        "micro-grt",
+        "--data",
+        str(manifest),
+        "--out",
+        str(out),
+        "--micro-batch-size",
+        "4",
+        "--ds-config",
+        "ds_configs/zero1.json",
+        "--set",
+        "train.eval_every=2",
+        "--set",
+        "train.eval_batches=1",
+        "--set",
+        "train.save_every=2",
+        "--set",
+        "train.log_every=1",
+    ]
     _guarded(tmp_path, "train", *train, "--steps", "2")
     _guarded(tmp_path, "resume", *train, "--steps", "3", "--resume")
     assert json.loads((out / "summary.json").read_text())["steps"] == 3
     eval_dir = tmp_path / "eval"
     eval_dir.mkdir()
     (eval_dir / "wikitext2_raw_test.txt").write_text(" = Valkyria Chronicles = \n\n The game began in 2010 .\n")
-    (eval_dir / "piqa.jsonl").write_text("".join(json.dumps({"query": f"Question: q{i}\n", "choices": ["yes", "no"],
-                                                               "gold": i % 2}) + "\n" for i in range(2)))
-    _guarded(tmp_path, "eval", "eval", str(out), "--tasks", "val,wikitext2,piqa", "--eval-dir", str(eval_dir),
-             "--max-batches", "1", "--batch-size", "2", "--json-out", str(tmp_path / "eval.json"), launcher=True)
+    (eval_dir / "piqa.jsonl").write_text(
+        "".join(
+            json.dumps({"query": f"Question: q{i}\n", "choices": ["yes", "no"], "gold": i % 2}) + "\n" for i in range(2)
+        )
+    )
+    _guarded(
+        tmp_path,
+        "eval",
+        "eval",
+        str(out),
+        "--tasks",
+        "val,wikitext2,piqa",
+        "--eval-dir",
+        str(eval_dir),
+        "--max-batches",
+        "1",
+        "--batch-size",
+        "2",
+        "--json-out",
+        str(tmp_path / "eval.json"),
+        launcher=True,
+    )
     assert json.loads((tmp_path / "eval.json").read_text())["world_size"] == 1
-    _guarded(tmp_path, "probe", "-m", "launcher.probe", "--out", str(tmp_path / "probe"), "--steps", "2",
-             "--step-time", "0", launcher=True)
+    _guarded(
+        tmp_path,
+        "probe",
+        "-m",
+        "launcher.probe",
+        "--out",
+        str(tmp_path / "probe"),
+        "--steps",
+        "2",
+        "--step-time",
+        "0",
+        launcher=True,
+    )
 
 
 def test_loaders_choose_the_gpu_and_bf16(monkeypatch, tmp_path):
@@ -117,8 +188,11 @@ def test_loaders_choose_the_gpu_and_bf16(monkeypatch, tmp_path):
 
     monkeypatch.setattr(load, "load_model", fake_load)
     model = str(tmp_path)
-    for main, argv in ((evaluate.main, [model, "--tasks", "val"]), (generate.main, [model]),
-                       (analyze.main, [model, "--out", str(tmp_path / "a")])):
+    for main, argv in (
+        (evaluate.main, [model, "--tasks", "val"]),
+        (generate.main, [model]),
+        (analyze.main, [model, "--out", str(tmp_path / "a")]),
+    ):
         with pytest.raises(Loaded):
             main(argv)
     assert seen == [("cuda", torch.bfloat16)] * 3
@@ -138,8 +212,20 @@ def test_multi_rank_commands_exit_cleanly_under_load(manifest, tmp_path):  # noq
     model = trained("micro-grt", 30)
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
     commands = {
-        "eval": ["-m", "pretrain.cli", "eval", str(model), "--tasks", "val", "--data", str(manifest),
-                 "--max-batches", "1", "--batch-size", "2"],
+        "eval": [
+            "-m",
+            "pretrain.cli",
+            "eval",
+            str(model),
+            "--tasks",
+            "val",
+            "--data",
+            str(manifest),
+            "--max-batches",
+            "1",
+            "--batch-size",
+            "2",
+        ],
         "probe": ["-m", "launcher.probe", "--out", str(tmp_path / "probe")],
     }
     failures, timings = [], {}
@@ -154,9 +240,27 @@ def test_multi_rank_commands_exit_cleanly_under_load(manifest, tmp_path):  # noq
         start = time.time()
         for i in range(STRESS_RUNS):
             out = tmp_path / f"train{i}"
-            args = ["-m", "pretrain.cli", "train", "--preset", "micro-dense", "--data", str(manifest), "--out", str(out),
-                    "--steps", "1", "--micro-batch-size", "2", "--ds-config", "ds_configs/zero1.json",
-                    "--set", "train.eval_every=1", "--set", "train.eval_batches=1"]
+            args = [
+                "-m",
+                "pretrain.cli",
+                "train",
+                "--preset",
+                "micro-dense",
+                "--data",
+                str(manifest),
+                "--out",
+                str(out),
+                "--steps",
+                "1",
+                "--micro-batch-size",
+                "2",
+                "--ds-config",
+                "ds_configs/zero1.json",
+                "--set",
+                "train.eval_every=1",
+                "--set",
+                "train.eval_batches=1",
+            ]
             for rank, proc in enumerate(run_ranks(args, env={"PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""})):
                 if proc.returncode != 0:
                     failures.append(f"train run {i} rank {rank}: exit {proc.returncode}\n{proc.stdout[-1500:]}")

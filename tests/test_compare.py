@@ -1,16 +1,17 @@
 """`grt compare`: config specs, FLOPs/params matching, the table and plot, and one real
 (small) comparison through `grt train`."""
+
 import json
 import os
 
 import pytest
-
 from multiproc import REPO, grt
-from pretrain.tools import compare, compare_eval
 from trained_models import grt_run, single_thread  # noqa: F401 (fixtures)
+
 from pretrain.config import ConfigError
 from pretrain.model.flops import flops_per_token
 from pretrain.presets import get_preset
+from pretrain.tools import compare, compare_eval
 from pretrain.training.run_config import RunConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -44,21 +45,51 @@ def test_matching_flops_and_params():
 
 
 def test_method_names_follow_the_ladder():
-    names = [compare.describe_method(get_preset(n)) for n in
-             ("ladder-0-loop-only", "ladder-1-prelude-coda", "ladder-2-noise", "ladder-3-reinject", "ladder-4-gate",
-              "tiny-ouro", "tiny-dense")]
-    assert names == ["loop only", "loop + prelude/coda", "loop + prelude/coda, noise",
-                     "loop + prelude/coda, noise, re-injection", "GRT", "Ouro", "dense GPT-2"]
+    names = [
+        compare.describe_method(get_preset(n))
+        for n in (
+            "ladder-0-loop-only",
+            "ladder-1-prelude-coda",
+            "ladder-2-noise",
+            "ladder-3-reinject",
+            "ladder-4-gate",
+            "tiny-ouro",
+            "tiny-dense",
+        )
+    ]
+    assert names == [
+        "loop only",
+        "loop + prelude/coda",
+        "loop + prelude/coda, noise",
+        "loop + prelude/coda, noise, re-injection",
+        "GRT",
+        "Ouro",
+        "dense GPT-2",
+    ]
 
 
 def test_table_and_plot(tmp_path):
     rows = []
     for i, (label, variant) in enumerate((("a", "grt"), ("b", "dense"))):
-        rows.append({"label": label, "method": variant, "variant": variant, "layout": "1+1x3+1", "matched_from": None,
-                     "params": 1000, "flops_per_token": 2e6, "train_flops_per_token": 6e6, "val_loss": 3.0 + i,
-                     "val_loss_by_depth": {0: 5.0, 1: 4.0, 2: 3.5, 3: 3.0 + i} if variant == "grt" else {0: 4.0},
-                     "val_curve": [(5, 4.0), (10, 3.0 + i)], "train_curve": [(s, 6 - s / 10) for s in range(1, 11)],
-                     "tokens_per_step": 512, "tokens_per_s": 1234.0, "peak_memory_mb": 100.0})
+        rows.append(
+            {
+                "label": label,
+                "method": variant,
+                "variant": variant,
+                "layout": "1+1x3+1",
+                "matched_from": None,
+                "params": 1000,
+                "flops_per_token": 2e6,
+                "train_flops_per_token": 6e6,
+                "val_loss": 3.0 + i,
+                "val_loss_by_depth": {0: 5.0, 1: 4.0, 2: 3.5, 3: 3.0 + i} if variant == "grt" else {0: 4.0},
+                "val_curve": [(5, 4.0), (10, 3.0 + i)],
+                "train_curve": [(s, 6 - s / 10) for s in range(1, 11)],
+                "tokens_per_step": 512,
+                "tokens_per_s": 1234.0,
+                "peak_memory_mb": 100.0,
+            }
+        )
     text = compare.table(rows)
     assert "| GRT" not in text and "5.000 / 4.000 / 3.500 / 3.000" in text and text.count("\n") == 3
     compare.plot(rows, tmp_path / "p.png")
@@ -66,20 +97,64 @@ def test_table_and_plot(tmp_path):
 
 
 def test_dry_run_lists_matched_runs(shards, tmp_path, capsys):
-    assert compare.main(["--data", str(shards), "--out", str(tmp_path / "c"), "--configs", "micro-grt,micro-dense",
-                         "--configs", "micro-huginn", "--match", "flops", "--tokens", "5000", "--dry-run"]) == 0
+    assert (
+        compare.main(
+            [
+                "--data",
+                str(shards),
+                "--out",
+                str(tmp_path / "c"),
+                "--configs",
+                "micro-grt,micro-dense",
+                "--configs",
+                "micro-huginn",
+                "--match",
+                "flops",
+                "--tokens",
+                "5000",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "micro-dense" in out and "depth poisson" in out and "steps 10" in out
-    assert compare.main(["--data", str(shards), "--out", str(tmp_path / "c"), "--configs", "micro-grt,micro-grt",
-                         "--dry-run"]) == 2
+    assert (
+        compare.main(
+            ["--data", str(shards), "--out", str(tmp_path / "c"), "--configs", "micro-grt,micro-grt", "--dry-run"]
+        )
+        == 2
+    )
 
 
 @pytest.mark.slow
 def test_compare_trains_each_config_and_writes_table_json_and_plot(shards, tmp_path):
     out = tmp_path / "cmp"
-    args = ["compare", "--data", str(shards), "--out", str(out), "--configs", "micro-grt,micro-ouro",
-            "--tokens", "8192", "--micro-batch-size", "8", "--lr", "1e-2", "--evals", "2", "--eval-batches", "2",
-            "--log-every", "2", "--ds-config", str(REPO / "ds_configs" / "zero2.json"), "--exit-depth-factor", "2"]
+    args = [
+        "compare",
+        "--data",
+        str(shards),
+        "--out",
+        str(out),
+        "--configs",
+        "micro-grt,micro-ouro",
+        "--tokens",
+        "8192",
+        "--micro-batch-size",
+        "8",
+        "--lr",
+        "1e-2",
+        "--evals",
+        "2",
+        "--eval-batches",
+        "2",
+        "--log-every",
+        "2",
+        "--ds-config",
+        str(REPO / "ds_configs" / "zero2.json"),
+        "--exit-depth-factor",
+        "2",
+    ]
     r = grt(*args)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     result = json.loads((out / "comparison.json").read_text())
@@ -94,7 +169,10 @@ def test_compare_trains_each_config_and_writes_table_json_and_plot(shards, tmp_p
         assert set(row["exit_curve"]) == {str(d) for d in range(7)}
         for depth in range(4):
             assert row["exit_curve"][str(depth)] == pytest.approx(row["val_loss_by_depth"][str(depth)], abs=1e-4)
-        assert row["extrapolation"]["6"] == pytest.approx(row["exit_curve"]["6"]) and set(row["extrapolation"]) == {"6", "12"}
+        assert row["extrapolation"]["6"] == pytest.approx(row["exit_curve"]["6"]) and set(row["extrapolation"]) == {
+            "6",
+            "12",
+        }
         for result in row["adaptive_exit"].values():
             assert 1 <= result["mean_steps"] <= 3
     assert rows["micro-grt"]["learned_exit"] is None and 1 <= rows["micro-ouro"]["learned_exit"]["mean_steps"] <= 3
@@ -135,8 +213,9 @@ def test_depth_counts_follow_each_recipe():
 def test_time_budget_sizing_fills_the_budget_and_no_more():
     runs = [_run("grt", "micro-grt", 300), _run("dense", "micro-dense", 300)]
     timed = [{1: 0.01, 2: 0.02, 3: 0.03}, {0: 0.025}]
-    sizing = compare.size_tokens(runs, timed, startup_s=5.0, budget_s=100.0, tokens_per_step=512, evals=2,
-                                 eval_batches=2, exit_factor=2)
+    sizing = compare.size_tokens(
+        runs, timed, startup_s=5.0, budget_s=100.0, tokens_per_step=512, evals=2, eval_batches=2, exit_factor=2
+    )
     grt_step = sum(timed[0][d] * n for d, n in compare.depth_counts(runs[0]["cfg"]).items()) / 300
     assert sizing["runs"]["grt"]["step_s"] == pytest.approx(grt_step) and 0.019 < grt_step < 0.021
     # start-up: the first run's one-step probe less its step; evaluations: 2 x 2 batches x (R + 1) forwards
@@ -167,9 +246,11 @@ def test_time_budget_plan_counts_what_the_final_evals_run(grt_run, tmp_path, mon
     monkeypatch.setattr(compare_eval, "ADAPTIVE_EXITS", (("update", 0.0), ("kl", 0.0)))
     calls = Counter()
     for name, key in (("loop_step", "loop_steps"), ("final_hidden", "decodes")):
+
         def counted(self, *args, _method=getattr(GPT, name), _key=key, **kwargs):
             calls[_key] += 1
             return _method(self, *args, **kwargs)
+
         monkeypatch.setattr(GPT, name, counted)
     compare_eval.final_evals(cfg, exit_factor=2)
     t = cfg.train
@@ -182,16 +263,43 @@ def test_time_budget_plan_counts_what_the_final_evals_run(grt_run, tmp_path, mon
 
 
 def test_time_budget_needs_one_process_one_run_at_a_time(tmp_path, capsys):
-    assert compare.main(["--data", str(tmp_path / "none.json"), "--out", str(tmp_path / "c"), "--configs",
-                         "micro-grt", "--time-budget", "60", "--parallel", "2"]) == 2
+    assert (
+        compare.main(
+            [
+                "--data",
+                str(tmp_path / "none.json"),
+                "--out",
+                str(tmp_path / "c"),
+                "--configs",
+                "micro-grt",
+                "--time-budget",
+                "60",
+                "--parallel",
+                "2",
+            ]
+        )
+        == 2
+    )
     assert "--time-budget times one process" in capsys.readouterr().err
 
 
 def test_table_shows_the_exit_curve_beyond_r():
-    row = {"label": "g", "method": "GRT", "variant": "grt", "layout": "1+1x3+1", "loops": 3, "matched_from": None,
-           "params": 1000, "flops_per_token": 2e6, "train_flops_per_token": 6e6, "val_loss": 3.0,
-           "val_loss_by_depth": {0: 5.0, 1: 4.0, 2: 3.5, 3: 3.0}, "tokens_per_s": 1.0, "peak_memory_mb": 1.0,
-           "exit_curve": {0: 5.0, 1: 4.0, 2: 3.5, 3: 3.0, 4: 2.9, 5: 2.95, 6: 3.1}}
+    row = {
+        "label": "g",
+        "method": "GRT",
+        "variant": "grt",
+        "layout": "1+1x3+1",
+        "loops": 3,
+        "matched_from": None,
+        "params": 1000,
+        "flops_per_token": 2e6,
+        "train_flops_per_token": 6e6,
+        "val_loss": 3.0,
+        "val_loss_by_depth": {0: 5.0, 1: 4.0, 2: 3.5, 3: 3.0},
+        "tokens_per_s": 1.0,
+        "peak_memory_mb": 1.0,
+        "exit_curve": {0: 5.0, 1: 4.0, 2: 3.5, 3: 3.0, 4: 2.9, 5: 2.95, 6: 3.1},
+    }
     assert "| 5.000 / 4.000 / 3.500 / 3.000 (beyond R: 2.900 / 2.950 / 3.100) |" in compare.table([row])
 
 
@@ -218,12 +326,18 @@ def test_final_evals_extrapolate_and_exit_adaptively_on_the_trainers_batches(grt
     model = load_model(grt_run, device=device).model
     batches = lambda: val_batches(cfg.data, t.micro_batch_size, Dist(), t.eval_batches, t.seed)  # noqa: E731
     nll, tokens = lm_sums(model, batches(), [12], device, t.doc_mask)[0].tolist()
-    assert evals["extrapolation"] == {6: pytest.approx(evals["exit_curve"][6]), 12: pytest.approx(nll / tokens, abs=1e-6)}
+    assert evals["extrapolation"] == {
+        6: pytest.approx(evals["exit_curve"][6]),
+        12: pytest.approx(nll / tokens, abs=1e-6),
+    }
     assert set(evals["adaptive_exit"]) == {"update 0.1", "kl 0.01"} and evals["learned_exit"] is None
     for rule, threshold in compare_eval.ADAPTIVE_EXITS:
         nll, tokens, steps = adaptive_sums(model, batches(), [threshold], device, rule, doc_mask=t.doc_mask)[0].tolist()
         result = evals["adaptive_exit"][compare_eval.adaptive_label(rule, threshold)]
-        assert result == {"loss": pytest.approx(nll / tokens, abs=1e-6), "mean_steps": pytest.approx(steps / tokens, abs=1e-6)}
+        assert result == {
+            "loss": pytest.approx(nll / tokens, abs=1e-6),
+            "mean_steps": pytest.approx(steps / tokens, abs=1e-6),
+        }
         assert 1 <= result["mean_steps"] <= 3
     assert compare_eval.final_evals(cfg, exit_factor=2) == evals  # cached in the run directory, same keys
     assert (grt_run / "final_eval.json").is_file()

@@ -3,10 +3,10 @@
 All on real text: a slice of examples/data/tinyshakespeare.txt (shipped in the repo),
 copied into temporary directories.
 """
+
 import collections
 import gzip
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -18,14 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from data_pipeline import prepare as prepare_mod
 from data_pipeline import shards as shards_mod
 from data_pipeline.loader import TokenBatchLoader
 from data_pipeline.manifest import Manifest
 from data_pipeline.prepare import prepare
 from data_pipeline.shards import MissingShardError, ShardError
 from data_pipeline.sources import SourceStats, expand_inputs, iter_documents
-from data_pipeline.tokenizer import Tokenizer, file_sha256, train_tokenizer
+from data_pipeline.tokenizer import file_sha256, train_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAKESPEARE = os.path.join(REPO, "examples", "data", "tinyshakespeare.txt")
@@ -64,13 +63,21 @@ def tokenizer(tmp_path_factory, corpus):
 def shards(tmp_path_factory, corpus, tokenizer):
     """5 train shards (the last one smaller) of SEQ-token sequences."""
     out = tmp_path_factory.mktemp("shards")
-    probe = prepare([corpus["dir"]], tokenizer.model_path, str(out), seq_len=SEQ, shard_size_mb=100, workers=1,
-                    progress=False)
+    probe = prepare(
+        [corpus["dir"]], tokenizer.model_path, str(out), seq_len=SEQ, shard_size_mb=100, workers=1, progress=False
+    )
     n = probe.sequences("train")
     per = -(-n // 5)  # ceil: 4 full shards and a smaller fifth
     size_mb = per * shards_mod.member_size(SEQ + 1, "u16") / 1e6
-    m = prepare([corpus["dir"]], tokenizer.model_path, str(out), seq_len=SEQ, shard_size_mb=size_mb + 1e-9,
-                workers=2, progress=False)
+    m = prepare(
+        [corpus["dir"]],
+        tokenizer.model_path,
+        str(out),
+        seq_len=SEQ,
+        shard_size_mb=size_mb + 1e-9,
+        workers=2,
+        progress=False,
+    )
     assert len(m.shards("train")) == 5, [s.sequences for s in m.shards("train")]
     return m
 
@@ -94,11 +101,14 @@ def _rows(batch):
 
 # -- tokenizer -------------------------------------------------------------------------
 
+
 def test_tokenizer_round_trip_and_separator(tokenizer, tmp_path, corpus):
-    texts = ["First Citizen:\nBefore we proceed any further, hear me speak.",
-             "  leading spaces,\ttabs\n\n\nand blank lines  ",
-             "unicode: naïve café — “quotes” 日本語 🤖",
-             "a literal <|endoftext|> in the text is not a separator"]
+    texts = [
+        "First Citizen:\nBefore we proceed any further, hear me speak.",
+        "  leading spaces,\ttabs\n\n\nand blank lines  ",
+        "unicode: naïve café — “quotes” 日本語 🤖",
+        "a literal <|endoftext|> in the text is not a separator",
+    ]
     for t in texts:
         ids = tokenizer.encode(t)
         assert tokenizer.decode(ids) == t
@@ -107,8 +117,9 @@ def test_tokenizer_round_trip_and_separator(tokenizer, tmp_path, corpus):
     assert tokenizer.vocab_size == 400
     assert tokenizer.sp.id_to_piece(tokenizer.sep_id) == "<|endoftext|>"
     assert tokenizer.sha256 == hashlib.sha256(open(tokenizer.model_path, "rb").read()).hexdigest()
-    again = train_tokenizer([corpus["dir"]], str(tmp_path / "again.model"), vocab_size=400, max_chars=200_000,
-                            progress=False)
+    again = train_tokenizer(
+        [corpus["dir"]], str(tmp_path / "again.model"), vocab_size=400, max_chars=200_000, progress=False
+    )
     assert again.sha256 == tokenizer.sha256  # same inputs and flags -> same model bytes
     from data_pipeline.tokenizer import sample_training_text
 
@@ -121,18 +132,21 @@ def test_tokenizer_round_trip_and_separator(tokenizer, tmp_path, corpus):
 
 # -- sources ---------------------------------------------------------------------------
 
+
 def test_bad_documents_are_skipped_and_counted(tmp_path, corpus, tokenizer):
     import zstandard
 
     good = corpus["docs"][:6]
-    lines = [json.dumps({"text": good[0]}).encode(),
-             json.dumps({"text": ""}).encode(),  # empty
-             json.dumps({"text": "  \n\t "}).encode(),  # whitespace only = empty
-             b'{"text": "caf\xe9 latin-1 bytes"}',  # not UTF-8
-             json.dumps({"text": "lone surrogate \ud800 here"}).encode(),  # not encodable as UTF-8
-             b'{"text": "unterminated',  # malformed JSON
-             json.dumps({"body": good[1]}).encode(),  # no text field
-             json.dumps({"text": good[2]}).encode()]
+    lines = [
+        json.dumps({"text": good[0]}).encode(),
+        json.dumps({"text": ""}).encode(),  # empty
+        json.dumps({"text": "  \n\t "}).encode(),  # whitespace only = empty
+        b'{"text": "caf\xe9 latin-1 bytes"}',  # not UTF-8
+        json.dumps({"text": "lone surrogate \ud800 here"}).encode(),  # not encodable as UTF-8
+        b'{"text": "unterminated',  # malformed JSON
+        json.dumps({"body": good[1]}).encode(),  # no text field
+        json.dumps({"text": good[2]}).encode(),
+    ]
     raw = b"\n".join(lines) + b"\n"
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "x.jsonl").write_bytes(raw)
@@ -144,20 +158,33 @@ def test_bad_documents_are_skipped_and_counted(tmp_path, corpus, tokenizer):
     stats = SourceStats()
     docs = list(iter_documents(files, txt_mode="paragraph", stats=stats))
     assert docs == [good[0], good[2], good[0], good[2], good[3], good[4]]
-    assert (stats.documents, stats.skipped_empty, stats.skipped_non_utf8, stats.skipped_bad_json,
-            stats.skipped_missing_field) == (6, 4, 5, 2, 2)
+    assert (
+        stats.documents,
+        stats.skipped_empty,
+        stats.skipped_non_utf8,
+        stats.skipped_bad_json,
+        stats.skipped_missing_field,
+    ) == (6, 4, 5, 2, 2)
     # txt as one document per file: the invalid byte loses the whole file
     stats = SourceStats()
     assert list(iter_documents(files[2:], txt_mode="file", stats=stats)) == []
     assert stats.skipped_non_utf8 == 1
-    m = prepare([str(tmp_path / "in")], tokenizer.model_path, str(tmp_path / "out"), seq_len=8, workers=1,
-                txt_mode="paragraph", progress=False)
+    m = prepare(
+        [str(tmp_path / "in")],
+        tokenizer.model_path,
+        str(tmp_path / "out"),
+        seq_len=8,
+        workers=1,
+        txt_mode="paragraph",
+        progress=False,
+    )
     assert m.stats["skipped_non_utf8"] == 5 and m.stats["skipped_empty"] == 4 and m.stats["documents"] == 6
     with pytest.raises(FileNotFoundError, match="nothing-here"):
         expand_inputs([str(tmp_path / "nothing-here*.jsonl")])
 
 
 # -- prepare + loader round trip ---------------------------------------------------------
+
 
 def test_round_trip_text_tokens_shards_batches_text(shards, corpus, tokenizer):
     m = shards
@@ -189,7 +216,7 @@ def test_round_trip_text_tokens_shards_batches_text(shards, corpus, tokenizer):
     decoded = [tokenizer.decode(p) for p in pieces]
     docs = corpus["docs"]  # files are read in sorted order: a.jsonl then b.jsonl.gz, lines in order
     assert len(decoded) > 20
-    assert decoded == docs[:len(decoded)]
+    assert decoded == docs[: len(decoded)]
     assert docs[len(decoded)].startswith(tokenizer.decode(cur))  # the cut last document
 
 
@@ -218,6 +245,7 @@ def test_shards_readable_by_plain_webdataset_and_tar(shards):
 
 # -- distribution across ranks and workers ------------------------------------------------
 
+
 @pytest.mark.parametrize("world,workers,batch", [(2, 2, 4), (3, 2, 5), (2, 3, 7)])
 def test_ranks_x_workers_disjoint_covering_equal(shards, world, workers, batch):
     m = shards
@@ -227,8 +255,16 @@ def test_ranks_x_workers_disjoint_covering_equal(shards, world, workers, batch):
     seen = collections.Counter()
     counts = []
     for rank in range(world):
-        loader = TokenBatchLoader(m.path, micro_batch_size=batch, rank=rank, world_size=world, num_workers=workers,
-                                  seed=7, shuffle_buffer=50, loop=False)
+        loader = TokenBatchLoader(
+            m.path,
+            micro_batch_size=batch,
+            rank=rank,
+            world_size=world,
+            num_workers=workers,
+            seed=7,
+            shuffle_buffer=50,
+            loop=False,
+        )
         got = [r for b in loader for r in _rows(b)]
         counts.append((loader.batches_per_epoch, len(got)))
         seen.update(got)
@@ -244,15 +280,23 @@ def _two_shard_mb(m):
 
 
 def test_more_consumers_than_shards(tmp_path, corpus, tokenizer, shards):
-    m = prepare([corpus["dir"]], tokenizer.model_path, str(tmp_path / "s"), seq_len=SEQ,
-                shard_size_mb=_two_shard_mb(shards), workers=1, progress=False)
+    m = prepare(
+        [corpus["dir"]],
+        tokenizer.model_path,
+        str(tmp_path / "s"),
+        seq_len=SEQ,
+        shard_size_mb=_two_shard_mb(shards),
+        workers=1,
+        progress=False,
+    )
     assert len(m.shards("train")) == 2
     all_samples = collections.Counter(_all_samples(m))
     seen = collections.Counter()
     per_rank = []
     for rank in range(3):  # 3 ranks x 2 workers = 6 consumers on 2 shards
-        loader = TokenBatchLoader(m.path, micro_batch_size=4, rank=rank, world_size=3, num_workers=2, seed=3,
-                                  loop=False)
+        loader = TokenBatchLoader(
+            m.path, micro_batch_size=4, rank=rank, world_size=3, num_workers=2, seed=3, loop=False
+        )
         batches = list(loader)
         per_rank.append(len(batches))
         seen.update(r for b in batches for r in _rows(b))
@@ -283,6 +327,7 @@ def test_epochs_reshuffle_and_validation_passes_repeat(shards):
 
 
 # -- exact resume -----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resume_mid_epoch_and_across_epoch_boundary(shards, workers):
@@ -323,8 +368,15 @@ def test_resume_with_another_layout_warns_and_keeps_the_position(shards):
 
 
 def test_resume_rejects_other_shards(shards, tmp_path, corpus, tokenizer):
-    other = prepare([corpus["dir"]], tokenizer.model_path, str(tmp_path / "o"), seq_len=SEQ,
-                    shard_size_mb=_two_shard_mb(shards), workers=1, progress=False)
+    other = prepare(
+        [corpus["dir"]],
+        tokenizer.model_path,
+        str(tmp_path / "o"),
+        seq_len=SEQ,
+        shard_size_mb=_two_shard_mb(shards),
+        workers=1,
+        progress=False,
+    )
     a = TokenBatchLoader(shards.path, micro_batch_size=4)
     b = TokenBatchLoader(other.path, micro_batch_size=4)
     with pytest.raises(ValueError, match="fingerprint"):
@@ -332,6 +384,7 @@ def test_resume_rejects_other_shards(shards, tmp_path, corpus, tokenizer):
 
 
 # -- bad shards and manifests -------------------------------------------------------------
+
 
 def test_corrupt_truncated_and_missing_shards(shards, tmp_path):
     d = _copy_dir(os.path.dirname(shards.path), tmp_path / "c")
@@ -358,7 +411,7 @@ def test_corrupt_truncated_and_missing_shards(shards, tmp_path):
     assert loader.skipped_shards >= 1 and loader.bad_shards == [victim.url]
     # garbage in a header
     with open(victim.url, "wb") as fh:
-        fh.write(data[:512 * 7] + b"\x13" * 700 + data[512 * 7 + 700:])
+        fh.write(data[: 512 * 7] + b"\x13" * 700 + data[512 * 7 + 700 :])
     with pytest.raises(ShardError, match="train-000002.tar"):
         list(TokenBatchLoader(d, **kw))
     # missing
@@ -382,8 +435,9 @@ def test_manifest_mismatch_is_refused_with_both_values(shards):
 
 def test_swapped_tokenizer_next_to_the_shards_is_refused(shards, tmp_path, corpus):
     d = _copy_dir(os.path.dirname(shards.path), tmp_path / "t")
-    train_tokenizer([corpus["dir"]], os.path.join(d, "tokenizer.model"), vocab_size=350, max_chars=50_000,
-                    progress=False)
+    train_tokenizer(
+        [corpus["dir"]], os.path.join(d, "tokenizer.model"), vocab_size=350, max_chars=50_000, progress=False
+    )
     with pytest.raises(ValueError, match=shards.tokenizer_sha256):
         TokenBatchLoader(d)
 
@@ -403,6 +457,7 @@ def test_pipe_urls_stream_through_webdataset(shards, tmp_path):
 
 # -- prepare: reproducible, atomic ---------------------------------------------------------
 
+
 def _dir_bytes(d):
     return {f: open(os.path.join(d, f), "rb").read() for f in sorted(os.listdir(d))}
 
@@ -416,8 +471,7 @@ def test_prepare_is_byte_for_byte_reproducible_and_splits_val(tmp_path, corpus, 
     per = a.stats["documents_per_split"]
     assert per["val"] > 0 and per["train"] + per["val"] == a.stats["documents"]
     assert 0.1 < per["val"] / a.stats["documents"] < 0.3
-    c = prepare([corpus["dir"]], tokenizer.model_path, str(tmp_path / "c"), workers=1,
-                **{**kw, "seed": 4})
+    c = prepare([corpus["dir"]], tokenizer.model_path, str(tmp_path / "c"), workers=1, **{**kw, "seed": 4})
     assert c.fingerprint("train") != a.fingerprint("train")
 
 
@@ -457,18 +511,43 @@ def test_interrupted_prepare_leaves_no_complete_looking_shard(tmp_path, corpus, 
 
 # -- command line and benchmark -------------------------------------------------------------
 
+
 def test_cli_tokenizer_prepare_inspect(tmp_path, capsys):
     from data_pipeline.cli import main
 
     src = tmp_path / "in.txt"
     src.write_text(open(SHAKESPEARE, encoding="utf-8").read(60_000), encoding="utf-8")
     tok = str(tmp_path / "t.model")
-    assert main(["tokenizer", "--input", str(src), "--txt-mode", "paragraph", "--vocab-size", "400",
-                 "--out", tok, "-q"]) == 0
+    assert (
+        main(["tokenizer", "--input", str(src), "--txt-mode", "paragraph", "--vocab-size", "400", "--out", tok, "-q"])
+        == 0
+    )
     out = str(tmp_path / "shards")
-    assert main(["prepare", "--input", str(src), "--txt-mode", "paragraph", "--tokenizer", tok, "--out", out,
-                 "--seq-len", "16", "--shard-size-mb", "0.05", "--workers", "2", "--val-fraction", "0.1",
-                 "-q"]) == 0
+    assert (
+        main(
+            [
+                "prepare",
+                "--input",
+                str(src),
+                "--txt-mode",
+                "paragraph",
+                "--tokenizer",
+                tok,
+                "--out",
+                out,
+                "--seq-len",
+                "16",
+                "--shard-size-mb",
+                "0.05",
+                "--workers",
+                "2",
+                "--val-fraction",
+                "0.1",
+                "-q",
+            ]
+        )
+        == 0
+    )
     m = Manifest.load(out)
     assert m.seq_len == 16 and len(m.shards("train")) >= 2 and "val" in m.splits
     assert main(["inspect", out, "--verify"]) == 0
@@ -479,8 +558,24 @@ def test_cli_tokenizer_prepare_inspect(tmp_path, capsys):
     assert main(["inspect", out, "--verify"]) == 1
     assert main(["prepare", "--input", str(tmp_path / "nope"), "--tokenizer", tok, "--out", out, "-q"]) == 2
     capsys.readouterr()
-    assert main(["prepare", "--input", str(src), "--tokenizer", tok, "--out", str(tmp_path / "loud"),
-                 "--seq-len", "16", "--workers", "1"]) == 0
+    assert (
+        main(
+            [
+                "prepare",
+                "--input",
+                str(src),
+                "--tokenizer",
+                tok,
+                "--out",
+                str(tmp_path / "loud"),
+                "--seq-len",
+                "16",
+                "--workers",
+                "1",
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert "tok/s" in err and "MB/s" in err and "tokens/s" in err  # progress display and summary
 
@@ -490,8 +585,9 @@ def test_bench_json(tmp_path, capsys):
 
     src = tmp_path / "in.txt"
     src.write_text(open(SHAKESPEARE, encoding="utf-8").read(200_000), encoding="utf-8")
-    assert main(["--input", str(src), "--vocab-size", "400", "--seq-len", "64", "--loader-seconds", "0.2",
-                 "--json"]) == 0
+    assert (
+        main(["--input", str(src), "--vocab-size", "400", "--seq-len", "64", "--loader-seconds", "0.2", "--json"]) == 0
+    )
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["prepare_mb_per_s"] > 0 and res["loader_tokens_per_s"] > 0
     assert res["command"].startswith("grt bench data")
@@ -500,13 +596,14 @@ def test_bench_json(tmp_path, capsys):
 def test_long_documents_tokenise_exactly_as_the_tokenizer(tmp_path, tokenizer):
     text = open(SHAKESPEARE, encoding="utf-8").read(150_000)  # one long document (segmented encoding)
     (tmp_path / "one.txt").write_text(text, encoding="utf-8")
-    m = prepare([str(tmp_path / "one.txt")], tokenizer.model_path, str(tmp_path / "s"), seq_len=SEQ, workers=2,
-                progress=False)
+    m = prepare(
+        [str(tmp_path / "one.txt")], tokenizer.model_path, str(tmp_path / "s"), seq_len=SEQ, workers=2, progress=False
+    )
     samples = [np.frombuffer(b, "<u2") for b in _all_samples(m)]
     stream = np.concatenate([samples[0][:1]] + [s[1:] for s in samples]).tolist()
     expect = [tokenizer.sep_id] + tokenizer.encode(text)
     assert len(stream) == len(samples) * SEQ + 1 and len(expect) - len(stream) < SEQ
-    assert stream == expect[:len(stream)]
+    assert stream == expect[: len(stream)]
 
 
 @pytest.mark.slow
@@ -517,8 +614,25 @@ def test_prepare_killed_with_sigkill_then_rerun(tmp_path, tokenizer):
 
     src = tmp_path / "in.txt"
     src.write_text(open(SHAKESPEARE, encoding="utf-8").read(), encoding="utf-8")
-    cmd = [sys.executable, "-m", "data_pipeline.cli", "prepare", "--input", str(src), "--txt-mode", "paragraph",
-           "--tokenizer", tokenizer.model_path, "--seq-len", "16", "--shard-size-mb", "0.03", "--workers", "2", "-q"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "data_pipeline.cli",
+        "prepare",
+        "--input",
+        str(src),
+        "--txt-mode",
+        "paragraph",
+        "--tokenizer",
+        tokenizer.model_path,
+        "--seq-len",
+        "16",
+        "--shard-size-mb",
+        "0.03",
+        "--workers",
+        "2",
+        "-q",
+    ]
     ref = str(tmp_path / "ref")
     subprocess.run(cmd + ["--out", ref], check=True, cwd=REPO)
     ref_files = _dir_bytes(ref)
@@ -526,8 +640,7 @@ def test_prepare_killed_with_sigkill_then_rerun(tmp_path, tokenizer):
     out = str(tmp_path / "out")
     proc = subprocess.Popen(cmd + ["--out", out], cwd=REPO)
     deadline = time.time() + 60
-    while time.time() < deadline and not (os.path.isdir(out) and
-                                          any(f.endswith(".tar") for f in os.listdir(out))):
+    while time.time() < deadline and not (os.path.isdir(out) and any(f.endswith(".tar") for f in os.listdir(out))):
         time.sleep(0.005)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -564,8 +677,9 @@ def test_parquet_input_streams_row_groups_and_equals_jsonl(tmp_path, tokenizer, 
     rows = docs + ["", None]  # an empty and a null text are skipped and counted, as in JSON lines
     src = tmp_path / "parquet"
     src.mkdir()
-    pq.write_table(pa.table({"id": [str(i) for i in range(len(rows))], "content": rows}),
-                   src / "part-0.parquet", row_group_size=3)
+    pq.write_table(
+        pa.table({"id": [str(i) for i in range(len(rows))], "content": rows}), src / "part-0.parquet", row_group_size=3
+    )
     assert pq.ParquetFile(src / "part-0.parquet").num_row_groups == 5
     with open(tmp_path / "same.jsonl", "w", encoding="utf-8") as fh:
         for d in docs:
@@ -574,8 +688,11 @@ def test_parquet_input_streams_row_groups_and_equals_jsonl(tmp_path, tokenizer, 
     read_groups = []
     real_read = pq.ParquetFile.read_row_group
     monkeypatch.setattr(pq.ParquetFile, "read", lambda *a, **k: pytest.fail("a whole Parquet file was read at once"))
-    monkeypatch.setattr(pq.ParquetFile, "read_row_group",
-                        lambda self, i, **k: read_groups.append((i, k.get("columns"))) or real_read(self, i, **k))
+    monkeypatch.setattr(
+        pq.ParquetFile,
+        "read_row_group",
+        lambda self, i, **k: read_groups.append((i, k.get("columns"))) or real_read(self, i, **k),
+    )
     stats = SourceStats()
     assert list(iter_documents(expand_inputs([str(src)]), text_field="content", stats=stats)) == docs
     assert read_groups == [(i, ["content"]) for i in range(5)]

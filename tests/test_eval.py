@@ -1,4 +1,5 @@
 """`grt eval`: each metric against a value computed by hand on a few examples."""
+
 import json
 import math
 import subprocess
@@ -6,14 +7,22 @@ import sys
 
 import pytest
 import torch
+from trained_models import (
+    ENV,
+    EVAL_BATCHES,
+    REPO,
+    CharTokenizer,
+    manifest,  # noqa: F401
+    small_model,
+    summary,
+)
 
 from pretrain.config import ConfigError
 from pretrain.distributed import Dist
-from pretrain.infer.evaluate import check_depths, main as eval_main, parse_depths, text_eval, text_windows
+from pretrain.infer.evaluate import check_depths, parse_depths, text_eval, text_windows
+from pretrain.infer.evaluate import main as eval_main
 from pretrain.infer.scoring import exit_logits, lm_sums
 from pretrain.infer.zero_shot import Item, encode_request, evaluate_task, load_task, score_requests
-from trained_models import (single_thread, ENV, EVAL_BATCHES, REPO, CharTokenizer, grt_run, manifest,  # noqa: F401
-                            small_model, summary)
 
 CPU = torch.device("cpu")
 
@@ -139,7 +148,7 @@ def test_lambada_accuracy_is_an_exact_greedy_match():
     with torch.no_grad():
         for _ in range(3):  # the model's own greedy continuation, as characters of the stand-in tokenizer
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    greedy = "".join(chr(((i - 1) % 61)) for i in ids[-3:])
+    greedy = "".join(chr((i - 1) % 61) for i in ids[-3:])
     assert tok.encode(greedy) == ids[-3:]
     items = [Item([(context, greedy)], kind="lambada"), Item([(context, "zzz")], kind="lambada")]
     # a continuation starting with " " is what the task adds; here the stand-in starts at the greedy character
@@ -152,8 +161,17 @@ def test_lambada_accuracy_is_an_exact_greedy_match():
 
 def test_task_files_build_the_harness_prompts(tmp_path):
     rows = {
-        "piqa": {"query": "Question: Make outdoor pillow.\n", "choices": ["Blow into tin can.", "Blow into bag."], "gold": 1},
-        "hellaswag": {"activity_label": "Roof", "ctx": "A man is on a roof. he", "endings": ["a", "b", "c", "d"], "label": "3"},
+        "piqa": {
+            "query": "Question: Make outdoor pillow.\n",
+            "choices": ["Blow into tin can.", "Blow into bag."],
+            "gold": 1,
+        },
+        "hellaswag": {
+            "activity_label": "Roof",
+            "ctx": "A man is on a roof. he",
+            "endings": ["a", "b", "c", "d"],
+            "label": "3",
+        },
         "winogrande": {"context_options": ["X so Sarah", "X so Maria"], "continuation": "got it.", "gold": 1},
         "lambada": {"context": "He said", "continuation": "hello"},
     }
@@ -185,19 +203,43 @@ def eval_inputs(grt_run, tmp_path_factory):
     assert export_main(["--checkpoint", str(grt_run), "--out", str(root / "export")]) == 0
     eval_dir = root / "eval"
     eval_dir.mkdir()
-    (eval_dir / "wikitext2_raw_test.txt").write_text(" = Valkyria Chronicles = \n\n The game began development in 2010 .\n" * 5)
-    (eval_dir / "piqa.jsonl").write_text("".join(json.dumps({"query": f"Question: q{i}\n", "choices": ["yes", "no way"],
-                                                               "gold": i % 2}) + "\n" for i in range(5)))
-    (eval_dir / "lambada_openai.jsonl").write_text("".join(json.dumps({"context": f"It was a dark night {i}",
-                                                                         "continuation": "again"}) + "\n" for i in range(5)))
+    (eval_dir / "wikitext2_raw_test.txt").write_text(
+        " = Valkyria Chronicles = \n\n The game began development in 2010 .\n" * 5
+    )
+    (eval_dir / "piqa.jsonl").write_text(
+        "".join(
+            json.dumps({"query": f"Question: q{i}\n", "choices": ["yes", "no way"], "gold": i % 2}) + "\n"
+            for i in range(5)
+        )
+    )
+    (eval_dir / "lambada_openai.jsonl").write_text(
+        "".join(json.dumps({"context": f"It was a dark night {i}", "continuation": "again"}) + "\n" for i in range(5))
+    )
     return root
 
 
 def test_eval_command_writes_table_json_and_plot(eval_inputs, grt_run, manifest, capsys):
     root = eval_inputs
-    argv = [str(root / "export"), "--tasks", "val,wikitext2,piqa,lambada", "--eval-dir", str(root / "eval"),
-            "--data", str(manifest), "--max-batches", str(EVAL_BATCHES), "--limit", "4", "--depths", "0-5",
-            "--allow-beyond-trained", "--json-out", str(root / "r.json"), "--plot", str(root / "r.png")]
+    argv = [
+        str(root / "export"),
+        "--tasks",
+        "val,wikitext2,piqa,lambada",
+        "--eval-dir",
+        str(root / "eval"),
+        "--data",
+        str(manifest),
+        "--max-batches",
+        str(EVAL_BATCHES),
+        "--limit",
+        "4",
+        "--depths",
+        "0-5",
+        "--allow-beyond-trained",
+        "--json-out",
+        str(root / "r.json"),
+        "--plot",
+        str(root / "r.png"),
+    ]
     assert eval_main(argv) == 0
     table = capsys.readouterr().out
     assert "val loss" in table and "piqa acc_norm" in table and "beyond the trained maximum of 3" in table
@@ -213,8 +255,20 @@ def test_eval_command_writes_table_json_and_plot(eval_inputs, grt_run, manifest,
 
 
 def test_eval_refuses_depths_beyond_training_in_one_line(eval_inputs, capsys):
-    assert eval_main([str(eval_inputs / "export"), "--tasks", "wikitext2", "--eval-dir",
-                      str(eval_inputs / "eval"), "--depths", "0-8"]) == 2
+    assert (
+        eval_main(
+            [
+                str(eval_inputs / "export"),
+                "--tasks",
+                "wikitext2",
+                "--eval-dir",
+                str(eval_inputs / "eval"),
+                "--depths",
+                "0-8",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--allow-beyond-trained" in err and "[4, 5, 6, 7, 8]" in err
 
@@ -223,16 +277,40 @@ def test_eval_refuses_depths_beyond_training_in_one_line(eval_inputs, capsys):
 def test_distributed_eval_matches_one_process(eval_inputs, manifest, tmp_path):
     """Two gloo ranks under torchrun shard items and batches and all-reduce the sums."""
     root = eval_inputs
-    common = ["--tasks", "val,piqa,wikitext2", "--eval-dir", str(root / "eval"), "--data", str(manifest),
-              "--limit", "5", "--batch-size", "4"]
+    common = [
+        "--tasks",
+        "val,piqa,wikitext2",
+        "--eval-dir",
+        str(root / "eval"),
+        "--data",
+        str(manifest),
+        "--limit",
+        "5",
+        "--batch-size",
+        "4",
+    ]
     assert eval_main([str(root / "export"), *common, "--json-out", str(tmp_path / "one.json")]) == 0
     import socket
 
     with socket.socket() as sock:  # a free port: other jobs on the machine may hold a fixed one
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
-           "-m", "pretrain.cli", "eval", str(root / "export"), *common, "--json-out", str(tmp_path / "two.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        port,
+        "-m",
+        "pretrain.cli",
+        "eval",
+        str(root / "export"),
+        *common,
+        "--json-out",
+        str(tmp_path / "two.json"),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "two.json"))

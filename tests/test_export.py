@@ -1,5 +1,6 @@
 """`grt export`: a ZeRO-3 checkpoint becomes one directory that loads without DeepSpeed
 and computes what the training engine computed."""
+
 import json
 import re
 import subprocess
@@ -7,14 +8,15 @@ import sys
 
 import pytest
 import torch
+from conftest import DEMO_TEXT, OFFLINE, SHARED
+from trained_models import ENV, EVAL_BATCHES, dense_run, grt, grt_run, manifest, single_thread, summary  # noqa: F401 (fixtures)
 
 from pretrain.config import ConfigError
 from pretrain.distributed import Dist
-from pretrain.infer.scoring import lm_sums, val_batches
 from pretrain.infer.export import main as export_main
 from pretrain.infer.load import TIED_KEY, load_model, resolve_checkpoint
-from trained_models import ENV, grt, single_thread, EVAL_BATCHES, dense_run, grt_run, manifest, summary  # noqa: F401 (fixtures)
-from conftest import DEMO_TEXT, OFFLINE, SHARED
+from pretrain.infer.scoring import lm_sums, val_batches
+
 
 @pytest.fixture(scope="module")
 def grt_export(grt_run, tmp_path_factory):
@@ -29,8 +31,17 @@ def test_export_writes_the_documented_files(grt_export, grt_run, tmp_path):
     names = {p.name for p in grt_export.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.model", "run_config.json", "hf"} <= names
     hf_names = {p.name for p in (grt_export / "hf").iterdir()}
-    assert {"config.json", "configuration_grt.py", "modeling_grt.py", "grt_gpt.py", "grt_layers.py", "model.safetensors",
-            "tokenizer.model", "tokenizer.json", "tokenizer_config.json"} <= hf_names
+    assert {
+        "config.json",
+        "configuration_grt.py",
+        "modeling_grt.py",
+        "grt_gpt.py",
+        "grt_layers.py",
+        "model.safetensors",
+        "tokenizer.model",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= hf_names
     hf_config = json.loads((grt_export / "hf" / "config.json").read_text())
     ours = json.loads((grt_export / "config.json").read_text())
     assert {k: hf_config[k] for k in ours} == ours  # every ModelConfig field
@@ -143,9 +154,14 @@ def test_grt_export_loads_with_transformers_alone(grt_export, tmp_path):
     shim.mkdir(parents=True)
     (shim / "__init__.py").write_text("raise ImportError('the pretrain package is not on a user machine')\n")
     out = tmp_path / "hf_user.json"
-    proc = subprocess.run([sys.executable, "-c", _HF_USER, str(grt_export / "hf"), "ROMEO:", str(out)], cwd=tmp_path,
-                          env={**ENV, **OFFLINE, "PYTHONPATH": str(shim.parent), "HF_MODULES_CACHE": str(tmp_path / "modules")},
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _HF_USER, str(grt_export / "hf"), "ROMEO:", str(out)],
+        cwd=tmp_path,
+        env={**ENV, **OFFLINE, "PYTHONPATH": str(shim.parent), "HF_MODULES_CACHE": str(tmp_path / "modules")},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     loaded = load_model(grt_export)
@@ -153,8 +169,12 @@ def test_grt_export_loads_with_transformers_alone(grt_export, tmp_path):
     ids = torch.tensor(res["ids"])
     assert ids[0].tolist() == [tok.sep_id] + tok.encode("ROMEO:")  # the separator as BOS, as grt generate feeds it
     idx = torch.tensor(res["idx"])
-    for key, depth, strategy in (("default", 3, "full"), ("depth=1", 1, "full"), ("depth=5", 5, "full"),
-                                 ("kv_cache=average", 3, "average")):
+    for key, depth, strategy in (
+        ("default", 3, "full"),
+        ("depth=1", 1, "full"),
+        ("depth=5", 5, "full"),
+        ("kv_cache=average", 3, "average"),
+    ):
         got = res[key]
         assert got["depth"] == depth
         with torch.no_grad():
@@ -165,8 +185,19 @@ def test_grt_export_loads_with_transformers_alone(grt_export, tmp_path):
         assert got["cached"][0] == ids[0].tolist() + new[0].tolist(), key
         uncached = generate(model, ids, 12, n_loops=depth, use_cache=False, greedy=True, stop_id=tok.sep_id)
         assert got["uncached"][0] == ids[0].tolist() + uncached[0].tolist(), key
-    cli = json.loads(grt("generate", str(grt_export), "--prompt", "ROMEO:", "--greedy", "--max-new-tokens", "12",
-                         "--stop-at-separator", "--json").stdout)
+    cli = json.loads(
+        grt(
+            "generate",
+            str(grt_export),
+            "--prompt",
+            "ROMEO:",
+            "--greedy",
+            "--max-new-tokens",
+            "12",
+            "--stop-at-separator",
+            "--json",
+        ).stdout
+    )
     assert res["default"]["cached"][0] == ids[0].tolist() + cli["tokens"][0]  # the command itself, default strategy
     # the depths give different functions, so the comparisons above can tell them apart
     assert (torch.tensor(res["default"]["logits"]) - torch.tensor(res["depth=1"]["logits"])).abs().max() > 1e-2
@@ -178,7 +209,11 @@ def _real_texts() -> list[str]:
     if lambada.exists():
         rows = [json.loads(line) for line in lambada.read_text().splitlines()[:200]]
         texts += [r["context"] + " " + r["continuation"] for r in rows]
-    return texts + ["  two leading spaces\n\n\ttab", "bytes: \u00fcn\u00efc\u00f6d\u00e9 \U0001F389", "a literal <|endoftext|>"]
+    return texts + [
+        "  two leading spaces\n\n\ttab",
+        "bytes: \u00fcn\u00efc\u00f6d\u00e9 \U0001f389",
+        "a literal <|endoftext|>",
+    ]
 
 
 def test_hf_tokenizer_gives_our_ids(grt_export, offline):
@@ -228,10 +263,10 @@ def test_looped_baselines_load_with_transformers(variant, tmp_path, offline):
 @pytest.fixture
 def small_hf(tmp_path, offline):
     """A small random GRT (1+2x3+1, vocab 64) saved as an hf/ directory and loaded by transformers."""
+    from trained_models import small_model
     from transformers import AutoModelForCausalLM
 
     from pretrain.model.hf import save_pretrained
-    from trained_models import small_model
 
     save_pretrained(small_model("1+2x3+1"), tmp_path / "hf", tokenizer=None)
     return AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True).eval()
@@ -262,17 +297,18 @@ def test_hf_right_padding_scores_but_is_refused_by_generate(small_hf):
     for use_cache in (True, False):
         with pytest.raises(ValueError, match="generate one prompt at a time, or prompts of equal length"):
             small_hf.generate(idx, attention_mask=mask, max_new_tokens=2, use_cache=use_cache)
-        assert small_hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=2,
-                                 use_cache=use_cache).shape == (2, 8)
+        assert small_hf.generate(
+            idx, attention_mask=torch.ones_like(idx), max_new_tokens=2, use_cache=use_cache
+        ).shape == (2, 8)
 
 
 def test_hf_model_saves_and_reloads_with_its_code(tmp_path, offline):
     """A loaded export saved again by transformers (after fine-tuning, to push it) carries its
     vendored code along and keeps the depth it was given, the trained R recorded beside it."""
+    from trained_models import small_model
     from transformers import AutoModelForCausalLM
 
     from pretrain.model.hf import save_pretrained
-    from trained_models import small_model
 
     save_pretrained(small_model("1+2x3+1"), tmp_path / "hf", tokenizer=None)
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True, depth=2).eval()

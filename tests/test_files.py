@@ -1,4 +1,5 @@
 """Written artefacts are complete or absent (data_pipeline/files.py)."""
+
 import matplotlib
 
 matplotlib.use("Agg")

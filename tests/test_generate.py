@@ -1,14 +1,17 @@
 """KV-cached decoding: the `full` strategy is the model's function; the shared strategies
 keep fewer caches; sampling filters; `grt generate` and the decode benchmark."""
+
 import json
 
 import pytest
 import torch
+from trained_models import data, single_thread, small_model, write_export  # noqa: F401
 
-from pretrain.tools.bench_decode import bench_one, main as bench_main
-from pretrain.infer.generate import filter_logits, generate, main as generate_main, sample_next
+from pretrain.infer.generate import filter_logits, generate, sample_next
+from pretrain.infer.generate import main as generate_main
 from pretrain.infer.kv_cache import STRATEGIES, CachedDecoder, cache_bytes_formula, cache_slots
-from trained_models import single_thread, data, small_model, write_export  # noqa: F401
+from pretrain.tools.bench_decode import bench_one
+from pretrain.tools.bench_decode import main as bench_main
 
 
 def lively(**kw):
@@ -72,8 +75,12 @@ def test_decode_attends_to_the_cache_in_place_without_cudnn_plans(monkeypatch, s
 
     def spy(q, k, v, *args, **kwargs):
         cache = (dec.cache.k.untyped_storage().data_ptr(), dec.cache.v.untyped_storage().data_ptr())
-        calls.append((torch.backends.cuda.cudnn_sdp_enabled(),
-                      (k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr()) == cache))
+        calls.append(
+            (
+                torch.backends.cuda.cudnn_sdp_enabled(),
+                (k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr()) == cache,
+            )
+        )
         return real(q, k, v, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
@@ -130,8 +137,9 @@ def test_sampling_is_seeded_and_stops_at_the_separator():
 
 
 def test_render_shows_document_breaks():
-    from pretrain.infer.generate import render
     from trained_models import CharTokenizer
+
+    from pretrain.infer.generate import render
 
     tok = CharTokenizer()
     ids = tok.encode("ab") + [0] + tok.encode("cd")
@@ -154,8 +162,25 @@ def test_generate_command(tmp_path, capsys):
     assert full["samples"][0].startswith("ROMEO:") and full["depth"] == 3
     assert generate_main([str(out), "--depth", "4", "--max-new-tokens", "2"]) == 2
     assert "--allow-beyond-trained" in capsys.readouterr().err
-    assert generate_main([str(out), "--depth", "4", "--allow-beyond-trained", "--max-new-tokens", "3",
-                          "--kv-cache", "average", "--num-samples", "2", "--top-k", "5"]) == 0
+    assert (
+        generate_main(
+            [
+                str(out),
+                "--depth",
+                "4",
+                "--allow-beyond-trained",
+                "--max-new-tokens",
+                "3",
+                "--kv-cache",
+                "average",
+                "--num-samples",
+                "2",
+                "--top-k",
+                "5",
+            ]
+        )
+        == 0
+    )
     assert "--- sample 2" in capsys.readouterr().out
 
 
@@ -164,11 +189,35 @@ def test_decode_benchmark_reports_every_strategy(tmp_path, capsys):
     assert row["cache_bytes_measured"] == row["cache_bytes_formula"] == 2 * 4 * 2 * 7 * 32 * 4
     assert row["ms_per_token"] > 0 and row["strategy"] == "average"
     path = tmp_path / "bench.json"
-    assert bench_main(["--preset", "micro-grt", "--dense-preset", "micro-dense", "--batch-sizes", "1,2",
-                       "--prompt-len", "4", "--new-tokens", "3", "--warmup", "1", "--json", str(path)]) == 0
+    assert (
+        bench_main(
+            [
+                "--preset",
+                "micro-grt",
+                "--dense-preset",
+                "micro-dense",
+                "--batch-sizes",
+                "1,2",
+                "--prompt-len",
+                "4",
+                "--new-tokens",
+                "3",
+                "--warmup",
+                "1",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(path.read_text())
-    assert [(r["strategy"], r["batch"]) for r in rows[:5]] == [("dense", 1), ("full", 1), ("first", 1), ("last", 1),
-                                                               ("average", 1)]
+    assert [(r["strategy"], r["batch"]) for r in rows[:5]] == [
+        ("dense", 1),
+        ("full", 1),
+        ("first", 1),
+        ("last", 1),
+        ("average", 1),
+    ]
     assert len(rows) == 10
     by = {(r["strategy"], r["batch"]): r for r in rows}
     # micro-grt 1+1x3+1 keeps 5 slots (full) or 3 (shared); micro-dense keeps 5
@@ -180,8 +229,9 @@ def test_decode_benchmark_reports_every_strategy(tmp_path, capsys):
 def test_zero_shot_scoring_through_the_kv_cache():
     """`grt eval --kv-cache`: the full cache reproduces the one-forward scores; the shared
     strategies change them (they are approximations past the prompt)."""
-    from pretrain.infer.zero_shot import encode_request, score_requests, score_requests_cached
     from trained_models import CharTokenizer
+
+    from pretrain.infer.zero_shot import encode_request, score_requests, score_requests_cached
 
     model, tok = lively(), CharTokenizer()
     enc = [encode_request(tok, "The cat sat", " on the mat", 64), encode_request(tok, "Hello", " world!", 64)]

@@ -2,6 +2,7 @@
 data passes the trainer's own checks against the data the GPU will make (`grt train --dry-run`,
 `grt compare --dry-run`); `--cpu` runs the same rows at a tiny size, within the device's limits on
 files, and a call killed halfway keeps the rows it finished."""
+
 import json
 import os
 import shlex
@@ -11,7 +12,6 @@ import sys
 import time
 
 import pytest
-
 from multiproc import REPO
 
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
@@ -19,8 +19,14 @@ MAX_FILES_BACK = 8  # what the device tool brings back from $OUT
 
 
 def plan(work, *args) -> list[tuple[str, int, list[str]]]:
-    proc = subprocess.run(["bash", str(SCRIPT), "--plan", *args], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "GPU_CHECK_WORK": str(work)}, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "--plan", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "GPU_CHECK_WORK": str(work)},
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     rows = []
     for line in proc.stdout.splitlines():
@@ -68,13 +74,21 @@ def test_every_gpu_row_with_a_preset_passes_the_trainers_checks_on_the_gpu_data(
     exceeds model.max_seq_len=256`."""
     rows = plan(tmp_path) + [r for r in plan(tmp_path, "2") if r[0] != "data"]
     data = next(command for name, _, command in rows if name == "data")
-    made = subprocess.run([sys.executable, "-m", "pretrain.cli", *data[1:]], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    made = subprocess.run(
+        [sys.executable, "-m", "pretrain.cli", *data[1:]], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert made.returncode == 0, made.stderr
     todo = [[name, command] for name, _, command in rows if command[:2] in (["grt", "train"], ["grt", "compare"])]
     assert len(todo) >= 20, todo
-    proc = subprocess.run([sys.executable, "-c", DRY_RUNS], input=json.dumps(todo), cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    proc = subprocess.run(
+        [sys.executable, "-c", DRY_RUNS],
+        input=json.dumps(todo),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name, code, out, err in json.loads(proc.stdout.strip().splitlines()[-1]):
         assert code == 0 and "would train" in out, (name, code, out, err)
@@ -84,12 +98,32 @@ def test_dry_run_refuses_a_preset_whose_context_is_shorter_than_the_shards(tmp_p
     """The failure the old GPU check would have met on the GPU, now found before any process starts."""
     from multiproc import grt
 
-    made = grt("data", "prepare", "-i", str(REPO / "examples" / "data" / "tinyshakespeare.txt"), "--txt-mode",
-               "paragraph", "-t", str(REPO / "examples" / "tokenizers" / "gutenberg-50257.model"), "-o",
-               str(tmp_path / "data"), "--seq-len", "1024", "-q")
+    made = grt(
+        "data",
+        "prepare",
+        "-i",
+        str(REPO / "examples" / "data" / "tinyshakespeare.txt"),
+        "--txt-mode",
+        "paragraph",
+        "-t",
+        str(REPO / "examples" / "tokenizers" / "gutenberg-50257.model"),
+        "-o",
+        str(tmp_path / "data"),
+        "--seq-len",
+        "1024",
+        "-q",
+    )
     assert made.returncode == 0, made.stderr
-    r = grt("train", "--preset", "tiny-grt", "--data", str(tmp_path / "data" / "manifest.json"), "--out",
-            str(tmp_path / "run"), "--dry-run")
+    r = grt(
+        "train",
+        "--preset",
+        "tiny-grt",
+        "--data",
+        str(tmp_path / "data" / "manifest.json"),
+        "--out",
+        str(tmp_path / "run"),
+        "--dry-run",
+    )
     assert r.returncode == 2 and "seq_len=1024 exceeds model.max_seq_len=256" in r.stderr, r.stderr
     assert not (tmp_path / "run").exists()
 
@@ -104,8 +138,15 @@ def _run(out, work, *args, rows=None):
     env = {**os.environ, "OUT": str(out), "GPU_CHECK_WORK": str(work), "PATH": f"{stub}:{os.environ['PATH']}"}
     if rows:
         env["GPU_CHECK_ROWS"] = rows
-    return subprocess.Popen(["bash", str(SCRIPT), "--cpu", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        ["bash", str(SCRIPT), "--cpu", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _results(out):

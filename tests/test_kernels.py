@@ -1,13 +1,13 @@
 """The fused gate kernel against the eager reference. TRITON_INTERPRET=1 runs the Triton
 kernel on the CPU, so this runs in CI without a GPU (in a subprocess: the variable must be
 set before Triton is imported)."""
+
 import json
 import os
 import subprocess
 import sys
 
 import pytest
-
 from multiproc import REPO
 
 pytest.importorskip("triton")
@@ -73,7 +73,9 @@ assert worst < 1e-4, worst
 print("ok", worst)
 """
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -114,7 +116,9 @@ assert worst(fused) < 5e-2 and worst(fused) <= worst(eager), (worst(fused), wors
 print("ok", worst(fused), worst(eager))
 """
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
@@ -151,5 +155,7 @@ assert worst < 1e-4, worst
 print("ok", worst)
 """
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -3,6 +3,7 @@ runs here): hadolint, every COPY source exists and is not excluded by .dockerign
 command is one docs/launching.md lists, every Python package is pinned, sshd and ssh are set up
 for the deepspeed runner across containers, the Apptainer file builds from that image and runs
 the same check; and the image check itself, run here where flash-attn and apex are missing."""
+
 import fnmatch
 import os
 import re
@@ -95,9 +96,18 @@ def test_base_image_and_required_parts():
     assert args["BASE_IMAGE"].startswith("nvcr.io/nvidia/pytorch:")
     assert ins[[w for w, _ in ins].index("FROM")][1] == "${BASE_IMAGE}"
     runs = " ".join(a for w, a in ins if w == "RUN")
-    for needed in ("pdsh", "openssh-server", "openssh-client", "openmpi-bin", "DS_BUILD_FUSED_ADAM=1",
-                   "deepspeed==${DEEPSPEED_VERSION}", "ds_report", 'pip install -e ".[mpi]"', "useradd",
-                   "python docker/check_image.py"):
+    for needed in (
+        "pdsh",
+        "openssh-server",
+        "openssh-client",
+        "openmpi-bin",
+        "DS_BUILD_FUSED_ADAM=1",
+        "deepspeed==${DEEPSPEED_VERSION}",
+        "ds_report",
+        'pip install -e ".[mpi]"',
+        "useradd",
+        "python docker/check_image.py",
+    ):
         assert needed in runs, needed
     # a non-root user by default
     assert ("USER", "${GRT_UID}") in ins and int(args["GRT_UID"]) >= 1000
@@ -178,8 +188,11 @@ def test_every_python_package_is_pinned():
 
 def ssh_options(path):
     with open(path) as f:
-        return {line.split()[0]: line.split(None, 1)[1].strip() for line in f
-                if line.strip() and not line.lstrip().startswith("#")}
+        return {
+            line.split()[0]: line.split(None, 1)[1].strip()
+            for line in f
+            if line.strip() and not line.lstrip().startswith("#")
+        }
 
 
 def test_sshd_lets_the_deepspeed_runner_reach_other_containers():
@@ -200,12 +213,16 @@ def test_sshd_lets_the_deepspeed_runner_reach_other_containers():
     assert subprocess.run(["bash", "-n", start]).returncode == 0
     script = open(start).read()
     assert "/run/secrets/grt_ssh" in script and "-f /etc/grt/sshd_config" in script
-    assert 'authorized_keys' in script and ".ssh/environment" in script
+    assert "authorized_keys" in script and ".ssh/environment" in script
 
 
 def test_start_sshd_without_the_secret_says_what_to_mount(tmp_path):
-    r = subprocess.run([os.path.join(ROOT, "docker", "start-sshd.sh")], capture_output=True, text=True,
-                       env=dict(os.environ, GRT_SSH_SECRET=str(tmp_path), HOME=str(tmp_path)))
+    r = subprocess.run(
+        [os.path.join(ROOT, "docker", "start-sshd.sh")],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, GRT_SSH_SECRET=str(tmp_path), HOME=str(tmp_path)),
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "id_ed25519 is missing" in r.stderr
     assert not (tmp_path / ".ssh").exists()
 
@@ -248,8 +265,13 @@ def test_apptainer_definition_is_built_from_the_docker_image():
 
 def test_image_check_names_each_missing_piece():
     """Here (no flash-attn, no apex, no prebuilt ops) the check fails with one line each."""
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "docker", "check_image.py")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "docker", "check_image.py")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 1
     lines = [l for l in r.stderr.splitlines() if l.startswith("image check: ")]
     try:

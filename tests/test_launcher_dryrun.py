@@ -5,6 +5,7 @@ DeepSpeed's own hostfile reader; the mpirun command is mapped by the real `mpiru
 --do-not-launch --display-map`; the sbatch script is checked with `bash -n` (and with
 `sbatch --test-only` against a real cluster in test_launcher_slurm.py).
 """
+
 import json
 import os
 import re
@@ -18,17 +19,31 @@ import pytest
 from launcher.cli import build_plan, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN = ["--preset", "grt-small", "--data", "data/shards/manifest.json", "--out", "runs/grt-small",
-         "--set", "train.lr=3e-4"]
+TRAIN = [
+    "--preset",
+    "grt-small",
+    "--data",
+    "data/shards/manifest.json",
+    "--out",
+    "runs/grt-small",
+    "--set",
+    "train.lr=3e-4",
+]
 RUN_DIR = os.path.abspath("runs/grt-small")
 CONFIG = os.path.join(RUN_DIR, "launch", "config.json")
-ENV = {"NCCL_IB_HCA": "mlx5_0,mlx5_1", "NCCL_SOCKET_IFNAME": "ib0", "GRT_TEST_FLAG": "1",
-       "PATH": os.environ.get("PATH", ""), "UNRELATED_SECRET": "x", "WANDB_API_KEY": "k", "HF_TOKEN": "t"}
+ENV = {
+    "NCCL_IB_HCA": "mlx5_0,mlx5_1",
+    "NCCL_SOCKET_IFNAME": "ib0",
+    "GRT_TEST_FLAG": "1",
+    "PATH": os.environ.get("PATH", ""),
+    "UNRELATED_SECRET": "x",
+    "WANDB_API_KEY": "k",
+    "HF_TOKEN": "t",
+}
 
 
 def plan_for(launcher, *extra, environ=None, train=TRAIN):
-    argv = ["--launcher", launcher, "--nodes", "4", "--gpus-per-node", "8", *extra, "--dry-run",
-            "--", *train]
+    argv = ["--launcher", launcher, "--nodes", "4", "--gpus-per-node", "8", *extra, "--dry-run", "--", *train]
     plan, args = build_plan(argv, environ=dict(ENV if environ is None else environ))
     return plan
 
@@ -39,7 +54,7 @@ def split_render(text):
     lines = text.splitlines()
     for i, line in enumerate(lines):
         if line.startswith("#### file: "):
-            cur, body = line[len("#### file: "):], []
+            cur, body = line[len("#### file: ") :], []
         elif line == "#### end of file":
             files[cur] = "\n".join(body) + "\n"
             cur = None
@@ -65,7 +80,7 @@ def test_deepspeed_4x8_against_deepspeed_runner(tmp_path):
     plan = plan_for("deepspeed", "--hosts", "node[1-4]", "--master-port", "29555")
     files, argv, env = split_render(plan.render())
     assert argv[0] in ("deepspeed", sys.executable)
-    args = ds_runner.parse_args(argv[argv.index("--hostfile"):])
+    args = ds_runner.parse_args(argv[argv.index("--hostfile") :])
     assert (args.num_nodes, args.num_gpus) == (4, 8)
     assert (args.master_addr, args.master_port, args.launcher) == ("node1", 29555, "pdsh")
     assert args.module and args.no_local_rank and args.user_script == "pretrain.cli"
@@ -108,8 +123,7 @@ def test_deepspeed_honours_env_hostfile_and_master_addr(tmp_path):
     hf = tmp_path / "myhosts"
     hf.write_text("# cluster\nworker-0 slots=8\nworker-1 slots=8\nworker-2 slots=8\nworker-3 slots=8\n")
     environ = dict(ENV, DLTS_HOSTFILE=str(hf), MASTER_ADDR="10.0.0.7", MASTER_PORT="6001")
-    plan, _ = build_plan(["--launcher", "deepspeed", "--launcher-args=-S", "--dry-run", "--", *TRAIN],
-                         environ=environ)
+    plan, _ = build_plan(["--launcher", "deepspeed", "--launcher-args=-S", "--dry-run", "--", *TRAIN], environ=environ)
     files, argv, env = split_render(plan.render())
     from deepspeed.launcher import runner as ds_runner
 
@@ -126,9 +140,26 @@ def test_deepspeed_openmpi_backend_gets_a_hostfile_of_the_chosen_ranks(tmp_path)
     their 8 slots become a hostfile of exactly those 6 ranks."""
     hf = tmp_path / "myhosts"
     hf.write_text("".join(f"worker-{i} slots=8\n" for i in range(4)))
-    plan, _ = build_plan(["--launcher", "deepspeed", "--ds-launcher", "openmpi", "--hostfile", str(hf),
-                          "--nodes", "3", "--procs-per-node", "2", "--launcher-args", "--mca btl_tcp_if_include ib0",
-                          "--dry-run", "--", *TRAIN], environ=ENV)
+    plan, _ = build_plan(
+        [
+            "--launcher",
+            "deepspeed",
+            "--ds-launcher",
+            "openmpi",
+            "--hostfile",
+            str(hf),
+            "--nodes",
+            "3",
+            "--procs-per-node",
+            "2",
+            "--launcher-args",
+            "--mca btl_tcp_if_include ib0",
+            "--dry-run",
+            "--",
+            *TRAIN,
+        ],
+        environ=ENV,
+    )
     files, argv, _ = split_render(plan.render())
     from deepspeed.launcher import runner as ds_runner
     from deepspeed.launcher.multinode_runner import OpenMPIRunner
@@ -142,8 +173,22 @@ def test_deepspeed_openmpi_backend_gets_a_hostfile_of_the_chosen_ranks(tmp_path)
     cmd = OpenMPIRunner(args, "", pool).get_cmd({}, pool)  # its constructor validates the arguments
     assert cmd[cmd.index("-n") + 1] == "6"
     with pytest.raises(ValueError, match="--include/--exclude: the deepspeed runner's openmpi backend"):
-        build_plan(["--launcher", "deepspeed", "--ds-launcher", "openmpi", "--hostfile", str(hf), "--exclude",
-                    "worker-3", "--dry-run", "--", *TRAIN], environ=ENV)
+        build_plan(
+            [
+                "--launcher",
+                "deepspeed",
+                "--ds-launcher",
+                "openmpi",
+                "--hostfile",
+                str(hf),
+                "--exclude",
+                "worker-3",
+                "--dry-run",
+                "--",
+                *TRAIN,
+            ],
+            environ=ENV,
+        )
 
 
 def test_deepspeed_no_ssh_node_rank():
@@ -170,12 +215,20 @@ def test_mpi_4x8_command():
     assert files[hostfile] == "".join(f"node{i} slots=8\n" for i in range(1, 5))
     assert argv[argv.index("--map-by") + 1] == "ppr:8:node"
     exported = {argv[i + 1] for i, a in enumerate(argv) if a == "-x"}
-    assert {"NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH",
-            "PATH", "LD_LIBRARY_PATH", "GRT_TEST_FLAG"} <= exported
+    assert {
+        "NCCL_IB_HCA",
+        "NCCL_SOCKET_IFNAME",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "PYTHONPATH",
+        "PATH",
+        "LD_LIBRARY_PATH",
+        "GRT_TEST_FLAG",
+    } <= exported
     assert "UNRELATED_SECRET" not in exported
     assert {"WANDB_API_KEY", "HF_TOKEN"} <= exported  # by name: the value is in no file
     assert env["MASTER_ADDR"] == "node1"
-    tail = argv[argv.index("-m"):]
+    tail = argv[argv.index("-m") :]
     assert tail == ["-m", "pretrain.cli", "train", "--config-json", CONFIG]
     assert CONFIG in files
 
@@ -213,17 +266,38 @@ def test_mpi_4x8_mapped_by_real_mpirun(tmp_path):
 
 
 def test_slurm_4x8_script(tmp_path):
-    plan = plan_for("slurm", "--time", "24:00:00", "--partition", "gpu", "--account", "proj",
-                    "--requeue", "--signal", "USR1@300", "--container-image", "nvcr.io#me/grt:latest",
-                    "--run-dir", str(tmp_path / "run"))
+    plan = plan_for(
+        "slurm",
+        "--time",
+        "24:00:00",
+        "--partition",
+        "gpu",
+        "--account",
+        "proj",
+        "--requeue",
+        "--signal",
+        "USR1@300",
+        "--container-image",
+        "nvcr.io#me/grt:latest",
+        "--run-dir",
+        str(tmp_path / "run"),
+    )
     files, argv, env = split_render(plan.render())
     script_path = argv[-1]
     assert argv[:2] == ["sbatch", "--parsable"] and script_path.endswith("slurm.sbatch")
     script = files[script_path]
-    header = [l[len("#SBATCH "):] for l in script.splitlines() if l.startswith("#SBATCH ")]
-    for opt in ("--nodes=4", "--ntasks-per-node=8", "--gpus-per-node=8", "--time=24:00:00",
-                "--partition=gpu", "--account=proj", "--signal=B:USR1@300", "--requeue",
-                "--open-mode=append"):
+    header = [l[len("#SBATCH ") :] for l in script.splitlines() if l.startswith("#SBATCH ")]
+    for opt in (
+        "--nodes=4",
+        "--ntasks-per-node=8",
+        "--gpus-per-node=8",
+        "--time=24:00:00",
+        "--partition=gpu",
+        "--account=proj",
+        "--signal=B:USR1@300",
+        "--requeue",
+        "--open-mode=append",
+    ):
         assert opt in header, (opt, header)
     assert any(h.startswith("--output=") and h.endswith("slurm-%j.out") for h in header)
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in script
@@ -251,14 +325,27 @@ def test_slurm_apptainer_and_no_signal(tmp_path):
     assert "--signal" not in script and "trap" not in script and "--requeue" not in script
     srun = shlex.split(next(l for l in script.splitlines() if l.startswith("srun ")))
     i = srun.index("apptainer")
-    assert srun[i:i + 3] == ["apptainer", "exec", "--nv"] and "grt.sif" in srun
+    assert srun[i : i + 3] == ["apptainer", "exec", "--nv"] and "grt.sif" in srun
     (tmp_path / "s.sh").write_text(script)
     assert subprocess.run(["bash", "-n", str(tmp_path / "s.sh")]).returncode == 0
 
 
 def test_slurm_cpu_job_has_no_gpus(tmp_path):
-    plan, _ = build_plan(["--launcher", "slurm", "--cpu", "--procs-per-node", "2", "--run-dir", str(tmp_path),
-                          "--dry-run", "--data", "m.json"], environ={})
+    plan, _ = build_plan(
+        [
+            "--launcher",
+            "slurm",
+            "--cpu",
+            "--procs-per-node",
+            "2",
+            "--run-dir",
+            str(tmp_path),
+            "--dry-run",
+            "--data",
+            "m.json",
+        ],
+        environ={},
+    )
     files, argv, _ = split_render(plan.render())
     script = files[argv[-1]]
     assert "--ntasks-per-node=2" in script and "--gpus-per-node" not in script and "--nv" not in script
@@ -271,8 +358,7 @@ def test_slurm_cpu_job_has_no_gpus(tmp_path):
 def test_local_commands():
     plan, _ = build_plan(["--no-resolve", "--dry-run", "--", "--preset", "tiny-grt"], environ={})
     assert plan.command == [sys.executable, "-m", "pretrain.cli", "train", "--preset", "tiny-grt"]
-    plan, _ = build_plan(["--procs-per-node", "2", "--dry-run", "--no-resolve", "--preset", "tiny-grt"],
-                         environ={})
+    plan, _ = build_plan(["--procs-per-node", "2", "--dry-run", "--no-resolve", "--preset", "tiny-grt"], environ={})
     assert plan.command[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     assert plan.command[-4:] == ["pretrain.cli", "train", "--preset", "tiny-grt"]  # unknown args pass
     # --help reaches `grt train` unresolved
@@ -288,15 +374,51 @@ def test_config_errors_are_reported_before_launching(capsys):
 
 
 def test_grt_launch_dry_run_through_grt_cli(tmp_path, capsys):
-    assert main(["--launcher", "slurm", "--nodes", "2", "--gpus-per-node", "4", "--run-dir",
-                 str(tmp_path), "--dry-run", "--", "--data", "m.json", "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "--launcher",
+                "slurm",
+                "--nodes",
+                "2",
+                "--gpus-per-node",
+                "4",
+                "--run-dir",
+                str(tmp_path),
+                "--dry-run",
+                "--",
+                "--data",
+                "m.json",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "#SBATCH --nodes=2" in out and out.strip().splitlines()[-1].startswith("sbatch")
     assert not os.listdir(tmp_path)  # a dry run writes nothing
-    r = subprocess.run([sys.executable, "-m", "pretrain.cli", "launch", "--launcher", "mpi", "--hosts",
-                        "a,b", "--gpus-per-node", "8", "--dry-run", "--data", "m.json"],
-                       capture_output=True, text=True,
-                       cwd=ROOT, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pretrain.cli",
+            "launch",
+            "--launcher",
+            "mpi",
+            "--hosts",
+            "a,b",
+            "--gpus-per-node",
+            "8",
+            "--dry-run",
+            "--data",
+            "m.json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "-np 16" in r.stdout.splitlines()[-1]
 
@@ -310,8 +432,9 @@ def test_slurm_hosts_become_a_nodelist(tmp_path):
 def test_train_flags_pass_without_separator(tmp_path):
     """Unknown flags go to `grt train`, even those that look like abbreviations of ours."""
     out = str(tmp_path / "run")
-    plan, _ = build_plan(["--launcher", "slurm", "--cpu", "--dry-run", "--data", "m.json", "--out", out,
-                          "--steps", "7"], environ={})
+    plan, _ = build_plan(
+        ["--launcher", "slurm", "--cpu", "--dry-run", "--data", "m.json", "--out", out, "--steps", "7"], environ={}
+    )
     files, argv, _ = split_render(plan.render())
     config = json.loads(files[os.path.join(out, "launch", "config.json")])
     assert config["out"] == out and config["train"]["steps"] == 7
@@ -331,10 +454,19 @@ def write_manifest(root):
     for d in ("shards-a", "shards-b"):
         (root / d / "s0.bin").write_bytes(b"")
     split = lambda d: [{"name": str(root / d / "s0.bin"), "sequences": 1, "tokens": 64}]  # noqa: E731
-    manifest = manifest_dict(seq_len=64, vocab_size=512, sep_id=0, sep_piece="", ext="u16",
-                             tokenizer_name=str(root / "tok" / "tok.model"), tokenizer_sha256="0",
-                             splits={"train": split("shards-a"), "val": split("shards-b")},
-                             sources=[], stats={}, options={})
+    manifest = manifest_dict(
+        seq_len=64,
+        vocab_size=512,
+        sep_id=0,
+        sep_piece="",
+        ext="u16",
+        tokenizer_name=str(root / "tok" / "tok.model"),
+        tokenizer_sha256="0",
+        splits={"train": split("shards-a"), "val": split("shards-b")},
+        sources=[],
+        stats={},
+        options={},
+    )
     path = root / "meta" / "manifest.json"
     path.write_text(json.dumps(manifest))
     return path
@@ -370,8 +502,9 @@ def test_slurm_container_mounts_the_data_and_uses_the_image_code(tmp_path, monke
 
 
 def test_slurm_cpus_per_task_rank_logs_and_dated_log_lines(tmp_path):
-    plan = plan_for("slurm", "--cpus-per-task", "12", "--exclusive", "--mem", "0", "--rank-logs",
-                    "--run-dir", str(tmp_path))
+    plan = plan_for(
+        "slurm", "--cpus-per-task", "12", "--exclusive", "--mem", "0", "--rank-logs", "--run-dir", str(tmp_path)
+    )
     script, srun = srun_line(plan)
     assert "#SBATCH --cpus-per-task=12" in script and "--cpus-per-task=12" in srun
     assert "#SBATCH --exclusive" in script and "#SBATCH --mem=0" in script
@@ -393,10 +526,21 @@ def test_slurm_without_gpus_is_refused_in_one_line(capsys):
 def test_deepspeed_runner_options_pass_through():
     from deepspeed.launcher import runner as ds_runner
 
-    plan = plan_for("deepspeed", "--hosts", "node[1-4]", "--include", "node1:0,1@node2", "--exclude", "node3",
-                    "--ssh-port", "2222", "--no-ssh-check", "--rank-logs")
+    plan = plan_for(
+        "deepspeed",
+        "--hosts",
+        "node[1-4]",
+        "--include",
+        "node1:0,1@node2",
+        "--exclude",
+        "node3",
+        "--ssh-port",
+        "2222",
+        "--no-ssh-check",
+        "--rank-logs",
+    )
     _, argv, _ = split_render(plan.render())
-    args = ds_runner.parse_args(argv[argv.index("--hostfile"):])
+    args = ds_runner.parse_args(argv[argv.index("--hostfile") :])
     assert (args.include, args.exclude, args.ssh_port, args.no_ssh_check) == ("node1:0,1@node2", "node3", 2222, True)
     assert args.enable_each_rank_log == os.path.join(RUN_DIR, "logs")
     with pytest.raises(SystemExit):  # DeepSpeed's slurm backend cannot start a module
@@ -404,7 +548,9 @@ def test_deepspeed_runner_options_pass_through():
 
 
 def test_rank_logs_on_local_and_mpi():
-    local, _ = build_plan(["--procs-per-node", "2", "--rank-logs", "--dry-run", "--no-resolve", "--", *TRAIN], environ={})
+    local, _ = build_plan(
+        ["--procs-per-node", "2", "--rank-logs", "--dry-run", "--no-resolve", "--", *TRAIN], environ={}
+    )
     assert local.command[local.command.index("--log-dir") + 1] == os.path.join(RUN_DIR, "logs")
     mpi = plan_for("mpi", "--hosts", "node[1-4]", "--rank-logs")
     assert mpi.command[mpi.command.index("--output-filename") + 1] == os.path.join(RUN_DIR, "logs")
@@ -412,15 +558,34 @@ def test_rank_logs_on_local_and_mpi():
 
 def test_deepspeed_config_is_merged_and_checked_before_submission(tmp_path, capsys):
     ds = tmp_path / "megatron.json"
-    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-                              "zero_optimization": {"stage": 1}}))
+    ds.write_text(
+        json.dumps(
+            {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 1}}
+        )
+    )
     # the merged config the 32 ranks will use is written next to the run config
     plan = plan_for("slurm", train=TRAIN + ["--micro-batch-size", "4", "--ds-config", str(ds)])
     files, _, _ = split_render(plan.render())
     merged = json.loads(files[os.path.join(RUN_DIR, "launch", "ds_config.json")])
     assert merged["train_batch_size"] == 4 * 32 and merged["bf16"]["enabled"] is True
     # a disagreement stops the launch before sbatch, in one line
-    assert main(["--launcher", "slurm", "--nodes", "4", "--gpus-per-node", "8", "--dry-run", "--", *TRAIN,
-                 "--ds-config", str(ds)]) == 2
+    assert (
+        main(
+            [
+                "--launcher",
+                "slurm",
+                "--nodes",
+                "4",
+                "--gpus-per-node",
+                "8",
+                "--dry-run",
+                "--",
+                *TRAIN,
+                "--ds-config",
+                str(ds),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "train_micro_batch_size_per_gpu=4" in err and "train.micro_batch_size = 8" in err

@@ -2,6 +2,7 @@
 pretrain/training/ds_config.py: "auto" is filled from the run config, a value that disagrees
 is refused with one line naming both values. The files are the ones users bring: the Hugging
 Face trainer's ZeRO-3 example and a Megatron-DeepSpeed / GPT-NeoX style file."""
+
 import json
 import os
 import subprocess
@@ -17,17 +18,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the Hugging Face docs' ZeRO-3 example (scheduler type aside: see test_hf_warmup_lr_is_refused)
 HF_ZERO3 = {
-    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-             "hysteresis": 2, "min_loss_scale": 1},
+    "fp16": {
+        "enabled": "auto",
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
     "bf16": {"enabled": "auto"},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                              "weight_decay": "auto"}},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
     "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": "auto", "warmup_num_steps": "auto"}},
-    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
-                          "sub_group_size": 1e9, "reduce_bucket_size": "auto",
-                          "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
-                          "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
-                          "stage3_gather_16bit_weights_on_model_save": True},
+    "zero_optimization": {
+        "stage": 3,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
     "gradient_accumulation_steps": "auto",
     "gradient_clipping": "auto",
     "steps_per_print": 2000,
@@ -43,27 +56,48 @@ MEGATRON = {
     "gradient_accumulation_steps": 8,
     "steps_per_print": 10,
     "gradient_clipping": 1.0,
-    "optimizer": {"type": "Adam", "params": {"lr": 1.5e-4, "betas": [0.9, 0.95], "eps": 1e-8,
-                                             "weight_decay": 0.1}},
-    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1.5e-4,
-                                                      "warmup_num_steps": 2000, "total_num_steps": 20000}},
+    "optimizer": {"type": "Adam", "params": {"lr": 1.5e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {"warmup_min_lr": 0, "warmup_max_lr": 1.5e-4, "warmup_num_steps": 2000, "total_num_steps": 20000},
+    },
     "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8},
-    "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "hysteresis": 2,
-             "min_loss_scale": 1, "initial_scale_power": 12},
+    "fp16": {
+        "enabled": True,
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+        "initial_scale_power": 12,
+    },
     "wall_clock_breakdown": False,
 }
 
 
 def train_config(**changes):
-    return TrainConfig(**{"micro_batch_size": 8, "grad_accum": 8, "steps": 20000, "warmup_steps": 2000,
-                          "lr": 1.5e-4, "min_lr": 1.5e-5, "weight_decay": 0.1, "grad_clip": 1.0, **changes})
+    return TrainConfig(
+        **{
+            "micro_batch_size": 8,
+            "grad_accum": 8,
+            "steps": 20000,
+            "warmup_steps": 2000,
+            "lr": 1.5e-4,
+            "min_lr": 1.5e-5,
+            "weight_decay": 0.1,
+            "grad_clip": 1.0,
+            **changes,
+        }
+    )
 
 
 def test_hf_auto_values_are_filled_from_the_run_config():
     train = train_config(precision="bf16")
     ds = build_ds_config(HF_ZERO3, train, world_size=8, use_cuda=True)
-    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == \
-        (8, 8, 512)
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (
+        8,
+        8,
+        512,
+    )
     assert ds["gradient_clipping"] == 1.0
     assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
     assert ds["optimizer"]["params"] == {"lr": 1.5e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
@@ -84,9 +118,13 @@ def test_hf_auto_values_are_filled_from_the_run_config():
 def test_hf_warmup_lr_is_refused():
     """HF's example schedules WarmupLR (constant after warmup): the run config's schedule is
     cosine, so it is refused rather than silently replaced."""
-    hf = dict(HF_ZERO3, scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": "auto",
-                                                                  "warmup_max_lr": "auto",
-                                                                  "warmup_num_steps": "auto"}})
+    hf = dict(
+        HF_ZERO3,
+        scheduler={
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
+        },
+    )
     with pytest.raises(ConfigError) as err:
         build_ds_config(hf, train_config(), world_size=8, use_cuda=True)
     message = str(err.value)
@@ -94,18 +132,26 @@ def test_hf_warmup_lr_is_refused():
 
 
 # the fix that makes each of the Megatron file's disagreeing keys pass
-MEGATRON_FIXES = {"fp16": {"enabled": False}, "optimizer": {"type": "Adam", "params": {"lr": 6e-4}},
-                  "scheduler": {"type": "auto"}, "gradient_clipping": "auto", "train_batch_size": 256,
-                  "gradient_accumulation_steps": 4}
+MEGATRON_FIXES = {
+    "fp16": {"enabled": False},
+    "optimizer": {"type": "Adam", "params": {"lr": 6e-4}},
+    "scheduler": {"type": "auto"},
+    "gradient_clipping": "auto",
+    "train_batch_size": 256,
+    "gradient_accumulation_steps": 4,
+}
 
 
-@pytest.mark.parametrize("key, expected", [
-    ("fp16", ["fp16.enabled=true", "train.precision"]),
-    ("optimizer", ["optimizer.params.lr=0.00015", "train.lr = 0.0006"]),
-    ("scheduler", ['scheduler.type="WarmupDecayLR"', '"WarmupCosineLR"']),
-    ("gradient_clipping", ["gradient_clipping=1.0", "train.grad_clip = 0.5"]),
-    ("train_batch_size", ["train_batch_size=512", "ranks 8 = 256"]),
-])
+@pytest.mark.parametrize(
+    "key, expected",
+    [
+        ("fp16", ["fp16.enabled=true", "train.precision"]),
+        ("optimizer", ["optimizer.params.lr=0.00015", "train.lr = 0.0006"]),
+        ("scheduler", ['scheduler.type="WarmupDecayLR"', '"WarmupCosineLR"']),
+        ("gradient_clipping", ["gradient_clipping=1.0", "train.grad_clip = 0.5"]),
+        ("train_batch_size", ["train_batch_size=512", "ranks 8 = 256"]),
+    ],
+)
 def test_megatron_file_disagreements_are_refused_one_by_one(key, expected):
     """Megatron's optimizer, scheduler, clipping and fp16 never silently win or lose: each
     disagreement is one line naming both values; fixing them all makes the file pass."""
@@ -124,11 +170,14 @@ def test_megatron_file_disagreements_are_refused_one_by_one(key, expected):
 
 
 def test_megatron_file_agreeing_with_the_run_config_passes():
-    agreeing = dict(MEGATRON, fp16={"enabled": False}, scheduler={"type": "WarmupCosineLR", "params": {
-        "total_num_steps": 20000, "warmup_num_steps": 2000}})
+    agreeing = dict(
+        MEGATRON,
+        fp16={"enabled": False},
+        scheduler={"type": "WarmupCosineLR", "params": {"total_num_steps": 20000, "warmup_num_steps": 2000}},
+    )
     ds = build_ds_config(agreeing, train_config(precision="bf16"), world_size=8, use_cuda=True)
     assert ds["train_batch_size"] == 512 and ds["optimizer"]["type"] == "AdamW"
-    with pytest.raises(ConfigError, match="optimizer.type=\"Lamb\""):
+    with pytest.raises(ConfigError, match='optimizer.type="Lamb"'):
         build_ds_config(dict(agreeing, optimizer={"type": "Lamb"}), train_config(precision="bf16"), 8, True)
 
 
@@ -149,15 +198,30 @@ def test_print_config_shows_the_merged_config_outside_the_checkout(tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps(HF_ZERO3))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "PYTHONPATH")}
     script = os.path.join(ROOT, "pretrain", "train.py")
-    base = [sys.executable, script, "--preset", "tiny-grt", "--data", "m.json", "--print-config",
-            "--micro-batch-size", "3"]
+    base = [
+        sys.executable,
+        script,
+        "--preset",
+        "tiny-grt",
+        "--data",
+        "m.json",
+        "--print-config",
+        "--micro-batch-size",
+        "3",
+    ]
     r = subprocess.run(base, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     printed = json.loads(r.stdout)
     assert printed["run_config"]["ds_config"] == "ds_configs/zero3.json"
     assert printed["deepspeed_config"]["zero_optimization"]["stage"] == 3
-    r = subprocess.run(base + ["--local_rank=0", "--deepspeed", "--deepspeed_config", "ds.json"], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        base + ["--local_rank=0", "--deepspeed", "--deepspeed_config", "ds.json"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     ds = json.loads(r.stdout)["deepspeed_config"]
     assert ds["train_micro_batch_size_per_gpu"] == 3 and ds["zero_optimization"]["sub_group_size"] == 1e9

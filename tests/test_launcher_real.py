@@ -7,6 +7,7 @@ and node ranks 0 and 1; a failing rank fails the launch), and `mpirun -np 2` (en
 mpi4py). The deepspeed runner with 2 local ranks trains in test_launcher_train.py.
 Training through each launcher is in test_launcher_train.py; Slurm is in test_launcher_slurm.py.
 """
+
 import json
 import os
 import shutil
@@ -21,8 +22,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_local_torchrun_two_ranks(tmp_path):
-    grt_launch("--launcher", "local", "--procs-per-node", "2", "--entry", "launcher.probe",
-               "--", "--out", str(tmp_path))
+    grt_launch(
+        "--launcher", "local", "--procs-per-node", "2", "--entry", "launcher.probe", "--", "--out", str(tmp_path)
+    )
     recs = probe_results(str(tmp_path), 2)
     assert [r["local_rank"] for r in recs] == [0, 1]
     assert all(r["launcher"] == "torchrun/deepspeed" for r in recs)
@@ -34,11 +36,32 @@ def test_deepspeed_two_nodes_on_one_machine(tmp_path):
     """The per-node launch run twice (node rank 0 and 1), one master address, no ssh."""
     port = free_port()
     logs = [tmp_path / f"node{nr}.log" for nr in (0, 1)]
-    procs = [grt_launch("--launcher", "deepspeed", "--hosts", "localhost,127.0.0.1",
-                        "--procs-per-node", "1", "--no-ssh", "--node-rank", str(nr),
-                        "--master-addr", "127.0.0.1", "--master-port", str(port),
-                        "--run-dir", str(tmp_path / f"node{nr}"), "--entry", "launcher.probe",
-                        "--", "--out", str(tmp_path), background=logs[nr]) for nr in (0, 1)]
+    procs = [
+        grt_launch(
+            "--launcher",
+            "deepspeed",
+            "--hosts",
+            "localhost,127.0.0.1",
+            "--procs-per-node",
+            "1",
+            "--no-ssh",
+            "--node-rank",
+            str(nr),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "--run-dir",
+            str(tmp_path / f"node{nr}"),
+            "--entry",
+            "launcher.probe",
+            "--",
+            "--out",
+            str(tmp_path),
+            background=logs[nr],
+        )
+        for nr in (0, 1)
+    ]
     wait_all(procs, logs)
     recs = probe_results(str(tmp_path), 2)
     assert [(r["rank"], r["node_rank"], r["local_rank"]) for r in recs] == [(0, 0, 0), (1, 1, 0)]
@@ -53,9 +76,20 @@ def test_mpirun_two_ranks(tmp_path):
     pytest.importorskip("mpi4py", reason="mpi4py not installed (pip install mpi4py)")
     hostfile = tmp_path / "hosts"
     hostfile.write_text("localhost slots=2\n")  # mpirun starts local ranks without ssh
-    grt_launch("--launcher", "mpi", "--hostfile", str(hostfile), "--master-port", str(free_port()),
-               "--mpirun-args=--oversubscribe", "--entry", "launcher.probe",
-               "--", "--out", str(tmp_path))
+    grt_launch(
+        "--launcher",
+        "mpi",
+        "--hostfile",
+        str(hostfile),
+        "--master-port",
+        str(free_port()),
+        "--mpirun-args=--oversubscribe",
+        "--entry",
+        "launcher.probe",
+        "--",
+        "--out",
+        str(tmp_path),
+    )
     recs = probe_results(str(tmp_path), 2)
     for r in recs:
         assert r["launcher"] == "mpi"
@@ -64,7 +98,20 @@ def test_mpirun_two_ranks(tmp_path):
 
 
 def test_failing_rank_fails_the_launch(tmp_path):
-    r = grt_launch("--launcher", "deepspeed", "--procs-per-node", "2", "--master-port", str(free_port()),
-                   "--entry", "launcher.probe", "--", "--out", str(tmp_path), "--fail-rank", "1",
-                   check=False)
+    r = grt_launch(
+        "--launcher",
+        "deepspeed",
+        "--procs-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "--entry",
+        "launcher.probe",
+        "--",
+        "--out",
+        str(tmp_path),
+        "--fail-rank",
+        "1",
+        check=False,
+    )
     assert r.returncode != 0

@@ -4,6 +4,7 @@ through `grt launch --launcher slurm` with 2 tasks, and pre-empts jobs with thei
 
 Skipped, with the reason, where Slurm or munge is not installed or the daemons cannot start.
 """
+
 import json
 import os
 import re
@@ -13,8 +14,15 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launch_helpers import (check_trained, clean_env, complete_lines, grt_launch, probe_results,  # noqa: E402
-                            read_metrics, train_args)
+from launch_helpers import (
+    check_trained,
+    clean_env,
+    complete_lines,
+    grt_launch,
+    probe_results,  # noqa: E402
+    read_metrics,
+    train_args,
+)
 from slurm_cluster import SlurmCluster, SlurmUnavailable, default_state_dir  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -70,10 +78,31 @@ def wait_requeued(cluster, job, timeout=120):
 
 def test_generated_scripts_pass_sbatch_test_only(cluster, tmp_path):
     env = clean_env(SLURM_CONF=cluster.conf)
-    r = grt_launch("--launcher", "slurm", "--cpu", "--procs-per-node", "2", "--time", "00:10:00",
-                   "--partition", cluster.partition, "--job-name", "grt-check", "--requeue",
-                   "--signal", "USR1@60", "--dry-run", "--run-dir", str(tmp_path), "--entry", "launcher.probe",
-                   "--", "--out", str(tmp_path), env=env)
+    r = grt_launch(
+        "--launcher",
+        "slurm",
+        "--cpu",
+        "--procs-per-node",
+        "2",
+        "--time",
+        "00:10:00",
+        "--partition",
+        cluster.partition,
+        "--job-name",
+        "grt-check",
+        "--requeue",
+        "--signal",
+        "USR1@60",
+        "--dry-run",
+        "--run-dir",
+        str(tmp_path),
+        "--entry",
+        "launcher.probe",
+        "--",
+        "--out",
+        str(tmp_path),
+        env=env,
+    )
     script = r.stdout.split("#### file: ")[1].split("\n", 1)[1].split("#### end of file")[0]
     path = tmp_path / "check.sbatch"
     path.write_text(script)
@@ -81,25 +110,55 @@ def test_generated_scripts_pass_sbatch_test_only(cluster, tmp_path):
     assert t.returncode == 0 and "to start at" in t.stderr, t.stderr
     # the 4 x 8 GPU script: this CPU node cannot run it, but Slurm must reject it for the
     # resources only, never for its syntax
-    r = grt_launch("--launcher", "slurm", "--nodes", "4", "--gpus-per-node", "8", "--time", "24:00:00",
-                   "--requeue", "--dry-run", "--run-dir", str(tmp_path / "big"), "--entry", "launcher.probe",
-                   "--", "--out", str(tmp_path), env=env)
+    r = grt_launch(
+        "--launcher",
+        "slurm",
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "8",
+        "--time",
+        "24:00:00",
+        "--requeue",
+        "--dry-run",
+        "--run-dir",
+        str(tmp_path / "big"),
+        "--entry",
+        "launcher.probe",
+        "--",
+        "--out",
+        str(tmp_path),
+        env=env,
+    )
     big = r.stdout.split("#### file: ")[1].split("\n", 1)[1].split("#### end of file")[0]
     (tmp_path / "big.sbatch").write_text(big)
     t = cluster.run("sbatch", "--test-only", str(tmp_path / "big.sbatch"), check=False)
     assert t.returncode != 0
-    assert re.search(r"node configuration is not available|[Gg]eneric resource|gres|[Nn]ode count",
-                     t.stderr), t.stderr
+    assert re.search(r"node configuration is not available|[Gg]eneric resource|gres|[Nn]ode count", t.stderr), t.stderr
     assert "unrecognized option" not in t.stderr and "invalid" not in t.stderr.lower().replace(
-        "invalid generic resource", "")
+        "invalid generic resource", ""
+    )
 
 
 # --------------------------------------------------------------------------- probe job
 
 
 def test_preempted_probe_is_requeued_and_resumes(cluster, tmp_path):
-    job = submit(cluster, "--procs-per-node", "2", "--requeue", "--entry", "launcher.probe",
-                 "--", "--out", str(tmp_path), "--steps", "40", "--step-time", "0.2")
+    job = submit(
+        cluster,
+        "--procs-per-node",
+        "2",
+        "--requeue",
+        "--entry",
+        "launcher.probe",
+        "--",
+        "--out",
+        str(tmp_path),
+        "--steps",
+        "40",
+        "--step-time",
+        "0.2",
+    )
     progress = tmp_path / "probe-progress.json"
     cluster.wait_for(progress.exists, timeout=300, what="the probe's first step")
     cluster.run("scancel", "--batch", "--signal=USR1", job)
@@ -124,8 +183,19 @@ def test_preempted_probe_is_requeued_and_resumes(cluster, tmp_path):
 def test_slurm_trains_two_tasks(cluster, tmp_path):
     out = tmp_path / "run"
     # --wait: `grt launch` returns when the job has ended, with its exit status
-    job = submit(cluster, "--procs-per-node", "2", "--cpus-per-task", "1", "--rank-logs", "--time", "00:20:00",
-                 "--wait", "--", *train_args(out, 4))
+    job = submit(
+        cluster,
+        "--procs-per-node",
+        "2",
+        "--cpus-per-task",
+        "1",
+        "--rank-logs",
+        "--time",
+        "00:20:00",
+        "--wait",
+        "--",
+        *train_args(out, 4),
+    )
     assert cluster.job_state(job)["JobState"] == "COMPLETED"
     wait_done(cluster, job, out, timeout=30)
     check_trained(out, 4)

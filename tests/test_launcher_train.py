@@ -3,6 +3,7 @@ the deepspeed runner with 2 local ranks, two "nodes" on one machine (the per-nod
 twice with node rank 0 and 1), and `mpirun -np 2` with ranks found through mpi4py; and the
 plain `deepspeed` and `torchrun` commands on the training entry point, as their users type them.
 Slurm is in test_launcher_slurm.py."""
+
 import json
 import os
 import shutil
@@ -28,8 +29,9 @@ def same_config_on_every_rank(out):
 
 def test_deepspeed_runner_trains_two_ranks(tmp_path):
     out = tmp_path / "run"
-    grt_launch("--launcher", "deepspeed", "--procs-per-node", "2", "--master-port", str(free_port()),
-               "--", *train_args(out, 4))
+    grt_launch(
+        "--launcher", "deepspeed", "--procs-per-node", "2", "--master-port", str(free_port()), "--", *train_args(out, 4)
+    )
     rank0, summary = check_trained(out, 4)
     assert not summary["stopped_by_signal"]
     same_config_on_every_rank(out)
@@ -40,11 +42,29 @@ def test_deepspeed_runner_trains_two_ranks(tmp_path):
 def test_two_nodes_on_one_machine_agree_on_the_loss(tmp_path):
     out = tmp_path / "run"
     port = free_port()
-    procs = [grt_launch("--launcher", "deepspeed", "--hosts", "localhost,127.0.0.1", "--procs-per-node", "1",
-                        "--no-ssh", "--node-rank", str(node), "--master-addr", "127.0.0.1",
-                        "--master-port", str(port), "--run-dir", str(tmp_path / f"node{node}"),
-                        "--", *train_args(out, 4), background=tmp_path / f"node{node}.log")
-             for node in (0, 1)]
+    procs = [
+        grt_launch(
+            "--launcher",
+            "deepspeed",
+            "--hosts",
+            "localhost,127.0.0.1",
+            "--procs-per-node",
+            "1",
+            "--no-ssh",
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "--run-dir",
+            str(tmp_path / f"node{node}"),
+            "--",
+            *train_args(out, 4),
+            background=tmp_path / f"node{node}.log",
+        )
+        for node in (0, 1)
+    ]
     wait_all(procs, [tmp_path / f"node{node}.log" for node in (0, 1)])
     # rank 0 ran on "node" 0 and rank 1 on "node" 1; both logged the same losses
     rank0, _ = check_trained(out, 4)
@@ -60,9 +80,20 @@ def test_mpirun_trains_two_ranks_found_through_mpi4py(tmp_path):
         pytest.skip("mpirun not installed (Debian package openmpi-bin)")
     pytest.importorskip("mpi4py", reason="mpi4py not installed (pip install mpi4py)")
     out = tmp_path / "run"
-    r = grt_launch("--launcher", "mpi", "--procs-per-node", "2", "--master-port", str(free_port()),
-                   "--env", "GRT_DIST_DISCOVERY=mpi4py", "--mpirun-args=--oversubscribe",
-                   "--", *train_args(out, 4), env=clean_env())
+    r = grt_launch(
+        "--launcher",
+        "mpi",
+        "--procs-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "--env",
+        "GRT_DIST_DISCOVERY=mpi4py",
+        "--mpirun-args=--oversubscribe",
+        "--",
+        *train_args(out, 4),
+        env=clean_env(),
+    )
     check_trained(out, 4)
     same_config_on_every_rank(out)
     assert "-np 2" in r.stdout
@@ -72,13 +103,14 @@ def plain_train_args(out, steps, ds_config):
     """train_args() with another DeepSpeed file in place of its --ds-config."""
     args = train_args(out, steps)
     i = args.index("--ds-config")
-    return args[:i] + args[i + 2:] + ds_config
+    return args[:i] + args[i + 2 :] + ds_config
 
 
 def run_plain(cmd, cwd, env, timeout=400):
     """A launcher command as its users type it (own process group, ended on a timeout)."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -92,13 +124,30 @@ def test_plain_deepspeed_module_with_megatron_flags(tmp_path):
     """`deepspeed --num_gpus 2 --module pretrain.train --deepspeed --deepspeed_config ds.json`:
     the runner's --local_rank=N is accepted, the HF-style "auto" file is filled and saved."""
     ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
-                              "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                              "train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
-                              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}}))
+    ds.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "train_batch_size": "auto",
+                "gradient_clipping": "auto",
+                "bf16": {"enabled": "auto"},
+                "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+            }
+        )
+    )
     out = tmp_path / "run"
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "pretrain.train",
-           *plain_train_args(out, 3, ["--deepspeed", "--deepspeed_config", str(ds)])]
+    cmd = [
+        "deepspeed",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "--module",
+        "pretrain.train",
+        *plain_train_args(out, 3, ["--deepspeed", "--deepspeed_config", str(ds)]),
+    ]
     run_plain(cmd, ROOT, clean_env())
     check_trained(out, 3)
     saved = json.load(open(out / "ds_config.json"))
@@ -114,8 +163,16 @@ def test_plain_torchrun_script_path_outside_the_checkout(tmp_path):
     out = tmp_path / "run"
     env = clean_env()
     env.pop("PYTHONPATH")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(ROOT, "pretrain", "train.py"), *plain_train_args(out, 3, ["--ds-config", "zero1.json"])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        os.path.join(ROOT, "pretrain", "train.py"),
+        *plain_train_args(out, 3, ["--ds-config", "zero1.json"]),
+    ]
     run_plain(cmd, str(tmp_path), env)
     check_trained(out, 3)
     assert json.load(open(out / "ds_config.json"))["zero_optimization"]["stage"] == 1

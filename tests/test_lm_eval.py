@@ -1,6 +1,7 @@
 """The `grt` model of lm-evaluation-harness, and the harness' own `--model hf` on the Hugging
 Face export: offline, on local task files, their numbers equal `grt eval`'s on the same
 examples (the same requests, the same scoring)."""
+
 import json
 import subprocess
 import sys
@@ -8,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import OFFLINE, SHARED
 from trained_models import ENV, REPO, torch_trained_grt, write_export
 
@@ -24,6 +24,8 @@ from pretrain.infer.zero_shot import TASKS, encode_request, evaluate_task, load_
 
 EVAL = SHARED / "data" / "eval"
 LIMIT = 24
+
+
 @pytest.fixture(scope="module")
 def export(tmp_path_factory) -> Path:
     model, manifest = torch_trained_grt()
@@ -35,9 +37,11 @@ def tasks(tmp_path_factory) -> Path:
     if not (EVAL / "piqa.jsonl").exists():
         pytest.skip(f"{EVAL} not found (set GRT_SHARED_DIR)")
     d = tmp_path_factory.mktemp("tasks")
-    for name, placeholder, file in (("piqa_local", "PIQA_FILE", "piqa.jsonl"),
-                                    ("lambada_local", "LAMBADA_FILE", "lambada_openai.jsonl"),
-                                    ("arc_easy_local", "ARC_EASY_FILE", "arc_easy.jsonl")):
+    for name, placeholder, file in (
+        ("piqa_local", "PIQA_FILE", "piqa.jsonl"),
+        ("lambada_local", "LAMBADA_FILE", "lambada_openai.jsonl"),
+        ("arc_easy_local", "ARC_EASY_FILE", "arc_easy.jsonl"),
+    ):
         text = (REPO / "tests" / "lm_eval_tasks" / f"{name}.yaml").read_text()
         (d / f"{name}.yaml").write_text(text.replace(placeholder, str(EVAL / file)))
     return d
@@ -54,9 +58,13 @@ def _grt_eval(export, task, depth):
 
 def test_harness_accuracy_equals_grt_eval(export, tasks):
     depth = 2
-    out = simple_evaluate(model="grt", model_args=f"path={export},depth={depth}",
-                          tasks=["piqa_local", "lambada_local"], limit=LIMIT,
-                          task_manager=TaskManager(include_path=str(tasks), include_defaults=False))["results"]
+    out = simple_evaluate(
+        model="grt",
+        model_args=f"path={export},depth={depth}",
+        tasks=["piqa_local", "lambada_local"],
+        limit=LIMIT,
+        task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
+    )["results"]
     assert out["piqa_local"]["acc,none"] == pytest.approx(_grt_eval(export, "piqa", depth)["acc"], abs=1e-12)
     assert out["lambada_local"]["acc,none"] == pytest.approx(_grt_eval(export, "lambada", depth)["acc"], abs=1e-12)
 
@@ -95,8 +103,16 @@ def test_generate_until_is_greedy_decoding_cut_at_the_stop_string(export, kv_cac
     lm = GRTLM(path=str(export), depth=3, kv_cache=kv_cache)
     context = "ROMEO:"
     ids = [lm.tok.sep_id] + lm.tok.encode(context)
-    new = generate(lm.model, torch.tensor([ids]), 20, strategy=kv_cache or "full", n_loops=3,
-                   use_cache=kv_cache is not None, greedy=True, stop_id=lm.tok.sep_id)
+    new = generate(
+        lm.model,
+        torch.tensor([ids]),
+        20,
+        strategy=kv_cache or "full",
+        n_loops=3,
+        use_cache=kv_cache is not None,
+        greedy=True,
+        stop_id=lm.tok.sep_id,
+    )
     full_text = lm.tok.decode([t for t in new[0].tolist() if t != lm.tok.sep_id])
     assert full_text.strip(), "the model generated nothing to cut"
     stop = full_text.strip()[:2]
@@ -117,10 +133,30 @@ def test_bad_kv_cache_argument_is_one_line(export):
 def test_grt_lm_eval_command_runs_offline(export, tasks, tmp_path):
     out = tmp_path / "results"
     proc = subprocess.run(
-        [sys.executable, "-m", "pretrain.cli", "lm-eval", "--model", "grt", "--model_args",
-         f"path={export},depth=3,kv_cache=average", "--tasks", "lambada_local", "--include_path", str(tasks),
-         "--limit", "8", "--output_path", str(out)],
-        cwd=REPO, env={**ENV, **OFFLINE}, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "pretrain.cli",
+            "lm-eval",
+            "--model",
+            "grt",
+            "--model_args",
+            f"path={export},depth=3,kv_cache=average",
+            "--tasks",
+            "lambada_local",
+            "--include_path",
+            str(tasks),
+            "--limit",
+            "8",
+            "--output_path",
+            str(out),
+        ],
+        cwd=REPO,
+        env={**ENV, **OFFLINE},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (results,) = list(out.rglob("results_*.json"))
     acc = json.loads(results.read_text())["results"]["lambada_local"]["acc,none"]
@@ -146,11 +182,32 @@ def test_plain_lm_eval_on_the_hf_export_equals_grt_eval(export, hf_export, tasks
     every LAMBADA log-likelihood (the depth reached the model: the trained R is 3)."""
     depth, out = 2, tmp_path / "results"
     proc = subprocess.run(
-        [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-         f"pretrained={hf_export},trust_remote_code=True,depth={depth}", "--tasks", "arc_easy_local,lambada_local",
-         "--include_path", str(tasks), "--limit", str(LIMIT), "--device", "cpu", "--output_path", str(out), "--log_samples"],
-        cwd=tmp_path, env={**ENV, **OFFLINE, "HF_MODULES_CACHE": str(tmp_path / "modules")},
-        capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "--model",
+            "hf",
+            "--model_args",
+            f"pretrained={hf_export},trust_remote_code=True,depth={depth}",
+            "--tasks",
+            "arc_easy_local,lambada_local",
+            "--include_path",
+            str(tasks),
+            "--limit",
+            str(LIMIT),
+            "--device",
+            "cpu",
+            "--output_path",
+            str(out),
+            "--log_samples",
+        ],
+        cwd=tmp_path,
+        env={**ENV, **OFFLINE, "HF_MODULES_CACHE": str(tmp_path / "modules")},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (results,) = list(out.rglob("results_*.json"))
     acc = {task: r["acc,none"] for task, r in json.loads(results.read_text())["results"].items()}

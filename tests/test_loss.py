@@ -1,6 +1,7 @@
 """The fused linear cross-entropy (training's loss, pretrain/model/loss.py) against the plain
 loss on materialised logits: the same loss and gradients, chunked or not, with padded vocab
 rows, unscored targets and bf16."""
+
 import pytest
 import torch
 
@@ -44,8 +45,16 @@ def test_linear_cross_entropy_in_bf16_is_as_close_as_the_plain_bf16_loss():
 
 
 def test_the_model_trains_with_the_same_loss_and_gradients_without_logits():
-    cfg = ModelConfig(layout="1+1x2+1", d_model=32, n_heads=2, vocab_size=97, pad_vocab_multiple=64,
-                      max_seq_len=16, state_noise_std=0, gate_noise_std=0)
+    cfg = ModelConfig(
+        layout="1+1x2+1",
+        d_model=32,
+        n_heads=2,
+        vocab_size=97,
+        pad_vocab_multiple=64,
+        max_seq_len=16,
+        state_noise_std=0,
+        gate_noise_std=0,
+    )
     torch.manual_seed(0)
     model = build_model(cfg).train()
     idx = torch.randint(0, 97, (3, 16))

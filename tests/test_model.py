@@ -1,4 +1,5 @@
 """The GRT and dense models: the spec's invariants, HF parity, presets, FLOPs."""
+
 import json
 
 import pytest
@@ -6,11 +7,12 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from pretrain.config import ConfigError, ModelConfig, parse_layout
-from pretrain.model.flops import count_params, flops_per_token
 from pretrain.model import build_model
+from pretrain.model.flops import count_params, flops_per_token
 from pretrain.model.layers import AttentionContext, attention
+from pretrain.presets import ADVERTISED_PARAMS, PRESETS, describe
+from pretrain.presets import main as presets_main
 from pretrain.training.parallelize import apply_activation_checkpointing
-from pretrain.presets import ADVERTISED_PARAMS, PRESETS, describe, main as presets_main
 
 
 def small_cfg(**kw):
@@ -24,16 +26,26 @@ def tokens(b=2, t=24, vocab=211, seed=0):
 
 
 # -- layout and config -----------------------------------------------------------
-@pytest.mark.parametrize("text,expected", [("1+5x6+5", (1, 5, 6, 5)), ("12", (12, 0, 0, 0)),
-                                           ("12x4", (0, 12, 4, 0)), (" 2 + 5x4 + 2 ", (2, 5, 4, 2))])
+@pytest.mark.parametrize(
+    "text,expected",
+    [("1+5x6+5", (1, 5, 6, 5)), ("12", (12, 0, 0, 0)), ("12x4", (0, 12, 4, 0)), (" 2 + 5x4 + 2 ", (2, 5, 4, 2))],
+)
 def test_layout_parses(text, expected):
     layout = parse_layout(text)
     assert (layout.prelude, layout.core, layout.loops, layout.coda) == expected
 
 
-@pytest.mark.parametrize("text,why", [("0+5x6+5", "prelude must be at least 1"), ("1+5x0+5", "loops must be at least 1"),
-                                      ("1+0x6+5", "core must be at least 1"), ("1+5x6", "does not parse"),
-                                      ("banana", "does not parse"), ("1+5*6+5", "does not parse")])
+@pytest.mark.parametrize(
+    "text,why",
+    [
+        ("0+5x6+5", "prelude must be at least 1"),
+        ("1+5x0+5", "loops must be at least 1"),
+        ("1+0x6+5", "core must be at least 1"),
+        ("1+5x6", "does not parse"),
+        ("banana", "does not parse"),
+        ("1+5*6+5", "does not parse"),
+    ],
+)
 def test_bad_layout_is_quoted_and_explained(text, why):
     with pytest.raises(ConfigError) as err:
         parse_layout(text)
@@ -75,14 +87,23 @@ def test_presets_json_lists_required_fields(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert {r["name"] for r in rows} == set(PRESETS)
     for row in rows:
-        assert {"name", "layout", "d_model", "n_heads", "vocab_size", "params",
-                "non_embedding_params", "flops_per_token"} <= set(row)
+        assert {
+            "name",
+            "layout",
+            "d_model",
+            "n_heads",
+            "vocab_size",
+            "params",
+            "non_embedding_params",
+            "flops_per_token",
+        } <= set(row)
     small = next(r for r in rows if r["name"] == "dense-small")
     assert small["params"] == 124_439_808 and small["non_embedding_params"] == 124_439_808 - (50257 + 1024) * 768
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(gate=False), dict(reinject_anchor=False, gate=False),
-                                dict(variant="dense", layout="4")])
+@pytest.mark.parametrize(
+    "kw", [dict(), dict(gate=False), dict(reinject_anchor=False, gate=False), dict(variant="dense", layout="4")]
+)
 def test_flops_formula_is_the_specs(kw):
     cfg = small_cfg(**kw)
     t = 32
@@ -92,11 +113,13 @@ def test_flops_formula_is_the_specs(kw):
     assert flops_per_token(cfg, seq_len=t) == spec
 
 
-FLOP_CONFIGS = {"grt": small_cfg(), "grt-no-gate": small_cfg(gate=False),
-                "loop-only": small_cfg(reinject_anchor=False, gate=False, state_noise_std=0.0),
-                "dense": small_cfg(variant="dense", layout="4"),
-                **{name: PRESETS[name] for name in ("ladder-0-loop-only", "micro-huginn", "micro-rrt", "micro-ouro",
-                                                    "micro-mor")}}
+FLOP_CONFIGS = {
+    "grt": small_cfg(),
+    "grt-no-gate": small_cfg(gate=False),
+    "loop-only": small_cfg(reinject_anchor=False, gate=False, state_noise_std=0.0),
+    "dense": small_cfg(variant="dense", layout="4"),
+    **{name: PRESETS[name] for name in ("ladder-0-loop-only", "micro-huginn", "micro-rrt", "micro-ouro", "micro-mor")},
+}
 
 
 @pytest.mark.parametrize("name", list(FLOP_CONFIGS))
@@ -199,8 +222,9 @@ def test_sdpa_equals_naive_attention_with_and_without_document_masks():
     q, k, v = (torch.randn(2, 4, 16, 8, generator=g) for _ in range(3))
     doc_ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 16])
     for ctx in (AttentionContext(), AttentionContext(doc_ids=doc_ids)):
-        torch.testing.assert_close(attention(q, k, v, ctx, "sdpa"), attention(q, k, v, ctx, "naive"),
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            attention(q, k, v, ctx, "sdpa"), attention(q, k, v, ctx, "naive"), rtol=1e-5, atol=1e-6
+        )
 
 
 def test_document_mask_isolates_packed_documents():
@@ -223,8 +247,9 @@ def test_flash_attn_matches_sdpa_on_gpu():
     q, k, v = (torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     doc_ids = torch.tensor([[0] * 50 + [1] * 78, [0] * 128], device="cuda")
     for ctx in (AttentionContext(), AttentionContext(doc_ids=doc_ids)):
-        torch.testing.assert_close(attention(q, k, v, ctx, "flash_attn"), attention(q, k, v, ctx, "sdpa"),
-                                   rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(
+            attention(q, k, v, ctx, "flash_attn"), attention(q, k, v, ctx, "sdpa"), rtol=2e-2, atol=2e-2
+        )
 
 
 # -- Hugging Face parity ---------------------------------------------------------------
@@ -233,8 +258,11 @@ def test_dense_model_is_hugging_face_gpt2():
     from pretrain.model.hf import from_hf, to_hf
 
     torch.manual_seed(0)
-    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=301, n_positions=64, n_embd=64, n_layer=3, n_head=4, bos_token_id=0, eos_token_id=0)).eval()
+    hf = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=301, n_positions=64, n_embd=64, n_layer=3, n_head=4, bos_token_id=0, eos_token_id=0
+        )
+    ).eval()
     idx = tokens(2, 40, vocab=301)
     ours = from_hf(hf).eval()
     reference = hf(idx).logits
@@ -280,8 +308,12 @@ def test_model_and_infer_modules_import_one_way():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    files = {f"pretrain.{p.parent.name}.{p.stem}": p for d in ("model", "infer")
-             for p in (root / "pretrain" / d).glob("*.py") if p.stem != "__init__"}
+    files = {
+        f"pretrain.{p.parent.name}.{p.stem}": p
+        for d in ("model", "infer")
+        for p in (root / "pretrain" / d).glob("*.py")
+        if p.stem != "__init__"
+    }
     graph = {m: {i for i in _project_imports(p) if i in files and i != m} for m, p in files.items()}
 
     def cycle_from(start, node, seen):

@@ -10,6 +10,7 @@ across nodes (a killed rank, a link down) and a pre-empted 2-node Slurm job.
 
 Needs root (namespaces); skipped with the reason otherwise.
 """
+
 import os
 import shutil
 import signal
@@ -21,11 +22,21 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launch_helpers import (ROOT, _end_group, check_trained, clean_env, complete_lines, free_port,  # noqa: E402
-                            grt_launch, train_args, wait_all)
 from faults import losses  # noqa: E402
-from pretrain.distributed import expand_nodelist  # noqa: E402
+from launch_helpers import (
+    ROOT,
+    _end_group,
+    check_trained,
+    clean_env,
+    complete_lines,
+    free_port,  # noqa: E402
+    grt_launch,
+    train_args,
+    wait_all,
+)
 from netns_cluster import ClusterUnavailable, NetnsCluster, netns_slurm  # noqa: E402
+
+from pretrain.distributed import expand_nodelist  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -42,8 +53,18 @@ PROPAGATED = {"NCCL_SOCKET_IFNAME": "eth0", "GRT_REHEARSAL_TAG": "netns-cluster"
 def run_args(out, steps=STEPS, *extra):
     """tiny-grt, ZeRO-3, 2 sequences per rank, one learning-rate schedule for every run length
     (so that a 4-step run's losses are the first 4 of the 8-step reference), a checkpoint every 2 steps."""
-    return train_args(out, steps, "tiny-grt", "--ds-config", ZERO3, "--set", f"train.schedule_steps={REF_STEPS}",
-                      "--set", "train.save_every=2", *extra)
+    return train_args(
+        out,
+        steps,
+        "tiny-grt",
+        "--ds-config",
+        ZERO3,
+        "--set",
+        f"train.schedule_steps={REF_STEPS}",
+        "--set",
+        "train.save_every=2",
+        *extra,
+    )
 
 
 def assert_losses_match(out, reference, steps):
@@ -88,8 +109,16 @@ def slurm(cluster):
 def reference(tmp_path_factory):
     """One machine, 2 ranks (torchrun), REF_STEPS steps: the losses every multi-node run must reproduce."""
     out = tmp_path_factory.mktemp("reference") / "run"
-    grt_launch("--launcher", "local", "--procs-per-node", "2", "--master-port", str(free_port()),
-               "--", *run_args(out, REF_STEPS))
+    grt_launch(
+        "--launcher",
+        "local",
+        "--procs-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "--",
+        *run_args(out, REF_STEPS),
+    )
     return losses(out)
 
 
@@ -137,8 +166,15 @@ class RankWatch:
 def launch_on_node0(cluster, args, log, timeout=300, env=None):
     """`grt launch ARGS` started on node 0 (where a user would log in); waits and returns its log."""
     with open(log, "w") as f:
-        proc = cluster.popen(0, [sys.executable, "-m", "pretrain.cli", "launch", *args], env=env or node_env(cluster),
-                             cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = cluster.popen(
+            0,
+            [sys.executable, "-m", "pretrain.cli", "launch", *args],
+            env=env or node_env(cluster),
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -205,8 +241,12 @@ def test_three_node_cluster_is_removed_even_after_a_failure(tmp_path):
 
 @pytest.mark.parametrize("nodes", [0, 11])
 def test_cluster_command_rejects_a_bad_node_count_in_one_line(tmp_path, nodes):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "netns_cluster.py"), str(tmp_path / "c"),
-                        "--nodes", str(nodes)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tests", "netns_cluster.py"), str(tmp_path / "c"), "--nodes", str(nodes)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (r.returncode, r.stdout) == (1, "")
     assert r.stderr == f"netns_cluster: 1 to 10 nodes (link names are limited to 15 characters), not {nodes}\n"
 
@@ -214,8 +254,11 @@ def test_cluster_command_rejects_a_bad_node_count_in_one_line(tmp_path, nodes):
 # --------------------------------------------------------------------------- launchers
 
 
-@pytest.mark.parametrize("launcher", [["deepspeed"], ["deepspeed", "--ds-launcher", "openmpi"], ["mpi"]],
-                         ids=["deepspeed-pdsh", "deepspeed-openmpi", "mpi"])
+@pytest.mark.parametrize(
+    "launcher",
+    [["deepspeed"], ["deepspeed", "--ds-launcher", "openmpi"], ["mpi"]],
+    ids=["deepspeed-pdsh", "deepspeed-openmpi", "mpi"],
+)
 def test_launcher_across_nodes(cluster, reference, tmp_path, launcher):
     """The deepspeed runner over pdsh and over its OpenMPI backend, and mpirun over ssh, from
     node 0 with the cluster's hostfile."""
@@ -223,9 +266,23 @@ def test_launcher_across_nodes(cluster, reference, tmp_path, launcher):
         pytest.skip("mpirun not installed (Debian package openmpi-bin)")
     out = tmp_path / "run"
     watch = RankWatch(cluster)
-    launch_on_node0(cluster, ["--launcher", *launcher, "--hostfile", cluster.hostfile(), "--cpu",
-                              "--procs-per-node", "1", "--master-port", str(free_port()),
-                              "--", *run_args(out)], tmp_path / "launch.log")
+    launch_on_node0(
+        cluster,
+        [
+            "--launcher",
+            *launcher,
+            "--hostfile",
+            cluster.hostfile(),
+            "--cpu",
+            "--procs-per-node",
+            "1",
+            "--master-port",
+            str(free_port()),
+            "--",
+            *run_args(out),
+        ],
+        tmp_path / "launch.log",
+    )
     watch.check()
     check_trained(out, STEPS)
     assert_losses_match(out, reference, STEPS)
@@ -240,12 +297,35 @@ def test_torchrun_on_each_node(cluster, reference, tmp_path):
     procs = []
     for i in range(2):
         with open(logs[i], "w") as f:
-            procs.append(cluster.popen(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-                                           "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                                           "--rdzv-endpoint", f"{cluster.names[0]}:{port}", "--rdzv-id", "mnode",
-                                           "-m", "pretrain.cli", "train", *run_args(out)],
-                                       env=node_env(cluster), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                       start_new_session=True))
+            procs.append(
+                cluster.popen(
+                    i,
+                    [
+                        sys.executable,
+                        "-m",
+                        "torch.distributed.run",
+                        "--nnodes",
+                        "2",
+                        "--nproc-per-node",
+                        "1",
+                        "--rdzv-backend",
+                        "c10d",
+                        "--rdzv-endpoint",
+                        f"{cluster.names[0]}:{port}",
+                        "--rdzv-id",
+                        "mnode",
+                        "-m",
+                        "pretrain.cli",
+                        "train",
+                        *run_args(out),
+                    ],
+                    env=node_env(cluster),
+                    cwd=ROOT,
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
     wait_all(procs, logs, timeout=300)
     watch.check()
     check_trained(out, STEPS)
@@ -254,8 +334,12 @@ def test_torchrun_on_each_node(cluster, reference, tmp_path):
 
 def submit(cluster, slurm, out, *args, log):
     """`grt launch --launcher slurm` on node 0 (2 nodes x 1 CPU rank); returns the job id."""
-    text = launch_on_node0(cluster, ["--launcher", "slurm", "--cpu", "--nodes", "2", "--procs-per-node", "1", *args],
-                           log, env=node_env(cluster, SLURM_CONF=slurm.conf))
+    text = launch_on_node0(
+        cluster,
+        ["--launcher", "slurm", "--cpu", "--nodes", "2", "--procs-per-node", "1", *args],
+        log,
+        env=node_env(cluster, SLURM_CONF=slurm.conf),
+    )
     job = text.strip().splitlines()[-1].split(";")[0]
     assert job.isdigit(), text[-3000:]
     return job
@@ -285,8 +369,15 @@ def test_slurm_preempted_two_node_job_checkpoints_and_requeue_resumes(cluster, s
     from that checkpoint and reproduces the reference."""
     out = tmp_path / "run"
     # checkpoints only at the signal and at the end, so that the signal's one is kept to look at
-    job = submit(cluster, slurm, out, "--requeue", "--", *run_args(out, REF_STEPS, "--set", "train.save_every=0"),
-                 log=tmp_path / "launch.log")
+    job = submit(
+        cluster,
+        slurm,
+        out,
+        "--requeue",
+        "--",
+        *run_args(out, REF_STEPS, "--set", "train.save_every=0"),
+        log=tmp_path / "launch.log",
+    )
     slurm.wait_for(lambda: complete_lines(out / "metrics.jsonl") >= 2, timeout=300, what="two training steps")
     slurm.run("scancel", "--batch", "--signal=TERM", job)
     info = slurm.wait_job(job, timeout=300, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"))
@@ -295,7 +386,7 @@ def test_slurm_preempted_two_node_job_checkpoints_and_requeue_resumes(cluster, s
     assert "received SIGTERM" in log and "requeueing job" in log and "(restart 1)" in log, log[-4000:]
     tags = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step"))
     assert len(tags) == 2 and tags[-1] == f"step{REF_STEPS:08d}", tags
-    stopped = int(tags[0][len("step"):])
+    stopped = int(tags[0][len("step") :])
     assert 2 <= stopped < REF_STEPS
     # one checkpoint, consistent: both ranks' ZeRO partitions and states, at the same step
     import torch
@@ -322,11 +413,27 @@ class NodeRanks:
         self.logs = logs
         self.procs = []
         for r in range(cluster.n):
-            env = node_env(cluster, MASTER_ADDR=cluster.names[0], MASTER_PORT=str(port), RANK=str(r),
-                           LOCAL_RANK="0", WORLD_SIZE=str(cluster.n), LOCAL_WORLD_SIZE="1")
+            env = node_env(
+                cluster,
+                MASTER_ADDR=cluster.names[0],
+                MASTER_PORT=str(port),
+                RANK=str(r),
+                LOCAL_RANK="0",
+                WORLD_SIZE=str(cluster.n),
+                LOCAL_WORLD_SIZE="1",
+            )
             with open(logs[r], "w") as f:
-                self.procs.append(cluster.popen(r, [sys.executable, "-m", "pretrain.cli", "train", *args], env=env,
-                                                cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
+                self.procs.append(
+                    cluster.popen(
+                        r,
+                        [sys.executable, "-m", "pretrain.cli", "train", *args],
+                        env=env,
+                        cwd=ROOT,
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
 
     def output(self, rank):
         return open(self.logs[rank], errors="replace").read()
@@ -337,8 +444,10 @@ class NodeRanks:
             for p in self.procs:
                 p.wait(timeout=max(0.1, deadline - time.time()))
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"ranks still running after {timeout} s:\n" +
-                                 "\n----\n".join(self.output(r)[-3000:] for r in range(len(self.procs))))
+            raise AssertionError(
+                f"ranks still running after {timeout} s:\n"
+                + "\n----\n".join(self.output(r)[-3000:] for r in range(len(self.procs)))
+            )
         finally:
             self.kill()
         return [p.returncode for p in self.procs]
@@ -383,10 +492,11 @@ def test_lost_node_is_named_and_resume_reproduces(cluster, reference, tmp_path, 
     assert f"on host {cluster.names[1]}" in log0, log0[-3000:]
     if fault == "kill":
         assert took < timeout_s, "a dead peer is noticed at once, not after the timeout"
-    print(f"\nMULTINODE {fault} on {cluster.names[1]}: node 0's rank exited {ranks.procs[0].returncode} "
-          f"after {took:.1f} s (dist_timeout_s={timeout_s})")
-    resumed = NodeRanks(cluster, args + ["--resume"], [tmp_path / f"node{r}.resume.log" for r in range(2)],
-                        free_port())
+    print(
+        f"\nMULTINODE {fault} on {cluster.names[1]}: node 0's rank exited {ranks.procs[0].returncode} "
+        f"after {took:.1f} s (dist_timeout_s={timeout_s})"
+    )
+    resumed = NodeRanks(cluster, args + ["--resume"], [tmp_path / f"node{r}.resume.log" for r in range(2)], free_port())
     assert resumed.wait(300) == [0, 0], resumed.output(0)[-3000:]
     assert "resumed from" in resumed.output(0)
     assert_losses_match(out, reference, REF_STEPS)

@@ -1,12 +1,13 @@
 """The GPU's precision path on the CPU: bf16 weights (as DeepSpeed's bf16 mode casts the model)
 with the GRT's loop state in fp32 (ModelConfig.state_dtype), through every variant, the KV
 cache, adaptive exit, and a real bf16 `grt train`."""
+
 import json
 
 import pytest
 import torch
-
 from multiproc import grt
+
 from pretrain.config import ConfigError, ModelConfig
 from pretrain.infer.adaptive import adaptive_forward
 from pretrain.infer.analyze import collect
@@ -98,10 +99,31 @@ def test_grt_train_in_bf16_on_the_cpu_trains_evaluates_saves_and_resumes(shards,
     """DeepSpeed's bf16 mode on the CPU accelerator (the GPU's default precision), ZeRO-3, with
     evaluation, a checkpoint and a resume: the dtype faults of the GPU path show here."""
     out = tmp_path / "bf16"
-    args = ["train", "--preset", "micro-grt", "--data", str(shards), "--out", str(out), "--micro-batch-size", "4",
-            "--set", "train.precision=bf16", "--set", "train.log_every=2", "--set", "train.eval_every=4",
-            "--set", "train.eval_batches=2", "--set", "train.save_every=4", "--set", "train.lr=3e-3",
-            "--set", "train.warmup_steps=2"]
+    args = [
+        "train",
+        "--preset",
+        "micro-grt",
+        "--data",
+        str(shards),
+        "--out",
+        str(out),
+        "--micro-batch-size",
+        "4",
+        "--set",
+        "train.precision=bf16",
+        "--set",
+        "train.log_every=2",
+        "--set",
+        "train.eval_every=4",
+        "--set",
+        "train.eval_batches=2",
+        "--set",
+        "train.save_every=4",
+        "--set",
+        "train.lr=3e-3",
+        "--set",
+        "train.warmup_steps=2",
+    ]
     r = grt(*args, "--steps", "4", timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     log = (out / "train.log").read_text()

@@ -5,6 +5,7 @@ broken shards. Multi-process tests are marked slow.
 The reference is one uninterrupted 2-rank run of REF_STEPS steps; an interrupted and
 resumed run must reproduce its per-step losses exactly.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,14 +16,26 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-
-from faults import (REPO, Job, build_data, ckpt_tags, cli, descendants, fp32_state, last_step, latest, losses,
-                    records, run_job, stray_files, train_args, wait_for)
+from faults import (
+    REPO,
+    Job,
+    build_data,
+    ckpt_tags,
+    cli,
+    descendants,
+    fp32_state,
+    last_step,
+    latest,
+    losses,
+    run_job,
+    stray_files,
+    train_args,
+    wait_for,
+)
 
 REF_STEPS = 16
 SAVE = "train.save_every=4"
@@ -52,8 +65,11 @@ def assert_same_losses(out: Path, ref: dict[int, float], steps) -> None:
 
 def one_line_error(stderr: str) -> str:
     """The error lines of a CLI run's stderr (DeepSpeed's import-time warnings aside)."""
-    lines = [l for l in stderr.splitlines() if l.strip() and "[WARNING]" not in l and "Warning" not in l
-             and not l.startswith("  ")]
+    lines = [
+        l
+        for l in stderr.splitlines()
+        if l.strip() and "[WARNING]" not in l and "Warning" not in l and not l.startswith("  ")
+    ]
     return "\n".join(lines)
 
 
@@ -93,9 +109,21 @@ def bad_config_args(data: Path, tmp_path: Path, case) -> list[str]:
 RANK0_OF_2 = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
 
 
-@pytest.mark.parametrize("case,expected", BAD_CONFIGS, ids=[
-    "unknown-key", "wrong-type-int", "wrong-type-bool", "bad-value", "unknown-preset", "unparsable-layout",
-    "zero-layout", "ds-batch-mismatch", "ds-config-missing"])
+@pytest.mark.parametrize(
+    "case,expected",
+    BAD_CONFIGS,
+    ids=[
+        "unknown-key",
+        "wrong-type-int",
+        "wrong-type-bool",
+        "bad-value",
+        "unknown-preset",
+        "unparsable-layout",
+        "zero-layout",
+        "ds-batch-mismatch",
+        "ds-config-missing",
+    ],
+)
 def test_bad_config_is_one_line_before_any_process_group(data, tmp_path, monkeypatch, capsys, case, expected):
     """rc 2, one line naming the key and what is accepted; no process group, no engine, no files."""
     import torch.distributed as dist
@@ -119,8 +147,14 @@ def test_bad_config_process_exits_at_once(data, tmp_path, case):
     """The same as a real `grt train` process (rank 0 of 2): exit 2 at once, one error line."""
     out = tmp_path / "run"
     t0 = time.time()
-    res = subprocess.run(cli(*bad_config_args(data, tmp_path, case)), cwd=REPO, env={**os.environ, **RANK0_OF_2},
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        cli(*bad_config_args(data, tmp_path, case)),
+        cwd=REPO,
+        env={**os.environ, **RANK0_OF_2},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     elapsed = time.time() - t0
     err = one_line_error(res.stderr)
     assert res.returncode == 2, res.stdout + res.stderr
@@ -132,8 +166,13 @@ def test_bad_config_process_exits_at_once(data, tmp_path, case):
 
 @pytest.mark.slow
 def test_eval_depth_beyond_trained_is_refused(reference):
-    res = subprocess.run(cli("eval", str(reference["out"]), "--depths", "0-9", "--tasks", "val"), cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        cli("eval", str(reference["out"]), "--depths", "0-9", "--tasks", "val"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     errors = [l for l in res.stderr.splitlines() if "error" in l.lower()]
     assert res.returncode == 2, res.stdout + res.stderr
     assert len(errors) == 1 and errors[0] == res.stderr.strip().splitlines()[-1], res.stderr
@@ -142,6 +181,7 @@ def test_eval_depth_beyond_trained_is_refused(reference):
 
 
 # --------------------------------------------------------------------------- checkpoint selection
+
 
 def test_only_complete_checkpoints_are_ever_chosen(tmp_path):
     """What a kill can leave behind: a tag without COMPLETE, `latest` naming it, a stray
@@ -180,8 +220,8 @@ def test_heartbeat_names_the_failed_rank(monkeypatch):
     from datetime import timedelta
 
     import torch.distributed as dist
-
     from faults import free_port
+
     from pretrain.training.health import Heartbeat
 
     port = free_port()
@@ -194,8 +234,10 @@ def test_heartbeat_names_the_failed_rank(monkeypatch):
         hbs[0].step = hbs[1].step = hbs[2].step = 5
         time.sleep(0.5)
         hbs[2].close()  # rank 2 goes silent
-        assert hbs[0].diagnose() == ["rank 2 stopped responding after step 5 (killed, crashed or frozen: no heartbeat "
-                                     f"for 0.3 s) on host {socket.gethostname()}"]
+        assert hbs[0].diagnose() == [
+            "rank 2 stopped responding after step 5 (killed, crashed or frozen: no heartbeat "
+            f"for 0.3 s) on host {socket.gethostname()}"
+        ]
         hbs[1].mark_failed("ShardError: corrupt or truncated shard 'x.tar'")
         notes = hbs[0].diagnose()
         assert notes[0] == "rank 1 failed: ShardError: corrupt or truncated shard 'x.tar'" and "rank 2" in notes[1]
@@ -213,6 +255,7 @@ def test_heartbeat_names_the_failed_rank(monkeypatch):
 
 
 # --------------------------------------------------------------------------- hard kill + exact resume
+
 
 @pytest.mark.slow
 def test_sigkill_anywhere_then_resume_reproduces_losses(data, reference, tmp_path):
@@ -257,9 +300,11 @@ def test_sigkill_anywhere_then_resume_reproduces_losses(data, reference, tmp_pat
     assert_same_losses(out, ref, range(1, REF_STEPS + 1))
     assert stray_files(out / "checkpoints") == []
     assert all(ckpt_tags(out).values()), f"incomplete checkpoints left behind: {ckpt_tags(out)}"
-    print(f"\nRELIABILITY hard-kill (GRT_TEST_SEED={seed}): killed at step {killed_at} ({kill_after:.2f} s after "
-          f"step 9), resumed from "
-          f"{resumed_from}, lost {killed_at - resumed_from} step(s); injected in-checkpoint kill lost 4 steps")
+    print(
+        f"\nRELIABILITY hard-kill (GRT_TEST_SEED={seed}): killed at step {killed_at} ({kill_after:.2f} s after "
+        f"step 9), resumed from "
+        f"{resumed_from}, lost {killed_at - resumed_from} step(s); injected in-checkpoint kill lost 4 steps"
+    )
 
 
 def latest_resume_line(log: str) -> str:
@@ -268,6 +313,7 @@ def latest_resume_line(log: str) -> str:
 
 
 # --------------------------------------------------------------------------- pre-emption
+
 
 @pytest.mark.slow
 def test_sigterm_and_sigusr1_checkpoint_and_exit_cleanly(data, reference, tmp_path):
@@ -292,8 +338,10 @@ def test_sigterm_and_sigusr1_checkpoint_and_exit_cleanly(data, reference, tmp_pa
         assert summary["stopped_by_signal"] and stopped >= after
         assert latest(out) == f"step{stopped:08d}" and ckpt_tags(out)[latest(out)]
         assert f"stop signal received: checkpoint saved at step {stopped}" in job.logs[0].read_text()
-        print(f"\nRELIABILITY {signal.Signals(sig).name} to ranks {ranks or 'all'}: saved at step {stopped}, "
-              f"exited 0 in {took:.1f} s, 0 steps lost")
+        print(
+            f"\nRELIABILITY {signal.Signals(sig).name} to ranks {ranks or 'all'}: saved at step {stopped}, "
+            f"exited 0 in {took:.1f} s, 0 steps lost"
+        )
     assert "resumed from" in job.logs[0].read_text()
     assert_same_losses(out, reference["losses"], range(1, stopped + 1))
 
@@ -318,6 +366,7 @@ def test_sigterm_to_every_process_with_loader_workers(data, tmp_path):
 
 # --------------------------------------------------------------------------- a rank dies or hangs
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["sigkill", "sigstop"])
 def test_rank_failure_stops_the_others_naming_it(data, tmp_path, how):
@@ -341,11 +390,14 @@ def test_rank_failure_stops_the_others_naming_it(data, tmp_path, how):
     assert "grt train: stopped: rank 0 stopping: rank 1" in log0
     if how == "sigkill":
         assert took < timeout_s, "a dead peer is noticed at once, not after the timeout"
-    print(f"\nRELIABILITY rank 1 {how}: rank 0 exited {job.procs[0].returncode} after {took:.1f} s "
-          f"(dist_timeout_s={timeout_s})")
+    print(
+        f"\nRELIABILITY rank 1 {how}: rank 0 exited {job.procs[0].returncode} after {took:.1f} s "
+        f"(dist_timeout_s={timeout_s})"
+    )
 
 
 # --------------------------------------------------------------------------- numerical faults
+
 
 @pytest.mark.slow
 def test_nan_loss_skipped_on_every_rank_then_stop(data, tmp_path):
@@ -353,8 +405,11 @@ def test_nan_loss_skipped_on_every_rank_then_stop(data, tmp_path):
     the parameters stay finite. Three NaNs in a row at step 7 (max_bad_steps=3): exit 3,
     clear message, the last good checkpoint (step 6) intact and finite."""
     out = tmp_path / "run"
-    rcs, job = run_job(train_args(data, out, 12, "train.save_every=2", "train.max_bad_steps=3"),
-                       tmp_path / "logs", rank_env={1: {"GRT_INJECT_NAN_STEPS": "3,7,7,7"}})
+    rcs, job = run_job(
+        train_args(data, out, 12, "train.save_every=2", "train.max_bad_steps=3"),
+        tmp_path / "logs",
+        rank_env={1: {"GRT_INJECT_NAN_STEPS": "3,7,7,7"}},
+    )
     assert rcs == [3, 3], job.output()
     for r in (0, 1):
         text = job.logs[r].read_text()
@@ -369,11 +424,14 @@ def test_nan_loss_skipped_on_every_rank_then_stop(data, tmp_path):
     assert not bad, f"parameters became non-finite after skipped micro-batches: {bad}"
     before = fp32_state(out / "checkpoints", "step00000002")
     assert any(not bool((state[k] == before[k]).all()) for k in state), "training made no progress"
-    print("\nRELIABILITY NaN: 4 micro-batches poisoned on rank 1, skipped on both ranks; stopped with exit 3 "
-          "at step 7, checkpoint step 6 intact")
+    print(
+        "\nRELIABILITY NaN: 4 micro-batches poisoned on rank 1, skipped on both ranks; stopped with exit 3 "
+        "at step 7, checkpoint step 6 intact"
+    )
 
 
 # --------------------------------------------------------------------------- data faults
+
 
 def small_manifest(data: Path, dest: Path, n_train: int, edit=None) -> Path:
     """A copy of the manifest listing only the first n_train train shards (absolute paths),
@@ -410,8 +468,11 @@ def broken_shards(dest: Path, entries: list) -> None:
     entries[3]["name"] = f"pipe:head -c 9000 {third}; exit 1"
 
 
-BROKEN = {"corrupt": (1, "corrupt or truncated shard '{path}"), "missing": (2, "missing shard '{path}"),
-          "pipe": (3, "corrupt or truncated shard 'pipe:head -c 9000 {path}; exit 1'")}
+BROKEN = {
+    "corrupt": (1, "corrupt or truncated shard '{path}"),
+    "missing": (2, "missing shard '{path}"),
+    "pipe": (3, "corrupt or truncated shard 'pipe:head -c 9000 {path}; exit 1'"),
+}
 
 
 def only_broken(which):
@@ -420,6 +481,7 @@ def only_broken(which):
         broken_shards(dest, entries)
         entries[:] = [entries[BROKEN[which][0]]]  # the broken one alone: it is read at the first step
         edit.want = BROKEN[which][1].format(path=path)
+
     return edit
 
 
@@ -458,8 +520,12 @@ def test_broken_shards_skipped_with_warning_and_count(data, tmp_path):
     n_seq = sum(e["sequences"] for e in json.loads(manifest.read_text())["splits"]["train"])
     steps = n_seq // 32 + 2  # more than one epoch: every shard is visited
     out = tmp_path / "run"
-    rcs, job = run_job(train_args(manifest, out, steps, "train.skip_corrupt_shards=true", "train.shuffle_buffer=0",
-                                  micro_batch_size=16), tmp_path / "logs")
+    rcs, job = run_job(
+        train_args(
+            manifest, out, steps, "train.skip_corrupt_shards=true", "train.shuffle_buffer=0", micro_batch_size=16
+        ),
+        tmp_path / "logs",
+    )
     assert rcs == [0, 0], job.output()
     summary = json.loads((out / "summary.json").read_text())
     text = job.output()
@@ -471,8 +537,9 @@ def test_broken_shards_skipped_with_warning_and_count(data, tmp_path):
         if name in text:
             skipped.add(name)
     assert len(skipped) == 3, text[-4000:]
-    print(f"\nRELIABILITY data: 3 broken shards (corrupt, missing, failing pipe) skipped and counted over "
-          f"{steps} steps")
+    print(
+        f"\nRELIABILITY data: 3 broken shards (corrupt, missing, failing pipe) skipped and counted over {steps} steps"
+    )
 
 
 @pytest.mark.slow
@@ -483,22 +550,28 @@ def test_resume_refuses_changed_shard_list(data, reference, tmp_path):
     shutil.copytree(reference["out"], out)
     manifest = small_manifest(data, tmp_path / "shards", 30)
     t0 = time.time()
-    res = subprocess.run(cli(*train_args(manifest, out, REF_STEPS + 2, resume=True)), cwd=REPO, capture_output=True,
-                         text=True, timeout=240,
-                         env={**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                              "MASTER_PORT": "1"})
+    res = subprocess.run(
+        cli(*train_args(manifest, out, REF_STEPS + 2, resume=True)),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+    )
     err = one_line_error(res.stderr)
     assert res.returncode == 2, res.stdout + res.stderr
     assert "shard list changed since checkpoint step00000016" in err and "GRT_ALLOW_DATA_CHANGE=1" in err, err
     assert time.time() - t0 < 60
-    rcs, job = run_job(train_args(manifest, out, REF_STEPS + 2, resume=True), tmp_path / "logs",
-                       env={"GRT_ALLOW_DATA_CHANGE": "1"})
+    rcs, job = run_job(
+        train_args(manifest, out, REF_STEPS + 2, resume=True), tmp_path / "logs", env={"GRT_ALLOW_DATA_CHANGE": "1"}
+    )
     assert rcs == [0, 0], job.output()
     assert "resuming anyway" in job.output()
     assert last_step(out) == REF_STEPS + 2
 
 
 # --------------------------------------------------------------------------- storage faults
+
 
 @pytest.mark.slow
 def test_checkpoint_write_failure_on_one_rank(data, tmp_path):
@@ -527,9 +600,13 @@ def test_full_disk_keeps_previous_checkpoint(data, tmp_path):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(ckpts)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (not root)")
     try:
-        res = subprocess.run(cli(*train_args(data, tmp_path / "run", 12, "train.save_every=2",
-                                             "train.keep_checkpoints=5")),
-                             cwd=REPO, capture_output=True, text=True, timeout=240)
+        res = subprocess.run(
+            cli(*train_args(data, tmp_path / "run", 12, "train.save_every=2", "train.keep_checkpoints=5")),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         err = res.stderr.strip().splitlines()[-1]
         assert res.returncode == 3, res.stdout[-3000:] + res.stderr[-3000:]
         assert err.startswith("grt train: stopped: could not write checkpoint") and "is intact" in err, err
@@ -547,14 +624,26 @@ def test_full_disk_keeps_previous_checkpoint(data, tmp_path):
 
 # --------------------------------------------------------------------------- load
 
+
 @pytest.mark.slow
 def test_long_run_flat_memory_no_leaks(data, tmp_path):
     """A 2-rank run of LOAD_STEPS steps with evaluation and checkpoints: RSS after warm-up
     stays flat on every rank, no stray files, every process exits."""
     steps = int(os.environ.get("GRT_LOAD_STEPS", "200"))
     out = tmp_path / "run"
-    job = Job(train_args(data, out, steps, "train.save_every=50", "train.eval_every=50", "train.eval_batches=4",
-                         "train.log_every=50", micro_batch_size=2), tmp_path / "logs")
+    job = Job(
+        train_args(
+            data,
+            out,
+            steps,
+            "train.save_every=50",
+            "train.eval_every=50",
+            "train.eval_batches=4",
+            "train.log_every=50",
+            micro_batch_size=2,
+        ),
+        tmp_path / "logs",
+    )
     children = set()
     with job:
         while any(job.alive()):
@@ -573,7 +662,7 @@ def test_long_run_flat_memory_no_leaks(data, tmp_path):
         rss = [json.loads(l)["rss_mb"] for l in path.read_text().splitlines()]
         assert len(rss) == steps
         warm = rss[steps // 4]
-        growth = max(rss[steps // 4:]) - warm
+        growth = max(rss[steps // 4 :]) - warm
         report.append(f"rank {r}: {rss[0]:.0f} MB at step 1, {warm:.0f} MB after warm-up, max growth {growth:.1f} MB")
         assert growth < max(0.05 * warm, 30), f"rank {r} RSS grew by {growth:.1f} MB after warm-up: {rss[::10]}"
     print(f"\nRELIABILITY load: {steps} steps x 2 ranks; " + "; ".join(report))

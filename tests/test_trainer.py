@@ -1,12 +1,13 @@
 """The DeepSpeed trainer: gradient correctness under ZeRO, multi-rank training, exact resume,
 identical depths across ranks, TensorBoard scalars."""
+
 import json
 import subprocess
 import sys
 
 import pytest
-
 from multiproc import REPO, grt, run_ranks
+
 from pretrain.training.depth import sample_depth
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -44,8 +45,11 @@ def test_zero_gradients_equal_single_process_reference(tmp_path, stage, world, p
     model), and the recorded module order survives every change of depth."""
     report_path = tmp_path / "report.json"
     depths = "3,1,0,2" if "grt" in preset else "0,0"
-    results = run_ranks([str(REPO / "tests" / "dist_scripts" / "grad_check.py"), str(stage), preset,
-                         str(report_path), depths], world=world, timeout=300)
+    results = run_ranks(
+        [str(REPO / "tests" / "dist_scripts" / "grad_check.py"), str(stage), preset, str(report_path), depths],
+        world=world,
+        timeout=300,
+    )
     for r in results:
         assert r.returncode == 0, r.stdout[-3000:]
     report = json.loads(report_path.read_text())
@@ -58,14 +62,41 @@ def test_zero_gradients_equal_single_process_reference(tmp_path, stage, world, p
         assert report["trace_invalidations"] == 0
 
 
-
-
 def train_args(manifest, out, steps=30, *extra):
-    return ["-m", "pretrain.cli", "train", "--preset", "micro-grt", "--data", str(manifest), "--out", str(out),
-            "--steps", str(steps), "--micro-batch-size", "4", "--grad-accum", "2", "--ds-config",
-            str(REPO / "ds_configs" / "zero3.json"), "--set", "train.log_every=1", "--set", "train.save_every=10",
-            "--set", "train.eval_every=10", "--set", "train.eval_batches=2", "--set", "train.warmup_steps=3",
-            "--set", "train.lr=3e-3", "--set", "train.activation_checkpointing=loop_step", *extra]
+    return [
+        "-m",
+        "pretrain.cli",
+        "train",
+        "--preset",
+        "micro-grt",
+        "--data",
+        str(manifest),
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--micro-batch-size",
+        "4",
+        "--grad-accum",
+        "2",
+        "--ds-config",
+        str(REPO / "ds_configs" / "zero3.json"),
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "train.save_every=10",
+        "--set",
+        "train.eval_every=10",
+        "--set",
+        "train.eval_batches=2",
+        "--set",
+        "train.warmup_steps=3",
+        "--set",
+        "train.lr=3e-3",
+        "--set",
+        "train.activation_checkpointing=loop_step",
+        *extra,
+    ]
 
 
 def read_records(path):
@@ -123,9 +154,20 @@ def test_tensorboard_holds_the_training_scalars(two_rank_run):
     events = EventAccumulator(str(two_rank_run / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    expected = {"train/loss", "train/lr", "train/grad_norm", "train/depth", "perf/tokens_per_s", "perf/mfu",
-                "memory/peak_bytes", "gate/mean_step_1", "val/loss", "val/loss_depth_0", "val/loss_depth_3",
-                "zero3/trace_invalidations"}
+    expected = {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/depth",
+        "perf/tokens_per_s",
+        "perf/mfu",
+        "memory/peak_bytes",
+        "gate/mean_step_1",
+        "val/loss",
+        "val/loss_depth_0",
+        "val/loss_depth_3",
+        "zero3/trace_invalidations",
+    }
     assert expected <= tags, expected - tags
     losses = [e.value for e in events.Scalars("train/loss")]
     assert len(losses) == 30
@@ -137,8 +179,16 @@ def test_compiled_loop_step_is_not_recompiled_per_depth(shards, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "compiled"
-    r = grt(*train_args(shards, out, 8)[2:], "--set", "train.compile=true", "--set", "train.eval_every=0",
-            "--set", "train.log_every=2", timeout=900)
+    r = grt(
+        *train_args(shards, out, 8)[2:],
+        "--set",
+        "train.compile=true",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "train.log_every=2",
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     events = EventAccumulator(str(out / "tb"))
     events.Reload()
@@ -161,11 +211,35 @@ def test_one_host_sync_per_step_outside_logging_steps(shards, tmp_path, grad_acc
     (step 2), with the depth changing every step. The run's output has none of torch's
     FutureWarnings about DeepSpeed's collectives, and still shows real warnings."""
     report = tmp_path / "syncs.json"
-    r = subprocess.run([sys.executable, str(REPO / "tests" / "dist_scripts" / "count_syncs.py"), str(report),
-                        "--preset", "micro-grt", "--data", str(shards), "--out", str(tmp_path / "run"), "--steps", "9",
-                        "--micro-batch-size", "2", "--grad-accum", str(grad_accum), "--set", "train.log_every=4",
-                        "--set", "train.eval_every=0", "--set", "train.save_every=0"],
-                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tests" / "dist_scripts" / "count_syncs.py"),
+            str(report),
+            "--preset",
+            "micro-grt",
+            "--data",
+            str(shards),
+            "--out",
+            str(tmp_path / "run"),
+            "--steps",
+            "9",
+            "--micro-batch-size",
+            "2",
+            "--grad-accum",
+            str(grad_accum),
+            "--set",
+            "train.log_every=4",
+            "--set",
+            "train.eval_every=0",
+            "--set",
+            "train.save_every=0",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     output = r.stdout + r.stderr
     assert r.returncode == 0, output[-3000:]
     steps = {s["step"]: s for s in json.loads(report.read_text())}
@@ -192,10 +266,25 @@ def test_non_finite_micro_batches_are_dropped_with_gradient_accumulation(shards,
     import os
 
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "pretrain.cli", *train_args(shards, out, 5)[2:], "--grad-accum", "4",
-                        "--set", "train.eval_every=0", "--set", "train.save_every=5"],
-                       cwd=REPO, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "GRT_INJECT_NAN_STEPS": "3,3"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pretrain.cli",
+            *train_args(shards, out, 5)[2:],
+            "--grad-accum",
+            "4",
+            "--set",
+            "train.eval_every=0",
+            "--set",
+            "train.save_every=5",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "GRT_INJECT_NAN_STEPS": "3,3"},
+    )
     output = r.stdout + r.stderr
     assert r.returncode == 0, output[-3000:]
     assert output.count("non-finite loss at step 3 (depth") == 2, output[-3000:]
@@ -226,8 +315,13 @@ def test_mfu_sums_the_executed_flops_of_each_step_at_its_own_depth(preset, monke
 
     cfg, seq, tokens, peak = get_preset(preset), 64, 4096, 1e12
     asked = []
-    monkeypatch.setattr(metrics, "flops_per_token", lambda c, s, n_loops, executed: asked.append(
-        (c.variant, s, n_loops, executed)) or flops_per_token(c, s, n_loops=n_loops, executed=executed))
+    monkeypatch.setattr(
+        metrics,
+        "flops_per_token",
+        lambda c, s, n_loops, executed: (
+            asked.append((c.variant, s, n_loops, executed)) or flops_per_token(c, s, n_loops=n_loops, executed=executed)
+        ),
+    )
     now = [100.0]
     meter = metrics.Throughput(cfg, seq, peak, clock=lambda: now[0])
     depths = [3, 1, 2, 3] if cfg.max_loops else [0, 0, 0, 0]
@@ -238,7 +332,9 @@ def test_mfu_sums_the_executed_flops_of_each_step_at_its_own_depth(preset, monke
     executed = sum(3 * tokens * flops_per_token(cfg, seq, n_loops=r, executed=True) for r in depths)
     assert perf["perf/mfu"] == pytest.approx(executed / 2.0 / peak, rel=1e-12)
     assert perf["perf/tokens_per_s"] == pytest.approx(4 * tokens / 2.0)
-    assert perf["perf/step_time_s"] == pytest.approx(0.5) and perf["perf/samples_per_s"] == pytest.approx(4 * tokens / seq / 2)
+    assert perf["perf/step_time_s"] == pytest.approx(0.5) and perf["perf/samples_per_s"] == pytest.approx(
+        4 * tokens / seq / 2
+    )
     assert {a[2] for a in asked} == set(depths) and all(a[:2] == (cfg.variant, seq) and a[3] for a in asked)
     if cfg.max_loops:  # the old formula (the window's tokens/s x the last step's FLOPs) differs
         last_only = 3 * 4 * tokens * flops_per_token(cfg, seq, n_loops=depths[-1], executed=True) / 2.0 / peak
@@ -286,12 +382,20 @@ def test_tensorboard_holds_throughput_tokens_norms_and_the_deepspeed_config(two_
     events.Reload()
     tags = set(events.Tags()["scalars"])
     blocks = ("prelude", "core", "gate", "coda")
-    expected = {"perf/step_time_s", "perf/samples_per_s", "train/tokens_seen", "train/param_norm",
-                "by_tokens/train/loss", "by_tokens/val/loss", *(f"grad_norm/{b}" for b in blocks)}
+    expected = {
+        "perf/step_time_s",
+        "perf/samples_per_s",
+        "train/tokens_seen",
+        "train/param_norm",
+        "by_tokens/train/loss",
+        "by_tokens/val/loss",
+        *(f"grad_norm/{b}" for b in blocks),
+    }
     assert expected <= tags, expected - tags
     tokens_per_step = 4 * 2 * 2 * 64  # micro-batch x grad_accum x ranks x seq_len
-    assert [(e.step, e.value) for e in events.Scalars("train/tokens_seen")] == \
-        [(s, s * tokens_per_step) for s in range(1, 31)]
+    assert [(e.step, e.value) for e in events.Scalars("train/tokens_seen")] == [
+        (s, s * tokens_per_step) for s in range(1, 31)
+    ]
     assert [e.step for e in events.Scalars("by_tokens/train/loss")] == [s * tokens_per_step for s in range(1, 31)]
     total = {e.step: e.value for e in events.Scalars("train/grad_norm")}
     by_block = {b: {e.step: e.value for e in events.Scalars(f"grad_norm/{b}")} for b in blocks}
@@ -312,14 +416,17 @@ def test_deprecated_collective_warnings_are_hidden_and_others_shown():
         warnings.simplefilter("always")
         quiet_deprecated_collectives()
         for name in ("reduce_scatter_tensor", "all_gather_into_tensor"):  # torch's words, as DeepSpeed triggers them
-            warnings.warn(f"`torch.distributed.{name}` is deprecated. Please use `torch.distributed.x` instead.",
-                          FutureWarning)
+            warnings.warn(
+                f"`torch.distributed.{name}` is deprecated. Please use `torch.distributed.x` instead.", FutureWarning
+            )
         warnings.warn("`torch.distributed.all_reduce_coalesced` is deprecated.", FutureWarning)
         warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated.", UserWarning)
         warnings.warn("a real problem", RuntimeWarning)
-    assert [str(w.message) for w in seen] == ["`torch.distributed.all_reduce_coalesced` is deprecated.",
-                                              "`torch.distributed.reduce_scatter_tensor` is deprecated.",
-                                              "a real problem"]
+    assert [str(w.message) for w in seen] == [
+        "`torch.distributed.all_reduce_coalesced` is deprecated.",
+        "`torch.distributed.reduce_scatter_tensor` is deprecated.",
+        "a real problem",
+    ]
 
 
 def test_loaders_built_from_one_manifest_hash_the_tokenizer_once(shards, monkeypatch):

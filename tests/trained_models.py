@@ -4,6 +4,7 @@ Each is trained once per test session (a subprocess `grt train`, ZeRO-3, one pro
 CPU) in a temporary directory, from a tokenizer and shards built from the demo text.
 Import the fixtures into a test module: `from trained_models import grt_run, dense_run`.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -27,39 +28,91 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", "OMP_N
 
 
 def grt(*args: str, cwd: Path = REPO, timeout: int = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "pretrain.cli", *args], cwd=cwd, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pretrain.cli", *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout
+    )
     if proc.returncode != 0:
-        raise AssertionError(f"grt {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise AssertionError(
+            f"grt {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return proc
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _root() -> Path:
     root = Path(tempfile.mkdtemp(prefix="grt-eval-tests-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     return root
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def data() -> Path:
     """Tokenizer (vocab 512) and shards (seq 64, 5% validation) from the demo text."""
     root = _root() / "data"
     root.mkdir()
-    grt("data", "tokenizer", "-i", str(DEMO_TEXT), "--txt-mode", "paragraph", "--vocab-size", "512",
-        "-o", str(root / "tok"), "-q")
-    grt("data", "prepare", "-i", str(DEMO_TEXT), "--txt-mode", "paragraph", "-t", str(root / "tok.model"),
-        "-o", str(root / "shards"), "--seq-len", "64", "--shard-size-mb", "0.2", "--val-fraction", "0.05", "-q")
+    grt(
+        "data",
+        "tokenizer",
+        "-i",
+        str(DEMO_TEXT),
+        "--txt-mode",
+        "paragraph",
+        "--vocab-size",
+        "512",
+        "-o",
+        str(root / "tok"),
+        "-q",
+    )
+    grt(
+        "data",
+        "prepare",
+        "-i",
+        str(DEMO_TEXT),
+        "--txt-mode",
+        "paragraph",
+        "-t",
+        str(root / "tok.model"),
+        "-o",
+        str(root / "shards"),
+        "--seq-len",
+        "64",
+        "--shard-size-mb",
+        "0.2",
+        "--val-fraction",
+        "0.05",
+        "-q",
+    )
     return root / "shards" / "manifest.json"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def train(preset: str, steps: int, lr: float = 3e-3, eval_batches: int = EVAL_BATCHES) -> Path:
     out = _root() / f"{preset}-{steps}"
-    grt("train", "--preset", preset, "--data", str(data()), "--out", str(out), "--steps", str(steps),
-        "--micro-batch-size", "8", "--set", "train.warmup_steps=10", "--set", f"train.lr={lr}",
-        "--set", f"train.eval_every={steps}", "--set", f"train.eval_batches={eval_batches}", "--set", "train.log_every=50",
-        "--ds-config", "ds_configs/zero3.json")
+    grt(
+        "train",
+        "--preset",
+        preset,
+        "--data",
+        str(data()),
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--micro-batch-size",
+        "8",
+        "--set",
+        "train.warmup_steps=10",
+        "--set",
+        f"train.lr={lr}",
+        "--set",
+        f"train.eval_every={steps}",
+        "--set",
+        f"train.eval_batches={eval_batches}",
+        "--set",
+        "train.log_every=50",
+        "--ds-config",
+        "ds_configs/zero3.json",
+    )
     assert (out / "summary.json").is_file()
     return out
 
@@ -117,8 +170,17 @@ def small_model(layout: str = "1+2x3+1", variant: str = "grt", vocab: int = 64, 
     from pretrain.model import build_model
 
     torch.manual_seed(seed)
-    cfg = ModelConfig(name="test", variant=variant, layout=layout, d_model=32, n_heads=2, vocab_size=vocab,
-                      max_seq_len=64, pad_vocab_multiple=8, **kw)
+    cfg = ModelConfig(
+        name="test",
+        variant=variant,
+        layout=layout,
+        d_model=32,
+        n_heads=2,
+        vocab_size=vocab,
+        max_seq_len=64,
+        pad_vocab_multiple=8,
+        **kw,
+    )
     model = build_model(cfg).eval()
     with torch.no_grad():  # a non-trivial gate (the init bias of 4 makes the loop almost a no-op)
         if model.loop is not None and model.loop.has_gate:
@@ -142,7 +204,7 @@ def write_export(model, out: Path, tokenizer: Path | None = None, run_config: di
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def torch_trained_grt(steps: int = 150, seed: int = 0):
     """micro-grt trained in plain PyTorch on the demo shards (uniform depth sampling as the
     trainer does); fast enough for the analysis tests. Returns (model, manifest path)."""

@@ -8,6 +8,7 @@ model's held-out loss is measured at depths 0..4R with `grt eval --allow-beyond-
 
     python docs/extrapolation/run.py --out docs/extrapolation      # ~10 min on 2 CPU cores
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,9 +47,30 @@ def continue_training(model, manifest, steps: int, mode: str, max_depth: int, se
 def eval_curve(model, manifest, tok, out: Path, name: str, depths: str) -> dict:
     export = write_export(model, out / "models" / name, tokenizer=tok)
     js = out / f"{name}.json"
-    subprocess.run([sys.executable, "-m", "pretrain.cli", "eval", str(export), "--tasks", "val", "--data", str(manifest),
-                    "--depths", depths, "--allow-beyond-trained", "--max-batches", "16", "--json-out", str(js), "--quiet"],
-                   check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pretrain.cli",
+            "eval",
+            str(export),
+            "--tasks",
+            "val",
+            "--data",
+            str(manifest),
+            "--depths",
+            depths,
+            "--allow-beyond-trained",
+            "--max-batches",
+            "16",
+            "--json-out",
+            str(js),
+            "--quiet",
+        ],
+        check=True,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+    )
     return {int(r): v["loss"] for r, v in json.loads(js.read_text())["val"].items()}
 
 
@@ -68,16 +90,33 @@ def main() -> int:
     depths = f"0-{4 * R}"
     curves = {
         "base": eval_curve(base, manifest, tok, out, "base", depths),
-        "uniform": eval_curve(continue_training(base, manifest, args.extra_steps, "uniform", R), manifest, tok, out,
-                              "uniform", depths),
-        "loguniform": eval_curve(continue_training(base, manifest, args.extra_steps, "loguniform", args.max_depth),
-                                 manifest, tok, out, f"loguniform", depths),
+        "uniform": eval_curve(
+            continue_training(base, manifest, args.extra_steps, "uniform", R), manifest, tok, out, "uniform", depths
+        ),
+        "loguniform": eval_curve(
+            continue_training(base, manifest, args.extra_steps, "loguniform", args.max_depth),
+            manifest,
+            tok,
+            out,
+            "loguniform",
+            depths,
+        ),
     }
-    (out / "curves.json").write_text(json.dumps({"R": R, "base_steps": args.base_steps,
-                                                 "extra_steps": args.extra_steps, "max_depth": args.max_depth,
-                                                 "curves": curves}, indent=2) + "\n")
+    (out / "curves.json").write_text(
+        json.dumps(
+            {
+                "R": R,
+                "base_steps": args.base_steps,
+                "extra_steps": args.extra_steps,
+                "max_depth": args.max_depth,
+                "curves": curves,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     names = list(curves)
-    print(f"depth  " + "".join(f"{n:>12}" for n in names) + f"   (R = {R}; * beyond it)")
+    print("depth  " + "".join(f"{n:>12}" for n in names) + f"   (R = {R}; * beyond it)")
     for r in range(4 * R + 1):
         print(f"{r:>4}{'*' if r > R else ' '}  " + "".join(f"{curves[n][r]:>12.4f}" for n in names))
     return 0

@@ -25,9 +25,10 @@ split, the loss and the mean steps per token at each threshold, beside the loss 
 fixed depth of the same run: a curve of loss against compute. `grt generate --exit-threshold
 X --exit-rule update|kl` runs the same rule at decode (pretrain/infer/kv_cache.py).
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +40,13 @@ from pretrain.model.layers import AttentionContext
 CRITERIA = ("update", "kl")
 
 
-def step_change(criterion: str, prev: torch.Tensor, new: torch.Tensor, prev_logp: torch.Tensor | None,
-                decode: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def step_change(
+    criterion: str,
+    prev: torch.Tensor,
+    new: torch.Tensor,
+    prev_logp: torch.Tensor | None,
+    decode: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token change [B, T] from state prev to new, and for kl the new state's
     log-probabilities (`decode`: a state to logits; prev_logp: the previous state's)."""
     if criterion == "update":
@@ -60,9 +66,16 @@ def check_criterion(model: GPT, criterion: str) -> None:
         raise ConfigError(model.ADAPTIVE_EXIT_REFUSAL)
 
 
-def adaptive_loop(s: torch.Tensor, step: Callable[[torch.Tensor, int], torch.Tensor], n_max: int, threshold: float,
-                  criterion: str, decode: Callable[[torch.Tensor], torch.Tensor], active: torch.Tensor,
-                  steps: torch.Tensor) -> tuple[torch.Tensor, int]:
+def adaptive_loop(
+    s: torch.Tensor,
+    step: Callable[[torch.Tensor, int], torch.Tensor],
+    n_max: int,
+    threshold: float,
+    criterion: str,
+    decode: Callable[[torch.Tensor], torch.Tensor],
+    active: torch.Tensor,
+    steps: torch.Tensor,
+) -> tuple[torch.Tensor, int]:
     """Up to n_max steps from s_0 = s under the rule; (the final states, loop steps run). The
     masks active [B, T] (bool, all True) and steps [B, T] (zeros) are updated in place, so that
     a KV cache sees which tokens a step still runs (pretrain/infer/kv_cache.py)."""
@@ -84,9 +97,14 @@ def adaptive_loop(s: torch.Tensor, step: Callable[[torch.Tensor, int], torch.Ten
 
 
 @torch.no_grad()
-def adaptive_forward(model: GPT, idx: torch.Tensor, threshold: float, criterion: str = "update",
-                     max_steps: int | None = None,
-                     doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def adaptive_forward(
+    model: GPT,
+    idx: torch.Tensor,
+    threshold: float,
+    criterion: str = "update",
+    max_steps: int | None = None,
+    doc_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits [B, T, V], steps used per token [B, T]) with per-token adaptive exit."""
     check_criterion(model, criterion)
     n_max = model.depth(max_steps)
@@ -100,9 +118,13 @@ def adaptive_forward(model: GPT, idx: torch.Tensor, threshold: float, criterion:
 
 
 def adaptive_table(sums: torch.Tensor, thresholds: list[float]) -> dict[float, dict]:
-    return {thr: {"loss": sums[i, 0].item() / max(sums[i, 1].item(), 1.0),
-                  "mean_steps": sums[i, 2].item() / max(sums[i, 1].item(), 1.0)}
-            for i, thr in enumerate(thresholds)}
+    return {
+        thr: {
+            "loss": sums[i, 0].item() / max(sums[i, 1].item(), 1.0),
+            "mean_steps": sums[i, 2].item() / max(sums[i, 1].item(), 1.0),
+        }
+        for i, thr in enumerate(thresholds)
+    }
 
 
 def parse_thresholds(text: str) -> list[float]:

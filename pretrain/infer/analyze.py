@@ -21,6 +21,7 @@ On held-out batches (the manifest's validation split):
 - cosine similarity between the state and anchor halves of W_proj (and of the gate's
   first layer): cos(vec W[:, :d], vec W[:, d:]) and the mean row-wise cosine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,9 +66,12 @@ def cka_matrix(states: list[torch.Tensor]) -> list[list[float]]:
 def half_cosines(state_half: torch.Tensor, anchor_half: torch.Tensor) -> dict:
     """W = [W_s | W_e] (each [out, d]): cosine between the state half and the anchor half."""
     a, b = state_half.detach().double(), anchor_half.detach().double()
-    return {"cosine": F.cosine_similarity(a.flatten(), b.flatten(), dim=0).item(),
-            "mean_row_cosine": F.cosine_similarity(a, b, dim=1).mean().item(),
-            "norm_state": a.norm().item(), "norm_anchor": b.norm().item()}
+    return {
+        "cosine": F.cosine_similarity(a.flatten(), b.flatten(), dim=0).item(),
+        "mean_row_cosine": F.cosine_similarity(a, b, dim=1).mean().item(),
+        "norm_state": a.norm().item(),
+        "norm_anchor": b.norm().item(),
+    }
 
 
 def is_punctuation(piece: str) -> bool:
@@ -75,8 +79,9 @@ def is_punctuation(piece: str) -> bool:
     return piece != "" and all(ch in string.punctuation or ch.isspace() for ch in piece)
 
 
-def frequency_buckets(counts: Counter, vocab_size: int, punctuation: set[int],
-                      frequent_mass: float = 0.5, medium_mass: float = 0.9) -> torch.Tensor:
+def frequency_buckets(
+    counts: Counter, vocab_size: int, punctuation: set[int], frequent_mass: float = 0.5, medium_mass: float = 0.9
+) -> torch.Tensor:
     """A bucket index (0..3, see BUCKETS) per token id. Non-punctuation tokens are ranked by
     count; the most frequent ones up to `frequent_mass` of the occurrences are 'frequent', up
     to `medium_mass` 'medium', the rest (and tokens never seen) 'rare'."""
@@ -153,8 +158,12 @@ def collect(model: GPT, batches, device, bucket_of: torch.Tensor | None, cka_tok
             for r in range(R + 1):
                 kept[r].append(out.states[r].flatten(0, 1)[:take].float().cpu())
             kept_n += take
-    res = {"loss": loss, "count": count, "gate_mean": (gate_sum / max(gate_n, 1)).tolist(),
-           "states": [torch.cat(k) for k in kept] if kept_n else None}
+    res = {
+        "loss": loss,
+        "count": count,
+        "gate_mean": (gate_sum / max(gate_n, 1)).tolist(),
+        "states": [torch.cat(k) for k in kept] if kept_n else None,
+    }
     if var is not None and n_tok:
         res["state_share"] = [variance_share(var[r, 0], var[r, 1], var[r, 2], var[r, 3], n_tok) for r in range(R)]
     return res
@@ -189,8 +198,9 @@ def token_counts(manifest: str, max_batches: int, seed: int = 1234) -> Counter:
     from data_pipeline.loader import TokenBatchLoader
 
     counts: Counter = Counter()
-    loader = TokenBatchLoader(manifest, split="train", micro_batch_size=16, num_workers=0, seed=seed,
-                              shuffle_buffer=0, loop=False)
+    loader = TokenBatchLoader(
+        manifest, split="train", micro_batch_size=16, num_workers=0, seed=seed, shuffle_buffer=0, loop=False
+    )
     for i, batch in enumerate(loader):
         if i >= max_batches:
             break
@@ -209,8 +219,18 @@ def punctuation_ids(tok, vocab_size: int) -> set[int]:
 
 
 # -- report --------------------------------------------------------------------------------------
-def analyze(model: GPT, manifest: str, tok, device, batch_size: int = 8, max_batches: int = 8,
-            freq_batches: int = 200, cka_tokens: int = 2048, seed: int = 1234, dense: GPT | None = None) -> dict:
+def analyze(
+    model: GPT,
+    manifest: str,
+    tok,
+    device,
+    batch_size: int = 8,
+    max_batches: int = 8,
+    freq_batches: int = 200,
+    cka_tokens: int = 2048,
+    seed: int = 1234,
+    dense: GPT | None = None,
+) -> dict:
     if model.cfg.variant != "grt":
         raise ConfigError(f"grt analyze needs a GRT (variant 'grt'), got variant {model.cfg.variant!r}")
     R = model.max_loops
@@ -229,31 +249,47 @@ def analyze(model: GPT, manifest: str, tok, device, batch_size: int = 8, max_bat
             continue
         l0 = loss[0, i].item() / count[i].item()
         per = [loss[r, i].item() / count[i].item() for r in range(R + 1)]
-        buckets[name] = {"tokens": int(count[i].item()), "loss_by_depth": per,
-                         "recovered_by_step": [(l0 - lr) / l0 for lr in per[1:]],
-                         "vocab_tokens": int((bucket_of == i).sum().item())}
+        buckets[name] = {
+            "tokens": int(count[i].item()),
+            "loss_by_depth": per,
+            "recovered_by_step": [(l0 - lr) / l0 for lr in per[1:]],
+            "vocab_tokens": int((bucket_of == i).sum().item()),
+        }
 
     def at_full(**fwd) -> float:
         s = lm_sums(model, batches, [R], device, **fwd)
         return (s[0, 0] / s[0, 1]).item()
 
-    res = {"layout": model.cfg.layout, "trained_loops": R, "tokens": int(count[-1].item()),
-           "loss_by_depth": by_depth,
-           "gate_forcing": ({"trained": by_depth[R], "gate=0": at_full(gate_override=0.0),
-                             "gate=1": at_full(gate_override=1.0)} if model.loop.has_gate else {}),
-           "anchor": {a: (by_depth[R] if a == "prelude" else at_full(anchor=a)) for a in ANCHORS},
-           "gate_mean_by_step": c["gate_mean"], "gate_state_share_by_step": c.get("state_share", []),
-           "buckets": buckets,
-           "cka": cka_matrix(c["states"]) if c["states"] is not None else None,
-           "cka_tokens": int(c["states"][0].shape[0]) if c["states"] is not None else 0}
+    res = {
+        "layout": model.cfg.layout,
+        "trained_loops": R,
+        "tokens": int(count[-1].item()),
+        "loss_by_depth": by_depth,
+        "gate_forcing": (
+            {"trained": by_depth[R], "gate=0": at_full(gate_override=0.0), "gate=1": at_full(gate_override=1.0)}
+            if model.loop.has_gate
+            else {}
+        ),
+        "anchor": {a: (by_depth[R] if a == "prelude" else at_full(anchor=a)) for a in ANCHORS},
+        "gate_mean_by_step": c["gate_mean"],
+        "gate_state_share_by_step": c.get("state_share", []),
+        "buckets": buckets,
+        "cka": cka_matrix(c["states"]) if c["states"] is not None else None,
+        "cka_tokens": int(c["states"][0].shape[0]) if c["states"] is not None else 0,
+    }
     if dense is not None and c["states"] is not None:
         if dense.cfg.vocab_size != model.cfg.vocab_size:
-            raise ConfigError(f"--dense: vocabulary {dense.cfg.vocab_size} differs from the GRT's "
-                              f"{model.cfg.vocab_size}; CKA needs the same tokens")
+            raise ConfigError(
+                f"--dense: vocabulary {dense.cfg.vocab_size} differs from the GRT's "
+                f"{model.cfg.vocab_size}; CKA needs the same tokens"
+            )
         layers = dense_layer_states(dense, batches, device, res["cka_tokens"])
         m = cross_cka(c["states"], layers)
-        res["cka_dense"] = {"layout": dense.cfg.layout, "matrix": m,
-                            "best_layer_by_state": [max(range(len(row)), key=row.__getitem__) for row in m]}
+        res["cka_dense"] = {
+            "layout": dense.cfg.layout,
+            "matrix": m,
+            "best_layer_by_state": [max(range(len(row)), key=row.__getitem__) for row in m],
+        }
     cos = {}
     if model.loop.proj_state is not None:
         cos["W_proj"] = half_cosines(model.loop.proj_state.weight, model.loop.anchor.proj.weight)
@@ -311,52 +347,97 @@ def plots(res: dict, out: Path) -> dict[str, str]:
 
 def markdown(res: dict, files: dict[str, str], title: str) -> str:
     R = res["trained_loops"]
-    L = [f"# {title}", "", f"Layout `{res['layout']}`, R = {R}; {res['tokens']:,} validation tokens.", "",
-         "## Loss by exit depth", "", "| depth | loss |", "|---|---|"]
+    L = [
+        f"# {title}",
+        "",
+        f"Layout `{res['layout']}`, R = {R}; {res['tokens']:,} validation tokens.",
+        "",
+        "## Loss by exit depth",
+        "",
+        "| depth | loss |",
+        "|---|---|",
+    ]
     L += [f"| {r} | {res['loss_by_depth'][r]:.4f} |" for r in range(R + 1)]
     if "loss_by_depth" in files:
         L += ["", f"![loss by depth]({files['loss_by_depth']})"]
     if res["gate_forcing"]:
         g = res["gate_forcing"]
-        L += ["", "## Gate forcing (at depth R)", "", "| gate | loss |", "|---|---|",
-              f"| trained | {g['trained']:.4f} |", f"| forced to 0 (s_r = o_r) | {g['gate=0']:.4f} |",
-              f"| forced to 1 (= prelude only, depth 0: {res['loss_by_depth'][0]:.4f}) | {g['gate=1']:.4f} |"]
+        L += [
+            "",
+            "## Gate forcing (at depth R)",
+            "",
+            "| gate | loss |",
+            "|---|---|",
+            f"| trained | {g['trained']:.4f} |",
+            f"| forced to 0 (s_r = o_r) | {g['gate=0']:.4f} |",
+            f"| forced to 1 (= prelude only, depth 0: {res['loss_by_depth'][0]:.4f}) | {g['gate=1']:.4f} |",
+        ]
     L += ["", "## Anchor replacement (what the loop is fed as e, at depth R)", "", "| anchor | loss |", "|---|---|"]
     L += [f"| {a} | {v:.4f} |" for a, v in res["anchor"].items()]
     if res["gate_mean_by_step"]:
-        L += ["", "## Gates by loop step", "", "| step | mean gate | state share of gate-input variance |", "|---|---|---|"]
+        L += [
+            "",
+            "## Gates by loop step",
+            "",
+            "| step | mean gate | state share of gate-input variance |",
+            "|---|---|---|",
+        ]
         shares = res["gate_state_share_by_step"] or [float("nan")] * R
         L += [f"| {r + 1} | {g:.4f} | {s:.3f} |" for r, (g, s) in enumerate(zip(res["gate_mean_by_step"], shares))]
         if "gates" in files:
             L += ["", f"![gates]({files['gates']})"]
     if res["cka"]:
         n = len(res["cka"])
-        L += ["", f"## Linear CKA between loop states s_0..s_{n - 1} ({res['cka_tokens']} tokens)", "",
-              "| | " + " | ".join(f"s_{j}" for j in range(n)) + " |", "|---" * (n + 1) + "|"]
+        L += [
+            "",
+            f"## Linear CKA between loop states s_0..s_{n - 1} ({res['cka_tokens']} tokens)",
+            "",
+            "| | " + " | ".join(f"s_{j}" for j in range(n)) + " |",
+            "|---" * (n + 1) + "|",
+        ]
         L += [f"| s_{i} | " + " | ".join(f"{v:.3f}" for v in row) + " |" for i, row in enumerate(res["cka"])]
         if "cka" in files:
             L += ["", f"![CKA]({files['cka']})"]
     if res.get("cka_dense"):
         cd = res["cka_dense"]
-        L += ["", f"## Linear CKA against a dense model ({cd['layout']} layers)", "",
-              "| loop state | best-aligned dense layer | CKA |", "|---|---|---|"]
+        L += [
+            "",
+            f"## Linear CKA against a dense model ({cd['layout']} layers)",
+            "",
+            "| loop state | best-aligned dense layer | CKA |",
+            "|---|---|---|",
+        ]
         L += [f"| s_{i} | {j} | {cd['matrix'][i][j]:.3f} |" for i, j in enumerate(cd["best_layer_by_state"])]
         if "cka_dense" in files:
             L += ["", f"![CKA vs dense]({files['cka_dense']})"]
     if res["buckets"]:
-        L += ["", "## Share of the depth-0 loss recovered after each step, by token bucket", "",
-              "| bucket | tokens | depth-0 loss | " + " | ".join(f"step {r}" for r in range(1, R + 1)) + " |",
-              "|---" * (R + 3) + "|"]
+        L += [
+            "",
+            "## Share of the depth-0 loss recovered after each step, by token bucket",
+            "",
+            "| bucket | tokens | depth-0 loss | " + " | ".join(f"step {r}" for r in range(1, R + 1)) + " |",
+            "|---" * (R + 3) + "|",
+        ]
         for name, b in res["buckets"].items():
-            L.append(f"| {name} | {b['tokens']} | {b['loss_by_depth'][0]:.3f} | "
-                     + " | ".join(f"{100 * v:.1f}%" for v in b["recovered_by_step"]) + " |")
+            L.append(
+                f"| {name} | {b['tokens']} | {b['loss_by_depth'][0]:.3f} | "
+                + " | ".join(f"{100 * v:.1f}%" for v in b["recovered_by_step"])
+                + " |"
+            )
         if "buckets" in files:
             L += ["", f"![buckets]({files['buckets']})"]
     if res["half_cosines"]:
-        L += ["", "## State half vs anchor half of the input weights", "",
-              "| weight | cosine | mean row cosine | norm (state half) | norm (anchor half) |", "|---|---|---|---|---|"]
-        L += [f"| {k} | {v['cosine']:.4f} | {v['mean_row_cosine']:.4f} | {v['norm_state']:.3f} | {v['norm_anchor']:.3f} |"
-              for k, v in res["half_cosines"].items()]
+        L += [
+            "",
+            "## State half vs anchor half of the input weights",
+            "",
+            "| weight | cosine | mean row cosine | norm (state half) | norm (anchor half) |",
+            "|---|---|---|---|---|",
+        ]
+        L += [
+            f"| {k} | {v['cosine']:.4f} | {v['mean_row_cosine']:.4f} | {v['norm_state']:.3f} | {v['norm_anchor']:.3f} |"
+            for k, v in res["half_cosines"].items()
+        ]
     L += ["", "Definitions: see `grt analyze --help` and docs/evaluation.md.", ""]
     return "\n".join(L)
 
@@ -364,8 +445,11 @@ def markdown(res: dict, files: dict[str, str], title: str) -> str:
 def main(argv=None) -> int:
     from pretrain.infer.load import load_model, pick_device, pick_dtype
 
-    p = argparse.ArgumentParser(prog="grt analyze", description="The paper's analyses of a trained GRT: "
-                                "gate forcing, anchor replacement, gate statistics, CKA, token buckets.")
+    p = argparse.ArgumentParser(
+        prog="grt analyze",
+        description="The paper's analyses of a trained GRT: "
+        "gate forcing, anchor replacement, gate statistics, CKA, token buckets.",
+    )
     p.add_argument("model", help="exported dir (grt export), run dir, <out>/checkpoints or a step dir")
     p.add_argument("--out", required=True, help="report directory (report.md, analysis.json, PNGs)")
     p.add_argument("--data", help="manifest.json (default: the run config's data)")
@@ -389,9 +473,18 @@ def main(argv=None) -> int:
         dense = load_model(args.dense, device=device, dtype=dtype).model if args.dense else None
         if dense is not None and dense.loop is not None:
             raise ConfigError(f"--dense {args.dense}: expected a dense model, got layout {dense.cfg.layout!r}")
-        res = analyze(loaded.model, manifest, loaded.tokenizer(), device, args.batch_size, args.max_batches,
-                      args.freq_batches, args.cka_tokens, loaded.run_config.get("train", {}).get("seed", 1234),
-                      dense=dense)
+        res = analyze(
+            loaded.model,
+            manifest,
+            loaded.tokenizer(),
+            device,
+            args.batch_size,
+            args.max_batches,
+            args.freq_batches,
+            args.cka_tokens,
+            loaded.run_config.get("train", {}).get("seed", 1234),
+            dense=dense,
+        )
     except (ConfigError, FileNotFoundError) as err:
         print(f"grt analyze: error: {err}", file=sys.stderr)
         return 2

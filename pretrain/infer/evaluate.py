@@ -17,6 +17,7 @@ rank and all-reduces the sums; results are identical to one process up to float 
 A rank that fails (an unreadable shard, a missing file, any error in its share) stops every
 rank at the next sum, each with one line naming it and its error (`run`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,8 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -35,8 +36,8 @@ from data_pipeline.shards import ShardError
 from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError
 from pretrain.distributed import Dist, RankFailed, check_ranks, is_main, join_launch, ranks_with, run_command
-from pretrain.infer.kv_cache import STRATEGIES
 from pretrain.infer.adaptive import CRITERIA, adaptive_table, check_criterion, parse_thresholds
+from pretrain.infer.kv_cache import STRATEGIES
 from pretrain.infer.scoring import adaptive_sums, jsonable, lm_sums, lm_sums_cached, val_batches
 from pretrain.infer.zero_shot import TASKS, evaluate_task, load_task
 from pretrain.model import GPT
@@ -80,8 +81,10 @@ def check_depths(model: GPT, depths: list[int], allow_beyond: bool) -> list[int]
         return depths
     beyond = [d for d in depths if d > trained]
     if beyond and not allow_beyond:
-        raise ConfigError(f"depth(s) {beyond} exceed the trained maximum of {trained} loop steps; "
-                          "pass --allow-beyond-trained to run them")
+        raise ConfigError(
+            f"depth(s) {beyond} exceed the trained maximum of {trained} loop steps; "
+            "pass --allow-beyond-trained to run them"
+        )
     return depths
 
 
@@ -108,19 +111,30 @@ def text_batches(ids: list[int], window: int, batch_size: int, dist: Dist, strid
     spans = dist.shard(text_windows(len(ids), window, stride))
     t = torch.tensor(ids, dtype=torch.long)
     for i in range(0, len(spans), batch_size):
-        chunk = spans[i:i + batch_size]
+        chunk = spans[i : i + batch_size]
         width = max(e - b for b, e, _ in chunk)
         inp = torch.zeros(len(chunk), width, dtype=torch.long)
         tgt = torch.full((len(chunk), width), -100, dtype=torch.long)
         for row, (b, e, first) in enumerate(chunk):
             inp[row, : e - b] = t[b:e]
-            tgt[row, first - b: e - b] = t[first + 1:e + 1]
+            tgt[row, first - b : e - b] = t[first + 1 : e + 1]
         yield {"input_ids": inp, "targets": tgt}
 
 
-def text_eval(model: GPT, tok, text: str, depths: list[int], device, batch_size: int, dist: Dist,
-              window: int | None = None, stride: int | None = None, max_tokens: int | None = None,
-              kv_cache: str | None = None, **fwd) -> dict:
+def text_eval(
+    model: GPT,
+    tok,
+    text: str,
+    depths: list[int],
+    device,
+    batch_size: int,
+    dist: Dist,
+    window: int | None = None,
+    stride: int | None = None,
+    max_tokens: int | None = None,
+    kv_cache: str | None = None,
+    **fwd,
+) -> dict:
     """Perplexity and bits per byte of a raw text, scored as one document after a separator."""
     ids = [tok.sep_id] + tok.encode(text)
     if max_tokens is not None and len(ids) - 1 > max_tokens:
@@ -135,8 +149,13 @@ def text_eval(model: GPT, tok, text: str, depths: list[int], device, batch_size:
     out = {}
     for i, r in enumerate(depths):
         nll, n = sums[i].tolist()
-        out[r] = {"loss": nll / n, "ppl": math.exp(nll / n), "bpb": nll / LN2 / n_bytes, "tokens": int(n),
-                  "bytes": n_bytes}
+        out[r] = {
+            "loss": nll / n,
+            "ppl": math.exp(nll / n),
+            "bpb": nll / LN2 / n_bytes,
+            "tokens": int(n),
+            "bytes": n_bytes,
+        }
     return out
 
 
@@ -155,7 +174,10 @@ def format_table(results: dict) -> str:
     if "val" in results:
         cols += [("val loss", lambda r: results["val"][r]["loss"]), ("val ppl", lambda r: results["val"][r]["ppl"])]
     if "wikitext2" in results:
-        cols += [("wt2 ppl", lambda r: results["wikitext2"][r]["ppl"]), ("wt2 bpb", lambda r: results["wikitext2"][r]["bpb"])]
+        cols += [
+            ("wt2 ppl", lambda r: results["wikitext2"][r]["ppl"]),
+            ("wt2 bpb", lambda r: results["wikitext2"][r]["bpb"]),
+        ]
     for task, by_depth in results.get("tasks", {}).items():
         for metric in ("acc", "acc_norm", "ppl"):
             if metric in by_depth[depths[0]] and not (task == "winogrande" and metric == "acc_norm"):
@@ -170,9 +192,14 @@ def format_table(results: dict) -> str:
         lines.append(f"* beyond the trained maximum of {trained} loop steps")
     if "adaptive_exit" in results:
         ad = results["adaptive_exit"]
-        lines += ["", f"adaptive exit ({ad['criterion']}, at most {ad['max_steps']} steps), held-out split:",
-                  f"{'threshold':>10}{'val loss':>12}{'mean steps':>12}"]
-        lines += [f"{thr:>10g}{row['loss']:>12.4f}{row['mean_steps']:>12.3f}" for thr, row in ad["by_threshold"].items()]
+        lines += [
+            "",
+            f"adaptive exit ({ad['criterion']}, at most {ad['max_steps']} steps), held-out split:",
+            f"{'threshold':>10}{'val loss':>12}{'mean steps':>12}",
+        ]
+        lines += [
+            f"{thr:>10g}{row['loss']:>12.4f}{row['mean_steps']:>12.3f}" for thr, row in ad["by_threshold"].items()
+        ]
     return "\n".join(lines)
 
 
@@ -219,13 +246,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wikitext-max-tokens", type=int, help="score only the first N tokens of WikiText-2")
     p.add_argument("--stride", type=int, help="WikiText-2 window stride (default: the window, no overlap)")
     p.add_argument("--limit", type=int, help="at most N items per zero-shot task")
-    p.add_argument("--kv-cache", choices=STRATEGIES,
-                   help="decode token by token through this KV-cache strategy (held-out loss, WikiText-2, "
-                        "zero-shot continuations) instead of one forward per sequence; full is exact")
-    p.add_argument("--adaptive-exit", choices=CRITERIA,
-                   help="held-out split: also per-token adaptive exit by this rule (pretrain/infer/adaptive.py)")
-    p.add_argument("--exit-thresholds", default="0.3,0.1,0.03,0.01",
-                   help="adaptive exit: thresholds on the rule's change (default 0.3,0.1,0.03,0.01)")
+    p.add_argument(
+        "--kv-cache",
+        choices=STRATEGIES,
+        help="decode token by token through this KV-cache strategy (held-out loss, WikiText-2, "
+        "zero-shot continuations) instead of one forward per sequence; full is exact",
+    )
+    p.add_argument(
+        "--adaptive-exit",
+        choices=CRITERIA,
+        help="held-out split: also per-token adaptive exit by this rule (pretrain/infer/adaptive.py)",
+    )
+    p.add_argument(
+        "--exit-thresholds",
+        default="0.3,0.1,0.03,0.01",
+        help="adaptive exit: thresholds on the rule's change (default 0.3,0.1,0.03,0.01)",
+    )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--doc-mask", action="store_true", help="held-out split: attend within documents only")
     p.add_argument("--tokenizer", help="tokenizer.model (default: the one next to the model)")
@@ -288,9 +324,16 @@ def evaluate(args, parts: list[str], dist: Dist) -> dict:
     depths = check_depths(model, parse_depths(args.depths, trained), args.allow_beyond_trained)
     if args.adaptive_exit:
         check_criterion(model, args.adaptive_exit)  # before any evaluation (a dense model or MoR is refused)
-    results: dict = {"model": str(args.model), "name": loaded.cfg.name, "layout": loaded.cfg.layout,
-                     "variant": loaded.cfg.variant, "trained_loops": trained, "depths": depths, "world_size": dist.world,
-                     "kv_cache": args.kv_cache}
+    results: dict = {
+        "model": str(args.model),
+        "name": loaded.cfg.name,
+        "layout": loaded.cfg.layout,
+        "variant": loaded.cfg.variant,
+        "trained_loops": trained,
+        "depths": depths,
+        "world_size": dist.world,
+        "kv_cache": args.kv_cache,
+    }
     timings = {}
     say = (lambda *a: None) if args.quiet or dist.rank else (lambda *a: print(*a, file=sys.stderr, flush=True))
     if "val" in parts:
@@ -303,8 +346,10 @@ def evaluate(args, parts: list[str], dist: Dist) -> dict:
             # skipped on some ranks only, the next sums would pair one rank's val with another's next part
             if 0 < ranks_with(found) < dist.world:
                 if not found:
-                    raise ConfigError(f"held-out split: no manifest {manifest!r} on this node, while other "
-                                      "ranks have it: give every node the same data, or pass --tasks without val")
+                    raise ConfigError(
+                        f"held-out split: no manifest {manifest!r} on this node, while other "
+                        "ranks have it: give every node the same data, or pass --tasks without val"
+                    )
                 check_ranks()  # meets the ranks without it, and names them
         if not found:
             if args.tasks != "all":
@@ -324,10 +369,22 @@ def evaluate(args, parts: list[str], dist: Dist) -> dict:
                 thresholds = parse_thresholds(args.exit_thresholds)
                 batches = val_batches(manifest, args.batch_size, dist, args.max_batches, seed, split)
                 results["adaptive_exit"] = {
-                    "criterion": args.adaptive_exit, "max_steps": max(depths),
-                    "by_threshold": adaptive_table(adaptive_sums(model, batches, thresholds, device, args.adaptive_exit,
-                                                                 max(depths), dist=dist, doc_mask=args.doc_mask),
-                                                    thresholds)}
+                    "criterion": args.adaptive_exit,
+                    "max_steps": max(depths),
+                    "by_threshold": adaptive_table(
+                        adaptive_sums(
+                            model,
+                            batches,
+                            thresholds,
+                            device,
+                            args.adaptive_exit,
+                            max(depths),
+                            dist=dist,
+                            doc_mask=args.doc_mask,
+                        ),
+                        thresholds,
+                    ),
+                }
             results["val_manifest"] = str(manifest)
             results["val_split"] = split
             timings["val"] = time.time() - t0
@@ -340,9 +397,18 @@ def evaluate(args, parts: list[str], dist: Dist) -> dict:
         if not path.is_file():
             raise ConfigError(f"WikiText-2: {path} not found (pass --wikitext or --eval-dir)")
         t0 = time.time()
-        results["wikitext2"] = text_eval(model, tok, path.read_text(encoding="utf-8"), depths, device,
-                                         args.batch_size, dist, stride=args.stride, max_tokens=args.wikitext_max_tokens,
-                                         kv_cache=args.kv_cache)
+        results["wikitext2"] = text_eval(
+            model,
+            tok,
+            path.read_text(encoding="utf-8"),
+            depths,
+            device,
+            args.batch_size,
+            dist,
+            stride=args.stride,
+            max_tokens=args.wikitext_max_tokens,
+            kv_cache=args.kv_cache,
+        )
         results["wikitext2_file"] = str(path)
         timings["wikitext2"] = time.time() - t0
     for task in [p for p in parts if p in TASKS]:
@@ -351,8 +417,9 @@ def evaluate(args, parts: list[str], dist: Dist) -> dict:
             raise ConfigError(f"{task}: {path} not found (pass --eval-dir)")
         t0 = time.time()
         items = load_task(task, path, args.limit)
-        results.setdefault("tasks", {})[task] = evaluate_task(model, tok, items, depths, device, args.batch_size, dist,
-                                                              kv_cache=args.kv_cache)
+        results.setdefault("tasks", {})[task] = evaluate_task(
+            model, tok, items, depths, device, args.batch_size, dist, kv_cache=args.kv_cache
+        )
         timings[task] = time.time() - t0
         say(f"{task}: {len(items)} items in {timings[task]:.1f}s")
     results["seconds"] = timings

@@ -11,6 +11,7 @@
 Works on CPU without a process group (DeepSpeed's zero_to_fp32 reader, any ZeRO stage).
 Load the result with `pretrain.infer.load.load_model(DIR)` or pass DIR to eval/generate/analyze.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,11 +23,20 @@ import tempfile
 from pathlib import Path
 
 from pretrain.config import ConfigError
-from pretrain.infer.load import WEIGHTS, consolidate, model_from_state, parse_dtype, read_run_config, resolve_checkpoint, state_for_saving
+from pretrain.infer.load import (
+    WEIGHTS,
+    consolidate,
+    model_from_state,
+    parse_dtype,
+    read_run_config,
+    resolve_checkpoint,
+    state_for_saving,
+)
 
 
-def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", hf: bool = True,
-           overwrite: bool = False) -> dict:
+def export(
+    checkpoint: str | Path, out: str | Path, dtype: str = "fp32", hf: bool = True, overwrite: bool = False
+) -> dict:
     """Write the export to a temporary directory beside `out`, then rename it into place:
     `out` is a complete export or is left as it was, whatever fails or kills the process."""
     from safetensors.torch import save_file
@@ -60,8 +70,15 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", hf: boo
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     n_params = sum(p.numel() for p in model.parameters())
-    return {"checkpoint": str(step_dir), "out": str(out), "files": written, "params": n_params,
-            "model": cfg.name, "layout": cfg.layout, "variant": cfg.variant}
+    return {
+        "checkpoint": str(step_dir),
+        "out": str(out),
+        "files": written,
+        "params": n_params,
+        "model": cfg.name,
+        "layout": cfg.layout,
+        "variant": cfg.variant,
+    }
 
 
 def _hf_writer():
@@ -69,8 +86,10 @@ def _hf_writer():
     try:
         import transformers  # noqa: F401
     except ImportError:
-        raise ConfigError("the Hugging Face copy of the model (hf/) needs transformers: pip install 'grt-pretrain[hf]' "
-                          "(or pass --no-hf)") from None
+        raise ConfigError(
+            "the Hugging Face copy of the model (hf/) needs transformers: pip install 'grt-pretrain[hf]' "
+            "(or pass --no-hf)"
+        ) from None
     from pretrain.model.hf import save_pretrained
 
     return save_pretrained
@@ -90,12 +109,17 @@ def _replace_dir(new: Path, out: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="grt export", description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True,
-                   help="<out>, <out>/checkpoints (newest complete) or <out>/checkpoints/stepNNNNNNNN")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="<out>, <out>/checkpoints (newest complete) or <out>/checkpoints/stepNNNNNNNN",
+    )
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--dtype", default="fp32", help="weights dtype: fp32 (default), bf16, fp16")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face directory hf/")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (once the new export is complete)")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace a non-empty --out (once the new export is complete)"
+    )
     args = p.parse_args(argv)
     try:
         info = export(args.checkpoint, args.out, dtype=args.dtype, hf=not args.no_hf, overwrite=args.overwrite)

@@ -5,6 +5,7 @@ exit depth (loop steps per token, `--depth`) and the KV-cache strategy for the l
 (`--kv-cache full|first|last|average`, see pretrain.infer.kv_cache) are chosen at decode;
 `--no-cache` recomputes the whole sequence for every token (the reference).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,14 @@ def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float |
     return logits
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                greedy: bool = False, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Next tokens [B] from logits [B, V]."""
     if greedy or temperature <= 0:
         return logits.argmax(dim=-1)
@@ -47,11 +54,25 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
 
 
 @torch.no_grad()
-def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, strategy: str = "full", n_loops: int | None = None,
-             use_cache: bool = True, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             greedy: bool = False, seed: int | None = None, stop_id: int | None = None,
-             return_logits: bool = False, exit_threshold: float | None = None, exit_rule: str = "update",
-             stats: dict | None = None):
+def generate(
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    strategy: str = "full",
+    n_loops: int | None = None,
+    use_cache: bool = True,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    greedy: bool = False,
+    seed: int | None = None,
+    stop_id: int | None = None,
+    return_logits: bool = False,
+    exit_threshold: float | None = None,
+    exit_rule: str = "update",
+    stats: dict | None = None,
+):
     """Continue prompts idx [B, T] by up to max_new_tokens (capped by the context).
     Returns new tokens [B, n] (and the logits [B, n, V] that chose them when asked).
     exit_threshold, exit_rule: per-token adaptive exit of the looped core at decode by the rule
@@ -67,8 +88,15 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, strategy: st
     if exit_threshold is not None and not use_cache:
         raise ConfigError("adaptive exit at decode runs through the KV cache: drop --no-cache")
     if use_cache:
-        decoder = CachedDecoder(model, batch=b, max_len=t + max_new_tokens, strategy=strategy, n_loops=n_loops,
-                                exit_threshold=exit_threshold, exit_rule=exit_rule)
+        decoder = CachedDecoder(
+            model,
+            batch=b,
+            max_len=t + max_new_tokens,
+            strategy=strategy,
+            n_loops=n_loops,
+            exit_threshold=exit_threshold,
+            exit_rule=exit_rule,
+        )
         logits = decoder.forward(idx)
     seq = idx
     for i in range(max_new_tokens):
@@ -126,12 +154,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, help="loop steps per token (default: the trained R)")
     p.add_argument("--allow-beyond-trained", action="store_true", help="allow --depth above the trained R")
     p.add_argument("--kv-cache", default="full", choices=STRATEGIES, help="KV-cache strategy for the looped core")
-    p.add_argument("--exit-threshold", type=float,
-                   help="per-token adaptive exit: a token stops looping once its change (--exit-rule) is below "
-                        "this (pretrain/infer/adaptive.py); prints the mean loop steps used")
-    p.add_argument("--exit-rule", default="update", choices=CRITERIA,
-                   help="adaptive exit's change: update (the state's relative update) or kl (KL between successive "
-                        "steps' next-token distributions; decodes every step through the coda)")
+    p.add_argument(
+        "--exit-threshold",
+        type=float,
+        help="per-token adaptive exit: a token stops looping once its change (--exit-rule) is below "
+        "this (pretrain/infer/adaptive.py); prints the mean loop steps used",
+    )
+    p.add_argument(
+        "--exit-rule",
+        default="update",
+        choices=CRITERIA,
+        help="adaptive exit's change: update (the state's relative update) or kl (KL between successive "
+        "steps' next-token distributions; decodes every step through the coda)",
+    )
     p.add_argument("--no-cache", action="store_true", help="recompute the sequence for every token")
     p.add_argument("--stop-at-separator", action="store_true", help="stop a sample at the document separator")
     p.add_argument("--tokenizer", help="tokenizer.model (default: the one next to the model)")
@@ -148,8 +183,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         device = pick_device(args.device)
-        loaded = load_model(args.model, device=device, dtype=pick_dtype(args.dtype, device),
-                            tokenizer=args.tokenizer)
+        loaded = load_model(args.model, device=device, dtype=pick_dtype(args.dtype, device), tokenizer=args.tokenizer)
         model, tok = loaded.model, loaded.tokenizer()
         depth = None
         if args.depth is not None:
@@ -158,20 +192,42 @@ def main(argv=None) -> int:
         idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
         t0 = time.time()
         stats: dict = {}
-        tokens = generate(model, idx, args.max_new_tokens, strategy=args.kv_cache, n_loops=depth,
-                          use_cache=not args.no_cache, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, greedy=args.greedy, seed=args.seed,
-                          stop_id=tok.sep_id if args.stop_at_separator else None,
-                          exit_threshold=args.exit_threshold, exit_rule=args.exit_rule, stats=stats)
+        tokens = generate(
+            model,
+            idx,
+            args.max_new_tokens,
+            strategy=args.kv_cache,
+            n_loops=depth,
+            use_cache=not args.no_cache,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            greedy=args.greedy,
+            seed=args.seed,
+            stop_id=tok.sep_id if args.stop_at_separator else None,
+            exit_threshold=args.exit_threshold,
+            exit_rule=args.exit_rule,
+            stats=stats,
+        )
         seconds = time.time() - t0
     except (ConfigError, FileNotFoundError, ValueError) as err:
         print(f"grt generate: error: {err}", file=sys.stderr)
         return 2
     samples = [args.prompt + render(tok, row, args.stop_at_separator) for row in tokens.tolist()]
     if args.json:
-        print(json.dumps({"samples": samples, "tokens": tokens.tolist(), "seconds": seconds,
-                          "depth": depth if depth is not None else (model.max_loops if model.loop is not None else 0),
-                          "kv_cache": "none" if args.no_cache else args.kv_cache, **stats}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "samples": samples,
+                    "tokens": tokens.tolist(),
+                    "seconds": seconds,
+                    "depth": depth if depth is not None else (model.max_loops if model.loop is not None else 0),
+                    "kv_cache": "none" if args.no_cache else args.kv_cache,
+                    **stats,
+                },
+                indent=2,
+            )
+        )
     else:
         for i, text in enumerate(samples):
             if len(samples) > 1:
@@ -179,8 +235,10 @@ def main(argv=None) -> int:
             print(text)
         n = tokens.numel()
         steps = f", {stats['mean_loop_steps']:.2f} loop steps per token" if stats else ""
-        print(f"[{n} tokens in {seconds:.2f}s, {1000 * seconds / max(tokens.shape[1], 1):.1f} ms/step{steps}]",
-              file=sys.stderr)
+        print(
+            f"[{n} tokens in {seconds:.2f}s, {1000 * seconds / max(tokens.shape[1], 1):.1f} ms/step{steps}]",
+            file=sys.stderr,
+        )
     return 0
 
 

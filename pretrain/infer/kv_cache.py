@@ -25,6 +25,7 @@ written in place, then overwritten by the fold).
 Cache bytes: 2 (K and V) * slots * batch * max_len * d_model * bytes per element, with
 slots = P + C*R + K (full), P + C + K (shared strategies), or L (dense).
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,8 +55,7 @@ def cache_slots(model: GPT, strategy: str, n_loops: int) -> int:
     return layout.prelude + core + layout.coda
 
 
-def cache_bytes_formula(model: GPT, strategy: str, n_loops: int, batch: int, max_len: int,
-                        dtype: torch.dtype) -> int:
+def cache_bytes_formula(model: GPT, strategy: str, n_loops: int, batch: int, max_len: int, dtype: torch.dtype) -> int:
     elt = torch.tensor([], dtype=dtype).element_size()
     return 2 * cache_slots(model, strategy, n_loops) * batch * max_len * model.cfg.d_model * elt
 
@@ -91,13 +91,23 @@ CACHED_VARIANTS = ("grt", "dense")  # the variants CachedDecoder decodes; the ot
 class CachedDecoder:
     """Prefill a prompt, then decode one token at a time; returns next-token logits [B, V]."""
 
-    def __init__(self, model: GPT, batch: int, max_len: int | None = None, strategy: str = "full",
-                 n_loops: int | None = None, exit_threshold: float | None = None, exit_rule: str = "update"):
+    def __init__(
+        self,
+        model: GPT,
+        batch: int,
+        max_len: int | None = None,
+        strategy: str = "full",
+        n_loops: int | None = None,
+        exit_threshold: float | None = None,
+        exit_rule: str = "update",
+    ):
         if strategy not in STRATEGIES:
             raise ConfigError(f"strategy={strategy!r}: accepted values are {', '.join(STRATEGIES)}")
         if model.cfg.variant not in CACHED_VARIANTS:
-            raise ConfigError(f"the KV cache supports the grt and dense variants, not {model.cfg.variant!r}: "
-                             "decode it without a cache (--no-cache)")
+            raise ConfigError(
+                f"the KV cache supports the grt and dense variants, not {model.cfg.variant!r}: "
+                "decode it without a cache (--no-cache)"
+            )
         self.model = model.eval()
         cfg = model.cfg
         self.strategy = strategy
@@ -106,18 +116,19 @@ class CachedDecoder:
         p = next(model.parameters())
         layout = cfg.parsed_layout
         self.n_pre, self.n_core, self.n_coda = layout.prelude, layout.core, layout.coda
-        self.cache = KVCache(cache_slots(model, strategy, self.n), batch, cfg.n_heads, self.max_len, cfg.head_dim,
-                             p.dtype, p.device)
+        self.cache = KVCache(
+            cache_slots(model, strategy, self.n), batch, cfg.n_heads, self.max_len, cfg.head_dim, p.dtype, p.device
+        )
         if exit_threshold is not None:
             check_criterion(model, exit_rule)
         self.exit_threshold, self.exit_rule = exit_threshold, exit_rule
         self.pos = 0
-        self._calls = 0           # attention calls so far in the current forward
-        self._fold: list = []     # per core block: the keys/values to fold (first: step 1's; average: the sum)
-        self._active = None       # adaptive exit: [B, t] tokens still looping in the current step
-        self._steps = None        # adaptive exit: [B, t] loop steps each token of this forward ran
+        self._calls = 0  # attention calls so far in the current forward
+        self._fold: list = []  # per core block: the keys/values to fold (first: step 1's; average: the sum)
+        self._active = None  # adaptive exit: [B, t] tokens still looping in the current step
+        self._steps = None  # adaptive exit: [B, t] loop steps each token of this forward ran
         self._exit_kv: list = []  # adaptive exit: per core block, each token's keys/values of its latest step
-        self.decoded_tokens = 0   # adaptive exit: tokens decoded, and the loop steps they used
+        self.decoded_tokens = 0  # adaptive exit: tokens decoded, and the loop steps they used
         self.decoded_steps = 0
 
     @torch.no_grad()
@@ -152,16 +163,24 @@ class CachedDecoder:
         self._active = torch.ones(e.shape[:2], dtype=torch.bool, device=e.device)
         self._steps = torch.zeros(e.shape[:2], dtype=torch.long, device=e.device)
         self._exit_kv = [None] * self.n_core
-        s, ran = adaptive_loop(s, step, self.n, self.exit_threshold, self.exit_rule,
-                               lambda state: self._probe(state, ctx), self._active, self._steps)
+        s, ran = adaptive_loop(
+            s,
+            step,
+            self.n,
+            self.exit_threshold,
+            self.exit_rule,
+            lambda state: self._probe(state, ctx),
+            self._active,
+            self._steps,
+        )
         self._active = None
         if self.strategy == "full":  # the steps no token of the batch ran
             p0, t = self.pos, e.shape[1]
             for r in range(ran, self.n):
                 for block, (k, v) in enumerate(self._exit_kv):
                     slot = self.n_pre + r * self.n_core + block
-                    self.cache.k[slot, :, :, p0:p0 + t] = k
-                    self.cache.v[slot, :, :, p0:p0 + t] = v
+                    self.cache.k[slot, :, :, p0 : p0 + t] = k
+                    self.cache.v[slot, :, :, p0 : p0 + t] = v
         self._calls = self.n_pre + self.n * self.n_core  # the coda's slots follow every step's
         self.decoded_tokens += self._steps.numel()
         self.decoded_steps += int(self._steps.sum())
@@ -191,8 +210,8 @@ class CachedDecoder:
             self._exit_kv[core_block] = (k, v)
             own_k, own_v = own_k * active, own_v * active  # what `average` sums: the steps actually run
         ck, cv = self.cache.k[slot], self.cache.v[slot]
-        ck[:, :, p0:p0 + t] = k
-        cv[:, :, p0:p0 + t] = v
+        ck[:, :, p0 : p0 + t] = k
+        cv[:, :, p0 : p0 + t] = v
         if core_block is not None and self.strategy in ("first", "average"):
             kept = self._fold[core_block]
             if self.strategy == "first" and step == 0 or self.strategy == "average" and kept is None:
@@ -223,5 +242,5 @@ class CachedDecoder:
             scale = 1.0 / self._steps[:, None, :, None].to(self.cache.k.dtype)
         for block, (k, v) in enumerate(self._fold):
             slot = self.n_pre + block
-            self.cache.k[slot, :, :, self.pos:self.pos + t] = k * scale
-            self.cache.v[slot, :, :, self.pos:self.pos + t] = v * scale
+            self.cache.k[slot, :, :, self.pos : self.pos + t] = k * scale
+            self.cache.v[slot, :, :, self.pos : self.pos + t] = v * scale

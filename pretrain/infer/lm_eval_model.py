@@ -18,6 +18,7 @@ strategy), `device` (auto), `dtype` (bf16 on CUDA, fp32 on CPU), `batch_size`, `
 Requests are scored exactly as `grt eval` scores its zero-shot tasks (the same encoding and
 the same functions), so the two agree on the same examples.
 """
+
 from __future__ import annotations
 
 import logging
@@ -54,8 +55,17 @@ if LM is not None:
 
     @register_model("grt")
     class GRTLM(LM):
-        def __init__(self, path: str, depth: int | None = None, kv_cache: str | None = None, device: str = "auto",
-                     dtype: str | None = None, batch_size: int | str = 8, tokenizer: str | None = None, **_):
+        def __init__(
+            self,
+            path: str,
+            depth: int | None = None,
+            kv_cache: str | None = None,
+            device: str = "auto",
+            dtype: str | None = None,
+            batch_size: int | str = 8,
+            tokenizer: str | None = None,
+            **_,
+        ):
             super().__init__()
             if str(device).startswith("cuda") and not torch.cuda.is_available():
                 # the harness passes its own default (cuda) whether or not the user asked
@@ -86,9 +96,15 @@ if LM is not None:
             separator playing BOS before the first token (the harness' rolling scheme)."""
             out = []
             for req in requests:
-                windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                    token_list=self.tok.encode(req.args[0]), prefix_token=self.tok.sep_id,
-                    max_seq_len=self.max_len, context_len=1)]
+                windows = [
+                    make_disjoint_window(w)
+                    for w in get_rolling_token_windows(
+                        token_list=self.tok.encode(req.args[0]),
+                        prefix_token=self.tok.sep_id,
+                        max_seq_len=self.max_len,
+                        context_len=1,
+                    )
+                ]
                 out.append(sum(ll for ll, _ in self._score([(ctx + cont, len(cont)) for ctx, cont in windows])))
             return out
 
@@ -98,13 +114,20 @@ if LM is not None:
                 context, kwargs = req.args
                 until = kwargs.get("until") or []
                 until = [until] if isinstance(until, str) else list(until)
-                ids = ([self.tok.sep_id] + self.tok.encode(context))[-(self.max_len - 1):]
+                ids = ([self.tok.sep_id] + self.tok.encode(context))[-(self.max_len - 1) :]
                 budget = min(int(kwargs.get("max_gen_toks", 256)), self.max_len - len(ids))
                 sample = bool(kwargs.get("do_sample", False)) and float(kwargs.get("temperature", 1.0)) > 0
-                new = generate(self.model, torch.tensor([ids], device=self.device), budget,
-                               strategy=self.strategy or "full", n_loops=self.depth,
-                               use_cache=self.strategy is not None, greedy=not sample,
-                               temperature=float(kwargs.get("temperature", 1.0)), stop_id=self.tok.sep_id)
+                new = generate(
+                    self.model,
+                    torch.tensor([ids], device=self.device),
+                    budget,
+                    strategy=self.strategy or "full",
+                    n_loops=self.depth,
+                    use_cache=self.strategy is not None,
+                    greedy=not sample,
+                    temperature=float(kwargs.get("temperature", 1.0)),
+                    stop_id=self.tok.sep_id,
+                )
                 text = self.tok.decode([t for t in new[0].tolist() if t != self.tok.sep_id])
                 for stop in until:
                     text = text.split(stop, 1)[0]

@@ -11,6 +11,7 @@ benchmark, so every command accepts the same paths:
 
 Tied embeddings are stored once (`wte.weight`); `lm_head.weight` is re-tied on load.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from pretrain.training.checkpoint import TAG_RE, find_latest
 from pretrain.config import ConfigError, ModelConfig
 from pretrain.model import GPT, build_model
+from pretrain.training.checkpoint import TAG_RE, find_latest
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +38,10 @@ TIED_KEY = "lm_head.weight"
 class LoadedModel:
     model: GPT
     cfg: ModelConfig
-    tokenizer_path: str | None          # the tokenizer to encode text with: --tokenizer, else the model's own
+    tokenizer_path: str | None  # the tokenizer to encode text with: --tokenizer, else the model's own
     run_config: dict = field(default_factory=dict)  # the training run config, if known
-    source: str = ""                    # "export" or "checkpoint"
-    path: str = ""                      # the directory the weights came from
+    source: str = ""  # "export" or "checkpoint"
+    path: str = ""  # the directory the weights came from
     own_tokenizer_path: str | None = None  # tokenizer.model next to the weights: the one it was trained with
 
     def tokenizer_sha256(self) -> str | None:
@@ -61,8 +62,14 @@ class LoadedModel:
             tok = Tokenizer(self.tokenizer_path)
         except RuntimeError as err:  # SentencePiece's word for a file it cannot read
             raise ConfigError(f"tokenizer {self.tokenizer_path!r} is not a SentencePiece model ({err})") from None
-        check_same_tokenizer(tok.sha256, tok.vocab_size, f"--tokenizer {self.tokenizer_path!r}", self.tokenizer_sha256(),
-                             self.cfg.vocab_size, f"the model {self.path!r}")
+        check_same_tokenizer(
+            tok.sha256,
+            tok.vocab_size,
+            f"--tokenizer {self.tokenizer_path!r}",
+            self.tokenizer_sha256(),
+            self.cfg.vocab_size,
+            f"the model {self.path!r}",
+        )
         return tok
 
     def check_data(self, manifest: str):
@@ -72,8 +79,14 @@ class LoadedModel:
         from pretrain.training.run_config import load_manifest
 
         m = load_manifest(manifest)
-        check_same_tokenizer(m.tokenizer_sha256, m.vocab_size, f"data={manifest!r}", self.tokenizer_sha256(),
-                             self.cfg.vocab_size, f"the model {self.path!r}")
+        check_same_tokenizer(
+            m.tokenizer_sha256,
+            m.vocab_size,
+            f"data={manifest!r}",
+            self.tokenizer_sha256(),
+            self.cfg.vocab_size,
+            f"the model {self.path!r}",
+        )
         return m
 
 
@@ -94,8 +107,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
             if tag is None:
                 raise ConfigError(f"{root} holds no complete checkpoint")
             return root / tag
-    raise ConfigError(f"{path}: neither an exported model (config.json + {WEIGHTS}) nor a checkpoint "
-                      "(<out>, <out>/checkpoints or <out>/checkpoints/stepNNNNNNNN)")
+    raise ConfigError(
+        f"{path}: neither an exported model (config.json + {WEIGHTS}) nor a checkpoint "
+        "(<out>, <out>/checkpoints or <out>/checkpoints/stepNNNNNNNN)"
+    )
 
 
 def read_run_config(step_dir: Path) -> dict:
@@ -161,8 +176,9 @@ def state_for_saving(model: GPT) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               tokenizer: str | None = None) -> LoadedModel:
+def load_model(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, tokenizer: str | None = None
+) -> LoadedModel:
     """Load an exported directory or a checkpoint (see module doc), in eval mode."""
     p = Path(path)
     if not p.exists():
@@ -184,8 +200,15 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         source = "checkpoint"
     own = str(where / "tokenizer.model") if (where / "tokenizer.model").is_file() else None
     model.to(device)
-    return LoadedModel(model=model, cfg=cfg, tokenizer_path=tokenizer or own, run_config=run_cfg, source=source,
-                       path=str(where), own_tokenizer_path=own)
+    return LoadedModel(
+        model=model,
+        cfg=cfg,
+        tokenizer_path=tokenizer or own,
+        run_config=run_cfg,
+        source=source,
+        path=str(where),
+        own_tokenizer_path=own,
+    )
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -194,8 +217,14 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 
 
 def parse_dtype(name: str | None) -> torch.dtype | None:

@@ -10,9 +10,10 @@ object with rank, world and shard, e.g. pretrain.distributed.Dist) shards
 and sums over ranks (`sum_over_ranks`, once per call, after the ranks agreed that none
 failed); None is one process.
 """
+
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -25,16 +26,23 @@ from pretrain.model.layers import AttentionContext
 
 
 @torch.no_grad()
-def exit_hidden(model: GPT, idx: torch.Tensor, depths: Iterable[int], doc_ids: torch.Tensor | None = None,
-                gate_override: float | None = None, anchor: str = "prelude") -> Iterator[tuple[int, torch.Tensor]]:
+def exit_hidden(
+    model: GPT,
+    idx: torch.Tensor,
+    depths: Iterable[int],
+    doc_ids: torch.Tensor | None = None,
+    gate_override: float | None = None,
+    anchor: str = "prelude",
+) -> Iterator[tuple[int, torch.Tensor]]:
     """Yield (depth, final-norm hidden [B, T, d]) for each depth from one pass through the loop."""
     depths = list(depths)
     ctx = AttentionContext(doc_ids=doc_ids)
     if model.loop is None:  # a dense model: its one state is the prelude's output
         states = [model.run_prelude(model.embed(idx), ctx)]
     else:
-        states = model(idx, n_loops=max(depths), doc_ids=doc_ids, gate_override=gate_override, anchor=anchor,
-                       return_states=True).states
+        states = model(
+            idx, n_loops=max(depths), doc_ids=doc_ids, gate_override=gate_override, anchor=anchor, return_states=True
+        ).states
     for r in depths:
         yield r, model.final_hidden(states[r], ctx)
 
@@ -57,8 +65,15 @@ def sum_over_ranks(sums: torch.Tensor, dist) -> torch.Tensor:
 
 
 @torch.no_grad()
-def lm_sums(model: GPT, batches: Iterable[dict], depths: list[int], device: torch.device, doc_mask: bool = False,
-            dist=None, **fwd) -> torch.Tensor:
+def lm_sums(
+    model: GPT,
+    batches: Iterable[dict],
+    depths: list[int],
+    device: torch.device,
+    doc_mask: bool = False,
+    dist=None,
+    **fwd,
+) -> torch.Tensor:
     """[len(depths), 2] on the CPU: summed NLL (nats) and scored-token count per depth, summed
     over ranks. Each batch: input_ids, targets (-100 = not scored), optional doc_ids."""
     sums = torch.zeros(len(depths), 2, dtype=torch.float64, device=device)
@@ -74,8 +89,9 @@ def lm_sums(model: GPT, batches: Iterable[dict], depths: list[int], device: torc
 
 
 @torch.no_grad()
-def lm_sums_cached(model: GPT, batches: Iterable[dict], depths: list[int], device, strategy: str,
-                   dist=None) -> torch.Tensor:
+def lm_sums_cached(
+    model: GPT, batches: Iterable[dict], depths: list[int], device, strategy: str, dist=None
+) -> torch.Tensor:
     """As lm_sums, but every token is decoded one at a time through the KV cache with the given
     strategy (the first token is the prompt): what a shared cache costs in loss. `full` gives
     lm_sums' numbers (tested). No document mask."""
@@ -86,22 +102,33 @@ def lm_sums_cached(model: GPT, batches: Iterable[dict], depths: list[int], devic
         b, t = idx.shape
         sums[:, 1] += (targets != -100).sum()
         for i, r in enumerate(depths):
-            dec = CachedDecoder(model, batch=b, max_len=t, strategy=strategy,
-                                n_loops=r if model.loop is not None else None)
+            dec = CachedDecoder(
+                model, batch=b, max_len=t, strategy=strategy, n_loops=r if model.loop is not None else None
+            )
             for pos in range(t):
-                logits = dec.forward(idx[:, pos:pos + 1]).float()
+                logits = dec.forward(idx[:, pos : pos + 1]).float()
                 sums[i, 0] += F.cross_entropy(logits, targets[:, pos], ignore_index=-100, reduction="sum")
     return sum_over_ranks(sums, dist)
 
 
-def val_batches(manifest: str, batch_size: int, dist=None, max_batches: int | None = None, seed: int = 1234,
-                split: str = "val") -> Iterator[dict]:
+def val_batches(
+    manifest: str, batch_size: int, dist=None, max_batches: int | None = None, seed: int = 1234, split: str = "val"
+) -> Iterator[dict]:
     """Batches of a manifest's split (this rank's share when dist is given), in a fixed order."""
     from data_pipeline.loader import TokenBatchLoader
 
     rank, world = (dist.rank, dist.world) if dist is not None else (0, 1)
-    loader = TokenBatchLoader(manifest, split=split, micro_batch_size=batch_size, rank=rank,
-                              world_size=world, num_workers=0, seed=seed, shuffle_buffer=0, loop=False)
+    loader = TokenBatchLoader(
+        manifest,
+        split=split,
+        micro_batch_size=batch_size,
+        rank=rank,
+        world_size=world,
+        num_workers=0,
+        seed=seed,
+        shuffle_buffer=0,
+        loop=False,
+    )
     for i, batch in enumerate(loader):
         if max_batches is not None and i >= max_batches:
             break
@@ -118,11 +145,21 @@ def jsonable(obj):
 
 
 @torch.no_grad()
-def adaptive_sums(model: GPT, batches: Iterable[dict], thresholds: list[float], device, criterion: str = "update",
-                  max_steps: int | None = None, dist=None, doc_mask: bool = False) -> torch.Tensor:
+def adaptive_sums(
+    model: GPT,
+    batches: Iterable[dict],
+    thresholds: list[float],
+    device,
+    criterion: str = "update",
+    max_steps: int | None = None,
+    dist=None,
+    doc_mask: bool = False,
+) -> torch.Tensor:
     """exit_sums of per-token adaptive exit, one row per threshold."""
-    forwards = [lambda idx, doc_ids, thr=thr: adaptive_forward(model, idx, thr, criterion, max_steps, doc_ids)
-                for thr in thresholds]
+    forwards = [
+        lambda idx, doc_ids, thr=thr: adaptive_forward(model, idx, thr, criterion, max_steps, doc_ids)
+        for thr in thresholds
+    ]
     return exit_sums(forwards, batches, device, dist, doc_mask)
 
 
@@ -139,7 +176,9 @@ def exit_sums(forwards: list, batches: Iterable[dict], device, dist=None, doc_ma
         scored = targets != -100
         for row, forward in zip(sums, forwards):
             logits, steps = forward(idx, doc_ids)
-            row[0] += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+            row[0] += F.cross_entropy(
+                logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"
+            )
             row[1] += scored.sum()
             row[2] += (steps * scored).sum()  # not steps[scored]: a boolean index waits for the device (nonzero)
     return sum_over_ranks(sums, dist)

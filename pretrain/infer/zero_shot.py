@@ -17,6 +17,7 @@ With a KV-cache strategy (`grt eval --kv-cache average`), the continuation is de
 by token through the cache instead of in one forward, which measures what the looped
 core's shared caches (first/last/average) cost in accuracy; `full` is exact.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,9 +35,9 @@ from pretrain.model import GPT
 
 @dataclass
 class Item:
-    requests: list[tuple[str, str]]      # (context, continuation) per choice
+    requests: list[tuple[str, str]]  # (context, continuation) per choice
     gold: int = 0
-    kind: str = "mc"                     # mc | lambada
+    kind: str = "mc"  # mc | lambada
 
     @property
     def choice_chars(self) -> list[int]:
@@ -100,20 +101,21 @@ def encode_request(tok, context: str, continuation: str, max_len: int) -> tuple[
     number of continuation tokens (the last ones)."""
     ctx = [tok.sep_id] + tok.encode(context)
     cont = tok.encode(continuation)
-    full = (ctx + cont)[-(max_len + 1):]
+    full = (ctx + cont)[-(max_len + 1) :]
     return full, min(len(cont), len(full) - 1)
 
 
 @torch.no_grad()
-def score_requests(model: GPT, encoded: list[tuple[list[int], int]], depths: list[int], device,
-                   batch_size: int = 8, **fwd) -> tuple[torch.Tensor, torch.Tensor]:
+def score_requests(
+    model: GPT, encoded: list[tuple[list[int], int]], depths: list[int], device, batch_size: int = 8, **fwd
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(loglik [N, D] float64, greedy [N, D] bool) for encoded requests at each depth."""
     n, nd = len(encoded), len(depths)
     ll = torch.zeros(n, nd, dtype=torch.float64)
     greedy = torch.zeros(n, nd, dtype=torch.bool)
     order = sorted(range(n), key=lambda i: -len(encoded[i][0]))  # similar lengths together
     for start in range(0, n, batch_size):
-        chunk = order[start:start + batch_size]
+        chunk = order[start : start + batch_size]
         width = max(len(encoded[i][0]) - 1 for i in chunk)
         inp = torch.zeros(len(chunk), width, dtype=torch.long)
         rows, cols, tgts, owner = [], [], [], []
@@ -138,8 +140,9 @@ def score_requests(model: GPT, encoded: list[tuple[list[int], int]], depths: lis
 
 
 @torch.no_grad()
-def score_requests_cached(model: GPT, encoded: list[tuple[list[int], int]], depths: list[int], device,
-                          strategy: str = "full") -> tuple[torch.Tensor, torch.Tensor]:
+def score_requests_cached(
+    model: GPT, encoded: list[tuple[list[int], int]], depths: list[int], device, strategy: str = "full"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """As score_requests, but the continuation is decoded token by token through the KV cache
     with the given strategy (pretrain.infer.kv_cache): the context is prefilled, then each
     continuation token is fed back. `full` gives score_requests' numbers; the shared
@@ -149,8 +152,9 @@ def score_requests_cached(model: GPT, encoded: list[tuple[list[int], int]], dept
     for i, (ids, n_cont) in enumerate(encoded):
         ctx_len = len(ids) - n_cont
         for j, r in enumerate(depths):
-            dec = CachedDecoder(model, batch=1, max_len=len(ids) - 1, strategy=strategy,
-                                n_loops=r if model.loop is not None else None)
+            dec = CachedDecoder(
+                model, batch=1, max_len=len(ids) - 1, strategy=strategy, n_loops=r if model.loop is not None else None
+            )
             logits = dec.forward(torch.tensor([ids[:ctx_len]], device=device))
             total, hit = 0.0, True
             for k in range(n_cont):
@@ -164,8 +168,17 @@ def score_requests_cached(model: GPT, encoded: list[tuple[list[int], int]], dept
     return ll, greedy
 
 
-def evaluate_task(model: GPT, tok, items: list[Item], depths: list[int], device, batch_size: int = 8,
-                  dist=None, kv_cache: str | None = None, **fwd) -> dict:
+def evaluate_task(
+    model: GPT,
+    tok,
+    items: list[Item],
+    depths: list[int],
+    device,
+    batch_size: int = 8,
+    dist=None,
+    kv_cache: str | None = None,
+    **fwd,
+) -> dict:
     """{depth: metrics} for one task; with a dist (pretrain.distributed.Dist) items are sharded
     over ranks and the sums all-reduced."""
     mine = items if dist is None else dist.shard(items)
@@ -185,7 +198,7 @@ def evaluate_task(model: GPT, tok, items: list[Item], depths: list[int], device,
     pos = 0
     for item in mine:
         k = len(item.requests)
-        item_ll, item_greedy = ll[pos:pos + k], greedy[pos:pos + k]
+        item_ll, item_greedy = ll[pos : pos + k], greedy[pos : pos + k]
         if item.kind == "lambada":
             sums[:, 0] += item_greedy[0].double()
             sums[:, 3] += item_ll[0]

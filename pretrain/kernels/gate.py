@@ -8,6 +8,7 @@ from the logits. On CUDA it is a Triton kernel; elsewhere (and when Triton is mi
 eager reference runs. `TRITON_INTERPRET=1` runs the Triton kernel on the CPU, which is how
 CI checks it against the reference without a GPU.
 """
+
 from __future__ import annotations
 
 import os

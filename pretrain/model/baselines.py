@@ -27,6 +27,7 @@ settings live in `cfg.extra` (accepted keys and defaults: config.BASELINE_EXTRA)
 Outputs beyond ModelOutput (per-step losses, exit distribution, router selections) are
 left in `model.last_aux` after each forward.
 """
+
 from __future__ import annotations
 
 import math
@@ -107,8 +108,19 @@ class HuginnGPT(LoopedBaseline):
         _, step = super().recurrence(e, ctx)  # the adapter on [s; e] every step
         return self.initial_state(e), step
 
-    def forward(self, idx, targets=None, *, n_loops=None, doc_ids=None, gate_override=None, anchor="prelude",
-                return_states=False, return_gates=False, return_logits=True) -> ModelOutput:
+    def forward(
+        self,
+        idx,
+        targets=None,
+        *,
+        n_loops=None,
+        doc_ids=None,
+        gate_override=None,
+        anchor="prelude",
+        return_states=False,
+        return_gates=False,
+        return_logits=True,
+    ) -> ModelOutput:
         n = self._check_args(n_loops, gate_override, anchor)
         ctx = AttentionContext(doc_ids=doc_ids)
         e = self.run_prelude(self.embed(idx), ctx)
@@ -157,9 +169,12 @@ class RRTStep(nn.Module):
         shapes = {"attn_qkv": (d, 3 * d), "attn_out": (d, d), "mlp_in": (d, h), "mlp_out": (h, d)}
         self.core = nn.ModuleList(Block(cfg, out_std) for _ in range(layout.core))
         self.lora = nn.ModuleList(  # [step][block][site]
-            nn.ModuleList(nn.ModuleDict({site: LoRA(*shapes[site], rank, alpha) for site in _LORA_SITES})
-                          for _ in range(layout.core))
-            for _ in range(layout.loops))
+            nn.ModuleList(
+                nn.ModuleDict({site: LoRA(*shapes[site], rank, alpha) for site in _LORA_SITES})
+                for _ in range(layout.core)
+            )
+            for _ in range(layout.loops)
+        )
 
     def adapters(self, step: int) -> nn.ModuleList:
         return self.lora[min(step, len(self.lora) - 1)]  # past the trained R: the last step's adapters
@@ -208,8 +223,19 @@ class RRTGPT(LoopedBaseline):
     def recurrence(self, e, ctx):
         return e, lambda s, r: self.loop_step(s, e, ctx, r)[0]
 
-    def forward(self, idx, targets=None, *, n_loops=None, doc_ids=None, gate_override=None, anchor="prelude",
-                return_states=False, return_gates=False, return_logits=True) -> ModelOutput:
+    def forward(
+        self,
+        idx,
+        targets=None,
+        *,
+        n_loops=None,
+        doc_ids=None,
+        gate_override=None,
+        anchor="prelude",
+        return_states=False,
+        return_gates=False,
+        return_logits=True,
+    ) -> ModelOutput:
         n = self._check_args(n_loops, gate_override, anchor)
         ctx = AttentionContext(doc_ids=doc_ids)
         s = e = self.run_prelude(self.embed(idx), ctx)
@@ -255,8 +281,20 @@ class OuroGPT(LoopedBaseline):
         p = survive * lambdas
         return torch.cat([p[:-1], survive[-1:]]) if n > 0 else p  # the last step exits whatever is left
 
-    def forward(self, idx, targets=None, *, n_loops=None, doc_ids=None, gate_override=None, anchor="prelude",
-                return_states=False, return_gates=False, return_logits=True, exit: str = "fixed") -> ModelOutput:
+    def forward(
+        self,
+        idx,
+        targets=None,
+        *,
+        n_loops=None,
+        doc_ids=None,
+        gate_override=None,
+        anchor="prelude",
+        return_states=False,
+        return_gates=False,
+        return_logits=True,
+        exit: str = "fixed",
+    ) -> ModelOutput:
         """exit='fixed': decode after step n (early exit at a chosen depth); exit='learned': each
         token exits at the first step where the learned distribution's CDF >= exit_threshold.
         In training (with targets) the loss is the expected step loss minus beta x entropy, from
@@ -282,13 +320,13 @@ class OuroGPT(LoopedBaseline):
             if self.training and loss is not None:  # only at n = 0: with targets, training decodes every step
                 loss = loss + 0.0 * self._touch_loop(s) + _zero(self.exit_logits(s[:, :1]))
             return ModelOutput(logits=logits, loss=loss, states=states, gates=[])
-        lam = torch.stack(lambdas)                           # [n, B, T]
+        lam = torch.stack(lambdas)  # [n, B, T]
         p = self.exit_distribution(lam)
         self.last_aux = {"exit_probs": p.detach()}
         if exit == "learned":
             cdf = p.cumsum(0)
             step = (cdf < float(self.cfg.xget("exit_threshold")) - 1e-6).sum(0).clamp(max=n - 1)  # [B, T]
-            stacked = torch.stack(logits_steps)              # [n, B, T, V]
+            stacked = torch.stack(logits_steps)  # [n, B, T, V]
             logits = stacked.gather(0, step[None, ..., None].expand(1, *stacked.shape[1:])).squeeze(0)
             self.last_aux["exit_step"] = step + 1
             loss = lm_loss(logits, targets) if targets is not None else None
@@ -301,8 +339,7 @@ class OuroGPT(LoopedBaseline):
         beta = float(self.cfg.xget("entropy_beta"))
         # lambda_n does not enter p (the last step takes the rest): touch it for ZeRO-3
         loss = expected - beta * entropy + _zero(lam[-1])
-        self.last_aux.update(step_losses=(step_losses * valid).sum((1, 2)).detach() / denom,
-                             entropy=entropy.detach())
+        self.last_aux.update(step_losses=(step_losses * valid).sum((1, 2)).detach() / denom, entropy=entropy.detach())
         return ModelOutput(logits=logits_steps[-1], loss=loss, states=states, gates=[])
 
 
@@ -314,13 +351,14 @@ class MoRGPT(LoopedBaseline):
     Auxiliary loss: BCE of the router logits against the selection (coef aux_loss_coef)."""
 
     VARIANTS = ("mor",)
-    ADAPTIVE_EXIT_REFUSAL = ("adaptive exit by a threshold does not apply to MoR: its learned router already picks "
-                             "the tokens each loop step runs")
+    ADAPTIVE_EXIT_REFUSAL = (
+        "adaptive exit by a threshold does not apply to MoR: its learned router already picks "
+        "the tokens each loop step runs"
+    )
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.routers = nn.ModuleList(Linear(cfg.d_model, 1, bias=True, std=cfg.init_std)
-                                     for _ in range(cfg.max_loops))
+        self.routers = nn.ModuleList(Linear(cfg.d_model, 1, bias=True, std=cfg.init_std) for _ in range(cfg.max_loops))
 
     def recurrence(self, e, ctx):
         raise ConfigError(self.ADAPTIVE_EXIT_REFUSAL)
@@ -330,8 +368,19 @@ class MoRGPT(LoopedBaseline):
         share = (r_max - min(step, r_max - 1)) / r_max
         return max(1, math.ceil(seq_len * share))
 
-    def forward(self, idx, targets=None, *, n_loops=None, doc_ids=None, gate_override=None, anchor="prelude",
-                return_states=False, return_gates=False, return_logits=True) -> ModelOutput:
+    def forward(
+        self,
+        idx,
+        targets=None,
+        *,
+        n_loops=None,
+        doc_ids=None,
+        gate_override=None,
+        anchor="prelude",
+        return_states=False,
+        return_gates=False,
+        return_logits=True,
+    ) -> ModelOutput:
         n = self._check_args(n_loops, gate_override, anchor)
         ctx = AttentionContext(doc_ids=doc_ids)
         s = self.run_prelude(self.embed(idx), ctx)
@@ -343,12 +392,12 @@ class MoRGPT(LoopedBaseline):
         noise = float(self.cfg.xget("router_noise_std"))
         for i in range(n):
             router = self.routers[min(i, len(self.routers) - 1)]
-            logits_r = router(s).squeeze(-1).float()                       # [B, T]
+            logits_r = router(s).squeeze(-1).float()  # [B, T]
             if self.training and noise > 0:
                 logits_r = logits_r + noise * torch.randn_like(logits_r)
             k = min(self.capacity(i, t), per_row)
             scores = logits_r.masked_fill(~active, float("-inf"))
-            chosen = scores.topk(k, dim=1).indices.sort(dim=1).values      # [B, k], in sequence order
+            chosen = scores.topk(k, dim=1).indices.sort(dim=1).values  # [B, k], in sequence order
             picked = torch.zeros_like(active).scatter(1, chosen, True)
             bce = F.binary_cross_entropy_with_logits(logits_r, picked.float(), reduction="none")
             aux_terms.append((bce * active).sum() / (b * per_row))  # the mean over the active tokens

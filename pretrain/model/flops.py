@@ -4,6 +4,7 @@ FLOPs count the matmuls (2 per multiply-add), as PyTorch's FLOP counter does; el
 work (norms, activations, the gate's sigmoid) is left out. tests/test_model.py checks the
 counts against torch.utils.flop_counter for every variant.
 """
+
 from __future__ import annotations
 
 import torch
@@ -49,8 +50,9 @@ def _loop_flops(cfg: ModelConfig, seq_len: int, r: int, executed: bool) -> float
     raise ValueError(f"variant={cfg.variant!r}: no FLOP count")
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int | None = None, n_loops: int | None = None,
-                    executed: bool = False) -> int:
+def flops_per_token(
+    cfg: ModelConfig, seq_len: int | None = None, n_loops: int | None = None, executed: bool = False
+) -> int:
     """Forward FLOPs per token of any variant at a depth of n_loops loop steps (default: R),
     sequence length seq_len (default: max_seq_len), inference (Ouro: one decode at a fixed exit).
 
@@ -87,6 +89,7 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, depth: int, executed: 
 def count_params(model: torch.nn.Module) -> dict[str, int]:
     """Unique parameters (a tied head counts once) and those outside the embeddings; a ZeRO-3
     partitioned parameter counts its full size (ds_numel)."""
+
     def numel(p):
         return getattr(p, "ds_numel", p.numel())
 

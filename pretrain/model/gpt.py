@@ -13,10 +13,12 @@ of `forward` (0 = prelude straight to coda), so training can sample it and
 evaluation can exit early. Activation checkpointing and compilation are applied
 from outside (`pretrain.training.parallelize`); `LoopStep` is the recompute/compile unit.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -34,7 +36,7 @@ class ModelOutput(NamedTuple):
     logits: torch.Tensor | None
     loss: torch.Tensor | None = None
     states: list = []  # s_0..s_n, when asked for
-    gates: list = []   # g_1..g_n, when asked for
+    gates: list = []  # g_1..g_n, when asked for
 
 
 class AnchorTerms(NamedTuple):
@@ -57,8 +59,9 @@ class AnchorProjection(nn.Module):
         self.has_gate = cfg.gate
 
     def forward(self, e: torch.Tensor) -> AnchorTerms:
-        return AnchorTerms(self.proj(e) if self.proj is not None else None,
-                           self.gate_fc(self.gate_norm(e)) if self.has_gate else None)
+        return AnchorTerms(
+            self.proj(e) if self.proj is not None else None, self.gate_fc(self.gate_norm(e)) if self.has_gate else None
+        )
 
 
 class LoopStep(nn.Module):
@@ -107,9 +110,14 @@ class LoopStep(nn.Module):
     def anchor_terms(self, e: torch.Tensor) -> AnchorTerms:
         return self.anchor(e.to(self.weight_dtype()))
 
-    def forward(self, s: torch.Tensor, e: torch.Tensor, ctx: AttentionContext,
-                gate_override: float | None = None,
-                terms: AnchorTerms | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        s: torch.Tensor,
+        e: torch.Tensor,
+        ctx: AttentionContext,
+        gate_override: float | None = None,
+        terms: AnchorTerms | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One step from state s with anchor e; `terms` = anchor_terms(e) when precomputed.
         The projection, core and gate MLP compute in the weights' dtype; the gated update
         keeps the state's dtype (fp32 under bf16 weights by default: ModelConfig.state_dtype)."""
@@ -147,8 +155,10 @@ class GPT(nn.Module):
         super().__init__()
         cfg.validate()
         if cfg.variant not in self.VARIANTS:
-            raise ConfigError(f"{type(self).__name__} builds variant(s) {', '.join(self.VARIANTS)}, not "
-                              f"{cfg.variant!r}: build models with pretrain.model.build_model(cfg)")
+            raise ConfigError(
+                f"{type(self).__name__} builds variant(s) {', '.join(self.VARIANTS)}, not "
+                f"{cfg.variant!r}: build models with pretrain.model.build_model(cfg)"
+            )
         self.cfg = cfg
         layout = cfg.parsed_layout
         d, vocab = cfg.d_model, cfg.padded_vocab_size
@@ -195,9 +205,15 @@ class GPT(nn.Module):
             x = block(x, ctx)
         return x
 
-    def loop_step(self, s: torch.Tensor, e: torch.Tensor, ctx: AttentionContext, step: int,
-                  terms: AnchorTerms | None = None,
-                  gate_override: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def loop_step(
+        self,
+        s: torch.Tensor,
+        e: torch.Tensor,
+        ctx: AttentionContext,
+        step: int,
+        terms: AnchorTerms | None = None,
+        gate_override: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Loop step number `step` (0-based) from state s with anchor e: (s_next, gate or None).
         terms: loop.anchor_terms(e) when precomputed. The GRT's steps share all weights."""
         return self.loop(s, e, ctx, gate_override, terms)
@@ -205,8 +221,9 @@ class GPT(nn.Module):
     # Why per-token adaptive exit (pretrain/infer/adaptive.py) does not apply, or None.
     ADAPTIVE_EXIT_REFUSAL: str | None = None
 
-    def recurrence(self, e: torch.Tensor, ctx: AttentionContext
-                   ) -> tuple[torch.Tensor, Callable[[torch.Tensor, int], torch.Tensor]]:
+    def recurrence(
+        self, e: torch.Tensor, ctx: AttentionContext
+    ) -> tuple[torch.Tensor, Callable[[torch.Tensor, int], torch.Tensor]]:
         """(s_0, step(s, r) -> s_{r+1}): the loop as this model's forward runs it from the
         prelude output e, one step at a time, for callers that decide per step how far to go
         (adaptive exit, the KV cache). The GRT: from e, with e as the anchor."""
@@ -218,9 +235,18 @@ class GPT(nn.Module):
         gate the step's output replaces the state (s_r = o_r, in the weights' dtype): no fp32 state."""
         return e.float() if self.cfg.state_dtype == "fp32" and self.cfg.gate else e
 
-    def run_loop(self, e: torch.Tensor, ctx: AttentionContext, n: int, *, emb: torch.Tensor | None = None,
-                 gate_override: float | None = None, anchor: str = "prelude",
-                 states: list | None = None, gates: list | None = None) -> torch.Tensor:
+    def run_loop(
+        self,
+        e: torch.Tensor,
+        ctx: AttentionContext,
+        n: int,
+        *,
+        emb: torch.Tensor | None = None,
+        gate_override: float | None = None,
+        anchor: str = "prelude",
+        states: list | None = None,
+        gates: list | None = None,
+    ) -> torch.Tensor:
         """n loop steps from s_0 = e (the prelude output); returns s_n (e itself for a dense model).
         anchor: what the loop is fed as e (prelude output, zeros, the token embeddings `emb`, or
         the previous state). Appends s_0..s_n to `states` and g_1..g_n to `gates` when given."""
@@ -262,8 +288,9 @@ class GPT(nn.Module):
         """A state to logits: exit norm -> coda -> final norm -> head -> vocabulary slice."""
         return self.head(self.final_hidden(s, ctx))
 
-    def output(self, s: torch.Tensor, ctx: AttentionContext, targets: torch.Tensor | None,
-               return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def output(
+        self, s: torch.Tensor, ctx: AttentionContext, targets: torch.Tensor | None, return_logits: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(logits, loss) of the final state s. Without return_logits, the loss comes straight
         from the hidden states (`LMHead` with targets: no logits tensor) and logits is None:
         training's path."""
@@ -273,9 +300,19 @@ class GPT(nn.Module):
         logits = self.head(h)
         return logits, lm_loss(logits, targets) if targets is not None else None
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, n_loops: int | None = None,
-                doc_ids: torch.Tensor | None = None, gate_override: float | None = None, anchor: str = "prelude",
-                return_states: bool = False, return_gates: bool = False, return_logits: bool = True) -> ModelOutput:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        n_loops: int | None = None,
+        doc_ids: torch.Tensor | None = None,
+        gate_override: float | None = None,
+        anchor: str = "prelude",
+        return_states: bool = False,
+        return_gates: bool = False,
+        return_logits: bool = True,
+    ) -> ModelOutput:
         """idx, targets: [B, T] token ids. n_loops: loop steps to run (default: the layout's R).
         gate_override: force every gate to this constant. anchor: what the loop is fed as e
         (prelude output, zeros, token embeddings, or the previous state). return_logits=False
@@ -285,8 +322,16 @@ class GPT(nn.Module):
         emb = self.embed(idx)
         e = self.run_prelude(emb, ctx)
         states, gates = [], []
-        s = self.run_loop(e, ctx, n, emb=emb, gate_override=gate_override, anchor=anchor,
-                          states=states if return_states else None, gates=gates if return_gates else None)
+        s = self.run_loop(
+            e,
+            ctx,
+            n,
+            emb=emb,
+            gate_override=gate_override,
+            anchor=anchor,
+            states=states if return_states else None,
+            gates=gates if return_gates else None,
+        )
         if self.training and n == 0 and self.loop is not None:
             s = s + 0.0 * self._touch_loop(e)
         logits, loss = self.output(s, ctx, targets, return_logits)

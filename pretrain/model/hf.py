@@ -17,6 +17,7 @@ Both get an HF tokenizer (`AutoTokenizer.from_pretrained(path)`): transformers c
 SentencePiece BPE into a `tokenizers` one; it prepends the document separator as BOS, as
 `grt eval` and `grt generate` do, and never makes a separator out of text.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -44,11 +45,20 @@ def hf_config(cfg: ModelConfig):
     from transformers import GPT2Config
 
     _check_dense(cfg)
-    return GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model,
-                      n_layer=cfg.parsed_layout.prelude, n_head=cfg.n_heads, n_inner=cfg.mlp_ratio * cfg.d_model,
-                      activation_function="gelu_new", layer_norm_epsilon=cfg.layer_norm_eps,
-                      resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
-                      tie_word_embeddings=cfg.tie_embeddings)
+    return GPT2Config(
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.max_seq_len,
+        n_embd=cfg.d_model,
+        n_layer=cfg.parsed_layout.prelude,
+        n_head=cfg.n_heads,
+        n_inner=cfg.mlp_ratio * cfg.d_model,
+        activation_function="gelu_new",
+        layer_norm_epsilon=cfg.layer_norm_eps,
+        resid_pdrop=cfg.dropout,
+        embd_pdrop=cfg.dropout,
+        attn_pdrop=cfg.dropout,
+        tie_word_embeddings=cfg.tie_embeddings,
+    )
 
 
 def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
@@ -77,7 +87,9 @@ def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
         for key in hf_keys - set(out):
             if key.endswith(".bias"):
                 weight = out[key[: -len("bias")] + "weight"]
-                out[key] = torch.zeros(weight.shape[-1] if key.split(".")[-2] in ("c_attn", "c_proj", "c_fc") else weight.shape[0])
+                out[key] = torch.zeros(
+                    weight.shape[-1] if key.split(".")[-2] in ("c_attn", "c_proj", "c_fc") else weight.shape[0]
+                )
     return out
 
 
@@ -105,10 +117,20 @@ def from_hf(hf_model, **overrides) -> GPT:
     c = hf_model.config
     if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ConfigError(f"activation_function={c.activation_function!r}: only GPT-2's tanh GELU converts")
-    cfg = ModelConfig(name=overrides.pop("name", "hf-gpt2"), variant="dense", layout=str(c.n_layer),
-                      d_model=c.n_embd, n_heads=c.n_head, vocab_size=c.vocab_size, pad_vocab_multiple=1,
-                      max_seq_len=c.n_positions, bias=True, layer_norm_eps=c.layer_norm_epsilon,
-                      mlp_ratio=(c.n_inner or 4 * c.n_embd) // c.n_embd, **overrides)
+    cfg = ModelConfig(
+        name=overrides.pop("name", "hf-gpt2"),
+        variant="dense",
+        layout=str(c.n_layer),
+        d_model=c.n_embd,
+        n_heads=c.n_head,
+        vocab_size=c.vocab_size,
+        pad_vocab_multiple=1,
+        max_seq_len=c.n_positions,
+        bias=True,
+        layer_norm_eps=c.layer_norm_epsilon,
+        mlp_ratio=(c.n_inner or 4 * c.n_embd) // c.n_embd,
+        **overrides,
+    )
     model = build_model(cfg)
     ours = {}
     for key, tensor in hf_model.state_dict().items():
@@ -154,9 +176,13 @@ def vendored_sources() -> dict[str, str]:
         todo += [dep for _, dep in _PROJECT_IMPORT.findall(text)]
         text = _PROJECT_IMPORT.sub(lambda m: f"{m[1]}from .{_vendored_file(m[2])[:-3]} import ", text)
         if re.search(r"^\s*(import|from) pretrain\b", text, re.M):
-            raise RuntimeError(f"{path}: an import of the pretrain package that cannot be vendored (use 'from pretrain.x import y')")
+            raise RuntimeError(
+                f"{path}: an import of the pretrain package that cannot be vendored (use 'from pretrain.x import y')"
+            )
         source = path.relative_to(PROJECT_ROOT).as_posix()
-        out[name] = f"# Vendored by `grt export` from {source}, its imports made relative: edit that file, not this copy.\n{text}"
+        out[name] = (
+            f"# Vendored by `grt export` from {source}, its imports made relative: edit that file, not this copy.\n{text}"
+        )
     return out
 
 
@@ -164,9 +190,20 @@ def remote_config(cfg: ModelConfig, dtype: torch.dtype, sep_id: int | None) -> d
     """config.json of the remote-code model: every ModelConfig field, the trained depth R, and
     the inference settings (depth, kv_cache) that from_pretrained(..., depth=k) overrides."""
     r = cfg.max_loops
-    return {"architectures": ["GRTForCausalLM"], "model_type": "grt", "auto_map": AUTO_MAP, **cfg.to_dict(),
-            "trained_depth": r, "depth": r, "kv_cache": "full", "tie_word_embeddings": cfg.tie_embeddings,
-            "use_cache": True, "bos_token_id": sep_id, "eos_token_id": sep_id, "dtype": str(dtype).removeprefix("torch.")}
+    return {
+        "architectures": ["GRTForCausalLM"],
+        "model_type": "grt",
+        "auto_map": AUTO_MAP,
+        **cfg.to_dict(),
+        "trained_depth": r,
+        "depth": r,
+        "kv_cache": "full",
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "use_cache": True,
+        "bos_token_id": sep_id,
+        "eos_token_id": sep_id,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
 
 
 def save_remote(model: GPT, directory: Path, sep_id: int | None) -> None:
@@ -203,8 +240,13 @@ def save_pretrained(model: GPT, directory: Path, tokenizer: Path | None) -> None
 
 
 # probes of the tokenizer conversion: spaces, newlines, digits, punctuation, bytes beyond the vocabulary
-_PROBES = ("First Citizen:\nBefore we proceed any further, hear me speak.", "  two spaces,\ttab; 3.14 + 42 = x",
-           "Ünïcödé and emoji \U0001F389 fall back to bytes", "a literal <|endoftext|> is text", "")
+_PROBES = (
+    "First Citizen:\nBefore we proceed any further, hear me speak.",
+    "  two spaces,\ttab; 3.14 + 42 = x",
+    "Ünïcödé and emoji \U0001f389 fall back to bytes",
+    "a literal <|endoftext|> is text",
+    "",
+)
 
 
 def save_tokenizer(model_file: Path, directory: Path, max_len: int) -> int:
@@ -220,8 +262,15 @@ def save_tokenizer(model_file: Path, directory: Path, max_len: int) -> int:
     shutil.copyfile(model_file, directory / "tokenizer.model")
     # transformers converts a SentencePiece BPE .model into a `tokenizers` BPE (TokenizersBackend)
     # offline; split_special_tokens keeps a literal separator in text from becoming the separator
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": ours.sep_piece, "eos_token": ours.sep_piece,
-              "add_bos_token": True, "add_eos_token": False, "split_special_tokens": True, "model_max_length": max_len}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": ours.sep_piece,
+        "eos_token": ours.sep_piece,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "split_special_tokens": True,
+        "model_max_length": max_len,
+    }
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     AutoTokenizer.from_pretrained(str(directory)).save_pretrained(str(directory))  # adds tokenizer.json:
     saved = json.loads((directory / "tokenizer_config.json").read_text())  # later loads need no conversion

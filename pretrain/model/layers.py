@@ -2,6 +2,7 @@
 themselves (so the model can be built under `deepspeed.zero.Init`, which partitions
 each module as soon as its constructor returns), attention with interchangeable
 backends, MLP and the pre-norm block."""
+
 from __future__ import annotations
 
 import logging
@@ -116,12 +117,15 @@ def resolve_backend(requested: str, q: torch.Tensor) -> str:
     flash_ok = flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
     if requested == "auto":
         name = "flash_attn" if flash_ok else "sdpa"
-        _log_backend_once(name, "flash-attn package on a CUDA fp16/bf16 tensor" if flash_ok
-                          else "torch scaled_dot_product_attention")
+        _log_backend_once(
+            name, "flash-attn package on a CUDA fp16/bf16 tensor" if flash_ok else "torch scaled_dot_product_attention"
+        )
         return name
     if requested == "flash_attn" and not flash_ok:
-        raise RuntimeError("attention='flash_attn' needs the flash-attn package and CUDA fp16/bf16 tensors; "
-                           "use attention='auto' to fall back to scaled_dot_product_attention")
+        raise RuntimeError(
+            "attention='flash_attn' needs the flash-attn package and CUDA fp16/bf16 tensors; "
+            "use attention='auto' to fall back to scaled_dot_product_attention"
+        )
     _log_backend_once(requested, "requested in the model config")
     return requested
 

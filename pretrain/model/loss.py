@@ -8,6 +8,7 @@ never exist at once (at GPT-2's vocabulary and 16 x 1024 tokens, 3.3 GB each in 
 FLOPs as the plain loss (no recompute); the loss and gradients equal the plain loss's to fp32
 round-off (tests/test_loss.py; `grt bench loss` measures the memory).
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,9 @@ CHUNK_BYTES = 256 * 2**20  # one chunk's fp32 logits
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of logits [B, T, V] against targets [B, T] (-100 = not scored), in fp32;
     reduction 'none' gives the per-token losses [B, T]."""
-    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction=reduction)
+    loss = F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction
+    )
     return loss if reduction != "none" else loss.view(targets.shape)
 
 
@@ -75,8 +77,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return dh, dw, None, None, None, None
 
 
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int,
-                         chunk: int | None = None) -> torch.Tensor:
+def linear_cross_entropy(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int, chunk: int | None = None
+) -> torch.Tensor:
     """The mean cross-entropy of `h @ weight[:vocab].T` (h [..., d], targets [...], -100 not
     scored) without materialising the logits: `chunk` tokens at a time (default: 256 MiB of
     fp32 logits). Equals `lm_loss(h @ weight.T[..., :vocab], targets)`, gradients included."""

@@ -12,6 +12,7 @@
 
 On CPU the absolute figures are this machine's; the ratios are what carry over.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,11 +31,16 @@ import torch
 
 from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError, ModelConfig
+from pretrain.model import GPT, build_model
 from pretrain.model.flops import flops_per_token
 from pretrain.training.metrics import peak_flops
-from pretrain.model import GPT, build_model
-from pretrain.training.parallelize import (AUTO, CHECKPOINT_MODES, apply_activation_checkpointing,
-                                           checkpoint_and_compile, modes_for_stage)
+from pretrain.training.parallelize import (
+    AUTO,
+    CHECKPOINT_MODES,
+    apply_activation_checkpointing,
+    checkpoint_and_compile,
+    modes_for_stage,
+)
 
 # a tokenizer of GPT-2's vocabulary size (examples/tokenizers/README.md), so that benchmark runs pay
 # for the embedding, head and loss what GPT-2-sized training pays
@@ -50,20 +56,59 @@ def make_bench_data(out: Path, seq_len: int, vocab: int) -> Path:
     tokenizer = GPT2_VOCAB_TOKENIZER
     if vocab != GPT2_VOCAB:
         tokenizer = out / "tok.model"
-        subprocess.run([*grt, "data", "tokenizer", "-i", str(DEMO_TEXT), "--txt-mode", "paragraph", "--vocab-size",
-                        str(vocab), "-o", str(tokenizer), "-q"], check=True, cwd=PROJECT_ROOT, capture_output=True)
-    subprocess.run([*grt, "data", "prepare", "-i", str(DEMO_TEXT), "--txt-mode", "paragraph", "-t", str(tokenizer),
-                    "-o", str(out / "shards"), "--seq-len", str(seq_len), "--shard-size-mb", "0.2", "-q"],
-                   check=True, cwd=PROJECT_ROOT, capture_output=True)
+        subprocess.run(
+            [
+                *grt,
+                "data",
+                "tokenizer",
+                "-i",
+                str(DEMO_TEXT),
+                "--txt-mode",
+                "paragraph",
+                "--vocab-size",
+                str(vocab),
+                "-o",
+                str(tokenizer),
+                "-q",
+            ],
+            check=True,
+            cwd=PROJECT_ROOT,
+            capture_output=True,
+        )
+    subprocess.run(
+        [
+            *grt,
+            "data",
+            "prepare",
+            "-i",
+            str(DEMO_TEXT),
+            "--txt-mode",
+            "paragraph",
+            "-t",
+            str(tokenizer),
+            "-o",
+            str(out / "shards"),
+            "--seq-len",
+            str(seq_len),
+            "--shard-size-mb",
+            "0.2",
+            "-q",
+        ],
+        check=True,
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+    )
     return out / "shards" / "manifest.json"
 
 
-
-def equal_flops_pair(d_model: int, n_heads: int, layout: str, seq_len: int, vocab: int) -> tuple[ModelConfig, ModelConfig]:
+def equal_flops_pair(
+    d_model: int, n_heads: int, layout: str, seq_len: int, vocab: int
+) -> tuple[ModelConfig, ModelConfig]:
     """A GRT and the dense model of the same width and effective depth (equal FLOPs up to
     the loop's small projection and gate)."""
-    common = dict(d_model=d_model, n_heads=n_heads, vocab_size=vocab, max_seq_len=seq_len, pad_vocab_multiple=64,
-                  bias=False)
+    common = dict(
+        d_model=d_model, n_heads=n_heads, vocab_size=vocab, max_seq_len=seq_len, pad_vocab_multiple=64, bias=False
+    )
     grt = ModelConfig(name="grt", variant="grt", layout=layout, **common)
     dense = ModelConfig(name="dense", variant="dense", layout=str(grt.parsed_layout.effective_depth()), **common)
     return grt, dense
@@ -95,13 +140,14 @@ def bench_train_step(args) -> dict:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     peak, peak_note = peak_flops(device, args.peak_tflops)
     results = {"peak_flops_note": peak_note}
-    for compiled in ([False, True] if args.compile else [False]):
+    for compiled in [False, True] if args.compile else [False]:
         steps = {}
         for name, cfg in (("grt", grt_cfg), ("dense", dense_cfg)):
             torch.manual_seed(0)
             model = build_model(cfg).to(device).train()
-            steps[name] = _step_fn(model, grt_cfg.max_loops if name == "grt" else None, compiled, dtype,
-                                   args.checkpointing)
+            steps[name] = _step_fn(
+                model, grt_cfg.max_loops if name == "grt" else None, compiled, dtype, args.checkpointing
+            )
             for _ in range(args.warmup):
                 steps[name](idx)
         times = {name: 0.0 for name in steps}
@@ -128,8 +174,15 @@ def bench_train_step(args) -> dict:
     results["dense_tokens_per_s"] = results["dense_eager_tokens_per_s"]
     results["ratio"] = results["ratio_eager"]
     results["peak_bytes"] = _peak_bytes(device)
-    results.update(layout=args.layout, dense_layout=dense_cfg.layout, d_model=args.d_model, seq_len=args.seq_len,
-                   batch=args.batch, device=str(device), checkpointing=args.checkpointing)
+    results.update(
+        layout=args.layout,
+        dense_layout=dense_cfg.layout,
+        d_model=args.d_model,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        device=str(device),
+        checkpointing=args.checkpointing,
+    )
     return results
 
 
@@ -159,9 +212,24 @@ def bench_memory(args) -> list[dict]:
             # fragments, which inflates RSS with every alloc/free cycle; serving large tensors
             # from mmap (returned to the OS on free) makes RSS follow the live tensors.
             env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-            out = subprocess.run([sys.executable, "-m", "pretrain.tools.bench", "_memory_probe", str(args.d_model),
-                                  str(args.seq_len), str(args.batch), str(loops), mode],
-                                 capture_output=True, text=True, check=True, cwd=PROJECT_ROOT, env=env)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pretrain.tools.bench",
+                    "_memory_probe",
+                    str(args.d_model),
+                    str(args.seq_len),
+                    str(args.batch),
+                    str(loops),
+                    mode,
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=PROJECT_ROOT,
+                env=env,
+            )
             peak = json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
             rows.append({"R": loops, "checkpointing": mode != "off", "peak_bytes": peak})
     return rows
@@ -202,8 +270,14 @@ def bench_zero(args) -> list[dict]:
         tmp = Path(tmp)
         manifest = make_bench_data(tmp, args.seq_len, args.vocab)
         for ranks, preset, stage, compiled, ckpt, pin, persist in product(
-                args.ranks, args.presets, args.stages, args.compile, args.checkpointing, args.pin_core,
-                args.persistence_threshold):
+            args.ranks,
+            args.presets,
+            args.stages,
+            args.compile,
+            args.checkpointing,
+            args.pin_core,
+            args.persistence_threshold,
+        ):
             if stage != 3 and (pin, persist) != (args.pin_core[0], args.persistence_threshold[0]):
                 continue  # pinning and persistence only exist under ZeRO-3
             if ckpt != AUTO and ckpt not in modes_for_stage(stage):
@@ -217,35 +291,78 @@ def bench_zero(args) -> list[dict]:
                 base["zero_optimization"]["stage3_param_persistence_threshold"] = int(persist)
             ds.write_text(json.dumps(base))
             out = tmp / f"run-{ranks}-{preset}-{stage}-{compiled}-{ckpt}-{pin}-{persist}"
-            cmd = [*(["deepspeed", "--num_gpus", str(ranks), "--no_local_rank", "--module"] if ranks > 1 else [sys.executable, "-m"]),
-                   "pretrain.cli", "train", "--preset", preset, "--data", str(manifest),
-                   "--out", str(out), "--steps", str(args.steps), "--micro-batch-size", str(args.micro_batch_size),
-                   "--ds-config", str(ds), "--set", f"model.max_seq_len={args.seq_len}", "--set", f"train.log_every={args.steps // 2}",
-                   "--set", "train.eval_every=0", "--set", f"train.save_every={10 * args.steps}",
-                   "--set", f"train.compile={str(compiled).lower()}", "--set", f"train.activation_checkpointing={ckpt}",
-                   "--set", f"train.depth_sampling={args.depth_sampling}", "--set", f"train.zero3_pin_core={pin}"]
+            cmd = [
+                *(
+                    ["deepspeed", "--num_gpus", str(ranks), "--no_local_rank", "--module"]
+                    if ranks > 1
+                    else [sys.executable, "-m"]
+                ),
+                "pretrain.cli",
+                "train",
+                "--preset",
+                preset,
+                "--data",
+                str(manifest),
+                "--out",
+                str(out),
+                "--steps",
+                str(args.steps),
+                "--micro-batch-size",
+                str(args.micro_batch_size),
+                "--ds-config",
+                str(ds),
+                "--set",
+                f"model.max_seq_len={args.seq_len}",
+                "--set",
+                f"train.log_every={args.steps // 2}",
+                "--set",
+                "train.eval_every=0",
+                "--set",
+                f"train.save_every={10 * args.steps}",
+                "--set",
+                f"train.compile={str(compiled).lower()}",
+                "--set",
+                f"train.activation_checkpointing={ckpt}",
+                "--set",
+                f"train.depth_sampling={args.depth_sampling}",
+                "--set",
+                f"train.zero3_pin_core={pin}",
+            ]
             proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"{shlex.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
             tokens_per_s = _last_scalar(out / "tb", "perf/tokens_per_s") / ranks  # per rank, as the bare step
             if ckpt == AUTO:  # the mode `grt train` chose, for the bare step to match
-                ckpt = AUTO + ":" + re.search(r"activation checkpointing auto -> (\w+)",
-                                              (out / "train.log").read_text()).group(1)
+                ckpt = (
+                    AUTO
+                    + ":"
+                    + re.search(r"activation checkpointing auto -> (\w+)", (out / "train.log").read_text()).group(1)
+                )
             mode = ckpt.rpartition(":")[2]
             if (preset, compiled, mode) not in bare:
                 bare[(preset, compiled, mode)] = _bare_tokens_per_s(cfg, args, compiled, mode)
                 if torch.cuda.is_available():  # the next `grt train` (its `auto`) must see the memory free
                     torch.cuda.empty_cache()
-            rows.append({"ranks": ranks, "preset": preset, "zero_stage": stage, "compile": compiled,
-                         "checkpointing": ckpt, "core_pinned": pin if stage == 3 else None,
-                         "persistence": persist if stage == 3 else None, "tokens_per_s_per_rank": tokens_per_s,
-                         "bare_tokens_per_s": bare[(preset, compiled, mode)],
-                         "ratio_to_bare": tokens_per_s / bare[(preset, compiled, mode)],
-                         "mfu": _last_scalar(out / "tb", "perf/mfu"),
-                         "peak_mb": _last_scalar(out / "tb", "memory/peak_bytes") / 2**20,
-                         "param_gathers_per_step": _last_scalar(out / "tb", "zero3/param_gathers") / args.steps
-                         if stage == 3 else 0.0,
-                         "trace_invalidations": _last_scalar(out / "tb", "zero3/trace_invalidations")})
+            rows.append(
+                {
+                    "ranks": ranks,
+                    "preset": preset,
+                    "zero_stage": stage,
+                    "compile": compiled,
+                    "checkpointing": ckpt,
+                    "core_pinned": pin if stage == 3 else None,
+                    "persistence": persist if stage == 3 else None,
+                    "tokens_per_s_per_rank": tokens_per_s,
+                    "bare_tokens_per_s": bare[(preset, compiled, mode)],
+                    "ratio_to_bare": tokens_per_s / bare[(preset, compiled, mode)],
+                    "mfu": _last_scalar(out / "tb", "perf/mfu"),
+                    "peak_mb": _last_scalar(out / "tb", "memory/peak_bytes") / 2**20,
+                    "param_gathers_per_step": _last_scalar(out / "tb", "zero3/param_gathers") / args.steps
+                    if stage == 3
+                    else 0.0,
+                    "trace_invalidations": _last_scalar(out / "tb", "zero3/trace_invalidations"),
+                }
+            )
     return rows
 
 
@@ -271,6 +388,7 @@ def _on_off(text: str) -> bool:
 
 def whole_number(minimum: int):
     """An argparse type: a whole number >= minimum (a size, a count of steps or tokens)."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -304,12 +422,15 @@ def _dispatch(argv: list[str]) -> int:
         return 0
     if argv and argv[0] == "data":
         from data_pipeline.bench import main as data_bench
+
         return data_bench(argv[1:])
     if argv and argv[0] == "decode":
         from pretrain.tools.bench_decode import main as decode_bench
+
         return decode_bench(argv[1:])
     if argv and argv[0] in ("precision", "loss"):
         from pretrain.tools.bench_numerics import main as numerics_bench
+
         return numerics_bench(argv)
     p = argparse.ArgumentParser(prog="grt bench", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -324,35 +445,61 @@ def _dispatch(argv: list[str]) -> int:
     ts.add_argument("--warmup", type=int, default=2)
     ts.add_argument("--checkpointing", default="off", choices=CHECKPOINT_MODES)
     ts.add_argument("--compile", action="store_true", help="also time torch.compile'd models")
-    ts.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
-                    help="bf16: the weights cast to bf16 as `grt train` runs them (the loop state stays fp32)")
+    ts.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="bf16: the weights cast to bf16 as `grt train` runs them (the loop state stays fp32)",
+    )
     ts.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (default: looked up)")
     mem = sub.add_parser("memory", help="peak memory against R")
     mem.add_argument("--loops", type=int, nargs="+", default=[1, 4, 8])
     mem.add_argument("--d-model", type=int, default=256)
     mem.add_argument("--seq-len", type=int, default=512)
     mem.add_argument("--batch", type=int, default=8)
-    zr = sub.add_parser("zero", help="`grt train` per ZeRO stage x compile x checkpointing x preset, against the bare step")
+    zr = sub.add_parser(
+        "zero", help="`grt train` per ZeRO stage x compile x checkpointing x preset, against the bare step"
+    )
     zr.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     zr.add_argument("--ranks", type=int, nargs="+", default=[1])
     zr.add_argument("--presets", nargs="+", default=["tiny-grt", "tiny-dense"])
     zr.add_argument("--compile", type=_on_off, nargs="+", default=[False, True], metavar="off|on")
-    zr.add_argument("--checkpointing", nargs="+", default=["off", "loop_step"], choices=[AUTO, *CHECKPOINT_MODES],
-                    help="auto: the row shows the mode `grt train` chose (auto:MODE)")
+    zr.add_argument(
+        "--checkpointing",
+        nargs="+",
+        default=["off", "loop_step"],
+        choices=[AUTO, *CHECKPOINT_MODES],
+        help="auto: the row shows the mode `grt train` chose (auto:MODE)",
+    )
     zr.add_argument("--depth-sampling", default="fixed", choices=["fixed", "uniform", "poisson"])
-    zr.add_argument("--pin-core", type=_on_off, nargs="+", default=[True], metavar="off|on",
-                    help="ZeRO-3: keep the looped core gathered (train.zero3_pin_core); `on off` compares both")
+    zr.add_argument(
+        "--pin-core",
+        type=_on_off,
+        nargs="+",
+        default=[True],
+        metavar="off|on",
+        help="ZeRO-3: keep the looped core gathered (train.zero3_pin_core); `on off` compares both",
+    )
     zr.add_argument("--steps", type=int, default=20)
     zr.add_argument("--seq-len", type=int, default=128)
     zr.add_argument("--micro-batch-size", type=int, default=8)
-    zr.add_argument("--vocab", type=whole_number(1), default=GPT2_VOCAB,
-                    help="the tokenizer's vocabulary: 50257 (default) tokenizes with the shipped GPT-2-sized one, "
-                         "any other size trains one on the bundled text")
-    zr.add_argument("--persistence-threshold", nargs="+", default=["1000"], type=_threshold,
-                    help="ZeRO-3 stage3_param_persistence_threshold, one row each: a number, or `trainer` for "
-                         "the shipped zero3.json's (every parameter on one rank, DeepSpeed's 1e5 otherwise); "
-                         "`trainer 100000` A/Bs it. The default 1000 makes a tiny model's matrices sharded, as "
-                         "a GPT-2-sized model's are")
+    zr.add_argument(
+        "--vocab",
+        type=whole_number(1),
+        default=GPT2_VOCAB,
+        help="the tokenizer's vocabulary: 50257 (default) tokenizes with the shipped GPT-2-sized one, "
+        "any other size trains one on the bundled text",
+    )
+    zr.add_argument(
+        "--persistence-threshold",
+        nargs="+",
+        default=["1000"],
+        type=_threshold,
+        help="ZeRO-3 stage3_param_persistence_threshold, one row each: a number, or `trainer` for "
+        "the shipped zero3.json's (every parameter on one rank, DeepSpeed's 1e5 otherwise); "
+        "`trainer 100000` A/Bs it. The default 1000 makes a tiny model's matrices sharded, as "
+        "a GPT-2-sized model's are",
+    )
     for sp in (ts, mem, zr):
         sp.add_argument("--json", action="store_true", help="print machine-readable JSON only")
     args = p.parse_args(argv)

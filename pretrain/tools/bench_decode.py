@@ -10,6 +10,7 @@ sizes), and on CUDA the peak allocated memory while decoding (weights included).
 Models: an exported dir / checkpoint (`--model`, `--dense-model`) or a preset with random
 weights (`--preset`, `--dense-preset`): latency and memory do not depend on the weights.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,14 +47,25 @@ def _sync(device):
 
 
 @torch.no_grad()
-def bench_one(model: GPT, strategy: str, batch: int, prompt_len: int, new_tokens: int, depth: int | None,
-              warmup: int = 2, seed: int = 0, repeats: int = 3) -> dict:
+def bench_one(
+    model: GPT,
+    strategy: str,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    depth: int | None,
+    warmup: int = 2,
+    seed: int = 0,
+    repeats: int = 3,
+) -> dict:
     p = next(model.parameters())
     device, dtype = p.device, p.dtype
     n = 0 if model.loop is None else (model.max_loops if depth is None else depth)
     max_len = prompt_len + new_tokens
     if max_len > model.cfg.max_seq_len:
-        raise ConfigError(f"prompt {prompt_len} + new tokens {new_tokens} exceed the context of {model.cfg.max_seq_len}")
+        raise ConfigError(
+            f"prompt {prompt_len} + new tokens {new_tokens} exceed the context of {model.cfg.max_seq_len}"
+        )
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, model.cfg.vocab_size, (batch, prompt_len), generator=g).to(device)
     for _ in range(warmup):  # kernels, allocator
@@ -85,11 +97,21 @@ def bench_one(model: GPT, strategy: str, batch: int, prompt_len: int, new_tokens
         del decoder
     prefill_s, token_s = statistics.median(prefill), statistics.median(per_token)
     return {
-        "model": model.cfg.name, "layout": model.cfg.layout, "variant": model.cfg.variant,
-        "strategy": strategy if model.loop is not None else "dense", "depth": n, "batch": batch,
-        "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": str(dtype).replace("torch.", ""),
-        "device": str(device), "prefill_ms": 1000 * prefill_s, "ms_per_token": 1000 * token_s,
-        "tokens_per_s": batch / token_s, "repeats": repeats, "cache_slots": cache_slots(model, strategy, n),
+        "model": model.cfg.name,
+        "layout": model.cfg.layout,
+        "variant": model.cfg.variant,
+        "strategy": strategy if model.loop is not None else "dense",
+        "depth": n,
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "dtype": str(dtype).replace("torch.", ""),
+        "device": str(device),
+        "prefill_ms": 1000 * prefill_s,
+        "ms_per_token": 1000 * token_s,
+        "tokens_per_s": batch / token_s,
+        "repeats": repeats,
+        "cache_slots": cache_slots(model, strategy, n),
         "cache_bytes_formula": cache_bytes_formula(model, strategy, n, batch, max_len, dtype),
         "cache_bytes_measured": int(measured),
         "peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)) if cuda else None,
@@ -98,8 +120,10 @@ def bench_one(model: GPT, strategy: str, batch: int, prompt_len: int, new_tokens
 
 
 def format_rows(rows: list[dict]) -> str:
-    head = (f"{'model':<14}{'strategy':<9}{'depth':>6}{'batch':>6}{'ms/token':>10}{'tok/s':>10}"
-            f"{'cache MB (formula)':>20}{'cache MB (measured)':>21}{'peak MB':>9}{'vs dense':>9}")
+    head = (
+        f"{'model':<14}{'strategy':<9}{'depth':>6}{'batch':>6}{'ms/token':>10}{'tok/s':>10}"
+        f"{'cache MB (formula)':>20}{'cache MB (measured)':>21}{'peak MB':>9}{'vs dense':>9}"
+    )
     dense = {r["batch"]: r for r in rows if r["strategy"] == "dense"}
     lines = [head]
     for r in rows:
@@ -110,9 +134,11 @@ def format_rows(rows: list[dict]) -> str:
         elif ref and ref["cache_bytes_formula"]:
             ratio = f"{r['cache_bytes_formula'] / ref['cache_bytes_formula']:.2f}x"
         peak = f"{r['peak_memory_bytes'] / 2**20:.0f}" if r["peak_memory_bytes"] else "-"
-        lines.append(f"{r['model']:<14}{r['strategy']:<9}{r['depth']:>6}{r['batch']:>6}{r['ms_per_token']:>10.2f}"
-                     f"{r['tokens_per_s']:>10.0f}{r['cache_bytes_formula'] / 2**20:>20.2f}"
-                     f"{r['cache_bytes_measured'] / 2**20:>21.2f}{peak:>9}{ratio:>9}")
+        lines.append(
+            f"{r['model']:<14}{r['strategy']:<9}{r['depth']:>6}{r['batch']:>6}{r['ms_per_token']:>10.2f}"
+            f"{r['tokens_per_s']:>10.0f}{r['cache_bytes_formula'] / 2**20:>20.2f}"
+            f"{r['cache_bytes_measured'] / 2**20:>21.2f}{peak:>9}{ratio:>9}"
+        )
     lines.append("vs dense: peak memory on CUDA, else cache bytes, relative to the dense model at the same batch")
     return "\n".join(lines)
 
@@ -146,7 +172,9 @@ def main(argv=None) -> int:
         try:
             batches = [int(b) for b in args.batch_sizes.split(",")]
         except ValueError:
-            raise ConfigError(f"--batch-sizes {args.batch_sizes!r}: expected comma-separated integers, e.g. 1,32") from None
+            raise ConfigError(
+                f"--batch-sizes {args.batch_sizes!r}: expected comma-separated integers, e.g. 1,32"
+            ) from None
         if args.repeats < 1:
             raise ConfigError(f"--repeats {args.repeats}: must be at least 1")
         need = args.prompt_len + args.new_tokens
@@ -155,15 +183,23 @@ def main(argv=None) -> int:
             raise ConfigError("--model/--preset: expected a looped model (use --dense-model for the dense one)")
         dense = None
         if args.dense_model or args.dense_preset != "none":
-            dense = build(args.dense_model, args.dense_preset, device, dtype, None if args.dense_model else max(need, 64))
+            dense = build(
+                args.dense_model, args.dense_preset, device, dtype, None if args.dense_model else max(need, 64)
+            )
         rows = []
         for b in batches:
             if dense is not None:
-                rows.append(bench_one(dense, "full", b, args.prompt_len, args.new_tokens, None, args.warmup,
-                                      repeats=args.repeats))
+                rows.append(
+                    bench_one(
+                        dense, "full", b, args.prompt_len, args.new_tokens, None, args.warmup, repeats=args.repeats
+                    )
+                )
             for s in strategies:
-                rows.append(bench_one(looped, s, b, args.prompt_len, args.new_tokens, args.depth, args.warmup,
-                                      repeats=args.repeats))
+                rows.append(
+                    bench_one(
+                        looped, s, b, args.prompt_len, args.new_tokens, args.depth, args.warmup, repeats=args.repeats
+                    )
+                )
     except (ConfigError, FileNotFoundError) as err:
         print(f"grt bench decode: error: {err}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@
 
 Both run on the CPU (bf16 matmuls included) as on a GPU; the figures printed are this machine's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,11 +64,42 @@ def state_errors(cfg: ModelConfig, batch: int, seq_len: int, seed: int = 0) -> d
 
 
 def _train_losses(manifest: Path, preset: str, out: Path, steps: int, precision: str, state: str) -> list[float]:
-    cmd = [sys.executable, "-m", "pretrain.cli", "train", "--preset", preset, "--data", str(manifest), "--out", str(out),
-           "--steps", str(steps), "--micro-batch-size", "8", "--ds-config", "ds_configs/zero2.json",
-           "--set", f"train.precision={precision}", "--set", f"model.state_dtype={state}", "--set", "train.eval_every=0",
-           "--set", "train.save_every=0", "--set", "train.save_final=false", "--set", f"train.log_every={steps}",
-           "--set", f"train.warmup_steps={steps // 10}", "--set", "train.lr=2e-3", "--set", "train.depth_sampling=fixed"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pretrain.cli",
+        "train",
+        "--preset",
+        preset,
+        "--data",
+        str(manifest),
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--micro-batch-size",
+        "8",
+        "--ds-config",
+        "ds_configs/zero2.json",
+        "--set",
+        f"train.precision={precision}",
+        "--set",
+        f"model.state_dtype={state}",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "train.save_every=0",
+        "--set",
+        "train.save_final=false",
+        "--set",
+        f"train.log_every={steps}",
+        "--set",
+        f"train.warmup_steps={steps // 10}",
+        "--set",
+        "train.lr=2e-3",
+        "--set",
+        "train.depth_sampling=fixed",
+    ]
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -123,9 +155,23 @@ def bench_loss(args) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
     out = {"tokens": args.tokens, "d_model": args.d_model, "vocab": args.vocab}
     for mode in ("plain", "fused"):
-        proc = subprocess.run([sys.executable, "-m", "pretrain.tools.bench_numerics", "_loss_probe", str(args.tokens),
-                               str(args.d_model), str(args.vocab), mode],
-                              capture_output=True, text=True, check=True, cwd=PROJECT_ROOT, env=env)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pretrain.tools.bench_numerics",
+                "_loss_probe",
+                str(args.tokens),
+                str(args.d_model),
+                str(args.vocab),
+                mode,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=PROJECT_ROOT,
+            env=env,
+        )
         out[f"peak_mb_{mode}"] = json.loads(proc.stdout.strip().splitlines()[-1])["peak_bytes"] / 2**20
     out["peak_ratio_fused_to_plain"] = out["peak_mb_fused"] / out["peak_mb_plain"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -31,6 +31,7 @@ early-exit curve beyond the trained R, up to 2R, evaluated on each final checkpo
 Every looped run's final checkpoint also gets the loss at 2R and 4R, per-token adaptive
 exit at fixed thresholds, and for Ouro its learned exit (pretrain/tools/compare_eval.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,11 +50,15 @@ from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError, ModelConfig, load_json_object
 from pretrain.model.flops import flops_per_token, train_flops_per_token
 from pretrain.presets import PRESETS, get_preset
-from pretrain.tools.compare_eval import (ADAPTIVE_EXITS, EXTRAPOLATION_FACTORS, adaptive_label, final_eval_work,
-                                         final_evals)
+from pretrain.tools.compare_eval import (
+    ADAPTIVE_EXITS,
+    EXTRAPOLATION_FACTORS,
+    adaptive_label,
+    final_eval_work,
+    final_evals,
+)
 from pretrain.training.depth import depth_for_step
 from pretrain.training.run_config import RunConfig, apply_overrides, resolve
-
 
 # each method's own training recipe for the loop depth (spec section 4 / the papers)
 METHOD_TRAIN: dict[str, dict] = {
@@ -65,8 +70,14 @@ METHOD_TRAIN: dict[str, dict] = {
     "mor": {"depth_sampling": "fixed"},
 }
 
-METHOD_NAMES = {"grt": "GRT", "dense": "dense GPT-2", "huginn": "Huginn (heavy-tail Poisson)", "rrt": "RRT",
-                "ouro": "Ouro", "mor": "MoR"}
+METHOD_NAMES = {
+    "grt": "GRT",
+    "dense": "dense GPT-2",
+    "huginn": "Huginn (heavy-tail Poisson)",
+    "rrt": "RRT",
+    "ouro": "Ouro",
+    "mor": "MoR",
+}
 
 
 def describe_method(cfg: ModelConfig) -> str:
@@ -98,7 +109,9 @@ def load_spec(spec: str) -> tuple[str, ModelConfig, dict]:
     if "model" in data or "label" in data or "train" in data:
         unknown = set(data) - {"label", "model", "train"}
         if unknown:
-            raise ConfigError(f"config {spec!r}: unknown key(s) {', '.join(sorted(unknown))}; accepted: label, model, train")
+            raise ConfigError(
+                f"config {spec!r}: unknown key(s) {', '.join(sorted(unknown))}; accepted: label, model, train"
+            )
         model = data.get("model", "tiny-grt")
         cfg = get_preset(model) if isinstance(model, str) else ModelConfig.from_dict(model)
         return str(data.get("label", cfg.name if cfg.name != "custom" else path.stem)), cfg, dict(data.get("train", {}))
@@ -109,8 +122,8 @@ def load_spec(spec: str) -> tuple[str, ModelConfig, dict]:
 def model_params(cfg: ModelConfig) -> int:
     import torch
 
-    from pretrain.model.flops import count_params
     from pretrain.model import build_model
+    from pretrain.model.flops import count_params
 
     with torch.device("meta"):
         return count_params(build_model(cfg))["params"]
@@ -148,7 +161,7 @@ def build_runs(args, tokens: float) -> list[dict]:
     loaded = [load_spec(s.strip()) for s in specs]
     labels = [label for label, _, _ in loaded]
     if len(set(labels)) != len(labels):
-        raise ConfigError(f"--configs: labels must be unique, got {labels} (give JSON configs a \"label\")")
+        raise ConfigError(f'--configs: labels must be unique, got {labels} (give JSON configs a "label")')
     runs = []
     for label, model, train in loaded:
         cfg = RunConfig(model=model, data=str(args.data), ds_config=args.ds_config, out=str(Path(args.out) / label))
@@ -198,8 +211,7 @@ UNPLANNED_SHARE = 0.1
 def depth_counts(cfg: RunConfig) -> Counter:
     """How many of the run's steps train at each loop depth (its recipe, seed and step count)."""
     t = cfg.train
-    return Counter(depth_for_step(t, cfg.model.max_loops, step)
-                   for step in range(t.steps))
+    return Counter(depth_for_step(t, cfg.model.max_loops, step) for step in range(t.steps))
 
 
 def measure_steps(runs: list[tuple[dict, list[int]]], seq_len: int, repeats: int) -> list[dict[int, float]]:
@@ -281,8 +293,16 @@ def final_forwards(cfg: ModelConfig, exit_factor: int) -> float:
     return (work["decodes"] * at_0 + work["loop_steps"] * (at_r - at_0) / cfg.max_loops) / at_r
 
 
-def size_tokens(runs: list[dict], step_s_by_depth: list[dict], startup_s: float, budget_s: float,
-                tokens_per_step: int, evals: int, eval_batches: int, exit_factor: int) -> dict:
+def size_tokens(
+    runs: list[dict],
+    step_s_by_depth: list[dict],
+    startup_s: float,
+    budget_s: float,
+    tokens_per_step: int,
+    evals: int,
+    eval_batches: int,
+    exit_factor: int,
+) -> dict:
     """The largest equal token count (whole steps) for which the runs, one after another, fit
     in budget_s: each run costs the start-up (startup_s: the one-step run of the first, less
     that step), its evaluations, and per step its mean step time over the depths its recipe
@@ -304,8 +324,14 @@ def size_tokens(runs: list[dict], step_s_by_depth: list[dict], startup_s: float,
         fixed_s += overhead_s
         step_sum_s += step_s
     steps = max(1, int((budget_s * (1 - UNPLANNED_SHARE) - fixed_s) / step_sum_s))
-    return {"tokens": steps * tokens_per_step, "steps": steps, "budget_s": budget_s, "startup_s": startup_s,
-            "planned_s": fixed_s + steps * step_sum_s, "runs": plan}
+    return {
+        "tokens": steps * tokens_per_step,
+        "steps": steps,
+        "budget_s": budget_s,
+        "startup_s": startup_s,
+        "planned_s": fixed_s + steps * step_sum_s,
+        "runs": plan,
+    }
 
 
 def sized_tokens(args, out: Path, suffix: str, started: float) -> float:
@@ -323,23 +349,35 @@ def sized_tokens(args, out: Path, suffix: str, started: float) -> float:
     from data_pipeline.manifest import Manifest
 
     seq_len = Manifest.load(args.data).seq_len
-    print(f"timing one optimizer step of each run at each depth it trains at ({args.timing_steps} timed) ...",
-          flush=True)
+    print(
+        f"timing one optimizer step of each run at each depth it trains at ({args.timing_steps} timed) ...", flush=True
+    )
     step_s_by_depth = measure_steps_apart(runs, seq_len, args.timing_steps)
     print("timing the start-up of one run (grt train, one step) ...", flush=True)
     startup_s = measure_startup(runs[0], out)
     left_s = args.time_budget - (time.time() - started)
     tokens_per_step = args.micro_batch_size * args.grad_accum * args.nproc * seq_len
-    sizing = size_tokens(runs, step_s_by_depth, startup_s, left_s, tokens_per_step, args.evals, args.eval_batches,
-                         args.exit_depth_factor)
+    sizing = size_tokens(
+        runs, step_s_by_depth, startup_s, left_s, tokens_per_step, args.evals, args.eval_batches, args.exit_depth_factor
+    )
     for label, p in sizing["runs"].items():
-        print(f"  {label:<24} {p['step_s'] * 1e3:9.1f} ms/step (mean over its depths)  "
-              f"{tokens_per_step / p['step_s']:>12,.0f} tokens/s  overhead {p['overhead_s']:5.1f} s", flush=True)
-    print(f"sized: {sizing['tokens']:,} tokens per run ({sizing['steps']} steps); planned {sizing['planned_s']:.0f} s "
-          f"of the {left_s:.0f} s left (a one-step run took {startup_s:.1f} s)", flush=True)
+        print(
+            f"  {label:<24} {p['step_s'] * 1e3:9.1f} ms/step (mean over its depths)  "
+            f"{tokens_per_step / p['step_s']:>12,.0f} tokens/s  overhead {p['overhead_s']:5.1f} s",
+            flush=True,
+        )
+    print(
+        f"sized: {sizing['tokens']:,} tokens per run ({sizing['steps']} steps); planned {sizing['planned_s']:.0f} s "
+        f"of the {left_s:.0f} s left (a one-step run took {startup_s:.1f} s)",
+        flush=True,
+    )
     if sizing["tokens"] < args.min_tokens:
-        print(f"grt compare: warning: the time budget affords {sizing['tokens']:,} tokens per run, below "
-              f"--min-tokens {args.min_tokens:,.0f}", file=sys.stderr, flush=True)
+        print(
+            f"grt compare: warning: the time budget affords {sizing['tokens']:,} tokens per run, below "
+            f"--min-tokens {args.min_tokens:,.0f}",
+            file=sys.stderr,
+            flush=True,
+        )
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps({"labels": labels, **sizing}, indent=2) + "\n")
     return float(sizing["tokens"])
@@ -367,10 +405,23 @@ def start_run(cfg: RunConfig, nproc: int, log_path: Path, threads: int = 0) -> l
             if threads:
                 env["OMP_NUM_THREADS"] = str(threads)
             if nproc > 1:
-                env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                           WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
-            procs.append(subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=log if rank == 0 else subprocess.DEVNULL,
-                                          stderr=subprocess.STDOUT))
+                env.update(
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port),
+                    RANK=str(rank),
+                    LOCAL_RANK=str(rank),
+                    WORLD_SIZE=str(nproc),
+                    LOCAL_WORLD_SIZE=str(nproc),
+                )
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=PROJECT_ROOT,
+                    env=env,
+                    stdout=log if rank == 0 else subprocess.DEVNULL,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     return procs
 
 
@@ -382,8 +433,10 @@ def _lock(run_dir: Path) -> Path:
         pid = int(lock.read_text().strip())
         os.kill(pid, 0)
         if pid != os.getpid():
-            raise RuntimeError(f"{run_dir} is being trained by another grt compare (pid {pid}); wait for it, "
-                               f"or remove {lock} if that process is gone")
+            raise RuntimeError(
+                f"{run_dir} is being trained by another grt compare (pid {pid}); wait for it, "
+                f"or remove {lock} if that process is gone"
+            )
     except (FileNotFoundError, ValueError, ProcessLookupError):
         pass  # no lock, or a stale one
     lock.write_text(f"{os.getpid()}\n")
@@ -398,8 +451,10 @@ def train_all(todo: list[dict], args, out: Path) -> dict[str, float]:
             run = pending.pop(0)
             _lock(Path(run["cfg"].out))
             print(f"training {run['label']} ...", flush=True)
-            running[run["label"]] = (start_run(run["cfg"], args.nproc, out / f"{run['label']}.log", args.threads),
-                                     time.time())
+            running[run["label"]] = (
+                start_run(run["cfg"], args.nproc, out / f"{run['label']}.log", args.threads),
+                time.time(),
+            )
         time.sleep(1.0)
         for label, (procs, start) in list(running.items()):
             codes = [p.poll() for p in procs]
@@ -442,9 +497,15 @@ def collect(run: dict, seq_len: int, wall_s: float | None, exit_factor: int = 1)
     tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * seq_len * max(1, run.get("nproc", 1))
     train_flops = [train_flops_per_token(cfg.model, seq_len, rec.get("depth", r)) for rec in records]
     return {
-        "label": run["label"], "method": describe_method(cfg.model), "variant": cfg.model.variant,
-        "layout": cfg.model.layout, "loops": r, "matched_from": run.get("matched_from"), "d_model": cfg.model.d_model,
-        "params": model_params(cfg.model), "flops_per_token": flops_per_token(cfg.model, seq_len),
+        "label": run["label"],
+        "method": describe_method(cfg.model),
+        "variant": cfg.model.variant,
+        "layout": cfg.model.layout,
+        "loops": r,
+        "matched_from": run.get("matched_from"),
+        "d_model": cfg.model.d_model,
+        "params": model_params(cfg.model),
+        "flops_per_token": flops_per_token(cfg.model, seq_len),
         "train_flops_per_token": sum(train_flops) / max(1, len(train_flops)),
         "depth_sampling": cfg.train.depth_sampling if r else "-",
         "val_loss": by_depth.get(r, by_depth.get(0)) if by_depth else None,
@@ -455,7 +516,8 @@ def collect(run: dict, seq_len: int, wall_s: float | None, exit_factor: int = 1)
         "learned_exit": evals.get("learned_exit"),
         "val_curve": [(s, v) for s, v in tb.get("val/loss", [])],
         "train_curve": [(rec["step"], rec["loss"]) for rec in records],
-        "tokens_per_step": tokens_per_step, "steps": summary.get("steps"),
+        "tokens_per_step": tokens_per_step,
+        "steps": summary.get("steps"),
         "tokens": summary.get("steps", 0) * tokens_per_step,
         "tokens_per_s": sorted(tps)[len(tps) // 2] if tps else None,  # median: windows with an eval are slow
         "peak_memory_mb": max(peak) / 2**20 if peak else None,
@@ -474,28 +536,45 @@ def _at_steps(result: dict | None) -> str:
 def table(rows: list[dict]) -> str:
     rules = " / ".join(adaptive_label(*a) for a in ADAPTIVE_EXITS)
     beyond = " / ".join(f"{f}R" for f in EXTRAPOLATION_FACTORS)
-    head = ("| method | label | layout | params | fwd MFLOPs/tok | train MFLOPs/tok | val loss | "
-            "early exit (val loss at r = 0, 1, ..., R; beyond R when evaluated) | "
-            f"past R: val loss at {beyond} | adaptive exit {rules} (val loss @ mean steps) | "
-            "learned exit (Ouro) | tokens/s | peak mem MB |")
+    head = (
+        "| method | label | layout | params | fwd MFLOPs/tok | train MFLOPs/tok | val loss | "
+        "early exit (val loss at r = 0, 1, ..., R; beyond R when evaluated) | "
+        f"past R: val loss at {beyond} | adaptive exit {rules} (val loss @ mean steps) | "
+        "learned exit (Ouro) | tokens/s | peak mem MB |"
+    )
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for r in rows:
-        exits = " / ".join(f"{v:.3f}" for _, v in sorted(r["val_loss_by_depth"].items())) if r["val_loss_by_depth"] else "-"
+        exits = (
+            " / ".join(f"{v:.3f}" for _, v in sorted(r["val_loss_by_depth"].items())) if r["val_loss_by_depth"] else "-"
+        )
         if r.get("exit_curve"):
             trained = r["loops"]
             curve = sorted(r["exit_curve"].items())
-            exits = (" / ".join(f"{v:.3f}" for d, v in curve if d <= trained) + " (beyond R: "
-                     + " / ".join(f"{v:.3f}" for d, v in curve if d > trained) + ")")
+            exits = (
+                " / ".join(f"{v:.3f}" for d, v in curve if d <= trained)
+                + " (beyond R: "
+                + " / ".join(f"{v:.3f}" for d, v in curve if d > trained)
+                + ")"
+            )
         if r["variant"] == "dense":
             exits = "-"
-        layout = r["layout"] + (f" (from {r['matched_from']})" if r.get("matched_from") and r["matched_from"] != r["layout"] else "")
-        beyond = " / ".join(f"{v:.3f}" for _, v in sorted(r["extrapolation"].items())) if r.get("extrapolation") else "-"
-        adaptive = (" / ".join(_at_steps(r["adaptive_exit"].get(adaptive_label(*a))) for a in ADAPTIVE_EXITS)
-                    if r.get("adaptive_exit") else "-")
-        lines.append(f"| {r['method']} | {r['label']} | {layout} | {r['params']:,} | {r['flops_per_token'] / 1e6:.2f} | "
-                     f"{r['train_flops_per_token'] / 1e6:.2f} | {_fmt(r['val_loss'], '.3f')} | {exits} | {beyond} | "
-                     f"{adaptive} | {_at_steps(r.get('learned_exit'))} | "
-                     f"{_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(r['peak_memory_mb'], ',.0f')} |")
+        layout = r["layout"] + (
+            f" (from {r['matched_from']})" if r.get("matched_from") and r["matched_from"] != r["layout"] else ""
+        )
+        beyond = (
+            " / ".join(f"{v:.3f}" for _, v in sorted(r["extrapolation"].items())) if r.get("extrapolation") else "-"
+        )
+        adaptive = (
+            " / ".join(_at_steps(r["adaptive_exit"].get(adaptive_label(*a))) for a in ADAPTIVE_EXITS)
+            if r.get("adaptive_exit")
+            else "-"
+        )
+        lines.append(
+            f"| {r['method']} | {r['label']} | {layout} | {r['params']:,} | {r['flops_per_token'] / 1e6:.2f} | "
+            f"{r['train_flops_per_token'] / 1e6:.2f} | {_fmt(r['val_loss'], '.3f')} | {exits} | {beyond} | "
+            f"{adaptive} | {_at_steps(r.get('learned_exit'))} | "
+            f"{_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(r['peak_memory_mb'], ',.0f')} |"
+        )
     return "\n".join(lines)
 
 
@@ -517,19 +596,27 @@ def plot(rows: list[dict], path: Path, smooth: float = 0.9) -> None:
         style = "--" if r["label"].startswith("ladder") else "-"
         (line,) = ax_train.plot(xs, ys, style, label=r["label"], linewidth=1.2)
         if r["val_curve"]:
-            ax_val.plot([s * r["tokens_per_step"] / 1e6 for s, _ in r["val_curve"]], [v for _, v in r["val_curve"]],
-                        style + "o", color=line.get_color(), label=r["label"], markersize=3)
+            ax_val.plot(
+                [s * r["tokens_per_step"] / 1e6 for s, _ in r["val_curve"]],
+                [v for _, v in r["val_curve"]],
+                style + "o",
+                color=line.get_color(),
+                label=r["label"],
+                markersize=3,
+            )
         exits = {**(r.get("exit_curve") or r["val_loss_by_depth"]), **(r.get("extrapolation") or {})}
         if exits and r["variant"] != "dense":
             depths = sorted(exits)
-            ax_exit.plot(depths, [exits[d] for d in depths], style + "o", color=line.get_color(),
-                         label=r["label"], markersize=3)
+            ax_exit.plot(
+                depths, [exits[d] for d in depths], style + "o", color=line.get_color(), label=r["label"], markersize=3
+            )
         elif r["val_loss"] is not None:
             ax_exit.axhline(r["val_loss"], color=line.get_color(), linestyle=":", label=f"{r['label']} (dense)")
     ax_train.set(title=f"training loss (EMA {smooth})", xlabel="tokens (M)", ylabel="loss")
     ax_val.set(title="validation loss at full depth", xlabel="tokens (M)", ylabel="loss")
-    ax_exit.set(title="validation loss after r loop steps (to 4R: past the trained R)", xlabel="loop steps r",
-                ylabel="loss")
+    ax_exit.set(
+        title="validation loss after r loop steps (to 4R: past the trained R)", xlabel="loop steps r", ylabel="loss"
+    )
     finals = [r["val_loss"] for r in rows if r["val_loss"] is not None]
     if finals:
         lo = min(finals)
@@ -546,27 +633,50 @@ def plot(rows: list[dict], path: Path, smooth: float = 0.9) -> None:
 
 # -- command line ------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="grt compare", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", action="append", required=True,
-                   help="comma-separated presets or JSON files (repeatable); the first is the reference")
+    p = argparse.ArgumentParser(
+        prog="grt compare", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--configs",
+        action="append",
+        required=True,
+        help="comma-separated presets or JSON files (repeatable); the first is the reference",
+    )
     p.add_argument("--data", required=True, help="manifest.json from `grt data prepare` (every run reads it)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--tokens", type=float, default=1e6, help="training tokens per run (default 1e6)")
-    p.add_argument("--time-budget", type=float, default=0, metavar="S",
-                   help="size the tokens per run by measurement (instead of --tokens) so that the whole command "
-                        "finishes within S seconds: each run's step is timed first; needs --nproc 1 --parallel 1")
-    p.add_argument("--min-tokens", type=float, default=1e6,
-                   help="with --time-budget: warn when the budget affords fewer tokens per run (default 1e6)")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=0,
+        metavar="S",
+        help="size the tokens per run by measurement (instead of --tokens) so that the whole command "
+        "finishes within S seconds: each run's step is timed first; needs --nproc 1 --parallel 1",
+    )
+    p.add_argument(
+        "--min-tokens",
+        type=float,
+        default=1e6,
+        help="with --time-budget: warn when the budget affords fewer tokens per run (default 1e6)",
+    )
     p.add_argument("--timing-steps", type=int, default=3, help="with --time-budget: timed steps per depth (default 3)")
-    p.add_argument("--exit-depth-factor", type=int, default=1, metavar="F",
-                   help="early exit at r = 0..F*R on each final checkpoint (default 1: the trainer's r = 0..R)")
+    p.add_argument(
+        "--exit-depth-factor",
+        type=int,
+        default=1,
+        metavar="F",
+        help="early exit at r = 0..F*R on each final checkpoint (default 1: the trainer's r = 0..R)",
+    )
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (min = lr / 10, warmup 5%%)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--match", choices=("none", "flops", "params"), default="none",
-                   help="adjust layouts to the reference's forward FLOPs per token or parameter count")
+    p.add_argument(
+        "--match",
+        choices=("none", "flops", "params"),
+        default="none",
+        help="adjust layouts to the reference's forward FLOPs per token or parameter count",
+    )
     p.add_argument("--reference", help="label of the reference config (default: the first)")
     p.add_argument("--ds-config", default=str(PROJECT_ROOT / "ds_configs" / "zero2.json"))
     p.add_argument("--nproc", type=int, default=1, help="ranks per run (local processes)")
@@ -576,11 +686,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--evals", type=int, default=4, help="validation evaluations per run")
     p.add_argument("--eval-batches", type=int, default=20)
     p.add_argument("--log-every", type=int, default=5, help="TensorBoard logging interval (tokens/s, memory)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override for every run, e.g. model.d_model=64 or train.lr=1e-3 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override for every run, e.g. model.d_model=64 or train.lr=1e-3 (repeatable)",
+    )
     p.add_argument("--retrain", action="store_true", help="train again runs that already finished")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the runs (layout, params, FLOPs), check each as `grt train --dry-run` does, and exit")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the runs (layout, params, FLOPs), check each as `grt train --dry-run` does, and exit",
+    )
     return p
 
 
@@ -591,8 +710,9 @@ def main(argv=None) -> int:
     suffix = f"-{args.tag}" if args.tag else ""
     try:
         if args.time_budget and (args.nproc != 1 or args.parallel != 1):
-            raise ConfigError("--time-budget times one process training one run at a time: "
-                              "use it with --nproc 1 --parallel 1")
+            raise ConfigError(
+                "--time-budget times one process training one run at a time: use it with --nproc 1 --parallel 1"
+            )
         if args.exit_depth_factor < 1 or args.timing_steps < 1:
             raise ConfigError("--exit-depth-factor and --timing-steps must be >= 1")
         runs = build_runs(args, args.tokens if args.dry_run else sized_tokens(args, out, suffix, started))
@@ -612,9 +732,12 @@ def main(argv=None) -> int:
     for run in runs:
         run["nproc"] = args.nproc
         c = run["cfg"]
-        print(f"{run['label']:<24} {c.model.variant:<7} {c.model.layout:<10} params {model_params(c.model):>10,}  "
-              f"fwd FLOPs/token {flops_per_token(c.model, seq_len) / 1e6:8.2f}M  steps {c.train.steps}  "
-              f"depth {c.train.depth_sampling if c.model.max_loops else '-'}", flush=True)
+        print(
+            f"{run['label']:<24} {c.model.variant:<7} {c.model.layout:<10} params {model_params(c.model):>10,}  "
+            f"fwd FLOPs/token {flops_per_token(c.model, seq_len) / 1e6:8.2f}M  steps {c.train.steps}  "
+            f"depth {c.train.depth_sampling if c.model.max_loops else '-'}",
+            flush=True,
+        )
     if args.dry_run:
         print("\n".join(f"{run['label']}: {check}" for run, check in zip(runs, checks)))
         return 0
@@ -624,8 +747,11 @@ def main(argv=None) -> int:
         run_dir = Path(run["cfg"].out)
         saved = run_dir / "compare_run_config.json"
         if not args.retrain and saved.is_file() and RunConfig.load(saved).to_dict() != run["cfg"].to_dict():
-            print(f"grt compare: error: {run_dir} holds a run of a different config; pass --retrain to replace it "
-                  "or choose another --out", file=sys.stderr)
+            print(
+                f"grt compare: error: {run_dir} holds a run of a different config; pass --retrain to replace it "
+                "or choose another --out",
+                file=sys.stderr,
+            )
             return 2
         if args.retrain or not (run_dir / "summary.json").is_file():
             if args.retrain and run_dir.exists():
@@ -644,18 +770,31 @@ def main(argv=None) -> int:
     print(text)
     atomic_write_text(out / f"comparison{suffix}.md", text + "\n")
     manifest = Manifest.load(args.data)
-    data = {"train_fingerprint": manifest.fingerprint("train"), "vocab_size": manifest.vocab_size,
-            "seq_len": seq_len, "tokenizer_sha256": manifest.tokenizer_sha256}
+    data = {
+        "train_fingerprint": manifest.fingerprint("train"),
+        "vocab_size": manifest.vocab_size,
+        "seq_len": seq_len,
+        "tokenizer_sha256": manifest.tokenizer_sha256,
+    }
     sizing_path = out / f"sizing{suffix}.json"
     sizing = json.loads(sizing_path.read_text()) if args.time_budget and sizing_path.is_file() else None
-    atomic_write_text(out / f"comparison{suffix}.json", json.dumps(
-        {"data": data, "argv": list(argv if argv is not None else sys.argv[1:]), "sizing": sizing, "runs": rows},
-        indent=2) + "\n")
+    atomic_write_text(
+        out / f"comparison{suffix}.json",
+        json.dumps(
+            {"data": data, "argv": list(argv if argv is not None else sys.argv[1:]), "sizing": sizing, "runs": rows},
+            indent=2,
+        )
+        + "\n",
+    )
     plot(rows, out / f"loss_curves{suffix}.png")
     if sizing and walls:
-        print(f"\ntime: planned {sizing['planned_s']:.0f} s for the runs, they took {sum(walls.values()):.0f} s; "
-              f"the command ran {time.time() - started:.0f} s of its --time-budget {args.time_budget:.0f} s")
-    print(f"\nwrote {out / f'comparison{suffix}.md'}, {out / f'comparison{suffix}.json'}, {out / f'loss_curves{suffix}.png'}")
+        print(
+            f"\ntime: planned {sizing['planned_s']:.0f} s for the runs, they took {sum(walls.values()):.0f} s; "
+            f"the command ran {time.time() - started:.0f} s of its --time-budget {args.time_budget:.0f} s"
+        )
+    print(
+        f"\nwrote {out / f'comparison{suffix}.md'}, {out / f'comparison{suffix}.json'}, {out / f'loss_curves{suffix}.png'}"
+    )
     return 0
 
 

@@ -21,6 +21,7 @@ output distribution, while a state's relative update depends on the method's sta
 and gate. Results are cached in <run>/final_eval.json, keyed by the checkpoint and the
 settings.
 """
+
 from __future__ import annotations
 
 import json
@@ -87,8 +88,12 @@ def final_evals(cfg: RunConfig, exit_factor: int) -> dict:
     from pretrain.infer.scoring import adaptive_sums, lm_sums, val_batches
 
     out, t, r = Path(cfg.out), cfg.train, cfg.model.max_loops
-    settings = {"checkpoint": resolve_checkpoint(out).name, "exit_factor": exit_factor,
-                "extrapolation_factors": list(EXTRAPOLATION_FACTORS), "adaptive_exits": [list(a) for a in ADAPTIVE_EXITS]}
+    settings = {
+        "checkpoint": resolve_checkpoint(out).name,
+        "exit_factor": exit_factor,
+        "extrapolation_factors": list(EXTRAPOLATION_FACTORS),
+        "adaptive_exits": [list(a) for a in ADAPTIVE_EXITS],
+    }
     cache = out / "final_eval.json"
     if cache.is_file():
         saved = json.loads(cache.read_text())
@@ -99,9 +104,12 @@ def final_evals(cfg: RunConfig, exit_factor: int) -> dict:
     batches = list(val_batches(cfg.data, t.micro_batch_size, Dist(), t.eval_batches, t.seed))  # read once, scored often
     curve_depths, depths = eval_depths(r, exit_factor)
     loss = {d: v["loss"] for d, v in loss_table(lm_sums(model, batches, depths, device, t.doc_mask), depths).items()}
-    results = {"exit_curve": {d: loss[d] for d in curve_depths} or None,
-               "extrapolation": {f * r: loss[f * r] for f in EXTRAPOLATION_FACTORS},
-               "adaptive_exit": None, "learned_exit": None}
+    results = {
+        "exit_curve": {d: loss[d] for d in curve_depths} or None,
+        "extrapolation": {f * r: loss[f * r] for f in EXTRAPOLATION_FACTORS},
+        "adaptive_exit": None,
+        "learned_exit": None,
+    }
     if not model.ADAPTIVE_EXIT_REFUSAL:
         results["adaptive_exit"] = {}
         for rule, threshold in ADAPTIVE_EXITS:

@@ -3,6 +3,7 @@
 tokenizer -> WebDataset shards -> tiny GRT trained with DeepSpeed ZeRO-3 (TensorBoard,
 checkpoints) -> early-exit evaluation, compared with the data's unigram entropy.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,18 +56,38 @@ def main(argv=None) -> int:
     if data_main(["tokenizer", *common, "--vocab-size", str(args.vocab_size), "-o", str(data / "tokenizer")]):
         return 1
     print(f"[2/4] tokenising into WebDataset shards (seq_len {args.seq_len}, 5% of documents held out)")
-    if data_main(["prepare", *common, "-t", str(data / "tokenizer.model"), "-o", str(data / "shards"),
-                  "--seq-len", str(args.seq_len), "--shard-size-mb", "0.5", "--val-fraction", "0.05"]):
+    if data_main(
+        [
+            "prepare",
+            *common,
+            "-t",
+            str(data / "tokenizer.model"),
+            "-o",
+            str(data / "shards"),
+            "--seq-len",
+            str(args.seq_len),
+            "--shard-size-mb",
+            "0.5",
+            "--val-fraction",
+            "0.05",
+        ]
+    ):
         return 1
     manifest = str(data / "shards" / "manifest.json")
 
-    cfg = RunConfig(model=get_preset("tiny-grt").replace(max_seq_len=args.seq_len), data=manifest,
-                    ds_config=str(PROJECT_ROOT / "ds_configs" / "zero3.json"), out=str(out))
+    cfg = RunConfig(
+        model=get_preset("tiny-grt").replace(max_seq_len=args.seq_len),
+        data=manifest,
+        ds_config=str(PROJECT_ROOT / "ds_configs" / "zero3.json"),
+        out=str(out),
+    )
     t = cfg.train
     t.steps, t.micro_batch_size, t.lr, t.min_lr = args.steps, 16, 2e-3, 2e-4
     t.warmup_steps, t.log_every, t.eval_every, t.eval_batches, t.save_every = 50, 25, 200, 10, 200
-    print(f"[3/4] training {cfg.model.name} ({cfg.model.layout}, d={cfg.model.d_model}) for {t.steps} steps "
-          f"with DeepSpeed ZeRO-3 on CPU; TensorBoard: tensorboard --logdir {out / 'tb'}")
+    print(
+        f"[3/4] training {cfg.model.name} ({cfg.model.layout}, d={cfg.model.d_model}) for {t.steps} steps "
+        f"with DeepSpeed ZeRO-3 on CPU; TensorBoard: tensorboard --logdir {out / 'tb'}"
+    )
     from pretrain.training.trainer import train
 
     summary = train(cfg)

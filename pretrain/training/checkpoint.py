@@ -10,6 +10,7 @@ Layout of `<out>/checkpoints/`:
 A kill at any moment leaves either the previous `latest` or the new one, never a
 half-written checkpoint that is loaded. Old checkpoints are pruned to the last K.
 """
+
 from __future__ import annotations
 
 import logging
@@ -77,8 +78,12 @@ def _fault(kind: str, step: int, rank: int) -> bool:
     its files and before COMPLETE; `enospc`: DeepSpeed's file writes fail with ENOSPC."""
     spec = os.environ.get("GRT_INJECT_CKPT_FAULT", "")
     parts = spec.split("@")
-    return len(parts) >= 2 and parts[0] == kind and int(parts[1]) == step and \
-        int(parts[2] if len(parts) > 2 else 0) == rank
+    return (
+        len(parts) >= 2
+        and parts[0] == kind
+        and int(parts[1]) == step
+        and int(parts[2] if len(parts) > 2 else 0) == rank
+    )
 
 
 def _error_text(err: BaseException | None, fallback: str) -> str:
@@ -95,8 +100,17 @@ def _remove_debris(root: Path, tag: str) -> None:
             p.unlink(missing_ok=True)
 
 
-def save(engine, root: Path, step: int, *, config_json: str, tokenizer_path: str | None,
-         loader_state: dict, keep: int, rank: int) -> str:
+def save(
+    engine,
+    root: Path,
+    step: int,
+    *,
+    config_json: str,
+    tokenizer_path: str | None,
+    loader_state: dict,
+    keep: int,
+    rank: int,
+) -> str:
     """Write checkpoint `step` on every rank (collective). On a write failure on any rank
     (full disk, read-only or missing directory, I/O error) every rank raises
     CheckpointError, the half-written directory is removed and `latest` still names the
@@ -114,9 +128,11 @@ def save(engine, root: Path, step: int, *, config_json: str, tokenizer_path: str
     except OSError as err:
         error = err
     if not all_agree(error is None):
-        raise CheckpointError(f"could not create checkpoint directory {path}: "
-                              f"{_error_text(error, 'it failed on another rank')}; the previous checkpoint "
-                              f"({find_latest(root)}) is intact") from error
+        raise CheckpointError(
+            f"could not create checkpoint directory {path}: "
+            f"{_error_text(error, 'it failed on another rank')}; the previous checkpoint "
+            f"({find_latest(root)}) is intact"
+        ) from error
     # 2. DeepSpeed's files and this rank's state
     try:
         if _fault("enospc", step, rank):
@@ -133,9 +149,11 @@ def save(engine, root: Path, step: int, *, config_json: str, tokenizer_path: str
     if not all_agree(error is None):
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
-        raise CheckpointError(f"could not write checkpoint {path} (rank {rank}: "
-                              f"{_error_text(error, 'its own files were written, a write failed on another rank')}); removed it; the previous "
-                              f"checkpoint ({find_latest(root)}) is intact") from error
+        raise CheckpointError(
+            f"could not write checkpoint {path} (rank {rank}: "
+            f"{_error_text(error, 'its own files were written, a write failed on another rank')}); removed it; the previous "
+            f"checkpoint ({find_latest(root)}) is intact"
+        ) from error
     if _fault("kill", step, rank):
         os.kill(os.getpid(), 9)
     # 3. rank 0 marks it complete
@@ -153,8 +171,10 @@ def save(engine, root: Path, step: int, *, config_json: str, tokenizer_path: str
             error = err
             shutil.rmtree(path, ignore_errors=True)
     if not all_agree(error is None):
-        raise CheckpointError(f"could not finish checkpoint {path}: {_error_text(error, 'rank 0 failed')}; "
-                              f"the previous checkpoint ({find_latest(root)}) is intact")
+        raise CheckpointError(
+            f"could not finish checkpoint {path}: {_error_text(error, 'rank 0 failed')}; "
+            f"the previous checkpoint ({find_latest(root)}) is intact"
+        )
     return tag
 
 
@@ -162,8 +182,10 @@ def load(engine, root: Path, tag: str, rank: int) -> dict:
     """Load model/optimizer/scheduler into the engine; returns this rank's saved state."""
     state_path = root / tag / f"rank{rank}_state.pt"
     if not state_path.is_file():
-        raise CheckpointError(f"{state_path} is missing: the checkpoint was written by a different number of ranks "
-                              "(convert it with DeepSpeed's ds_to_universal.py to resume on another world size)")
+        raise CheckpointError(
+            f"{state_path} is missing: the checkpoint was written by a different number of ranks "
+            "(convert it with DeepSpeed's ds_to_universal.py to resume on another world size)"
+        )
     path, client = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load checkpoint {root / tag}")

@@ -22,6 +22,7 @@ pins the tested range). What is patched, and why:
   rank whose disk is full still joins the collectives the save makes (checkpoint.py).
 - Warnings: torch's FutureWarnings about the collectives DeepSpeed calls, several per step.
 """
+
 from __future__ import annotations
 
 import errno
@@ -36,10 +37,13 @@ from pretrain.config import ConfigError
 TESTED = "deepspeed>=0.19.8,<0.20"  # setup.py pins the same range
 _COORDINATOR = ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator")
 _GATHER = "_PartitionedParameterCoordinator__all_gather_params"
-_NAMES = [(_COORDINATOR, _GATHER), (_COORDINATOR, "_invalidate_trace"),
-          (("deepspeed.runtime.zero.partition_parameters", "ZeroParamStatus"), "NOT_AVAILABLE"),
-          (("deepspeed.utils.tensor_fragment", "tensor_fragment"), "get_lp_grad_fragment"),
-          (("deepspeed.utils.tensor_fragment", "tensor_fragment"), "lp_fragment_address")]
+_NAMES = [
+    (_COORDINATOR, _GATHER),
+    (_COORDINATOR, "_invalidate_trace"),
+    (("deepspeed.runtime.zero.partition_parameters", "ZeroParamStatus"), "NOT_AVAILABLE"),
+    (("deepspeed.utils.tensor_fragment", "tensor_fragment"), "get_lp_grad_fragment"),
+    (("deepspeed.utils.tensor_fragment", "tensor_fragment"), "lp_fragment_address"),
+]
 
 
 def check() -> None:
@@ -74,22 +78,27 @@ def _refuse(missing: list[str]) -> None:
     import deepspeed
 
     if missing:
-        raise ConfigError(f"DeepSpeed {deepspeed.__version__} lacks {', '.join(missing)}, which "
-                          f"pretrain/training/deepspeed_internals.py patches; install the tested range: "
-                          f"pip install '{TESTED}'")
+        raise ConfigError(
+            f"DeepSpeed {deepspeed.__version__} lacks {', '.join(missing)}, which "
+            f"pretrain/training/deepspeed_internals.py patches; install the tested range: "
+            f"pip install '{TESTED}'"
+        )
 
 
 def quiet_deprecated_collectives() -> None:
     """Hide torch's FutureWarnings about the collectives DeepSpeed calls (reduce_scatter_tensor,
     all_gather_into_tensor, ...: several lines per step); every other warning still shows."""
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor|"
-                                    r"_all_gather_base|_reduce_scatter_base)` is deprecated")
+    warnings.filterwarnings(
+        "ignore",
+        category=FutureWarning,
+        message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor|"
+        r"_all_gather_base|_reduce_scatter_base)` is deprecated",
+    )
 
 
 @dataclass
 class Zero3Counters:
-    gathers: int = 0              # parameters all-gathered (a parameter fetched twice counts twice)
+    gathers: int = 0  # parameters all-gathered (a parameter fetched twice counts twice)
     trace_invalidations: int = 0  # times ZeRO-3 threw away its recorded module order
 
 
@@ -179,12 +188,16 @@ def _remove_module_hooks(engine, module: torch.nn.Module) -> None:
                 kept.append(handle)
         handles[:] = kept
     modules = len(list(module.modules()))
-    if removed != HOOKS_PER_MODULE * modules:  # a DeepSpeed that hooks modules otherwise: the speed-up would be lost silently
+    if (
+        removed != HOOKS_PER_MODULE * modules
+    ):  # a DeepSpeed that hooks modules otherwise: the speed-up would be lost silently
         import deepspeed
 
-        raise ConfigError(f"DeepSpeed {deepspeed.__version__}: found {removed} ZeRO-3 module hooks on the {modules} "
-                          f"pinned modules, not {HOOKS_PER_MODULE} each; pretrain/training/deepspeed_internals.py "
-                          f"removes them: install the tested range: pip install '{TESTED}'")
+        raise ConfigError(
+            f"DeepSpeed {deepspeed.__version__}: found {removed} ZeRO-3 module hooks on the {modules} "
+            f"pinned modules, not {HOOKS_PER_MODULE} each; pretrain/training/deepspeed_internals.py "
+            f"removes them: install the tested range: pip install '{TESTED}'"
+        )
 
 
 def hold_pinned(engine) -> None:
@@ -235,6 +248,7 @@ class RecordWriteErrors:
             except Exception as err:  # torch.save reports a full disk as RuntimeError
                 self.errors.append(err)
                 return None
+
         return guarded
 
     def __enter__(self):

@@ -1,5 +1,6 @@
 """How many loop steps each training step runs. A pure function of (seed, step), so every
 rank draws the same depth without communicating (ranks that disagree hang ZeRO)."""
+
 from __future__ import annotations
 
 import math
@@ -7,8 +8,9 @@ import math
 import numpy as np
 
 
-def sample_depth(mode: str, max_loops: int, seed: int, step: int,
-                 poisson_mean: float = 32.0, poisson_sigma: float = 0.5) -> int:
+def sample_depth(
+    mode: str, max_loops: int, seed: int, step: int, poisson_mean: float = 32.0, poisson_sigma: float = 0.5
+) -> int:
     if max_loops < 1:
         return 0
     rng = np.random.default_rng([seed, step, 0x6A7E])
@@ -19,7 +21,7 @@ def sample_depth(mode: str, max_loops: int, seed: int, step: int,
     if mode == "loguniform":  # r = floor(exp(U[0, log(max + 1)))): every depth up to max seen, short ones most
         return int(min(math.exp(rng.uniform(0.0, math.log(max_loops + 1))), max_loops))
     if mode == "poisson":  # Huginn: r ~ Poisson(exp(tau)) + 1, tau ~ N(log rbar - sigma^2/2, sigma)
-        tau = rng.normal(math.log(poisson_mean) - poisson_sigma ** 2 / 2, poisson_sigma)
+        tau = rng.normal(math.log(poisson_mean) - poisson_sigma**2 / 2, poisson_sigma)
         return int(min(rng.poisson(math.exp(tau)) + 1, 4 * poisson_mean))
     raise ValueError(f"depth_sampling={mode!r}: accepted values are uniform, fixed, poisson, loguniform")
 
@@ -29,8 +31,14 @@ def depth_for_step(train, max_loops: int, step: int) -> int:
     `max_loops`: the layout's R, 0 for a dense model)."""
     if max_loops < 1:
         return 0
-    return sample_depth(train.depth_sampling, train.max_train_depth or max_loops, train.seed, step,
-                        train.poisson_mean, train.poisson_sigma)
+    return sample_depth(
+        train.depth_sampling,
+        train.max_train_depth or max_loops,
+        train.seed,
+        step,
+        train.poisson_mean,
+        train.poisson_sigma,
+    )
 
 
 def max_depth(train, max_loops: int) -> int:

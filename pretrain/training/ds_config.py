@@ -8,6 +8,7 @@ refused with one line naming both values. Everything else (ZeRO, offload, commun
 logging) belongs to DeepSpeed and is used as written; "auto" there means DeepSpeed's own
 default.
 """
+
 from __future__ import annotations
 
 import copy
@@ -38,8 +39,11 @@ def resolve_ds_path(path: str | Path) -> Path:
 
 
 def load_ds_json(path: str | Path) -> dict:
-    return load_json_object(resolve_ds_path(path), f"ds_config={str(path)!r}",
-                            f" (configs ship in {SHIPPED_DIR.name}/: zero1.json, zero2.json, zero3.json)")
+    return load_json_object(
+        resolve_ds_path(path),
+        f"ds_config={str(path)!r}",
+        f" (configs ship in {SHIPPED_DIR.name}/: zero1.json, zero2.json, zero3.json)",
+    )
 
 
 def zero_stage(ds: dict) -> int:
@@ -52,8 +56,11 @@ def _precision(train: TrainConfig, use_cuda: bool) -> str:
 
 def _same(theirs, ours) -> bool:
     if isinstance(ours, (list, tuple)):
-        return isinstance(theirs, (list, tuple)) and len(theirs) == len(ours) and all(
-            _same(a, b) for a, b in zip(theirs, ours))
+        return (
+            isinstance(theirs, (list, tuple))
+            and len(theirs) == len(ours)
+            and all(_same(a, b) for a, b in zip(theirs, ours))
+        )
     if isinstance(ours, bool) or isinstance(theirs, bool):
         return theirs is ours
     if isinstance(ours, (int, float)) and isinstance(theirs, (int, float)):
@@ -66,9 +73,11 @@ def _agree(key: str, theirs, ours, owner: str, fix: str | None = None) -> None:
     if theirs != AUTO and not _same(theirs, ours):
         if fix is None:
             fix = f", or change {owner}" if owner.startswith("train.") else ""
-        raise ConfigError(f"DeepSpeed config {key}={json.dumps(theirs)} disagrees with the run config "
-                          f"({owner} = {json.dumps(ours)}): remove it from the DeepSpeed file or set it to "
-                          f"\"auto\"{fix}")
+        raise ConfigError(
+            f"DeepSpeed config {key}={json.dumps(theirs)} disagrees with the run config "
+            f"({owner} = {json.dumps(ours)}): remove it from the DeepSpeed file or set it to "
+            f'"auto"{fix}'
+        )
 
 
 # Every parameter (of any size) stays gathered under ZeRO-3: above any parameter's numel.
@@ -111,8 +120,11 @@ def build_ds_config(base: dict, train: TrainConfig, world_size: int, use_cuda: b
     owned = {
         "train_micro_batch_size_per_gpu": (mb, "train.micro_batch_size", None),
         "gradient_accumulation_steps": (ga, "train.grad_accum", None),
-        "train_batch_size": (mb * ga * world_size, f"micro_batch_size {mb} x grad_accum {ga} x ranks {world_size}",
-                             ", or change train.micro_batch_size, train.grad_accum or the number of ranks"),
+        "train_batch_size": (
+            mb * ga * world_size,
+            f"micro_batch_size {mb} x grad_accum {ga} x ranks {world_size}",
+            ", or change train.micro_batch_size, train.grad_accum or the number of ranks",
+        ),
         "gradient_clipping": (train.grad_clip, "train.grad_clip", None),
     }
     for key, (ours, owner, fix) in owned.items():
@@ -123,8 +135,12 @@ def build_ds_config(base: dict, train: TrainConfig, world_size: int, use_cuda: b
     precision_owner = f"train.precision ({train.precision!r}: {precision} on {'CUDA' if use_cuda else 'CPU'})"
     for block, ours in (("bf16", precision == "bf16"), ("fp16", False)):
         section = dict(ds.get(block) or {})
-        _agree(f"{block}.enabled", section.get("enabled", AUTO), ours,
-               precision_owner if block == "bf16" else "train.precision (no fp16: bf16 or fp32)")
+        _agree(
+            f"{block}.enabled",
+            section.get("enabled", AUTO),
+            ours,
+            precision_owner if block == "bf16" else "train.precision (no fp16: bf16 or fp32)",
+        )
         ds[block] = {**section, "enabled": ours}
 
     adam = {"lr": train.lr, "betas": list(train.betas), "eps": 1e-8, "weight_decay": train.weight_decay}
@@ -144,16 +160,29 @@ def build_ds_config(base: dict, train: TrainConfig, world_size: int, use_cuda: b
     ds["optimizer"] = {"type": "AdamW", "params": {**adam, **{k: v for k, v in params.items() if v != AUTO}}}
 
     horizon = train.schedule_steps or train.steps  # a resumed run with more steps keeps its started schedule
-    schedule = {"total_num_steps": horizon, "warmup_num_steps": max(1, min(train.warmup_steps, horizon)),
-                "warmup_min_ratio": 0.0, "cos_min_ratio": train.min_lr / train.lr, "warmup_type": "linear"}
-    schedule_owner = {"total_num_steps": "train.schedule_steps (else train.steps)", "warmup_num_steps": "train.warmup_steps",
-                      "warmup_min_ratio": "the trainer's warmup (from 0)",
-                      "cos_min_ratio": "train.min_lr / train.lr", "warmup_type": "the trainer's warmup (linear)"}
+    schedule = {
+        "total_num_steps": horizon,
+        "warmup_num_steps": max(1, min(train.warmup_steps, horizon)),
+        "warmup_min_ratio": 0.0,
+        "cos_min_ratio": train.min_lr / train.lr,
+        "warmup_type": "linear",
+    }
+    schedule_owner = {
+        "total_num_steps": "train.schedule_steps (else train.steps)",
+        "warmup_num_steps": "train.warmup_steps",
+        "warmup_min_ratio": "the trainer's warmup (from 0)",
+        "cos_min_ratio": "train.min_lr / train.lr",
+        "warmup_type": "the trainer's warmup (linear)",
+    }
     scheduler = ds.get("scheduler") or {}
     kind = scheduler.get("type", AUTO)
     if kind != AUTO and kind != SCHEDULER_TYPE:
-        _agree("scheduler.type", kind, SCHEDULER_TYPE,
-               "the run config's schedule: linear warmup over train.warmup_steps, cosine to train.min_lr")
+        _agree(
+            "scheduler.type",
+            kind,
+            SCHEDULER_TYPE,
+            "the run config's schedule: linear warmup over train.warmup_steps, cosine to train.min_lr",
+        )
     for key, value in (scheduler.get("params") or {}).items():
         if key in schedule:
             _agree(f"scheduler.params.{key}", value, schedule[key], schedule_owner[key])

@@ -3,6 +3,7 @@
 Everything here is set up once at start-up; nothing in the training loop reads the
 environment or the rendezvous store (the heartbeat publishes from its own thread).
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,8 +50,13 @@ class Heartbeat:
         if world < 2:
             return
         try:
-            self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                       timeout=timedelta(seconds=max(2.0, 5 * interval)), wait_for_workers=False)
+            self.store = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=timedelta(seconds=max(2.0, 5 * interval)),
+                wait_for_workers=False,
+            )
             self.store.set(f"{self.prefix}host/{rank}", socket.gethostname())
             self._beat()
         except Exception as err:  # no store to reach: fall back to the bare collective errors
@@ -96,8 +102,10 @@ class Heartbeat:
         except Exception:
             if self.rank == 0:
                 return []
-            return [f"rank 0 is unreachable on host {os.environ.get('MASTER_ADDR')} (it serves the rendezvous store: "
-                    "it exited, was killed or its host is down)"]
+            return [
+                f"rank 0 is unreachable on host {os.environ.get('MASTER_ADDR')} (it serves the rendezvous store: "
+                "it exited, was killed or its host is down)"
+            ]
         try:
             hosts = self._read("host")
         except Exception:
@@ -118,18 +126,24 @@ class Heartbeat:
             elif r not in after:
                 notes.append(f"rank {r} never reported (it did not start or died at start-up){on_host(r)}")
             elif before.get(r) == after[r]:
-                notes.append(f"rank {r} stopped responding after step {after[r].split()[1]} "
-                             "(killed, crashed or frozen: no heartbeat for "
-                             f"{round(3 * self.interval, 1):g} s){on_host(r)}")
+                notes.append(
+                    f"rank {r} stopped responding after step {after[r].split()[1]} "
+                    "(killed, crashed or frozen: no heartbeat for "
+                    f"{round(3 * self.interval, 1):g} s){on_host(r)}"
+                )
         if not notes:
             lagging = [r for r, v in after.items() if int(v.split()[1]) < self.step and r not in comm]
-            notes = [f"rank {r} is alive but stuck at step {after[r].split()[1]} (this rank reached step {self.step})"
-                     f"{on_host(r)}"
-                     for r in lagging]
+            notes = [
+                f"rank {r} is alive but stuck at step {after[r].split()[1]} (this rank reached step {self.step})"
+                f"{on_host(r)}"
+                for r in lagging
+            ]
         if not notes and comm:
-            notes = [f"no rank died or reported an error of its own; rank(s) {', '.join(map(str, comm))} saw a "
-                     "failed collective too (ranks waiting for each other: a hang or mismatched collectives; "
-                     "see the traceback in each rank's log)"]
+            notes = [
+                f"no rank died or reported an error of its own; rank(s) {', '.join(map(str, comm))} saw a "
+                "failed collective too (ranks waiting for each other: a hang or mismatched collectives; "
+                "see the traceback in each rank's log)"
+            ]
         return notes
 
 
@@ -155,8 +169,10 @@ def is_comm_error(err: BaseException) -> bool:
     if isinstance(err, getattr(dist, "DistError", ())):
         return True
     text = str(err)
-    return isinstance(err, RuntimeError) and any(k in text for k in (
-        "gloo", "NCCL", "Connection reset", "Connection closed", "pair closure", "Timed out", "timed out"))
+    return isinstance(err, RuntimeError) and any(
+        k in text
+        for k in ("gloo", "NCCL", "Connection reset", "Connection closed", "pair closure", "Timed out", "timed out")
+    )
 
 
 def explain_failure(err: Exception, heartbeat: Heartbeat | None) -> Exception:
@@ -203,4 +219,5 @@ def rss_mb() -> float:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except OSError:
         import resource
+
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,4 +1,5 @@
 """TensorBoard scalars, a per-step JSON-lines record, throughput and MFU, norms, memory."""
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,10 @@ def peak_flops(device: torch.device, override_tflops: float = 0.0) -> tuple[floa
         return 312e12, f"unknown GPU {name!r}: assuming 312 TFLOP/s; set train.peak_tflops"
     cores = len(os.sched_getaffinity(0))
     peak = cores * 2.5e9 * 32  # fp32 AVX2: 2 FMA units x 8 lanes x 2 FLOPs per cycle at ~2.5 GHz
-    return peak, f"CPU estimate {peak / 1e9:.0f} GFLOP/s ({cores} cores x 2.5 GHz x 32 FLOP/cycle); set train.peak_tflops"
+    return (
+        peak,
+        f"CPU estimate {peak / 1e9:.0f} GFLOP/s ({cores} cores x 2.5 GHz x 32 FLOP/cycle); set train.peak_tflops",
+    )
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -42,8 +46,12 @@ def memory_scalars(device: torch.device) -> dict[str, int]:
     """Peak memory, and on CUDA the caching allocator's allocated and reserved bytes now (no sync)."""
     values = {"memory/peak_bytes": peak_memory_bytes(device)}
     if device.type == "cuda":
-        values.update({"memory/allocated_bytes": int(torch.cuda.memory_allocated(device)),
-                       "memory/reserved_bytes": int(torch.cuda.memory_reserved(device))})
+        values.update(
+            {
+                "memory/allocated_bytes": int(torch.cuda.memory_allocated(device)),
+                "memory/reserved_bytes": int(torch.cuda.memory_reserved(device)),
+            }
+        )
     return values
 
 
@@ -70,8 +78,12 @@ class Throughput:
     def read(self) -> dict[str, float]:
         """The window's figures; starts the next window."""
         elapsed = max(self.clock() - self.start, 1e-9)
-        values = {"perf/tokens_per_s": self.tokens / elapsed, "perf/samples_per_s": self.tokens / self.seq_len / elapsed,
-                  "perf/step_time_s": elapsed / max(self.steps, 1), "perf/mfu": self.flops / elapsed / self.peak}
+        values = {
+            "perf/tokens_per_s": self.tokens / elapsed,
+            "perf/samples_per_s": self.tokens / self.seq_len / elapsed,
+            "perf/step_time_s": elapsed / max(self.steps, 1),
+            "perf/mfu": self.flops / elapsed / self.peak,
+        }
         self.reset()
         return values
 
@@ -107,8 +119,10 @@ def norms(model: torch.nn.Module, world: int) -> dict[str, float]:
     for block, value in squares[1]:
         totals[1 + block] += value.to(device)
     values = all_reduce(totals.to(comm_device())).tolist()
-    return {"train/param_norm": math.sqrt(values[0]),
-            **{f"grad_norm/{b}": math.sqrt(v) for b, v in zip(BLOCKS, values[1:])}}
+    return {
+        "train/param_norm": math.sqrt(values[0]),
+        **{f"grad_norm/{b}": math.sqrt(v) for b, v in zip(BLOCKS, values[1:])},
+    }
 
 
 def human_count(n: float) -> str:

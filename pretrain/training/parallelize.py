@@ -4,6 +4,7 @@ Checkpointing always uses torch's non-reentrant checkpoint (selective checkpoint
 DeepSpeed's) fires a shared block's gradient hooks once per loop step and silently
 drops gradients under ZeRO (see docs/zero3.md).
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,8 +31,15 @@ def _saved_by_selective() -> list:
     """The ops whose outputs selective checkpointing keeps: matmuls and attention (the
     FLOPs). Norms, activations, gates and residual adds are recomputed in the backward."""
     aten = torch.ops.aten
-    names = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    names = (
+        "mm",
+        "addmm",
+        "bmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
     ops = [getattr(aten, n).default for n in names if hasattr(aten, n)]
     flash = getattr(torch.ops, "flash_attn", None)  # flash-attn's own op, when installed
     if flash is not None and hasattr(flash, "_flash_attn_forward"):
@@ -100,7 +108,7 @@ def activation_bytes(cfg: ModelConfig, tokens: int, depth: int, mode: str, dtype
     if variant == "rrt":  # the 4 LoRA sites keep their rank-sized inner activation; selective also the
         rank = int(cfg.xget("lora_rank"))  # outputs of their up matmuls (3d + d + 4d + d)
         core_full, core_selective = core_full + 4 * rank * a, core_selective + (4 * rank + 9 * d) * a
-    extra_full, extra_selective = ((8, 3) if cfg.gate else (2, 1))
+    extra_full, extra_selective = (8, 3) if cfg.gate else (2, 1)
     step_full = layout.core * core_full + extra_full * d * a
     step_selective = layout.core * core_selective + extra_selective * d * a
     steps = depth if layout.looped else 0
@@ -161,9 +169,11 @@ def check_checkpointing(mode: str, zero_stage: int) -> None:
     """Refuse a mode the ZeRO stage cannot run (one line): `grt launch` calls it before any
     rank starts, and the Trainer again for runs started by deepspeed or torchrun directly."""
     if mode not in (AUTO, *modes_for_stage(zero_stage)):
-        raise ConfigError(f"train.activation_checkpointing={mode!r} is refused under ZeRO stage {zero_stage} "
-                          f"(wrong gradients, docs/performance.md): use {', '.join(modes_for_stage(zero_stage))} "
-                          "or auto, or ZeRO-2")
+        raise ConfigError(
+            f"train.activation_checkpointing={mode!r} is refused under ZeRO stage {zero_stage} "
+            f"(wrong gradients, docs/performance.md): use {', '.join(modes_for_stage(zero_stage))} "
+            "or auto, or ZeRO-2"
+        )
 
 
 def choose_checkpointing(estimates: dict[str, int], free_bytes: int | None) -> str:

@@ -4,6 +4,7 @@ host, saved as JSON in the run directory and in every checkpoint.
 Overrides use dotted keys: `--set train.lr=3e-4 --set model.d_model=256`. Every key and
 type is checked before any process group is created.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.config import ConfigError, ModelConfig, check_keys, coerce, load_json_object
-from pretrain.training.parallelize import AUTO, CHECKPOINT_MODES
 from pretrain.presets import get_preset
+from pretrain.training.parallelize import AUTO, CHECKPOINT_MODES
 
 DEPTH_SAMPLING = ("uniform", "fixed", "poisson", "loguniform")
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -28,21 +29,21 @@ class TrainConfig:
     lr: float = 6e-4
     min_lr: float = 6e-5
     warmup_steps: int = 2000
-    schedule_steps: int = 0             # learning-rate schedule horizon; 0 = steps (a resume with new steps keeps the old)
+    schedule_steps: int = 0  # learning-rate schedule horizon; 0 = steps (a resume with new steps keeps the old)
     weight_decay: float = 0.1
     betas: tuple = (0.9, 0.95)
     grad_clip: float = 1.0
     seed: int = 1234
-    depth_sampling: str = "uniform"     # uniform: r ~ U{1..R}; fixed: R; poisson: Huginn's heavy tail;
-                                        # loguniform: floor(exp(U[0, log(R+1)))), depth extrapolation
-    max_train_depth: int = 0            # the R of the sampling above (0 = the layout's R); e.g. 32 with
-                                        # loguniform keeps the loss flat past R (docs/evaluation.md)
-    poisson_mean: float = 32.0          # rbar of the heavy-tail Poisson (capped at the layout's R x 4)
+    depth_sampling: str = "uniform"  # uniform: r ~ U{1..R}; fixed: R; poisson: Huginn's heavy tail;
+    # loguniform: floor(exp(U[0, log(R+1)))), depth extrapolation
+    max_train_depth: int = 0  # the R of the sampling above (0 = the layout's R); e.g. 32 with
+    # loguniform keeps the loss flat past R (docs/evaluation.md)
+    poisson_mean: float = 32.0  # rbar of the heavy-tail Poisson (capped at the layout's R x 4)
     poisson_sigma: float = 0.5
     activation_checkpointing: str = AUTO  # auto: off, selective or loop_step by the device memory left;
-                                          # or one of those, or block (pretrain/training/parallelize.py)
-    doc_mask: bool = False              # attend only within a packed document
-    precision: str = "auto"             # auto: bf16 on CUDA, fp32 on CPU
+    # or one of those, or block (pretrain/training/parallelize.py)
+    doc_mask: bool = False  # attend only within a packed document
+    precision: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     num_workers: int = 0
     shuffle_buffer: int = 1000
     skip_corrupt_shards: bool = False
@@ -50,21 +51,21 @@ class TrainConfig:
     eval_every: int = 500
     eval_batches: int = 20
     save_every: int = 1000
-    save_final: bool = True             # a checkpoint at the last step (false: benchmarks, whose runs are thrown away)
+    save_final: bool = True  # a checkpoint at the last step (false: benchmarks, whose runs are thrown away)
     keep_checkpoints: int = 3
-    max_bad_steps: int = 5              # consecutive non-finite steps before the run stops
+    max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
     dist_timeout_s: float = 600.0
-    peak_tflops: float = 0.0            # device peak for MFU; 0 = look up the device
+    peak_tflops: float = 0.0  # device peak for MFU; 0 = look up the device
     compile: bool = False
-    zero3_pin_core: bool = True         # keep the looped core gathered under ZeRO-3 (pretrain/training/deepspeed_internals.py)
-    allow_data_change: bool = False     # resume although the shard list changed since the checkpoint
+    zero3_pin_core: bool = True  # keep the looped core gathered under ZeRO-3 (pretrain/training/deepspeed_internals.py)
+    allow_data_change: bool = False  # resume although the shard list changed since the checkpoint
 
 
 @dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=lambda: get_preset("tiny-grt"))
     train: TrainConfig = field(default_factory=TrainConfig)
-    data: str = ""                      # manifest.json from `grt data prepare`
+    data: str = ""  # manifest.json from `grt data prepare`
     ds_config: str = "ds_configs/zero3.json"
     out: str = "runs/default"
 
@@ -72,18 +73,33 @@ class RunConfig:
         t = self.train
         self.model.validate()
         checks = [
-            (t.depth_sampling in DEPTH_SAMPLING, f"train.depth_sampling={t.depth_sampling!r}: accepted values are {', '.join(DEPTH_SAMPLING)}"),
-            (t.precision in PRECISIONS, f"train.precision={t.precision!r}: accepted values are {', '.join(PRECISIONS)}"),
-            (t.activation_checkpointing in (AUTO, *CHECKPOINT_MODES), f"train.activation_checkpointing={t.activation_checkpointing!r}: accepted values are {', '.join((AUTO, *CHECKPOINT_MODES))}"),
+            (
+                t.depth_sampling in DEPTH_SAMPLING,
+                f"train.depth_sampling={t.depth_sampling!r}: accepted values are {', '.join(DEPTH_SAMPLING)}",
+            ),
+            (
+                t.precision in PRECISIONS,
+                f"train.precision={t.precision!r}: accepted values are {', '.join(PRECISIONS)}",
+            ),
+            (
+                t.activation_checkpointing in (AUTO, *CHECKPOINT_MODES),
+                f"train.activation_checkpointing={t.activation_checkpointing!r}: accepted values are {', '.join((AUTO, *CHECKPOINT_MODES))}",
+            ),
             (t.steps >= 1, f"train.steps={t.steps}: must be >= 1"),
             (t.max_train_depth >= 0, f"train.max_train_depth={t.max_train_depth}: must be >= 0 (0 = the layout's R)"),
             (t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size}: must be >= 1"),
             (t.grad_accum >= 1, f"train.grad_accum={t.grad_accum}: must be >= 1"),
             (0 <= t.warmup_steps, f"train.warmup_steps={t.warmup_steps}: must be >= 0"),
             (0 <= t.schedule_steps, f"train.schedule_steps={t.schedule_steps}: must be >= 0 (0 = train.steps)"),
-            (t.lr > 0 and 0 <= t.min_lr <= t.lr, f"train.lr={t.lr}, train.min_lr={t.min_lr}: need 0 <= min_lr <= lr, lr > 0"),
+            (
+                t.lr > 0 and 0 <= t.min_lr <= t.lr,
+                f"train.lr={t.lr}, train.min_lr={t.min_lr}: need 0 <= min_lr <= lr, lr > 0",
+            ),
             (len(t.betas) == 2, f"train.betas={t.betas!r}: two numbers"),
-            (t.log_every >= 1 and t.eval_every >= 0 and t.save_every >= 0, "train.log_every must be >= 1; eval_every, save_every >= 0 (0 = off)"),
+            (
+                t.log_every >= 1 and t.eval_every >= 0 and t.save_every >= 0,
+                "train.log_every must be >= 1; eval_every, save_every >= 0 (0 = off)",
+            ),
             (t.keep_checkpoints >= 1, f"train.keep_checkpoints={t.keep_checkpoints}: must be >= 1"),
             (bool(self.data), "data: the manifest.json written by `grt data prepare` is required (--data)"),
         ]
@@ -95,7 +111,7 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
         data = dict(data)
         model = data.pop("model", None)
         train = data.pop("train", {})
@@ -113,7 +129,7 @@ class RunConfig:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> "RunConfig":
+    def load(cls, path: str | Path) -> RunConfig:
         return cls.from_dict(load_json_object(path, str(path)))
 
 
@@ -153,7 +169,9 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         section, _, name = key.rpartition(".")
         target = {"": cfg, "model": cfg.model, "train": cfg.train}.get(section)
         if target is None:
-            raise ConfigError(f"override {item!r}: unknown section {section!r}; accepted: model, train, or a top-level key")
+            raise ConfigError(
+                f"override {item!r}: unknown section {section!r}; accepted: model, train, or a top-level key"
+            )
         fields = {f.name: f for f in dataclasses.fields(target)}
         if name not in fields or name in ("model", "train"):
             accepted = ", ".join(f for f in fields if f not in ("model", "train"))

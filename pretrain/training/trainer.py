@@ -9,6 +9,7 @@ Design choices that keep a looped model correct under ZeRO (docs/zero3.md):
   together. The host reads them once per optimizer step outside logging steps, whatever
   grad_accum is (`Trainer.train_step`, docs/performance.md).
 """
+
 from __future__ import annotations
 
 import json
@@ -29,13 +30,36 @@ from pretrain.model.flops import count_params
 from pretrain.training import checkpoint, deepspeed_internals
 from pretrain.training.depth import depth_for_step, max_depth
 from pretrain.training.ds_config import build_ds_config, load_ds_json, save_ds_config, zero_stage
-from pretrain.training.health import (Heartbeat, NanInjection, RankFailure, StopSignal, TrainingStopped,
-                                      explain_failure, one_line, rss_mb)
-from pretrain.training.metrics import (MetricsWriter, Throughput, human_count, human_duration, memory_scalars,
-                                       norms, peak_flops)
-from pretrain.training.parallelize import (AUTO, AUTO_MEMORY_SHARE, AUTO_MODES, activation_bytes,
-                                           check_checkpointing, checkpoint_and_compile,
-                                           choose_checkpointing, compile_stats, modes_for_stage)
+from pretrain.training.health import (
+    Heartbeat,
+    NanInjection,
+    RankFailure,
+    StopSignal,
+    TrainingStopped,
+    explain_failure,
+    one_line,
+    rss_mb,
+)
+from pretrain.training.metrics import (
+    MetricsWriter,
+    Throughput,
+    human_count,
+    human_duration,
+    memory_scalars,
+    norms,
+    peak_flops,
+)
+from pretrain.training.parallelize import (
+    AUTO,
+    AUTO_MEMORY_SHARE,
+    AUTO_MODES,
+    activation_bytes,
+    check_checkpointing,
+    checkpoint_and_compile,
+    choose_checkpointing,
+    compile_stats,
+    modes_for_stage,
+)
 from pretrain.training.resume import check_resume
 from pretrain.training.run_config import RunConfig, load_manifest, resolve
 
@@ -69,8 +93,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_engine(cfg: RunConfig, world_size: int, device: torch.device, seq_len: int | None = None,
-                 ds: dict | None = None):
+def build_engine(
+    cfg: RunConfig, world_size: int, device: torch.device, seq_len: int | None = None, ds: dict | None = None
+):
     """The DeepSpeed engine and its merged config (`ds`, when the caller has merged it already).
     Activation checkpointing is applied after DeepSpeed has placed the weights and optimizer
     state, so that `auto` sees what is left; compilation with it (`checkpoint_and_compile`)."""
@@ -79,10 +104,12 @@ def build_engine(cfg: RunConfig, world_size: int, device: torch.device, seq_len:
     ds = ds or build_ds_config(load_ds_json(cfg.ds_config), cfg.train, world_size, device.type == "cuda")
     with deepspeed.zero.Init(config_dict_or_path=ds, enabled=zero_stage(ds) == 3):
         model = build_model(cfg.model)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
-                                           config=ds)
-    mode = checkpointing_mode(cfg, ds, device, seq_len or cfg.model.max_seq_len, count_params(model)["params"],
-                              world_size)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=param_groups(model, cfg.train.weight_decay), config=ds
+    )
+    mode = checkpointing_mode(
+        cfg, ds, device, seq_len or cfg.model.max_seq_len, count_params(model)["params"], world_size
+    )
     checkpoint_and_compile(model, mode, cfg.train.compile)
     deepspeed_internals.check_engine(engine)
     if zero_stage(ds) == 3:
@@ -109,8 +136,9 @@ def allocated_later(ds: dict, numel: int, world_size: int, dtype_bytes: int) -> 
     return later
 
 
-def checkpointing_mode(cfg: RunConfig, ds: dict, device: torch.device, seq_len: int, numel: int,
-                       world_size: int) -> str:
+def checkpointing_mode(
+    cfg: RunConfig, ds: dict, device: torch.device, seq_len: int, numel: int, world_size: int
+) -> str:
     """train.activation_checkpointing, with `auto` resolved from the estimated activation
     memory of one micro-batch at the deepest sampled depth against the device memory left
     once what the first step allocates is taken (`allocated_later` of the model's `numel`
@@ -120,20 +148,34 @@ def checkpointing_mode(cfg: RunConfig, ds: dict, device: torch.device, seq_len: 
     if t.activation_checkpointing != AUTO:
         return t.activation_checkpointing
     depth, dtype_bytes = max_depth(t, cfg.model.max_loops), 2 if ds["bf16"]["enabled"] else 4
-    estimates = {mode: activation_bytes(cfg.model, t.micro_batch_size * seq_len, depth, mode, dtype_bytes)
-                 for mode in AUTO_MODES if mode in modes_for_stage(zero_stage(ds))}
+    estimates = {
+        mode: activation_bytes(cfg.model, t.micro_batch_size * seq_len, depth, mode, dtype_bytes)
+        for mode in AUTO_MODES
+        if mode in modes_for_stage(zero_stage(ds))
+    }
     free, later = None, allocated_later(ds, numel, world_size, dtype_bytes)
     if device.type == "cuda":
-        free_here = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
-                     - torch.cuda.memory_allocated(device) - later)
+        free_here = (
+            torch.cuda.mem_get_info(device)[0]
+            + torch.cuda.memory_reserved(device)
+            - torch.cuda.memory_allocated(device)
+            - later
+        )
         free = int(all_reduce(torch.tensor(float(free_here), device=comm_device()), op="min").item())
     mode = choose_checkpointing(estimates, free)
-    log.info("activation checkpointing auto -> %s: estimated activation memory per micro-batch (%d x %d tokens, "
-             "depth up to %d): %s; %s", mode, t.micro_batch_size, seq_len, depth,
-             ", ".join(f"{m} {b / 2**20:,.1f} MiB" for m, b in estimates.items()),
-             f"free device memory {free / 2**20:,.0f} MiB (least over ranks, after {later / 2**20:,.0f} MiB that the "
-             f"first step allocates), {AUTO_MEMORY_SHARE:.0%} of it usable"
-             if free is not None else "on the CPU: no checkpointing unless set")
+    log.info(
+        "activation checkpointing auto -> %s: estimated activation memory per micro-batch (%d x %d tokens, "
+        "depth up to %d): %s; %s",
+        mode,
+        t.micro_batch_size,
+        seq_len,
+        depth,
+        ", ".join(f"{m} {b / 2**20:,.1f} MiB" for m, b in estimates.items()),
+        f"free device memory {free / 2**20:,.0f} MiB (least over ranks, after {later / 2**20:,.0f} MiB that the "
+        f"first step allocates), {AUTO_MEMORY_SHARE:.0%} of it usable"
+        if free is not None
+        else "on the CPU: no checkpointing unless set",
+    )
     return mode
 
 
@@ -189,9 +231,9 @@ class GradientMask:
 
 
 class StepResult(NamedTuple):
-    loss: float               # mean over the step's good micro-batches and the ranks
-    stop_requested: bool      # a rank received SIGTERM/SIGUSR1
-    scalars: dict             # logging steps: norms and gate means
+    loss: float  # mean over the step's good micro-batches and the ranks
+    stop_requested: bool  # a rank received SIGTERM/SIGUSR1
+    scalars: dict  # logging steps: norms and gate means
 
 
 class Trainer:
@@ -215,8 +257,10 @@ class Trainer:
         resolve(self.cfg, self.manifest)
         tag = checkpoint.find_latest(self.ckpt_root)
         if tag is not None and not self.resume:
-            raise ConfigError(f"{self.ckpt_root} already holds checkpoint {tag}: pass --resume to continue it, "
-                              "or choose another --out")
+            raise ConfigError(
+                f"{self.ckpt_root} already holds checkpoint {tag}: pass --resume to continue it, "
+                "or choose another --out"
+            )
         self.cfg = check_resume(self.cfg, self.ckpt_root, tag, manifest=self.manifest)
         t = self.cfg.train
         deepspeed_internals.check()
@@ -277,7 +321,8 @@ class Trainer:
             raise ConfigError(
                 f"data={self.cfg.data!r}: the train split's shard list changed since checkpoint {tag} (fingerprint "
                 f"{saved} -> {now}: shards added, removed, reordered or rewritten), so resuming would not continue "
-                f"the same data order; restore the original manifest, or resume anyway with {_ALLOW_DATA_CHANGE_HINT}")
+                f"the same data order; restore the original manifest, or resume anyway with {_ALLOW_DATA_CHANGE_HINT}"
+            )
 
     def write_run_config(self) -> None:
         """The run directory's config files (rank 0)."""
@@ -290,24 +335,44 @@ class Trainer:
         cfg, t, engine = self.cfg, self.cfg.train, self.engine
         counts = count_params(engine.module)
         self.peak, peak_note = peak_flops(self.device, t.peak_tflops)
-        log.info("model %s layout %s: %s params (%s non-embedding), ZeRO stage %d, %d rank(s), %s, %d tokens/step",
-                 cfg.model.name, cfg.model.layout, f"{counts['params']:,}", f"{counts['non_embedding_params']:,}",
-                 zero_stage(self.ds), self.world, "bf16" if self.ds["bf16"]["enabled"] else "fp32",
-                 self.tokens_per_step)
+        log.info(
+            "model %s layout %s: %s params (%s non-embedding), ZeRO stage %d, %d rank(s), %s, %d tokens/step",
+            cfg.model.name,
+            cfg.model.layout,
+            f"{counts['params']:,}",
+            f"{counts['non_embedding_params']:,}",
+            zero_stage(self.ds),
+            self.world,
+            "bf16" if self.ds["bf16"]["enabled"] else "fp32",
+            self.tokens_per_step,
+        )
         log.info("MFU peak: %s", peak_note)
         inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # below DeepSpeed's ZeRO wrapper
         fused = " (fused=True)" if getattr(inner, "defaults", {}).get("fused") else ""
-        log.info("optimizer: %s.%s%s (fused: DeepSpeed's FusedAdam on CUDA, torch's fused AdamW on CPU); layer norm: "
-                 "torch.nn.LayerNorm; checkpointing: %s; compile: %s", type(inner).__module__, type(inner).__name__,
-                 fused, t.activation_checkpointing, t.compile)
+        log.info(
+            "optimizer: %s.%s%s (fused: DeepSpeed's FusedAdam on CUDA, torch's fused AdamW on CPU); layer norm: "
+            "torch.nn.LayerNorm; checkpointing: %s; compile: %s",
+            type(inner).__module__,
+            type(inner).__name__,
+            fused,
+            t.activation_checkpointing,
+            t.compile,
+        )
 
     def data_loader(self, split: str, **overrides):
         from data_pipeline.loader import TokenBatchLoader
 
         t = self.cfg.train
-        options = dict(micro_batch_size=t.micro_batch_size, rank=self.rank, world_size=self.world,
-                       num_workers=t.num_workers, seed=t.seed, shuffle_buffer=t.shuffle_buffer,
-                       skip_corrupt=t.skip_corrupt_shards, expected_seq_len=self.manifest.seq_len)
+        options = dict(
+            micro_batch_size=t.micro_batch_size,
+            rank=self.rank,
+            world_size=self.world,
+            num_workers=t.num_workers,
+            seed=t.seed,
+            shuffle_buffer=t.shuffle_buffer,
+            skip_corrupt=t.skip_corrupt_shards,
+            expected_seq_len=self.manifest.seq_len,
+        )
         return TokenBatchLoader(self.manifest, split=split, **{**options, **overrides})
 
     def val_batches(self):
@@ -338,16 +403,23 @@ class Trainer:
         while good < t.grad_accum:
             idx, targets, doc_ids = move(next(batches), self.device, t.doc_mask)
             if self.loader.skipped_shards != self.skipped_shards:
-                log.warning("rank %d skipped %d unreadable shard(s) so far (train.skip_corrupt_shards): %s", self.rank,
-                            self.loader.skipped_shards, ", ".join(self.loader.bad_shards))
+                log.warning(
+                    "rank %d skipped %d unreadable shard(s) so far (train.skip_corrupt_shards): %s",
+                    self.rank,
+                    self.loader.skipped_shards,
+                    ", ".join(self.loader.bad_shards),
+                )
                 self.skipped_shards = self.loader.skipped_shards
             out = engine(idx, targets, n_loops=depth, doc_ids=doc_ids, return_gates=log_now, return_logits=False)
             loss = out.loss * float("nan") if self.faults.poisons(self.step) else out.loss
             if self.stop.received:
                 self.stop_flag.fill_(1.0)
             detached = loss.detach().double().to(self.comm)
-            unread.append(all_reduce(torch.stack([detached, (~torch.isfinite(detached)).double(), self.stop_flag,
-                                                  self.grad_norm_bad])))
+            unread.append(
+                all_reduce(
+                    torch.stack([detached, (~torch.isfinite(detached)).double(), self.stop_flag, self.grad_norm_bad])
+                )
+            )
             if good + len(unread) < t.grad_accum:  # not the last one yet: its flag is read later
                 engine.set_gradient_accumulation_boundary(False)
                 with self.grad_mask.keep_if(unread[-1][1] == 0):
@@ -378,20 +450,25 @@ class Trainer:
         if grad_norm is not None:  # checked inside the next step's control vector (or by check_grad_norm)
             self.grad_norm = torch.as_tensor(grad_norm, dtype=torch.float64).to(self.comm, non_blocking=True)
             self.grad_norm_bad = (~torch.isfinite(self.grad_norm)).double()
-        return StepResult(loss_sum / t.grad_accum, stop_requested,
-                          {k: float(v) for k, v in scalars.items()})
+        return StepResult(loss_sum / t.grad_accum, stop_requested, {k: float(v) for k, v in scalars.items()})
 
     def skip_bad_micro_batch(self, depth: int) -> None:
         t = self.cfg.train
         self.skipped_total += 1
         self.bad_in_a_row += 1
-        log.warning("non-finite loss at step %d (depth %d): micro-batch skipped on every rank "
-                    "(%d in a row, limit %d)", self.step + 1, depth, self.bad_in_a_row, t.max_bad_steps)
+        log.warning(
+            "non-finite loss at step %d (depth %d): micro-batch skipped on every rank (%d in a row, limit %d)",
+            self.step + 1,
+            depth,
+            self.bad_in_a_row,
+            t.max_bad_steps,
+        )
         if self.bad_in_a_row >= t.max_bad_steps:
             raise TrainingStopped(
                 f"{self.bad_in_a_row} consecutive non-finite losses at step {self.step + 1}; stopping. The last "
                 f"good checkpoint is {checkpoint.find_latest(self.ckpt_root) or 'none (no checkpoint yet)'} "
-                f"in {self.ckpt_root}")
+                f"in {self.ckpt_root}"
+            )
 
     def check_grad_norm(self) -> float:
         """Stop now if the last step's gradient norm was not finite (a host sync: logging,
@@ -404,8 +481,10 @@ class Trainer:
         return value
 
     def stop_on_bad_grad_norm(self) -> None:
-        raise TrainingStopped(f"non-finite gradient norm at step {self.step} (finite loss); parameters may be corrupt, "
-                              f"stopping without saving. Resume from {checkpoint.find_latest(self.ckpt_root)}")
+        raise TrainingStopped(
+            f"non-finite gradient norm at step {self.step} (finite loss); parameters may be corrupt, "
+            f"stopping without saving. Resume from {checkpoint.find_latest(self.ckpt_root)}"
+        )
 
     # -- the loop ------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -423,8 +502,11 @@ class Trainer:
             loss, stop_requested, scalars = self.train_step(batches, depth, log_now)
             self.step += 1
             self.throughput.add(self.tokens_per_step, depth)
-            save_now = ((t.save_every and self.step % t.save_every == 0) or (t.save_final and self.step == t.steps)
-                        or stop_requested)
+            save_now = (
+                (t.save_every and self.step % t.save_every == 0)
+                or (t.save_final and self.step == t.steps)
+                or stop_requested
+            )
             if log_now:
                 self.log_step(loss, depth, scalars)
             elif save_now:
@@ -440,10 +522,17 @@ class Trainer:
                 break
         if self.rank != 0:
             return {}
-        summary = {"out": str(self.out), "steps": self.step, "final_loss": loss, "val_loss_by_depth": last_val,
-                   "checkpoint": str(self.ckpt_root / (checkpoint.find_latest(self.ckpt_root) or "")),
-                   "tensorboard": str(self.out / "tb"), "skipped_microbatches": self.skipped_total,
-                   "stopped_by_signal": stop_requested, "skipped_shards": self.loader.skipped_shards}
+        summary = {
+            "out": str(self.out),
+            "steps": self.step,
+            "final_loss": loss,
+            "val_loss_by_depth": last_val,
+            "checkpoint": str(self.ckpt_root / (checkpoint.find_latest(self.ckpt_root) or "")),
+            "tensorboard": str(self.out / "tb"),
+            "skipped_microbatches": self.skipped_total,
+            "stopped_by_signal": stop_requested,
+            "skipped_shards": self.loader.skipped_shards,
+        }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
 
@@ -453,20 +542,39 @@ class Trainer:
         perf = self.throughput.read()
         tokens_seen = self.step * self.tokens_per_step
         lr = self.engine.get_lr()[0]
-        values = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "train/depth": depth,
-                  "train/skipped_microbatches": self.skipped_total, "train/tokens_seen": tokens_seen,
-                  **perf, **memory_scalars(self.device), **scalars,
-                  "zero3/trace_invalidations": deepspeed_internals.COUNTERS.trace_invalidations,
-                  "zero3/param_gathers": deepspeed_internals.COUNTERS.gathers}
+        values = {
+            "train/loss": loss,
+            "train/lr": lr,
+            "train/grad_norm": grad_norm,
+            "train/depth": depth,
+            "train/skipped_microbatches": self.skipped_total,
+            "train/tokens_seen": tokens_seen,
+            **perf,
+            **memory_scalars(self.device),
+            **scalars,
+            "zero3/trace_invalidations": deepspeed_internals.COUNTERS.trace_invalidations,
+            "zero3/param_gathers": deepspeed_internals.COUNTERS.gathers,
+        }
         if t.compile:
             values["compile/unique_graphs"] = compile_stats()["unique_graphs"]
         self.writer.scalars(self.step, values)
         self.writer.scalars_by_tokens(tokens_seen, {"train/loss": loss})
         eta = (t.steps - self.step) * perf["perf/step_time_s"]
-        log.info("step %d/%d | loss %.4f | depth %d | lr %.2e | grad norm %.3f | %.0f tok/s | MFU %.2f%% | "
-                 "peak mem %.0f MB | tokens %s | ETA %s", self.step, t.steps, loss, depth, lr, grad_norm,
-                 perf["perf/tokens_per_s"], 100 * perf["perf/mfu"], values["memory/peak_bytes"] / 2**20,
-                 human_count(tokens_seen), human_duration(eta))
+        log.info(
+            "step %d/%d | loss %.4f | depth %d | lr %.2e | grad norm %.3f | %.0f tok/s | MFU %.2f%% | "
+            "peak mem %.0f MB | tokens %s | ETA %s",
+            self.step,
+            t.steps,
+            loss,
+            depth,
+            lr,
+            grad_norm,
+            perf["perf/tokens_per_s"],
+            100 * perf["perf/mfu"],
+            values["memory/peak_bytes"] / 2**20,
+            human_count(tokens_seen),
+            human_duration(eta),
+        )
 
     def validate(self) -> dict[int, float]:
         max_r = self.cfg.model.max_loops
@@ -474,17 +582,28 @@ class Trainer:
         full = by_depth[max_r]
         self.writer.scalars(self.step, {"val/loss": full, **{f"val/loss_depth_{k}": v for k, v in by_depth.items()}})
         self.writer.scalars_by_tokens(self.step * self.tokens_per_step, {"val/loss": full})
-        log.info("validation at step %d: loss %.4f at full depth; by exit depth: %s", self.step, full,
-                 " ".join(f"{k}:{v:.3f}" for k, v in by_depth.items()))
+        log.info(
+            "validation at step %d: loss %.4f at full depth; by exit depth: %s",
+            self.step,
+            full,
+            " ".join(f"{k}:{v:.3f}" for k, v in by_depth.items()),
+        )
         self.engine.train()
         self.throughput.reset()  # evaluation time is not training throughput
         return by_depth
 
     def save(self) -> str:
         try:
-            return checkpoint.save(self.engine, self.ckpt_root, self.step, config_json=self.config_json,
-                                   tokenizer_path=self.manifest.tokenizer_path, loader_state=self.loader.state_dict(),
-                                   keep=self.cfg.train.keep_checkpoints, rank=self.rank)
+            return checkpoint.save(
+                self.engine,
+                self.ckpt_root,
+                self.step,
+                config_json=self.config_json,
+                tokenizer_path=self.manifest.tokenizer_path,
+                loader_state=self.loader.state_dict(),
+                keep=self.cfg.train.keep_checkpoints,
+                rank=self.rank,
+            )
         except checkpoint.CheckpointError as err:  # every rank agreed on it: stop cleanly, nothing half-written is used
             raise TrainingStopped(str(err)) from err
 
@@ -501,11 +620,13 @@ def dry_run(cfg: RunConfig, resume: bool = False) -> str:
     trainer = Trainer(cfg, resume)
     tag, ds = trainer.preflight()
     c, m = trainer.cfg, trainer.manifest
-    return (f"would train {c.model.name} ({c.model.variant} {c.model.layout}, d {c.model.d_model}, vocab "
-            f"{c.model.vocab_size}) on {c.data} (seq_len {m.seq_len}) for {c.train.steps} steps, ZeRO stage "
-            f"{zero_stage(ds)}, {'bf16' if ds['bf16']['enabled'] else 'fp32'}, checkpointing "
-            f"{c.train.activation_checkpointing}, compile {c.train.compile}, "
-            f"{'resuming ' + tag if tag else 'from scratch'}")
+    return (
+        f"would train {c.model.name} ({c.model.variant} {c.model.layout}, d {c.model.d_model}, vocab "
+        f"{c.model.vocab_size}) on {c.data} (seq_len {m.seq_len}) for {c.train.steps} steps, ZeRO stage "
+        f"{zero_stage(ds)}, {'bf16' if ds['bf16']['enabled'] else 'fp32'}, checkpointing "
+        f"{c.train.activation_checkpointing}, compile {c.train.compile}, "
+        f"{'resuming ' + tag if tag else 'from scratch'}"
+    )
 
 
 def train(cfg: RunConfig, resume: bool = False) -> dict:

@@ -10,6 +10,7 @@ model, whose forward runs inside DeepSpeed's engine). The counts between
 two per-step records (`MetricsWriter.step_record`, written once per step after its
 logging) are that step's. At step 3 the run also issues two warnings that must be shown.
 """
+
 import json
 import sys
 import warnings
@@ -49,6 +50,7 @@ def counting(original):
         if kind:
             counts[kind] += 1
         return original(self, *args, **kwargs)
+
     return wrapper
 
 

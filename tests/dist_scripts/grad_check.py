@@ -8,6 +8,7 @@ ZeRO-3 threw away its recorded module order after the first step. "unused_with_n
 does not reach (the loop at depth 0, per-step LoRA adapters and routers past the depth) whose
 gradient is not exactly zero: under ZeRO-3 they would be stale.
 """
+
 import json
 import os
 import re
@@ -19,7 +20,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from deepspeed.utils import safe_get_full_grad, safe_get_full_fp32_param  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad  # noqa: E402
 
 from pretrain.distributed import exit_process, init_distributed  # noqa: E402
 from pretrain.model import build_model  # noqa: E402
@@ -77,7 +78,9 @@ def check(preset: str) -> dict:
     report = {"steps": []}
     for step, depth in enumerate(depths):
         # reference: the same weights as the engine, the whole global batch in one process
-        reference.load_state_dict({n: safe_get_full_fp32_param(params[n]).detach().clone() for n in names}, strict=False)
+        reference.load_state_dict(
+            {n: safe_get_full_fp32_param(params[n]).detach().clone() for n in names}, strict=False
+        )
         reference.zero_grad(set_to_none=False)
         for micro in range(GA):
             for r in range(world):
@@ -103,7 +106,9 @@ def check(preset: str) -> dict:
         if step == 0:
             invalidations_after_first_step = deepspeed_internals.COUNTERS.trace_invalidations
     if stage == 3:
-        report["trace_invalidations"] = deepspeed_internals.COUNTERS.trace_invalidations - invalidations_after_first_step
+        report["trace_invalidations"] = (
+            deepspeed_internals.COUNTERS.trace_invalidations - invalidations_after_first_step
+        )
     return report
 
 

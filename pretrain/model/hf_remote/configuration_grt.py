@@ -9,6 +9,7 @@ is a top-level key of config.json, plus:
     kv_cache        the KV-cache strategy of generate() for the looped core:
                     full (exact), first, last or average (grt_kv_cache.py)
 """
+
 import dataclasses
 
 from transformers import PretrainedConfig
@@ -21,8 +22,11 @@ MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 
 class GRTConfig(PretrainedConfig):
     model_type = "grt"
-    attribute_map = {"hidden_size": "d_model", "num_attention_heads": "n_heads",
-                     "max_position_embeddings": "max_seq_len"}
+    attribute_map = {
+        "hidden_size": "d_model",
+        "num_attention_heads": "n_heads",
+        "max_position_embeddings": "max_seq_len",
+    }
 
     def __init__(self, trained_depth=None, depth=None, kv_cache="full", **kwargs):
         fields = {key: kwargs.pop(key) for key in MODEL_FIELDS if key in kwargs}

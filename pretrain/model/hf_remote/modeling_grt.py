@@ -9,6 +9,7 @@ one source of truth, no second copy of the model to drift. This file only wraps 
     model.generate(input_ids, ...)      decodes through the project's KV cache (CachedDecoder,
                                         strategy config.kv_cache); use_cache=False recomputes
 """
+
 import torch
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -17,7 +18,6 @@ from .configuration_grt import GRTConfig
 from .grt_gpt import lm_loss
 from .grt_kv_cache import CACHED_VARIANTS, CachedDecoder
 from .grt_registry import build_model
-
 
 
 class GRTForCausalLM(PreTrainedModel, GenerationMixin):
@@ -53,9 +53,16 @@ class GRTForCausalLM(PreTrainedModel, GenerationMixin):
         kv.k, kv.v = kv.k.index_select(1, beam_idx.to(kv.k.device)), kv.v.index_select(1, beam_idx.to(kv.v.device))
         return cache
 
-    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
-                cache: CachedDecoder | None = None, labels: torch.LongTensor | None = None,
-                use_cache: bool | None = None, logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: CachedDecoder | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
         """logits [B, T, V] at config.depth loop steps. With use_cache (generate) the tokens go
         through a CachedDecoder, which returns the last position's logits [B, 1, V]; pass it back
         as `cache` with the next tokens. The model has no padding mask: right padding is harmless
@@ -65,11 +72,13 @@ class GRTForCausalLM(PreTrainedModel, GenerationMixin):
         depth, strategy = self.config.inference_settings()
         if cache is None and attention_mask is not None:
             if bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
-                raise ValueError("GRT: left padding is not supported (pad on the right to score; generate one prompt "
-                                 "at a time)")
+                raise ValueError(
+                    "GRT: left padding is not supported (pad on the right to score; generate one prompt at a time)"
+                )
             if (use_cache or logits_to_keep) and not bool(attention_mask.all()):
-                raise ValueError("GRT: generate() cannot honour padding: generate one prompt at a time, or prompts "
-                                 "of equal length")
+                raise ValueError(
+                    "GRT: generate() cannot honour padding: generate one prompt at a time, or prompts of equal length"
+                )
         if cache is None and use_cache and self.config.variant in CACHED_VARIANTS:
             cache = CachedDecoder(self.grt, batch=input_ids.shape[0], strategy=strategy, n_loops=depth)
         if cache is not None:
@@ -81,6 +90,8 @@ class GRTForCausalLM(PreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             if logits.shape[1] != labels.shape[1]:
-                raise ValueError("GRT: labels need the logits of every position: call without use_cache and logits_to_keep")
+                raise ValueError(
+                    "GRT: labels need the logits of every position: call without use_cache and logits_to_keep"
+                )
             loss = lm_loss(logits[:, :-1], labels[:, 1:].to(logits.device))
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
