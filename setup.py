@@ -26,7 +26,8 @@ setup(
         "triton": ["triton"],
         "parquet": ["pyarrow"],
         "lm-eval": ["lm-eval>=0.4.13,<0.5", "accelerate"],  # accelerate: the harness' own `--model hf`
-        # literal lists (tests/test_launcher_docker.py reads them with ast.literal_eval): keep dev's pins equal to the above
+        # literal lists (tests/test_launcher_docker.py reads them with ast.literal_eval):
+        # keep dev's pins equal to the above
         "dev": [
             "pytest",
             "transformers>=5.24,<5.25",
@@ -36,6 +37,8 @@ setup(
             "pyarrow",
             "lm-eval>=0.4.13,<0.5",
             "accelerate",
+            "ruff==0.17.6",  # lint and format (scripts/lint.sh); pinned: a new release changes what it reports
+            "mypy==2.4.1",
         ],
     },
     entry_points={"console_scripts": ["grt=pretrain.cli:main"]},

@@ -185,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _bench_parquet(files, tok_path, work, args, text_bytes, quiet) -> dict:
+def _bench_parquet(
+    files: list[str], tok_path: str, work: str, args: argparse.Namespace, text_bytes: int, quiet: bool
+) -> dict[str, float]:
     """Write the documents `prepare` just read (its first `text_bytes`) as one Parquet file,
     then time `prepare` on it: the same text and settings, another container."""
     import pyarrow as pa

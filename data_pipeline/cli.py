@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _inspect(args) -> int:
+def _inspect(args: argparse.Namespace) -> int:
     import hashlib
 
     from .manifest import Manifest
@@ -92,7 +92,7 @@ def _inspect(args) -> int:
         print("  stats " + json.dumps({k: v for k, v in m.stats.items() if not isinstance(v, dict)}))
     bad = 0
     if args.verify:
-        for split, shards in m.splits.items():
+        for shards in m.splits.values():
             for s in shards:
                 try:
                     n = sum(1 for _ in iter_shard(s.url, s.sequences, m.seq_len + 1, m.ext, vocab_size=m.vocab_size))

@@ -8,10 +8,14 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 @contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """A temporary path in `path`'s directory (named as `is_temp` recognises); renamed to
     `path` when the block succeeds."""
     path = Path(path)
@@ -31,18 +35,18 @@ def is_temp(name: str) -> bool:
 _TEMP_RE = re.compile(r"^\..+\.tmp\d+$")
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     with atomic_path(path) as tmp, open(tmp, "wb") as fh:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def atomic_savefig(fig, path: str | os.PathLike, **kw) -> None:
+def atomic_savefig(fig: Figure, path: str | os.PathLike[str], **kw: Any) -> None:
     """matplotlib's savefig, complete or absent (the format from `path`'s suffix)."""
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format=Path(path).suffix.lstrip(".") or "png", **kw)

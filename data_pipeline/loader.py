@@ -28,7 +28,8 @@ from __future__ import annotations
 import os
 import signal
 import warnings
-from collections.abc import Iterator
+from collections.abc import Generator, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +39,9 @@ from .shards import DTYPES, ShardError, iter_shard
 
 STATE_VERSION = 1
 
+_Batch = dict[str, torch.Tensor]
+_Produced = tuple[_Batch, int, list[str]]  # a batch, the shards found bad since the last one, and their URLs
+
 
 class _EpochPlan:
     """Everything a worker needs to produce its batches of one epoch (picklable)."""
@@ -45,24 +49,24 @@ class _EpochPlan:
     def __init__(
         self,
         *,
-        urls,
-        sequences,
-        epoch,
-        seed,
-        rank,
-        world_size,
-        num_workers,
-        batch_size,
-        batches,
-        start_batch,
-        shuffle_buffer,
-        shuffle_shards,
-        seq_len,
-        ext,
-        sep_id,
-        vocab_size,
-        skip_corrupt,
-    ):
+        urls: Sequence[str],
+        sequences: Sequence[int],
+        epoch: int,
+        seed: int,
+        rank: int,
+        world_size: int,
+        num_workers: int,
+        batch_size: int,
+        batches: int,
+        start_batch: int,
+        shuffle_buffer: int,
+        shuffle_shards: bool,
+        seq_len: int,
+        ext: str,
+        sep_id: int,
+        vocab_size: int | None,
+        skip_corrupt: bool,
+    ) -> None:
         self.urls, self.sequences, self.epoch, self.seed = list(urls), list(sequences), epoch, seed
         self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
         self.batch_size, self.batches, self.start_batch = batch_size, batches, start_batch
@@ -78,7 +82,7 @@ class _EpochPlan:
         self.starts = np.concatenate([[0], np.cumsum(counts)])
         self.total = int(self.starts[-1])
 
-    def worker_range(self, j: int):
+    def worker_range(self, j: int) -> tuple[int, int, int]:
         """(first stream position, number of batches, batches already consumed) for worker j."""
         W, K, B = self.num_workers, self.batches, self.batch_size
         counts = [K // W + (1 if i < K % W else 0) for i in range(W)]
@@ -86,7 +90,7 @@ class _EpochPlan:
         done = max(0, -(-(self.start_batch - j) // W)) if self.start_batch > j else 0
         return first, counts[j], min(done, counts[j])
 
-    def read(self, pos: int, count: int, report: dict) -> Iterator[bytes]:
+    def read(self, pos: int, count: int, report: dict[str, Any]) -> Generator[bytes, None, None]:
         """Exactly ``count`` sample payloads from stream position ``pos`` on.
 
         A corrupt or missing shard raises ShardError, or — with skip_corrupt — is reported
@@ -137,7 +141,7 @@ class _EpochPlan:
             pos += take
             travelled += take
 
-    def batches_for_worker(self, j: int, report: dict) -> Iterator[dict[str, torch.Tensor]]:
+    def batches_for_worker(self, j: int, report: dict[str, Any]) -> Iterator[_Batch]:
         first, nb, done = self.worker_range(j)
         B = self.batch_size
         length = nb * B
@@ -153,20 +157,21 @@ class _EpochPlan:
         for b in range(block0, nblocks):
             n = min(M, length - b * M)
             window = [next(reader) for _ in range(n)]
+            order: Iterable[int]
             if self.shuffle_buffer > 1:
-                perm = np.random.default_rng([self.seed, self.epoch, self.rank, j, b, 0xB10C]).permutation(n)
-                perm = perm[skip:].tolist()
+                rng = np.random.default_rng([self.seed, self.epoch, self.rank, j, b, 0xB10C])
+                order = rng.permutation(n)[skip:].tolist()
             else:
-                perm = range(skip, n)
+                order = range(skip, n)
             skip = 0
-            for i in perm:
+            for i in order:
                 batch.append(window[i])
                 if len(batch) == B:
                     yield self.collate(batch)
                     batch = []
         reader.close()
 
-    def collate(self, payloads: list[bytes]) -> dict[str, torch.Tensor]:
+    def collate(self, payloads: list[bytes]) -> _Batch:
         arr = np.frombuffer(b"".join(payloads), dtype=DTYPES[self.ext]).reshape(len(payloads), self.seq_len + 1)
         x = torch.from_numpy(arr.astype(np.int64))
         inp = x[:, :-1].contiguous()
@@ -177,18 +182,18 @@ class _EpochPlan:
 
 
 class _EpochDataset(torch.utils.data.IterableDataset):
-    def __init__(self, plan: _EpochPlan):
+    def __init__(self, plan: _EpochPlan) -> None:
         super().__init__()
         self.plan = plan
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[_Produced]:
         info = torch.utils.data.get_worker_info()
         # The DataLoader asks its workers round-robin starting with worker 0, and the next
         # batch due is number start_batch: worker i plays logical worker
         # (start_batch + i) % W so that batch k always comes from logical worker k % W.
         i = 0 if info is None else info.id
         j = (self.plan.start_batch + i) % self.plan.num_workers
-        report: dict = {}
+        report: dict[str, Any] = {}
         for batch in self.plan.batches_for_worker(j, report):
             new = report.pop("new", 0)
             yield batch, new, sorted(report.get("bad", ())) if new else []
@@ -230,7 +235,7 @@ class TokenBatchLoader:
         pin_memory: bool = False,
         prefetch_factor: int = 4,
         check_token_range: bool = True,
-    ):
+    ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if micro_batch_size < 1:
@@ -261,7 +266,7 @@ class TokenBatchLoader:
             )
             if loop:
                 raise ValueError(msg)
-            warnings.warn(msg + "; every rank gets 0 batches", RuntimeWarning)
+            warnings.warn(msg + "; every rank gets 0 batches", RuntimeWarning, stacklevel=2)
         self.fingerprint = self.manifest.fingerprint(split)
         self.epoch = 0
         self.batch_in_epoch = 0
@@ -297,7 +302,7 @@ class TokenBatchLoader:
             skip_corrupt=self.skip_corrupt,
         )
 
-    def _epoch_source(self):
+    def _epoch_source(self) -> Iterator[_Produced]:
         dataset = _EpochDataset(self._plan())
         if self.num_workers == 0:
             return iter(dataset)
@@ -312,7 +317,7 @@ class TokenBatchLoader:
         )
         return iter(loader)
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[_Batch]:
         if not self.loop and self.batch_in_epoch >= self.batches_per_epoch:
             self.batch_in_epoch = 0  # a new pass over the same (validation) epoch
         if self.batches_per_epoch == 0:
@@ -355,7 +360,7 @@ class TokenBatchLoader:
                 return
 
     # -- state -----------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Position after the batches already handed to the caller (JSON-serialisable)."""
         return {
             "version": STATE_VERSION,
@@ -373,7 +378,7 @@ class TokenBatchLoader:
             "skipped_shards": self.skipped_shards,
         }
 
-    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Continue exactly where ``state`` was taken.
 
         The shard list must be the same (fingerprint), else ValueError (strict) or a
@@ -390,11 +395,12 @@ class TokenBatchLoader:
             )
             if strict:
                 raise ValueError(msg)
-            warnings.warn(msg + "; resuming anyway", RuntimeWarning)
+            warnings.warn(msg + "; resuming anyway", RuntimeWarning, stacklevel=2)
         if int(state["seed"]) != self.seed:
             warnings.warn(
                 f"loader state has seed {state['seed']}, constructor seed {self.seed}: using the state's",
                 RuntimeWarning,
+                stacklevel=2,
             )
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
@@ -413,6 +419,7 @@ class TokenBatchLoader:
                 f"loader layout changed {old} -> {new}: resuming epoch {self.epoch} at batch "
                 f"{self.batch_in_epoch}, not the exact sequence of the original run",
                 RuntimeWarning,
+                stacklevel=2,
             )
         if self.loop and self.batch_in_epoch >= self.batches_per_epoch:
             self.epoch += 1

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "grt-token-shards"
@@ -29,7 +30,7 @@ class ShardEntry:
     bytes: int = 0
     sha256: str = ""
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "sequences": self.sequences,
@@ -134,7 +135,7 @@ class Manifest:
             raise ValueError(f"manifest {path!r} is malformed ({type(exc).__name__}: {exc})") from None
 
     @classmethod
-    def _from_raw(cls, path: str, raw: dict) -> Manifest:
+    def _from_raw(cls, path: str, raw: dict[str, Any]) -> Manifest:
         base = os.path.dirname(os.path.abspath(path))
 
         def resolve(name: str) -> str:

@@ -20,9 +20,13 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from .files import atomic_write_bytes, is_temp
 from .manifest import MANIFEST_NAME, Manifest, manifest_dict
@@ -30,18 +34,23 @@ from .shards import DTYPES, build_shard, ext_for_vocab, member_size, write_shard
 from .sources import SourceStats, expand_inputs, iter_file_documents
 from .tokenizer import Tokenizer, file_sha256
 
+if TYPE_CHECKING:
+    from sentencepiece import SentencePieceProcessor
+
 TOKENIZER_NAME = "tokenizer.model"
 SPLITS = ("train", "val")
 _SHARD_RE = re.compile(r"^(train|val)-\d{6}\.tar$")
 _SHARD_TMP_RE = re.compile(r"^(train|val)-\d{6}\.tar\.tmp$")
 _CHUNK_CHARS = 1 << 21  # ~2 MB of text per task sent to a worker
-
-# Test hook: called as _after_shard_hook(path) after each shard is written.
-_after_shard_hook = None
-
 _SEGMENT_CHARS = 1000
 
-_worker_sp = None
+_Tokens = npt.NDArray[np.uint32]
+_Chunk = tuple[list[str], list[str]]  # documents and the split of each
+_Task = tuple[list[str], list[str], int]  # a chunk and the separator id, as sent to a worker
+_Encoded = dict[str, _Tokens]  # split -> [sep, doc..., sep, doc...] of the chunk's documents in it
+_Entry = dict[str, Any]  # one shard in the manifest
+
+_worker_sp: SentencePieceProcessor | None = None
 _worker_segment = False
 
 
@@ -49,13 +58,13 @@ def _init_worker(model_path: str) -> None:
     global _worker_sp, _worker_segment
     import sentencepiece as spm
 
-    _worker_sp = spm.SentencePieceProcessor(model_file=model_path)
+    sp = _worker_sp = spm.SentencePieceProcessor(model_file=model_path)
     # SentencePiece's BPE encoder slows down on very long strings (a 500 kB book encodes
     # at less than half the speed of the same text in 1 kB pieces). When no piece holds a
     # newline (true for tokenizers trained by train_tokenizer, which learns from lines),
     # no merge can cross one, so encoding newline-delimited segments and concatenating
     # gives exactly the tokens of encoding the whole document.
-    _worker_segment = not any("\n" in _worker_sp.id_to_piece(i) for i in range(_worker_sp.get_piece_size()))
+    _worker_segment = not any("\n" in sp.id_to_piece(i) for i in range(sp.get_piece_size()))
 
 
 def _segments(text: str, size: int = _SEGMENT_CHARS) -> list[str]:
@@ -73,22 +82,26 @@ def _segments(text: str, size: int = _SEGMENT_CHARS) -> list[str]:
     return out
 
 
-def _encode_chunk(args):
+def _encode_chunk(task: _Task) -> _Encoded:
     """Tokenise one chunk: returns {split: uint32 array of [sep, doc..., sep, doc...]}."""
-    texts, splits, sep_id = args
+    texts, splits, sep_id = task
+    sp = _worker_sp
+    assert sp is not None, "_init_worker runs first"
+    ids: list[list[int]]
     if _worker_segment:
-        pieces, counts = [], []
+        pieces: list[str] = []
+        counts: list[int] = []
         for t in texts:
             seg = _segments(t)
             pieces += seg
             counts.append(len(seg))
-        flat = _worker_sp.encode(pieces, out_type=int)
+        flat = sp.encode(pieces, out_type=int)
         ids, k = [], 0
         for c in counts:
             ids.append([t for part in flat[k : k + c] for t in part] if c > 1 else flat[k])
             k += c
     else:
-        ids = _worker_sp.encode(texts, out_type=int)
+        ids = sp.encode(texts, out_type=int)
     out = {}
     for split in SPLITS:
         docs = [d for d, s in zip(ids, splits) if s == split]
@@ -115,18 +128,32 @@ def _val_draw(text: str, seed: int) -> float:
     return int.from_bytes(h.digest(), "little") / 2.0**64
 
 
+@dataclass(frozen=True)
+class _Options:
+    """The settings of one run, recorded in the manifest's ``options``."""
+
+    seq_len: int
+    shard_size_mb: float
+    sequences_per_shard: int
+    val_fraction: float
+    seed: int
+    text_field: str
+    txt_mode: str
+    max_mb: float | None
+
+
 class _Packer:
     """Packs one split's token stream into fixed-size samples and writes full shards."""
 
-    def __init__(self, split: str, out_dir: str, seq_len: int, per_shard: int, ext: str):
+    def __init__(self, split: str, out_dir: str, seq_len: int, per_shard: int, ext: str) -> None:
         self.split, self.out_dir, self.seq_len, self.per_shard, self.ext = split, out_dir, seq_len, per_shard, ext
-        self.pending: list[np.ndarray] = []
+        self.pending: list[_Tokens] = []
         self.pending_len = 0
-        self.entries: list[dict] = []
+        self.entries: list[_Entry] = []
         self.documents = 0
         self.stream_tokens = 0  # tokens including separators
 
-    def add(self, arr: np.ndarray, ndocs: int) -> None:
+    def add(self, arr: _Tokens, ndocs: int) -> None:
         self.pending.append(arr)
         self.pending_len += len(arr)
         self.documents += ndocs
@@ -150,20 +177,266 @@ class _Packer:
         self.pending, self.pending_len = [], 0
         return max(0, dropped)
 
-    def _write(self, stream: np.ndarray, n: int) -> None:
+    def _write(self, stream: _Tokens, n: int) -> None:
         T = self.seq_len
         idx = np.arange(n)[:, None] * T + np.arange(T + 1)[None, :]
         samples = stream[idx].astype(DTYPES[self.ext])
         stem = f"{self.split}-{len(self.entries):06d}"
         name = stem + ".tar"
-        path = os.path.join(self.out_dir, name)
         data = build_shard(stem, samples, self.ext)
-        sha = write_shard_atomic(path, data)
+        sha = write_shard_atomic(os.path.join(self.out_dir, name), data)
         self.entries.append(
             {"name": name, "sequences": int(n), "tokens": int(n * T), "bytes": len(data), "sha256": sha}
         )
-        if _after_shard_hook is not None:
-            _after_shard_hook(path)
+
+
+# --------------------------------------------------------------------------- the stages of prepare
+
+
+def _check_options(seq_len: int, val_fraction: float) -> None:
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+
+
+def _input_files(inputs: Sequence[str], val_inputs: Sequence[str]) -> list[tuple[str, str]]:
+    """(path, split) of every input file, train files first; a file in ``val_inputs`` is val only."""
+    train_files = expand_inputs(inputs)
+    val_files = expand_inputs(val_inputs) if val_inputs else []
+    val_set = set(val_files)
+    return [(f, "train") for f in train_files if f not in val_set] + [(f, "val") for f in val_files]
+
+
+def _split_of(text: str, file_split: str, options: _Options) -> str:
+    """A document's split: its file's, or val for a ``val_fraction`` of the train documents."""
+    if file_split == "val" or (options.val_fraction > 0 and _val_draw(text, options.seed) < options.val_fraction):
+        return "val"
+    return "train"
+
+
+def _clear_previous_run(out_dir: str) -> None:
+    """Create ``out_dir``, without the manifest and the temporaries an earlier run left there."""
+    os.makedirs(out_dir, exist_ok=True)
+    # An old manifest would describe shards this run is about to overwrite: remove it
+    # first; the new one is written only once every shard is complete.
+    manifest_path = os.path.join(out_dir, MANIFEST_NAME)
+    if os.path.exists(manifest_path):
+        os.unlink(manifest_path)
+    for f in os.listdir(out_dir):  # leftovers of an interrupted run (only our own names)
+        if _SHARD_TMP_RE.match(f) or is_temp(f):  # shards' own temporaries; the manifest's and tokenizer's
+            os.unlink(os.path.join(out_dir, f))
+
+
+def _copy_tokenizer(tok: Tokenizer, out_dir: str) -> None:
+    """Put the tokenizer next to the shards, where the manifest names it, and check the copy."""
+    tok_dst = os.path.join(out_dir, TOKENIZER_NAME)
+    if not (os.path.exists(tok_dst) and os.path.samefile(tok_dst, tok.model_path)):
+        with open(tok.model_path, "rb") as fh:
+            atomic_write_bytes(tok_dst, fh.read())
+    if file_sha256(tok_dst) != tok.sha256:
+        raise RuntimeError(f"copy of the tokenizer at {tok_dst!r} does not match {tok.model_path!r}")
+
+
+class _DocumentReader:
+    """The input documents in a fixed order, each with its split, in chunks of about ``_CHUNK_CHARS``.
+
+    Counts what it reads: ``stats`` over all files, and one ``sources`` entry per file read.
+    Stops after ``max_mb`` MB of document text, when set.
+    """
+
+    def __init__(self, files: list[tuple[str, str]], options: _Options) -> None:
+        self.files, self.options = files, options
+        self.limit = None if options.max_mb is None else int(options.max_mb * 1e6)
+        self.stats = SourceStats()
+        self.sources: list[dict[str, Any]] = []
+
+    def chunks(self) -> Iterator[_Chunk]:
+        texts: list[str] = []
+        splits: list[str] = []
+        nchars = 0
+        done = 0  # document bytes of the files finished
+        for path, file_split in self.files:
+            fstats = SourceStats()
+            documents = iter_file_documents(
+                path, text_field=self.options.text_field, txt_mode=self.options.txt_mode, stats=fstats
+            )
+            for text in documents:
+                texts.append(text)
+                splits.append(_split_of(text, file_split, self.options))
+                nchars += len(text)
+                if nchars >= _CHUNK_CHARS:
+                    yield texts, splits
+                    texts, splits, nchars = [], [], 0
+                if self._reached_limit(done + fstats.bytes):
+                    break
+            done += fstats.bytes
+            self._count(path, file_split, fstats)
+            if self._reached_limit(done):
+                break
+        if texts:
+            yield texts, splits
+
+    def _reached_limit(self, nbytes: int) -> bool:
+        return self.limit is not None and nbytes >= self.limit
+
+    def _count(self, path: str, file_split: str, fstats: SourceStats) -> None:
+        self.stats.add(fstats)
+        self.sources.append(
+            {"path": path, "split": file_split, "file_bytes": os.path.getsize(path), **fstats.to_dict()}
+        )
+
+
+class _PendingChunk(Protocol):
+    """A chunk being encoded: multiprocessing's AsyncResult, or `_EncodedHere`."""
+
+    def get(self) -> _Encoded: ...
+
+
+@dataclass(frozen=True)
+class _EncodedHere:
+    """A chunk encoded in this process, behind AsyncResult's ``get``."""
+
+    encoded: _Encoded
+
+    def get(self) -> _Encoded:
+        return self.encoded
+
+
+@contextmanager
+def _encoder_pool(model_path: str, workers: int) -> Iterator[Callable[[_Task], _PendingChunk]]:
+    """``submit(task)`` for the block: encodes in ``workers`` processes (in this one when 1).
+
+    The processes end with the block, whether it finishes or fails.
+    """
+    if workers == 1:
+        _init_worker(model_path)
+        yield lambda task: _EncodedHere(_encode_chunk(task))
+        return
+    start_method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    pool = mp.get_context(start_method).Pool(workers, initializer=_init_worker, initargs=(model_path,))
+    try:
+        yield lambda task: pool.apply_async(_encode_chunk, (task,))
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def _in_submission_order(
+    chunks: Iterator[_Chunk], submit: Callable[[_Task], _PendingChunk], sep_id: int, window: int
+) -> Iterator[tuple[int, list[str], _PendingChunk]]:
+    """(text bytes, splits, pending result) of each chunk in the order read, while up to
+    ``window`` later chunks are being encoded."""
+    pending: collections.deque[tuple[int, list[str], _PendingChunk]] = collections.deque()
+    for texts, splits in chunks:
+        nbytes = sum(len(t.encode("utf-8")) for t in texts)
+        pending.append((nbytes, splits, submit((texts, splits, sep_id))))
+        while len(pending) > window:
+            yield pending.popleft()
+    while pending:
+        yield pending.popleft()
+
+
+def _tokenise_and_pack(
+    reader: _DocumentReader, tok: Tokenizer, packers: dict[str, _Packer], workers: int, progress: bool, t_start: float
+) -> None:
+    """Read, encode and pack every document, with a progress bar of the text read."""
+    from tqdm import tqdm
+
+    # the pool first: fork before tqdm starts its monitor thread
+    with (
+        _encoder_pool(tok.model_path, workers) as submit,
+        tqdm(
+            desc="prepare",
+            unit="B",
+            unit_scale=True,
+            disable=not progress,
+            file=sys.stderr,
+            smoothing=0.1,
+            mininterval=0.5,
+        ) as bar,
+    ):
+        for nbytes, splits, result in _in_submission_order(reader.chunks(), submit, tok.sep_id, window=2 * workers):
+            for split, tokens in result.get().items():
+                packers[split].add(tokens, splits.count(split))
+            bar.update(nbytes)
+            tokens_per_s = _stream_tokens(packers) / max(1e-9, time.time() - t_start)
+            shards = sum(len(p.entries) for p in packers.values())
+            bar.set_postfix_str(f"{tokens_per_s / 1e6:.2f}M tok/s, {shards} shards", refresh=False)
+
+
+def _stream_tokens(packers: dict[str, _Packer]) -> int:
+    return sum(p.stream_tokens for p in packers.values())
+
+
+def _written_splits(packers: dict[str, _Packer], seq_len: int, stats: SourceStats) -> dict[str, list[_Entry]]:
+    """The shards of each split (train always, val when it has some); refuses a run that wrote none."""
+    if not any(p.entries for p in packers.values()):
+        raise ValueError(
+            f"no complete sequence of {seq_len + 1} tokens in the input "
+            f"({stats.documents} usable documents, stats {stats.to_dict()})"
+        )
+    return {s: p.entries for s, p in packers.items() if p.entries or s == "train"}
+
+
+def _remove_stale_shards(out_dir: str, splits: dict[str, list[_Entry]]) -> None:
+    """Shards a previous (larger) run left behind would be mistaken for part of this one."""
+    keep = {e["name"] for entries in splits.values() for e in entries}
+    for f in os.listdir(out_dir):
+        if _SHARD_RE.match(f) and f not in keep:
+            os.unlink(os.path.join(out_dir, f))
+
+
+def _write_manifest(
+    path: str,
+    tok: Tokenizer,
+    options: _Options,
+    splits: dict[str, list[_Entry]],
+    reader: _DocumentReader,
+    packers: dict[str, _Packer],
+    dropped: dict[str, int],
+) -> None:
+    run_stats = {
+        **reader.stats.to_dict(),
+        "documents_per_split": {s: p.documents for s, p in packers.items()},
+        "stream_tokens_per_split": {s: p.stream_tokens for s, p in packers.items()},
+        "dropped_tail_tokens": dropped,
+    }
+    doc = manifest_dict(
+        seq_len=options.seq_len,
+        vocab_size=tok.vocab_size,
+        sep_id=tok.sep_id,
+        sep_piece=tok.sep_piece,
+        ext=ext_for_vocab(tok.vocab_size),
+        tokenizer_name=TOKENIZER_NAME,
+        tokenizer_sha256=tok.sha256,
+        splits=splits,
+        sources=reader.sources,
+        stats=run_stats,
+        options=asdict(options),
+    )
+    atomic_write_bytes(path, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
+
+
+def _print_summary(
+    stats: SourceStats,
+    splits: dict[str, list[_Entry]],
+    text_field: str,
+    elapsed: float,
+    stream_tokens: int,
+    manifest_path: str,
+) -> None:
+    mb = stats.bytes / 1e6
+    print(
+        f"prepare: {stats.documents:,} documents ({mb:.1f} MB, skipped {stats.skipped_empty} empty, "
+        f"{stats.skipped_non_utf8} non-UTF-8, {stats.skipped_bad_json} bad JSON, "
+        f"{stats.skipped_missing_field} without {text_field!r}) -> "
+        + ", ".join(f"{s}: {len(v)} shards / {sum(e['sequences'] for e in v):,} sequences" for s, v in splits.items())
+        + f" in {elapsed:.1f}s ({mb / max(elapsed, 1e-9):.2f} MB/s, {stream_tokens / max(elapsed, 1e-9) / 1e6:.2f}M "
+        f"tokens/s); manifest {manifest_path}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def prepare(
@@ -187,179 +460,34 @@ def prepare(
     documents (chosen by a seeded hash of their content) does. ``max_mb`` stops after that
     many MB of document text (for benchmarks and smoke runs).
     """
-    from tqdm import tqdm
-
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    _check_options(seq_len, val_fraction)
     workers = max(1, int(workers if workers is not None else (os.cpu_count() or 1)))
     t_start = time.time()
-    train_files = expand_inputs(inputs)
-    val_files = expand_inputs(val_inputs) if val_inputs else []
-    val_set = set(val_files)
-    train_files = [f for f in train_files if f not in val_set]
-    files = [(f, "train") for f in train_files] + [(f, "val") for f in val_files]
-
+    files = _input_files(inputs, val_inputs)
     tok = Tokenizer(tokenizer)
     ext = ext_for_vocab(tok.vocab_size)
-    per_shard = max(1, int(shard_size_mb * 1e6) // member_size(seq_len + 1, ext))
-
-    os.makedirs(out_dir, exist_ok=True)
-    # An old manifest would describe shards this run is about to overwrite: remove it
-    # first; the new one is written only once every shard is complete.
-    manifest_path = os.path.join(out_dir, MANIFEST_NAME)
-    if os.path.exists(manifest_path):
-        os.unlink(manifest_path)
-    for f in os.listdir(out_dir):  # leftovers of an interrupted run (only our own names)
-        if _SHARD_TMP_RE.match(f) or is_temp(f):  # shards' own temporaries; the manifest's and tokenizer's
-            os.unlink(os.path.join(out_dir, f))
-    tok_dst = os.path.join(out_dir, TOKENIZER_NAME)
-    if not (os.path.exists(tok_dst) and os.path.samefile(tok_dst, tok.model_path)):
-        with open(tok.model_path, "rb") as fh:
-            atomic_write_bytes(tok_dst, fh.read())
-    if file_sha256(tok_dst) != tok.sha256:
-        raise RuntimeError(f"copy of the tokenizer at {tok_dst!r} does not match {tok.model_path!r}")
-
-    packers = {s: _Packer(s, out_dir, seq_len, per_shard, ext) for s in SPLITS}
-    stats = SourceStats()
-    sources = []
-    limit = None if max_mb is None else int(max_mb * 1e6)
-    n_tokens = 0
-
-    def chunks():
-        buf_texts, buf_splits, nchars = [], [], 0
-        done = 0
-        for path, file_split in files:
-            fstats = SourceStats()
-            for text in iter_file_documents(path, text_field=text_field, txt_mode=txt_mode, stats=fstats):
-                if file_split == "val" or (val_fraction > 0 and _val_draw(text, seed) < val_fraction):
-                    split = "val"
-                else:
-                    split = "train"
-                buf_texts.append(text)
-                buf_splits.append(split)
-                nchars += len(text)
-                if nchars >= _CHUNK_CHARS:
-                    yield buf_texts, buf_splits
-                    buf_texts, buf_splits, nchars = [], [], 0
-                if limit is not None and done + fstats.bytes >= limit:
-                    break
-            done += fstats.bytes
-            stats.add(fstats)
-            sources.append(
-                {
-                    "path": path,
-                    "split": file_split,
-                    "file_bytes": os.path.getsize(path),
-                    **{k: v for k, v in fstats.to_dict().items()},
-                }
-            )
-            if limit is not None and done >= limit:
-                break
-        if buf_texts:
-            yield buf_texts, buf_splits
-
-    # the pool first: fork before tqdm starts its monitor thread
-    pool = (
-        mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn").Pool(
-            workers, initializer=_init_worker, initargs=(tok.model_path,)
-        )
-        if workers > 1
-        else None
-    )
-    bar = tqdm(
-        desc="prepare", unit="B", unit_scale=True, disable=not progress, file=sys.stderr, smoothing=0.1, mininterval=0.5
-    )
-    if pool is None:
-        _init_worker(tok.model_path)
-    try:
-        pending = collections.deque()
-
-        def consume(item):
-            nonlocal n_tokens
-            (texts_bytes, splits), result = item
-            out = result.get() if pool is not None else result
-            for split in SPLITS:
-                if split in out:
-                    packers[split].add(out[split], sum(1 for s in splits if s == split))
-                    n_tokens += len(out[split])
-            bar.update(texts_bytes)
-            el = max(1e-9, time.time() - t_start)
-            bar.set_postfix_str(
-                f"{n_tokens / el / 1e6:.2f}M tok/s, {sum(len(p.entries) for p in packers.values())} shards",
-                refresh=False,
-            )
-
-        for texts, splits in chunks():
-            nbytes = sum(len(t.encode("utf-8")) for t in texts)
-            task = (texts, splits, tok.sep_id)
-            result = pool.apply_async(_encode_chunk, (task,)) if pool is not None else _encode_chunk(task)
-            pending.append(((nbytes, splits), result))
-            while len(pending) > 2 * workers:
-                consume(pending.popleft())
-        while pending:
-            consume(pending.popleft())
-    finally:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
-        bar.close()
-    dropped = {s: p.finish() for s, p in packers.items()}
-    splits = {s: p.entries for s, p in packers.items() if p.entries or s == "train"}
-    if not packers["train"].entries and not packers["val"].entries:
-        raise ValueError(
-            f"no complete sequence of {seq_len + 1} tokens in the input "
-            f"({stats.documents} usable documents, stats {stats.to_dict()})"
-        )
-    # Shards a previous (larger) run left behind would be mistaken for part of this one.
-    keep = {e["name"] for v in splits.values() for e in v}
-    for f in os.listdir(out_dir):
-        if _SHARD_RE.match(f) and f not in keep:
-            os.unlink(os.path.join(out_dir, f))
-    elapsed = time.time() - t_start
-    run_stats = {
-        **stats.to_dict(),
-        "documents_per_split": {s: p.documents for s, p in packers.items()},
-        "stream_tokens_per_split": {s: p.stream_tokens for s, p in packers.items()},
-        "dropped_tail_tokens": dropped,
-    }
-    options = {
-        "seq_len": seq_len,
-        "shard_size_mb": shard_size_mb,
-        "sequences_per_shard": per_shard,
-        "val_fraction": val_fraction,
-        "seed": seed,
-        "text_field": text_field,
-        "txt_mode": txt_mode,
-        "max_mb": max_mb,
-    }
-    doc = manifest_dict(
+    options = _Options(
         seq_len=seq_len,
-        vocab_size=tok.vocab_size,
-        sep_id=tok.sep_id,
-        sep_piece=tok.sep_piece,
-        ext=ext,
-        tokenizer_name=TOKENIZER_NAME,
-        tokenizer_sha256=tok.sha256,
-        splits=splits,
-        sources=sources,
-        stats=run_stats,
-        options=options,
+        shard_size_mb=shard_size_mb,
+        sequences_per_shard=max(1, int(shard_size_mb * 1e6) // member_size(seq_len + 1, ext)),
+        val_fraction=val_fraction,
+        seed=seed,
+        text_field=text_field,
+        txt_mode=txt_mode,
+        max_mb=max_mb,
     )
-    atomic_write_bytes(manifest_path, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
+    _clear_previous_run(out_dir)
+    _copy_tokenizer(tok, out_dir)
+
+    packers = {s: _Packer(s, out_dir, seq_len, options.sequences_per_shard, ext) for s in SPLITS}
+    reader = _DocumentReader(files, options)
+    _tokenise_and_pack(reader, tok, packers, workers, progress, t_start)
+    dropped = {s: p.finish() for s, p in packers.items()}
+    splits = _written_splits(packers, seq_len, reader.stats)
+    _remove_stale_shards(out_dir, splits)
+    elapsed = time.time() - t_start
+    manifest_path = os.path.join(out_dir, MANIFEST_NAME)
+    _write_manifest(manifest_path, tok, options, splits, reader, packers, dropped)
     if progress:
-        mb = stats.bytes / 1e6
-        print(
-            f"prepare: {stats.documents:,} documents ({mb:.1f} MB, skipped {stats.skipped_empty} empty, "
-            f"{stats.skipped_non_utf8} non-UTF-8, {stats.skipped_bad_json} bad JSON, "
-            f"{stats.skipped_missing_field} without {text_field!r}) -> "
-            + ", ".join(
-                f"{s}: {len(v)} shards / {sum(e['sequences'] for e in v):,} sequences" for s, v in splits.items()
-            )
-            + f" in {elapsed:.1f}s ({mb / max(elapsed, 1e-9):.2f} MB/s, {n_tokens / max(elapsed, 1e-9) / 1e6:.2f}M "
-            f"tokens/s); manifest {manifest_path}",
-            file=sys.stderr,
-            flush=True,
-        )
+        _print_summary(reader.stats, splits, text_field, elapsed, _stream_tokens(packers), manifest_path)
     return Manifest.load(manifest_path)

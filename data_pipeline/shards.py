@@ -16,17 +16,18 @@ import io
 import os
 import re
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Generator
+from typing import IO, Any
 
 import numpy as np
 
-DTYPES = {"u16": np.dtype("<u2"), "u32": np.dtype("<u4")}
+DTYPES: dict[str, np.dtype[np.unsignedinteger[Any]]] = {"u16": np.dtype("<u2"), "u32": np.dtype("<u4")}
 
 
 class ShardError(RuntimeError):
     """A shard is corrupt, truncated or does not match the manifest."""
 
-    def __init__(self, url: str, reason: str):
+    def __init__(self, url: str, reason: str) -> None:
         super().__init__(f"corrupt or truncated shard {url!r}: {reason}")
         self.url, self.reason = url, reason
 
@@ -34,7 +35,7 @@ class ShardError(RuntimeError):
 class MissingShardError(ShardError, FileNotFoundError):
     """A shard listed in the manifest cannot be opened."""
 
-    def __init__(self, url: str, reason: str):
+    def __init__(self, url: str, reason: str) -> None:
         RuntimeError.__init__(self, f"missing shard {url!r} (listed in the manifest): {reason}")
         self.url, self.reason = url, reason
 
@@ -82,7 +83,7 @@ def write_shard_atomic(path: str, data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _write_chunks(fh, data: bytes, chunk: int = 1 << 22) -> None:
+def _write_chunks(fh: IO[bytes], data: bytes, chunk: int = 1 << 22) -> None:
     view = memoryview(data)
     for off in range(0, len(view), chunk):
         fh.write(view[off : off + chunk])
@@ -91,7 +92,7 @@ def _write_chunks(fh, data: bytes, chunk: int = 1 << 22) -> None:
 _NAME = re.compile(r"^(?:.*/)?(?P<stem>[^/]+)_(?P<idx>\d{7})\.(?P<ext>u16|u32)$")
 
 
-def open_stream(url: str):
+def open_stream(url: str) -> IO[bytes]:
     """Open a shard with webdataset's gopen (local path, file:, pipe:, http(s):, ...)."""
     import webdataset as wds
 
@@ -107,7 +108,7 @@ def open_stream(url: str):
 
 def iter_shard(
     url: str, sequences: int, sample_tokens: int, ext: str, start: int = 0, vocab_size: int | None = None
-) -> Iterator[tuple[int, bytes]]:
+) -> Generator[tuple[int, bytes], None, None]:
     """Yield ``(index, payload)`` for samples ``start .. sequences-1`` of one shard.
 
     Streams through ``webdataset.tariterators.tar_file_iterator`` and checks every member

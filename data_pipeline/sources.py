@@ -47,7 +47,7 @@ class SourceStats:
     skipped_bad_json: int = 0
     skipped_missing_field: int = 0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, int]:
         return asdict(self)
 
     def add(self, other: SourceStats) -> None:
@@ -81,7 +81,7 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
     Raises FileNotFoundError when an input matches nothing, ValueError for an explicitly
     named file of an unsupported type.
     """
-    found = set()
+    found: set[str] = set()
     for spec in inputs:
         spec = os.path.expanduser(spec)
         if os.path.isdir(spec):
@@ -102,7 +102,7 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
     return sorted(found)
 
 
-def open_binary(path: str):
+def open_binary(path: str) -> io.BufferedIOBase:
     """A binary stream of the (decompressed) file."""
     lower = path.lower()
     if lower.endswith(".gz"):
@@ -126,7 +126,7 @@ def _decode_accept(raw: bytes, stats: SourceStats, strip: str | None = None) -> 
     return _accept(text.strip(strip) if strip is not None else text, stats)
 
 
-def _accept(text, stats: SourceStats):
+def _accept(text: object, stats: SourceStats) -> str | None:
     """Return the document text if it is usable, else None (and count why)."""
     if not isinstance(text, str):
         stats.skipped_missing_field += 1

@@ -18,7 +18,9 @@ import os
 import random
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from types import ModuleType
+from typing import Any
 
 from .files import atomic_write_bytes
 
@@ -41,7 +43,7 @@ def file_sha256(path: str) -> str:
 class Tokenizer:
     """A trained SentencePiece model plus the id of its document separator."""
 
-    def __init__(self, model_path: str, sep_piece: str | None = None):
+    def __init__(self, model_path: str, sep_piece: str | None = None) -> None:
         import sentencepiece as spm
 
         self.model_path = os.path.abspath(model_path)
@@ -82,7 +84,7 @@ class Tokenizer:
         )
 
 
-def _training_pieces(doc: str):
+def _training_pieces(doc: str) -> Iterator[str]:
     """Lines of a document, cut to lengths SentencePiece accepts as training sentences."""
     for line in doc.split("\n"):
         if not line.strip():
@@ -103,7 +105,7 @@ def sample_training_text(
     txt_mode: str = "file",
     seed: int = 0,
     progress: bool = True,
-):
+) -> tuple[list[str], dict[str, Any]]:
     """Pick a reproducible sample of at most ~max_chars characters of lines from the inputs.
 
     Two passes: the first counts the characters of the usable documents, the second keeps
@@ -231,7 +233,7 @@ def train_tokenizer(
     return tok
 
 
-def _train(spm, **kwargs):
+def _train(spm: ModuleType, **kwargs: Any) -> None:
     try:
         spm.SentencePieceTrainer.train(**kwargs)
     except RuntimeError as exc:  # SentencePiece reports bad settings as RuntimeError
@@ -241,10 +243,10 @@ def _train(spm, **kwargs):
 class _Heartbeat:
     """A progress line that ticks every second while a blocking call runs."""
 
-    def __init__(self, desc: str, enabled: bool = True):
+    def __init__(self, desc: str, enabled: bool = True) -> None:
         self.desc, self.enabled = desc, enabled
 
-    def __enter__(self):
+    def __enter__(self) -> _Heartbeat:
         import threading
 
         from tqdm import tqdm
@@ -254,7 +256,7 @@ class _Heartbeat:
         self._stop = threading.Event()
         self._bar = tqdm(desc=self.desc, unit="s", file=sys.stderr, bar_format="{desc}: {elapsed} elapsed")
 
-        def tick():
+        def tick() -> None:
             while not self._stop.wait(1.0):
                 self._bar.update(1)
 
@@ -262,9 +264,8 @@ class _Heartbeat:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         if self.enabled:
             self._stop.set()
             self._thread.join()
             self._bar.close()
-        return False

@@ -7,6 +7,7 @@ which it cannot detect then). Prints one line per problem, exits 1."""
 import importlib
 import os
 import sys
+from collections.abc import Iterator
 
 os.environ.setdefault("DS_ACCELERATOR", "cuda")
 
@@ -15,7 +16,7 @@ MODULES = ("flash_attn", "apex", "deepspeed", "mpi4py", "webdataset", "sentencep
 PREBUILT_OPS = ("FusedAdamBuilder", "FusedLambBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
 
 
-def problems():
+def problems() -> Iterator[str]:
     for name in MODULES:
         try:
             importlib.import_module(name)

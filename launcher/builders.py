@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+from typing import TYPE_CHECKING
 
 from launcher.envvars import DEFAULT_EXPORT_PREFIXES, SECRET
 from launcher.hosts import format_hostfile
 from launcher.plan import Plan
+
+if TYPE_CHECKING:
+    from launcher.cli import Resolved
 
 # rank variables of an outer launcher that must not reach ranks started by mpirun or srun
 # (pretrain.distributed.discover() reads RANK/WORLD_SIZE first)
@@ -32,11 +36,11 @@ def _pythonpath(existing: str = "") -> str:
     return os.pathsep.join(parts)
 
 
-def _rank_log_dir(r) -> str:
+def _rank_log_dir(r: Resolved) -> str:
     return os.path.join(os.path.abspath(r.run_dir), "logs")
 
 
-def _summary(r, what: str) -> str:
+def _summary(r: Resolved, what: str) -> str:
     return (
         f"{what}: {r.nodes} node(s) x {r.procs} rank(s) = {r.world_size} ranks, "
         f"entry `{' '.join([r.entry_module] + r.entry_args)}`, run dir {r.run_dir}"
@@ -46,7 +50,7 @@ def _summary(r, what: str) -> str:
 # --------------------------------------------------------------------------- local
 
 
-def build_local(r) -> Plan:
+def build_local(r: Resolved) -> Plan:
     if r.nodes > 1:
         raise ValueError("--launcher local runs on this machine only; use deepspeed, slurm or mpi for several nodes")
     py = r.python
@@ -62,7 +66,7 @@ def build_local(r) -> Plan:
     return Plan("local", cmd, env=env, summary=_summary(r, "local"))
 
 
-def _parse_user_env(r) -> dict[str, str]:
+def _parse_user_env(r: Resolved) -> dict[str, str]:
     """Rank environment this process does not already have (--env, computed defaults)."""
     return {k: v for k, v in r.env.items() if r.environ.get(k) != v}
 
@@ -70,7 +74,7 @@ def _parse_user_env(r) -> dict[str, str]:
 # --------------------------------------------------------------------------- deepspeed
 
 
-def build_deepspeed(r) -> Plan:
+def build_deepspeed(r: Resolved) -> Plan:
     a = r.args
     files: dict[str, str] = {}
     exe = ["deepspeed"] if shutil.which("deepspeed") else [r.python, "-m", "deepspeed.launcher.runner"]
@@ -84,8 +88,8 @@ def build_deepspeed(r) -> Plan:
             f"--include/--exclude: the deepspeed runner's {a.ds_launcher} backend cannot "
             "select ranks; use --ds-launcher pdsh, or --nodes/--procs-per-node/--hosts"
         )
-    if multi:
-        if r.hostfile_given and not mpi_backend:
+    if r.hosts is not None:
+        if r.hostfile is not None and not mpi_backend:
             hostfile = r.hostfile
         else:
             hostfile = os.path.join(r.launch_dir, "hostfile")
@@ -141,12 +145,12 @@ def _mpirun_as_root() -> list[str]:
     return ["--allow-run-as-root"] if os.geteuid() == 0 else []
 
 
-def build_mpi(r) -> Plan:
+def build_mpi(r: Resolved) -> Plan:
     a = r.args
     files: dict[str, str] = {}
     cmd = shlex.split(a.mpirun) + ["-np", str(r.world_size)]
     if r.hosts is not None:
-        if r.hostfile_given:
+        if r.hostfile is not None:
             hostfile = r.hostfile
         else:
             hostfile = os.path.join(r.launch_dir, "hostfile")
@@ -182,7 +186,7 @@ def build_mpi(r) -> Plan:
 # --------------------------------------------------------------------------- slurm
 
 
-def _signal_parts(spec: str):
+def _signal_parts(spec: str) -> tuple[str, str] | tuple[None, None]:
     """'USR1@120' -> ('B:USR1@120', 'USR1'); '' -> (None, None)."""
     if not spec:
         return None, None
@@ -193,7 +197,7 @@ def _signal_parts(spec: str):
     return full, name
 
 
-def container_binds(r) -> list[str]:
+def container_binds(r: Resolved) -> list[str]:
     """Host directories the ranks need inside a container, each mounted at its own path: the
     working directory, the run directory, the DeepSpeed file's directory, the data (manifest,
     shards, tokenizer; read from the manifest when it is visible here) and, with --host-code,
@@ -216,7 +220,7 @@ def container_binds(r) -> list[str]:
     return [p for p in sorted(paths) if not any(p.startswith(q.rstrip("/") + "/") for q in paths)]
 
 
-def slurm_script(r, script_path: str) -> str:
+def slurm_script(r: Resolved, script_path: str) -> str:
     a = r.args
     run_dir = os.path.abspath(r.run_dir)
     cwd = os.getcwd()
@@ -240,7 +244,7 @@ def slurm_script(r, script_path: str) -> str:
             lines.append(f"#SBATCH --{flag}={value}")
     if a.exclusive:
         lines.append("#SBATCH --exclusive")
-    if a.hosts:  # run on these nodes
+    if a.hosts and r.hosts:  # run on these nodes
         lines.append("#SBATCH --nodelist=" + ",".join(h for h, _ in r.hosts))
     lines += [f"#SBATCH --output={output}", "#SBATCH --open-mode=append", f"#SBATCH --chdir={cwd}"]
     if sig_full:
@@ -338,7 +342,7 @@ def slurm_script(r, script_path: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def build_slurm(r) -> Plan:
+def build_slurm(r: Resolved) -> Plan:
     a = r.args
     if a.container_image and a.apptainer:
         raise ValueError("choose one of --container-image (pyxis) and --apptainer")

@@ -25,11 +25,13 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from launcher import builders
 from launcher.envvars import DEFAULT_EXPORT_PREFIXES, SECRET
-from launcher.hosts import env_hostfile, parse_hosts, read_hostfile, slurm_allocation_hosts
+from launcher.hosts import Host, env_hostfile, parse_hosts, read_hostfile, slurm_allocation_hosts
 from launcher.plan import Plan
 
 LAUNCHERS = ("local", "deepspeed", "slurm", "mpi")
@@ -42,7 +44,7 @@ DEFAULT_ENTRY = "pretrain.cli train"
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     """Show a default only where there is one (None, False and [] say nothing)."""
 
-    def _get_help_string(self, action):
+    def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default in (None, False, [], "") or action.default is argparse.SUPPRESS:
             return action.help
         return super()._get_help_string(action)
@@ -225,114 +227,45 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def _train_out_dir(train_args: Sequence[str]) -> str | None:
-    for i, a in enumerate(train_args):
-        for flag in ("--out", "--out-dir", "--output-dir"):
-            if a == flag and i + 1 < len(train_args):
-                return train_args[i + 1]
-            if a.startswith(flag + "="):
-                return a.split("=", 1)[1]
-    return None
+class LaunchError(SystemExit):
+    """A launch refused before anything runs: `main` prints `grt launch: <message>` and exits with `code`.
+
+    `code` is each refusal's exit status as it always was: 1 for the hosts, --entry and --env, 2 for
+    the rest. A SystemExit, so that a caller of `build_plan` that does not catch it exits instead of
+    going on without a plan.
+    """
+
+    code: int
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
 
 
-def _parse_env(pairs: Sequence[str]) -> dict[str, str]:
-    env = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise SystemExit(f"grt launch: --env expects KEY=VALUE, got {pair!r}")
-        k, v = pair.split("=", 1)
-        env[k] = v
-    return env
-
-
+@dataclass
 class Resolved:
-    """The launch options after defaults, hostfile and environment are applied."""
+    """The launch options after defaults, hostfile and environment are applied (built by `resolve`)."""
 
-    def __init__(self, args: argparse.Namespace, train_args: list[str], environ: dict[str, str]):
-        self.args = args
-        self.train_args = train_args
-        self.environ = environ
-        self.hostfile = args.hostfile or (env_hostfile(environ) if args.launcher in ("deepspeed", "mpi") else None)
-        hosts: list[tuple[str, int]] | None = None
-        if args.hosts:
-            hosts = [(h, 0) for h in parse_hosts(args.hosts)]
-            self.hostfile_given = False
-        elif self.hostfile and os.path.isfile(self.hostfile):
-            hosts = read_hostfile(self.hostfile)
-            self.hostfile_given = True
-        elif args.hostfile:
-            raise SystemExit(f"grt launch: hostfile {args.hostfile} does not exist")
-        else:
-            self.hostfile_given = False
-            alloc = slurm_allocation_hosts(environ) if args.launcher in ("deepspeed", "mpi") else None
-            if alloc and len(alloc) > 1:
-                hosts = [(h, 0) for h in alloc]
-        if hosts is None:
-            self.hostfile = None
-        if args.cpu and args.gpus_per_node:
-            raise ValueError("--cpu and --gpus-per-node exclude each other")
-        self.gpus = 0 if args.cpu else args.gpus_per_node
-        if self.gpus is None:
-            if hosts and self.hostfile_given:
-                self.gpus = hosts[0][1]
-            else:
-                self.gpus = _local_gpu_count() if args.launcher != "slurm" else 0
-        self.procs = args.procs_per_node or self.gpus or 1
-        self.nodes = args.nodes or (len(hosts) if hosts else 1)
-        if hosts is not None:
-            if len(hosts) < self.nodes:
-                raise SystemExit(f"grt launch: --nodes {self.nodes} but only {len(hosts)} hosts given")
-            hosts = [(h, s or self.procs) for h, s in hosts[: self.nodes]]
-        elif self.nodes > 1 and args.launcher in ("deepspeed", "mpi"):
-            raise SystemExit(f"grt launch: {self.nodes} nodes need --hostfile or --hosts (or a Slurm allocation)")
-        self.hosts = hosts
-        self.world_size = self.nodes * self.procs
-        self.master_addr = (
-            args.master_addr or environ.get("MASTER_ADDR") or (hosts[0][0] if hosts and self.nodes > 1 else "127.0.0.1")
-        )
-        port = args.master_port or environ.get("MASTER_PORT")
-        self.master_port = int(port) if port else None
-        entry = shlex.split(args.entry)
-        if not entry:
-            raise SystemExit("grt launch: --entry is empty")
-        self.entry_module, self.entry_args = entry[0], entry[1:]
-        self.config = None  # the resolved run config (dict), when the entry is `grt train`
-        out = _train_out_dir(train_args)
-        resolve = (
-            entry == DEFAULT_ENTRY.split()
-            and not args.no_resolve
-            and not {"-h", "--help", "--print-config"} & set(train_args)
-        )
-        resume = False
-        self.ds_config = None  # the merged DeepSpeed config, checked here before anything starts
-        if resolve:
-            on_this_host = hosts is None and args.launcher != "slurm"
-            self.config, resume = resolve_train_config(train_args, on_this_host and self.world_size)
-            self.ds_config = checked_ds_config(self.config, self.world_size, use_cuda=self.gpus > 0)
-            out = self.config["out"]
-        if args.launcher == "slurm" and entry == DEFAULT_ENTRY.split() and not args.no_auto_resume:
-            resume = True
-        self.run_dir = args.run_dir or out or os.path.join("runs", time.strftime("launch-%Y%m%d-%H%M%S"))
-        self.launch_dir = os.path.join(os.path.abspath(self.run_dir), "launch")
-        if self.config is not None:
-            self.config_path = os.path.join(self.launch_dir, "config.json")
-            self.train_args = ["--config-json", self.config_path] + (["--resume"] if resume else [])
-        elif resume and "--resume" not in train_args:
-            self.train_args = train_args + ["--resume"]
-        container = args.container_image or args.apptainer
-        self.python = args.python or ("python" if container else sys.executable)
-        self.env = self._rank_env(environ)
-
-    def _rank_env(self, environ: dict[str, str]) -> dict[str, str]:
-        prefixes = tuple(DEFAULT_EXPORT_PREFIXES) + tuple(self.args.export)
-        env = {k: v for k, v in sorted(environ.items()) if k.startswith(prefixes) and not SECRET.search(k)}
-        if self.args.cpu:  # the ranks must not pick up a GPU the node happens to have
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        if not self.gpus and self.procs > 1 and "OMP_NUM_THREADS" not in env:
-            # CPU ranks: share this machine's cores instead of each taking all of them
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.procs))
-        env.update(_parse_env(self.args.env))
-        return env
+    args: argparse.Namespace
+    environ: dict[str, str]
+    hostfile: str | None  # the hostfile `hosts` were read from, None when they were not
+    hosts: list[Host] | None  # with the slots of each; None: this machine only, or the scheduler's choice
+    nodes: int
+    gpus: int  # per node
+    procs: int  # ranks per node
+    world_size: int
+    master_addr: str
+    master_port: int | None
+    entry_module: str
+    entry_args: list[str]
+    config: dict[str, Any] | None  # the resolved run config, when the entry is `grt train`
+    ds_config: dict[str, Any] | None  # its merged DeepSpeed config, checked before anything starts
+    config_path: str | None  # where the run config is written for the ranks
+    run_dir: str
+    launch_dir: str
+    train_args: list[str]  # the entry's arguments after entry_args
+    python: str
+    env: dict[str, str]  # the environment of every rank
 
     def rank_argv(self) -> list[str]:
         """The per-rank program after `python`: -m MODULE ARGS..."""
@@ -353,7 +286,7 @@ class Resolved:
             "hosts": [h for h, _ in self.hosts] if self.hosts else None,
             "master_addr": self.master_addr,
             "master_port": self.master_port,
-            "config": getattr(self, "config_path", None),
+            "config": self.config_path,
             "rank_env": {k: ("<redacted>" if SECRET.search(k) else v) for k, v in self.env.items()},
             "launch_host": socket.gethostname(),
             "cwd": os.getcwd(),
@@ -361,7 +294,154 @@ class Resolved:
         }
 
 
-def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -> tuple[dict[str, object], bool]:
+def resolve(args: argparse.Namespace, train_args: list[str], environ: dict[str, str]) -> Resolved:
+    """Apply defaults, the hostfile and the environment to the launch options, one step at a time."""
+    listed_hosts, hostfile = _listed_hosts(args, environ)
+    gpus = _gpus_per_node(args, listed_hosts, hostfile is not None)
+    procs = args.procs_per_node or gpus or 1
+    nodes, hosts = _nodes(args, listed_hosts, procs)
+    world_size = nodes * procs
+    master_addr, master_port = _master(args, environ, hosts, nodes)
+    entry_module, entry_args = _entry(args.entry)
+    is_train = [entry_module, *entry_args] == DEFAULT_ENTRY.split()
+    config, ds_config, resume = None, None, False
+    out = _train_out_dir(train_args)
+    if is_train and not args.no_resolve and not {"-h", "--help", "--print-config"} & set(train_args):
+        on_this_host = hosts is None and args.launcher != "slurm"
+        config, resume = resolve_train_config(train_args, world_size if on_this_host else 0)
+        ds_config = checked_ds_config(config, world_size, use_cuda=gpus > 0)
+        out = config["out"]
+    if args.launcher == "slurm" and is_train and not args.no_auto_resume:
+        resume = True
+    run_dir = args.run_dir or out or os.path.join("runs", time.strftime("launch-%Y%m%d-%H%M%S"))
+    launch_dir = os.path.join(os.path.abspath(run_dir), "launch")
+    config_path = None if config is None else os.path.join(launch_dir, "config.json")
+    container = args.container_image or args.apptainer
+    return Resolved(
+        args=args,
+        environ=environ,
+        hostfile=hostfile,
+        hosts=hosts,
+        nodes=nodes,
+        gpus=gpus,
+        procs=procs,
+        world_size=world_size,
+        master_addr=master_addr,
+        master_port=master_port,
+        entry_module=entry_module,
+        entry_args=entry_args,
+        config=config,
+        ds_config=ds_config,
+        config_path=config_path,
+        run_dir=run_dir,
+        launch_dir=launch_dir,
+        train_args=_rank_train_args(train_args, config_path, resume),
+        python=args.python or ("python" if container else sys.executable),
+        env=_rank_env(args, environ, gpus, procs),
+    )
+
+
+def _listed_hosts(args: argparse.Namespace, environ: dict[str, str]) -> tuple[list[Host] | None, str | None]:
+    """The hosts named by --hosts, a hostfile or (deepspeed, mpi) a Slurm allocation of several nodes, with
+    their slots (0: not given), and the hostfile they were read from; (None, None) when none are named."""
+    hostfile = args.hostfile or (env_hostfile(environ) if args.launcher in ("deepspeed", "mpi") else None)
+    if args.hosts:
+        return [(h, 0) for h in parse_hosts(args.hosts)], None
+    if hostfile and os.path.isfile(hostfile):
+        return read_hostfile(hostfile), hostfile
+    if args.hostfile:
+        raise LaunchError(f"hostfile {args.hostfile} does not exist", code=1)
+    allocation = slurm_allocation_hosts(environ) if args.launcher in ("deepspeed", "mpi") else None
+    if allocation and len(allocation) > 1:
+        return [(h, 0) for h in allocation], None
+    return None, None
+
+
+def _gpus_per_node(args: argparse.Namespace, hosts: list[Host] | None, from_hostfile: bool) -> int:
+    """--gpus-per-node, else the hostfile's slots, else this machine's GPUs (none for Slurm)."""
+    if args.cpu and args.gpus_per_node:
+        raise LaunchError("--cpu and --gpus-per-node exclude each other")
+    if args.cpu:
+        return 0
+    if args.gpus_per_node is not None:
+        return args.gpus_per_node
+    if hosts and from_hostfile:
+        return hosts[0][1]
+    return _local_gpu_count() if args.launcher != "slurm" else 0
+
+
+def _nodes(args: argparse.Namespace, hosts: list[Host] | None, procs: int) -> tuple[int, list[Host] | None]:
+    """The number of nodes, and the hosts used (the first that many; `procs` slots where none were given)."""
+    nodes: int = args.nodes or (len(hosts) if hosts else 1)
+    if hosts is not None:
+        if len(hosts) < nodes:
+            raise LaunchError(f"--nodes {nodes} but only {len(hosts)} hosts given", code=1)
+        return nodes, [(h, s or procs) for h, s in hosts[:nodes]]
+    if nodes > 1 and args.launcher in ("deepspeed", "mpi"):
+        raise LaunchError(f"{nodes} nodes need --hostfile or --hosts (or a Slurm allocation)", code=1)
+    return nodes, None
+
+
+def _master(
+    args: argparse.Namespace, environ: dict[str, str], hosts: list[Host] | None, nodes: int
+) -> tuple[str, int | None]:
+    """The rendezvous address and port (None: the launcher's default)."""
+    addr = args.master_addr or environ.get("MASTER_ADDR") or (hosts[0][0] if hosts and nodes > 1 else "127.0.0.1")
+    port = args.master_port or environ.get("MASTER_PORT")
+    return addr, int(port) if port else None
+
+
+def _entry(text: str) -> tuple[str, list[str]]:
+    """--entry: the per-rank module and its leading arguments."""
+    words = shlex.split(text)
+    if not words:
+        raise LaunchError("--entry is empty", code=1)
+    return words[0], words[1:]
+
+
+def _train_out_dir(train_args: Sequence[str]) -> str | None:
+    for i, a in enumerate(train_args):
+        for flag in ("--out", "--out-dir", "--output-dir"):
+            if a == flag and i + 1 < len(train_args):
+                return train_args[i + 1]
+            if a.startswith(flag + "="):
+                return a.split("=", 1)[1]
+    return None
+
+
+def _rank_train_args(train_args: list[str], config_path: str | None, resume: bool) -> list[str]:
+    """What every rank's entry gets after its own arguments: the resolved config's path, else the arguments
+    given; --resume added when the launch resumes."""
+    if config_path is not None:
+        return ["--config-json", config_path] + (["--resume"] if resume else [])
+    if resume and "--resume" not in train_args:
+        return train_args + ["--resume"]
+    return train_args
+
+
+def _rank_env(args: argparse.Namespace, environ: dict[str, str], gpus: int, procs: int) -> dict[str, str]:
+    prefixes = tuple(DEFAULT_EXPORT_PREFIXES) + tuple(args.export)
+    env = {k: v for k, v in sorted(environ.items()) if k.startswith(prefixes) and not SECRET.search(k)}
+    if args.cpu:  # the ranks must not pick up a GPU the node happens to have
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    if not gpus and procs > 1 and "OMP_NUM_THREADS" not in env:
+        # CPU ranks: share this machine's cores instead of each taking all of them
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // procs))
+    env.update(_parse_env(args.env))
+    return env
+
+
+def _parse_env(pairs: Sequence[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise LaunchError(f"--env expects KEY=VALUE, got {pair!r}", code=1)
+        k, v = pair.split("=", 1)
+        env[k] = v
+    return env
+
+
+def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -> tuple[dict[str, Any], bool]:
     """Resolve `grt train` arguments into one complete run config, once, on this host.
 
     Like GPT-NeoX, the merged config (preset, model JSON, flags, --set overrides) is built
@@ -379,7 +459,7 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
     try:
         targs = train_parser().parse_args(list(train_args))
     except SystemExit as e:
-        raise ValueError(f"grt train arguments rejected: {' '.join(train_args)}") from e
+        raise LaunchError(f"grt train arguments rejected: {' '.join(train_args)}") from e
     try:
         cfg = config_from_args(targs)
         if cfg.data and (local_world_size or os.path.isfile(cfg.data)):
@@ -395,7 +475,7 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
             ckpt_root = Path(cfg.out) / "checkpoints"
             cfg = check_resume(cfg, ckpt_root, find_latest(ckpt_root), local_world_size)
     except ConfigError as e:
-        raise ValueError(f"run config: {e}") from e
+        raise LaunchError(f"run config: {e}") from e
     config = cfg.to_dict()
     for key in ("data", "out"):
         value = config.get(key)
@@ -405,7 +485,7 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
     return config, bool(targs.resume)
 
 
-def checked_ds_config(config: dict[str, object], world_size: int, use_cuda: bool) -> dict[str, object]:
+def checked_ds_config(config: dict[str, Any], world_size: int, use_cuda: bool) -> dict[str, Any]:
     """The DeepSpeed config every rank will build, merged and checked once, here (with the
     checkpointing mode it allows, so that a refusal is one line, not one per rank)."""
     from pretrain.config import ConfigError
@@ -419,7 +499,7 @@ def checked_ds_config(config: dict[str, object], world_size: int, use_cuda: bool
         check_checkpointing(cfg.train.activation_checkpointing, zero_stage(ds))
         return ds
     except ConfigError as e:
-        raise ValueError(f"run config: {e}") from e
+        raise LaunchError(f"run config: {e}") from e
 
 
 def _local_gpu_count() -> int:
@@ -437,9 +517,9 @@ def build_plan(argv: Sequence[str], environ: dict[str, str] | None = None) -> tu
     args, unknown = parser.parse_known_args(own)
     train_args = unknown + train_args
     environ = dict(os.environ if environ is None else environ)
-    r = Resolved(args, train_args, environ)
+    r = resolve(args, train_args, environ)
     plan = builders.BUILDERS[args.launcher](r)
-    if r.config is not None:
+    if r.config_path is not None:
         import json
 
         ds_path = os.path.join(r.launch_dir, "ds_config.json")
@@ -453,13 +533,13 @@ def build_plan(argv: Sequence[str], environ: dict[str, str] | None = None) -> tu
     return plan, args
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         plan, args = build_plan(argv)
-    except (ValueError, OSError) as e:
+    except (LaunchError, ValueError, OSError) as e:  # the builders refuse with ValueError
         print(f"grt launch: {e}", file=sys.stderr)
-        return 2
+        return e.code if isinstance(e, LaunchError) else 2
     if args.dry_run:
         sys.stdout.write(plan.render())
         return 0

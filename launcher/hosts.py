@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 
 from pretrain.distributed import expand_nodelist
 
@@ -45,7 +46,7 @@ def parse_hosts(text: str) -> list[str]:
     return out
 
 
-def env_hostfile(environ=None) -> str | None:
+def env_hostfile(environ: Mapping[str, str] | None = None) -> str | None:
     """A hostfile named by the environment (GRT_HOSTFILE, or DeepSpeed/GPT-NeoX's DLTS_HOSTFILE)."""
     environ = os.environ if environ is None else environ
     for name in ("GRT_HOSTFILE", "DLTS_HOSTFILE"):
@@ -55,7 +56,7 @@ def env_hostfile(environ=None) -> str | None:
     return None
 
 
-def slurm_allocation_hosts(environ=None) -> list[str] | None:
+def slurm_allocation_hosts(environ: Mapping[str, str] | None = None) -> list[str] | None:
     """The nodes of the Slurm allocation this command runs in, if any."""
     environ = os.environ if environ is None else environ
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from types import FrameType
 
 
 @dataclass
@@ -69,7 +70,7 @@ class Plan:
         env.update(self.env)
         proc = subprocess.Popen(self.command, env=env)
 
-        def forward(signum, _frame):
+        def forward(signum: int, _frame: FrameType | None) -> None:
             try:
                 proc.send_signal(signum)
             except ProcessLookupError:  # pragma: no cover

@@ -19,9 +19,16 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass
+from types import FrameType
 
 
-def main(argv=None) -> int:
+@dataclass
+class _StopRequest:
+    signal: str | None = None  # the name of the SIGUSR1/SIGTERM that asked the ranks to stop
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launcher.probe")
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=0)
@@ -29,11 +36,10 @@ def main(argv=None) -> int:
     p.add_argument("--fail-rank", type=int, default=None, help="this rank exits 3 (error paths)")
     args, _unknown = p.parse_known_args(argv)
 
-    stop = {"flag": 0, "signal": None}
+    stop = _StopRequest()
 
-    def on_signal(signum, _frame):
-        stop["flag"] = 1
-        stop["signal"] = signal.Signals(signum).name
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        stop.signal = signal.Signals(signum).name
 
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, on_signal)
@@ -75,7 +81,7 @@ def main(argv=None) -> int:
         while step < args.steps:
             time.sleep(args.step_time)
             # agree on the step and on stopping
-            s = all_reduce(torch.tensor([float(step), float(stop["flag"])], device=comm_device()), op="max")
+            s = all_reduce(torch.tensor([float(step), float(stop.signal is not None)], device=comm_device()), op="max")
             step += 1
             if is_main():
                 with open(os.path.join(args.out, "probe-progress.json"), "w") as f:
@@ -83,7 +89,7 @@ def main(argv=None) -> int:
             if s[1].item() > 0 and step < args.steps:
                 if is_main():
                     with open(ckpt_path + ".tmp", "w") as f:
-                        json.dump({"step": step, "signal": stop["signal"]}, f)
+                        json.dump({"step": step, "signal": stop.signal}, f)
                     os.replace(ckpt_path + ".tmp", ckpt_path)
                 record["stopped_at"] = step
                 break
@@ -93,7 +99,7 @@ def main(argv=None) -> int:
                 with open(ckpt_path + ".tmp", "w") as f:
                     json.dump({"step": step, "finished": True}, f)
                 os.replace(ckpt_path + ".tmp", ckpt_path)
-        record["signal"] = stop["signal"]
+        record["signal"] = stop.signal
     with open(os.path.join(args.out, f"probe-rank{info.rank}.json"), "w") as f:
         json.dump(record, f, indent=1)
     barrier()

@@ -9,6 +9,7 @@ process through its one exit path, with the command's exit code.
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 COMMANDS = {
     "presets": ("pretrain.presets", "print the model presets"),
@@ -32,13 +33,14 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def one_line_usage_error(parser: argparse.ArgumentParser, message: str):
+def one_line_usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
     """argparse's error, as one line: the usage it prints first wraps over several lines."""
     parser.exit(2, f"{parser.prog}: error: {message} (see {parser.prog} --help)\n")
 
 
-def dispatch(argv=None) -> int:
-    argparse.ArgumentParser.error = one_line_usage_error  # every subcommand's parser
+def dispatch(argv: list[str] | None = None) -> int:
+    # every subcommand's parser: patching the class is the point
+    argparse.ArgumentParser.error = one_line_usage_error  # type: ignore[method-assign, assignment]
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
@@ -51,7 +53,7 @@ def dispatch(argv=None) -> int:
     return module.main(rest) or 0
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """The `grt` entry point (also `python -m pretrain.cli`)."""
     from pretrain.distributed import run_command
 

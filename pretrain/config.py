@@ -14,22 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("dense", "grt", "huginn", "rrt", "ouro", "mor")
-# The comparison baselines (pretrain/model/baselines.py, docs/comparison.md): their settings live in
-# ModelConfig.extra; these are the accepted keys and their defaults.
-BASELINE_EXTRA: dict[str, dict[str, Any]] = {
-    "huginn": {"init_state_scale": 1.0, "backprop_steps": 8},  # s_0 std = scale * sqrt(2 / (5 d)), truncated at 3 std
-    "rrt": {"lora_rank": 4, "lora_alpha": 4.0},
-    "ouro": {"entropy_beta": 0.1, "exit_threshold": 0.5},
-    "mor": {"aux_loss_coef": 0.01, "router_noise_std": 0.0},
-}
+from pretrain.errors import ConfigError
+from pretrain.variants import get_variant
+
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn", "naive")
 STATE_DTYPES = ("fp32", "weights")
 ANCHOR_MODES = ("prelude", "zeros", "embeddings", "previous")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot be used; the message names the key and what is accepted."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +84,7 @@ class ModelConfig:
     """Everything that defines a model's function and parameter shapes."""
 
     name: str = "custom"
-    variant: str = "grt"  # dense | grt (loop-only = grt with gate, noise, re-injection off) | huginn | rrt | ouro | mor
+    variant: str = "grt"  # pretrain/variants/: dense, grt (loop only: grt with its switches off) or a baseline
     layout: str = "1+2x4+1"
     d_model: int = 128
     n_heads: int = 4
@@ -120,7 +110,7 @@ class ModelConfig:
     init_std: float = 0.02
     extra: dict[str, Any] = field(default_factory=dict)  # variant-specific settings (baselines)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.validate()
 
     # -- derived -----------------------------------------------------------------
@@ -143,15 +133,8 @@ class ModelConfig:
 
     # -- checks ------------------------------------------------------------------
     def validate(self) -> None:
-        if self.variant not in VARIANTS:
-            raise ConfigError(f"variant={self.variant!r}: accepted values are {', '.join(VARIANTS)}")
-        layout = parse_layout(self.layout)
-        if self.variant == "dense" and layout.looped:
-            raise ConfigError(f"variant='dense' needs a dense layout like '12', got layout={self.layout!r}")
-        if self.variant != "dense" and not layout.looped:
-            raise ConfigError(
-                f"variant={self.variant!r} needs a looped layout like '1+5x6+5', got layout={self.layout!r}"
-            )
+        variant = get_variant(self.variant)
+        parse_layout(self.layout)  # its own message before the variant's layout rule
         if self.attention not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention={self.attention!r}: accepted values are {', '.join(ATTENTION_BACKENDS)}")
         if self.state_dtype not in STATE_DTYPES:
@@ -167,47 +150,11 @@ class ModelConfig:
                 raise ConfigError(f"{key}={getattr(self, key)!r}: must be >= 0")
         if self.gate_tau <= 0:
             raise ConfigError(f"gate_tau={self.gate_tau!r}: must be > 0")
-        if self.variant in BASELINE_EXTRA:
-            self._validate_baseline()
-        elif self.extra:
-            raise ConfigError(
-                f"extra={self.extra!r}: variant={self.variant!r} takes no extra settings "
-                f"(they are for the baselines {', '.join(BASELINE_EXTRA)})"
-            )
-
-    def _validate_baseline(self) -> None:
-        accepted = BASELINE_EXTRA[self.variant]
-        unknown = sorted(set(self.extra) - set(accepted))
-        if unknown:
-            raise ConfigError(
-                f"extra key(s) {', '.join(unknown)} for variant={self.variant!r}; accepted keys: "
-                f"{', '.join(f'{k} (default {v})' for k, v in accepted.items())}"
-            )
-        if self.gate or self.state_noise_std:
-            raise ConfigError(
-                f"variant={self.variant!r} has no GRT gate and no state noise: set gate=false and "
-                "state_noise_std=0 (the presets micro-/tiny-{huginn,rrt,ouro,mor} do)"
-            )
-        if self.reinject_anchor != (self.variant == "huginn"):
-            raise ConfigError(
-                f"variant={self.variant!r}: reinject_anchor must be {self.variant == 'huginn'} "
-                "(only Huginn's adapter reads [s; e])"
-            )
-        for key, value in self.extra.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ConfigError(f"extra.{key}={value!r}: must be a number >= 0")
-        if self.variant == "huginn" and int(self.xget("backprop_steps")) < 1:
-            raise ConfigError("extra.backprop_steps must be >= 1")
-        if self.variant == "rrt" and (
-            int(self.xget("lora_rank")) < 1 or self.xget("lora_rank") != int(self.xget("lora_rank"))
-        ):
-            raise ConfigError(f"extra.lora_rank={self.xget('lora_rank')!r}: must be a positive integer")
-        if self.variant == "ouro" and not 0 < self.xget("exit_threshold") <= 1:
-            raise ConfigError(f"extra.exit_threshold={self.xget('exit_threshold')!r}: must be in (0, 1]")
+        variant.check(self)
 
     def xget(self, key: str) -> Any:
-        """A variant setting from `extra`, or its default (BASELINE_EXTRA)."""
-        return self.extra.get(key, BASELINE_EXTRA.get(self.variant, {}).get(key))
+        """A variant setting from `extra`, or its default (the variant's `extra`, pretrain/variants/)."""
+        return get_variant(self.variant).setting(self, key)
 
     # -- serialisation -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -224,7 +171,7 @@ class ModelConfig:
     def load(cls, path: str | Path) -> ModelConfig:
         return cls.from_dict(load_json_object(path, f"model config {str(path)!r}"))
 
-    def replace(self, **changes) -> ModelConfig:
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **check_keys(type(self), changes, "model config"))
 
 
@@ -243,7 +190,7 @@ def load_json_object(path: str | Path, what: str, missing_hint: str = "") -> dic
     return data
 
 
-def check_keys(cls, data: dict[str, Any], what: str) -> dict[str, Any]:
+def check_keys(cls: type, data: dict[str, Any], what: str) -> dict[str, Any]:
     """Refuse unknown keys and wrong types, naming the key and the accepted values."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))

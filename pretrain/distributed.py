@@ -41,8 +41,14 @@ import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING, TypeVar, overload
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MASTER_PORT = 29500
+
+_T = TypeVar("_T")
 
 __all__ = [
     "DistInfo",
@@ -94,7 +100,9 @@ class DistInfo:
 
 def _split_top_level(text: str, sep: str = ",") -> list[str]:
     """Split on `sep` outside brackets: 'a[1-2],b' -> ['a[1-2]', 'b']."""
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in text:
         if ch == "[":
             depth += 1
@@ -172,6 +180,14 @@ def parse_tasks_per_node(value: str) -> list[int]:
 # --------------------------------------------------------------------------- discovery
 
 
+@overload
+def _int(env: Mapping[str, str], *names: str, default: int) -> int: ...
+
+
+@overload
+def _int(env: Mapping[str, str], *names: str, default: None = None) -> int | None: ...
+
+
 def _int(env: Mapping[str, str], *names: str, default: int | None = None) -> int | None:
     for name in names:
         v = env.get(name)
@@ -180,12 +196,20 @@ def _int(env: Mapping[str, str], *names: str, default: int | None = None) -> int
     return default
 
 
+def _set_int(env: Mapping[str, str], *names: str) -> int:
+    """The first of `names` that is set: one that `discover()` checked before it chose the launcher."""
+    value = _int(env, *names)
+    if value is None:
+        raise KeyError(f"none of {', '.join(names)} is set")
+    return value
+
+
 def _port(env: Mapping[str, str]) -> int:
     return _int(env, "MASTER_PORT", default=DEFAULT_MASTER_PORT)
 
 
 def _from_torchrun(env: Mapping[str, str]) -> DistInfo:
-    rank = _int(env, "RANK")
+    rank = _set_int(env, "RANK")
     world = _int(env, "WORLD_SIZE", default=1)
     local_rank = _int(env, "LOCAL_RANK", default=rank % max(1, world))
     local_world = _int(env, "LOCAL_WORLD_SIZE", "LOCAL_SIZE", default=None)
@@ -207,7 +231,7 @@ def _from_torchrun(env: Mapping[str, str]) -> DistInfo:
 
 
 def _from_ompi(env: Mapping[str, str]) -> DistInfo:
-    rank = _int(env, "OMPI_COMM_WORLD_RANK")
+    rank = _set_int(env, "OMPI_COMM_WORLD_RANK")
     world = _int(env, "OMPI_COMM_WORLD_SIZE", default=1)
     local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", default=0)
     local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", default=world)
@@ -229,7 +253,7 @@ def _from_mpi4py(env: Mapping[str, str]) -> DistInfo:
 
 
 def _from_slurm(env: Mapping[str, str]) -> DistInfo:
-    rank = _int(env, "SLURM_PROCID")
+    rank = _set_int(env, "SLURM_PROCID")
     world = _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS", default=1)
     local_rank = _int(env, "SLURM_LOCALID", default=0)
     node_rank = _int(env, "SLURM_NODEID", default=0)
@@ -273,10 +297,12 @@ def discover(env: Mapping[str, str] | None = None) -> DistInfo:
         return _from_slurm(env)
     if any(env.get(k) not in (None, "") for k in ("PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")):
         world = _int(env, "PMI_SIZE", "MV2_COMM_WORLD_SIZE", default=None)
-        rank = _int(env, "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+        rank = _set_int(env, "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
         local_rank = _int(env, "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", default=None)
         local_world = _int(env, "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE", default=None)
-        if None in (world, local_rank, local_world) or (local_world < world and not env.get("MASTER_ADDR")):
+        if world is None or local_rank is None or local_world is None:
+            return _from_mpi4py(env)
+        if local_world < world and not env.get("MASTER_ADDR"):
             return _from_mpi4py(env)
         addr = env.get("MASTER_ADDR") or "127.0.0.1"
         return DistInfo(rank, local_rank, world, local_world, rank // max(1, local_world), addr, _port(env), "mpi")
@@ -368,7 +394,7 @@ def is_main() -> bool:
     return get_info().rank == 0
 
 
-def comm_device():
+def comm_device() -> torch.device:
     """The device whose tensors the process group's backend takes: the rank's GPU under
     NCCL, the CPU under gloo (and with no process group). Control tensors (flags, loss sums,
     counts) are created on it, so that one process group with one backend serves every
@@ -384,7 +410,7 @@ def comm_device():
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
 
-def all_reduce(t, op: str = "sum"):
+def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """Reduce `t` over all ranks and return the result on the communication device (a copy
     when `t` lives elsewhere; `t` itself otherwise). Without a process group: `t`.
     Callers create `t` on comm_device(): tests/comm_guard.py fails a run that does not."""
@@ -416,7 +442,7 @@ class RankFailed(RuntimeError):
     """Raised on every rank by `check_ranks` when one or more ranks failed: names each failing
     rank with its own error; `code` is the exit code the command ends with."""
 
-    def __init__(self, errors: dict[int, str], code: int = 1):
+    def __init__(self, errors: dict[int, str], code: int = 1) -> None:
         by_text: dict[str, list[int]] = {}
         for rank in sorted(errors):
             by_text.setdefault(errors[rank], []).append(rank)
@@ -452,10 +478,10 @@ def check_ranks(error: str | None = None, code: int = 1) -> None:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    codes = torch.tensor(
+    mine = torch.tensor(
         [float(code if r == rank and error is not None else 0) for r in range(world)], device=comm_device()
     )
-    codes = [int(c) for c in all_reduce(codes, op="max").cpu().tolist()]
+    codes = [int(c) for c in all_reduce(mine, op="max").cpu().tolist()]
     if not any(codes):
         return
     rows = torch.zeros(world, ERROR_BYTES, dtype=torch.uint8)
@@ -486,7 +512,7 @@ class Dist:
     rank: int = 0
     world: int = 1
 
-    def shard(self, items: list) -> list:
+    def shard(self, items: list[_T]) -> list[_T]:
         return items[self.rank :: self.world]
 
 
@@ -523,7 +549,7 @@ def exit_process(code: int) -> int:
         return code
     import torch.distributed as dist
 
-    def destroy():
+    def destroy() -> None:
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a peer may be gone; the exit code is what matters

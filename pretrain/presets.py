@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 import torch
 
 from pretrain.config import ConfigError, ModelConfig
+from pretrain.variants import get_variant
 
 HF = dict(bias=True, pad_vocab_multiple=1, vocab_size=50257)
 NANOGPT = dict(bias=False, pad_vocab_multiple=64, vocab_size=50257)
@@ -21,13 +23,11 @@ TINY = dict(bias=False, pad_vocab_multiple=64, vocab_size=4096, max_seq_len=256)
 
 
 LOOP_ONLY = dict(gate=False, reinject_anchor=False, state_noise_std=0.0)
-BASELINE_SWITCHES = {
-    "huginn": dict(gate=False, state_noise_std=0.0, reinject_anchor=True),
-    **{v: LOOP_ONLY for v in ("rrt", "ouro", "mor")},
-}
 
 
-def _preset(name, variant, layout, d_model, n_heads, conventions, **overrides):
+def _preset(
+    name: str, variant: str, layout: str, d_model: int, n_heads: int, conventions: dict[str, Any], **overrides: Any
+) -> tuple[str, ModelConfig]:
     return name, ModelConfig(
         name=name, variant=variant, layout=layout, d_model=d_model, n_heads=n_heads, **{**conventions, **overrides}
     )
@@ -59,7 +59,7 @@ PRESETS: dict[str, ModelConfig] = dict(
                 heads,
                 TINY,
                 **sizing,
-                **BASELINE_SWITCHES[v],
+                **get_variant(v).switches(),
                 **({"extra": {"backprop_steps": 2}} if v == "huginn" else {}),
             )
             for size, layout, d, heads, sizing in (
@@ -144,10 +144,11 @@ def describe(cfg: ModelConfig) -> dict:
         "effective_depth": cfg.parsed_layout.effective_depth(),
         **counts,
         "flops_per_token": flops_per_token(cfg),
+        "train": get_variant(cfg.variant).train_recipe(cfg),  # the recipe a run of the preset starts from
     }
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grt presets", description="List the model presets.")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     args = parser.parse_args(argv)
@@ -155,16 +156,17 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(
-        f"{'preset':<22}{'layout':<11}{'d':>6}{'heads':>6}{'depth':>6}{'params':>14}{'non-emb':>14}{'GFLOPs/tok':>11}"
-    )
+    header = f"{'preset':<22}{'layout':<11}{'d':>6}{'heads':>6}{'depth':>6}{'params':>14}{'non-emb':>14}"
+    print(f"{header}{'GFLOPs/tok':>11}  training recipe")
     for r in rows:
         print(
             f"{r['name']:<22}{r['layout']:<11}{r['d_model']:>6}{r['n_heads']:>6}{r['effective_depth']:>6}"
-            f"{r['params']:>14,}{r['non_embedding_params']:>14,}{r['flops_per_token'] / 1e9:>11.3f}"
+            f"{r['params']:>14,}{r['non_embedding_params']:>14,}{r['flops_per_token'] / 1e9:>11.3f}  "
+            + (" ".join(f"{k}={v}" for k, v in r["train"].items()) or "-")
         )
     print(
         "\nFLOPs: forward per token at max_seq_len and the trained depth (pretrain.model.flops, every variant); "
-        "training is about 3x."
+        "training is about 3x.\nTraining recipe: the training settings of the preset's method (its Variant, "
+        "pretrain/variants/), applied before --set."
     )
     return 0

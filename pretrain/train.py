@@ -21,7 +21,13 @@ if __name__ == "__main__" and not __package__:
 from pretrain.config import ConfigError, ModelConfig  # noqa: E402
 from pretrain.distributed import discover, run_command  # noqa: E402
 from pretrain.presets import PRESETS, get_preset  # noqa: E402
-from pretrain.training.run_config import RunConfig, apply_overrides, load_manifest  # noqa: E402
+from pretrain.training.run_config import (  # noqa: E402
+    RunConfig,
+    apply_overrides,
+    choose_model,
+    is_model_override,
+    load_manifest,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,14 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args) -> RunConfig:
+def config_from_args(args: argparse.Namespace) -> RunConfig:
     cfg = RunConfig.load(args.config_json) if args.config_json else RunConfig()
     if args.preset and args.model_config:
         raise ConfigError("give --preset or --model-config, not both")
-    if args.preset:
-        cfg.model = get_preset(args.preset)
-    if args.model_config:
-        cfg.model = ModelConfig.load(args.model_config)
+    overrides = args.overrides
+    if args.preset or args.model_config:
+        model = get_preset(args.preset) if args.preset else ModelConfig.load(args.model_config)
+        choose_model(cfg, model, overrides)  # the model, its overrides, then its training recipe
+        overrides = [item for item in overrides if not is_model_override(item)]
     if args.ds_config and args.deepspeed and args.ds_config != args.deepspeed:
         raise ConfigError(
             f"--deepspeed {args.deepspeed} and --ds-config {args.ds_config} name different DeepSpeed files; give one"
@@ -102,12 +109,12 @@ def config_from_args(args) -> RunConfig:
     for flag in ("steps", "micro_batch_size", "grad_accum"):
         if getattr(args, flag) is not None:
             setattr(cfg.train, flag, getattr(args, flag))
-    apply_overrides(cfg, args.overrides)
+    apply_overrides(cfg, overrides)
     cfg.validate()
     return cfg
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))

@@ -8,7 +8,7 @@ environment on CPU so that none is created; this clears what other tools or olde
 import glob
 import os
 
-mapped = set()
+mapped: set[str] = set()
 for maps in glob.glob("/proc/[0-9]*/maps"):
     try:
         with open(maps) as f:

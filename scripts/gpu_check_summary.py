@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 
 HEAD = ["row", "call", "seconds", "tokens/s", "MFU %", "peak MB", "result"]
 PERF = re.compile(r"^perf-(?P<preset>.+)-z(?P<stage>\d)-(?P<mode>eager|compiled)$")
@@ -22,7 +23,7 @@ def number(text: str) -> float | None:
         return None
 
 
-def ratio_line(what: str, num: float | None, den: float | None, goal: float, passes) -> str:
+def ratio_line(what: str, num: float | None, den: float | None, goal: str, passes: Callable[[float], bool]) -> str:
     if num is None or den is None or den == 0:
         return f"| {what} | - | {goal} | not measured |"
     value = num / den
@@ -32,7 +33,7 @@ def ratio_line(what: str, num: float | None, den: float | None, goal: float, pas
 def summary(rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
-    perf = {}
+    perf: dict[tuple[str, int, str], tuple[float | None, float | None]] = {}  # (tokens/s, MFU) by row
     for r in rows:
         m = PERF.match(r[0])
         if m and r[6] == "pass":

@@ -6,9 +6,10 @@
 CI has no GPU, so a collective on a tensor that is not on the communication device (NCCL:
 "No backend type associated with device type cpu") would pass every CPU test. Here, once a
 process group exists, `pretrain.distributed.comm_device()` answers a device that is not the
-CPU, where the model, the data and every tensor made without a device live. Tensors created on it, or moved to it, are CPU tensors wrapped in
-`OnCommDevice`, which reports that device and, like a CUDA tensor, refuses to mix with CPU
-tensors (0-dim ones excepted, as CUDA does), to `.numpy()`, and so on. Every collective
+CPU, where the model, the data and every tensor made without a device live. Tensors created
+on it, or moved to it, are CPU tensors wrapped in `OnCommDevice`, which reports that device
+and, like a CUDA tensor, refuses to mix with CPU tensors (0-dim ones excepted, as CUDA does),
+to `.numpy()`, and so on. Every collective
 reached from project code, through the helpers or straight through torch.distributed,
 must get tensors on that device: any other is written to VIOLATIONS_FILE and raised.
 The stand-in device is "meta" (the one device besides the CPU that a CPU-only torch can
@@ -47,7 +48,7 @@ class OnCommDevice(torch.Tensor):
     """A CPU tensor that says it lives on COMM."""
 
     elem: torch.Tensor
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # intentionally replaces Tensor's classmethod: no torch-function handling on the wrapper
 
     @staticmethod
     def __new__(cls, elem: torch.Tensor):

@@ -180,7 +180,7 @@ class Job:
                 p.wait(timeout=max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
                 self.kill()
-                raise AssertionError(f"job did not finish within {timeout:.0f} s:\n{self.output()}")
+                raise AssertionError(f"job did not finish within {timeout:.0f} s:\n{self.output()}") from None
         return [p.returncode for p in self.procs]
 
     def signal(self, sig: int, ranks=None) -> None:

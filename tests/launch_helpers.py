@@ -111,7 +111,7 @@ def grt_launch(*args, env=None, timeout=400, background=None, check=True):
     except subprocess.TimeoutExpired:
         _end_group(proc)
         out, err = proc.communicate()
-        raise AssertionError(f"grt launch timed out after {timeout}s\n{out[-4000:]}\n{err[-4000:]}")
+        raise AssertionError(f"grt launch timed out after {timeout}s\n{out[-4000:]}\n{err[-4000:]}") from None
     r = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if check:
         assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
@@ -129,7 +129,7 @@ def probe_results(out, world):
     return sorted(recs, key=lambda r: r["rank"])
 
 
-_SHARDS = {}
+_SHARDS: dict[str, str] = {}
 
 
 def tiny_shards() -> str:
@@ -236,7 +236,7 @@ def wait_all(procs, logs, timeout=400):
         for p in procs:
             if p.poll() is None:  # a hung launch: end it and its ranks
                 _end_group(p)
-    texts = [open(l, errors="replace").read() for l in logs]
+    texts = [open(log, errors="replace").read() for log in logs]
     assert [p.returncode for p in procs] == [0] * len(procs), "\n----\n".join(t[-3000:] for t in texts)
     return texts
 

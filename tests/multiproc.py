@@ -48,7 +48,7 @@ def run_ranks(
         )
     results = []
     try:
-        for rank, p in enumerate(procs):
+        for p in procs:
             out, _ = p.communicate(timeout=timeout)
             results.append(subprocess.CompletedProcess(p.args, p.returncode, out, None))
     finally:

@@ -94,7 +94,7 @@ def reap_stale() -> list[str]:
 
     def stale(name: str) -> bool:
         m = pattern.match(name)
-        return bool(m) and not _pid_alive(int(m.group(1)))
+        return m is not None and not _pid_alive(int(m.group(1)))
 
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         ns = line.split()[0] if line.split() else ""

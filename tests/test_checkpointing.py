@@ -150,7 +150,7 @@ def test_auto_leaves_room_for_what_the_first_step_allocates():
     """`auto` reads the free memory before the first step: it takes off the full bf16
     gradients under ZeRO-0/1 (ZeRO-2 partitions them) and, under ZeRO-3 with more than one
     rank, the live-parameter budget and the prefetch bucket (at most the model each)."""
-    from pretrain.training.trainer import allocated_later
+    from pretrain.training.auto_checkpointing import allocated_later
 
     n, z3 = 10**8, {"stage": 3, "stage3_max_live_parameters": 6 * 10**7, "stage3_prefetch_bucket_size": 5 * 10**7}
     assert allocated_later({"zero_optimization": {"stage": 1}}, n, 8, 2) == 2 * n

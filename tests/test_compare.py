@@ -245,13 +245,16 @@ def test_time_budget_plan_counts_what_the_final_evals_run(grt_run, tmp_path, mon
     cfg.out = str(run)
     monkeypatch.setattr(compare_eval, "ADAPTIVE_EXITS", (("update", 0.0), ("kl", 0.0)))
     calls = Counter()
+
+    def counting(method, key):
+        def counted(self, *args, **kwargs):
+            calls[key] += 1
+            return method(self, *args, **kwargs)
+
+        return counted
+
     for name, key in (("loop_step", "loop_steps"), ("final_hidden", "decodes")):
-
-        def counted(self, *args, _method=getattr(GPT, name), _key=key, **kwargs):
-            calls[_key] += 1
-            return _method(self, *args, **kwargs)
-
-        monkeypatch.setattr(GPT, name, counted)
+        monkeypatch.setattr(GPT, name, counting(getattr(GPT, name), key))
     compare_eval.final_evals(cfg, exit_factor=2)
     t = cfg.train
     batches = len(list(val_batches(cfg.data, t.micro_batch_size, None, t.eval_batches, t.seed)))

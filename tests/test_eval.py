@@ -7,12 +7,14 @@ import sys
 
 import pytest
 import torch
-from trained_models import (
+from trained_models import (  # noqa: F401 (fixtures: grt_run, manifest, single_thread)
     ENV,
     EVAL_BATCHES,
     REPO,
     CharTokenizer,
-    manifest,  # noqa: F401
+    grt_run,
+    manifest,
+    single_thread,
     small_model,
     summary,
 )
@@ -127,7 +129,7 @@ def test_multiple_choice_sums_continuation_log_likelihoods_by_hand():
     items = [item, Item([("Q: 2+2?\nAnswer:", " 4"), ("Q: 2+2?\nAnswer:", " five")], gold=0)]
     depths = [0, 3]
     res = evaluate_task(model, tok, items, depths, CPU, batch_size=3)
-    for j, r in enumerate(depths):
+    for r in depths:
         correct = correct_norm = 0
         for it in items:
             ll = [_loglik_by_hand(model, tok, c, x, r) for c, x in it.requests]

@@ -56,7 +56,9 @@ import pretrain.kernels.gate as gate
 calls = []
 original = gate.FusedGateUpdate.apply
 gate.FusedGateUpdate.apply = lambda *a: calls.append(1) or original(*a)
-cfg = ModelConfig(layout="1+1x3+1", d_model=32, n_heads=2, vocab_size=97, max_seq_len=16, state_noise_std=0, gate_noise_std=0)
+cfg = ModelConfig(
+    layout="1+1x3+1", d_model=32, n_heads=2, vocab_size=97, max_seq_len=16, state_noise_std=0, gate_noise_std=0
+)
 torch.manual_seed(0)
 model = build_model(cfg).train()
 idx = torch.randint(0, 97, (2, 16))
@@ -68,7 +70,10 @@ gate.fused_available = lambda t: False
 import pretrain.model.gpt as gpt
 model.zero_grad()
 model(idx, idx).loss.backward()
-worst = max(((fused[n] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12)).item() for n, p in model.named_parameters())
+worst = max(
+    ((fused[n] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12)).item()
+    for n, p in model.named_parameters()
+)
 assert worst < 1e-4, worst
 print("ok", worst)
 """
@@ -92,7 +97,9 @@ import pretrain.kernels.gate as gate
 seen = []
 original = gate.FusedGateUpdate.apply
 gate.FusedGateUpdate.apply = lambda *a: seen.append(tuple(str(t.dtype) for t in a)) or original(*a)
-cfg = ModelConfig(layout="1+1x3+1", d_model=32, n_heads=2, vocab_size=97, max_seq_len=16, state_noise_std=0, gate_noise_std=0)
+cfg = ModelConfig(
+    layout="1+1x3+1", d_model=32, n_heads=2, vocab_size=97, max_seq_len=16, state_noise_std=0, gate_noise_std=0
+)
 torch.manual_seed(0)
 model = build_model(cfg).train()
 idx = torch.randint(0, 97, (2, 16))
@@ -136,7 +143,9 @@ from torch._dynamo.utils import counters
 calls = []
 original = gate.FusedGateUpdate.apply
 gate.FusedGateUpdate.apply = lambda *a: calls.append(1) or original(*a)
-cfg = ModelConfig(layout="1+1x3+1", d_model=32, n_heads=2, vocab_size=97, max_seq_len=16, state_noise_std=0, gate_noise_std=0)
+cfg = ModelConfig(
+    layout="1+1x3+1", d_model=32, n_heads=2, vocab_size=97, max_seq_len=16, state_noise_std=0, gate_noise_std=0
+)
 idx = torch.randint(0, 97, (2, 16))
 def grads(compiled):
     torch.manual_seed(0)

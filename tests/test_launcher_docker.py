@@ -67,7 +67,7 @@ def run_programs(script):
 
 def dockerignore_patterns():
     with open(os.path.join(ROOT, ".dockerignore")) as f:
-        return [l.strip() for l in f if l.strip() and not l.startswith("#")]
+        return [line.strip() for line in f if line.strip() and not line.startswith("#")]
 
 
 def ignored(path, patterns):
@@ -273,18 +273,18 @@ def test_image_check_names_each_missing_piece():
         timeout=300,
     )
     assert r.returncode == 1
-    lines = [l for l in r.stderr.splitlines() if l.startswith("image check: ")]
+    lines = [line for line in r.stderr.splitlines() if line.startswith("image check: ")]
     try:
         import flash_attn  # noqa: F401
     except ImportError:
-        assert any("import flash_attn failed" in l for l in lines), r.stderr
+        assert any("import flash_attn failed" in line for line in lines), r.stderr
     try:
         import apex  # noqa: F401
     except ImportError:
-        assert any("import apex failed" in l for l in lines), r.stderr
+        assert any("import apex failed" in line for line in lines), r.stderr
     from deepspeed.git_version_info import installed_ops
 
     for op in ("fused_adam", "fused_lamb", "cpu_adam", "async_io"):
         if not installed_ops.get(op):
-            assert any(f"DeepSpeed op {op} was not prebuilt" in l for l in lines), r.stderr
+            assert any(f"DeepSpeed op {op} was not prebuilt" in line for line in lines), r.stderr
     assert "Traceback" not in r.stderr

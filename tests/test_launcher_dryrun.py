@@ -286,7 +286,7 @@ def test_slurm_4x8_script(tmp_path):
     script_path = argv[-1]
     assert argv[:2] == ["sbatch", "--parsable"] and script_path.endswith("slurm.sbatch")
     script = files[script_path]
-    header = [l[len("#SBATCH ") :] for l in script.splitlines() if l.startswith("#SBATCH ")]
+    header = [line[len("#SBATCH ") :] for line in script.splitlines() if line.startswith("#SBATCH ")]
     for opt in (
         "--nodes=4",
         "--ntasks-per-node=8",
@@ -303,7 +303,7 @@ def test_slurm_4x8_script(tmp_path):
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in script
     assert "export NCCL_IB_HCA=mlx5_0,mlx5_1" in script and "UNRELATED_SECRET" not in script
     assert "WANDB_API_KEY" not in script  # the job inherits it from the submitting shell
-    srun = next(l for l in script.splitlines() if l.startswith("srun "))
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
     srun_argv = shlex.split(srun.rstrip(" &"))
     assert "--container-image=nvcr.io#me/grt:latest" in srun_argv
     assert any(a.startswith("--container-mounts=") for a in srun_argv)
@@ -323,7 +323,7 @@ def test_slurm_apptainer_and_no_signal(tmp_path):
     files, argv, _ = split_render(plan.render())
     script = files[argv[-1]]
     assert "--signal" not in script and "trap" not in script and "--requeue" not in script
-    srun = shlex.split(next(l for l in script.splitlines() if l.startswith("srun ")))
+    srun = shlex.split(next(line for line in script.splitlines() if line.startswith("srun ")))
     i = srun.index("apptainer")
     assert srun[i : i + 3] == ["apptainer", "exec", "--nv"] and "grt.sif" in srun
     (tmp_path / "s.sh").write_text(script)
@@ -475,7 +475,7 @@ def write_manifest(root):
 def srun_line(plan):
     files, argv, _ = split_render(plan.render())
     script = files[argv[-1]]
-    return script, shlex.split(next(l for l in script.splitlines() if l.startswith("srun ")).rstrip(" &"))
+    return script, shlex.split(next(line for line in script.splitlines() if line.startswith("srun ")).rstrip(" &"))
 
 
 def test_slurm_container_mounts_the_data_and_uses_the_image_code(tmp_path, monkeypatch):

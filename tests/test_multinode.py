@@ -179,7 +179,7 @@ def launch_on_node0(cluster, args, log, timeout=300, env=None):
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         _end_group(proc)
-        raise AssertionError(f"grt launch did not end within {timeout} s:\n{open(log).read()[-4000:]}")
+        raise AssertionError(f"grt launch did not end within {timeout} s:\n{open(log).read()[-4000:]}") from None
     text = open(log, errors="replace").read()
     assert proc.returncode == 0, text[-4000:]
     return text
@@ -447,7 +447,7 @@ class NodeRanks:
             raise AssertionError(
                 f"ranks still running after {timeout} s:\n"
                 + "\n----\n".join(self.output(r)[-3000:] for r in range(len(self.procs)))
-            )
+            ) from None
         finally:
             self.kill()
         return [p.returncode for p in self.procs]

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import TypedDict
 
 import pytest
 from faults import (
@@ -46,8 +47,15 @@ def data(tmp_path_factory) -> Path:
     return build_data(tmp_path_factory.mktemp("reliability_data"))
 
 
+class Reference(TypedDict):
+    """The uninterrupted reference run: its per-step losses and its output directory."""
+
+    losses: dict[int, float]
+    out: Path
+
+
 @pytest.fixture(scope="session")
-def reference(data, tmp_path_factory) -> dict[int, float]:
+def reference(data, tmp_path_factory) -> Reference:
     """Per-step losses of an uninterrupted 2-rank ZeRO-3 run."""
     out = tmp_path_factory.mktemp("reliability_ref") / "run"
     rcs, job = run_job(train_args(data, out, REF_STEPS, SAVE), out.parent / "logs")
@@ -66,9 +74,9 @@ def assert_same_losses(out: Path, ref: dict[int, float], steps) -> None:
 def one_line_error(stderr: str) -> str:
     """The error lines of a CLI run's stderr (DeepSpeed's import-time warnings aside)."""
     lines = [
-        l
-        for l in stderr.splitlines()
-        if l.strip() and "[WARNING]" not in l and "Warning" not in l and not l.startswith("  ")
+        line
+        for line in stderr.splitlines()
+        if line.strip() and "[WARNING]" not in line and "Warning" not in line and not line.startswith("  ")
     ]
     return "\n".join(lines)
 
@@ -173,7 +181,7 @@ def test_eval_depth_beyond_trained_is_refused(reference):
         text=True,
         timeout=120,
     )
-    errors = [l for l in res.stderr.splitlines() if "error" in l.lower()]
+    errors = [line for line in res.stderr.splitlines() if "error" in line.lower()]
     assert res.returncode == 2, res.stdout + res.stderr
     assert len(errors) == 1 and errors[0] == res.stderr.strip().splitlines()[-1], res.stderr
     assert errors[0].startswith("grt eval: error: depth(s) [4, 5, 6, 7, 8, 9] exceed the trained maximum of 3")
@@ -308,7 +316,7 @@ def test_sigkill_anywhere_then_resume_reproduces_losses(data, reference, tmp_pat
 
 
 def latest_resume_line(log: str) -> str:
-    line = [l for l in log.splitlines() if "resumed from" in l][-1]
+    line = [entry for entry in log.splitlines() if "resumed from" in entry][-1]
     return line.rsplit("at step", 1)[1].strip()
 
 
@@ -327,7 +335,7 @@ def test_sigterm_and_sigusr1_checkpoint_and_exit_cleanly(data, reference, tmp_pa
     for sig, ranks, after in ((signal.SIGTERM, None, 3), (signal.SIGUSR1, [1], 9)):
         job = Job(args + (["--resume"] if after > 3 else []), logs)
         with job:
-            wait_for(lambda: last_step(out) >= after, 240, job, f"step {after}")
+            wait_for(lambda after=after: last_step(out) >= after, 240, job, f"step {after}")
             t0 = time.time()
             job.signal(sig, ranks)
             rcs = job.wait(bound)
@@ -659,7 +667,7 @@ def test_long_run_flat_memory_no_leaks(data, tmp_path):
     report = []
     for r in (0, 1):
         path = out / ("metrics.jsonl" if r == 0 else f"metrics.rank{r}.jsonl")
-        rss = [json.loads(l)["rss_mb"] for l in path.read_text().splitlines()]
+        rss = [json.loads(line)["rss_mb"] for line in path.read_text().splitlines()]
         assert len(rss) == steps
         warm = rss[steps // 4]
         growth = max(rss[steps // 4 :]) - warm

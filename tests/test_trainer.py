@@ -417,11 +417,13 @@ def test_deprecated_collective_warnings_are_hidden_and_others_shown():
         quiet_deprecated_collectives()
         for name in ("reduce_scatter_tensor", "all_gather_into_tensor"):  # torch's words, as DeepSpeed triggers them
             warnings.warn(
-                f"`torch.distributed.{name}` is deprecated. Please use `torch.distributed.x` instead.", FutureWarning
+                f"`torch.distributed.{name}` is deprecated. Please use `torch.distributed.x` instead.",
+                FutureWarning,
+                stacklevel=1,
             )
-        warnings.warn("`torch.distributed.all_reduce_coalesced` is deprecated.", FutureWarning)
-        warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated.", UserWarning)
-        warnings.warn("a real problem", RuntimeWarning)
+        warnings.warn("`torch.distributed.all_reduce_coalesced` is deprecated.", FutureWarning, stacklevel=1)
+        warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated.", UserWarning, stacklevel=1)
+        warnings.warn("a real problem", RuntimeWarning, stacklevel=1)
     assert [str(w.message) for w in seen] == [
         "`torch.distributed.all_reduce_coalesced` is deprecated.",
         "`torch.distributed.reduce_scatter_tensor` is deprecated.",

@@ -184,7 +184,9 @@ def small_model(layout: str = "1+2x3+1", variant: str = "grt", vocab: int = 64, 
     model = build_model(cfg).eval()
     with torch.no_grad():  # a non-trivial gate (the init bias of 4 makes the loop almost a no-op)
         if model.loop is not None and model.loop.has_gate:
-            model.loop.gate_out.bias.normal_(0.0, 1.0)
+            gate_out = model.loop.gate_out
+            assert isinstance(gate_out, torch.nn.Linear)
+            gate_out.bias.normal_(0.0, 1.0)
     return model
 
 

@@ -18,7 +18,7 @@ implementation that skips exited tokens spends on the core.
 Any looped variant whose loop step treats every token alike runs it (GRT, Huginn, RRT,
 Ouro), through the model's own `recurrence()`; MoR routes tokens through its loop by its own
 learned router, which is its adaptive depth, so a threshold rule does not apply to it
-(`ADAPTIVE_EXIT_REFUSAL`).
+(its Variant's `adaptive_exit_refusal`).
 
 `grt eval --adaptive-exit update --exit-thresholds 0.3,0.1,0.03` reports, on the held-out
 split, the loss and the mean steps per token at each threshold, beside the loss at each
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from pretrain.config import ConfigError
 from pretrain.model import GPT
 from pretrain.model.layers import AttentionContext
+from pretrain.variants import get_variant
 
 CRITERIA = ("update", "kl")
 
@@ -52,6 +53,8 @@ def step_change(
     if criterion == "update":
         rel = (new - prev).float().norm(dim=-1) / prev.float().norm(dim=-1).clamp_min(1e-12)
         return rel, None
+    if prev_logp is None:
+        raise ValueError("the kl rule needs the previous state's log-probabilities (prev_logp)")
     logp = F.log_softmax(decode(new).float(), dim=-1)
     # KL >= 0; rounding can give -1e-9, which would let threshold 0 exit a token early
     return (logp.exp() * (logp - prev_logp)).sum(-1).clamp_min(0.0), logp
@@ -62,8 +65,9 @@ def check_criterion(model: GPT, criterion: str) -> None:
         raise ConfigError(f"adaptive exit criterion {criterion!r}: accepted values are {', '.join(CRITERIA)}")
     if model.loop is None:
         raise ConfigError(f"adaptive exit needs a looped model; {model.cfg.name!r} ({model.cfg.layout}) has no loop")
-    if model.ADAPTIVE_EXIT_REFUSAL:
-        raise ConfigError(model.ADAPTIVE_EXIT_REFUSAL)
+    refusal = get_variant(model.cfg.variant).adaptive_exit_refusal
+    if refusal:
+        raise ConfigError(refusal)
 
 
 def adaptive_loop(
@@ -86,7 +90,7 @@ def adaptive_loop(
         change, new_logp = step_change(criterion, s, new, logp, decode)
         keep = active[..., None]
         s = torch.where(keep, new, s)
-        if new_logp is not None:
+        if new_logp is not None and logp is not None:  # kl: both, from the first step on
             logp = torch.where(keep, new_logp, logp)
         steps += active
         active &= change >= threshold
@@ -117,7 +121,7 @@ def adaptive_forward(
     return model.decode(s, ctx), steps
 
 
-def adaptive_table(sums: torch.Tensor, thresholds: list[float]) -> dict[float, dict]:
+def adaptive_table(sums: torch.Tensor, thresholds: list[float]) -> dict[float, dict[str, float]]:
     return {
         thr: {
             "loss": sums[i, 0].item() / max(sums[i, 1].item(), 1.0),

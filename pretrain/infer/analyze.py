@@ -29,16 +29,23 @@ import json
 import string
 import sys
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from data_pipeline.files import atomic_savefig, atomic_write_text
 from pretrain.config import ConfigError
-from pretrain.infer.scoring import jsonable, lm_sums, val_batches
-from pretrain.model import GPT
+from pretrain.infer.scoring import Batch, jsonable, lm_sums, val_batches
+from pretrain.model import GPT, LoopStep
 from pretrain.model.layers import AttentionContext
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from data_pipeline.tokenizer import Tokenizer
 
 BUCKETS = ("punctuation", "frequent", "medium", "rare")
 ANCHORS = ("prelude", "zeros", "embeddings", "previous")
@@ -63,7 +70,7 @@ def cka_matrix(states: list[torch.Tensor]) -> list[list[float]]:
     return m
 
 
-def half_cosines(state_half: torch.Tensor, anchor_half: torch.Tensor) -> dict:
+def half_cosines(state_half: torch.Tensor, anchor_half: torch.Tensor) -> dict[str, float]:
     """W = [W_s | W_e] (each [out, d]): cosine between the state half and the anchor half."""
     a, b = state_half.detach().double(), anchor_half.detach().double()
     return {
@@ -80,7 +87,11 @@ def is_punctuation(piece: str) -> bool:
 
 
 def frequency_buckets(
-    counts: Counter, vocab_size: int, punctuation: set[int], frequent_mass: float = 0.5, medium_mass: float = 0.9
+    counts: Counter[int],
+    vocab_size: int,
+    punctuation: set[int],
+    frequent_mass: float = 0.5,
+    medium_mass: float = 0.9,
 ) -> torch.Tensor:
     """A bucket index (0..3, see BUCKETS) per token id. Non-punctuation tokens are ranked by
     count; the most frequent ones up to `frequent_mass` of the occurrences are 'frequent', up
@@ -99,20 +110,33 @@ def frequency_buckets(
     return bucket
 
 
-def variance_share(a_sum, a_sq, b_sum, b_sq, n) -> float:
+def variance_share(a_sum: torch.Tensor, a_sq: torch.Tensor, b_sum: torch.Tensor, b_sq: torch.Tensor, n: int) -> float:
     """State share of tr Var from running sums (per hidden unit) of the two halves."""
     var_a = (a_sq / n - (a_sum / n) ** 2).sum()
     var_b = (b_sq / n - (b_sum / n) ** 2).sum()
     return (var_a / (var_a + var_b)).item()
 
 
+def _grt_loop(model: GPT) -> LoopStep:
+    """The GRT's loop step, whose projection and gate the analyses read."""
+    if not isinstance(model.loop, LoopStep):
+        raise ConfigError(f"grt analyze needs a looped GRT, got layout {model.cfg.layout!r}")
+    return model.loop
+
+
 # -- one pass over the data -----------------------------------------------------------------
 @torch.no_grad()
-def collect(model: GPT, batches, device, bucket_of: torch.Tensor | None, cka_tokens: int = 2048) -> dict:
+def collect(
+    model: GPT,
+    batches: Iterable[Batch],
+    device: torch.device,
+    bucket_of: torch.Tensor | None,
+    cka_tokens: int = 2048,
+) -> dict[str, Any]:
     """Per-depth losses (overall and by bucket), mean gates, gate-input variance sums, and a
     sample of the states for CKA, from one forward per batch at the trained depth."""
     R = model.max_loops
-    loop = model.loop
+    loop = _grt_loop(model)
     nb = len(BUCKETS)
     loss = torch.zeros(R + 1, nb + 1, dtype=torch.float64)  # last column: all tokens
     count = torch.zeros(nb + 1, dtype=torch.float64)
@@ -158,7 +182,7 @@ def collect(model: GPT, batches, device, bucket_of: torch.Tensor | None, cka_tok
             for r in range(R + 1):
                 kept[r].append(out.states[r].flatten(0, 1)[:take].float().cpu())
             kept_n += take
-    res = {
+    res: dict[str, Any] = {
         "loss": loss,
         "count": count,
         "gate_mean": (gate_sum / max(gate_n, 1)).tolist(),
@@ -170,10 +194,11 @@ def collect(model: GPT, batches, device, bucket_of: torch.Tensor | None, cka_tok
 
 
 @torch.no_grad()
-def dense_layer_states(dense: GPT, batches, device, n_tokens: int) -> list[torch.Tensor]:
+def dense_layer_states(dense: GPT, batches: Iterable[Batch], device: torch.device, n_tokens: int) -> list[torch.Tensor]:
     """A dense model's residual stream after the embedding and after each block, on the first
     n_tokens tokens of the batches (the same tokens `collect` keeps for CKA)."""
-    kept, got = None, 0
+    kept: list[torch.Tensor] | None = None
+    got = 0
     for batch in batches:
         if got >= n_tokens:
             break
@@ -194,10 +219,10 @@ def cross_cka(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[list[float]]
     return [[linear_cka(x, y) for y in b] for x in a]
 
 
-def token_counts(manifest: str, max_batches: int, seed: int = 1234) -> Counter:
+def token_counts(manifest: str, max_batches: int, seed: int = 1234) -> Counter[int]:
     from data_pipeline.loader import TokenBatchLoader
 
-    counts: Counter = Counter()
+    counts: Counter[int] = Counter()
     loader = TokenBatchLoader(
         manifest, split="train", micro_batch_size=16, num_workers=0, seed=seed, shuffle_buffer=0, loop=False
     )
@@ -208,8 +233,8 @@ def token_counts(manifest: str, max_batches: int, seed: int = 1234) -> Counter:
     return counts
 
 
-def punctuation_ids(tok, vocab_size: int) -> set[int]:
-    out = set()
+def punctuation_ids(tok: Tokenizer, vocab_size: int) -> set[int]:
+    out: set[int] = set()
     for t in range(vocab_size):
         if t == tok.sep_id:
             continue
@@ -222,17 +247,18 @@ def punctuation_ids(tok, vocab_size: int) -> set[int]:
 def analyze(
     model: GPT,
     manifest: str,
-    tok,
-    device,
+    tok: Tokenizer,
+    device: torch.device,
     batch_size: int = 8,
     max_batches: int = 8,
     freq_batches: int = 200,
     cka_tokens: int = 2048,
     seed: int = 1234,
     dense: GPT | None = None,
-) -> dict:
+) -> dict[str, Any]:
     if model.cfg.variant != "grt":
         raise ConfigError(f"grt analyze needs a GRT (variant 'grt'), got variant {model.cfg.variant!r}")
+    loop = _grt_loop(model)
     R = model.max_loops
     batches = list(val_batches(manifest, batch_size, None, max_batches, seed))
     if not batches:
@@ -243,7 +269,7 @@ def analyze(
     c = collect(model, batches, device, bucket_of, cka_tokens)
     loss, count = c["loss"], c["count"]
     by_depth = {r: loss[r, -1].item() / count[-1].item() for r in range(R + 1)}
-    buckets = {}
+    buckets: dict[str, dict[str, Any]] = {}
     for i, name in enumerate(BUCKETS):
         if count[i] == 0:
             continue
@@ -256,18 +282,18 @@ def analyze(
             "vocab_tokens": int((bucket_of == i).sum().item()),
         }
 
-    def at_full(**fwd) -> float:
+    def at_full(**fwd: Any) -> float:
         s = lm_sums(model, batches, [R], device, **fwd)
         return (s[0, 0] / s[0, 1]).item()
 
-    res = {
+    res: dict[str, Any] = {
         "layout": model.cfg.layout,
         "trained_loops": R,
         "tokens": int(count[-1].item()),
         "loss_by_depth": by_depth,
         "gate_forcing": (
             {"trained": by_depth[R], "gate=0": at_full(gate_override=0.0), "gate=1": at_full(gate_override=1.0)}
-            if model.loop.has_gate
+            if loop.has_gate
             else {}
         ),
         "anchor": {a: (by_depth[R] if a == "prelude" else at_full(anchor=a)) for a in ANCHORS},
@@ -290,16 +316,16 @@ def analyze(
             "matrix": m,
             "best_layer_by_state": [max(range(len(row)), key=row.__getitem__) for row in m],
         }
-    cos = {}
-    if model.loop.proj_state is not None:
-        cos["W_proj"] = half_cosines(model.loop.proj_state.weight, model.loop.anchor.proj.weight)
-    if model.loop.has_gate:
-        cos["gate_fc"] = half_cosines(model.loop.gate_fc_state.weight, model.loop.anchor.gate_fc.weight)
+    cos: dict[str, dict[str, float]] = {}
+    if loop.proj_state is not None and loop.anchor.proj is not None:  # both or neither (cfg.reinject_anchor)
+        cos["W_proj"] = half_cosines(loop.proj_state.weight, loop.anchor.proj.weight)
+    if loop.has_gate:
+        cos["gate_fc"] = half_cosines(loop.gate_fc_state.weight, loop.anchor.gate_fc.weight)
     res["half_cosines"] = cos
     return res
 
 
-def plots(res: dict, out: Path) -> dict[str, str]:
+def plots(res: dict[str, Any], out: Path) -> dict[str, str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -309,29 +335,39 @@ def plots(res: dict, out: Path) -> dict[str, str]:
     R = res["trained_loops"]
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(range(R + 1), [res["loss_by_depth"][r] for r in range(R + 1)], marker="o")
-    ax.set_xlabel("exit depth (loop steps)"), ax.set_ylabel("validation loss"), ax.grid(alpha=0.3)
-    fig.tight_layout(), atomic_savefig(fig, out / "loss_by_depth.png", dpi=120), plt.close(fig)
+    ax.set_xlabel("exit depth (loop steps)")
+    ax.set_ylabel("validation loss")
+    ax.grid(alpha=0.3)
+    _save(fig, out / "loss_by_depth.png")
     files["loss_by_depth"] = "loss_by_depth.png"
     if res["cka"]:
         fig, ax = plt.subplots(figsize=(4.5, 4))
         im = ax.imshow(res["cka"], vmin=0, vmax=1, cmap="viridis")
-        ax.set_xlabel("loop state s_r"), ax.set_ylabel("loop state s_r"), ax.set_title("linear CKA")
-        fig.colorbar(im), fig.tight_layout(), atomic_savefig(fig, out / "cka.png", dpi=120), plt.close(fig)
+        ax.set_xlabel("loop state s_r")
+        ax.set_ylabel("loop state s_r")
+        ax.set_title("linear CKA")
+        fig.colorbar(im)
+        _save(fig, out / "cka.png")
         files["cka"] = "cka.png"
     if res.get("cka_dense"):
         m = res["cka_dense"]["matrix"]
         fig, ax = plt.subplots(figsize=(6, 3.5))
         im = ax.imshow(m, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-        ax.set_xlabel("dense layer (0 = embeddings)"), ax.set_ylabel("loop state s_r")
+        ax.set_xlabel("dense layer (0 = embeddings)")
+        ax.set_ylabel("loop state s_r")
         ax.set_title("linear CKA: GRT loop states vs dense layers")
-        fig.colorbar(im), fig.tight_layout(), atomic_savefig(fig, out / "cka_dense.png", dpi=120), plt.close(fig)
+        fig.colorbar(im)
+        _save(fig, out / "cka_dense.png")
         files["cka_dense"] = "cka_dense.png"
     if res["buckets"]:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for name, b in res["buckets"].items():
             ax.plot(range(1, R + 1), [100 * v for v in b["recovered_by_step"]], marker="o", label=name)
-        ax.set_xlabel("loop step"), ax.set_ylabel("% of depth-0 loss recovered"), ax.grid(alpha=0.3), ax.legend()
-        fig.tight_layout(), atomic_savefig(fig, out / "buckets.png", dpi=120), plt.close(fig)
+        ax.set_xlabel("loop step")
+        ax.set_ylabel("% of depth-0 loss recovered")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        _save(fig, out / "buckets.png")
         files["buckets"] = "buckets.png"
     if res["gate_mean_by_step"]:
         fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -339,13 +375,25 @@ def plots(res: dict, out: Path) -> dict[str, str]:
         ax.plot(steps, res["gate_mean_by_step"], marker="o", label="mean gate")
         if res["gate_state_share_by_step"]:
             ax.plot(steps, res["gate_state_share_by_step"], marker="s", label="state share of gate-input variance")
-        ax.set_xlabel("loop step"), ax.set_ylim(0, 1), ax.grid(alpha=0.3), ax.legend()
-        fig.tight_layout(), atomic_savefig(fig, out / "gates.png", dpi=120), plt.close(fig)
+        ax.set_xlabel("loop step")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        _save(fig, out / "gates.png")
         files["gates"] = "gates.png"
     return files
 
 
-def markdown(res: dict, files: dict[str, str], title: str) -> str:
+def _save(fig: Figure, path: Path) -> None:
+    """Lay the figure out, write it (complete or absent) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    atomic_savefig(fig, path, dpi=120)
+    plt.close(fig)
+
+
+def markdown(res: dict[str, Any], files: dict[str, str], title: str) -> str:
     R = res["trained_loops"]
     L = [
         f"# {title}",
@@ -442,7 +490,7 @@ def markdown(res: dict, files: dict[str, str], title: str) -> str:
     return "\n".join(L)
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     from pretrain.infer.load import load_model, pick_device, pick_dtype
 
     p = argparse.ArgumentParser(

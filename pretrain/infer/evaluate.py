@@ -27,8 +27,9 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +42,10 @@ from pretrain.infer.kv_cache import STRATEGIES
 from pretrain.infer.scoring import adaptive_sums, jsonable, lm_sums, lm_sums_cached, val_batches
 from pretrain.infer.zero_shot import TASKS, evaluate_task, load_task
 from pretrain.model import GPT
+
+if TYPE_CHECKING:
+    from data_pipeline.manifest import Manifest
+    from data_pipeline.tokenizer import Tokenizer
 
 LN2 = math.log(2.0)
 
@@ -98,7 +103,8 @@ def text_windows(n_tokens: int, window: int, stride: int | None = None) -> list[
     if not 0 < stride <= window:
         raise ConfigError(f"stride={stride}: must be in 1..window ({window})")
     n_targets = n_tokens - 1
-    out, prev_end, begin = [], 0, 0
+    out: list[tuple[int, int, int]] = []
+    prev_end, begin = 0, 0
     while prev_end < n_targets:
         end = min(begin + window, n_targets)
         out.append((begin, end, prev_end))
@@ -107,7 +113,9 @@ def text_windows(n_tokens: int, window: int, stride: int | None = None) -> list[
     return out
 
 
-def text_batches(ids: list[int], window: int, batch_size: int, dist: Dist, stride: int | None = None) -> Iterator[dict]:
+def text_batches(
+    ids: list[int], window: int, batch_size: int, dist: Dist, stride: int | None = None
+) -> Iterator[dict[str, torch.Tensor]]:
     spans = dist.shard(text_windows(len(ids), window, stride))
     t = torch.tensor(ids, dtype=torch.long)
     for i in range(0, len(spans), batch_size):
@@ -123,18 +131,18 @@ def text_batches(ids: list[int], window: int, batch_size: int, dist: Dist, strid
 
 def text_eval(
     model: GPT,
-    tok,
+    tok: Tokenizer,
     text: str,
     depths: list[int],
-    device,
+    device: torch.device,
     batch_size: int,
     dist: Dist,
     window: int | None = None,
     stride: int | None = None,
     max_tokens: int | None = None,
     kv_cache: str | None = None,
-    **fwd,
-) -> dict:
+    **fwd: Any,
+) -> dict[int, dict[str, float]]:
     """Perplexity and bits per byte of a raw text, scored as one document after a separator."""
     ids = [tok.sep_id] + tok.encode(text)
     if max_tokens is not None and len(ids) - 1 > max_tokens:
@@ -146,7 +154,7 @@ def text_eval(
         sums = lm_sums_cached(model, batches, depths, device, kv_cache, dist=dist)
     else:
         sums = lm_sums(model, batches, depths, device, dist=dist, **fwd)
-    out = {}
+    out: dict[int, dict[str, float]] = {}
     for i, r in enumerate(depths):
         nll, n = sums[i].tolist()
         out[r] = {
@@ -159,8 +167,8 @@ def text_eval(
     return out
 
 
-def loss_table(sums: torch.Tensor, depths: list[int]) -> dict:
-    out = {}
+def loss_table(sums: torch.Tensor, depths: list[int]) -> dict[int, dict[str, float]]:
+    out: dict[int, dict[str, float]] = {}
     for i, r in enumerate(depths):
         nll, n = sums[i].tolist()
         out[r] = {"loss": nll / max(n, 1), "ppl": math.exp(nll / max(n, 1)), "tokens": int(n)}
@@ -168,9 +176,13 @@ def loss_table(sums: torch.Tensor, depths: list[int]) -> dict:
 
 
 # -- reporting ------------------------------------------------------------------------------------
-def format_table(results: dict) -> str:
+def format_table(results: dict[str, Any]) -> str:
     depths = results["depths"]
-    cols: list[tuple[str, callable]] = []
+
+    def task_metric(task: str, metric: str) -> Callable[[int], float]:
+        return lambda r: results["tasks"][task][r][metric]
+
+    cols: list[tuple[str, Callable[[int], float]]] = []
     if "val" in results:
         cols += [("val loss", lambda r: results["val"][r]["loss"]), ("val ppl", lambda r: results["val"][r]["ppl"])]
     if "wikitext2" in results:
@@ -181,7 +193,7 @@ def format_table(results: dict) -> str:
     for task, by_depth in results.get("tasks", {}).items():
         for metric in ("acc", "acc_norm", "ppl"):
             if metric in by_depth[depths[0]] and not (task == "winogrande" and metric == "acc_norm"):
-                cols.append((f"{task} {metric}", lambda r, t=task, m=metric: results["tasks"][t][r][m]))
+                cols.append((f"{task} {metric}", task_metric(task, metric)))
     trained = results.get("trained_loops")
     widths = [max(len(name) + 2, 10) for name, _ in cols]
     lines = ["depth " + "".join(f"{name:>{w}}" for (name, _), w in zip(cols, widths))]
@@ -203,7 +215,7 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_depths(results: dict, path: str | Path, title: str = "") -> None:
+def plot_depths(results: dict[str, Any], path: str | Path, title: str = "") -> None:
     import matplotlib
 
     from data_pipeline.files import atomic_savefig
@@ -273,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def held_out_split(manifest, requested: str | None) -> str:
+def held_out_split(manifest: Manifest, requested: str | None) -> str:
     """The split to score: --split, else val; a missing or empty one is refused naming those there are."""
     split = requested or "val"
     if not manifest.splits.get(split):
@@ -287,7 +299,7 @@ def held_out_split(manifest, requested: str | None) -> str:
 INPUT_ERRORS = (ConfigError, FileNotFoundError, ShardError)  # ShardError: names the unreadable shard
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     """The results (on every rank). With several ranks, a rank's own failure is passed to
     `check_ranks`, which the others reach at their next sum (or at the end): every rank then
     raises RankFailed naming the failing rank and its error, and no partial table is printed."""
@@ -314,7 +326,7 @@ def run(args) -> dict:
     return results
 
 
-def evaluate(args, parts: list[str], dist: Dist) -> dict:
+def evaluate(args: argparse.Namespace, parts: list[str], dist: Dist) -> dict[str, Any]:
     from pretrain.infer.load import load_model, pick_device, pick_dtype
 
     device = pick_device(args.device)
@@ -324,7 +336,7 @@ def evaluate(args, parts: list[str], dist: Dist) -> dict:
     depths = check_depths(model, parse_depths(args.depths, trained), args.allow_beyond_trained)
     if args.adaptive_exit:
         check_criterion(model, args.adaptive_exit)  # before any evaluation (a dense model or MoR is refused)
-    results: dict = {
+    results: dict[str, Any] = {
         "model": str(args.model),
         "name": loaded.cfg.name,
         "layout": loaded.cfg.layout,
@@ -334,11 +346,11 @@ def evaluate(args, parts: list[str], dist: Dist) -> dict:
         "world_size": dist.world,
         "kv_cache": args.kv_cache,
     }
-    timings = {}
+    timings: dict[str, float] = {}
     say = (lambda *a: None) if args.quiet or dist.rank else (lambda *a: print(*a, file=sys.stderr, flush=True))
     if "val" in parts:
-        manifest = args.data or loaded.run_config.get("data")
-        found = bool(manifest) and Path(manifest).is_file()
+        manifest: str | None = args.data or loaded.run_config.get("data")
+        found = bool(manifest and Path(manifest).is_file())
         if dist.world > 1:
             # every collective here follows a check_ranks(): a rank that failed earlier (loading
             # the model) waits in check_ranks, and any other collective would pair with it wrongly
@@ -356,6 +368,7 @@ def evaluate(args, parts: list[str], dist: Dist) -> dict:
                 raise ConfigError(f"held-out split: no manifest ({manifest!r}); pass --data <manifest.json>")
             say(f"skipping the held-out split: no manifest ({manifest!r}); pass --data")
         else:
+            assert manifest is not None  # found: a manifest file
             split = held_out_split(loaded.check_data(manifest), args.split)
             t0 = time.time()
             seed = loaded.run_config.get("train", {}).get("seed", 1234)
@@ -389,10 +402,9 @@ def evaluate(args, parts: list[str], dist: Dist) -> dict:
             results["val_split"] = split
             timings["val"] = time.time() - t0
     eval_dir = Path(args.eval_dir) if args.eval_dir else default_eval_dir()
-    tok = None
-    if any(p != "val" for p in parts):
-        tok = loaded.tokenizer()
+    tok = loaded.tokenizer() if any(p != "val" for p in parts) else None
     if "wikitext2" in parts:
+        assert tok is not None  # wikitext2 is not val
         path = Path(args.wikitext) if args.wikitext else eval_dir / "wikitext2_raw_test.txt"
         if not path.is_file():
             raise ConfigError(f"WikiText-2: {path} not found (pass --wikitext or --eval-dir)")
@@ -412,6 +424,7 @@ def evaluate(args, parts: list[str], dist: Dist) -> dict:
         results["wikitext2_file"] = str(path)
         timings["wikitext2"] = time.time() - t0
     for task in [p for p in parts if p in TASKS]:
+        assert tok is not None  # a task is not val
         path = eval_dir / TASKS[task].file
         if not path.is_file():
             raise ConfigError(f"{task}: {path} not found (pass --eval-dir)")
@@ -426,7 +439,7 @@ def evaluate(args, parts: list[str], dist: Dist) -> dict:
     return results
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from data_pipeline.files import atomic_write_text
 

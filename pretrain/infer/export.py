@@ -20,7 +20,9 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pretrain.config import ConfigError
 from pretrain.infer.load import (
@@ -32,11 +34,12 @@ from pretrain.infer.load import (
     resolve_checkpoint,
     state_for_saving,
 )
+from pretrain.model import GPT
 
 
 def export(
     checkpoint: str | Path, out: str | Path, dtype: str = "fp32", hf: bool = True, overwrite: bool = False
-) -> dict:
+) -> dict[str, Any]:
     """Write the export to a temporary directory beside `out`, then rename it into place:
     `out` is a complete export or is left as it was, whatever fails or kills the process."""
     from safetensors.torch import save_file
@@ -81,7 +84,7 @@ def export(
     }
 
 
-def _hf_writer():
+def _hf_writer() -> Callable[[GPT, Path, Path | None], None]:
     """pretrain.model.hf.save_pretrained, or one line naming the pip extra when transformers is missing."""
     try:
         import transformers  # noqa: F401
@@ -107,7 +110,7 @@ def _replace_dir(new: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="grt export", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--checkpoint",

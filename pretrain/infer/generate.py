@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 import time
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
@@ -19,6 +20,9 @@ from pretrain.config import ConfigError
 from pretrain.infer.adaptive import CRITERIA
 from pretrain.infer.kv_cache import STRATEGIES, CachedDecoder
 from pretrain.model import GPT
+
+if TYPE_CHECKING:
+    from data_pipeline.tokenizer import Tokenizer
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
@@ -53,6 +57,50 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+@overload
+def generate(
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    strategy: str = "full",
+    n_loops: int | None = None,
+    use_cache: bool = True,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    greedy: bool = False,
+    seed: int | None = None,
+    stop_id: int | None = None,
+    return_logits: Literal[False] = False,
+    exit_threshold: float | None = None,
+    exit_rule: str = "update",
+    stats: dict[str, float] | None = None,
+) -> torch.Tensor: ...
+
+
+@overload
+def generate(
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    strategy: str = "full",
+    n_loops: int | None = None,
+    use_cache: bool = True,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    greedy: bool = False,
+    seed: int | None = None,
+    stop_id: int | None = None,
+    return_logits: Literal[True],
+    exit_threshold: float | None = None,
+    exit_rule: str = "update",
+    stats: dict[str, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
 @torch.no_grad()
 def generate(
     model: GPT,
@@ -71,19 +119,21 @@ def generate(
     return_logits: bool = False,
     exit_threshold: float | None = None,
     exit_rule: str = "update",
-    stats: dict | None = None,
-):
+    stats: dict[str, float] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
     """Continue prompts idx [B, T] by up to max_new_tokens (capped by the context).
     Returns new tokens [B, n] (and the logits [B, n, V] that chose them when asked).
     exit_threshold, exit_rule: per-token adaptive exit of the looped core at decode by the rule
-    `update` or `kl` (needs the cache; CachedDecoder); `stats`, when given, receives the mean loop steps per decoded token."""
+    `update` or `kl` (needs the cache; CachedDecoder); `stats`, when given, receives the mean
+    loop steps per decoded token."""
     model.eval()
     b, t = idx.shape
     max_new_tokens = min(max_new_tokens, model.cfg.max_seq_len - t)
     if max_new_tokens < 0:
         raise ConfigError(f"prompt of {t} tokens exceeds the context of {model.cfg.max_seq_len}")
     gen = torch.Generator(device=idx.device).manual_seed(seed) if seed is not None else None
-    out, all_logits = [], []
+    out: list[torch.Tensor] = []
+    all_logits: list[torch.Tensor] = []
     done = torch.zeros(b, dtype=torch.bool, device=idx.device)
     if exit_threshold is not None and not use_cache:
         raise ConfigError("adaptive exit at decode runs through the KV cache: drop --no-cache")
@@ -124,12 +174,13 @@ def generate(
     return tokens
 
 
-def render(tok, ids: list[int], stop_at_separator: bool = False, separator: str = "\n\n") -> str:
+def render(tok: Tokenizer, ids: list[int], stop_at_separator: bool = False, separator: str = "\n\n") -> str:
     """Decoded text; the document separator (which decodes to nothing) becomes a blank line,
     or ends the text with stop_at_separator."""
     if stop_at_separator and tok.sep_id in ids:
         ids = ids[: ids.index(tok.sep_id)]
-    parts, cur = [], []
+    parts: list[list[int]] = []
+    cur: list[int] = []
     for i in ids:
         if i == tok.sep_id:
             parts.append(cur)
@@ -176,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     from pretrain.infer.evaluate import check_depths
     from pretrain.infer.load import load_model, pick_device, pick_dtype
 
@@ -191,7 +242,7 @@ def main(argv=None) -> int:
         ids = [tok.sep_id] + tok.encode(args.prompt)
         idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
         t0 = time.time()
-        stats: dict = {}
+        stats: dict[str, float] = {}
         tokens = generate(
             model,
             idx,

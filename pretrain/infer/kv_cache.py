@@ -39,6 +39,8 @@ from pretrain.model.layers import AttentionContext
 
 STRATEGIES = ("full", "first", "last", "average")
 
+KV = tuple[torch.Tensor, torch.Tensor]  # the keys and values of one layer
+
 # cuDNN attention, which PyTorch prefers on Hopper/Blackwell with CUDA 13, builds and caches an
 # execution plan per shape and stride: a decode step has a new key length every token, so it
 # built a plan for every token and layer shape (the H200 figures of issue 12: ~10x slower
@@ -63,7 +65,9 @@ def cache_bytes_formula(model: GPT, strategy: str, n_loops: int, batch: int, max
 class KVCache:
     """Preallocated keys and values: [slots, B, H, max_len, head_dim] each."""
 
-    def __init__(self, slots: int, batch: int, heads: int, max_len: int, head_dim: int, dtype, device):
+    def __init__(
+        self, slots: int, batch: int, heads: int, max_len: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         shape = (slots, batch, heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -74,7 +78,7 @@ class KVCache:
         return self.k.nbytes + self.v.nbytes
 
 
-def _attend(q, keys, values, past: int):
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int) -> torch.Tensor:
     """q [B,H,t,D] at positions past..past+t-1; keys/values [B,H,past+t,D]."""
     t = q.shape[2]
     if t == 1:
@@ -100,7 +104,7 @@ class CachedDecoder:
         n_loops: int | None = None,
         exit_threshold: float | None = None,
         exit_rule: str = "update",
-    ):
+    ) -> None:
         if strategy not in STRATEGIES:
             raise ConfigError(f"strategy={strategy!r}: accepted values are {', '.join(STRATEGIES)}")
         if model.cfg.variant not in CACHED_VARIANTS:
@@ -124,10 +128,11 @@ class CachedDecoder:
         self.exit_threshold, self.exit_rule = exit_threshold, exit_rule
         self.pos = 0
         self._calls = 0  # attention calls so far in the current forward
-        self._fold: list = []  # per core block: the keys/values to fold (first: step 1's; average: the sum)
-        self._active = None  # adaptive exit: [B, t] tokens still looping in the current step
-        self._steps = None  # adaptive exit: [B, t] loop steps each token of this forward ran
-        self._exit_kv: list = []  # adaptive exit: per core block, each token's keys/values of its latest step
+        self._fold: list[KV | None] = []  # per core block: the keys/values to fold (first: step 1's; average: the sum)
+        self._active: torch.Tensor | None = None  # adaptive exit: [B, t] tokens still looping in the current step
+        self._steps: torch.Tensor | None = None  # adaptive exit: [B, t] loop steps each token of this forward ran
+        # adaptive exit: per core block, each token's keys/values of its latest step
+        self._exit_kv: list[KV | None] = []
         self.decoded_tokens = 0  # adaptive exit: tokens decoded, and the loop steps they used
         self.decoded_steps = 0
 
@@ -139,10 +144,10 @@ class CachedDecoder:
             raise ValueError(f"sequence of {self.pos + t} tokens exceeds the cache/context of {self.max_len}")
         self._calls, self._fold = 0, [None] * self.n_core
         ctx = AttentionContext(kv=self)
-        adaptive = self.exit_threshold is not None and self.pos > 0  # the prompt is prefilled at full depth
+        threshold = self.exit_threshold if self.pos > 0 else None  # the prompt is prefilled at full depth
         with sdpa_kernel(DECODE_BACKENDS):
             e = model.run_prelude(model.embed(idx, start=self.pos), ctx)
-            s = self._adaptive_loop(e, ctx) if adaptive else model.run_loop(e, ctx, self.n)
+            s = self._adaptive_loop(e, ctx, threshold) if threshold is not None else model.run_loop(e, ctx, self.n)
             h = model.final_hidden(s, ctx)
         expected = self.n_pre + self.n * self.n_core + self.n_coda
         if self._calls != expected:  # the slot numbering assumes the model's layer order
@@ -152,38 +157,40 @@ class CachedDecoder:
         self.pos += t
         return model.head(h[:, -1])
 
-    def _adaptive_loop(self, e: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def _adaptive_loop(self, e: torch.Tensor, ctx: AttentionContext, threshold: float) -> torch.Tensor:
         """Per-token adaptive exit (pretrain/infer/adaptive.py, rule `exit_rule`): a token stops
-        once its change is below exit_threshold; its state is frozen. Cache rule: the slots of
-        the steps a token did not run hold the keys/values of its exit step (`full`: those
-        steps' slots; `last`: the shared slot), `average` is the mean over the steps it ran,
+        once its change is below `threshold` (exit_threshold); its state is frozen. Cache rule:
+        the slots of the steps a token did not run hold the keys/values of its exit step (`full`:
+        those steps' slots; `last`: the shared slot), `average` is the mean over the steps it ran,
         `first` is unchanged. So a token's cache entries never depend on which other tokens
         share its batch. `kl` decodes every step's state through the coda (`_probe`)."""
         s, step = self.model.recurrence(e, ctx)
-        self._active = torch.ones(e.shape[:2], dtype=torch.bool, device=e.device)
-        self._steps = torch.zeros(e.shape[:2], dtype=torch.long, device=e.device)
+        active = torch.ones(e.shape[:2], dtype=torch.bool, device=e.device)
+        steps = torch.zeros(e.shape[:2], dtype=torch.long, device=e.device)
+        self._active, self._steps = active, steps
         self._exit_kv = [None] * self.n_core
         s, ran = adaptive_loop(
             s,
             step,
             self.n,
-            self.exit_threshold,
+            threshold,
             self.exit_rule,
             lambda state: self._probe(state, ctx),
-            self._active,
-            self._steps,
+            active,
+            steps,
         )
         self._active = None
         if self.strategy == "full":  # the steps no token of the batch ran
             p0, t = self.pos, e.shape[1]
             for r in range(ran, self.n):
-                for block, (k, v) in enumerate(self._exit_kv):
+                for block, kv in enumerate(self._exit_kv):
+                    k, v = _stored(kv, block)
                     slot = self.n_pre + r * self.n_core + block
                     self.cache.k[slot, :, :, p0 : p0 + t] = k
                     self.cache.v[slot, :, :, p0 : p0 + t] = v
         self._calls = self.n_pre + self.n * self.n_core  # the coda's slots follow every step's
-        self.decoded_tokens += self._steps.numel()
-        self.decoded_steps += int(self._steps.sum())
+        self.decoded_tokens += steps.numel()
+        self.decoded_steps += int(steps.sum())
         return s
 
     def _probe(self, s: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -213,11 +220,14 @@ class CachedDecoder:
         ck[:, :, p0 : p0 + t] = k
         cv[:, :, p0 : p0 + t] = v
         if core_block is not None and self.strategy in ("first", "average"):
-            kept = self._fold[core_block]
-            if self.strategy == "first" and step == 0 or self.strategy == "average" and kept is None:
+            folded = self._fold[core_block]
+            if self.strategy == "first":
+                if step == 0:
+                    self._fold[core_block] = (own_k, own_v)
+            elif folded is None:  # average: the first step of this forward
                 self._fold[core_block] = (own_k, own_v)
-            elif self.strategy == "average":
-                self._fold[core_block] = (kept[0] + own_k, kept[1] + own_v)
+            else:
+                self._fold[core_block] = (folded[0] + own_k, folded[1] + own_v)
         return _attend(q, ck[:, :, : p0 + t], cv[:, :, : p0 + t], p0)
 
     def _slot(self, call: int) -> tuple[int, int | None, int | None]:
@@ -237,10 +247,19 @@ class CachedDecoder:
         done); `first` and `average` write step 1's or the mean over the steps instead."""
         if self.strategy not in ("first", "average") or self.n == 0:
             return
-        scale = 1.0 / self.n if self.strategy == "average" else 1.0
+        scale: float | torch.Tensor = 1.0 / self.n if self.strategy == "average" else 1.0
         if self.strategy == "average" and self._steps is not None:  # adaptive exit: the mean over the steps run
             scale = 1.0 / self._steps[:, None, :, None].to(self.cache.k.dtype)
-        for block, (k, v) in enumerate(self._fold):
+        for block, kv in enumerate(self._fold):
+            k, v = _stored(kv, block)
             slot = self.n_pre + block
             self.cache.k[slot, :, :, self.pos : self.pos + t] = k * scale
             self.cache.v[slot, :, :, self.pos : self.pos + t] = v * scale
+
+
+def _stored(kv: KV | None, block: int) -> KV:
+    """The keys/values kept for core block `block`: every core block attends at every loop step
+    run, so a step that ran left them there."""
+    if kv is None:
+        raise RuntimeError(f"the KV cache kept no keys/values of core block {block}")
+    return kv

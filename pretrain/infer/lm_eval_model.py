@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +39,9 @@ from pretrain.infer.generate import generate
 from pretrain.infer.kv_cache import STRATEGIES
 from pretrain.infer.load import load_model, parse_dtype, pick_device
 from pretrain.infer.zero_shot import encode_request, score_requests, score_requests_cached
+
+if TYPE_CHECKING:
+    from lm_eval.api.instance import Instance
 
 log = logging.getLogger(__name__)
 MISSING = "lm-evaluation-harness is not installed: pip install 'grt-pretrain[lm-eval]'"
@@ -64,8 +68,8 @@ if LM is not None:
             dtype: str | None = None,
             batch_size: int | str = 8,
             tokenizer: str | None = None,
-            **_,
-        ):
+            **_: Any,
+        ) -> None:
             super().__init__()
             if str(device).startswith("cuda") and not torch.cuda.is_available():
                 # the harness passes its own default (cuda) whether or not the user asked
@@ -88,13 +92,17 @@ if LM is not None:
                 ll, greedy = score_requests_cached(self.model, encoded, depths, self.device, self.strategy)
             return [(float(a), bool(b)) for a, b in zip(ll[:, 0].tolist(), greedy[:, 0].tolist())]
 
-        def loglikelihood(self, requests, disable_tqdm: bool = False):
-            return self._score([encode_request(self.tok, *req.args, self.max_len) for req in requests])
+        def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+            encoded = []
+            for req in requests:
+                context, continuation = req.args
+                encoded.append(encode_request(self.tok, context, continuation, self.max_len))
+            return self._score(encoded)
 
-        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
             """Each string's total log-likelihood in windows of the model's context, the
             separator playing BOS before the first token (the harness' rolling scheme)."""
-            out = []
+            out: list[float] = []
             for req in requests:
                 windows = [
                     make_disjoint_window(w)
@@ -108,8 +116,8 @@ if LM is not None:
                 out.append(sum(ll for ll, _ in self._score([(ctx + cont, len(cont)) for ctx, cont in windows])))
             return out
 
-        def generate_until(self, requests, disable_tqdm: bool = False):
-            results = []
+        def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+            results: list[str] = []
             for req in requests:
                 context, kwargs = req.args
                 until = kwargs.get("until") or []
@@ -135,7 +143,7 @@ if LM is not None:
             return results
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     if LM is None:
         print(f"grt lm-eval: {MISSING}", file=sys.stderr)
         return 2

@@ -21,12 +21,17 @@ import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pretrain.config import ConfigError, ModelConfig
 from pretrain.model import GPT, build_model
 from pretrain.training.checkpoint import TAG_RE, find_latest
+
+if TYPE_CHECKING:
+    from data_pipeline.manifest import Manifest
+    from data_pipeline.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +44,7 @@ class LoadedModel:
     model: GPT
     cfg: ModelConfig
     tokenizer_path: str | None  # the tokenizer to encode text with: --tokenizer, else the model's own
-    run_config: dict = field(default_factory=dict)  # the training run config, if known
+    run_config: dict[str, Any] = field(default_factory=dict)  # the training run config, if known
     source: str = ""  # "export" or "checkpoint"
     path: str = ""  # the directory the weights came from
     own_tokenizer_path: str | None = None  # tokenizer.model next to the weights: the one it was trained with
@@ -51,7 +56,7 @@ class LoadedModel:
         path = self.own_tokenizer_path or self.tokenizer_path
         return file_sha256(path) if path and Path(path).is_file() else None
 
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         """The tokenizer to encode text with, refused unless it is the model's (tokenizer identity)."""
         from data_pipeline.tokenizer import Tokenizer
         from pretrain.training.resume import check_same_tokenizer
@@ -72,7 +77,7 @@ class LoadedModel:
         )
         return tok
 
-    def check_data(self, manifest: str):
+    def check_data(self, manifest: str) -> Manifest:
         """The manifest, refused if its shards were made with another tokenizer than the model's
         or hold token ids beyond its vocabulary (before any tensor is built)."""
         from pretrain.training.resume import check_same_tokenizer
@@ -113,7 +118,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     )
 
 
-def read_run_config(step_dir: Path) -> dict:
+def read_run_config(step_dir: Path) -> dict[str, Any]:
     path = step_dir / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path} is missing: the checkpoint does not say which model it holds")

@@ -13,16 +13,21 @@ failed); None is one process.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from pretrain.distributed import all_reduce, check_ranks, comm_device
+from pretrain.distributed import Dist, all_reduce, check_ranks, comm_device
 from pretrain.infer.adaptive import adaptive_forward
 from pretrain.infer.kv_cache import CachedDecoder
 from pretrain.model import GPT
 from pretrain.model.layers import AttentionContext
+
+Batch = dict[str, torch.Tensor]  # input_ids, targets (-100 = not scored), optional doc_ids
+# forward(idx, doc_ids) -> (logits, loop steps per token): a per-token exit (exit_sums)
+ExitForward = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 
 
 @torch.no_grad()
@@ -48,11 +53,11 @@ def exit_hidden(
 
 
 @torch.no_grad()
-def exit_logits(model: GPT, idx: torch.Tensor, depths: Iterable[int], **kw) -> dict[int, torch.Tensor]:
+def exit_logits(model: GPT, idx: torch.Tensor, depths: Iterable[int], **kw: Any) -> dict[int, torch.Tensor]:
     return {r: model.head(h) for r, h in exit_hidden(model, idx, depths, **kw)}
 
 
-def sum_over_ranks(sums: torch.Tensor, dist) -> torch.Tensor:
+def sum_over_ranks(sums: torch.Tensor, dist: Dist | None) -> torch.Tensor:
     """Summed over the ranks of a sharded evaluation (dist given), on the host. With more than
     one rank, the ranks first agree that none failed (`check_ranks`: a rank whose own part of
     the work raised calls it with its error instead), so a failure stops every rank at once,
@@ -67,12 +72,12 @@ def sum_over_ranks(sums: torch.Tensor, dist) -> torch.Tensor:
 @torch.no_grad()
 def lm_sums(
     model: GPT,
-    batches: Iterable[dict],
+    batches: Iterable[Batch],
     depths: list[int],
     device: torch.device,
     doc_mask: bool = False,
-    dist=None,
-    **fwd,
+    dist: Dist | None = None,
+    **fwd: Any,
 ) -> torch.Tensor:
     """[len(depths), 2] on the CPU: summed NLL (nats) and scored-token count per depth, summed
     over ranks. Each batch: input_ids, targets (-100 = not scored), optional doc_ids."""
@@ -90,7 +95,12 @@ def lm_sums(
 
 @torch.no_grad()
 def lm_sums_cached(
-    model: GPT, batches: Iterable[dict], depths: list[int], device, strategy: str, dist=None
+    model: GPT,
+    batches: Iterable[Batch],
+    depths: list[int],
+    device: torch.device,
+    strategy: str,
+    dist: Dist | None = None,
 ) -> torch.Tensor:
     """As lm_sums, but every token is decoded one at a time through the KV cache with the given
     strategy (the first token is the prompt): what a shared cache costs in loss. `full` gives
@@ -112,8 +122,13 @@ def lm_sums_cached(
 
 
 def val_batches(
-    manifest: str, batch_size: int, dist=None, max_batches: int | None = None, seed: int = 1234, split: str = "val"
-) -> Iterator[dict]:
+    manifest: str,
+    batch_size: int,
+    dist: Dist | None = None,
+    max_batches: int | None = None,
+    seed: int = 1234,
+    split: str = "val",
+) -> Iterator[Batch]:
     """Batches of a manifest's split (this rank's share when dist is given), in a fixed order."""
     from data_pipeline.loader import TokenBatchLoader
 
@@ -135,7 +150,7 @@ def val_batches(
         yield batch
 
 
-def jsonable(obj):
+def jsonable(obj: Any) -> Any:
     """Dicts with non-string keys (depths) as JSON-ready objects."""
     if isinstance(obj, dict):
         return {str(k): jsonable(v) for k, v in obj.items()}
@@ -147,24 +162,31 @@ def jsonable(obj):
 @torch.no_grad()
 def adaptive_sums(
     model: GPT,
-    batches: Iterable[dict],
+    batches: Iterable[Batch],
     thresholds: list[float],
-    device,
+    device: torch.device,
     criterion: str = "update",
     max_steps: int | None = None,
-    dist=None,
+    dist: Dist | None = None,
     doc_mask: bool = False,
 ) -> torch.Tensor:
     """exit_sums of per-token adaptive exit, one row per threshold."""
-    forwards = [
-        lambda idx, doc_ids, thr=thr: adaptive_forward(model, idx, thr, criterion, max_steps, doc_ids)
-        for thr in thresholds
-    ]
+
+    def at(thr: float) -> ExitForward:
+        return lambda idx, doc_ids: adaptive_forward(model, idx, thr, criterion, max_steps, doc_ids)
+
+    forwards = [at(thr) for thr in thresholds]
     return exit_sums(forwards, batches, device, dist, doc_mask)
 
 
 @torch.no_grad()
-def exit_sums(forwards: list, batches: Iterable[dict], device, dist=None, doc_mask: bool = False) -> torch.Tensor:
+def exit_sums(
+    forwards: list[ExitForward],
+    batches: Iterable[Batch],
+    device: torch.device,
+    dist: Dist | None = None,
+    doc_mask: bool = False,
+) -> torch.Tensor:
     """[len(forwards), 3] on the CPU: summed NLL, scored tokens and summed loop steps of the
     scored tokens of every per-token exit (adaptive, Ouro's learned), one row per
     forward(idx, doc_ids) -> (logits, loop steps per token), summed over ranks (doc_mask:

@@ -22,15 +22,21 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+from pretrain.distributed import Dist
 from pretrain.infer.kv_cache import CachedDecoder
 from pretrain.infer.scoring import exit_hidden, sum_over_ranks
 from pretrain.model import GPT
+
+if TYPE_CHECKING:
+    from data_pipeline.tokenizer import Tokenizer
 
 
 @dataclass
@@ -48,7 +54,7 @@ class Item:
 class TaskSpec:
     file: str
     kind: str = "mc"
-    build: callable = field(default=None, repr=False)
+    build: Callable[[dict[str, Any]], Item] | None = field(default=None, repr=False)  # a JSON line -> an Item
 
 
 def _qa_context(query: str) -> str:
@@ -56,21 +62,21 @@ def _qa_context(query: str) -> str:
     return q if q.endswith("Answer:") else q + "\nAnswer:"
 
 
-def _lambada(d):
+def _lambada(d: dict[str, Any]) -> Item:
     return Item([(d["context"], " " + d["continuation"])], 0, "lambada")
 
 
-def _hellaswag(d):
+def _hellaswag(d: dict[str, Any]) -> Item:
     ctx = f"{d['activity_label']}: {d['ctx']}"
     return Item([(ctx, " " + e) for e in d["endings"]], int(d["label"]))
 
 
-def _qa(d):
+def _qa(d: dict[str, Any]) -> Item:
     ctx = _qa_context(d["query"])
     return Item([(ctx, " " + c) for c in d["choices"]], int(d["gold"]))
 
 
-def _winogrande(d):
+def _winogrande(d: dict[str, Any]) -> Item:
     return Item([(opt, " " + d["continuation"]) for opt in d["context_options"]], int(d["gold"]))
 
 
@@ -85,18 +91,20 @@ TASKS: dict[str, TaskSpec] = {
 
 
 def load_task(name: str, path: str | Path, limit: int | None = None) -> list[Item]:
-    spec = TASKS[name]
-    items = []
+    build = TASKS[name].build
+    if build is None:
+        raise ValueError(f"task {name!r} has no item builder")
+    items: list[Item] = []
     with open(path, encoding="utf-8") as f:
         for line in f:
             if line.strip():
-                items.append(spec.build(json.loads(line)))
+                items.append(build(json.loads(line)))
                 if limit is not None and len(items) >= limit:
                     break
     return items
 
 
-def encode_request(tok, context: str, continuation: str, max_len: int) -> tuple[list[int], int]:
+def encode_request(tok: Tokenizer, context: str, continuation: str, max_len: int) -> tuple[list[int], int]:
     """Token ids (context + continuation, at most max_len + 1, cut from the left) and the
     number of continuation tokens (the last ones)."""
     ctx = [tok.sep_id] + tok.encode(context)
@@ -107,7 +115,12 @@ def encode_request(tok, context: str, continuation: str, max_len: int) -> tuple[
 
 @torch.no_grad()
 def score_requests(
-    model: GPT, encoded: list[tuple[list[int], int]], depths: list[int], device, batch_size: int = 8, **fwd
+    model: GPT,
+    encoded: list[tuple[list[int], int]],
+    depths: list[int],
+    device: torch.device,
+    batch_size: int = 8,
+    **fwd: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loglik [N, D] float64, greedy [N, D] bool) for encoded requests at each depth."""
     n, nd = len(encoded), len(depths)
@@ -118,13 +131,19 @@ def score_requests(
         chunk = order[start : start + batch_size]
         width = max(len(encoded[i][0]) - 1 for i in chunk)
         inp = torch.zeros(len(chunk), width, dtype=torch.long)
-        rows, cols, tgts, owner = [], [], [], []
+        rows: list[int] = []
+        cols: list[int] = []
+        tgts: list[int] = []
+        owner: list[int] = []
         for row, i in enumerate(chunk):
             ids, n_cont = encoded[i]
             t = len(ids) - 1
             inp[row, :t] = torch.tensor(ids[:-1])
             for p in range(t - n_cont, t):
-                rows.append(row), cols.append(p), tgts.append(ids[p + 1]), owner.append(row)
+                rows.append(row)
+                cols.append(p)
+                tgts.append(ids[p + 1])
+                owner.append(row)
         rows_t, cols_t = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
         tgt = torch.tensor(tgts, device=device)
         own = torch.tensor(owner, device=device)
@@ -141,7 +160,7 @@ def score_requests(
 
 @torch.no_grad()
 def score_requests_cached(
-    model: GPT, encoded: list[tuple[list[int], int]], depths: list[int], device, strategy: str = "full"
+    model: GPT, encoded: list[tuple[list[int], int]], depths: list[int], device: torch.device, strategy: str = "full"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As score_requests, but the continuation is decoded token by token through the KV cache
     with the given strategy (pretrain.infer.kv_cache): the context is prefilled, then each
@@ -170,19 +189,20 @@ def score_requests_cached(
 
 def evaluate_task(
     model: GPT,
-    tok,
+    tok: Tokenizer,
     items: list[Item],
     depths: list[int],
-    device,
+    device: torch.device,
     batch_size: int = 8,
-    dist=None,
+    dist: Dist | None = None,
     kv_cache: str | None = None,
-    **fwd,
-) -> dict:
+    **fwd: Any,
+) -> dict[int, dict[str, float]]:
     """{depth: metrics} for one task; with a dist (pretrain.distributed.Dist) items are sharded
     over ranks and the sums all-reduced."""
     mine = items if dist is None else dist.shard(items)
-    flat, owners = [], []
+    flat: list[tuple[list[int], int]] = []
+    owners: list[int] = []
     for k, item in enumerate(mine):
         for context, cont in item.requests:
             flat.append(encode_request(tok, context, cont, model.cfg.max_seq_len))
@@ -210,7 +230,7 @@ def evaluate_task(
         sums[:, 2] += 1
         pos += k
     sums = sum_over_ranks(sums, dist)
-    out = {}
+    out: dict[int, dict[str, float]] = {}
     for j, r in enumerate(depths):
         c, cn, n, sll, ntok = sums[j].tolist()
         n = max(n, 1)

@@ -12,6 +12,7 @@ CI checks it against the reference without a GPU.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ def _out_dtype(logits: torch.Tensor, s: torch.Tensor, o: torch.Tensor) -> torch.
     return torch.promote_types(torch.promote_types(logits.dtype, s.dtype), o.dtype)
 
 
-def gate_update_reference(logits: torch.Tensor, s: torch.Tensor, o: torch.Tensor):
+def gate_update_reference(logits: torch.Tensor, s: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The eager formula, computed in fp32 as the kernel computes it: a bf16 sigmoid near the
     gate's 0.98 would round 1 - g (the share the step writes) to steps of 0.004, about 20% of it.
     Outputs: s_new in the promoted dtype of the inputs, g in the logits' dtype."""
@@ -37,9 +38,11 @@ def gate_update_reference(logits: torch.Tensor, s: torch.Tensor, o: torch.Tensor
 
 
 if triton is not None:
+    # The kernels' parameters stay unannotated: Triton reads a kernel's annotations as its
+    # argument types (`n: int` would pin n to i32, `BLOCK: tl.constexpr` is one of them).
 
     @triton.jit
-    def _gate_fwd(logits_ptr, s_ptr, o_ptr, out_ptr, g_ptr, n, BLOCK: tl.constexpr):
+    def _gate_fwd(logits_ptr, s_ptr, o_ptr, out_ptr, g_ptr, n, BLOCK: tl.constexpr):  # noqa: ANN001, ANN202
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         z = tl.load(logits_ptr + offs, mask=mask).to(tl.float32)
@@ -50,7 +53,7 @@ if triton is not None:
         tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _gate_bwd(grad_ptr, logits_ptr, s_ptr, o_ptr, dlogits_ptr, ds_ptr, do_ptr, n, BLOCK: tl.constexpr):
+    def _gate_bwd(grad_ptr, logits_ptr, s_ptr, o_ptr, dlogits_ptr, ds_ptr, do_ptr, n, BLOCK: tl.constexpr):  # noqa: ANN001, ANN202
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         dy = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
@@ -66,13 +69,13 @@ if triton is not None:
 BLOCK = 1024
 
 
-def _grid(n):
+def _grid(n: int) -> tuple[int]:
     return (triton.cdiv(n, BLOCK),)
 
 
 class FusedGateUpdate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, s, o):
+    def forward(ctx: Any, logits: torch.Tensor, s: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs of mixed dtypes are read as they are (the kernel computes in fp32): under
         bf16 autocast the logits and the core output are bf16 and the state is fp32. The
         outputs take eager's dtypes: s_new the promoted one, g the logits'."""
@@ -85,7 +88,9 @@ class FusedGateUpdate(torch.autograd.Function):
         return out, g
 
     @staticmethod
-    def backward(ctx, grad_out, _grad_g):
+    def backward(
+        ctx: Any, grad_out: torch.Tensor, _grad_g: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits, s, o = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         dlogits, ds, do = torch.empty_like(logits), torch.empty_like(s), torch.empty_like(o)
@@ -105,7 +110,7 @@ def fused_path(s: torch.Tensor) -> bool:
     return fused_available(s) and not torch.compiler.is_compiling()
 
 
-def gate_update(logits: torch.Tensor, s: torch.Tensor, o: torch.Tensor):
+def gate_update(logits: torch.Tensor, s: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(s_new, g): the fused kernel where it can run (`fused_path`), the eager formula elsewhere.
     The returned g carries no gradient of its own in the fused path (it is for analysis).
     The dtypes may differ (bf16 weights with an fp32 state); the shapes may not (no broadcasting)."""

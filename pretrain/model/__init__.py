@@ -1,4 +1,4 @@
 from pretrain.model.gpt import GPT, LoopStep, ModelOutput
-from pretrain.model.registry import MODEL_CLASSES, build_model
+from pretrain.model.registry import build_model, model_class
 
-__all__ = ["GPT", "LoopStep", "ModelOutput", "MODEL_CLASSES", "build_model"]
+__all__ = ["GPT", "LoopStep", "ModelOutput", "build_model", "model_class"]

@@ -23,7 +23,7 @@ adapters, routers) and the loop at depth 0 get a zero-weighted touch.
 `pretrain.model.build_model(cfg)` builds these classes for their variants, so the trainer, the
 checkpoint loaders and the gradient checks build them without knowing them. Each composes
 the GPT's public pieces (`run_prelude`, `loop_step`, `decode`) with its own loop. Variant
-settings live in `cfg.extra` (accepted keys and defaults: config.BASELINE_EXTRA).
+settings live in `cfg.extra` (accepted keys and defaults: each one's Variant, pretrain/variants/).
 Outputs beyond ModelOutput (per-step losses, exit distribution, router selections) are
 left in `model.last_aux` after each forward.
 """
@@ -31,39 +31,42 @@ left in `model.last_aux` after each forward.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from pretrain.config import ConfigError, ModelConfig
-from pretrain.model.gpt import GPT, LoopStep, ModelOutput, lm_loss
+from pretrain.model.gpt import GPT, AnchorTerms, LoopStep, ModelOutput, builds, lm_loss
 from pretrain.model.layers import AttentionContext, Block, Linear, attention, layer_norm
+from pretrain.variants import get_variant
+
+# (s_0, step(s, r) -> s_{r+1}): what GPT.recurrence returns
+Recurrence = tuple[torch.Tensor, Callable[[torch.Tensor, int], torch.Tensor]]
 
 
 def noise_off(cfg: ModelConfig) -> ModelConfig:
-    """The same model with every random perturbation off (for gradient checks)."""
-    extra = dict(cfg.extra)
-    if cfg.variant == "huginn":
-        extra["init_state_scale"] = 0.0
-    if cfg.variant == "mor":
-        extra["router_noise_std"] = 0.0
-    return cfg.replace(state_noise_std=0.0, gate_noise_std=0.0, extra=extra)
+    """The same model with every random perturbation off (for gradient checks): its variant's rule."""
+    return get_variant(cfg.variant).noise_off(cfg)
 
 
 def _zero(*tensors: torch.Tensor) -> torch.Tensor:
     """0 x sum of the tensors: a term that gives their parameters a zero (not a missing) gradient."""
-    return 0.0 * sum(t.float().sum() for t in tensors)
+    total = sum(t.float().sum() for t in tensors)
+    assert isinstance(total, torch.Tensor), "_zero needs at least one tensor"
+    return 0.0 * total
 
 
 class LoopedBaseline(GPT):
     """Shared pieces of the baselines: the argument checks and the auxiliary outputs."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
-        self.last_aux: dict = {}
+        self.last_aux: dict[str, Any] = {}
 
-    def _check_args(self, n_loops, gate_override, anchor) -> int:
+    def _check_args(self, n_loops: int | None, gate_override: float | None, anchor: str) -> int:
         if gate_override is not None:
             raise ValueError(f"gate_override: variant {self.cfg.variant!r} has no gate")
         if anchor != "prelude":
@@ -76,7 +79,7 @@ class SandwichBlock(Block):
     """Huginn's core block: a norm before and after each sub-layer,
     x = n_2(x + attn(n_1(x))); x = n_4(x + mlp(n_3(x)))."""
 
-    def __init__(self, cfg: ModelConfig, out_std: float):
+    def __init__(self, cfg: ModelConfig, out_std: float) -> None:
         super().__init__(cfg, out_std)
         self.ln_attn_out = layer_norm(cfg)
         self.ln_mlp_out = layer_norm(cfg)
@@ -86,13 +89,12 @@ class SandwichBlock(Block):
         return self.ln_mlp_out(x + self.mlp(self.ln_2(x)))
 
 
+@builds("huginn")
 class HuginnGPT(LoopedBaseline):
     """s_0 ~ TruncNormal(0, std, +-3 std); s_r = Core_sandwich(W [s_{r-1}; e]); no gate.
     Training runs the first n - k steps under torch.no_grad (truncated backprop)."""
 
-    VARIANTS = ("huginn",)
-
-    def build_loop(self, cfg: ModelConfig, out_std: float) -> nn.Module:
+    def build_loop(self, cfg: ModelConfig, out_std: float) -> LoopStep:
         return LoopStep(cfg, out_std, block_cls=SandwichBlock)  # reinject_anchor=True, gate=False: the adapter
 
     def initial_state(self, e: torch.Tensor) -> torch.Tensor:
@@ -104,22 +106,22 @@ class HuginnGPT(LoopedBaseline):
         s = torch.empty(e.shape, dtype=torch.float32, device=e.device)
         return nn.init.trunc_normal_(s, 0.0, std, -3 * std, 3 * std, generator=gen).to(e.dtype)
 
-    def recurrence(self, e, ctx):
+    def recurrence(self, e: torch.Tensor, ctx: AttentionContext) -> Recurrence:
         _, step = super().recurrence(e, ctx)  # the adapter on [s; e] every step
         return self.initial_state(e), step
 
     def forward(
         self,
-        idx,
-        targets=None,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
         *,
-        n_loops=None,
-        doc_ids=None,
-        gate_override=None,
-        anchor="prelude",
-        return_states=False,
-        return_gates=False,
-        return_logits=True,
+        n_loops: int | None = None,
+        doc_ids: torch.Tensor | None = None,
+        gate_override: float | None = None,
+        anchor: str = "prelude",
+        return_states: bool = False,
+        return_gates: bool = False,
+        return_logits: bool = True,
     ) -> ModelOutput:
         n = self._check_args(n_loops, gate_override, anchor)
         ctx = AttentionContext(doc_ids=doc_ids)
@@ -145,7 +147,7 @@ class HuginnGPT(LoopedBaseline):
 class LoRA(nn.Module):
     """x -> (alpha / rank) * B A x, with B = 0 at initialisation (the identity adapter)."""
 
-    def __init__(self, fan_in: int, fan_out: int, rank: int, alpha: float):
+    def __init__(self, fan_in: int, fan_out: int, rank: int, alpha: float) -> None:
         super().__init__()
         self.down = Linear(fan_in, rank, bias=False, std=1.0 / math.sqrt(fan_in))
         self.up = Linear(rank, fan_out, bias=False, std=0.0)
@@ -161,7 +163,7 @@ _LORA_SITES = ("attn_qkv", "attn_out", "mlp_in", "mlp_out")
 class RRTStep(nn.Module):
     """The shared core plus one LoRA set per loop step: forward(s, e, ctx, step)."""
 
-    def __init__(self, cfg: ModelConfig, out_std: float):
+    def __init__(self, cfg: ModelConfig, out_std: float) -> None:
         super().__init__()
         d, layout = cfg.d_model, cfg.parsed_layout
         h = cfg.mlp_ratio * d
@@ -177,20 +179,23 @@ class RRTStep(nn.Module):
         )
 
     def adapters(self, step: int) -> nn.ModuleList:
-        return self.lora[min(step, len(self.lora) - 1)]  # past the trained R: the last step's adapters
+        # past the trained R: the last step's adapters; lora[step] is that step's ModuleList (__init__)
+        return cast(nn.ModuleList, self.lora[min(step, len(self.lora) - 1)])
 
-    def forward(self, s: torch.Tensor, e: torch.Tensor, ctx: AttentionContext, step: int = 0):
+    def forward(
+        self, s: torch.Tensor, e: torch.Tensor, ctx: AttentionContext, step: int = 0
+    ) -> tuple[torch.Tensor, None]:
         x = s
-        for block, ad in zip(self.core, self.adapters(step)):
-            x = _block_with_lora(block, x, ctx, ad)
+        for block, ad in zip(self.core, self.adapters(step)):  # Blocks, ModuleDicts of LoRAs (__init__)
+            x = _block_with_lora(cast(Block, block), x, ctx, cast(nn.ModuleDict, ad))
         return x, None
 
-    def touch(self, steps, ref: torch.Tensor) -> torch.Tensor:
-        terms = []
+    def touch(self, steps: Iterable[int], ref: torch.Tensor) -> torch.Tensor:
+        terms: list[torch.Tensor] = []
         for step in steps:
-            for ad in self.lora[step]:
-                for lora in ad.values():
-                    terms.append(lora(ref.new_ones(1, 1, lora.down.in_features)))
+            for ad in cast(nn.ModuleList, self.lora[step]):  # ModuleDicts of LoRAs (__init__)
+                for lora in cast(nn.ModuleDict, ad).values():
+                    terms.append(lora(ref.new_ones(1, 1, cast(LoRA, lora).down.in_features)))
         return _zero(*terms) if terms else ref.new_zeros(())
 
 
@@ -209,32 +214,41 @@ def _block_with_lora(block: Block, x: torch.Tensor, ctx: AttentionContext, ad: n
     return x + mlp.drop(mlp.c_proj(u) + ad["mlp_out"](u))
 
 
+@builds("rrt")
 class RRTGPT(LoopedBaseline):
     """s_0 = e; s_r = Core_{W + B_r A_r}(s_{r-1}); no gate, no re-injection."""
 
-    VARIANTS = ("rrt",)
+    loop: RRTStep  # build_loop's (the variant requires a looped layout)
 
-    def build_loop(self, cfg: ModelConfig, out_std: float) -> nn.Module:
+    def build_loop(self, cfg: ModelConfig, out_std: float) -> RRTStep:
         return RRTStep(cfg, out_std)
 
-    def loop_step(self, s, e, ctx, step, terms=None, gate_override=None):
+    def loop_step(
+        self,
+        s: torch.Tensor,
+        e: torch.Tensor,
+        ctx: AttentionContext,
+        step: int,
+        terms: AnchorTerms | None = None,
+        gate_override: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.loop(s, e, ctx, step)  # the step's own LoRA adapters
 
-    def recurrence(self, e, ctx):
+    def recurrence(self, e: torch.Tensor, ctx: AttentionContext) -> Recurrence:
         return e, lambda s, r: self.loop_step(s, e, ctx, r)[0]
 
     def forward(
         self,
-        idx,
-        targets=None,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
         *,
-        n_loops=None,
-        doc_ids=None,
-        gate_override=None,
-        anchor="prelude",
-        return_states=False,
-        return_gates=False,
-        return_logits=True,
+        n_loops: int | None = None,
+        doc_ids: torch.Tensor | None = None,
+        gate_override: float | None = None,
+        anchor: str = "prelude",
+        return_states: bool = False,
+        return_gates: bool = False,
+        return_logits: bool = True,
     ) -> ModelOutput:
         n = self._check_args(n_loops, gate_override, anchor)
         ctx = AttentionContext(doc_ids=doc_ids)
@@ -255,18 +269,17 @@ class RRTGPT(LoopedBaseline):
 
 
 # -- Ouro ---------------------------------------------------------------------------------
+@builds("ouro")
 class OuroGPT(LoopedBaseline):
     """Plain recurrence; exit gate lambda_t = sigmoid(w . norm(s_t) + b) (shared across steps);
     p_t = lambda_t prod_{j<t} (1 - lambda_j), the last step takes the remaining mass.
     Training loss: mean over tokens of sum_t p_t L_t - beta H(p)."""
 
-    VARIANTS = ("ouro",)
-
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         self.exit_gate = Linear(cfg.d_model, 1, bias=True, std=cfg.init_std)
 
-    def recurrence(self, e, ctx):
+    def recurrence(self, e: torch.Tensor, ctx: AttentionContext) -> Recurrence:
         return e, lambda s, r: self.loop_step(s, s, ctx, r)[0]  # the previous state as the anchor
 
     def exit_logits(self, s: torch.Tensor) -> torch.Tensor:
@@ -283,16 +296,16 @@ class OuroGPT(LoopedBaseline):
 
     def forward(
         self,
-        idx,
-        targets=None,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
         *,
-        n_loops=None,
-        doc_ids=None,
-        gate_override=None,
-        anchor="prelude",
-        return_states=False,
-        return_gates=False,
-        return_logits=True,
+        n_loops: int | None = None,
+        doc_ids: torch.Tensor | None = None,
+        gate_override: float | None = None,
+        anchor: str = "prelude",
+        return_states: bool = False,
+        return_gates: bool = False,
+        return_logits: bool = True,
         exit: str = "fixed",
     ) -> ModelOutput:
         """exit='fixed': decode after step n (early exit at a chosen depth); exit='learned': each
@@ -306,7 +319,8 @@ class OuroGPT(LoopedBaseline):
         s = self.run_prelude(self.embed(idx), ctx)
         states = [s] if return_states else []
         every_step = (self.training and targets is not None) or exit == "learned"
-        logits_steps, lambdas = [], []
+        logits_steps: list[torch.Tensor] = []
+        lambdas: list[torch.Tensor] = []
         for i in range(n):
             s, _ = self.loop_step(s, s, ctx, i)
             if return_states:
@@ -331,6 +345,7 @@ class OuroGPT(LoopedBaseline):
             self.last_aux["exit_step"] = step + 1
             loss = lm_loss(logits, targets) if targets is not None else None
             return ModelOutput(logits=logits, loss=loss, states=states, gates=[])
+        assert targets is not None  # here every_step holds by training with targets (exit='fixed')
         step_losses = torch.stack([lm_loss(lg, targets, reduction="none") for lg in logits_steps])  # [n, B, T]
         valid = (targets != -100).float()
         denom = valid.sum().clamp(min=1.0)
@@ -344,24 +359,19 @@ class OuroGPT(LoopedBaseline):
 
 
 # -- MoR ----------------------------------------------------------------------------------
+@builds("mor")
 class MoRGPT(LoopedBaseline):
     """Expert-choice Mixture-of-Recursions: at step r a router scores the tokens still active,
     the top k_r = ceil(T (R - r + 1) / R) of each sequence are gathered (kept in order),
     updated s <- s + g (Core(s) - s) with g = sigmoid(router logit), and scattered back.
     Auxiliary loss: BCE of the router logits against the selection (coef aux_loss_coef)."""
 
-    VARIANTS = ("mor",)
-    ADAPTIVE_EXIT_REFUSAL = (
-        "adaptive exit by a threshold does not apply to MoR: its learned router already picks "
-        "the tokens each loop step runs"
-    )
-
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         self.routers = nn.ModuleList(Linear(cfg.d_model, 1, bias=True, std=cfg.init_std) for _ in range(cfg.max_loops))
 
-    def recurrence(self, e, ctx):
-        raise ConfigError(self.ADAPTIVE_EXIT_REFUSAL)
+    def recurrence(self, e: torch.Tensor, ctx: AttentionContext) -> Recurrence:
+        raise ConfigError(str(get_variant(self.cfg.variant).adaptive_exit_refusal))
 
     def capacity(self, step: int, seq_len: int) -> int:
         r_max = self.max_loops
@@ -370,16 +380,16 @@ class MoRGPT(LoopedBaseline):
 
     def forward(
         self,
-        idx,
-        targets=None,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
         *,
-        n_loops=None,
-        doc_ids=None,
-        gate_override=None,
-        anchor="prelude",
-        return_states=False,
-        return_gates=False,
-        return_logits=True,
+        n_loops: int | None = None,
+        doc_ids: torch.Tensor | None = None,
+        gate_override: float | None = None,
+        anchor: str = "prelude",
+        return_states: bool = False,
+        return_gates: bool = False,
+        return_logits: bool = True,
     ) -> ModelOutput:
         n = self._check_args(n_loops, gate_override, anchor)
         ctx = AttentionContext(doc_ids=doc_ids)
@@ -388,7 +398,9 @@ class MoRGPT(LoopedBaseline):
         states = [s] if return_states else []
         active = torch.ones(b, t, dtype=torch.bool, device=s.device)
         per_row = t  # tokens active in each sequence (the last step's k): known on the host, no sync
-        aux_terms, selected_counts, masks = [], [], []
+        aux_terms: list[torch.Tensor] = []
+        selected_counts: list[int] = []
+        masks: list[torch.Tensor] = []
         noise = float(self.cfg.xget("router_noise_std"))
         for i in range(n):
             router = self.routers[min(i, len(self.routers) - 1)]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar, cast
 
 import torch
 import torch.nn as nn
@@ -35,8 +35,8 @@ class ModelOutput(NamedTuple):
 
     logits: torch.Tensor | None
     loss: torch.Tensor | None = None
-    states: list = []  # s_0..s_n, when asked for
-    gates: list = []  # g_1..g_n, when asked for
+    states: list[torch.Tensor] = []  # s_0..s_n, when asked for
+    gates: list[torch.Tensor] = []  # g_1..g_n, when asked for
 
 
 class AnchorTerms(NamedTuple):
@@ -49,7 +49,7 @@ class AnchorProjection(nn.Module):
     anchor they are the same at every loop step, so they are computed once per forward
     (W [s; e] = W_s s + W_e e): the loop step pays for its state half only."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d = cfg.d_model
         self.proj = Linear(d, d, bias=False, std=cfg.init_std) if cfg.reinject_anchor else None
@@ -71,7 +71,7 @@ class LoopStep(nn.Module):
     f_g = gate_out(SiLU([gate_fc_state | anchor.gate_fc] [LN(s); LN(e)])), output bias +4.
     """
 
-    def __init__(self, cfg: ModelConfig, out_std: float, block_cls: type[nn.Module] = Block):
+    def __init__(self, cfg: ModelConfig, out_std: float, block_cls: type[Block] = Block) -> None:
         super().__init__()
         d, layout = cfg.d_model, cfg.parsed_layout
         self.state_noise_std, self.gate_noise_std, self.gate_tau = cfg.state_noise_std, cfg.gate_noise_std, cfg.gate_tau
@@ -105,7 +105,7 @@ class LoopStep(nn.Module):
 
     def weight_dtype(self) -> torch.dtype:
         """The dtype the step computes in (bf16 under DeepSpeed's bf16 mode); the state may be fp32."""
-        return self.core[0].ln_1.weight.dtype
+        return cast(Block, self.core[0]).ln_1.weight.dtype  # core holds block_cls instances
 
     def anchor_terms(self, e: torch.Tensor) -> AnchorTerms:
         return self.anchor(e.to(self.weight_dtype()))
@@ -139,6 +139,25 @@ class LoopStep(nn.Module):
         return g * s + (1 - g) * x, g
 
 
+MODEL_CLASSES: dict[str, type[GPT]] = {}  # variant name -> the class that builds it
+
+
+M = TypeVar("M", bound="type[GPT]")
+
+
+def builds(*variants: str) -> Callable[[M], M]:
+    """Class decorator: the model class of these variants (the Variants of pretrain/variants/);
+    pretrain.model.build_model builds it for them."""
+
+    def register(cls: M) -> M:
+        for variant in variants:
+            MODEL_CLASSES[variant] = cls
+        return cls
+
+    return register
+
+
+@builds("grt", "dense")
 class GPT(nn.Module):
     """The GRT (variant grt) and the dense GPT-2 (variant dense). The comparison baselines
     subclass it (pretrain.model.baselines); build any variant with pretrain.model.build_model.
@@ -149,15 +168,13 @@ class GPT(nn.Module):
     slice), itself `head(final_hidden(s))`.
     """
 
-    VARIANTS: tuple[str, ...] = ("grt", "dense")  # the variants this class builds
-
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         cfg.validate()
-        if cfg.variant not in self.VARIANTS:
+        if MODEL_CLASSES.get(cfg.variant) is not type(self):
             raise ConfigError(
-                f"{type(self).__name__} builds variant(s) {', '.join(self.VARIANTS)}, not "
-                f"{cfg.variant!r}: build models with pretrain.model.build_model(cfg)"
+                f"{type(self).__name__} does not build variant {cfg.variant!r}: "
+                "build models with pretrain.model.build_model(cfg)"
             )
         self.cfg = cfg
         layout = cfg.parsed_layout
@@ -168,7 +185,7 @@ class GPT(nn.Module):
         self.wpe = Embedding(cfg.max_seq_len, d, std=cfg.init_std)
         self.drop = nn.Dropout(cfg.dropout)
         self.prelude = nn.ModuleList(Block(cfg, out_std) for _ in range(layout.prelude))
-        self.loop = self.build_loop(cfg, out_std) if layout.looped else None
+        self.loop: nn.Module | None = self.build_loop(cfg, out_std) if layout.looped else None
         self.exit_norm = layer_norm(cfg) if layout.looped and cfg.exit_norm else None
         self.coda = nn.ModuleList(Block(cfg, out_std) for _ in range(layout.coda))
         self.ln_f = layer_norm(cfg)
@@ -216,10 +233,8 @@ class GPT(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Loop step number `step` (0-based) from state s with anchor e: (s_next, gate or None).
         terms: loop.anchor_terms(e) when precomputed. The GRT's steps share all weights."""
+        assert self.loop is not None, "a dense model has no loop step"
         return self.loop(s, e, ctx, gate_override, terms)
-
-    # Why per-token adaptive exit (pretrain/infer/adaptive.py) does not apply, or None.
-    ADAPTIVE_EXIT_REFUSAL: str | None = None
 
     def recurrence(
         self, e: torch.Tensor, ctx: AttentionContext
@@ -227,7 +242,7 @@ class GPT(nn.Module):
         """(s_0, step(s, r) -> s_{r+1}): the loop as this model's forward runs it from the
         prelude output e, one step at a time, for callers that decide per step how far to go
         (adaptive exit, the KV cache). The GRT: from e, with e as the anchor."""
-        terms = self.loop.anchor_terms(e)
+        terms = cast(LoopStep, self.loop).anchor_terms(e)  # a LoopStep: baselines with another loop override this
         return self.start_state(e), lambda s, r: self.loop_step(s, e, ctx, r, terms)[0]
 
     def start_state(self, e: torch.Tensor) -> torch.Tensor:
@@ -244,8 +259,8 @@ class GPT(nn.Module):
         emb: torch.Tensor | None = None,
         gate_override: float | None = None,
         anchor: str = "prelude",
-        states: list | None = None,
-        gates: list | None = None,
+        states: list[torch.Tensor] | None = None,
+        gates: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """n loop steps from s_0 = e (the prelude output); returns s_n (e itself for a dense model).
         anchor: what the loop is fed as e (prelude output, zeros, the token embeddings `emb`, or
@@ -261,10 +276,11 @@ class GPT(nn.Module):
         s = self.start_state(e)
         if states is not None:
             states.append(s)
-        fixed = {"prelude": e, "zeros": torch.zeros_like(e), "embeddings": emb}.get(anchor)
-        terms = self.loop.anchor_terms(fixed) if anchor != "previous" and n > 0 else None
+        fixed = {"prelude": e, "zeros": torch.zeros_like(e), "embeddings": emb}.get(anchor)  # None: "previous"
+        loop = cast(LoopStep, self.loop)  # the GRT's LoopStep (build_loop); the baselines run their own loops
+        terms = loop.anchor_terms(fixed) if fixed is not None and n > 0 else None
         for r in range(n):
-            s, g = self.loop_step(s, s if anchor == "previous" else fixed, ctx, r, terms, gate_override)
+            s, g = self.loop_step(s, s if fixed is None else fixed, ctx, r, terms, gate_override)
             if states is not None:
                 states.append(s)
             if gates is not None and g is not None:
@@ -321,7 +337,8 @@ class GPT(nn.Module):
         ctx = AttentionContext(doc_ids=doc_ids)
         emb = self.embed(idx)
         e = self.run_prelude(emb, ctx)
-        states, gates = [], []
+        states: list[torch.Tensor] = []
+        gates: list[torch.Tensor] = []
         s = self.run_loop(
             e,
             ctx,

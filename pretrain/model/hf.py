@@ -25,6 +25,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +33,9 @@ from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError, ModelConfig
 from pretrain.model.gpt import GPT
 from pretrain.model.registry import build_model
+
+if TYPE_CHECKING:
+    from transformers import GPT2Config, GPT2LMHeadModel
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -41,7 +45,7 @@ def _check_dense(cfg: ModelConfig) -> None:
         raise ConfigError(f"only dense models convert to GPT2LMHeadModel, got variant={cfg.variant!r}")
 
 
-def hf_config(cfg: ModelConfig):
+def hf_config(cfg: ModelConfig) -> GPT2Config:
     from transformers import GPT2Config
 
     _check_dense(cfg)
@@ -100,7 +104,7 @@ def hf_model_keys(cfg: ModelConfig) -> list[str]:
         return list(GPT2LMHeadModel(hf_config(cfg)).state_dict())
 
 
-def to_hf(model: GPT):
+def to_hf(model: GPT) -> GPT2LMHeadModel:
     """A GPT2LMHeadModel with our dense model's weights."""
     from transformers import GPT2LMHeadModel
 
@@ -112,7 +116,7 @@ def to_hf(model: GPT):
     return hf
 
 
-def from_hf(hf_model, **overrides) -> GPT:
+def from_hf(hf_model: GPT2LMHeadModel, **overrides: Any) -> GPT:
     """Our dense model with a GPT2LMHeadModel's weights (HF conventions: biases on)."""
     c = hf_model.config
     if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -171,7 +175,10 @@ def vendored_sources() -> dict[str, str]:
                 raise RuntimeError(f"{module} and {origin[name]} would both be vendored as {name}")
             continue
         origin[name] = module
-        path = Path(importlib.util.find_spec(module).origin)
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None:
+            raise RuntimeError(f"{module}: no source file to vendor")
+        path = Path(spec.origin)
         text = path.read_text()
         todo += [dep for _, dep in _PROJECT_IMPORT.findall(text)]
         text = _PROJECT_IMPORT.sub(lambda m: f"{m[1]}from .{_vendored_file(m[2])[:-3]} import ", text)
@@ -180,13 +187,12 @@ def vendored_sources() -> dict[str, str]:
                 f"{path}: an import of the pretrain package that cannot be vendored (use 'from pretrain.x import y')"
             )
         source = path.relative_to(PROJECT_ROOT).as_posix()
-        out[name] = (
-            f"# Vendored by `grt export` from {source}, its imports made relative: edit that file, not this copy.\n{text}"
-        )
+        header = f"# Vendored by `grt export` from {source}, its imports made relative: edit that file, not this copy."
+        out[name] = f"{header}\n{text}"
     return out
 
 
-def remote_config(cfg: ModelConfig, dtype: torch.dtype, sep_id: int | None) -> dict:
+def remote_config(cfg: ModelConfig, dtype: torch.dtype, sep_id: int | None) -> dict[str, Any]:
     """config.json of the remote-code model: every ModelConfig field, the trained depth R, and
     the inference settings (depth, kv_cache) that from_pretrained(..., depth=k) overrides."""
     r = cfg.max_loops

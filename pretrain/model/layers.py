@@ -28,11 +28,13 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 class Linear(nn.Linear):
     """nn.Linear with N(0, std) weights and constant biases, set in reset_parameters."""
 
-    def __init__(self, in_features, out_features, bias=True, std=0.02, bias_init=0.0):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, std: float = 0.02, bias_init: float = 0.0
+    ) -> None:
         self.std, self.bias_init = std, bias_init
         super().__init__(in_features, out_features, bias=bias)
 
-    def reset_parameters(self):
+    def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=self.std)
         if self.bias is not None:
             nn.init.constant_(self.bias, self.bias_init)
@@ -43,7 +45,7 @@ class LMHead(Linear):
     training loss straight from the hidden states (`linear_cross_entropy`: no logits tensor);
     as a module call either way, so that ZeRO-3's hooks gather its (tied) weight."""
 
-    def __init__(self, d_model: int, padded_vocab: int, vocab: int, std: float = 0.02):
+    def __init__(self, d_model: int, padded_vocab: int, vocab: int, std: float = 0.02) -> None:
         super().__init__(d_model, padded_vocab, bias=False, std=std)
         self.vocab = vocab
 
@@ -54,11 +56,11 @@ class LMHead(Linear):
 
 
 class Embedding(nn.Embedding):
-    def __init__(self, num, dim, std=0.02):
+    def __init__(self, num: int, dim: int, std: float = 0.02) -> None:
         self.std = std
         super().__init__(num, dim)
 
-    def reset_parameters(self):
+    def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=self.std)
 
 
@@ -78,11 +80,16 @@ class AttentionContext:
 
     doc_ids: torch.Tensor | None = None
     kv: Any = None
-    _cache: dict = field(default_factory=dict)
+    _cache: dict[str, Any] = field(default_factory=dict)
+
+    def _docs(self) -> torch.Tensor:
+        if self.doc_ids is None:
+            raise ValueError("the attention masks of a packed sequence need doc_ids")
+        return self.doc_ids
 
     def sdpa_mask(self) -> torch.Tensor:
         if "sdpa" not in self._cache:
-            d = self.doc_ids
+            d = self._docs()
             t = d.shape[1]
             causal = torch.ones(t, t, dtype=torch.bool, device=d.device).tril()
             same_doc = d[:, :, None] == d[:, None, :]
@@ -92,7 +99,7 @@ class AttentionContext:
     def varlen(self) -> tuple[torch.Tensor, int]:
         """cu_seqlens over the flattened batch: one segment per (row, document)."""
         if "varlen" not in self._cache:
-            d = self.doc_ids
+            d = self._docs()
             b, t = d.shape
             starts = torch.ones_like(d, dtype=torch.bool)
             starts[:, 1:] = d[:, 1:] != d[:, :-1]
@@ -130,7 +137,9 @@ def resolve_backend(requested: str, q: torch.Tensor) -> str:
     return requested
 
 
-def attention(q, k, v, ctx: AttentionContext, backend: str, dropout_p: float = 0.0) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext, backend: str, dropout_p: float = 0.0
+) -> torch.Tensor:
     """Causal attention. q, k, v: [B, H, T, D] -> [B, H, T, D]."""
     if ctx.kv is not None:
         return ctx.kv.attend(q, k, v)
@@ -159,7 +168,7 @@ def attention(q, k, v, ctx: AttentionContext, backend: str, dropout_p: float = 0
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, out_std: float):
+    def __init__(self, cfg: ModelConfig, out_std: float) -> None:
         super().__init__()
         d = cfg.d_model
         self.n_heads, self.backend, self.dropout = cfg.n_heads, cfg.attention, cfg.dropout
@@ -175,14 +184,14 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, out_std: float):
+    def __init__(self, cfg: ModelConfig, out_std: float) -> None:
         super().__init__()
         hidden = cfg.mlp_ratio * cfg.d_model
         self.c_fc = Linear(cfg.d_model, hidden, bias=cfg.bias, std=cfg.init_std)
         self.c_proj = Linear(hidden, cfg.d_model, bias=cfg.bias, std=out_std)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # tanh GELU: GPT-2's "gelu_new", so the dense model is Hugging Face's function
         return self.drop(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
 
@@ -190,7 +199,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, cfg: ModelConfig, out_std: float):
+    def __init__(self, cfg: ModelConfig, out_std: float) -> None:
         super().__init__()
         self.ln_1 = layer_norm(cfg)
         self.attn = CausalSelfAttention(cfg, out_std)

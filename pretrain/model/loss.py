@@ -11,6 +11,8 @@ round-off (tests/test_loss.py; `grt bench loss` measures the memory).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -33,7 +35,15 @@ def chunk_tokens(vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, vocab: int, chunk: int, grad_enabled: bool):
+    def forward(
+        ctx: Any,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        vocab: int,
+        chunk: int,
+        grad_enabled: bool,
+    ) -> torch.Tensor:
         w = weight[:vocab]  # the padded rows take no part (the plain head slices its logits)
         scored = targets != IGNORE_INDEX
         count = scored.sum().to(torch.float32)  # a device tensor: no host sync
@@ -55,9 +65,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad = logits.sub_(lse[:, None]).exp_()
             grad.scatter_add_(1, target, torch.full_like(target, -1.0, dtype=grad.dtype))
             grad = grad.mul_(scored[part, None]).to(h.dtype)
-            if want_h:
+            if grad_h is not None:  # want_h
                 grad_h[part] = grad @ w
-            if want_w:
+            if grad_w is not None:  # want_w
                 grad_w += (grad.t() @ h[part]).float()
         ctx.save_for_backward(grad_h, grad_w, count)
         ctx.padded_rows = weight.shape[0] - vocab
@@ -65,7 +75,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return total / count
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(
+        ctx: Any, grad_loss: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None]:
         grad_h, grad_w, count = ctx.saved_tensors
         scale = grad_loss / count
         dh = (grad_h * scale).to(grad_h.dtype) if grad_h is not None else None

@@ -25,7 +25,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -106,7 +108,7 @@ def equal_flops_pair(
 ) -> tuple[ModelConfig, ModelConfig]:
     """A GRT and the dense model of the same width and effective depth (equal FLOPs up to
     the loop's small projection and gate)."""
-    common = dict(
+    common: dict[str, Any] = dict(
         d_model=d_model, n_heads=n_heads, vocab_size=vocab, max_seq_len=seq_len, pad_vocab_multiple=64, bias=False
     )
     grt = ModelConfig(name="grt", variant="grt", layout=layout, **common)
@@ -114,7 +116,9 @@ def equal_flops_pair(
     return grt, dense
 
 
-def _step_fn(model: GPT, n_loops, compiled: bool, dtype: torch.dtype, checkpointing: str):
+def _step_fn(
+    model: GPT, n_loops: int | None, compiled: bool, dtype: torch.dtype, checkpointing: str
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """One optimizer step computed as `grt train` computes it: the weights in the training dtype
     (DeepSpeed's bf16 mode casts the model; the GRT's loop state stays fp32, ModelConfig.state_dtype),
     checkpointing and compilation as the trainer applies them (`checkpoint_and_compile`), the loss
@@ -123,7 +127,7 @@ def _step_fn(model: GPT, n_loops, compiled: bool, dtype: torch.dtype, checkpoint
     checkpoint_and_compile(model.to(dtype), checkpointing, compiled)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=torch.cuda.is_available() or None)
 
-    def step(idx):
+    def step(idx: torch.Tensor) -> torch.Tensor:
         loss = model(idx, idx, n_loops=n_loops, return_logits=False).loss
         loss.backward()
         opt.step()
@@ -133,15 +137,15 @@ def _step_fn(model: GPT, n_loops, compiled: bool, dtype: torch.dtype, checkpoint
     return step
 
 
-def bench_train_step(args) -> dict:
+def bench_train_step(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     grt_cfg, dense_cfg = equal_flops_pair(args.d_model, args.n_heads, args.layout, args.seq_len, args.vocab)
     idx = torch.randint(0, args.vocab, (args.batch, args.seq_len), device=device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     peak, peak_note = peak_flops(device, args.peak_tflops)
-    results = {"peak_flops_note": peak_note}
+    results: dict[str, Any] = {"peak_flops_note": peak_note}
     for compiled in [False, True] if args.compile else [False]:
-        steps = {}
+        steps: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         for name, cfg in (("grt", grt_cfg), ("dense", dense_cfg)):
             torch.manual_seed(0)
             model = build_model(cfg).to(device).train()
@@ -186,13 +190,13 @@ def bench_train_step(args) -> dict:
     return results
 
 
-def _peak_bytes(device) -> int:
+def _peak_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated())
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def memory_probe(argv) -> None:
+def memory_probe(argv: list[str]) -> None:
     """One training step in a fresh process; prints the peak memory above the baseline."""
     d_model, seq_len, batch, loops, mode = int(argv[0]), int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -204,8 +208,8 @@ def memory_probe(argv) -> None:
     print(json.dumps({"peak_bytes": _peak_bytes(device) - base}))
 
 
-def bench_memory(args) -> list[dict]:
-    rows = []
+def bench_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
     for loops in args.loops:
         for mode in ("off", "loop_step"):
             # On CPU the peak is the process's peak RSS. glibc keeps freed chunks mapped and
@@ -235,7 +239,7 @@ def bench_memory(args) -> list[dict]:
     return rows
 
 
-def _bare_tokens_per_s(cfg: ModelConfig, args, compiled: bool, checkpointing: str) -> float:
+def _bare_tokens_per_s(cfg: ModelConfig, args: argparse.Namespace, compiled: bool, checkpointing: str) -> float:
     """`train-step`'s measurement for one model: forward, backward and AdamW, no DeepSpeed."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # as `grt train` picks it
@@ -255,7 +259,7 @@ def _bare_tokens_per_s(cfg: ModelConfig, args, compiled: bool, checkpointing: st
     return args.steps * idx.numel() / (time.perf_counter() - t0)
 
 
-def bench_zero(args) -> list[dict]:
+def bench_zero(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Short real `grt train` runs, one row per ranks x preset x ZeRO stage x compile x
     checkpointing (x core pinning and persistence threshold under ZeRO-3), each with its ratio
     to the bare model step (`_bare_tokens_per_s`: the same model, micro-batch, depth, compile
@@ -265,9 +269,10 @@ def bench_zero(args) -> list[dict]:
 
     from pretrain.presets import get_preset
 
-    rows, bare = [], {}
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
+    rows: list[dict[str, Any]] = []
+    bare: dict[tuple[str, bool, str], float] = {}  # (preset, compiled, checkpointing) -> tokens/s
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
         manifest = make_bench_data(tmp, args.seq_len, args.vocab)
         for ranks, preset, stage, compiled, ckpt, pin, persist in product(
             args.ranks,
@@ -333,11 +338,9 @@ def bench_zero(args) -> list[dict]:
                 raise RuntimeError(f"{shlex.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
             tokens_per_s = _last_scalar(out / "tb", "perf/tokens_per_s") / ranks  # per rank, as the bare step
             if ckpt == AUTO:  # the mode `grt train` chose, for the bare step to match
-                ckpt = (
-                    AUTO
-                    + ":"
-                    + re.search(r"activation checkpointing auto -> (\w+)", (out / "train.log").read_text()).group(1)
-                )
+                chosen = re.search(r"activation checkpointing auto -> (\w+)", (out / "train.log").read_text())
+                assert chosen is not None, f"{out / 'train.log'} does not name the mode auto chose"
+                ckpt = AUTO + ":" + chosen.group(1)
             mode = ckpt.rpartition(":")[2]
             if (preset, compiled, mode) not in bare:
                 bare[(preset, compiled, mode)] = _bare_tokens_per_s(cfg, args, compiled, mode)
@@ -386,7 +389,7 @@ def _on_off(text: str) -> bool:
     return text == "on"
 
 
-def whole_number(minimum: int):
+def whole_number(minimum: int) -> Callable[[str], int]:
     """An argparse type: a whole number >= minimum (a size, a count of steps or tokens)."""
 
     def parse(text: str) -> int:
@@ -401,7 +404,7 @@ def whole_number(minimum: int):
     return parse
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Every `grt bench` command: one that cannot run (an unknown preset, a size the model or the
     tokenizer refuses, a data step that fails) ends in one line naming why, exit 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -503,7 +506,12 @@ def _dispatch(argv: list[str]) -> int:
     for sp in (ts, mem, zr):
         sp.add_argument("--json", action="store_true", help="print machine-readable JSON only")
     args = p.parse_args(argv)
-    result = {"train-step": bench_train_step, "memory": bench_memory, "zero": bench_zero}[args.what](args)
+    benches: dict[str, Callable[[argparse.Namespace], dict[str, Any] | list[dict[str, Any]]]] = {
+        "train-step": bench_train_step,
+        "memory": bench_memory,
+        "zero": bench_zero,
+    }
+    result = benches[args.what](args)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -519,7 +527,7 @@ def _dispatch(argv: list[str]) -> int:
     return 0
 
 
-def _cell(key: str, value) -> str:
+def _cell(key: str, value: object) -> str:
     if not isinstance(value, float):
         return str(value)
     return f"{value:.3f}" if key.startswith(("ratio", "mfu")) else f"{value:,.1f}"

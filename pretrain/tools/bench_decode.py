@@ -18,6 +18,8 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -26,7 +28,9 @@ from pretrain.infer.kv_cache import STRATEGIES, CachedDecoder, cache_bytes_formu
 from pretrain.model import GPT, build_model
 
 
-def build(path: str | None, preset: str | None, device, dtype, max_seq_len: int | None = None) -> GPT:
+def build(
+    path: str | None, preset: str, device: torch.device, dtype: torch.dtype | None, max_seq_len: int | None = None
+) -> GPT:
     if path:
         from pretrain.infer.load import load_model
 
@@ -41,7 +45,7 @@ def build(path: str | None, preset: str | None, device, dtype, max_seq_len: int 
     return model.to(dtype or torch.float32).eval()
 
 
-def _sync(device):
+def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -57,7 +61,7 @@ def bench_one(
     warmup: int = 2,
     seed: int = 0,
     repeats: int = 3,
-) -> dict:
+) -> dict[str, Any]:
     p = next(model.parameters())
     device, dtype = p.device, p.dtype
     n = 0 if model.loop is None else (model.max_loops if depth is None else depth)
@@ -80,7 +84,8 @@ def bench_one(
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-    prefill, per_token = [], []
+    prefill: list[float] = []
+    per_token: list[float] = []
     for i in range(repeats):  # the median repeat: one burst of other work on the host does not decide the figure
         decoder = CachedDecoder(model, batch, max_len, strategy, n)
         if i == 0:
@@ -119,7 +124,7 @@ def bench_one(
     }
 
 
-def format_rows(rows: list[dict]) -> str:
+def format_rows(rows: list[dict[str, Any]]) -> str:
     head = (
         f"{'model':<14}{'strategy':<9}{'depth':>6}{'batch':>6}{'ms/token':>10}{'tok/s':>10}"
         f"{'cache MB (formula)':>20}{'cache MB (measured)':>21}{'peak MB':>9}{'vs dense':>9}"
@@ -143,7 +148,7 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     from pretrain.infer.load import pick_device, pick_dtype
 
     p = argparse.ArgumentParser(prog="grt bench decode", description=__doc__.split("\n\n")[0])
@@ -186,7 +191,7 @@ def main(argv=None) -> int:
             dense = build(
                 args.dense_model, args.dense_preset, device, dtype, None if args.dense_model else max(need, 64)
             )
-        rows = []
+        rows: list[dict[str, Any]] = []
         for b in batches:
             if dense is not None:
                 rows.append(

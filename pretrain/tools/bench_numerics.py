@@ -19,7 +19,9 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,14 +47,14 @@ def _prelude_and_state(model: GPT, idx: torch.Tensor) -> tuple[torch.Tensor, tor
     return e.double(), s.double()
 
 
-def state_errors(cfg: ModelConfig, batch: int, seq_len: int, seed: int = 0) -> dict:
+def state_errors(cfg: ModelConfig, batch: int, seq_len: int, seed: int = 0) -> dict[str, float]:
     """Relative errors against the fp32 model (eval mode, the same weights) of the prelude output e
     and of the loop's total change s_R - e, with bf16 weights and the state in bf16 or in fp32."""
     torch.manual_seed(seed)
     reference = build_model(cfg).eval()
     idx = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
     e_ref, s_ref = _prelude_and_state(reference, idx)
-    out = {}
+    out: dict[str, float] = {}
     for state in ("weights", "fp32"):
         model = build_model(cfg.replace(state_dtype=state)).eval()
         model.load_state_dict(reference.state_dict())
@@ -106,18 +108,18 @@ def _train_losses(manifest: Path, preset: str, out: Path, steps: int, precision:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def training_losses(preset: str, steps: int, seq_len: int) -> dict:
+def training_losses(preset: str, steps: int, seq_len: int) -> dict[str, float]:
     """Short `grt train` runs (ZeRO-2, fixed depth): fp32, then bf16 with the state in bf16 and
     in fp32. Per run: the mean of the last tenth of the losses, and its mean absolute
     difference from fp32's step by step."""
     cfg = get_preset(preset)
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
         manifest = make_bench_data(tmp, seq_len, cfg.vocab_size)
         runs = {"fp32": ("fp32", "fp32"), "bf16_state_bf16": ("bf16", "weights"), "bf16_state_fp32": ("bf16", "fp32")}
         losses = {name: _train_losses(manifest, preset, tmp / name, steps, *how) for name, how in runs.items()}
     tail = max(1, steps // 10)
-    out = {}
+    out: dict[str, float] = {}
     for name, values in losses.items():
         out[f"final_loss_{name}"] = sum(values[-tail:]) / tail
         if name != "fp32":
@@ -137,7 +139,9 @@ def loss_probe(argv: list[str]) -> None:
     print(json.dumps({"peak_bytes": _peak_bytes(device) - base}))
 
 
-def _loss_inputs(tokens: int, d: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _loss_inputs(
+    tokens: int, d: int, vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator(device=device).manual_seed(0)
     h = torch.randn(tokens, d, device=device, generator=gen).requires_grad_()
     w = (0.02 * torch.randn(vocab, d, device=device, generator=gen)).requires_grad_()
@@ -150,10 +154,10 @@ def _loss(mode: str, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor) ->
     return linear_cross_entropy(h, w, targets, w.shape[0])
 
 
-def bench_loss(args) -> dict:
+def bench_loss(args: argparse.Namespace) -> dict[str, Any]:
     # as `grt bench memory`: glibc serves large tensors from mmap, so that RSS follows the live tensors
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-    out = {"tokens": args.tokens, "d_model": args.d_model, "vocab": args.vocab}
+    out: dict[str, Any] = {"tokens": args.tokens, "d_model": args.d_model, "vocab": args.vocab}
     for mode in ("plain", "fused"):
         proc = subprocess.run(
             [
@@ -175,11 +179,12 @@ def bench_loss(args) -> dict:
         out[f"peak_mb_{mode}"] = json.loads(proc.stdout.strip().splitlines()[-1])["peak_bytes"] / 2**20
     out["peak_ratio_fused_to_plain"] = out["peak_mb_fused"] / out["peak_mb_plain"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    results = {}
+    results: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # mode -> (loss, grad h, grad w)
     for mode in ("plain", "fused"):
         h, w, targets = _loss_inputs(args.tokens, args.d_model, args.vocab, device)
         loss = _loss(mode, h, w, targets)
         loss.backward()
+        assert h.grad is not None and w.grad is not None  # leaves that require grad, after backward
         results[mode] = (loss.detach(), h.grad, w.grad)
     (loss_p, gh_p, gw_p), (loss_f, gh_f, gw_f) = results["plain"], results["fused"]
     out["loss_abs_diff"] = float((loss_p - loss_f).abs())
@@ -188,15 +193,15 @@ def bench_loss(args) -> dict:
     return out
 
 
-def bench_precision(args) -> dict:
+def bench_precision(args: argparse.Namespace) -> dict[str, Any]:
     cfg = get_preset(args.preset)
-    out = {"preset": args.preset, "layout": cfg.layout, **state_errors(cfg, args.batch, args.seq_len)}
+    out: dict[str, Any] = {"preset": args.preset, "layout": cfg.layout, **state_errors(cfg, args.batch, args.seq_len)}
     if args.train_steps:
         out.update(training_losses(args.preset, args.train_steps, args.seq_len))
     return out
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "_loss_probe":
         loss_probe(argv[1:])
@@ -213,7 +218,11 @@ def main(argv=None) -> int:
     lo.add_argument("--d-model", type=whole_number(1), default=768)
     lo.add_argument("--vocab", type=whole_number(1), default=50257)
     args = p.parse_args(argv)
-    result = {"precision": bench_precision, "loss": bench_loss}[args.what](args)
+    benches: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+        "precision": bench_precision,
+        "loss": bench_loss,
+    }
+    result = benches[args.what](args)
     print(f"# reproduce: grt bench {' '.join(argv)}")
     for key, value in result.items():
         print(f"{key:<40} {value:,.6g}" if isinstance(value, float) else f"{key:<40} {value}")

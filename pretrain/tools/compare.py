@@ -13,9 +13,9 @@ A config is a preset name or a JSON file: a model config, or {"label": ..., "mod
 looped config's loop count R (a dense config's layer count) to come closest to the
 reference's forward FLOPs per token (the first config, or --reference); `--match params`
 changes the core size C (dense: the layer count) to come closest to its parameter count.
-Each method trains with its own recipe's depth sampling (METHOD_TRAIN; override with --set
-or a JSON config): GRT and the ladder r ~ U{1..R}, Huginn the heavy-tail Poisson, RRT,
-Ouro and MoR the full depth R.
+Each method trains with its own recipe (its Variant's, pretrain/variants/, as `grt train
+--preset` does; override with --set or a JSON config): GRT and the ladder r ~ U{1..R}, Huginn
+the heavy-tail Poisson, RRT, Ouro and MoR the full depth R.
 
 Writes <out>/<label>/ (the run: config.json, metrics.jsonl, summary.json, tb/),
 <out>/comparison.json, <out>/comparison.md (the table) and <out>/loss_curves.png.
@@ -44,6 +44,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from data_pipeline.files import atomic_savefig, atomic_write_text
 from pretrain import PROJECT_ROOT
@@ -58,43 +59,19 @@ from pretrain.tools.compare_eval import (
     final_evals,
 )
 from pretrain.training.depth import depth_for_step
-from pretrain.training.run_config import RunConfig, apply_overrides, resolve
-
-# each method's own training recipe for the loop depth (spec section 4 / the papers)
-METHOD_TRAIN: dict[str, dict] = {
-    "grt": {"depth_sampling": "uniform"},
-    "dense": {},
-    "huginn": {"depth_sampling": "poisson"},  # poisson_mean set from R below
-    "rrt": {"depth_sampling": "fixed"},
-    "ouro": {"depth_sampling": "fixed"},
-    "mor": {"depth_sampling": "fixed"},
-}
-
-METHOD_NAMES = {
-    "grt": "GRT",
-    "dense": "dense GPT-2",
-    "huginn": "Huginn (heavy-tail Poisson)",
-    "rrt": "RRT",
-    "ouro": "Ouro",
-    "mor": "MoR",
-}
+from pretrain.training.run_config import (
+    RunConfig,
+    apply_overrides,
+    apply_recipe,
+    choose_model,
+    is_model_override,
+    resolve,
+)
+from pretrain.variants import get_variant
 
 
 def describe_method(cfg: ModelConfig) -> str:
-    if cfg.variant != "grt":
-        return METHOD_NAMES[cfg.variant]
-    parts = []
-    layout = cfg.parsed_layout
-    parts.append("prelude/coda" if layout.prelude or layout.coda else "whole stack looped")
-    if cfg.state_noise_std > 0:
-        parts.append("noise")
-    if cfg.reinject_anchor:
-        parts.append("re-injection")
-    if cfg.gate:
-        parts.append("gate")
-    if parts == ["whole stack looped"]:
-        return "loop only"
-    return "GRT" if len(parts) == 4 else "loop + " + ", ".join(parts)
+    return get_variant(cfg.variant).describe(cfg)
 
 
 # -- building the runs ------------------------------------------------------------------------
@@ -129,7 +106,7 @@ def model_params(cfg: ModelConfig) -> int:
         return count_params(build_model(cfg))["params"]
 
 
-def _with_layout(cfg: ModelConfig, **parts) -> ModelConfig:
+def _with_layout(cfg: ModelConfig, **parts: int) -> ModelConfig:
     layout = cfg.parsed_layout
     if not layout.looped:
         return cfg.replace(layout=str(parts.get("n", layout.prelude)))
@@ -150,7 +127,7 @@ def match(cfg: ModelConfig, target: float, what: str, seq_len: int) -> ModelConf
     return best
 
 
-def build_runs(args, tokens: float) -> list[dict]:
+def build_runs(args: argparse.Namespace, tokens: float) -> list[dict]:
     from data_pipeline.manifest import Manifest
 
     manifest = Manifest.load(args.data)
@@ -162,11 +139,10 @@ def build_runs(args, tokens: float) -> list[dict]:
     labels = [label for label, _, _ in loaded]
     if len(set(labels)) != len(labels):
         raise ConfigError(f'--configs: labels must be unique, got {labels} (give JSON configs a "label")')
-    runs = []
+    runs: list[dict[str, Any]] = []
     for label, model, train in loaded:
-        cfg = RunConfig(model=model, data=str(args.data), ds_config=args.ds_config, out=str(Path(args.out) / label))
-        model_sets = [s for s in args.overrides if s.startswith("model.")]
-        apply_overrides(cfg, model_sets)
+        cfg = RunConfig(data=str(args.data), ds_config=args.ds_config, out=str(Path(args.out) / label))
+        choose_model(cfg, model, args.overrides)  # as `grt train --preset` does
         resolve(cfg, manifest)  # the trainer's rule: the tokenizer's vocabulary, a context that holds the shards
         runs.append({"label": label, "cfg": cfg, "train": train})
     if args.match != "none":
@@ -180,24 +156,20 @@ def build_runs(args, tokens: float) -> list[dict]:
                 before = run["cfg"].model.layout
                 run["cfg"].model = match(run["cfg"].model, target, args.match, seq_len)
                 run["matched_from"] = before
+                apply_recipe(run["cfg"])  # the recipe of the matched model (Huginn's Poisson mean follows R)
     tokens_per_step = args.micro_batch_size * args.grad_accum * args.nproc * seq_len
     steps = max(1, int(round(float(tokens) / tokens_per_step)))
     for run in runs:
-        cfg: RunConfig = run["cfg"]
+        cfg = run["cfg"]
         t = cfg.train
         t.steps, t.micro_batch_size, t.grad_accum = steps, args.micro_batch_size, args.grad_accum
         t.lr, t.min_lr, t.warmup_steps = args.lr, args.lr / 10, max(1, int(0.05 * steps))
         t.seed, t.log_every = args.seed, args.log_every
         t.eval_every = max(1, steps // max(1, args.evals))
         t.eval_batches, t.save_every, t.keep_checkpoints = args.eval_batches, 0, 1
-        r = cfg.model.max_loops
-        for key, value in METHOD_TRAIN.get(cfg.model.variant, {}).items():
-            setattr(t, key, value)
-        if cfg.model.variant == "huginn":  # mean depth (rbar + 1) = GRT's mean (R + 1) / 2
-            t.poisson_mean = max(0.5, (r - 1) / 2)
         for key, value in run["train"].items():
             apply_overrides(cfg, [f"train.{key}={json.dumps(value) if not isinstance(value, str) else value}"])
-        apply_overrides(cfg, [s for s in args.overrides if not s.startswith("model.")])
+        apply_overrides(cfg, [s for s in args.overrides if not is_model_override(s)])
         cfg.validate()
     return runs
 
@@ -224,7 +196,7 @@ def measure_steps(runs: list[tuple[dict, list[int]]], seq_len: int, repeats: int
     import torch
 
     from pretrain.distributed import init_distributed
-    from pretrain.training.trainer import build_engine
+    from pretrain.training.engine import build_engine
 
     init_distributed()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -334,7 +306,7 @@ def size_tokens(
     }
 
 
-def sized_tokens(args, out: Path, suffix: str, started: float) -> float:
+def sized_tokens(args: argparse.Namespace, out: Path, suffix: str, started: float) -> float:
     """--tokens, or with --time-budget the measured size (kept in <out>/sizing.json and reused)."""
     if not args.time_budget:
         return float(args.tokens)
@@ -443,9 +415,10 @@ def _lock(run_dir: Path) -> Path:
     return lock
 
 
-def train_all(todo: list[dict], args, out: Path) -> dict[str, float]:
+def train_all(todo: list[dict], args: argparse.Namespace, out: Path) -> dict[str, float]:
     """Train the runs, up to --parallel at a time; {label: wall seconds}. Raises on a failed run."""
-    pending, running, walls = list(todo), {}, {}
+    running: dict[str, tuple[list[subprocess.Popen], float]] = {}
+    pending, walls = list(todo), {}
     while pending or running:
         while pending and len(running) < max(1, args.parallel):
             run = pending.pop(0)
@@ -525,7 +498,7 @@ def collect(run: dict, seq_len: int, wall_s: float | None, exit_factor: int = 1)
     }
 
 
-def _fmt(x, spec):
+def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
@@ -556,7 +529,7 @@ def table(rows: list[dict]) -> str:
                 + " / ".join(f"{v:.3f}" for d, v in curve if d > trained)
                 + ")"
             )
-        if r["variant"] == "dense":
+        if not get_variant(r["variant"]).looped:  # no loop: no exit curve
             exits = "-"
         layout = r["layout"] + (
             f" (from {r['matched_from']})" if r.get("matched_from") and r["matched_from"] != r["layout"] else ""
@@ -605,7 +578,7 @@ def plot(rows: list[dict], path: Path, smooth: float = 0.9) -> None:
                 markersize=3,
             )
         exits = {**(r.get("exit_curve") or r["val_loss_by_depth"]), **(r.get("extrapolation") or {})}
-        if exits and r["variant"] != "dense":
+        if exits and get_variant(r["variant"]).looped:
             depths = sorted(exits)
             ax_exit.plot(
                 depths, [exits[d] for d in depths], style + "o", color=line.get_color(), label=r["label"], markersize=3
@@ -703,7 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     started = time.time()
     args = build_parser().parse_args(argv)
     out = Path(args.out)
@@ -792,9 +765,11 @@ def main(argv=None) -> int:
             f"\ntime: planned {sizing['planned_s']:.0f} s for the runs, they took {sum(walls.values()):.0f} s; "
             f"the command ran {time.time() - started:.0f} s of its --time-budget {args.time_budget:.0f} s"
         )
-    print(
-        f"\nwrote {out / f'comparison{suffix}.md'}, {out / f'comparison{suffix}.json'}, {out / f'loss_curves{suffix}.png'}"
+    written = ", ".join(
+        str(out / f"{name}{suffix}.{ext}")
+        for name, ext in (("comparison", "md"), ("comparison", "json"), ("loss_curves", "png"))
     )
+    print(f"\nwrote {written}")
     return 0
 
 

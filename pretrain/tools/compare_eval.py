@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from data_pipeline.files import atomic_write_text
 from pretrain.config import ModelConfig
-from pretrain.model.registry import MODEL_CLASSES
+from pretrain.model.baselines import LoopedBaseline
 from pretrain.training.run_config import RunConfig
+from pretrain.variants import get_variant
 
 ADAPTIVE_EXITS: tuple[tuple[str, float], ...] = (("update", 0.1), ("kl", 0.01))
 EXTRAPOLATION_FACTORS = (2, 4)
@@ -43,12 +45,14 @@ def adaptive_label(rule: str, threshold: float) -> str:
 
 
 @torch.no_grad()
-def learned_exit(model, batches, device, doc_mask: bool) -> dict:
+def learned_exit(
+    model: LoopedBaseline, batches: list[dict[str, torch.Tensor]], device: torch.device, doc_mask: bool
+) -> dict:
     """Ouro's learned exit at its configured threshold: loss and mean loop steps per scored token."""
     from pretrain.infer.adaptive import adaptive_table
     from pretrain.infer.scoring import exit_sums
 
-    def forward(idx, doc_ids):
+    def forward(idx: torch.Tensor, doc_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         logits = model(idx, doc_ids=doc_ids, exit="learned").logits
         return logits, model.last_aux["exit_step"]
 
@@ -70,10 +74,11 @@ def final_eval_work(cfg: ModelConfig, exit_factor: int) -> dict[str, int]:
     r, depths = cfg.max_loops, eval_depths(cfg.max_loops, exit_factor)[1]
     # one pass to the deepest depth: its forward decodes the last state, exit_hidden every depth
     steps, decodes = max(depths), 1 + len(depths)
-    for rule, _ in ADAPTIVE_EXITS if not MODEL_CLASSES[cfg.variant].ADAPTIVE_EXIT_REFUSAL else ():
+    variant = get_variant(cfg.variant)
+    for rule, _ in ADAPTIVE_EXITS if not variant.adaptive_exit_refusal else ():
         steps += r
         decodes += 1 + (r + 1 if rule == "kl" else 0)  # kl also decodes s_0 and the state after every step
-    if cfg.variant == "ouro":  # the learned exit decodes after every step
+    if variant.learned_exit:  # the learned exit decodes after every step
         steps, decodes = steps + r, decodes + r
     return {"loop_steps": steps, "decodes": decodes}
 
@@ -104,18 +109,20 @@ def final_evals(cfg: RunConfig, exit_factor: int) -> dict:
     batches = list(val_batches(cfg.data, t.micro_batch_size, Dist(), t.eval_batches, t.seed))  # read once, scored often
     curve_depths, depths = eval_depths(r, exit_factor)
     loss = {d: v["loss"] for d, v in loss_table(lm_sums(model, batches, depths, device, t.doc_mask), depths).items()}
-    results = {
+    results: dict[str, Any] = {
         "exit_curve": {d: loss[d] for d in curve_depths} or None,
         "extrapolation": {f * r: loss[f * r] for f in EXTRAPOLATION_FACTORS},
         "adaptive_exit": None,
         "learned_exit": None,
     }
-    if not model.ADAPTIVE_EXIT_REFUSAL:
+    variant = get_variant(cfg.model.variant)
+    if not variant.adaptive_exit_refusal:
         results["adaptive_exit"] = {}
         for rule, threshold in ADAPTIVE_EXITS:
             sums = adaptive_sums(model, batches, [threshold], device, rule, doc_mask=t.doc_mask)
             results["adaptive_exit"][adaptive_label(rule, threshold)] = adaptive_table(sums, [threshold])[threshold]
-    if cfg.model.variant == "ouro":
+    if variant.learned_exit:
+        assert isinstance(model, LoopedBaseline), "a learned exit is a baseline's (Ouro)"
         results["learned_exit"] = learned_exit(model, batches, device, t.doc_mask)
     atomic_write_text(cache, json.dumps({"settings": settings, "results": results}, indent=2) + "\n")
     return results

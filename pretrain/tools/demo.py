@@ -11,6 +11,7 @@ import json
 import math
 import sys
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 from pretrain import PROJECT_ROOT
@@ -25,14 +26,14 @@ def unigram_entropy(manifest_path: str) -> float:
     best model that ignores context. A trained LM must get well below it."""
     from data_pipeline.loader import TokenBatchLoader
 
-    counts: Counter = Counter()
+    counts: Counter[int] = Counter()
     for batch in TokenBatchLoader(manifest_path, split="train", micro_batch_size=64, shuffle_buffer=0, loop=False):
         counts.update(batch["targets"].flatten().tolist())
     total = sum(counts.values())
     return -sum(c / total * math.log(c / total) for c in counts.values())
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="grt demo", description=__doc__.splitlines()[0])
     p.add_argument("--text", default=str(DEFAULT_TEXT), help="training text (default: bundled tinyshakespeare)")
     p.add_argument("--out", default="runs/demo")

@@ -19,6 +19,7 @@ import random
 import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,6 +27,9 @@ import torch
 from data_pipeline.files import atomic_path, atomic_write_text, is_temp
 from pretrain.distributed import all_agree
 from pretrain.training import deepspeed_internals
+
+if TYPE_CHECKING:
+    import deepspeed
 
 log = logging.getLogger(__name__)
 TAG_RE = re.compile(r"^step(\d{8})$")
@@ -39,14 +43,18 @@ def tag_for(step: int) -> str:
     return f"step{step:08d}"
 
 
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -101,13 +109,13 @@ def _remove_debris(root: Path, tag: str) -> None:
 
 
 def save(
-    engine,
+    engine: deepspeed.DeepSpeedEngine,
     root: Path,
     step: int,
     *,
     config_json: str,
     tokenizer_path: str | None,
-    loader_state: dict,
+    loader_state: dict[str, Any],
     keep: int,
     rank: int,
 ) -> str:
@@ -117,7 +125,7 @@ def save(
     previous complete checkpoint."""
     tag = tag_for(step)
     path = root / tag
-    error = None
+    error: BaseException | None = None
     # 1. the directory, agreed by every rank before DeepSpeed starts its collectives
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -151,8 +159,8 @@ def save(
             shutil.rmtree(path, ignore_errors=True)
         raise CheckpointError(
             f"could not write checkpoint {path} (rank {rank}: "
-            f"{_error_text(error, 'its own files were written, a write failed on another rank')}); removed it; the previous "
-            f"checkpoint ({find_latest(root)}) is intact"
+            f"{_error_text(error, 'its own files were written, a write failed on another rank')}); "
+            f"removed it; the previous checkpoint ({find_latest(root)}) is intact"
         ) from error
     if _fault("kill", step, rank):
         os.kill(os.getpid(), 9)
@@ -178,7 +186,7 @@ def save(
     return tag
 
 
-def load(engine, root: Path, tag: str, rank: int) -> dict:
+def load(engine: deepspeed.DeepSpeedEngine, root: Path, tag: str, rank: int) -> dict[str, Any]:
     """Load model/optimizer/scheduler into the engine; returns this rank's saved state."""
     state_path = root / tag / f"rank{rank}_state.pt"
     if not state_path.is_file():

@@ -28,11 +28,16 @@ from __future__ import annotations
 import errno
 import os
 import warnings
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
 
 from pretrain.config import ConfigError
+
+if TYPE_CHECKING:
+    import deepspeed
 
 TESTED = "deepspeed>=0.19.8,<0.20"  # setup.py pins the same range
 _COORDINATOR = ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator")
@@ -65,7 +70,7 @@ def check() -> None:
 _OFFLOAD_NAMES = ("persistent_parameters", "forward_hooks", "backward_hooks")
 
 
-def check_engine(engine) -> None:
+def check_engine(engine: deepspeed.DeepSpeedEngine) -> None:
     """The same check for the names that exist only on a built engine."""
     missing = [] if hasattr(getattr(engine, "checkpoint_engine", None), "save") else ["engine.checkpoint_engine.save"]
     if engine.zero_optimization_stage() == 3:
@@ -116,11 +121,11 @@ def install_counters() -> Zero3Counters:
 
     original_gather, original_invalidate = getattr(C, _GATHER), C._invalidate_trace
 
-    def counted_gather(self, params, forward):
+    def counted_gather(self: C, params: Collection[torch.nn.Parameter], forward: bool) -> None:
         COUNTERS.gathers += len(params)
         return original_gather(self, params, forward)
 
-    def counted_invalidate(self):
+    def counted_invalidate(self: C) -> None:
         COUNTERS.trace_invalidations += 1
         return original_invalidate(self)
 
@@ -137,7 +142,7 @@ def install_counters() -> Zero3Counters:
 _PIN_ID = -0x6A7
 
 
-def pin_parameters(engine, module: torch.nn.Module) -> int:
+def pin_parameters(engine: deepspeed.DeepSpeedEngine, module: torch.nn.Module) -> int:
     """Keep `module`'s ZeRO-3 parameters gathered for the whole run; returns how many.
     They are re-gathered and re-marked after each optimizer step and checkpoint save or
     load, which partition them or clear their in-use marks."""
@@ -146,7 +151,7 @@ def pin_parameters(engine, module: torch.nn.Module) -> int:
     params = list(module.parameters())
     new = [p for p in params if id(p) not in known]
     for p in new:
-        p.ds_persist = True
+        p.ds_persist = True  # type: ignore[attr-defined]  # DeepSpeed's dynamic ZeRO-3 attribute
     persistent.extend(new)
     engine.grt_pinned_parameters = params
     hold_pinned(engine)
@@ -156,10 +161,10 @@ def pin_parameters(engine, module: torch.nn.Module) -> int:
     return len(params)
 
 
-def _hold_after(engine, name: str) -> None:
+def _hold_after(engine: deepspeed.DeepSpeedEngine, name: str) -> None:
     call = getattr(engine, name)
 
-    def call_and_hold(*args, **kwargs):
+    def call_and_hold(*args: Any, **kwargs: Any) -> Any:
         result = call(*args, **kwargs)
         hold_pinned(engine)
         return result
@@ -170,7 +175,7 @@ def _hold_after(engine, name: str) -> None:
 HOOKS_PER_MODULE = 4  # DeepSpeed 0.19: pre- and post-forward, pre- and post-backward
 
 
-def _remove_module_hooks(engine, module: torch.nn.Module) -> None:
+def _remove_module_hooks(engine: deepspeed.DeepSpeedEngine, module: torch.nn.Module) -> None:
     """Remove ZeRO-3's forward and backward module hooks from `module` and its submodules.
     Only for pinned modules: the hooks gather and release parameters
     (pinned ones stay gathered) and record the module order (which then leaves out every
@@ -200,7 +205,7 @@ def _remove_module_hooks(engine, module: torch.nn.Module) -> None:
         )
 
 
-def hold_pinned(engine) -> None:
+def hold_pinned(engine: deepspeed.DeepSpeedEngine) -> None:
     """Re-gather pinned parameters the step partitioned and mark them in use again."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
@@ -213,11 +218,11 @@ def hold_pinned(engine) -> None:
         p.ds_active_sub_modules.add(_PIN_ID)
 
 
-def inject_enospc(engine) -> None:
+def inject_enospc(engine: deepspeed.DeepSpeedEngine) -> None:
     """Fault injection (GRT_INJECT_CKPT_FAULT=enospc@...): DeepSpeed's file writes fail as on a full disk."""
     ckpt_engine = engine.checkpoint_engine
 
-    def failing_save(state_dict, path):
+    def failing_save(state_dict: object, path: str | os.PathLike[str]) -> NoReturn:
         with open(path, "wb") as f:
             f.write(b"\0" * 100)  # a partly written file, as a full disk leaves it
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
@@ -232,15 +237,15 @@ class RecordWriteErrors:
     persistent parameters, a barrier ends it): raising out of it would leave the other
     ranks waiting until dist_timeout_s. The ranks then agree that the checkpoint failed."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: deepspeed.DeepSpeedEngine) -> None:
         self.errors: list[BaseException] = []
-        self.targets = [(engine.checkpoint_engine, "save")]
+        self.targets: list[tuple[Any, str]] = [(engine.checkpoint_engine, "save")]
         if hasattr(engine, "_copy_recovery_script"):
             self.targets.append((engine, "_copy_recovery_script"))
-        self.saved = []
+        self.saved: list[tuple[Any, str, bool, Any]] = []  # (object, attribute, own attribute?, its value)
 
-    def _wrap(self, fn):
-        def guarded(*args, **kwargs):
+    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def guarded(*args: Any, **kwargs: Any) -> Any:
             if self.errors:
                 return None  # the checkpoint is lost already: write nothing more
             try:
@@ -251,13 +256,13 @@ class RecordWriteErrors:
 
         return guarded
 
-    def __enter__(self):
+    def __enter__(self) -> RecordWriteErrors:
         for obj, name in self.targets:
             self.saved.append((obj, name, name in vars(obj), vars(obj).get(name)))
             setattr(obj, name, self._wrap(getattr(obj, name)))
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         for obj, name, had, value in self.saved:
             if had:
                 setattr(obj, name, value)
@@ -276,13 +281,14 @@ def local_shares(p: torch.nn.Parameter) -> tuple[torch.Tensor, bool, torch.Tenso
     if hasattr(p, "ds_id"):
         from deepspeed.utils import safe_get_local_grad
 
-        return p.ds_tensor, True, safe_get_local_grad(p), True
+        return p.ds_tensor, True, safe_get_local_grad(p), True  # type: ignore[attr-defined]  # set by ZeRO-3
     if not hasattr(p, "_hp_mapping"):
         return p.data, False, p.grad, False
     mapping = p._hp_mapping
     if mapping is None:  # no part of p is in this rank's optimizer partition
         return p.data, False, None, True
-    grad = mapping.get_lp_grad_fragment(p._index_in_param_group).flatten()
+    index = p._index_in_param_group  # type: ignore[attr-defined]  # set by DeepSpeed's optimizer
+    grad = mapping.get_lp_grad_fragment(index).flatten()
     address = mapping.lp_fragment_address
     if grad.numel() == p.numel():  # the bf16 optimizer keeps a full accumulation buffer: this rank's fragment
         grad = grad.narrow(0, address.start, address.numel)

@@ -4,8 +4,12 @@ rank draws the same depth without communicating (ranks that disagree hang ZeRO).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pretrain.training.run_config import TrainConfig
 
 
 def sample_depth(
@@ -26,7 +30,7 @@ def sample_depth(
     raise ValueError(f"depth_sampling={mode!r}: accepted values are uniform, fixed, poisson, loguniform")
 
 
-def depth_for_step(train, max_loops: int, step: int) -> int:
+def depth_for_step(train: TrainConfig, max_loops: int, step: int) -> int:
     """The loop depth of training step `step` under a run's settings (`train`: the TrainConfig;
     `max_loops`: the layout's R, 0 for a dense model)."""
     if max_loops < 1:
@@ -41,7 +45,7 @@ def depth_for_step(train, max_loops: int, step: int) -> int:
     )
 
 
-def max_depth(train, max_loops: int) -> int:
+def max_depth(train: TrainConfig, max_loops: int) -> int:
     """The deepest loop depth `depth_for_step` can draw under a run's settings."""
     if max_loops < 1:
         return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import Any
 
 from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError, load_json_object
@@ -38,7 +39,7 @@ def resolve_ds_path(path: str | Path) -> Path:
     return p
 
 
-def load_ds_json(path: str | Path) -> dict:
+def load_ds_json(path: str | Path) -> dict[str, Any]:
     return load_json_object(
         resolve_ds_path(path),
         f"ds_config={str(path)!r}",
@@ -46,7 +47,7 @@ def load_ds_json(path: str | Path) -> dict:
     )
 
 
-def zero_stage(ds: dict) -> int:
+def zero_stage(ds: dict[str, Any]) -> int:
     return int(ds.get("zero_optimization", {}).get("stage", 0))
 
 
@@ -54,7 +55,7 @@ def _precision(train: TrainConfig, use_cuda: bool) -> str:
     return train.precision if train.precision != "auto" else ("bf16" if use_cuda else "fp32")
 
 
-def _same(theirs, ours) -> bool:
+def _same(theirs: Any, ours: Any) -> bool:
     if isinstance(ours, (list, tuple)):
         return (
             isinstance(theirs, (list, tuple))
@@ -68,7 +69,7 @@ def _same(theirs, ours) -> bool:
     return theirs == ours
 
 
-def _agree(key: str, theirs, ours, owner: str, fix: str | None = None) -> None:
+def _agree(key: str, theirs: Any, ours: Any, owner: str, fix: str | None = None) -> None:
     """Refuse a DeepSpeed value that is neither "auto" nor the run config's (one line, both values)."""
     if theirs != AUTO and not _same(theirs, ours):
         if fix is None:
@@ -84,7 +85,7 @@ def _agree(key: str, theirs, ours, owner: str, fix: str | None = None) -> None:
 ALL_PERSISTENT = 10**15
 
 
-def _zero_defaults(zero: dict, world_size: int) -> dict:
+def _zero_defaults(zero: dict[str, Any], world_size: int) -> dict[str, Any]:
     """ZeRO settings filled where the DeepSpeed file leaves them out (a value in the file,
     "auto" included, is used as the rule above says):
     - `overlap_comm` on with more than one rank only: it overlaps the gradient reduction with
@@ -99,18 +100,18 @@ def _zero_defaults(zero: dict, world_size: int) -> dict:
     `stage3_module_granularity_threshold`) for the shared core, which fail with an
     AssertionError once the core runs more than once per step (docs/zero3.md); the core is
     pinned instead (`train.zero3_pin_core`)."""
-    filled = {"overlap_comm": world_size > 1}
+    filled: dict[str, Any] = {"overlap_comm": world_size > 1}
     if int(zero.get("stage", 0)) == 3 and world_size == 1:
         filled["stage3_param_persistence_threshold"] = ALL_PERSISTENT
     return {**filled, **zero}
 
 
-def _drop_auto(tree: dict) -> dict:
+def _drop_auto(tree: dict[str, Any]) -> dict[str, Any]:
     """DeepSpeed's own keys left "auto": removed, so that DeepSpeed's default applies."""
     return {k: _drop_auto(v) if isinstance(v, dict) else v for k, v in tree.items() if v != AUTO}
 
 
-def build_ds_config(base: dict, train: TrainConfig, world_size: int, use_cuda: bool) -> dict:
+def build_ds_config(base: dict[str, Any], train: TrainConfig, world_size: int, use_cuda: bool) -> dict[str, Any]:
     """The DeepSpeed config the engine gets: `base` (a DeepSpeed file) merged with the run
     config by the rule of this module's docstring."""
     ds = copy.deepcopy(base)
@@ -192,12 +193,12 @@ def build_ds_config(base: dict, train: TrainConfig, world_size: int, use_cuda: b
     return _drop_auto(ds)
 
 
-def merged_ds_config(cfg: RunConfig, world_size: int, use_cuda: bool) -> dict:
+def merged_ds_config(cfg: RunConfig, world_size: int, use_cuda: bool) -> dict[str, Any]:
     """The run's DeepSpeed config: its `ds_config` file merged with the run config."""
     return build_ds_config(load_ds_json(cfg.ds_config), cfg.train, world_size, use_cuda)
 
 
-def save_ds_config(ds: dict, out_dir: str | Path) -> Path:
+def save_ds_config(ds: dict[str, Any], out_dir: str | Path) -> Path:
     """Write the merged DeepSpeed config next to the run config (`<out>/ds_config.json`)."""
     path = Path(out_dir) / "ds_config.json"
     path.write_text(json.dumps(ds, indent=2) + "\n")

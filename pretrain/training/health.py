@@ -14,6 +14,7 @@ import threading
 import time
 from collections import Counter
 from datetime import timedelta
+from types import FrameType
 
 import torch.distributed as dist
 
@@ -41,11 +42,11 @@ class Heartbeat:
     rank is named with its node.
     """
 
-    def __init__(self, rank: int, world: int, interval: float = 1.0):
+    def __init__(self, rank: int, world: int, interval: float = 1.0) -> None:
         self.rank, self.world, self.interval = rank, world, interval
         self.prefix = f"grt/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self.step, self.beats = 0, 0
-        self.store = None
+        self.store: dist.TCPStore | None = None
         self._stop = threading.Event()
         if world < 2:
             return
@@ -67,6 +68,7 @@ class Heartbeat:
 
     def _beat(self) -> None:
         self.beats += 1
+        assert self.store is not None  # only called once the store is connected
         self.store.set(f"{self.prefix}hb/{self.rank}", f"{self.beats} {self.step}")
 
     def _run(self) -> None:
@@ -89,7 +91,9 @@ class Heartbeat:
 
     def _read(self, what: str) -> dict[int, str]:
         keys = {r: f"{self.prefix}{what}/{r}" for r in range(self.world) if r != self.rank}
-        return {r: self.store.get(k).decode() for r, k in keys.items() if self.store.check([k])}
+        store = self.store
+        assert store is not None  # diagnose() returns early without a store
+        return {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
 
     def diagnose(self) -> list[str]:
         """Descriptions of the other ranks that failed (empty: none found)."""
@@ -114,7 +118,8 @@ class Heartbeat:
         def on_host(r: int) -> str:
             return f" on host {hosts[r]}" if r in hosts else ""
 
-        notes, comm = [], []
+        notes: list[str] = []
+        comm: list[int] = []
         for r in range(self.world):
             if r == self.rank:
                 continue
@@ -150,12 +155,12 @@ class Heartbeat:
 class StopSignal:
     """SIGTERM / SIGUSR1 (Slurm's --signal) ask for a checkpoint and a clean exit."""
 
-    def __init__(self):
-        self.received = None
+    def __init__(self) -> None:
+        self.received: str | None = None
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handle)
 
-    def _handle(self, signum, _frame):
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
         self.received = signal.Signals(signum).name
 
 
@@ -201,7 +206,7 @@ class NanInjection:
     NaN (the retry with the next micro-batch is clean); a step listed k times poisons its
     first k tries (5,5,5: three bad micro-batches in a row)."""
 
-    def __init__(self, spec: str | None = None):
+    def __init__(self, spec: str | None = None) -> None:
         spec = os.environ.get("GRT_INJECT_NAN_STEPS", "") if spec is None else spec
         self.remaining = Counter(int(s) - 1 for s in spec.split(",") if s.strip())  # 0-based steps
 

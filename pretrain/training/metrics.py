@@ -7,13 +7,20 @@ import math
 import os
 import resource
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
 from pretrain.distributed import all_reduce, comm_device
 from pretrain.model.flops import flops_per_token
 from pretrain.training.deepspeed_internals import local_shares
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+    from pretrain.config import ModelConfig
 
 # bf16 dense peak FLOP/s by device name (substring match)
 GPU_PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 125e12, "L40S": 362e12, "V100": 125e12}
@@ -60,7 +67,13 @@ class Throughput:
     executed FLOPs summed over the window's steps, each at its own sampled depth and by the
     model variant's own formula (`flops_per_token`), over the window's time."""
 
-    def __init__(self, model_cfg, seq_len: int, peak_flops_all_ranks: float, clock=time.perf_counter):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        seq_len: int,
+        peak_flops_all_ranks: float,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.cfg, self.seq_len, self.peak, self.clock = model_cfg, seq_len, peak_flops_all_ranks, clock
         self.flops_per_token: dict[int, int] = {}  # depth -> executed forward FLOPs per token
         self.reset()
@@ -106,17 +119,18 @@ def norms(model: torch.nn.Module, world: int) -> dict[str, float]:
     """The parameter norm and each block's gradient norm, from every rank's local share
     (`local_shares`: a ZeRO-3 partition is never gathered): one all-reduce of a few numbers.
     For logging steps, between the last backward and `engine.step()`."""
-    squares = [[], []]  # parameter squares, then gradient squares by block
+    param_squares: list[torch.Tensor] = []
+    grad_squares: list[tuple[int, torch.Tensor]] = []  # (block, gradient squares)
     for name, p in model.named_parameters():
         param, param_split, grad, grad_split = local_shares(p)
         block = BLOCKS.index(block_of(name))
-        squares[0].append(param.float().pow(2).sum() / (1 if param_split else world))
+        param_squares.append(param.float().pow(2).sum() / (1 if param_split else world))
         if grad is not None:
-            squares[1].append((block, grad.float().pow(2).sum() / (1 if grad_split else world)))
-    device = squares[0][0].device
+            grad_squares.append((block, grad.float().pow(2).sum() / (1 if grad_split else world)))
+    device = param_squares[0].device
     totals = torch.zeros(1 + len(BLOCKS), dtype=torch.float64, device=device)
-    totals[0] = torch.stack(squares[0]).sum()
-    for block, value in squares[1]:
+    totals[0] = torch.stack(param_squares).sum()
+    for block, value in grad_squares:
         totals[1 + block] += value.to(device)
     values = all_reduce(totals.to(comm_device())).tolist()
     return {
@@ -142,21 +156,21 @@ class MetricsWriter:
     """Rank 0 writes TensorBoard events under <out>/tb; every rank writes one JSON line per
     step (metrics.jsonl on rank 0, metrics.rank<r>.jsonl elsewhere) so ranks can be compared."""
 
-    def __init__(self, out: Path, rank: int):
-        self.tb = None
+    def __init__(self, out: Path, rank: int) -> None:
+        self.tb: SummaryWriter | None = None
         if rank == 0:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=str(out / "tb"))
         out.mkdir(parents=True, exist_ok=True)
-        self.records = open(out / ("metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl"), "a")
+        self.records: TextIO | None = open(out / ("metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl"), "a")
 
-    def scalars(self, step: int, values: dict) -> None:
+    def scalars(self, step: int, values: Mapping[str, float]) -> None:
         if self.tb:
             for key, value in values.items():
                 self.tb.add_scalar(key, value, step)
 
-    def scalars_by_tokens(self, tokens: int, values: dict) -> None:
+    def scalars_by_tokens(self, tokens: int, values: Mapping[str, float]) -> None:
         """The same curves against tokens seen, a second x-axis (series under by_tokens/)."""
         self.scalars(tokens, {f"by_tokens/{key}": value for key, value in values.items()})
 
@@ -164,7 +178,7 @@ class MetricsWriter:
         if self.tb:
             self.tb.add_text(tag, f"```\n{text}\n```", 0)
 
-    def step_record(self, step: int, values: dict) -> None:
+    def step_record(self, step: int, values: Mapping[str, Any]) -> None:
         if self.records:
             self.records.write(json.dumps({"step": step, **values}) + "\n")
             self.records.flush()

@@ -8,6 +8,7 @@ drops gradients under ZeRO (see docs/zero3.md).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -17,6 +18,7 @@ from pretrain.config import ConfigError, ModelConfig
 from pretrain.model.gpt import GPT
 from pretrain.model.layers import Block
 from pretrain.model.loss import chunk_tokens
+from pretrain.variants import get_variant
 
 # explicit modes, cheapest recompute first; `auto` picks one of AUTO_MODES for the run
 CHECKPOINT_MODES = ("off", "selective", "loop_step", "block")
@@ -47,7 +49,7 @@ def _saved_by_selective() -> list:
     return ops
 
 
-def _selective_contexts():
+def _selective_contexts() -> tuple[Any, Any]:
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     return create_selective_checkpoint_contexts(_saved_by_selective())
@@ -59,14 +61,14 @@ def _checkpoint_forward(module: nn.Module, selective: bool = False) -> None:
     if getattr(module, "_grt_checkpointed", False):
         return
     inner = module.forward
-    options = {"use_reentrant": False, **({"context_fn": _selective_contexts} if selective else {})}
+    options: dict[str, Any] = {"use_reentrant": False, **({"context_fn": _selective_contexts} if selective else {})}
 
     @functools.wraps(inner)
-    def forward(*args, **kwargs):
+    def forward(*args: Any, **kwargs: Any) -> Any:
         return checkpoint(inner, *args, **options, **kwargs)
 
     module.forward = forward
-    module._grt_checkpointed = True
+    module._grt_checkpointed = True  # type: ignore[assignment]  # a flag on the instance, beside its new forward
 
 
 def apply_activation_checkpointing(model: GPT, mode: str) -> GPT:
@@ -97,32 +99,25 @@ def activation_bytes(cfg: ModelConfig, tokens: int, depth: int, mode: str, dtype
     matmul or attention outputs; a GRT loop step adds 8 for its projection and gate (3 of
     them matmul outputs); the training loss (`return_logits=False`, pretrain/model/loss.py) keeps
     the hidden states' gradient and, once, a chunk of fp32 logits; Ouro, which scores every
-    step's logits, keeps them and their fp32 log-softmax. The baselines
-    (pretrain/model/baselines.py) change the loop's terms, read from cfg.extra."""
-    d, a, layout, variant = cfg.d_model, dtype_bytes, cfg.parsed_layout, cfg.variant
+    step's logits, keeps them and their fp32 log-softmax. Each variant's own terms (its core
+    blocks', the steps it runs without autograd or on a share of the tokens, what it keeps outside
+    the loop steps, its decodes) come from its Variant (pretrain/variants/)."""
+    d, a, layout, variant = cfg.d_model, dtype_bytes, cfg.parsed_layout, get_variant(cfg.variant)
     small = 4 * (cfg.n_heads + 4) + (2 * d if cfg.dropout > 0 else 0)  # fp32 norm stats, attention logsumexp, masks
     block_full, block_selective = 16 * d * a + small, 10 * d * a + small
-    core_full, core_selective = block_full, block_selective
-    if variant == "huginn":  # sandwich blocks: the two extra norms keep their inputs
-        core_full, core_selective = core_full + 2 * d * a, core_selective + 2 * d * a
-    if variant == "rrt":  # the 4 LoRA sites keep their rank-sized inner activation; selective also the
-        rank = int(cfg.xget("lora_rank"))  # outputs of their up matmuls (3d + d + 4d + d)
-        core_full, core_selective = core_full + 4 * rank * a, core_selective + (4 * rank + 9 * d) * a
+    core_extra_full, core_extra_selective = variant.block_extra_bytes(cfg, a)
+    core_full, core_selective = block_full + core_extra_full, block_selective + core_extra_selective
     extra_full, extra_selective = (8, 3) if cfg.gate else (2, 1)
     step_full = layout.core * core_full + extra_full * d * a
     step_selective = layout.core * core_selective + extra_selective * d * a
-    steps = depth if layout.looped else 0
-    if variant == "huginn":  # truncated backprop: the first steps run under no_grad and keep nothing
-        steps = min(steps, int(cfg.xget("backprop_steps")))
-    # MoR runs step i on its capacity share of the tokens; the router keeps the full state and the
-    # gated update the chosen tokens' (out - x), outside the checkpointed loop step
-    r = layout.loops
-    shares = [(r - min(i, r - 1)) / r if variant == "mor" else 1.0 for i in range(steps)]
+    # the steps run without autograd keep nothing; each kept step runs on its share of the tokens
+    steps = depth - variant.no_grad_steps(cfg, depth) if layout.looped else 0
+    shares = variant.step_shares(cfg, steps)
     loop_tokens = sum(shares)
-    outside = sum(1 + f for f in shares) * d * a if variant == "mor" else 0
-    # Ouro decodes every loop step in training: coda, final norm and head once per step, and
-    # each step's logits live until the loss; no checkpointing mode removes them
-    decodes = max(steps, 1) if variant == "ouro" else 1
+    outside = variant.outside_loop_bytes(cfg, shares, a)
+    # a model that decodes every loop step in training (Ouro) runs coda, final norm and head once per
+    # step, and each step's logits live until the loss; no checkpointing mode removes them
+    decodes = variant.training_decodes(steps)
     ends = layout.prelude + decodes * layout.coda  # prelude and coda blocks run
     units = ends + loop_tokens  # the units loop_step and selective checkpoint (their inputs)
     unit_input = d * a
@@ -139,7 +134,7 @@ def activation_bytes(cfg: ModelConfig, tokens: int, depth: int, mode: str, dtype
     anchor = 2 * d * a if layout.looped else 0  # the anchor terms, computed once per forward
     # a GRT state kept in fp32 under bf16 weights (ModelConfig.state_dtype): each step's state input
     state = (4 - a) * d * (2 if mode == "off" else 1) * loop_tokens if cfg.gate and cfg.state_dtype == "fp32" else 0
-    if variant != "ouro":
+    if not variant.decodes_every_step:
         # the training loss straight from the hidden states (pretrain/model/loss.py): per token the final
         # norm's input and output and the hidden states' gradient; once, one chunk's fp32 logits (and their
         # copy in the model's dtype) and the head weight's fp32 gradient with each chunk's product (in the
@@ -147,7 +142,7 @@ def activation_bytes(cfg: ModelConfig, tokens: int, depth: int, mode: str, dtype
         chunk, copy = min(tokens, chunk_tokens(cfg.vocab_size)), (a if a != 4 else 0)
         loss_once = chunk * cfg.vocab_size * (4 + copy) + (8 + copy) * cfg.padded_vocab_size * d
         return int(tokens * (kept + outside + anchor + state + 3 * d * a) + max(tokens * recompute, loss_once))
-    # Ouro scores every step's logits: materialised, with their fp32 log-softmax and gradient
+    # every step's logits scored (Ouro): materialised, with their fp32 log-softmax and gradient
     head = 4 * cfg.vocab_size + 2 * d * a  # the fp32 log-softmax, the final norm's input and output
     held_logits = a * cfg.padded_vocab_size  # a step's logits, kept until the loss
     head_grad = (4 + a) * cfg.padded_vocab_size  # the logits' gradient, in fp32 and in the model's dtype

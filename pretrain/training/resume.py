@@ -22,9 +22,13 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pretrain.config import ConfigError
 from pretrain.training.run_config import RunConfig, load_manifest
+
+if TYPE_CHECKING:
+    from data_pipeline.manifest import Manifest
 
 REFUSED_TRAIN_KEYS = (
     "lr",
@@ -62,20 +66,20 @@ def check_same_tokenizer(
         )
 
 
-def _flat(prefix: str, d: dict) -> dict:
+def _flat(prefix: str, d: dict[str, Any]) -> dict[str, Any]:
     return {f"{prefix}.{k}": v for k, v in d.items()}
 
 
-def _as_json(cfg: RunConfig) -> dict:
+def _as_json(cfg: RunConfig) -> dict[str, Any]:
     return json.loads(json.dumps(cfg.to_dict()))  # tuples as lists, as the checkpoint stores them
 
 
-def _changes(old: dict, new: dict) -> list[str]:
+def _changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
 
 
 def check_resume(
-    cfg: RunConfig, ckpt_root: Path, tag: str | None, world_size: int | None = None, manifest=None
+    cfg: RunConfig, ckpt_root: Path, tag: str | None, world_size: int | None = None, manifest: Manifest | None = None
 ) -> RunConfig:
     """Check `cfg` (resolved against the data) against checkpoint `tag` (None: a fresh start,
     nothing to check) for a run of `world_size` ranks (default: this process's launch);

@@ -11,11 +11,15 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pretrain.config import ConfigError, ModelConfig, check_keys, coerce, load_json_object
 from pretrain.presets import get_preset
 from pretrain.training.parallelize import AUTO, CHECKPOINT_MODES
+from pretrain.variants import get_variant
+
+if TYPE_CHECKING:
+    from data_pipeline.manifest import Manifest
 
 DEPTH_SAMPLING = ("uniform", "fixed", "poisson", "loguniform")
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -83,7 +87,8 @@ class RunConfig:
             ),
             (
                 t.activation_checkpointing in (AUTO, *CHECKPOINT_MODES),
-                f"train.activation_checkpointing={t.activation_checkpointing!r}: accepted values are {', '.join((AUTO, *CHECKPOINT_MODES))}",
+                f"train.activation_checkpointing={t.activation_checkpointing!r}: accepted values are "
+                f"{', '.join((AUTO, *CHECKPOINT_MODES))}",
             ),
             (t.steps >= 1, f"train.steps={t.steps}: must be >= 1"),
             (t.max_train_depth >= 0, f"train.max_train_depth={t.max_train_depth}: must be >= 0 (0 = the layout's R)"),
@@ -122,6 +127,8 @@ class RunConfig:
             model_cfg = get_preset("tiny-grt")
         else:
             model_cfg = ModelConfig.from_dict(model)
+        # what the train section leaves out follows the model's recipe, then TrainConfig's defaults
+        train = {**train_recipe(model_cfg), **train}
         train_cfg = TrainConfig(**check_keys(TrainConfig, _tuples(train), "train config"))
         return cls(model=model_cfg, train=train_cfg, **top)
 
@@ -133,7 +140,31 @@ class RunConfig:
         return cls.from_dict(load_json_object(path, str(path)))
 
 
-def load_manifest(path: str):
+def train_recipe(model: ModelConfig) -> dict[str, Any]:
+    """The training settings the model's method trains with (its Variant's recipe: depth sampling
+    and its parameters), for the model as configured (Huginn's Poisson mean follows its R)."""
+    return get_variant(model.variant).train_recipe(model)
+
+
+def is_model_override(item: str) -> bool:
+    return item.startswith("model.")
+
+
+def choose_model(cfg: RunConfig, model: ModelConfig, overrides: list[str]) -> RunConfig:
+    """Give the run `model`, in the one order every command follows: the model, its `model.*`
+    overrides, the training recipe of the model so overridden, then (by the caller, last) the
+    user's training settings, which win over the recipe."""
+    cfg.model = model
+    apply_overrides(cfg, [item for item in overrides if is_model_override(item)])
+    return apply_recipe(cfg)
+
+
+def apply_recipe(cfg: RunConfig) -> RunConfig:
+    cfg.train = dataclasses.replace(cfg.train, **train_recipe(cfg.model))
+    return cfg
+
+
+def load_manifest(path: str) -> Manifest:
     """The manifest at `path`; a missing, foreign or malformed one is a ConfigError naming it."""
     from data_pipeline.manifest import Manifest
 
@@ -145,7 +176,7 @@ def load_manifest(path: str):
         raise ConfigError(f"data={path!r}: {err}") from None
 
 
-def resolve(cfg: RunConfig, manifest=None) -> RunConfig:
+def resolve(cfg: RunConfig, manifest: Manifest | None = None) -> RunConfig:
     """Checks that need the data: the model's vocabulary and context follow the tokenizer's."""
     manifest = manifest or load_manifest(cfg.data)
     if cfg.model.vocab_size != manifest.vocab_size:
@@ -167,7 +198,7 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. train.lr=3e-4")
         key, value = item.split("=", 1)
         section, _, name = key.rpartition(".")
-        target = {"": cfg, "model": cfg.model, "train": cfg.train}.get(section)
+        target: Any = {"": cfg, "model": cfg.model, "train": cfg.train}.get(section)
         if target is None:
             raise ConfigError(
                 f"override {item!r}: unknown section {section!r}; accepted: model, train, or a top-level key"

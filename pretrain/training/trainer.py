@@ -2,12 +2,13 @@
 
 Design choices that keep a looped model correct under ZeRO (docs/zero3.md):
 - the loop depth is a pure function of (seed, step): identical on every rank;
-- activation checkpointing is torch's non-reentrant checkpoint (parallelize.py);
+- activation checkpointing is torch's non-reentrant checkpoint (parallelize.py; `auto` is
+  resolved in auto_checkpointing.py);
 - every training depth is >= 1, so every parameter of the GRT takes part in every step;
 - one all-reduce per micro-batch carries the loss, a non-finite flag, the stop signal and
-  the previous step's gradient-norm check, so that every rank skips, stops and saves
-  together. The host reads them once per optimizer step outside logging steps, whatever
-  grad_accum is (`Trainer.train_step`, docs/performance.md).
+  the previous step's gradient-norm check (step_controls.py), so that every rank skips, stops
+  and saves together. The host reads them once per optimizer step outside logging steps,
+  whatever grad_accum is (`Trainer.train_step`, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -17,19 +18,21 @@ import logging
 import math
 import os
 import sys
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from pretrain.config import ConfigError
 from pretrain.distributed import all_reduce, comm_device, discover, init_distributed
-from pretrain.model import build_model
 from pretrain.model.flops import count_params
 from pretrain.training import checkpoint, deepspeed_internals
-from pretrain.training.depth import depth_for_step, max_depth
+from pretrain.training.depth import depth_for_step
 from pretrain.training.ds_config import build_ds_config, load_ds_json, save_ds_config, zero_stage
+from pretrain.training.engine import build_engine
+from pretrain.training.fit_hooks import NanFaults, warn_on_skipped_shards
 from pretrain.training.health import (
     Heartbeat,
     NanInjection,
@@ -49,19 +52,15 @@ from pretrain.training.metrics import (
     norms,
     peak_flops,
 )
-from pretrain.training.parallelize import (
-    AUTO,
-    AUTO_MEMORY_SHARE,
-    AUTO_MODES,
-    activation_bytes,
-    check_checkpointing,
-    checkpoint_and_compile,
-    choose_checkpointing,
-    compile_stats,
-    modes_for_stage,
-)
+from pretrain.training.parallelize import check_checkpointing, compile_stats
 from pretrain.training.resume import check_resume
 from pretrain.training.run_config import RunConfig, load_manifest, resolve
+from pretrain.training.step_controls import GradientMask, MicroBatchControls, StepTally
+
+if TYPE_CHECKING:
+    from data_pipeline.loader import TokenBatchLoader
+
+Batch = dict[str, torch.Tensor]
 
 log = logging.getLogger("grt.train")
 
@@ -85,101 +84,7 @@ def setup_logging(out: Path | None, rank: int) -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only (not on norms, biases, or the gate's biases)."""
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def build_engine(
-    cfg: RunConfig, world_size: int, device: torch.device, seq_len: int | None = None, ds: dict | None = None
-):
-    """The DeepSpeed engine and its merged config (`ds`, when the caller has merged it already).
-    Activation checkpointing is applied after DeepSpeed has placed the weights and optimizer
-    state, so that `auto` sees what is left; compilation with it (`checkpoint_and_compile`)."""
-    import deepspeed
-
-    ds = ds or build_ds_config(load_ds_json(cfg.ds_config), cfg.train, world_size, device.type == "cuda")
-    with deepspeed.zero.Init(config_dict_or_path=ds, enabled=zero_stage(ds) == 3):
-        model = build_model(cfg.model)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=param_groups(model, cfg.train.weight_decay), config=ds
-    )
-    mode = checkpointing_mode(
-        cfg, ds, device, seq_len or cfg.model.max_seq_len, count_params(model)["params"], world_size
-    )
-    checkpoint_and_compile(model, mode, cfg.train.compile)
-    deepspeed_internals.check_engine(engine)
-    if zero_stage(ds) == 3:
-        deepspeed_internals.install_counters()
-        # the whole model where no parameter is ever partitioned (one rank: ds_config.ALL_PERSISTENT,
-        # or a threshold above every matrix), so that ZeRO-3's module hooks have nothing to do
-        pinned = model if all(p.ds_persist for p in model.parameters()) else model.loop
-        if cfg.train.zero3_pin_core and pinned is not None:
-            deepspeed_internals.pin_parameters(engine, pinned)
-    return engine, ds
-
-
-def allocated_later(ds: dict, numel: int, world_size: int, dtype_bytes: int) -> int:
-    """Device memory the engine allocates only in the first step, after `auto` reads the free
-    memory: the full gradients under ZeRO-0/1 (ZeRO-2 and 3 partition them), and under
-    ZeRO-3 with more than one rank the parameters gathered at once (stage3_max_live_parameters,
-    DeepSpeed's default 1e9) plus the prefetch bucket (default 5e7), each at most the model.
-    torch.compile's workspaces are left to the headroom (AUTO_MEMORY_SHARE)."""
-    zero = ds.get("zero_optimization", {})
-    later = dtype_bytes * numel if zero_stage(ds) < 2 else 0
-    if zero_stage(ds) == 3 and world_size > 1:
-        live = min(numel, int(zero.get("stage3_max_live_parameters", 1e9)))
-        later += dtype_bytes * (live + min(numel, int(zero.get("stage3_prefetch_bucket_size", 5e7))))
-    return later
-
-
-def checkpointing_mode(
-    cfg: RunConfig, ds: dict, device: torch.device, seq_len: int, numel: int, world_size: int
-) -> str:
-    """train.activation_checkpointing, with `auto` resolved from the estimated activation
-    memory of one micro-batch at the deepest sampled depth against the device memory left
-    once what the first step allocates is taken (`allocated_later` of the model's `numel`
-    parameters; the least free over the ranks, so that every rank recomputes alike: ZeRO-3
-    gathers parameters again in a recompute). On the CPU, auto is off. Logs one line."""
-    t = cfg.train
-    if t.activation_checkpointing != AUTO:
-        return t.activation_checkpointing
-    depth, dtype_bytes = max_depth(t, cfg.model.max_loops), 2 if ds["bf16"]["enabled"] else 4
-    estimates = {
-        mode: activation_bytes(cfg.model, t.micro_batch_size * seq_len, depth, mode, dtype_bytes)
-        for mode in AUTO_MODES
-        if mode in modes_for_stage(zero_stage(ds))
-    }
-    free, later = None, allocated_later(ds, numel, world_size, dtype_bytes)
-    if device.type == "cuda":
-        free_here = (
-            torch.cuda.mem_get_info(device)[0]
-            + torch.cuda.memory_reserved(device)
-            - torch.cuda.memory_allocated(device)
-            - later
-        )
-        free = int(all_reduce(torch.tensor(float(free_here), device=comm_device()), op="min").item())
-    mode = choose_checkpointing(estimates, free)
-    log.info(
-        "activation checkpointing auto -> %s: estimated activation memory per micro-batch (%d x %d tokens, "
-        "depth up to %d): %s; %s",
-        mode,
-        t.micro_batch_size,
-        seq_len,
-        depth,
-        ", ".join(f"{m} {b / 2**20:,.1f} MiB" for m, b in estimates.items()),
-        f"free device memory {free / 2**20:,.0f} MiB (least over ranks, after {later / 2**20:,.0f} MiB that the "
-        f"first step allocates), {AUTO_MEMORY_SHARE:.0%} of it usable"
-        if free is not None
-        else "on the CPU: no checkpointing unless set",
-    )
-    return mode
-
-
-def move(batch: dict, device: torch.device, doc_mask: bool):
+def move(batch: Batch, device: torch.device, doc_mask: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     idx = batch["input_ids"].to(device, non_blocking=True)
     targets = batch["targets"].to(device, non_blocking=True)
     doc_ids = batch["doc_ids"].to(device, non_blocking=True) if doc_mask else None
@@ -187,7 +92,9 @@ def move(batch: dict, device: torch.device, doc_mask: bool):
 
 
 @torch.no_grad()
-def evaluate_depths(model, batches, depths, device, doc_mask=False) -> dict[int, float]:
+def evaluate_depths(
+    model: torch.nn.Module, batches: Iterable[Batch], depths: list[int], device: torch.device, doc_mask: bool = False
+) -> dict[int, float]:
     """Mean loss at each depth over the given batches, averaged over ranks (sum / count)."""
     was_training = model.training
     model.eval()
@@ -207,44 +114,22 @@ def allow_data_change(cfg: RunConfig) -> bool:
     return cfg.train.allow_data_change or os.environ.get("GRT_ALLOW_DATA_CHANGE") == "1"
 
 
-class GradientMask:
-    """Zeroes a backward's gradients on the device when a device flag is false, before
-    DeepSpeed accumulates or reduces them: a micro-batch whose non-finite check is not read
-    yet runs its backward under `keep_if(flag)`, and adds nothing if it turns out bad (a
-    non-finite gradient times zero would still be NaN, hence `where`). One hook per
-    parameter, a no-op outside `keep_if`."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.keep: torch.Tensor | None = None
-        self.handles = [p.register_hook(self.mask) for p in module.parameters() if p.requires_grad]
-
-    def mask(self, grad: torch.Tensor) -> torch.Tensor | None:
-        return None if self.keep is None else torch.where(self.keep.to(grad.device), grad, 0.0)
-
-    @contextmanager
-    def keep_if(self, flag: torch.Tensor):
-        self.keep = flag
-        try:
-            yield
-        finally:
-            self.keep = None
-
-
 class StepResult(NamedTuple):
     loss: float  # mean over the step's good micro-batches and the ranks
     stop_requested: bool  # a rank received SIGTERM/SIGUSR1
-    scalars: dict  # logging steps: norms and gate means
+    scalars: dict[str, float]  # logging steps: norms and gate means
 
 
 class Trainer:
     """One training run. `train()` below owns its life: build, fit, and close in `finally`."""
 
-    def __init__(self, cfg: RunConfig, resume: bool = False):
+    def __init__(self, cfg: RunConfig, resume: bool = False) -> None:
         self.cfg, self.resume = cfg, resume
         self.out = Path(cfg.out)
         self.ckpt_root = self.out / "checkpoints"
-        self.heartbeat: Heartbeat | None = None
-        self.writer: MetricsWriter | None = None
+        self.heartbeat: Heartbeat | None = None  # None until build() starts it: train() reports failures through it
+        self.writer: MetricsWriter  # build() opens it
+        self.closing = ExitStack()  # what build() opened, for close()
         self.step, self.skipped_total, self.bad_in_a_row = 0, 0, 0
 
     # -- build ---------------------------------------------------------------------------
@@ -274,11 +159,11 @@ class Trainer:
         tag, ds = self.preflight()
         cfg, t = self.cfg, self.cfg.train
         self.stop = StopSignal()  # before the slow start-up: a signal during it stops after the first step
-        self.faults = NanInjection()
         info = init_distributed(timeout_s=t.dist_timeout_s)
         self.rank, self.world = info.rank, info.world_size
         self.comm = comm_device()  # the device of every collective's tensors (distributed.comm_device)
         self.heartbeat = Heartbeat(self.rank, self.world)
+        self.closing.callback(self.heartbeat.close)
         setup_logging(self.out, self.rank)
         deepspeed_internals.quiet_deprecated_collectives()
         self.device = torch.device(f"cuda:{info.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
@@ -299,14 +184,16 @@ class Trainer:
             log.info("resumed from %s at step %d", self.ckpt_root / tag, self.step)
         self.val = self.val_batches() if t.eval_every else None
         self.writer = MetricsWriter(self.out, self.rank)
+        self.closing.callback(self.writer.close)
         self.writer.text("config", self.config_json)
         self.writer.text("deepspeed_config", json.dumps(self.ds, indent=2))
         self.throughput = Throughput(cfg.model, self.seq_len, self.peak * self.world)
         # the control vector's device-side inputs: set without a sync, read with the step's one sync
         self.stop_flag = torch.zeros((), dtype=torch.float64, device=self.comm)
         self.grad_norm_bad = torch.zeros((), dtype=torch.float64, device=self.comm)
-        self.grad_norm = None
+        self.grad_norm: torch.Tensor | None = None
         self.grad_mask = GradientMask(self.engine.module) if t.grad_accum > 1 else None
+        self.nan_faults = NanFaults(self.engine, NanInjection())
 
     def check_data_order(self, tag: str | None) -> None:
         """On resume, before any process group: the data must be the data the checkpoint saw."""
@@ -359,7 +246,7 @@ class Trainer:
             t.compile,
         )
 
-    def data_loader(self, split: str, **overrides):
+    def data_loader(self, split: str, **overrides: Any) -> TokenBatchLoader:
         from data_pipeline.loader import TokenBatchLoader
 
         t = self.cfg.train
@@ -375,7 +262,7 @@ class Trainer:
         )
         return TokenBatchLoader(self.manifest, split=split, **{**options, **overrides})
 
-    def val_batches(self):
+    def val_batches(self) -> list[Batch] | None:
         if not self.manifest.splits.get("val"):
             return None
         batches = []
@@ -386,71 +273,86 @@ class Trainer:
         return batches
 
     # -- one optimizer step --------------------------------------------------------------
-    def train_step(self, batches, depth: int, log_now: bool) -> StepResult:
+    def train_step(self, batches: Iterator[Batch], depth: int, log_now: bool) -> StepResult:
         """grad_accum good micro-batches (one with a non-finite loss on any rank is dropped on
         every rank and replaced by the next), then DeepSpeed's optimizer step.
 
-        Each micro-batch's control vector is all-reduced on the device; the host reads the
-        vectors not read yet once, after the forward of the micro-batch that completes the
-        step if they are all good, before its backward: one host sync per step outside
-        logging steps, whatever grad_accum is. The micro-batches before it run their backward
-        unread, under `GradientMask`: a dropped one's gradients are zeroed on the device, so
-        it adds nothing. A step that dropped one reads again for its replacements."""
-        t, engine = self.cfg.train, self.engine
-        loss_sum, good, scalars = 0.0, 0, {}
-        stop_requested = False
-        unread = []  # the control vectors of the micro-batches run since the last read
-        while good < t.grad_accum:
-            idx, targets, doc_ids = move(next(batches), self.device, t.doc_mask)
-            if self.loader.skipped_shards != self.skipped_shards:
-                log.warning(
-                    "rank %d skipped %d unreadable shard(s) so far (train.skip_corrupt_shards): %s",
-                    self.rank,
-                    self.loader.skipped_shards,
-                    ", ".join(self.loader.bad_shards),
-                )
-                self.skipped_shards = self.loader.skipped_shards
-            out = engine(idx, targets, n_loops=depth, doc_ids=doc_ids, return_gates=log_now, return_logits=False)
-            loss = out.loss * float("nan") if self.faults.poisons(self.step) else out.loss
-            if self.stop.received:
-                self.stop_flag.fill_(1.0)
-            detached = loss.detach().double().to(self.comm)
-            unread.append(
-                all_reduce(
-                    torch.stack([detached, (~torch.isfinite(detached)).double(), self.stop_flag, self.grad_norm_bad])
-                )
-            )
-            if good + len(unread) < t.grad_accum:  # not the last one yet: its flag is read later
-                engine.set_gradient_accumulation_boundary(False)
-                with self.grad_mask.keep_if(unread[-1][1] == 0):
-                    engine.backward(loss)
-                engine.step()
-                continue
-            controls = torch.stack(unread).tolist()  # the sync
-            unread = []
-            for loss_total, bad, stops, grad_norm_bad in controls:
-                if grad_norm_bad > 0:
-                    self.stop_on_bad_grad_norm()
-                stop_requested = stop_requested or stops > 0
-                if bad > 0:  # some rank saw a non-finite loss: every rank drops this micro-batch
-                    self.skip_bad_micro_batch(depth)
+        Each micro-batch's control vector (step_controls.py) is all-reduced on the device; the
+        host reads the vectors not read yet once, after the forward of the micro-batch that
+        completes the step if they are all good, before its backward: one host sync per step
+        outside logging steps, whatever grad_accum is. The micro-batches before it run their
+        backward unread, under `GradientMask`: a dropped one's gradients are zeroed on the
+        device, so it adds nothing. A step that dropped one reads again for its replacements."""
+        grad_accum = self.cfg.train.grad_accum
+        tally, scalars = StepTally(), {}
+        unread: list[torch.Tensor] = []  # the control vectors of the micro-batches run since the last read
+        while tally.good < grad_accum:
+            loss, gates = self.forward(next(batches), depth, log_now)
+            unread.append(self.controls(loss))
+            keep: torch.Tensor | None = None  # a micro-batch read before its backward needs no mask
+            if tally.good + len(unread) < grad_accum:  # not the last one yet: its controls are read later
+                keep = MicroBatchControls.finite_everywhere(unread[-1])
+            else:
+                read, unread = MicroBatchControls.read(unread), []  # the step's host sync
+                self.settle(read, depth, tally)
+                if read[-1].dropped:  # this one too: dropped before its backward
                     continue
-                self.bad_in_a_row = 0
-                good += 1
-                loss_sum += loss_total / self.world
-            if controls[-1][1] > 0:  # this micro-batch is dropped before its backward
+            self.backward(loss, keep, boundary=tally.good == grad_accum)
+            if log_now and tally.good == grad_accum:  # the gradients are complete until engine.step() clears them
+                scalars = self.gradient_scalars(gates)
+            self.engine.step()
+        self.record_grad_norm()
+        return StepResult(tally.loss_sum / grad_accum, tally.stop_requested, {k: float(v) for k, v in scalars.items()})
+
+    def forward(self, batch: Batch, depth: int, log_now: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The micro-batch's loss, and its gates on logging steps."""
+        idx, targets, doc_ids = move(batch, self.device, self.cfg.train.doc_mask)
+        out = self.engine(idx, targets, n_loops=depth, doc_ids=doc_ids, return_gates=log_now, return_logits=False)
+        return out.loss, out.gates
+
+    def controls(self, loss: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's control vector, summed over the ranks on the device."""
+        if self.stop.received:
+            self.stop_flag.fill_(1.0)
+        return all_reduce(MicroBatchControls.pack(loss, self.stop_flag, self.grad_norm_bad, self.comm))
+
+    def settle(self, read: list[MicroBatchControls], depth: int, tally: StepTally) -> None:
+        """Account for the micro-batches just read, in order; raises TrainingStopped on a bad
+        gradient norm or too many non-finite losses in a row."""
+        for controls in read:
+            if controls.grad_norm_bad:
+                self.stop_on_bad_grad_norm()
+            tally.stop_requested = tally.stop_requested or controls.stop_requested
+            if controls.dropped:
+                self.skip_bad_micro_batch(depth)
                 continue
-            engine.set_gradient_accumulation_boundary(good == t.grad_accum)
-            engine.backward(loss)
-            if log_now and good == t.grad_accum:  # the gradients are complete until engine.step() clears them
-                scalars.update(norms(engine.module, self.world))
-                scalars.update({f"gate/mean_step_{i}": g.detach().float().mean() for i, g in enumerate(out.gates, 1)})
-            engine.step()
-        grad_norm = engine.get_global_grad_norm()
-        if grad_norm is not None:  # checked inside the next step's control vector (or by check_grad_norm)
+            self.bad_in_a_row = 0
+            tally.good += 1
+            tally.loss_sum += controls.loss_sum / self.world
+
+    def backward(self, loss: torch.Tensor, keep: torch.Tensor | None, boundary: bool) -> None:
+        """DeepSpeed's backward; `keep`: the device flag of a micro-batch not read yet, whose
+        gradients count only if it is true."""
+        self.engine.set_gradient_accumulation_boundary(boundary)
+        if keep is None:
+            self.engine.backward(loss)
+            return
+        assert self.grad_mask is not None  # built whenever grad_accum > 1, the only case with unread micro-batches
+        with self.grad_mask.keep_if(keep):
+            self.engine.backward(loss)
+
+    def gradient_scalars(self, gates: list[torch.Tensor]) -> dict[str, float | torch.Tensor]:
+        """Norms and gate means (those on the device), taken before engine.step() clears the gradients."""
+        gate_means = {f"gate/mean_step_{i}": g.detach().float().mean() for i, g in enumerate(gates, 1)}
+        return {**norms(self.engine.module, self.world), **gate_means}
+
+    def record_grad_norm(self) -> None:
+        """The step's gradient norm, kept on the device: the next step's control vector checks
+        it (or `check_grad_norm`)."""
+        grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is not None:
             self.grad_norm = torch.as_tensor(grad_norm, dtype=torch.float64).to(self.comm, non_blocking=True)
             self.grad_norm_bad = (~torch.isfinite(self.grad_norm)).double()
-        return StepResult(loss_sum / t.grad_accum, stop_requested, {k: float(v) for k, v in scalars.items()})
 
     def skip_bad_micro_batch(self, depth: int) -> None:
         t = self.cfg.train
@@ -488,18 +390,19 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------
     def fit(self) -> dict:
-        cfg, t, engine = self.cfg, self.cfg.train, self.engine
+        cfg, t, engine, heartbeat = self.cfg, self.cfg.train, self.engine, self.heartbeat
+        assert heartbeat is not None  # build() started it
         max_r = cfg.model.max_loops
-        batches = iter(self.loader)
-        self.skipped_shards = self.loader.skipped_shards
+        batches = warn_on_skipped_shards(self.loader, self.rank)
         last_val, loss, stop_requested = {}, float("nan"), False  # a resume of a finished run trains no step
         engine.train()
         self.throughput.reset()
         while self.step < t.steps:
             depth = depth_for_step(t, max_r, self.step)
             log_now = (self.step + 1) % t.log_every == 0 or self.step + 1 == t.steps
-            self.heartbeat.step = self.step
-            loss, stop_requested, scalars = self.train_step(batches, depth, log_now)
+            heartbeat.step = self.step
+            with self.nan_faults.at_step(self.step):
+                loss, stop_requested, scalars = self.train_step(batches, depth, log_now)
             self.step += 1
             self.throughput.add(self.tokens_per_step, depth)
             save_now = (
@@ -513,7 +416,7 @@ class Trainer:
                 self.check_grad_norm()
             self.writer.step_record(self.step, {"loss": loss, "depth": depth, "rss_mb": round(rss_mb(), 1)})
             if self.val is not None and (self.step % t.eval_every == 0 or self.step == t.steps):
-                last_val = self.validate()
+                last_val = self.validate(self.val)
             if save_now:
                 saved = self.save()
                 log.info("saved checkpoint %s", self.ckpt_root / saved)
@@ -576,9 +479,9 @@ class Trainer:
             human_duration(eta),
         )
 
-    def validate(self) -> dict[int, float]:
+    def validate(self, batches: list[Batch]) -> dict[int, float]:
         max_r = self.cfg.model.max_loops
-        by_depth = evaluate_depths(self.engine, self.val, list(range(max_r + 1)), self.device, self.cfg.train.doc_mask)
+        by_depth = evaluate_depths(self.engine, batches, list(range(max_r + 1)), self.device, self.cfg.train.doc_mask)
         full = by_depth[max_r]
         self.writer.scalars(self.step, {"val/loss": full, **{f"val/loss_depth_{k}": v for k, v in by_depth.items()}})
         self.writer.scalars_by_tokens(self.step * self.tokens_per_step, {"val/loss": full})
@@ -608,10 +511,7 @@ class Trainer:
             raise TrainingStopped(str(err)) from err
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        if self.heartbeat is not None:
-            self.heartbeat.close()
+        self.closing.close()
 
 
 def dry_run(cfg: RunConfig, resume: bool = False) -> str:

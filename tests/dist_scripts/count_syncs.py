@@ -15,6 +15,7 @@ import json
 import sys
 import warnings
 from pathlib import Path
+from types import FrameType
 
 import torch
 
@@ -25,13 +26,13 @@ from pretrain.training.metrics import MetricsWriter  # noqa: E402
 
 SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
 counts = {"project": 0, "deepspeed": 0, "data": 0}
-per_step = []
+per_step: list[dict[str, int]] = []
 
 
 def origin() -> str | None:
     """The innermost caller that is DeepSpeed's, the data pipeline's or the project's: the
     model's forward runs inside DeepSpeed's engine, and its syncs are the project's."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
         if "/deepspeed/" in name:
@@ -66,13 +67,13 @@ def step_record(self, step, values):
     for key in counts:
         counts[key] = 0
     if step == 3:
-        warnings.warn("GRT-TEST a real UserWarning", UserWarning)
-        warnings.warn("GRT-TEST a FutureWarning of another kind", FutureWarning)
+        warnings.warn("GRT-TEST a real UserWarning", UserWarning, stacklevel=1)
+        warnings.warn("GRT-TEST a FutureWarning of another kind", FutureWarning, stacklevel=1)
     out_json.write_text(json.dumps(per_step))
     return original_record(self, step, values)
 
 
-MetricsWriter.step_record = step_record
+MetricsWriter.step_record = step_record  # type: ignore[method-assign]  # intentional runtime patch: records each step's sync counts
 
 from pretrain.cli import main  # noqa: E402
 

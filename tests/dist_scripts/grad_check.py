@@ -4,9 +4,9 @@ single-process reference on the same global batch, over several depths in a row.
 usage: grad_check.py STAGE PRESET[,PRESET...] OUT_JSON [DEPTHS [CHECKPOINTING]]   (run as W ranks; writes a report from
 rank 0: {"steps": [...], "trace_invalidations": N} for one preset, {preset: {...}} for several).
 Every random perturbation is off (baselines.noise_off). "trace_invalidations" counts the times
-ZeRO-3 threw away its recorded module order after the first step. "unused_with_nonzero_grad" lists the parameters a depth
-does not reach (the loop at depth 0, per-step LoRA adapters and routers past the depth) whose
-gradient is not exactly zero: under ZeRO-3 they would be stale.
+ZeRO-3 threw away its recorded module order after the first step. "unused_with_nonzero_grad"
+lists the parameters a depth does not reach (the loop at depth 0, per-step LoRA adapters and
+routers past the depth) whose gradient is not exactly zero: under ZeRO-3 they would be stale.
 """
 
 import json
@@ -14,6 +14,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any, NotRequired, TypedDict
 
 import torch
 
@@ -27,8 +28,8 @@ from pretrain.model import build_model  # noqa: E402
 from pretrain.model.baselines import noise_off  # noqa: E402
 from pretrain.presets import get_preset  # noqa: E402
 from pretrain.training import deepspeed_internals  # noqa: E402
+from pretrain.training.engine import build_engine  # noqa: E402
 from pretrain.training.run_config import RunConfig  # noqa: E402
-from pretrain.training.trainer import build_engine  # noqa: E402
 
 stage, presets, out_path = int(sys.argv[1]), sys.argv[2].split(","), Path(sys.argv[3])
 depths = [int(d) for d in (sys.argv[4] if len(sys.argv) > 4 else "3,1,0,2").split(",")]
@@ -58,7 +59,14 @@ def ds_config_path() -> str:
     return str(path)
 
 
-def check(preset: str) -> dict:
+class Report(TypedDict):
+    """One preset's report (written as JSON)."""
+
+    steps: list[dict[str, Any]]
+    trace_invalidations: NotRequired[int]
+
+
+def check(preset: str) -> Report:
     cfg = RunConfig(data="unused", ds_config=ds_config_path())
     cfg.model = noise_off(get_preset(preset).replace(max_seq_len=T))
     cfg.train.micro_batch_size, cfg.train.grad_accum = B, GA
@@ -75,7 +83,7 @@ def check(preset: str) -> dict:
         idx = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=g)
         return idx[:, :-1], idx[:, 1:]
 
-    report = {"steps": []}
+    report: Report = {"steps": []}
     for step, depth in enumerate(depths):
         # reference: the same weights as the engine, the whole global batch in one process
         reference.load_state_dict(
@@ -96,7 +104,8 @@ def check(preset: str) -> dict:
         ref = dict(reference.named_parameters())
         worst, unused_nonzero = {}, []
         for n in names:
-            ref_grad = ref[n].grad if ref[n].grad is not None else torch.zeros_like(ref[n])
+            ref_param = ref[n]
+            ref_grad = ref_param.grad if ref_param.grad is not None else torch.zeros_like(ref_param)
             diff = (grads[n].float() - ref_grad).abs().max().item()
             scale = ref_grad.abs().max().item()
             worst[n] = {"max_abs_diff": diff, "ref_max": scale}

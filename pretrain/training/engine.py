@@ -1,0 +1,60 @@
+"""The DeepSpeed engine of a run: the model built under ZeRO-3's `zero.Init`, its optimizer
+groups, activation checkpointing and compilation applied from outside it (after DeepSpeed has
+placed the weights, so that `auto` sees the memory left), and ZeRO-3's core pinning. The
+trainer, `grt compare`'s step timing and the gradient checks build it the same way."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from pretrain.model import build_model
+from pretrain.model.flops import count_params
+from pretrain.training import deepspeed_internals
+from pretrain.training.auto_checkpointing import checkpointing_mode
+from pretrain.training.ds_config import build_ds_config, load_ds_json, zero_stage
+from pretrain.training.parallelize import checkpoint_and_compile
+from pretrain.training.run_config import RunConfig
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only (not on norms, biases, or the gate's biases)."""
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    for _, p in model.named_parameters():
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_engine(
+    cfg: RunConfig, world_size: int, device: torch.device, seq_len: int | None = None, ds: dict | None = None
+) -> tuple[DeepSpeedEngine, dict]:
+    """The DeepSpeed engine and its merged config (`ds`, when the caller has merged it already).
+    Activation checkpointing is applied after DeepSpeed has placed the weights and optimizer
+    state, so that `auto` sees what is left; compilation with it (`checkpoint_and_compile`)."""
+    import deepspeed
+
+    ds = ds or build_ds_config(load_ds_json(cfg.ds_config), cfg.train, world_size, device.type == "cuda")
+    with deepspeed.zero.Init(config_dict_or_path=ds, enabled=zero_stage(ds) == 3):
+        model = build_model(cfg.model)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=param_groups(model, cfg.train.weight_decay), config=ds
+    )
+    mode = checkpointing_mode(
+        cfg, ds, device, seq_len or cfg.model.max_seq_len, count_params(model)["params"], world_size
+    )
+    checkpoint_and_compile(model, mode, cfg.train.compile)
+    deepspeed_internals.check_engine(engine)
+    if zero_stage(ds) == 3:
+        deepspeed_internals.install_counters()
+        # the whole model where no parameter is ever partitioned (one rank: ds_config.ALL_PERSISTENT,
+        # or a threshold above every matrix), so that ZeRO-3's module hooks have nothing to do
+        persistent = all(p.ds_persist for p in model.parameters())  # type: ignore[attr-defined]  # set by zero.Init
+        pinned = model if persistent else model.loop
+        if cfg.train.zero3_pin_core and pinned is not None:
+            deepspeed_internals.pin_parameters(engine, pinned)
+    return engine, ds

@@ -1,0 +1,12 @@
+"""The dense GPT-2 baseline: N blocks run once (pretrain/model/gpt.py, without a loop)."""
+
+from __future__ import annotations
+
+from pretrain.variants.base import Variant, register
+
+
+@register
+class Dense(Variant):
+    name = "dense"
+    label = "dense GPT-2"
+    looped = False

@@ -1,0 +1,48 @@
+"""The Gated Recurrent Transformer (pretrain/model/gpt.py): a shared core looped R times, the
+prelude output re-injected through a projection of [s; e], and a learned gate on each update.
+With its switches off it is each rung of the paper's ablation ladder, down to loop only."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pretrain.variants.base import Variant, projection_and_gate_flops, register
+
+if TYPE_CHECKING:
+    from pretrain.config import ModelConfig
+
+
+@register
+class GRT(Variant):
+    name = "grt"
+    label = "GRT"
+
+    def describe(self, cfg: ModelConfig) -> str:
+        """GRT with all of its components; otherwise the ablation rung the switches make."""
+        layout = cfg.parsed_layout
+        parts = ["prelude/coda" if layout.prelude or layout.coda else "whole stack looped"]
+        if cfg.state_noise_std > 0:
+            parts.append("noise")
+        if cfg.reinject_anchor:
+            parts.append("re-injection")
+        if cfg.gate:
+            parts.append("gate")
+        if parts == ["whole stack looped"]:
+            return "loop only"
+        return "GRT" if len(parts) == 4 else "loop + " + ", ".join(parts)
+
+    def train_recipe(self, cfg: ModelConfig) -> dict[str, Any]:
+        return {"depth_sampling": "uniform"}  # r ~ U{1..R} per step (spec section 2)
+
+    def step_extra_flops(self, cfg: ModelConfig) -> float:
+        return projection_and_gate_flops(cfg)
+
+    def loop_flops(self, cfg: ModelConfig, seq_len: int, steps: int, executed: bool) -> float:
+        total = super().loop_flops(cfg, seq_len, steps, executed)
+        if executed and steps > 0:
+            # the anchor halves of the projection and of the gate's first layer (2 d^2 each) are
+            # computed once per forward (model.gpt.AnchorProjection), not once per step
+            d = cfg.d_model
+            anchor_half = (2 * d * d if cfg.reinject_anchor else 0) + (2 * d * d if cfg.gate else 0)
+            total -= anchor_half * (steps - 1)
+        return total
