@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.cmd == "inspect":
             return _inspect(args)
-    except (FileNotFoundError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # OSError: a file that vanished, a full disk, no permission
         print(f"grt data {args.cmd}: error: {exc}", file=sys.stderr)
         return 2
     return 2

@@ -35,6 +35,21 @@ def is_temp(name: str) -> bool:
 _TEMP_RE = re.compile(r"^\..+\.tmp\d+$")
 
 
+def check_output_path(path: str, what: str, is_dir: bool) -> None:
+    """Refuse an output path that cannot be made: one of another kind (a file where a folder
+    goes, or the reverse), under a file, or under a folder this process may not write."""
+    if os.path.exists(path) and os.path.isdir(path) != is_dir:
+        kind = "a file" if is_dir else "a directory"
+        raise ValueError(f"{what} {path!r} is {kind}")
+    ancestor = os.path.dirname(os.path.abspath(path)) if not os.path.isdir(path) else os.path.abspath(path)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ValueError(f"{what} {path!r} cannot be made: {ancestor!r} is a file")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {path!r} cannot be written: no permission in {ancestor!r}")
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     with atomic_path(path) as tmp, open(tmp, "wb") as fh:
         fh.write(data)

@@ -243,7 +243,8 @@ class TokenBatchLoader:
         # a Manifest object: loaded (and its tokenizer hashed) once by the caller, shared by its loaders
         self.manifest = manifest if isinstance(manifest, Manifest) else Manifest.load(manifest)
         self.manifest.check(expected_seq_len, expected_tokenizer_sha256)
-        if os.path.isfile(self.manifest.tokenizer_path):  # absent when only the manifest was copied
+        # Manifest.load refuses a missing tokenizer; a Manifest built by hand may lack one
+        if os.path.isfile(self.manifest.tokenizer_path):
             self.manifest.verify_tokenizer()
         self.split = split
         self.shards = self.manifest.shards(split)

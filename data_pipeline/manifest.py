@@ -6,6 +6,7 @@ complete set of shards. See docs/data.md for the fields.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -130,9 +131,35 @@ class Manifest:
         if not isinstance(version, int) or version > VERSION:
             raise ValueError(f"manifest {path!r} has version {version!r}, this code reads <= {VERSION}")
         try:
-            return cls._from_raw(path, raw)
+            manifest = cls._from_raw(path, raw)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a field missing or of the wrong type
             raise ValueError(f"manifest {path!r} is malformed ({type(exc).__name__}: {exc})") from None
+        manifest._check_values()
+        return manifest
+
+    def _check_values(self) -> None:
+        """Values checked at the door, each refused in one line naming the file: the sample
+        layout, and the tokenizer (it exists; its vocabulary is the manifest's). A tokenizer file
+        that is not a SentencePiece model is left to the sha256 check of `verify_tokenizer`."""
+        if self.seq_len < 1:
+            raise ValueError(f"manifest {self.path!r} has seq_len {self.seq_len}; it must be >= 1")
+        if self.ext not in _DTYPE_EXTS:
+            raise ValueError(f"manifest {self.path!r} has dtype_ext {self.ext!r}; this code reads {_DTYPE_EXTS}")
+        if not 0 <= self.sep_id < self.vocab_size:
+            raise ValueError(
+                f"manifest {self.path!r} has sep_id {self.sep_id} outside its vocab_size {self.vocab_size}"
+            )
+        if not os.path.isfile(self.tokenizer_path):
+            raise ValueError(
+                f"manifest {self.path!r} names tokenizer {self.tokenizer_path!r}, which does not exist "
+                f"(copy the tokenizer there or edit the manifest's tokenizer.path)"
+            )
+        pieces = _tokenizer_pieces(self.tokenizer_path)
+        if pieces is not None and pieces != self.vocab_size:
+            raise ValueError(
+                f"manifest {self.path!r} has vocab_size {self.vocab_size} (tokenizer sha256 "
+                f"{self.tokenizer_sha256}), but its tokenizer {self.tokenizer_path!r} has {pieces} pieces"
+            )
 
     @classmethod
     def _from_raw(cls, path: str, raw: dict[str, Any]) -> Manifest:
@@ -174,6 +201,26 @@ class Manifest:
             options=raw.get("options", {}),
             raw=raw,
         )
+
+
+_DTYPE_EXTS = ("u16", "u32")
+
+
+@functools.lru_cache(maxsize=64)
+def _pieces_of(path: str, size: int, mtime_ns: int) -> int | None:
+    import sentencepiece as spm
+
+    try:
+        return int(spm.SentencePieceProcessor(model_file=path).get_piece_size())
+    except (RuntimeError, OSError):  # not a SentencePiece model
+        return None
+
+
+def _tokenizer_pieces(path: str) -> int | None:
+    """The vocabulary size of a SentencePiece model file (cached per file version), or None
+    when it is not one."""
+    st = os.stat(path)
+    return _pieces_of(path, st.st_size, st.st_mtime_ns)
 
 
 def manifest_dict(

@@ -8,13 +8,21 @@ The main process packs each split's token stream — a separator token before ev
 document — into samples of ``seq_len + 1`` tokens (sample i covers stream positions
 [i*seq_len, (i+1)*seq_len], so consecutive samples share one token and no token is
 wasted as a target), writes shards atomically, and finally writes the manifest.
+
+Everything that can be checked before a byte is written is checked first (options, inputs
+readable, the tokenizer, at least one usable document). The output folder then changes
+only through `_OutputDir`: what an earlier run left there is set aside under hidden names,
+never deleted, until the new manifest is in place; a run refused later (say no complete
+sequence) puts everything back, so a refused command leaves the file system as it found it.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import json
+import math
 import multiprocessing as mp
 import os
 import re
@@ -22,17 +30,17 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from .files import atomic_write_bytes, is_temp
+from .files import check_output_path, is_temp
 from .manifest import MANIFEST_NAME, Manifest, manifest_dict
 from .shards import DTYPES, build_shard, ext_for_vocab, member_size, write_shard_atomic
-from .sources import SourceStats, expand_inputs, iter_file_documents
-from .tokenizer import Tokenizer, file_sha256
+from .sources import TXT_MODES, SourceStats, check_readable, expand_inputs, iter_file_documents
+from .tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from sentencepiece import SentencePieceProcessor
@@ -41,6 +49,8 @@ TOKENIZER_NAME = "tokenizer.model"
 SPLITS = ("train", "val")
 _SHARD_RE = re.compile(r"^(train|val)-\d{6}\.tar$")
 _SHARD_TMP_RE = re.compile(r"^(train|val)-\d{6}\.tar\.tmp$")
+# what a run set aside (`_OutputDir`): `.NAME.oldN` of the pipeline's own names only
+_ASIDE_RE = re.compile(r"^\.(manifest\.json|tokenizer\.model|(train|val)-\d{6}\.tar(\.tmp)?)\.old\d+$")
 _CHUNK_CHARS = 1 << 21  # ~2 MB of text per task sent to a worker
 _SEGMENT_CHARS = 1000
 
@@ -145,8 +155,8 @@ class _Options:
 class _Packer:
     """Packs one split's token stream into fixed-size samples and writes full shards."""
 
-    def __init__(self, split: str, out_dir: str, seq_len: int, per_shard: int, ext: str) -> None:
-        self.split, self.out_dir, self.seq_len, self.per_shard, self.ext = split, out_dir, seq_len, per_shard, ext
+    def __init__(self, split: str, out: _OutputDir, seq_len: int, per_shard: int, ext: str) -> None:
+        self.split, self.out, self.seq_len, self.per_shard, self.ext = split, out, seq_len, per_shard, ext
         self.pending: list[_Tokens] = []
         self.pending_len = 0
         self.entries: list[_Entry] = []
@@ -184,7 +194,7 @@ class _Packer:
         stem = f"{self.split}-{len(self.entries):06d}"
         name = stem + ".tar"
         data = build_shard(stem, samples, self.ext)
-        sha = write_shard_atomic(os.path.join(self.out_dir, name), data)
+        sha = self.out.put_shard(name, data)
         self.entries.append(
             {"name": name, "sequences": int(n), "tokens": int(n * T), "bytes": len(data), "sha256": sha}
         )
@@ -193,11 +203,26 @@ class _Packer:
 # --------------------------------------------------------------------------- the stages of prepare
 
 
-def _check_options(seq_len: int, val_fraction: float) -> None:
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+def _check_options(options: _Options, workers: int | None) -> None:
+    """Refuse a setting no run can use, before anything is read or written."""
+    checks = (
+        (options.seq_len >= 1, f"seq_len must be >= 1, got {options.seq_len}"),
+        (0.0 <= options.val_fraction < 1.0, f"val_fraction must be in [0, 1), got {options.val_fraction}"),
+        (
+            math.isfinite(options.shard_size_mb) and options.shard_size_mb > 0,
+            f"shard_size_mb must be > 0, got {options.shard_size_mb}",
+        ),
+        (workers is None or workers >= 1, f"workers must be >= 1 (leave it out for the CPU count), got {workers}"),
+        (
+            options.max_mb is None or options.max_mb > 0,
+            f"max_mb must be > 0 (leave it out to read everything), got {options.max_mb}",
+        ),
+        (options.txt_mode in TXT_MODES, f"txt_mode must be one of {TXT_MODES}, got {options.txt_mode!r}"),
+        (bool(options.text_field), "text_field must not be empty"),
+    )
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
 
 
 def _input_files(inputs: Sequence[str], val_inputs: Sequence[str]) -> list[tuple[str, str]]:
@@ -215,27 +240,108 @@ def _split_of(text: str, file_split: str, options: _Options) -> str:
     return "train"
 
 
-def _clear_previous_run(out_dir: str) -> None:
-    """Create ``out_dir``, without the manifest and the temporaries an earlier run left there."""
-    os.makedirs(out_dir, exist_ok=True)
-    # An old manifest would describe shards this run is about to overwrite: remove it
-    # first; the new one is written only once every shard is complete.
-    manifest_path = os.path.join(out_dir, MANIFEST_NAME)
-    if os.path.exists(manifest_path):
-        os.unlink(manifest_path)
-    for f in os.listdir(out_dir):  # leftovers of an interrupted run (only our own names)
-        if _SHARD_TMP_RE.match(f) or is_temp(f):  # shards' own temporaries; the manifest's and tokenizer's
-            os.unlink(os.path.join(out_dir, f))
+class _OutputDir:
+    """The output folder of one run, changed so that a refused run can be undone.
+
+    Nothing there is deleted or overwritten before the run is complete: whatever a new file
+    replaces is first renamed to a hidden ``.NAME.oldN`` beside it, the old manifest before
+    the first file it may describe (so that no manifest describes shards being replaced).
+    `commit` deletes what was set aside, and stale shards, once the new manifest is in place;
+    `rollback` (a refused run) deletes what this run wrote, renames everything back and
+    removes the folders it made. An interrupted run (a kill, Ctrl-C) leaves complete
+    ``*.tar`` files only, and the old manifest only if none of its files was replaced yet;
+    the next complete run deletes what it set aside.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.created: list[str] = []  # folders this run made, outermost first
+        self.aside: list[tuple[str, str]] = []  # (name, hidden name it was renamed to), in order
+        self.written: list[str] = []  # names this run wrote (temporaries included)
+
+    def _join(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def open(self) -> None:
+        """Make the folder and its missing parents."""
+        missing, d = [], os.path.abspath(self.path)
+        while not os.path.exists(d):
+            missing.append(d)
+            d = os.path.dirname(d)
+        for d in reversed(missing):
+            os.mkdir(d)
+            self.created.append(d)
+
+    def _set_aside(self, name: str) -> None:
+        if not os.path.lexists(self._join(name)):
+            return
+        if name != MANIFEST_NAME and not name.endswith(".tmp"):  # a file the old manifest may describe
+            self._set_aside(MANIFEST_NAME)
+        n = os.getpid()
+        while os.path.lexists(self._join(f".{name}.old{n}")):
+            n += 1
+        os.rename(self._join(name), self._join(f".{name}.old{n}"))
+        self.aside.append((name, f".{name}.old{n}"))
+
+    def put_shard(self, name: str, data: bytes) -> str:
+        """Write shard ``name`` (through ``NAME.tmp``); returns its sha256."""
+        if name + ".tmp" not in self.written:
+            self._set_aside(name + ".tmp")  # a partial shard of an interrupted run: garbage, but not ours
+            self.written.append(name + ".tmp")
+        self.written.append(name)
+        return write_shard_atomic(self._join(name), data, before_replace=lambda: self._set_aside(name))
+
+    def put_bytes(self, name: str, data: bytes) -> None:
+        """Write ``name`` complete (fsynced under a temporary name), then set the old one aside and rename."""
+        tmp = f".{name}.tmp{os.getpid()}"
+        self.written += [tmp, name]
+        with open(self._join(tmp), "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        self._set_aside(name)
+        os.replace(self._join(tmp), self._join(name))
+
+    def commit(self, keep: set[str]) -> None:
+        """The new manifest is in place: delete what was set aside, shards an earlier (larger) run
+        left behind and leftovers of interrupted runs; only this pipeline's own names."""
+        for f in os.listdir(self.path):
+            stale_shard = _SHARD_RE.match(f) is not None and f not in keep
+            if stale_shard or _SHARD_TMP_RE.match(f) or _ASIDE_RE.match(f) or is_temp(f):
+                os.unlink(self._join(f))
+
+    def rollback(self) -> list[str]:
+        """Undo the run: the folder as it was before `open`. Returns what could not be undone."""
+        problems = []
+        for name in reversed(self.written):
+            try:
+                if os.path.lexists(self._join(name)):
+                    os.unlink(self._join(name))
+            except OSError as err:
+                problems.append(f"remove {name}: {err}")
+        for name, hidden in reversed(self.aside):
+            try:
+                os.rename(self._join(hidden), self._join(name))
+            except OSError as err:
+                problems.append(f"rename {hidden} back to {name}: {err}")
+        for d in reversed(self.created):
+            try:
+                os.rmdir(d)
+            except OSError as err:
+                problems.append(f"remove the folder {d}: {err}")
+        return problems
 
 
-def _copy_tokenizer(tok: Tokenizer, out_dir: str) -> None:
-    """Put the tokenizer next to the shards, where the manifest names it, and check the copy."""
-    tok_dst = os.path.join(out_dir, TOKENIZER_NAME)
-    if not (os.path.exists(tok_dst) and os.path.samefile(tok_dst, tok.model_path)):
-        with open(tok.model_path, "rb") as fh:
-            atomic_write_bytes(tok_dst, fh.read())
-    if file_sha256(tok_dst) != tok.sha256:
-        raise RuntimeError(f"copy of the tokenizer at {tok_dst!r} does not match {tok.model_path!r}")
+def _tokenizer_bytes(tok: Tokenizer, out: _OutputDir) -> bytes | None:
+    """The tokenizer to put next to the shards, or None when it is that file already."""
+    dst = os.path.join(out.path, TOKENIZER_NAME)
+    if os.path.exists(dst) and os.path.samefile(dst, tok.model_path):
+        return None
+    with open(tok.model_path, "rb") as fh:
+        data = fh.read()
+    if hashlib.sha256(data).hexdigest() != tok.sha256:
+        raise ValueError(f"the tokenizer {tok.model_path!r} changed while prepare ran")
+    return data
 
 
 class _DocumentReader:
@@ -281,6 +387,13 @@ class _DocumentReader:
         return self.limit is not None and nbytes >= self.limit
 
     def _count(self, path: str, file_split: str, fstats: SourceStats) -> None:
+        if fstats.truncated_files:
+            print(
+                f"prepare: warning: input {path!r} ends early or is damaged (compressed data cut short): "
+                f"{fstats.documents} documents read up to the damage, the rest is lost",
+                file=sys.stderr,
+                flush=True,
+            )
         self.stats.add(fstats)
         self.sources.append(
             {"path": path, "split": file_split, "file_bytes": os.path.getsize(path), **fstats.to_dict()}
@@ -379,16 +492,8 @@ def _written_splits(packers: dict[str, _Packer], seq_len: int, stats: SourceStat
     return {s: p.entries for s, p in packers.items() if p.entries or s == "train"}
 
 
-def _remove_stale_shards(out_dir: str, splits: dict[str, list[_Entry]]) -> None:
-    """Shards a previous (larger) run left behind would be mistaken for part of this one."""
-    keep = {e["name"] for entries in splits.values() for e in entries}
-    for f in os.listdir(out_dir):
-        if _SHARD_RE.match(f) and f not in keep:
-            os.unlink(os.path.join(out_dir, f))
-
-
 def _write_manifest(
-    path: str,
+    out: _OutputDir,
     tok: Tokenizer,
     options: _Options,
     splits: dict[str, list[_Entry]],
@@ -415,7 +520,7 @@ def _write_manifest(
         stats=run_stats,
         options=asdict(options),
     )
-    atomic_write_bytes(path, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
+    out.put_bytes(MANIFEST_NAME, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
 
 
 def _print_summary(
@@ -430,7 +535,9 @@ def _print_summary(
     print(
         f"prepare: {stats.documents:,} documents ({mb:.1f} MB, skipped {stats.skipped_empty} empty, "
         f"{stats.skipped_non_utf8} non-UTF-8, {stats.skipped_bad_json} bad JSON, "
-        f"{stats.skipped_missing_field} without {text_field!r}) -> "
+        f"{stats.skipped_missing_field} without {text_field!r}"
+        + (f"; {stats.truncated_files} truncated file(s)" if stats.truncated_files else "")
+        + ") -> "
         + ", ".join(f"{s}: {len(v)} shards / {sum(e['sequences'] for e in v):,} sequences" for s, v in splits.items())
         + f" in {elapsed:.1f}s ({mb / max(elapsed, 1e-9):.2f} MB/s, {stream_tokens / max(elapsed, 1e-9) / 1e6:.2f}M "
         f"tokens/s); manifest {manifest_path}",
@@ -460,34 +567,68 @@ def prepare(
     documents (chosen by a seeded hash of their content) does. ``max_mb`` stops after that
     many MB of document text (for benchmarks and smoke runs).
     """
-    _check_options(seq_len, val_fraction)
-    workers = max(1, int(workers if workers is not None else (os.cpu_count() or 1)))
     t_start = time.time()
-    files = _input_files(inputs, val_inputs)
-    tok = Tokenizer(tokenizer)
-    ext = ext_for_vocab(tok.vocab_size)
     options = _Options(
         seq_len=seq_len,
         shard_size_mb=shard_size_mb,
-        sequences_per_shard=max(1, int(shard_size_mb * 1e6) // member_size(seq_len + 1, ext)),
+        sequences_per_shard=0,  # set once the tokenizer gives the sample size
         val_fraction=val_fraction,
         seed=seed,
         text_field=text_field,
         txt_mode=txt_mode,
         max_mb=max_mb,
     )
-    _clear_previous_run(out_dir)
-    _copy_tokenizer(tok, out_dir)
+    files, tok = _preflight(inputs, val_inputs, tokenizer, out_dir, options, workers)
+    ext = ext_for_vocab(tok.vocab_size)
+    options = replace(options, sequences_per_shard=max(1, int(shard_size_mb * 1e6) // member_size(seq_len + 1, ext)))
+    n_workers = workers if workers is not None else (os.cpu_count() or 1)
 
-    packers = {s: _Packer(s, out_dir, seq_len, options.sequences_per_shard, ext) for s in SPLITS}
-    reader = _DocumentReader(files, options)
-    _tokenise_and_pack(reader, tok, packers, workers, progress, t_start)
-    dropped = {s: p.finish() for s, p in packers.items()}
-    splits = _written_splits(packers, seq_len, reader.stats)
-    _remove_stale_shards(out_dir, splits)
-    elapsed = time.time() - t_start
+    out = _OutputDir(out_dir)
     manifest_path = os.path.join(out_dir, MANIFEST_NAME)
-    _write_manifest(manifest_path, tok, options, splits, reader, packers, dropped)
+    try:
+        out.open()
+        packers = {s: _Packer(s, out, seq_len, options.sequences_per_shard, ext) for s in SPLITS}
+        reader = _DocumentReader(files, options)
+        _tokenise_and_pack(reader, tok, packers, n_workers, progress, t_start)
+        dropped = {s: p.finish() for s, p in packers.items()}
+        splits = _written_splits(packers, seq_len, reader.stats)
+        tokenizer_bytes = _tokenizer_bytes(tok, out)
+        if tokenizer_bytes is not None:
+            out.put_bytes(TOKENIZER_NAME, tokenizer_bytes)
+        _write_manifest(out, tok, options, splits, reader, packers, dropped)
+        manifest = Manifest.load(manifest_path)
+    except Exception:  # refused: the folder as it was (an interruption, BaseException, leaves no manifest)
+        problems = out.rollback()
+        if problems:
+            print(f"prepare: could not restore {out_dir!r}: {'; '.join(problems)}", file=sys.stderr, flush=True)
+        raise
+    out.commit(keep={e["name"] for entries in splits.values() for e in entries})
     if progress:
+        elapsed = time.time() - t_start
         _print_summary(reader.stats, splits, text_field, elapsed, _stream_tokens(packers), manifest_path)
-    return Manifest.load(manifest_path)
+    return manifest
+
+
+def _preflight(
+    inputs: Sequence[str],
+    val_inputs: Sequence[str],
+    tokenizer: str,
+    out_dir: str,
+    options: _Options,
+    workers: int | None,
+) -> tuple[list[tuple[str, str]], Tokenizer]:
+    """Everything that can be refused before a byte is written: the options, the inputs (they
+    exist and can be read), the tokenizer (a SentencePiece model), the output path, and at
+    least one usable document. Returns the input files (path, split) and the tokenizer."""
+    _check_options(options, workers)
+    files = _input_files(inputs, val_inputs)
+    tok = load_tokenizer(tokenizer)
+    check_output_path(out_dir, "output folder", is_dir=True)
+    for path, _ in files:
+        check_readable(path, options.text_field)
+    stats = SourceStats()
+    for path, _ in files:
+        documents = iter_file_documents(path, text_field=options.text_field, txt_mode=options.txt_mode, stats=stats)
+        if any(True for _ in itertools.islice(documents, 1)):
+            return files, tok
+    raise ValueError(f"no usable documents in the {len(files)} input file(s) (stats {stats.to_dict()})")

@@ -16,7 +16,7 @@ import io
 import os
 import re
 import tarfile
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import IO, Any
 
 import numpy as np
@@ -68,17 +68,20 @@ def build_shard(stem: str, samples: np.ndarray, ext: str) -> bytes:
     return buf.getvalue()
 
 
-def write_shard_atomic(path: str, data: bytes) -> str:
+def write_shard_atomic(path: str, data: bytes, before_replace: Callable[[], None] | None = None) -> str:
     """Write ``data`` to ``path`` through ``path + '.tmp'`` and a rename; returns its sha256.
 
     A partially written shard only ever exists under the ``.tmp`` name, which the loader
-    never reads and ``prepare`` deletes when it starts again.
+    never reads and ``prepare`` deletes after its next complete run. ``before_replace`` runs
+    once the temporary is complete, before the rename (``prepare`` sets an old shard aside there).
     """
     tmp = path + ".tmp"
     with open(tmp, "wb") as fh:
         _write_chunks(fh, data)
         fh.flush()
         os.fsync(fh.fileno())
+    if before_replace is not None:
+        before_replace()
     os.replace(tmp, path)
     return hashlib.sha256(data).hexdigest()
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
-from .files import atomic_write_bytes
+from .files import atomic_write_bytes, check_output_path
 
 DEFAULT_SEP_PIECE = "<|endoftext|>"
 MAX_VOCAB_SIZE = 50257  # GPT-2's vocabulary size
@@ -84,6 +84,17 @@ class Tokenizer:
         )
 
 
+def load_tokenizer(model_path: str, sep_piece: str | None = None) -> Tokenizer:
+    """`Tokenizer`, with a file that is not a SentencePiece model refused by a ``ValueError``
+    naming it (SentencePiece says ``RuntimeError``)."""
+    try:
+        return Tokenizer(model_path, sep_piece=sep_piece)
+    except RuntimeError as err:
+        raise ValueError(f"tokenizer {model_path!r} is not a SentencePiece model ({err})") from None
+    except IsADirectoryError:
+        raise ValueError(f"tokenizer {model_path!r} is a directory, not a SentencePiece model") from None
+
+
 def _training_pieces(doc: str) -> Iterator[str]:
     """Lines of a document, cut to lengths SentencePiece accepts as training sentences."""
     for line in doc.split("\n"):
@@ -115,15 +126,30 @@ def sample_training_text(
     """
     from tqdm import tqdm
 
-    from .sources import SourceStats, expand_inputs, iter_documents
+    from .sources import SourceStats, check_readable, expand_inputs, iter_documents, iter_file_documents
 
     files = expand_inputs(inputs)
+    for path in files:
+        check_readable(path, text_field)
     stats = SourceStats()
+    truncated: list[tuple[str, int]] = []  # (path, documents read up to the damage)
     with tqdm(desc="tokenizer: scan", unit="B", unit_scale=True, disable=not progress, file=sys.stderr) as bar:
-        for doc in iter_documents(files, text_field=text_field, txt_mode=txt_mode, stats=stats):
-            bar.update(len(doc))
+        for path in files:
+            fstats = SourceStats()
+            for doc in iter_file_documents(path, text_field=text_field, txt_mode=txt_mode, stats=fstats):
+                bar.update(len(doc))
+            if fstats.truncated_files:
+                truncated.append((path, fstats.documents))
+            stats.add(fstats)
     if stats.documents == 0:
         raise ValueError(f"no usable documents in {list(inputs)} (stats: {stats.to_dict()})")
+    for path, documents in truncated:  # after the refusal above, which says it in its one line
+        print(
+            f"tokenizer: warning: input {path!r} ends early or is damaged (compressed data cut short): "
+            f"{documents} documents read up to the damage, the rest is lost",
+            file=sys.stderr,
+            flush=True,
+        )
     rate = min(1.0, max_chars / max(1, stats.chars))
     rng = random.Random(seed)
     sentences: list[str] = []
@@ -165,20 +191,18 @@ def train_tokenizer(
 ) -> Tokenizer:
     """Train a SentencePiece BPE model on a sample of ``inputs`` and write it to ``out``.
 
-    ``out`` is the model file (``.model`` is appended if missing). It is written under a
-    temporary name and renamed, so an interrupted run never leaves a truncated model.
-    The same inputs and flags give a byte-identical model.
+    ``out`` is the model file (``.model`` is appended if missing). The options, the output
+    path and the inputs are checked first, and nothing (not even the folder) is written
+    before the model is trained and loads; it is then written under a temporary name and
+    renamed, so a refused run changes nothing and an interrupted one never leaves a
+    truncated model. The same inputs and flags give a byte-identical model.
     """
     import sentencepiece as spm
 
-    if not 256 + 2 <= vocab_size <= MAX_VOCAB_SIZE:
-        raise ValueError(
-            f"vocab_size must be in [258, {MAX_VOCAB_SIZE}] (256 byte pieces + unk + separator), got {vocab_size}"
-        )
+    _check_options(vocab_size, max_chars, sep_piece, character_coverage, num_threads)
     if not out.endswith(".model"):
         out = out + ".model"
-    out_dir = os.path.dirname(os.path.abspath(out))
-    os.makedirs(out_dir, exist_ok=True)
+    check_output_path(out, "output model", is_dir=False)
     t0 = time.time()
     sentences, info = sample_training_text(
         inputs, max_chars, text_field=text_field, txt_mode=txt_mode, seed=seed, progress=progress
@@ -221,7 +245,11 @@ def train_tokenizer(
             num_threads=num_threads or min(16, os.cpu_count() or 1),
             minloglevel=1 if progress else 2,
         )
-    atomic_write_bytes(out, buf.getvalue())
+    model = buf.getvalue()
+    _check_model(model, sep_piece)
+    # only now, with a complete model in hand, does the file system change
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    atomic_write_bytes(out, model)
     tok = Tokenizer(out, sep_piece=sep_piece)
     if progress:
         print(
@@ -231,6 +259,40 @@ def train_tokenizer(
             flush=True,
         )
     return tok
+
+
+def _check_options(
+    vocab_size: int, max_chars: int, sep_piece: str, character_coverage: float, num_threads: int | None
+) -> None:
+    """Refuse a setting SentencePiece cannot train with, before the input is read."""
+    checks = (
+        (
+            256 + 2 <= vocab_size <= MAX_VOCAB_SIZE,
+            f"vocab_size must be in [258, {MAX_VOCAB_SIZE}] (256 byte pieces + unk + separator), got {vocab_size}",
+        ),
+        (max_chars >= 1, f"max_chars must be >= 1, got {max_chars}"),
+        (bool(sep_piece), "sep_piece must not be empty"),
+        (0.0 < character_coverage <= 1.0, f"character_coverage must be in (0, 1], got {character_coverage}"),
+        (
+            num_threads is None or num_threads >= 1,
+            f"workers must be >= 1 (leave it out for the CPU count), got {num_threads}",
+        ),
+    )
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
+def _check_model(model: bytes, sep_piece: str) -> None:
+    """The trained model loads and has the separator (checked before it is written)."""
+    import sentencepiece as spm
+
+    try:
+        sp = spm.SentencePieceProcessor(model_proto=model)
+    except RuntimeError as err:
+        raise ValueError(f"SentencePiece wrote a model it cannot load ({err})") from None
+    if not sp.is_control(sp.piece_to_id(sep_piece)):
+        raise ValueError(f"the trained model has no control symbol {sep_piece!r}")
 
 
 def _train(spm: ModuleType, **kwargs: Any) -> None:

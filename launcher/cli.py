@@ -21,6 +21,7 @@ import argparse
 import os
 import re
 import shlex
+import signal
 import socket
 import sys
 import time
@@ -296,10 +297,13 @@ class Resolved:
 
 def resolve(args: argparse.Namespace, train_args: list[str], environ: dict[str, str]) -> Resolved:
     """Apply defaults, the hostfile and the environment to the launch options, one step at a time."""
+    check_values(args, environ)
     listed_hosts, hostfile = _listed_hosts(args, environ)
     gpus = _gpus_per_node(args, listed_hosts, hostfile is not None)
     procs = args.procs_per_node or gpus or 1
     nodes, hosts = _nodes(args, listed_hosts, procs)
+    if args.node_rank is not None and args.node_rank >= nodes:
+        raise LaunchError(f"--node-rank {args.node_rank}: must be below the number of nodes ({nodes}): 0..{nodes - 1}")
     world_size = nodes * procs
     master_addr, master_port = _master(args, environ, hosts, nodes)
     entry_module, entry_args = _entry(args.entry)
@@ -339,6 +343,56 @@ def resolve(args: argparse.Namespace, train_args: list[str], environ: dict[str, 
         python=args.python or ("python" if container else sys.executable),
         env=_rank_env(args, environ, gpus, procs),
     )
+
+
+# (flag, smallest, largest or None): the numeric launch flags; a value outside is refused before anything
+NUMBER_FLAGS = (
+    ("nodes", 1, None),
+    ("gpus_per_node", 0, None),
+    ("procs_per_node", 1, None),
+    ("master_port", 1, 65535),
+    ("node_rank", 0, None),
+    ("ssh_port", 1, 65535),
+    ("cpus_per_task", 1, None),
+)
+SLURM_TIME = re.compile(r"^(?:\d+-\d+|\d+)(?::\d+){0,2}$|^(?:INFINITE|UNLIMITED)$", re.IGNORECASE)
+SLURM_MEM = re.compile(r"^\d+[KMGT]?B?$", re.IGNORECASE)
+
+
+def check_values(args: argparse.Namespace, environ: dict[str, str]) -> None:
+    """Every numeric launch option in range, before any host, file or process: one line (exit 2)
+    naming the flag, its value and what is accepted."""
+    for name, least, most in NUMBER_FLAGS:
+        value = getattr(args, name)
+        if value is not None and (value < least or (most is not None and value > most)):
+            accepted = f"{least}..{most}" if most is not None else f">= {least}"
+            raise LaunchError(f"--{name.replace('_', '-')} {value}: must be {accepted}")
+    port = environ.get("MASTER_PORT")
+    if args.master_port is None and port and not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise LaunchError(f"MASTER_PORT={port!r} in the environment: must be a port number, 1..65535")
+    if args.time is not None and not SLURM_TIME.match(args.time):
+        raise LaunchError(
+            f"--time {args.time!r}: a Slurm time limit: MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM, "
+            "D-HH:MM:SS or UNLIMITED"
+        )
+    if args.mem is not None and not SLURM_MEM.match(args.mem):
+        raise LaunchError(f"--mem {args.mem!r}: a Slurm memory size per node: a whole number, optionally K, M, G or T")
+    if args.signal:
+        _check_signal(args.signal)
+
+
+def _check_signal(spec: str) -> None:
+    """--signal: [R:|B:]SIG[@SECONDS], as `sbatch --signal` takes it (seconds 0..65535)."""
+    body = spec.split(":", 1)[1] if ":" in spec else spec
+    name, _, seconds = body.partition("@")
+    known = name.isdigit() and 1 <= int(name) <= 64
+    known = known or f"SIG{name.upper().removeprefix('SIG')}" in signal.Signals.__members__
+    prefix_ok = ":" not in spec or spec.split(":", 1)[0].upper() in ("R", "B", "RB", "BR")
+    if not (known and prefix_ok and (not seconds or (seconds.isdigit() and int(seconds) <= 65535))):
+        raise LaunchError(
+            f"--signal {spec!r}: expected [B:]SIGNAL[@SECONDS] (a signal name or number, seconds 0..65535), "
+            "e.g. USR1@120, or '' for none"
+        )
 
 
 def _listed_hosts(args: argparse.Namespace, environ: dict[str, str]) -> tuple[list[Host] | None, str | None]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,9 +146,25 @@ class ModelConfig:
                 raise ConfigError(f"{key}={value!r}: must be a positive integer")
         if self.d_model % self.n_heads:
             raise ConfigError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        for key in (
+            "state_noise_std",
+            "gate_noise_std",
+            "dropout",
+            "gate_bias_init",
+            "gate_tau",
+            "layer_norm_eps",
+            "init_std",
+        ):
+            if not math.isfinite(getattr(self, key)):
+                raise ConfigError(f"{key}={getattr(self, key)!r}: must be a finite number")
         for key in ("state_noise_std", "gate_noise_std", "dropout"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}={getattr(self, key)!r}: must be >= 0")
+        if self.dropout >= 1:
+            raise ConfigError(f"dropout={self.dropout!r}: must be < 1 (the share of activations dropped)")
+        for key in ("layer_norm_eps", "init_std"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key}={getattr(self, key)!r}: must be > 0")
         if self.gate_tau <= 0:
             raise ConfigError(f"gate_tau={self.gate_tau!r}: must be > 0")
         variant.check(self)

@@ -21,8 +21,14 @@ launcher started it:
 `init_distributed()` exports the discovered values as ``MASTER_ADDR``/``MASTER_PORT``/
 ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` and starts the process group through
 ``deepspeed.init_distributed`` (``nccl`` on CUDA, ``gloo`` otherwise).  It is idempotent,
-and a lone process with no launcher environment still gets a 1-rank group on a free port,
-because the DeepSpeed engine needs one.
+and a lone process with no launcher environment still gets a 1-rank group on a port the
+kernel picks, because the DeepSpeed engine needs one.
+
+Before that, the rendezvous store (the TCPStore that torch.distributed's ``env://`` start
+uses before NCCL or gloo exist) is checked: rank 0 opens it itself, so a ``MASTER_PORT``
+another process holds is one line naming the port; every other rank first reaches it within
+the start's timeout (``train.dist_timeout_s``), so a rank 0 that never opened it is one line
+naming ``MASTER_ADDR:MASTER_PORT`` instead of a wait without end (`RendezvousError`, exit 2).
 
 Every collective of the project goes through this module (`all_reduce`, `all_agree`,
 `check_ranks`, `barrier`), on tensors made on `comm_device()`, and every process that
@@ -37,11 +43,15 @@ import re
 import socket
 import subprocess
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, TypeVar, overload
+
+from pretrain.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +64,7 @@ __all__ = [
     "DistInfo",
     "discover",
     "init_distributed",
+    "RendezvousError",
     "is_main",
     "barrier",
     "comm_device",
@@ -93,6 +104,11 @@ class DistInfo:
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+class RendezvousError(ConfigError):
+    """The process group cannot start for a reason the user fixes in the launch: rank 0 cannot
+    listen on MASTER_PORT, or another rank cannot reach rank 0's store. One line, exit 2."""
 
 
 # --------------------------------------------------------------------------- Slurm lists
@@ -204,8 +220,22 @@ def _set_int(env: Mapping[str, str], *names: str) -> int:
     return value
 
 
-def _port(env: Mapping[str, str]) -> int:
-    return _int(env, "MASTER_PORT", default=DEFAULT_MASTER_PORT)
+@overload
+def _port(env: Mapping[str, str], default: int = DEFAULT_MASTER_PORT) -> int: ...
+
+
+@overload
+def _port(env: Mapping[str, str], default: None) -> int | None: ...
+
+
+def _port(env: Mapping[str, str], default: int | None = DEFAULT_MASTER_PORT) -> int | None:
+    """MASTER_PORT, or `default` when it is unset; one that is not a port is a RendezvousError."""
+    value = env.get("MASTER_PORT", "").strip()
+    if not value:
+        return default
+    if not value.isdigit() or int(value) > 65535:
+        raise RendezvousError(f"MASTER_PORT={value!r}: not a port number; set MASTER_PORT to a free port in 1-65535")
+    return int(value)
 
 
 def _from_torchrun(env: Mapping[str, str]) -> DistInfo:
@@ -265,7 +295,7 @@ def _from_slurm(env: Mapping[str, str]) -> DistInfo:
         local_world = _int(env, "SLURM_NTASKS_PER_NODE", default=world)
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     addr = env.get("MASTER_ADDR") or (_first_host(nodelist) if nodelist else "127.0.0.1")
-    port = _int(env, "MASTER_PORT", default=None)
+    port = _port(env, default=None)
     if port is None:
         # every task of a job computes the same port; two jobs sharing a node rarely collide
         job = _int(env, "SLURM_JOB_ID", "SLURM_JOBID", default=0)
@@ -312,12 +342,8 @@ def discover(env: Mapping[str, str] | None = None) -> DistInfo:
 # --------------------------------------------------------------------------- start-up
 
 _INFO: DistInfo | None = None
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Rank 0's rendezvous store server, kept for the life of the process (see _open_store)
+_STORE: object | None = None
 
 
 def _mpi_master_addr() -> str:
@@ -328,8 +354,111 @@ def _mpi_master_addr() -> str:
     return comm.bcast(socket.gethostname() if comm.Get_rank() == 0 else None, root=0)
 
 
+def _agent_store() -> bool:
+    """torchrun's agent serves the store itself: every rank, rank 0 included, is its client."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def _listen_error(port: int, err: Exception) -> RendezvousError:
+    m = re.search(r"name: (\w+), message: (.+)$", str(err))
+    if m and m.group(1) == "EADDRINUSE":
+        reason = "address already in use (another process holds the port)"
+    else:
+        reason = f"{m.group(2)} ({m.group(1)})" if m else str(err).splitlines()[0]
+    return RendezvousError(
+        f"rank 0 cannot listen on MASTER_PORT={port} for the process group's store: {reason}; "
+        "set MASTER_PORT to a free port"
+    )
+
+
+def _reach_store(info: DistInfo, timeout_s: float) -> None:
+    """Return once rank 0's store answers at MASTER_ADDR:MASTER_PORT, within `timeout_s`.
+
+    torch's own client would wait longer: it retries the connection past its timeout, and
+    once a connection is accepted it waits for the store's answer without any limit, so a
+    port held by a program that is not the store (a rank 0 that failed to listen on it, and
+    another process listens there) kept the other ranks waiting for ever. The connection is
+    tried here (refused while rank 0 is still importing: again every 0.2 s), then torch's
+    handshake runs in a thread given what is left of the time."""
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + timeout_s
+    where = f"{info.master_addr}:{info.master_port}"
+
+    def unreachable(why: str) -> RendezvousError:
+        return RendezvousError(
+            f"rank {info.rank} could not reach rank 0's store at {where} (MASTER_ADDR:MASTER_PORT) "
+            f"within {timeout_s:g} s (the start-up timeout, train.dist_timeout_s in grt train): {why}; "
+            "check that rank 0 started and that MASTER_PORT is free on its host"
+        )
+
+    why = "no connection"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise unreachable(why)
+        try:
+            with socket.create_connection((info.master_addr, info.master_port), timeout=min(left, 5.0)):
+                break
+        except OSError as err:
+            why = err.strerror or str(err) or type(err).__name__
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+    answer: dict[str, object] = {}
+
+    def handshake() -> None:
+        try:
+            left = max(1.0, deadline - time.monotonic())
+            dist.TCPStore(info.master_addr, info.master_port, None, False, timedelta(seconds=left))
+            answer["ok"] = True
+        except Exception as err:  # noqa: BLE001 - reported as the reason below
+            answer["error"] = str(err).splitlines()[0] if str(err) else type(err).__name__
+
+    thread = threading.Thread(target=handshake, name="grt-store-check", daemon=True)
+    thread.start()
+    thread.join(max(0.0, deadline - time.monotonic()))
+    if "ok" not in answer:
+        raise unreachable(str(answer.get("error", "the port accepts connections but no store answers there")))
+
+
+def _open_store(info: DistInfo, timeout_s: float) -> None:
+    """Rank 0 opens the rendezvous store on MASTER_PORT itself (port 0: one the kernel picks,
+    written back to `info`), before torch's env:// start does: a port already held is one
+    line here, and torch's store on rank 0 shares this server (multi_tenant, the same port in
+    the same process) instead of binding the port again. Every other rank (and every rank
+    under torchrun's agent store) waits until the store answers, `timeout_s` at most."""
+    global _STORE
+    import torch.distributed as dist
+
+    if info.world_size > 1 and info.master_port == 0:
+        raise RendezvousError(
+            f"MASTER_PORT=0: the {info.world_size} ranks need one port that they all know; "
+            "set MASTER_PORT to a free port"
+        )
+    if info.rank != 0 or _agent_store():
+        _reach_store(info, timeout_s)
+        return
+    try:
+        store = dist.TCPStore(
+            info.master_addr,
+            info.master_port,
+            None,
+            True,
+            timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            multi_tenant=True,
+            use_libuv=os.environ.get("USE_LIBUV", "1") == "1",  # the server torch's env:// start would make
+        )
+    except RuntimeError as err:  # DistNetworkError
+        raise _listen_error(info.master_port, err) from None
+    _STORE = store
+    info.master_port = store.port
+
+
 def init_distributed(timeout_s: float = 600) -> DistInfo:
-    """Start the process group (idempotent) and return this process's `DistInfo`."""
+    """Start the process group (idempotent) and return this process's `DistInfo`.
+
+    Raises RendezvousError (a ConfigError: one line, exit 2) when rank 0 cannot listen on
+    MASTER_PORT or another rank cannot reach rank 0's store within `timeout_s`."""
     global _INFO
     import torch
     import torch.distributed as dist
@@ -337,10 +466,12 @@ def init_distributed(timeout_s: float = 600) -> DistInfo:
     if _INFO is not None and dist.is_initialized():
         return _INFO
     info = discover()
-    if info.launcher == "single" and info.world_size == 1 and not os.environ.get("MASTER_PORT"):
-        info.master_addr, info.master_port = "127.0.0.1", _free_port()
     if info.launcher == "mpi" and not info.master_addr:
         info.master_addr = _mpi_master_addr()
+    if not dist.is_initialized():
+        if info.launcher == "single" and info.world_size == 1 and not os.environ.get("MASTER_PORT"):
+            info.master_addr, info.master_port = "127.0.0.1", 0  # the store's server takes a free port itself
+        _open_store(info, timeout_s)
     os.environ.update(
         {
             "MASTER_ADDR": info.master_addr,
@@ -582,9 +713,13 @@ def run_command(main: Callable[[list[str] | None], int | None], argv: list[str] 
     """Run a command's `main(argv)` as the process entry (the `grt` dispatcher, and every
     `python -m` module that may start a process group): its exit code, exception included,
     goes through exit_process, so no command can forget it. Without a process group it
-    returns the code (or lets the exception through), so in-process callers are unaffected."""
+    returns the code (or lets the exception through), so in-process callers are unaffected;
+    a RendezvousError that a command does not catch itself becomes its one line and exit 2."""
     try:
         code = main(argv) or 0
+    except RendezvousError as err:  # a command that lets it through (the probe): still one line, exit 2
+        print(f"error: {err}", file=sys.stderr)
+        code = 2
     except BaseException as err:  # noqa: BLE001 - the process ends here with its exit code
         if not _group_exists():
             raise

@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from multiproc import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO / "examples" / "data" / "tinyshakespeare.txt"
@@ -32,12 +33,6 @@ BASE_SETS = [
 
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "pretrain.cli", *args]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_data(root: Path) -> Path:

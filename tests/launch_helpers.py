@@ -7,31 +7,14 @@ import glob
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 
+from multiproc import free_port  # noqa: F401 - the tests' one port picker (reserved, collision-free)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_TEXT = os.path.join(ROOT, "examples", "data", "tinyshakespeare.txt")
-
-
-def free_port() -> int:
-    """A free port outside the kernel's ephemeral range (32768+), so that the many sockets
-    other processes open meanwhile cannot take it before rank 0 binds it seconds later."""
-    import random
-
-    for _ in range(200):
-        port = random.randrange(21000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env(**extra) -> dict:

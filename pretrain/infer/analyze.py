@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from data_pipeline.files import atomic_savefig, atomic_write_text
 from pretrain.config import ConfigError
-from pretrain.infer.scoring import Batch, jsonable, lm_sums, val_batches
+from pretrain.infer.scoring import Batch, check_batches, jsonable, lm_sums, val_batches
 from pretrain.model import GPT, LoopStep
 from pretrain.model.layers import AttentionContext
 
@@ -511,13 +511,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", help="auto (bf16 on a CUDA GPU, else the stored dtype), fp32, bf16, fp16")
     args = p.parse_args(argv)
     try:
+        counts = (
+            ("--batch-size", args.batch_size, 1),
+            ("--max-batches", args.max_batches, 1),
+            ("--freq-batches", args.freq_batches, 1),
+            ("--cka-tokens", args.cka_tokens, 0),
+        )
+        for flag, value, least in counts:
+            if value < least:
+                raise ConfigError(f"{flag} {value}: must be >= {least}")
         device = pick_device(args.device)
         dtype = pick_dtype(args.dtype, device)
         loaded = load_model(args.model, device=device, dtype=dtype, tokenizer=args.tokenizer)
         manifest = args.data or loaded.run_config.get("data")
         if not manifest or not Path(manifest).is_file():
             raise ConfigError(f"no manifest ({manifest!r}): pass --data <manifest.json>")
-        loaded.check_data(manifest)  # the model's tokenizer, a readable manifest
+        data = loaded.check_data(manifest)  # the model's tokenizer, a readable manifest
+        check_batches(data, "val", args.batch_size)  # before the loader, which would warn and give none
         dense = load_model(args.dense, device=device, dtype=dtype).model if args.dense else None
         if dense is not None and dense.loop is not None:
             raise ConfigError(f"--dense {args.dense}: expected a dense model, got layout {dense.cfg.layout!r}")

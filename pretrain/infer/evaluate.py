@@ -39,7 +39,15 @@ from pretrain.config import ConfigError
 from pretrain.distributed import Dist, RankFailed, check_ranks, is_main, join_launch, ranks_with, run_command
 from pretrain.infer.adaptive import CRITERIA, adaptive_table, check_criterion, parse_thresholds
 from pretrain.infer.kv_cache import STRATEGIES
-from pretrain.infer.scoring import adaptive_sums, jsonable, lm_sums, lm_sums_cached, val_batches
+from pretrain.infer.scoring import (
+    adaptive_sums,
+    check_batches,
+    check_scored,
+    jsonable,
+    lm_sums,
+    lm_sums_cached,
+    val_batches,
+)
 from pretrain.infer.zero_shot import TASKS, evaluate_task, load_task
 from pretrain.model import GPT
 
@@ -141,9 +149,11 @@ def text_eval(
     stride: int | None = None,
     max_tokens: int | None = None,
     kv_cache: str | None = None,
+    what: str = "the text",
     **fwd: Any,
 ) -> dict[int, dict[str, float]]:
-    """Perplexity and bits per byte of a raw text, scored as one document after a separator."""
+    """Perplexity and bits per byte of a raw text, scored as one document after a separator
+    (`what` names the text in the error when it holds no token to score)."""
     ids = [tok.sep_id] + tok.encode(text)
     if max_tokens is not None and len(ids) - 1 > max_tokens:
         ids = ids[: max_tokens + 1]
@@ -154,6 +164,7 @@ def text_eval(
         sums = lm_sums_cached(model, batches, depths, device, kv_cache, dist=dist)
     else:
         sums = lm_sums(model, batches, depths, device, dist=dist, **fwd)
+    check_scored(sums[0, 1].item() if depths else 0.0, what)
     out: dict[int, dict[str, float]] = {}
     for i, r in enumerate(depths):
         nll, n = sums[i].tolist()
@@ -167,11 +178,13 @@ def text_eval(
     return out
 
 
-def loss_table(sums: torch.Tensor, depths: list[int]) -> dict[int, dict[str, float]]:
+def loss_table(sums: torch.Tensor, depths: list[int], what: str = "the batches") -> dict[int, dict[str, float]]:
+    """{depth: loss, ppl, tokens} from lm_sums; no scored token is an error naming `what`."""
+    check_scored(sums[0, 1].item() if depths else 0.0, what)
     out: dict[int, dict[str, float]] = {}
     for i, r in enumerate(depths):
         nll, n = sums[i].tolist()
-        out[r] = {"loss": nll / max(n, 1), "ppl": math.exp(nll / max(n, 1)), "tokens": int(n)}
+        out[r] = {"loss": nll / n, "ppl": math.exp(nll / n), "tokens": int(n)}
     return out
 
 
@@ -285,6 +298,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_args(args: argparse.Namespace, parts: list[str]) -> None:
+    """The flags, before the model is loaded or any rank waits for another: one line naming the
+    flag and what is accepted."""
+    from pretrain.infer.load import parse_dtype
+
+    counts = (
+        ("--batch-size", args.batch_size),
+        ("--max-batches", args.max_batches),
+        ("--wikitext-max-tokens", args.wikitext_max_tokens),
+        ("--stride", args.stride),
+        ("--limit", args.limit),
+    )
+    for flag, value in counts:
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value}: must be >= 1 (a result over nothing is not a result)")
+    if args.depths:
+        parse_depths(args.depths, 0)  # the syntax now; the trained maximum once the model is loaded
+    if args.adaptive_exit:
+        if "val" not in parts:
+            raise ConfigError("--adaptive-exit is measured on the held-out split: add val to --tasks")
+        parse_thresholds(args.exit_thresholds)
+    parse_dtype(args.dtype)
+
+
 def held_out_split(manifest: Manifest, requested: str | None) -> str:
     """The split to score: --split, else val; a missing or empty one is refused naming those there are."""
     split = requested or "val"
@@ -307,8 +344,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = [t for t in parts if t not in ALL_PARTS]
     if unknown:
         raise ConfigError(f"--tasks: unknown {unknown}; accepted: {', '.join(ALL_PARTS)}, all")
-    if args.adaptive_exit and "val" not in parts:
-        raise ConfigError("--adaptive-exit is measured on the held-out split: add val to --tasks")
+    check_args(args, parts)
     dist = join_launch()
     if dist.world == 1:
         return evaluate(args, parts, dist)
@@ -369,7 +405,9 @@ def evaluate(args: argparse.Namespace, parts: list[str], dist: Dist) -> dict[str
             say(f"skipping the held-out split: no manifest ({manifest!r}); pass --data")
         else:
             assert manifest is not None  # found: a manifest file
-            split = held_out_split(loaded.check_data(manifest), args.split)
+            data = loaded.check_data(manifest)
+            split = held_out_split(data, args.split)
+            check_batches(data, split, args.batch_size, dist.world)
             t0 = time.time()
             seed = loaded.run_config.get("train", {}).get("seed", 1234)
             batches = val_batches(manifest, args.batch_size, dist, args.max_batches, seed, split)
@@ -377,7 +415,7 @@ def evaluate(args: argparse.Namespace, parts: list[str], dist: Dist) -> dict[str
                 sums = lm_sums_cached(model, batches, depths, device, args.kv_cache, dist=dist)
             else:
                 sums = lm_sums(model, batches, depths, device, doc_mask=args.doc_mask, dist=dist)
-            results["val"] = loss_table(sums, depths)
+            results["val"] = loss_table(sums, depths, f"data={manifest!r} split {split!r}")
             if args.adaptive_exit:
                 thresholds = parse_thresholds(args.exit_thresholds)
                 batches = val_batches(manifest, args.batch_size, dist, args.max_batches, seed, split)
@@ -420,6 +458,7 @@ def evaluate(args: argparse.Namespace, parts: list[str], dist: Dist) -> dict[str
             stride=args.stride,
             max_tokens=args.wikitext_max_tokens,
             kv_cache=args.kv_cache,
+            what=f"WikiText-2 {str(path)!r}",
         )
         results["wikitext2_file"] = str(path)
         timings["wikitext2"] = time.time() - t0
@@ -430,6 +469,8 @@ def evaluate(args: argparse.Namespace, parts: list[str], dist: Dist) -> dict[str
             raise ConfigError(f"{task}: {path} not found (pass --eval-dir)")
         t0 = time.time()
         items = load_task(task, path, args.limit)
+        if not items:
+            raise ConfigError(f"{task}: {path} holds no items: nothing to score")
         results.setdefault("tasks", {})[task] = evaluate_task(
             model, tok, items, depths, device, args.batch_size, dist, kv_cache=args.kv_cache
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import TYPE_CHECKING, Literal, overload
@@ -128,9 +129,11 @@ def generate(
     loop steps per decoded token."""
     model.eval()
     b, t = idx.shape
-    max_new_tokens = min(max_new_tokens, model.cfg.max_seq_len - t)
     if max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens={max_new_tokens}: must be >= 0")
+    if t > model.cfg.max_seq_len:
         raise ConfigError(f"prompt of {t} tokens exceeds the context of {model.cfg.max_seq_len}")
+    max_new_tokens = min(max_new_tokens, model.cfg.max_seq_len - t)
     gen = torch.Generator(device=idx.device).manual_seed(seed) if seed is not None else None
     out: list[torch.Tensor] = []
     all_logits: list[torch.Tensor] = []
@@ -227,12 +230,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """The sampling flags, before the model is loaded: one line naming the flag and what is accepted."""
+    checks = (
+        (args.max_new_tokens >= 1, f"--max-new-tokens {args.max_new_tokens}: must be >= 1 (tokens to generate)"),
+        (args.num_samples >= 1, f"--num-samples {args.num_samples}: must be >= 1"),
+        (
+            math.isfinite(args.temperature) and args.temperature >= 0,
+            f"--temperature {args.temperature}: must be >= 0 (0 = greedy)",
+        ),
+        (args.top_k is None or args.top_k >= 0, f"--top-k {args.top_k}: must be >= 0 (0 = no top-k filter)"),
+        (
+            args.top_p is None or 0 < args.top_p <= 1,
+            f"--top-p {args.top_p}: must be in (0, 1] (1 = no nucleus filter)",
+        ),
+        (args.depth is None or args.depth >= 0, f"--depth {args.depth}: must be >= 0 (loop steps per token)"),
+        (
+            args.exit_threshold is None or (math.isfinite(args.exit_threshold) and args.exit_threshold >= 0),
+            f"--exit-threshold {args.exit_threshold}: must be >= 0",
+        ),
+        (args.seed >= 0, f"--seed {args.seed}: must be >= 0"),
+    )
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
 def main(argv: list[str] | None = None) -> int:
     from pretrain.infer.evaluate import check_depths
     from pretrain.infer.load import load_model, pick_device, pick_dtype
 
     args = build_parser().parse_args(argv)
     try:
+        check_args(args)
         device = pick_device(args.device)
         loaded = load_model(args.model, device=device, dtype=pick_dtype(args.dtype, device), tokenizer=args.tokenizer)
         model, tok = loaded.model, loaded.tokenizer()
@@ -240,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.depth is not None:
             depth = check_depths(model, [args.depth], args.allow_beyond_trained)[0] if model.loop is not None else None
         ids = [tok.sep_id] + tok.encode(args.prompt)
+        if len(ids) >= model.cfg.max_seq_len:
+            raise ConfigError(
+                f"--prompt of {len(ids)} tokens (with the document separator) fills the model's context of "
+                f"{model.cfg.max_seq_len}: no token can be generated; shorten the prompt"
+            )
         idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
         t0 = time.time()
         stats: dict[str, float] = {}

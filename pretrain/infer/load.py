@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pretrain.config import ConfigError, ModelConfig
+from pretrain.config import ConfigError, ModelConfig, load_json_object
 from pretrain.model import GPT, build_model
 from pretrain.training.checkpoint import TAG_RE, find_latest
 
@@ -48,13 +48,30 @@ class LoadedModel:
     source: str = ""  # "export" or "checkpoint"
     path: str = ""  # the directory the weights came from
     own_tokenizer_path: str | None = None  # tokenizer.model next to the weights: the one it was trained with
+    warned_unchecked: bool = False  # the warning of `_trusted_tokenizer` was printed
 
     def tokenizer_sha256(self) -> str | None:
-        """The model's tokenizer identity: its own tokenizer.model, else the one given."""
+        """The model's tokenizer identity: its own tokenizer.model, else the one given (see
+        `_trusted_tokenizer`: said once, in one line)."""
         from data_pipeline.tokenizer import file_sha256
 
         path = self.own_tokenizer_path or self.tokenizer_path
         return file_sha256(path) if path and Path(path).is_file() else None
+
+    def _trusted_tokenizer(self) -> None:
+        """A model without its tokenizer.model, given --tokenizer: nothing can show that the
+        given one is the model's, so it is taken on trust, and said so once (one line, rank 0)."""
+        from pretrain.distributed import is_main
+
+        if self.own_tokenizer_path is None and self.tokenizer_path and not self.warned_unchecked:
+            self.warned_unchecked = True
+            if is_main():
+                print(
+                    f"grt: warning: the model {self.path!r} has no tokenizer.model, so nothing shows that "
+                    f"--tokenizer {self.tokenizer_path!r} is the one it was trained with; it is taken on trust",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def tokenizer(self) -> Tokenizer:
         """The tokenizer to encode text with, refused unless it is the model's (tokenizer identity)."""
@@ -67,6 +84,7 @@ class LoadedModel:
             tok = Tokenizer(self.tokenizer_path)
         except RuntimeError as err:  # SentencePiece's word for a file it cannot read
             raise ConfigError(f"tokenizer {self.tokenizer_path!r} is not a SentencePiece model ({err})") from None
+        self._trusted_tokenizer()
         check_same_tokenizer(
             tok.sha256,
             tok.vocab_size,
@@ -79,11 +97,20 @@ class LoadedModel:
 
     def check_data(self, manifest: str) -> Manifest:
         """The manifest, refused if its shards were made with another tokenizer than the model's
-        or hold token ids beyond its vocabulary (before any tensor is built)."""
+        or hold token ids beyond its vocabulary (before any tensor is built). A model without its
+        tokenizer.model is refused unless --tokenizer names it: with the vocabulary size alone,
+        data of another tokenizer of that size would give a plausible, meaningless loss."""
         from pretrain.training.resume import check_same_tokenizer
         from pretrain.training.run_config import load_manifest
 
         m = load_manifest(manifest)
+        if self.own_tokenizer_path is None and not self.tokenizer_path:
+            raise ConfigError(
+                f"the model {self.path!r} has no tokenizer.model, so data={manifest!r} cannot be checked against "
+                "the tokenizer it was trained with; pass --tokenizer with that tokenizer.model (or copy it "
+                "next to the model)"
+            )
+        self._trusted_tokenizer()
         check_same_tokenizer(
             m.tokenizer_sha256,
             m.vocab_size,
@@ -122,7 +149,7 @@ def read_run_config(step_dir: Path) -> dict[str, Any]:
     path = step_dir / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path} is missing: the checkpoint does not say which model it holds")
-    return json.loads(path.read_text())
+    return load_json_object(path, f"checkpoint {step_dir.name}: {path.name}")  # cut off or corrupt: one line
 
 
 def consolidate(step_dir: Path) -> dict[str, torch.Tensor]:

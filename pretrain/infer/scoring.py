@@ -14,16 +14,20 @@ failed); None is one process.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+from pretrain.config import ConfigError
 from pretrain.distributed import Dist, all_reduce, check_ranks, comm_device
 from pretrain.infer.adaptive import adaptive_forward
 from pretrain.infer.kv_cache import CachedDecoder
 from pretrain.model import GPT
 from pretrain.model.layers import AttentionContext
+
+if TYPE_CHECKING:
+    from data_pipeline.manifest import Manifest
 
 Batch = dict[str, torch.Tensor]  # input_ids, targets (-100 = not scored), optional doc_ids
 # forward(idx, doc_ids) -> (logits, loop steps per token): a per-token exit (exit_sums)
@@ -148,6 +152,27 @@ def val_batches(
         if max_batches is not None and i >= max_batches:
             break
         yield batch
+
+
+def check_batches(manifest: Manifest, split: str, batch_size: int, world: int = 1) -> None:
+    """Refuse a split that gives this evaluation no batch: the loader only makes whole batches of
+    `batch_size` per rank, and a loss over nothing would print as 0 (perplexity 1)."""
+    if not manifest.splits.get(split):
+        have = ", ".join(f"{name} ({len(shards)} shards)" for name, shards in manifest.splits.items()) or "none"
+        raise ConfigError(f"data={manifest.path!r} has no {split!r} split with shards (its splits: {have})")
+    n = manifest.sequences(split)
+    if n < batch_size * world:
+        ranks = f" on each of {world} ranks" if world > 1 else ""
+        raise ConfigError(
+            f"data={manifest.path!r} split {split!r}: {n} sequences, fewer than one batch of --batch-size "
+            f"{batch_size}{ranks}: nothing to score; pass a smaller --batch-size or a larger split"
+        )
+
+
+def check_scored(tokens: float, what: str) -> None:
+    """Refuse a result computed over no token (summed over the ranks): an error, not a loss of 0."""
+    if not tokens > 0:
+        raise ConfigError(f"{what}: no token was scored, so there is no loss to report")
 
 
 def jsonable(obj: Any) -> Any:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from pretrain.config import ConfigError
 from pretrain.distributed import Dist
 from pretrain.infer.kv_cache import CachedDecoder
 from pretrain.infer.scoring import exit_hidden, sum_over_ranks
@@ -230,10 +231,11 @@ def evaluate_task(
         sums[:, 2] += 1
         pos += k
     sums = sum_over_ranks(sums, dist)
+    if depths and not sums[0, 2].item() > 0:  # on every rank alike: the count is summed over them
+        raise ConfigError("zero-shot task: no item was scored, so there is no accuracy to report")
     out: dict[int, dict[str, float]] = {}
     for j, r in enumerate(depths):
         c, cn, n, sll, ntok = sums[j].tolist()
-        n = max(n, 1)
         if items and items[0].kind == "lambada":
             out[r] = {"acc": c / n, "ppl": math.exp(-sll / max(ntok, 1)), "n": int(n)}
         else:

@@ -9,15 +9,25 @@ Layout of `<out>/checkpoints/`:
 
 A kill at any moment leaves either the previous `latest` or the new one, never a
 half-written checkpoint that is loaded. Old checkpoints are pruned to the last K.
+
+A resume tries the complete checkpoints newest first (`resume_candidates`) and loads the
+first one that every rank can read (`load_agreed`): each file of a tag is read through
+once before the load (`verify`: the zip structure and CRC of every `*.pt`, split over the
+ranks), the ranks agree on the outcome, and a tag that fails anywhere is passed over by
+every rank together, so that no two ranks ever load different tags. A failed load inside
+DeepSpeed would leave the ranks in different collectives; it is read-checked first for that.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
 import re
 import shutil
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +35,8 @@ import numpy as np
 import torch
 
 from data_pipeline.files import atomic_path, atomic_write_text, is_temp
-from pretrain.distributed import all_agree
+from pretrain.config import ConfigError
+from pretrain.distributed import RankFailed, all_agree, all_reduce, check_ranks, comm_device
 from pretrain.training import deepspeed_internals
 
 if TYPE_CHECKING:
@@ -39,8 +50,24 @@ class CheckpointError(RuntimeError):
     pass
 
 
+class UnreadableCheckpoint(ConfigError):
+    """A complete checkpoint whose files cannot be read (cut off, corrupt, missing): a resume
+    passes over it to the previous complete one; anywhere else it is a one-line error."""
+
+    def __init__(self, tag: str, problem: str) -> None:
+        super().__init__(f"checkpoint {tag} cannot be read: {problem}")
+        self.tag, self.problem = tag, problem
+
+
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
+
+
+def step_of(tag: str) -> int:
+    m = TAG_RE.match(tag)
+    if m is None:
+        raise ValueError(f"{tag!r} is not a checkpoint tag (stepNNNNNNNN)")
+    return int(m.group(1))
 
 
 def rng_state() -> dict[str, Any]:
@@ -78,6 +105,64 @@ def find_latest(root: Path) -> str | None:
         log.warning("checkpoint marker %s names %r, which is not complete; using the newest complete one", marker, tag)
     tags = complete_tags(root)
     return tags[-1] if tags else None
+
+
+def tag_dirs(root: Path) -> list[str]:
+    """Every checkpoint directory, complete or not (an interrupted save leaves one without COMPLETE)."""
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if TAG_RE.match(p.name) and p.is_dir())
+
+
+def resume_candidates(root: Path) -> list[str]:
+    """The complete checkpoints a resume may load, in the order it tries them: `find_latest`'s,
+    then each older complete one (the fallbacks when a newer one cannot be read)."""
+    newest = find_latest(root)
+    return [] if newest is None else [t for t in reversed(complete_tags(root)) if t <= newest]
+
+
+def read_config(step_dir: Path) -> dict[str, Any]:
+    """A checkpoint's saved run config (its `config.json`) as a dict; UnreadableCheckpoint
+    (one line) when it is missing, cut off or not a JSON object."""
+    path = step_dir / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UnreadableCheckpoint(step_dir.name, "config.json is missing") from None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        problem = f"config.json is cut off or corrupt ({_error_text(err, '')})"
+        raise UnreadableCheckpoint(step_dir.name, problem) from None
+    if not isinstance(data, dict):
+        raise UnreadableCheckpoint(step_dir.name, f"config.json holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def verify(root: Path, tag: str, rank: int = 0, world: int = 1) -> str | None:
+    """Read through this rank's share (every world-th, by name) of the tag's `*.pt` files: the
+    problem of the first that is not a whole zip archive of intact members (torch.save's
+    format; a truncated file has lost its central directory, a corrupt one fails its CRC,
+    which torch.load does not check), or None. Split over the ranks, the tag is read once.
+    A file in torch's legacy pickle format is taken as it is (it has no checksums)."""
+    path = root / tag
+    try:
+        files = sorted(p.name for p in path.iterdir() if p.name.endswith(".pt") and not is_temp(p.name))
+    except OSError as err:
+        return f"cannot list {path} ({_error_text(err, '')})"
+    if not files:
+        return f"{path} holds no model or optimizer state (*.pt)"
+    for name in files[rank::world]:
+        try:
+            with open(path / name, "rb") as fh:
+                head = fh.read(2)
+            if head == b"\x80\x02" and not zipfile.is_zipfile(path / name):
+                continue  # torch's legacy (pickle) format: nothing to check it against
+            with zipfile.ZipFile(path / name) as archive:
+                bad = archive.testzip()
+        except (OSError, zipfile.BadZipFile, EOFError, ValueError, RuntimeError) as err:
+            return f"{name} is cut off or corrupt ({_error_text(err, '')})"
+        if bad is not None:
+            return f"{name} is corrupt (CRC mismatch in {bad})"
+    return None
 
 
 def _fault(kind: str, step: int, rank: int) -> bool:
@@ -172,7 +257,9 @@ def save(
                 shutil.copyfile(tokenizer_path, root / tag / "tokenizer.model")
             atomic_write_text(root / tag / "COMPLETE", f"{step}\n")
             atomic_write_text(root / "latest", tag + "\n")
-            for old in complete_tags(root)[:-keep]:
+            # among the tags up to this one: a run resumed from an older checkpoint than the newest
+            # complete one (that one unreadable) must not count the newer ones and prune its own
+            for old in [t for t in complete_tags(root) if t <= tag][:-keep]:
                 shutil.rmtree(root / old, ignore_errors=True)
             _remove_debris(root, tag)
         except OSError as err:
@@ -200,3 +287,67 @@ def load(engine: deepspeed.DeepSpeedEngine, root: Path, tag: str, rank: int) -> 
     state = torch.load(state_path, weights_only=False)
     set_rng_state(state["rng"])
     return state
+
+
+def none_loadable(root: Path, problems: list[str]) -> ConfigError:
+    return ConfigError(
+        f"--resume: no complete checkpoint in {root} can be loaded ({'; '.join(problems)}); nothing was changed: "
+        "repair or remove them, or choose another --out"
+    )
+
+
+def load_agreed(
+    engine: deepspeed.DeepSpeedEngine,
+    root: Path,
+    tags: list[str],
+    rank: int,
+    world: int,
+    precheck: Callable[[str], None] | None = None,
+    note: Callable[[str, str], None] | None = None,
+) -> tuple[str, dict[str, Any]]:
+    """Load the newest of `tags` (complete checkpoints, newest first) that every rank can
+    read (collective); returns (its tag, this rank's saved state).
+
+    Each round the ranks agree on one tag (the oldest of their proposals: a tag another rank
+    does not see is never loaded), each runs `precheck(tag)` (raises ConfigError to refuse the
+    resume, UnreadableCheckpoint to pass over the tag) and reads its share of the tag's files
+    (`verify`), and the ranks agree on the outcome (`check_ranks`): every rank loads the tag,
+    or every rank passes over it (`note(tag, why)`) to the previous one, or every rank raises
+    ConfigError (a refusal, or no tag left), with nothing loaded and nothing written."""
+    remaining = list(tags)
+    passed: dict[str, str] = {}
+    while True:
+        proposal = torch.tensor(
+            [float(step_of(remaining[0]) if remaining else -1)], dtype=torch.float64, device=comm_device()
+        )
+        agreed = int(all_reduce(proposal, op="min").item())
+        if agreed < 0:
+            tried = [f"{t}: {why}" for t, why in passed.items()]
+            raise none_loadable(root, tried or ["none is complete on every rank"])
+        tag = tag_for(agreed)
+        remaining = [t for t in remaining if step_of(t) <= agreed]
+        error, code = None, 1
+        try:
+            if not remaining or remaining[0] != tag:
+                raise UnreadableCheckpoint(tag, f"it is not a complete checkpoint in {root} as rank {rank} sees it")
+            if precheck is not None:
+                precheck(tag)
+            problem = verify(root, tag, rank, world)
+            if problem is not None:
+                raise UnreadableCheckpoint(tag, problem)
+        except UnreadableCheckpoint as err:
+            error = err.problem
+        except ConfigError as err:
+            error, code = str(err), 2
+        try:
+            check_ranks(error, code)
+        except RankFailed as failed:
+            if failed.code == 2:  # a refusal on some rank: every rank refuses, with the refusing rank's words
+                raise ConfigError(error if code == 2 and error is not None else str(failed)) from None
+            why = "; ".join(text if world == 1 else f"rank {r}: {text}" for r, text in sorted(failed.errors.items()))
+            passed[tag] = why
+            if note is not None:
+                note(tag, why)
+            remaining = [t for t in remaining if t != tag]
+            continue
+        return tag, load(engine, root, tag, rank)

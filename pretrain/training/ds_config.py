@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +48,68 @@ def load_ds_json(path: str | Path) -> dict[str, Any]:
     )
 
 
+ZERO_STAGES = (0, 1, 2, 3)
+# ZeRO sizes (numbers of elements) that DeepSpeed refuses only when it builds the engine, after
+# the process group: checked here, at the merge. (key, smallest accepted value)
+ZERO_SIZES = (
+    ("reduce_bucket_size", 1),
+    ("allgather_bucket_size", 0),
+    ("sub_group_size", 0),
+    ("stage3_prefetch_bucket_size", 0),
+    ("stage3_param_persistence_threshold", 0),
+    ("stage3_max_live_parameters", 0),
+    ("stage3_max_reuse_distance", 0),
+)
+
+
 def zero_stage(ds: dict[str, Any]) -> int:
-    return int(ds.get("zero_optimization", {}).get("stage", 0))
+    """The ZeRO stage of a DeepSpeed config (checked by `check_ds_values`; "auto" and absent: 0)."""
+    stage = (ds.get("zero_optimization") or {}).get("stage", 0)
+    return 0 if stage == AUTO else int(stage)
+
+
+def _whole(value: Any) -> bool:
+    """A whole number as JSON writes it (5e8 included), not a bool."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and float(value).is_integer()
+    )
+
+
+def check_ds_values(ds: dict[str, Any]) -> None:
+    """Refuse, in one line naming the key, a DeepSpeed value this project reads or that DeepSpeed
+    would refuse only after the process group exists: a section that is not an object, a ZeRO
+    stage other than 0-3, a negative ZeRO size, a non-positive Adam eps or steps_per_print."""
+    for key in ("zero_optimization", "bf16", "fp16", "optimizer", "scheduler"):
+        section = ds.get(key)
+        if key in ds and not isinstance(section, dict) and not (key != "zero_optimization" and section is None):
+            raise ConfigError(f"DeepSpeed config {key}={json.dumps(section)}: must be a JSON object")
+        for sub in ("params",) if key in ("optimizer", "scheduler") else ():
+            inner = (section or {}).get(sub)
+            if inner is not None and not isinstance(inner, dict):
+                raise ConfigError(f"DeepSpeed config {key}.{sub}={json.dumps(inner)}: must be a JSON object")
+    zero = ds.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    if stage != AUTO and not (_whole(stage) and int(stage) in ZERO_STAGES):
+        raise ConfigError(
+            f"DeepSpeed config zero_optimization.stage={json.dumps(stage)}: accepted values are "
+            f'{", ".join(map(str, ZERO_STAGES))} (or "auto": DeepSpeed\'s default, 0)'
+        )
+    for key, least in ZERO_SIZES:
+        value = zero.get(key, AUTO)
+        if value != AUTO and not (_whole(value) and value >= least):
+            raise ConfigError(
+                f"DeepSpeed config zero_optimization.{key}={json.dumps(value)}: must be a whole number >= {least} "
+                '(or "auto")'
+            )
+    eps = ((ds.get("optimizer") or {}).get("params") or {}).get("eps", AUTO)
+    if eps != AUTO and not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps < math.inf):
+        raise ConfigError(f'DeepSpeed config optimizer.params.eps={json.dumps(eps)}: must be a number > 0 (or "auto")')
+    steps = ds.get("steps_per_print", AUTO)
+    if steps != AUTO and not (_whole(steps) and steps >= 1):
+        raise ConfigError(f"DeepSpeed config steps_per_print={json.dumps(steps)}: must be a whole number >= 1")
 
 
 def _precision(train: TrainConfig, use_cuda: bool) -> str:
@@ -114,6 +175,7 @@ def _drop_auto(tree: dict[str, Any]) -> dict[str, Any]:
 def build_ds_config(base: dict[str, Any], train: TrainConfig, world_size: int, use_cuda: bool) -> dict[str, Any]:
     """The DeepSpeed config the engine gets: `base` (a DeepSpeed file) merged with the run
     config by the rule of this module's docstring."""
+    check_ds_values(base)
     ds = copy.deepcopy(base)
     if zero_stage(ds) >= 1:
         ds["zero_optimization"] = _zero_defaults(ds["zero_optimization"], world_size)

@@ -15,16 +15,22 @@ The resume rule (docs/reliability.md, "Resuming with changed settings"):
   where it was instead of jumping; past the horizon it stays at min_lr;
 - any other key takes its new value.
 Every change that is applied is said in one line on stderr.
+
+A checkpoint whose own files cannot be read (its config.json cut off, its tokenizer
+unreadable) is not a refusal: `check_tag` raises UnreadableCheckpoint, and `check_resume`
+checks the previous complete checkpoint instead, as the trainer's resume loads it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pretrain.config import ConfigError
+from pretrain.training.checkpoint import UnreadableCheckpoint, read_config, resume_candidates
 from pretrain.training.run_config import RunConfig, load_manifest
 
 if TYPE_CHECKING:
@@ -84,23 +90,102 @@ def check_resume(
     """Check `cfg` (resolved against the data) against checkpoint `tag` (None: a fresh start,
     nothing to check) for a run of `world_size` ranks (default: this process's launch);
     refuse by the rule above (ConfigError), or return cfg with the started schedule kept.
+    When `tag` cannot be read, the previous complete checkpoint is checked instead (one line
+    says so), as the resume would load it; none readable: ConfigError.
     `manifest`: cfg.data's, when the caller has loaded it already."""
+    if tag is None:
+        return cfg
+    tags = [tag, *(t for t in resume_candidates(ckpt_root) if t < tag)]
+    passed: list[UnreadableCheckpoint] = []
+    notes: list[str] = []
+    for candidate in tags:
+        try:
+            cfg = check_tag(cfg, ckpt_root, candidate, world_size, manifest, notes=notes)
+        except UnreadableCheckpoint as err:
+            passed.append(err)
+            continue
+        if _is_rank0():  # said once the outcome is known: a refusal is one line
+            lines = [f"{err}; resuming from the older complete checkpoint {candidate}" for err in passed] + notes
+            for line in lines:
+                print(f"grt train: {line}", file=sys.stderr, flush=True)
+        return cfg
+    raise none_readable(ckpt_root, [f"{err.tag}: {err.problem}" for err in passed])
+
+
+def none_readable(ckpt_root: Path, problems: list[str]) -> ConfigError:
+    return ConfigError(
+        f"--resume: no complete checkpoint in {ckpt_root} can be read ({'; '.join(problems)}); nothing was "
+        "changed: repair or remove them, or choose another --out"
+    )
+
+
+def _is_rank0() -> bool:
+    from pretrain.distributed import discover
+
+    return discover().rank == 0
+
+
+# DeepSpeed's checkpoint layouts by ZeRO stage: stages 1 and 2 write the same files
+CHECKPOINT_FORMAT = {0: "ZeRO-0", 1: "ZeRO-1/2", 2: "ZeRO-1/2", 3: "ZeRO-3"}
+
+
+def saved_zero_stage(step_dir: Path) -> int | None:
+    """The ZeRO stage a checkpoint was written under, read from its file names (None: not known,
+    e.g. bf16 ZeRO-0, which also writes bf16_zero_pp_* files)."""
+    names = {p.name for p in step_dir.iterdir()}
+    if any(re.fullmatch(r"zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt", n) for n in names):
+        return 3
+    if any(re.fullmatch(r"zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt", n) for n in names):
+        return 2
+    if "mp_rank_00_model_states.pt" in names and not any(n.startswith("bf16_") for n in names):
+        return 0
+    return None
+
+
+def _check_same_checkpoint_format(step_dir: Path, cfg: RunConfig, where: str) -> None:
+    """Refuse, before any process group, a resume under a ZeRO stage whose checkpoint layout
+    differs from the saved one (DeepSpeed's loader would fail with a traceback after start-up)."""
+    from pretrain.training.ds_config import load_ds_json, zero_stage
+
+    old, new = saved_zero_stage(step_dir), zero_stage(load_ds_json(cfg.ds_config))
+    if old is not None and CHECKPOINT_FORMAT[old] != CHECKPOINT_FORMAT.get(new):
+        raise ConfigError(
+            f"resume: {where} was written under ZeRO stage {old} and ds_config {cfg.ds_config!r} is stage {new}: "
+            f"DeepSpeed cannot load a {CHECKPOINT_FORMAT[old]} checkpoint under {CHECKPOINT_FORMAT.get(new, new)}; "
+            "resume with the checkpoint's DeepSpeed config, or start a new run with another --out"
+        )
+
+
+def check_tag(
+    cfg: RunConfig,
+    ckpt_root: Path,
+    tag: str,
+    world_size: int | None = None,
+    manifest: Manifest | None = None,
+    notes: list[str] | None = None,
+) -> RunConfig:
+    """`check_resume` against checkpoint `tag` only: UnreadableCheckpoint when its config or
+    tokenizer cannot be read (nothing printed, cfg untouched). `notes`: where the line of
+    applied changes goes (rank 0) instead of stderr, for a caller that says it once the
+    resume is sure."""
     from data_pipeline.tokenizer import file_sha256
     from pretrain.distributed import discover
 
-    if tag is None or not (ckpt_root / tag / "config.json").is_file():
-        return cfg  # checkpoint.load explains a checkpoint without its config
     step_dir = ckpt_root / tag
     # through RunConfig: keys added since the checkpoint was written take their defaults
-    saved = _as_json(RunConfig.from_dict(json.loads((step_dir / "config.json").read_text())))
+    saved = _as_json(RunConfig.from_dict(read_config(step_dir)))
     where = f"checkpoint {tag}"
     manifest = manifest or load_manifest(cfg.data)
     saved_tok = step_dir / "tokenizer.model"
+    try:
+        saved_sha = file_sha256(str(saved_tok)) if saved_tok.is_file() else None
+    except OSError as err:
+        raise UnreadableCheckpoint(tag, f"tokenizer.model cannot be read ({err.strerror})") from None
     check_same_tokenizer(
         manifest.tokenizer_sha256,
         manifest.vocab_size,
         f"data={cfg.data!r}",
-        file_sha256(str(saved_tok)) if saved_tok.is_file() else None,
+        saved_sha,
         int(saved["model"]["vocab_size"]),
         where,
     )
@@ -112,6 +197,7 @@ def check_resume(
             f"model: resume with the saved settings (--config-json {step_dir / 'config.json'}) or start "
             "a new run with another --out"
         )
+    _check_same_checkpoint_format(step_dir, cfg, where)
     old_t = saved["train"]
     old_horizon = old_t["schedule_steps"] or old_t["steps"]
     if not cfg.train.schedule_steps and cfg.train.steps != old_horizon:
@@ -142,5 +228,9 @@ def check_resume(
             if new_t["steps"] != old_t["steps"]
             else ""
         )
-        print(f"grt train: resuming {where} with changes: {'; '.join(applied)}{note}", file=sys.stderr, flush=True)
+        line = f"resuming {where} with changes: {'; '.join(applied)}{note}"
+        if notes is None:
+            print(f"grt train: {line}", file=sys.stderr, flush=True)
+        else:
+            notes.append(line)
     return cfg

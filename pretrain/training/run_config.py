@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,43 +75,19 @@ class RunConfig:
     out: str = "runs/default"
 
     def validate(self) -> None:
-        t = self.train
+        """Every value checked once, before anything starts: the first meaningless one is a
+        ConfigError of one line naming the key, its value and what is accepted."""
         self.model.validate()
-        checks = [
-            (
-                t.depth_sampling in DEPTH_SAMPLING,
-                f"train.depth_sampling={t.depth_sampling!r}: accepted values are {', '.join(DEPTH_SAMPLING)}",
-            ),
-            (
-                t.precision in PRECISIONS,
-                f"train.precision={t.precision!r}: accepted values are {', '.join(PRECISIONS)}",
-            ),
-            (
-                t.activation_checkpointing in (AUTO, *CHECKPOINT_MODES),
-                f"train.activation_checkpointing={t.activation_checkpointing!r}: accepted values are "
-                f"{', '.join((AUTO, *CHECKPOINT_MODES))}",
-            ),
-            (t.steps >= 1, f"train.steps={t.steps}: must be >= 1"),
-            (t.max_train_depth >= 0, f"train.max_train_depth={t.max_train_depth}: must be >= 0 (0 = the layout's R)"),
-            (t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size}: must be >= 1"),
-            (t.grad_accum >= 1, f"train.grad_accum={t.grad_accum}: must be >= 1"),
-            (0 <= t.warmup_steps, f"train.warmup_steps={t.warmup_steps}: must be >= 0"),
-            (0 <= t.schedule_steps, f"train.schedule_steps={t.schedule_steps}: must be >= 0 (0 = train.steps)"),
-            (
-                t.lr > 0 and 0 <= t.min_lr <= t.lr,
-                f"train.lr={t.lr}, train.min_lr={t.min_lr}: need 0 <= min_lr <= lr, lr > 0",
-            ),
-            (len(t.betas) == 2, f"train.betas={t.betas!r}: two numbers"),
-            (
-                t.log_every >= 1 and t.eval_every >= 0 and t.save_every >= 0,
-                "train.log_every must be >= 1; eval_every, save_every >= 0 (0 = off)",
-            ),
-            (t.keep_checkpoints >= 1, f"train.keep_checkpoints={t.keep_checkpoints}: must be >= 1"),
-            (bool(self.data), "data: the manifest.json written by `grt data prepare` is required (--data)"),
-        ]
-        for ok, message in checks:
+        for ok, message in (*train_checks(self.train), *self._top_checks()):
             if not ok:
                 raise ConfigError(message)
+
+    def _top_checks(self) -> list[tuple[bool, str]]:
+        return [
+            (bool(self.data), "data: the manifest.json written by `grt data prepare` is required (--data)"),
+            (bool(self.out), f"out={self.out!r}: the run directory is required (--out)"),
+            (bool(self.ds_config), f"ds_config={self.ds_config!r}: a DeepSpeed JSON is required (--ds-config)"),
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -138,6 +115,83 @@ class RunConfig:
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
         return cls.from_dict(load_json_object(path, str(path)))
+
+
+def _finite(x: Any) -> bool:
+    """A real number (not a bool, not NaN or infinite)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _betas_ok(betas: Any) -> bool:
+    return isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in betas)
+
+
+def train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
+    """(ok, the one line that refuses it) for every `train.*` value that can be meaningless
+    (docs/reliability.md, "Values checked at the door"). Types are checked before, on parse."""
+    return [
+        (
+            t.depth_sampling in DEPTH_SAMPLING,
+            f"train.depth_sampling={t.depth_sampling!r}: accepted values are {', '.join(DEPTH_SAMPLING)}",
+        ),
+        (
+            t.precision in PRECISIONS,
+            f"train.precision={t.precision!r}: accepted values are {', '.join(PRECISIONS)}",
+        ),
+        (
+            t.activation_checkpointing in (AUTO, *CHECKPOINT_MODES),
+            f"train.activation_checkpointing={t.activation_checkpointing!r}: accepted values are "
+            f"{', '.join((AUTO, *CHECKPOINT_MODES))}",
+        ),
+        (t.steps >= 1, f"train.steps={t.steps}: must be >= 1"),
+        (t.max_train_depth >= 0, f"train.max_train_depth={t.max_train_depth}: must be >= 0 (0 = the layout's R)"),
+        (t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size}: must be >= 1"),
+        (t.grad_accum >= 1, f"train.grad_accum={t.grad_accum}: must be >= 1"),
+        (0 <= t.warmup_steps, f"train.warmup_steps={t.warmup_steps}: must be >= 0"),
+        (0 <= t.schedule_steps, f"train.schedule_steps={t.schedule_steps}: must be >= 0 (0 = train.steps)"),
+        (
+            _finite(t.lr) and _finite(t.min_lr) and t.lr > 0 and 0 <= t.min_lr <= t.lr,
+            f"train.lr={t.lr}, train.min_lr={t.min_lr}: need 0 <= min_lr <= lr, lr > 0 (finite numbers)",
+        ),
+        (_finite(t.weight_decay) and t.weight_decay >= 0, f"train.weight_decay={t.weight_decay}: must be >= 0"),
+        (
+            _betas_ok(t.betas),
+            f"train.betas={t.betas!r}: two numbers in [0, 1), e.g. train.betas=0.9,0.95",
+        ),
+        (
+            _finite(t.grad_clip) and t.grad_clip >= 0,
+            f"train.grad_clip={t.grad_clip}: must be >= 0 (the largest gradient norm; 0 = no clipping)",
+        ),
+        (0 <= t.seed < 2**63, f"train.seed={t.seed}: must be in [0, 2**63)"),
+        (
+            _finite(t.poisson_mean) and t.poisson_mean > 0,
+            f"train.poisson_mean={t.poisson_mean}: must be > 0 (the mean depth of poisson sampling)",
+        ),
+        (_finite(t.poisson_sigma) and t.poisson_sigma >= 0, f"train.poisson_sigma={t.poisson_sigma}: must be >= 0"),
+        (t.num_workers >= 0, f"train.num_workers={t.num_workers}: must be >= 0 (0 = load in the training process)"),
+        (t.shuffle_buffer >= 0, f"train.shuffle_buffer={t.shuffle_buffer}: must be >= 0 (0 = no shuffle buffer)"),
+        (t.log_every >= 1, f"train.log_every={t.log_every}: must be >= 1"),
+        (t.eval_every >= 0, f"train.eval_every={t.eval_every}: must be >= 0 (0 = off)"),
+        (
+            t.eval_batches >= 1,
+            f"train.eval_batches={t.eval_batches}: must be >= 1 (turn evaluation off with eval_every=0)",
+        ),
+        (t.save_every >= 0, f"train.save_every={t.save_every}: must be >= 0 (0 = off)"),
+        (t.keep_checkpoints >= 1, f"train.keep_checkpoints={t.keep_checkpoints}: must be >= 1"),
+        (
+            t.max_bad_steps >= 1,
+            f"train.max_bad_steps={t.max_bad_steps}: must be >= 1 (consecutive non-finite micro-batches "
+            "before the run stops)",
+        ),
+        (
+            _finite(t.dist_timeout_s) and t.dist_timeout_s > 0,
+            f"train.dist_timeout_s={t.dist_timeout_s}: must be > 0 (seconds a collective may wait)",
+        ),
+        (
+            _finite(t.peak_tflops) and t.peak_tflops >= 0,
+            f"train.peak_tflops={t.peak_tflops}: must be >= 0 (0 = look the device up)",
+        ),
+    ]
 
 
 def train_recipe(model: ModelConfig) -> dict[str, Any]:
@@ -177,7 +231,8 @@ def load_manifest(path: str) -> Manifest:
 
 
 def resolve(cfg: RunConfig, manifest: Manifest | None = None) -> RunConfig:
-    """Checks that need the data: the model's vocabulary and context follow the tokenizer's."""
+    """Checks that need the data: the model's vocabulary and context follow the tokenizer's.
+    (The splits' sizes against the batch are the trainer's, which knows the ranks.)"""
     manifest = manifest or load_manifest(cfg.data)
     if cfg.model.vocab_size != manifest.vocab_size:
         cfg.model.vocab_size = manifest.vocab_size
@@ -207,10 +262,17 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         if name not in fields or name in ("model", "train"):
             accepted = ", ".join(f for f in fields if f not in ("model", "train"))
             raise ConfigError(f"override {item!r}: unknown key {key!r}; accepted keys: {accepted}")
+        parsed: Any
         if name == "betas":
-            parsed = tuple(float(x) for x in value.strip("()[] ").split(","))
+            try:
+                parsed = tuple(float(x) for x in value.strip("()[] ").split(","))
+            except ValueError:
+                raise ConfigError(f"{key}={value!r}: expected two numbers, e.g. {key}=0.9,0.95") from None
         elif name == "extra":
-            parsed = json.loads(value)
+            try:
+                parsed = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{key}={value!r}: expected a JSON object ({err})") from None
         else:
             parsed = coerce(key, value, fields[name].type)
         setattr(target, name, parsed)

@@ -9,12 +9,19 @@ Design choices that keep a looped model correct under ZeRO (docs/zero3.md):
   the previous step's gradient-norm check (step_controls.py), so that every rank skips, stops
   and saves together. The host reads them once per optimizer step outside logging steps,
   whatever grad_accum is (`Trainer.train_step`, docs/performance.md).
+
+What a start writes, and when (docs/reliability.md, "Bad runs"): nothing before rank 0 holds
+the run directory's lock (run_lock.py, agreed by every rank) and, on resume, before a
+checkpoint is loaded on every rank (`checkpoint.load_agreed`); then `commit` writes the run's
+config files and the log. A refused start leaves --out as it was.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import logging.handlers
 import math
 import os
 import sys
@@ -26,9 +33,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from pretrain.config import ConfigError
-from pretrain.distributed import all_reduce, comm_device, discover, init_distributed
+from pretrain.distributed import RankFailed, all_reduce, check_ranks, comm_device, discover, init_distributed
 from pretrain.model.flops import count_params
-from pretrain.training import checkpoint, deepspeed_internals
+from pretrain.training import checkpoint, deepspeed_internals, run_lock
+from pretrain.training.checkpoint import UnreadableCheckpoint
 from pretrain.training.depth import depth_for_step
 from pretrain.training.ds_config import build_ds_config, load_ds_json, save_ds_config, zero_stage
 from pretrain.training.engine import build_engine
@@ -53,7 +61,7 @@ from pretrain.training.metrics import (
     peak_flops,
 )
 from pretrain.training.parallelize import check_checkpointing, compile_stats
-from pretrain.training.resume import check_resume
+from pretrain.training.resume import check_tag, none_readable
 from pretrain.training.run_config import RunConfig, load_manifest, resolve
 from pretrain.training.step_controls import GradientMask, MicroBatchControls, StepTally
 
@@ -67,7 +75,9 @@ log = logging.getLogger("grt.train")
 _ALLOW_DATA_CHANGE_HINT = "--set train.allow_data_change=true (or GRT_ALLOW_DATA_CHANGE=1 in the environment)"
 
 
-def setup_logging(out: Path | None, rank: int) -> None:
+def setup_logging(rank: int) -> logging.handlers.MemoryHandler | None:
+    """The log on stdout; on rank 0 also kept in memory until `log_to_file` names the file
+    (nothing is written into the run directory before the start is known good)."""
     fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
     root = logging.getLogger()
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
@@ -76,12 +86,25 @@ def setup_logging(out: Path | None, rank: int) -> None:
     stream = logging.StreamHandler(sys.stdout)
     stream.setFormatter(fmt)
     root.addHandler(stream)
-    if out is not None and rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        fh = logging.FileHandler(out / "train.log")
-        fh.setFormatter(fmt)
-        root.addHandler(fh)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    if rank != 0:
+        return None
+    held = logging.handlers.MemoryHandler(capacity=1 << 20, flushLevel=logging.CRITICAL + 1, flushOnClose=False)
+    held.setFormatter(fmt)
+    root.addHandler(held)
+    return held
+
+
+def log_to_file(held: logging.handlers.MemoryHandler, path: Path) -> None:
+    """From now on the log also goes to `path` (appended), the lines held so far first."""
+    fh = logging.FileHandler(path)
+    fh.setFormatter(held.formatter)
+    held.setTarget(fh)
+    held.flush()
+    root = logging.getLogger()
+    root.removeHandler(held)
+    held.close()
+    root.addHandler(fh)
 
 
 def move(batch: Batch, device: torch.device, doc_mask: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -110,6 +133,16 @@ def evaluate_depths(
     return {r: values[i] / n for i, r in enumerate(depths)}
 
 
+def say(message: str) -> None:
+    """One line on stderr, from rank 0 only: what a resume passes over."""
+    if discover().rank == 0:
+        print(f"grt train: {message}", file=sys.stderr, flush=True)
+
+
+def _count(items: list[str], what: str) -> str:
+    return f"{len(items)} {what}{'' if len(items) == 1 else 's'}"
+
+
 def allow_data_change(cfg: RunConfig) -> bool:
     return cfg.train.allow_data_change or os.environ.get("GRT_ALLOW_DATA_CHANGE") == "1"
 
@@ -131,31 +164,104 @@ class Trainer:
         self.writer: MetricsWriter  # build() opens it
         self.closing = ExitStack()  # what build() opened, for close()
         self.step, self.skipped_total, self.bad_in_a_row = 0, 0, 0
+        self.requested = copy.deepcopy(cfg)  # the config as given, before a checkpoint's started schedule is kept
+        self.candidates: list[str] = []  # on resume: the chosen checkpoint, then the older complete ones
+        self.held_log: logging.handlers.MemoryHandler | None = None
+        self.lock: run_lock.RunLock | None = None  # rank 0's, from lock_run_dir()
+        self.passed_over: list[str] = []  # on resume: why each newer complete checkpoint was passed over
+        self.change_notes: dict[str, list[str]] = {}  # tag -> the line of settings a resume from it changes
 
     # -- build ---------------------------------------------------------------------------
     def preflight(self) -> tuple[str | None, dict]:
-        """Every check that needs no process group, before anything is written: the data, the
-        checkpoint to resume (its tokenizer, model, schedule, batch size and data order), the
-        merged DeepSpeed config and the checkpointing mode. Returns (the tag to resume or None,
-        the merged DeepSpeed config). `grt train --dry-run` stops here."""
+        """Every check that needs no process group, before anything is written: the data, that
+        no live run holds --out, the checkpoint to resume (`choose_checkpoint`: its tokenizer,
+        model, schedule, batch size and data order), the validation split, the merged DeepSpeed
+        config and the checkpointing mode. Returns (the tag to resume or None, the merged
+        DeepSpeed config). `grt train --dry-run` stops here (and checks the tag's files)."""
         self.manifest = load_manifest(self.cfg.data)  # loaded once; its loaders share it (tokenizer hashed once)
         resolve(self.cfg, self.manifest)
-        tag = checkpoint.find_latest(self.ckpt_root)
-        if tag is not None and not self.resume:
-            raise ConfigError(
-                f"{self.ckpt_root} already holds checkpoint {tag}: pass --resume to continue it, "
-                "or choose another --out"
-            )
-        self.cfg = check_resume(self.cfg, self.ckpt_root, tag, manifest=self.manifest)
+        self.requested = copy.deepcopy(self.cfg)
+        run_lock.refuse_if_in_use(self.out)  # before any checkpoint is read: another run may be writing them
+        tag = self.choose_checkpoint()
         t = self.cfg.train
+        self.check_split_sizes()
         deepspeed_internals.check()
         ds = build_ds_config(load_ds_json(self.cfg.ds_config), t, discover().world_size, torch.cuda.is_available())
         check_checkpointing(t.activation_checkpointing, zero_stage(ds))
-        self.check_data_order(tag)
         return tag, ds
 
+    def choose_checkpoint(self) -> str | None:
+        """The checkpoint to resume (None: a fresh start), checked against the run config:
+        the newest complete one that can be read (a newer unreadable one is passed over, in
+        one line). Refused: a start without --resume over checkpoints, a --resume over
+        checkpoints of which none is complete, or none that can be read."""
+        root = self.ckpt_root
+        candidates, dirs = checkpoint.resume_candidates(root), checkpoint.tag_dirs(root)
+        incomplete = [d for d in dirs if d not in checkpoint.complete_tags(root)]
+        if not self.resume and candidates:
+            raise ConfigError(
+                f"{root} already holds checkpoint {candidates[0]}: pass --resume to continue it, "
+                "or choose another --out"
+            )
+        if not candidates and incomplete:
+            raise ConfigError(
+                f"{'--resume' if self.resume else '--out'}: {root} holds no complete checkpoint, only "
+                f"{_count(incomplete, 'interrupted save')} ({', '.join(incomplete)}: no COMPLETE marker), so there is "
+                "nothing to resume, and a start from step 0 would overwrite them: remove them (or the whole run "
+                "directory) to start afresh, or choose another --out"
+            )
+        problems = []
+        for i, tag in enumerate(candidates):
+            try:
+                self.cfg = self.resume_checks(tag)
+            except UnreadableCheckpoint as err:
+                problems.append(f"{tag}: {err.problem}")
+                self.passed_over.append(str(err))
+                continue
+            self.candidates = candidates[i:]
+            return tag
+        if problems:
+            raise none_readable(root, problems)
+        return None
+
+    def resume_checks(self, tag: str) -> RunConfig:
+        """The run config as given, checked against checkpoint `tag` (its model, schedule, batch
+        size, tokenizer and data order): ConfigError to refuse, UnreadableCheckpoint when the
+        tag's own files cannot be read. Returns it with the started schedule kept."""
+        notes: list[str] = []
+        cfg = check_tag(copy.deepcopy(self.requested), self.ckpt_root, tag, manifest=self.manifest, notes=notes)
+        self.check_data_order(tag, cfg)
+        self.change_notes[tag] = notes
+        return cfg
+
+    def check_split_sizes(self) -> None:
+        """Training, and validation when it runs, need one micro-batch per rank: a smaller split
+        gives a rank no batch (validation's mean over nothing would be reported as a loss of 0.0)."""
+        t = self.cfg.train
+        world = discover().world_size
+        have, need = self.manifest.sequences("train"), world * t.micro_batch_size
+        if have < need:
+            raise ConfigError(
+                f"data={self.cfg.data!r}: the train split has {have} sequences, fewer than one micro-batch per "
+                f"rank (train.micro_batch_size {t.micro_batch_size} x {world} rank(s) = {need}): training would "
+                "have no batch; use a smaller train.micro_batch_size or prepare more data"
+            )
+        if not t.eval_every or not self.manifest.splits.get("val"):
+            return
+        have = self.manifest.sequences("val")
+        if have < need:
+            raise ConfigError(
+                f"data={self.cfg.data!r}: the val split has {have} sequences, fewer than one micro-batch per rank "
+                f"(train.micro_batch_size {t.micro_batch_size} x {world} rank(s) = {need}), so validation "
+                "(train.eval_every) would score nothing; prepare a larger validation split (grt data prepare "
+                "--val-fraction), use a smaller train.micro_batch_size, or train without validation "
+                "(--set train.eval_every=0)"
+            )
+
     def build(self) -> None:
-        """Checks first (`preflight`: no process group yet), then the group, engine, loaders and writer."""
+        """Checks first (`preflight`: no process group yet), then the group, the run directory's
+        lock, the engine, the checkpoint (agreed by every rank), and only then anything written
+        into --out (`commit`), the loaders and the writer."""
         tag, ds = self.preflight()
         cfg, t = self.cfg, self.cfg.train
         self.stop = StopSignal()  # before the slow start-up: a signal during it stops after the first step
@@ -164,23 +270,22 @@ class Trainer:
         self.comm = comm_device()  # the device of every collective's tensors (distributed.comm_device)
         self.heartbeat = Heartbeat(self.rank, self.world)
         self.closing.callback(self.heartbeat.close)
-        setup_logging(self.out, self.rank)
+        self.held_log = setup_logging(self.rank)
+        self.lock_run_dir()
         deepspeed_internals.quiet_deprecated_collectives()
         self.device = torch.device(f"cuda:{info.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(t.seed + self.rank)
-        self.config_json = json.dumps(cfg.to_dict(), indent=2) + "\n"
         self.engine, self.ds = build_engine(cfg, self.world, self.device, self.manifest.seq_len, ds)
-        self.write_run_config()
         self.seq_len = self.manifest.seq_len
         self.tokens_per_step = t.micro_batch_size * t.grad_accum * self.world * self.seq_len
         self.log_start()
         self.loader = self.data_loader("train")
         if tag is not None:
-            state = checkpoint.load(self.engine, self.ckpt_root, tag, self.rank)
-            self.step = state["step"]
-            self.loader.load_state_dict(state["loader"], strict=not allow_data_change(cfg))
+            tag = self.load_checkpoint(tag)
+        self.commit()
+        if tag is not None:
             log.info("resumed from %s at step %d", self.ckpt_root / tag, self.step)
         self.val = self.val_batches() if t.eval_every else None
         self.writer = MetricsWriter(self.out, self.rank)
@@ -195,28 +300,110 @@ class Trainer:
         self.grad_mask = GradientMask(self.engine.module) if t.grad_accum > 1 else None
         self.nan_faults = NanFaults(self.engine, NanInjection())
 
-    def check_data_order(self, tag: str | None) -> None:
+    def check_data_order(self, tag: str, cfg: RunConfig) -> None:
         """On resume, before any process group: the data must be the data the checkpoint saw."""
-        if tag is None:
-            return
         state_path = self.ckpt_root / tag / "rank0_state.pt"
         if not state_path.is_file():
-            return  # checkpoint.load explains it
-        saved = torch.load(state_path, weights_only=False).get("loader", {}).get("fingerprint")
+            raise UnreadableCheckpoint(tag, "rank0_state.pt is missing")
+        try:
+            saved = torch.load(state_path, weights_only=False).get("loader", {}).get("fingerprint")
+        except Exception as err:  # torch reports a cut-off or corrupt file as RuntimeError, pickle errors, EOFError
+            raise UnreadableCheckpoint(tag, f"rank0_state.pt is cut off or corrupt ({one_line(err)[:300]})") from None
         now = self.manifest.fingerprint("train")
-        if saved is not None and saved != now and not allow_data_change(self.cfg):
+        if saved is not None and saved != now and not allow_data_change(cfg):
             raise ConfigError(
                 f"data={self.cfg.data!r}: the train split's shard list changed since checkpoint {tag} (fingerprint "
                 f"{saved} -> {now}: shards added, removed, reordered or rewritten), so resuming would not continue "
                 f"the same data order; restore the original manifest, or resume anyway with {_ALLOW_DATA_CHANGE_HINT}"
             )
 
-    def write_run_config(self) -> None:
-        """The run directory's config files (rank 0)."""
+    def lock_run_dir(self) -> None:
+        """Rank 0 takes the run directory's lock (run_lock.py); every rank agrees on the
+        outcome, so that a refusal stops them all (exit 2) before anything is written."""
+        error = None
         if self.rank == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.json").write_text(self.config_json)
-            save_ds_config(self.ds, self.out)
+            try:
+                lock = run_lock.RunLock.acquire(self.out)
+                self.lock = lock
+                self.closing.callback(lock.release)
+            except ConfigError as err:
+                error = str(err)
+        try:
+            check_ranks(error, code=2)
+        except RankFailed as failed:
+            raise ConfigError(error or str(failed)) from None
+
+    def load_checkpoint(self, checked: str) -> str:
+        """Load the checkpoint to resume, `checked` (by preflight) or, where it cannot be loaded
+        on every rank, an older complete one (agreed: checkpoint.load_agreed); its tag."""
+
+        def passed_over(tag: str, why: str) -> None:
+            self.passed_over.append(f"checkpoint {tag} cannot be loaded ({why})")
+
+        tag, state = checkpoint.load_agreed(
+            self.engine,
+            self.ckpt_root,
+            self.candidates,
+            self.rank,
+            self.world,
+            precheck=lambda other: self.same_settings(other, checked),
+            note=passed_over,
+        )
+        self.step = state["step"]
+        self.loader.load_state_dict(state["loader"], strict=not allow_data_change(self.cfg))
+        self.say_resume(tag)
+        return tag
+
+    def say_resume(self, tag: str) -> None:
+        """What the resume from `tag` passed over and changes, said once it is sure (a refused
+        resume says only why it is refused)."""
+        for problem in self.passed_over:
+            say(f"{problem}; resuming from the older complete checkpoint {tag}")
+        for line in self.change_notes.get(tag, []):
+            say(line)
+
+    def check_files(self, checked: str) -> str:
+        """`grt train --dry-run`: the load's checks of `load_checkpoint` in this one process
+        (it reads every file): the tag a resume would load."""
+        problems = []
+        for tag in self.candidates:
+            try:
+                self.same_settings(tag, checked)
+                problem = checkpoint.verify(self.ckpt_root, tag)
+            except UnreadableCheckpoint as err:
+                problem = err.problem
+            if problem is None:
+                return tag
+            problems.append(f"{tag}: {problem}")
+            self.passed_over.append(f"checkpoint {tag} cannot be loaded ({problem})")
+        raise checkpoint.none_loadable(self.ckpt_root, problems)
+
+    def same_settings(self, tag: str, checked: str) -> None:
+        """A resume falling back from checkpoint `checked` to the older `tag`: the checks of
+        `resume_checks`, and the same resulting config (the engine was built with it)."""
+        if tag == checked:
+            return
+        cfg = self.resume_checks(tag)
+        if cfg.to_dict() != self.cfg.to_dict():
+            raise ConfigError(
+                f"resume: checkpoint {tag} (the newest that every rank can load) was trained with other settings than "
+                f"{checked}; resume it with its own (--config-json {self.ckpt_root / tag / 'config.json'})"
+            )
+
+    def commit(self) -> None:
+        """The start is good (the checkpoint loaded on every rank): from here the run writes
+        into --out, first its config files and the log held so far (rank 0)."""
+        self.config_json = json.dumps(self.cfg.to_dict(), indent=2) + "\n"
+        if self.rank != 0:
+            return
+        if self.lock is not None:
+            self.lock.commit()
+        self.out.mkdir(parents=True, exist_ok=True)
+        if self.held_log is not None:
+            log_to_file(self.held_log, self.out / "train.log")
+            self.held_log = None
+        (self.out / "config.json").write_text(self.config_json)
+        save_ds_config(self.ds, self.out)
 
     def log_start(self) -> None:
         cfg, t, engine = self.cfg, self.cfg.train, self.engine
@@ -519,6 +706,9 @@ def dry_run(cfg: RunConfig, resume: bool = False) -> str:
     saying what would train."""
     trainer = Trainer(cfg, resume)
     tag, ds = trainer.preflight()
+    if tag is not None:
+        tag = trainer.check_files(tag)
+        trainer.say_resume(tag)
     c, m = trainer.cfg, trainer.manifest
     return (
         f"would train {c.model.name} ({c.model.variant} {c.model.layout}, d {c.model.d_model}, vocab "
