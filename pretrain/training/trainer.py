@@ -239,24 +239,21 @@ class Trainer:
         gives a rank no batch (validation's mean over nothing would be reported as a loss of 0.0)."""
         t = self.cfg.train
         world = discover().world_size
-        have, need = self.manifest.sequences("train"), world * t.micro_batch_size
-        if have < need:
-            raise ConfigError(
-                f"data={self.cfg.data!r}: the train split has {have} sequences, fewer than one micro-batch per "
-                f"rank (train.micro_batch_size {t.micro_batch_size} x {world} rank(s) = {need}): training would "
-                "have no batch; use a smaller train.micro_batch_size or prepare more data"
-            )
-        if not t.eval_every or not self.manifest.splits.get("val"):
-            return
-        have = self.manifest.sequences("val")
-        if have < need:
-            raise ConfigError(
-                f"data={self.cfg.data!r}: the val split has {have} sequences, fewer than one micro-batch per rank "
-                f"(train.micro_batch_size {t.micro_batch_size} x {world} rank(s) = {need}), so validation "
-                "(train.eval_every) would score nothing; prepare a larger validation split (grt data prepare "
-                "--val-fraction), use a smaller train.micro_batch_size, or train without validation "
+        need = world * t.micro_batch_size
+        uses = {"train": "training would have no batch; use a smaller train.micro_batch_size or prepare more data"}
+        if t.eval_every and self.manifest.splits.get("val"):
+            uses["val"] = (
+                "so validation (train.eval_every) would score nothing; prepare a larger validation split (grt data "
+                "prepare --val-fraction), use a smaller train.micro_batch_size, or train without validation "
                 "(--set train.eval_every=0)"
             )
+        for split, use in uses.items():
+            have = self.manifest.sequences(split)
+            if have < need:
+                raise ConfigError(
+                    f"data={self.cfg.data!r}: the {split} split has {have} sequences, fewer than one micro-batch "
+                    f"per rank (train.micro_batch_size {t.micro_batch_size} x {world} rank(s) = {need}): {use}"
+                )
 
     def build(self) -> None:
         """Checks first (`preflight`: no process group yet), then the group, the run directory's
