@@ -1,46 +1,169 @@
-"""Streaming token batches from WebDataset shards: equal per-rank counts, exact resume.
+"""Streaming token batches from WebDataset shards: one global order, whatever the ranks.
 
 How an epoch is laid out (see docs/data.md for the full description):
 
 1. The split's shards are put in an order permuted by ``(seed, epoch)`` and seen as one
    virtual stream of N samples.
-2. Every rank gets ``batches_per_epoch = N // (world_size * micro_batch_size)`` batches:
-   rank r owns the contiguous range ``[r * K * B, (r + 1) * K * B)`` of the stream
-   (K = batches_per_epoch, B = micro batch size). The few samples past the last range are
-   dropped for this epoch (a different few each epoch, as the shard order changes).
-   The count depends only on N, B and world_size — never on the shard count — so every
-   rank runs the same number of steps and distributed training cannot hang on data.
-3. Inside a rank, logical worker j (of W) produces the batches k with k % W == j, i.e.
-   ``ceil((K - j) / W)`` batches from its own contiguous sub-range; the DataLoader hands
-   them out round-robin, so the batch order is fixed and independent of timing. Each
-   worker opens only the shards its range overlaps (with webdataset, so local paths,
-   ``file:``, ``pipe:`` and ``http(s)://`` URLs all work).
-4. Shuffling is a bounded block shuffle: a worker reads ``shuffle_buffer`` consecutive
-   samples of its range and emits them in a permutation seeded by
-   ``(seed, epoch, rank, worker, block)``; memory is bounded by the buffer.
-5. Because every batch is a pure function of ``(seed, epoch, batch index)``, resuming
-   needs only ``(epoch, batches consumed)``: each worker skips directly to the block that
-   holds its next batch (whole shards before it are never opened).
+2. The stream is shuffled in blocks of ``shuffle_buffer`` samples (block b's permutation
+   is seeded by ``(seed, epoch, b)``), which gives the epoch's *global order*: global
+   position p is one stream sample. The order depends on the seed, the epoch, the shards
+   and ``shuffle_buffer`` only: not on the number of ranks, loader workers, the
+   micro-batch size or gradient accumulation.
+3. Optimizer step g takes the global batch G = ``global_batch`` samples at global
+   positions ``[g * G, (g + 1) * G)``; an epoch has ``N // G`` steps (the few samples
+   past the last step are left out, a different few each epoch). Micro-batch round k
+   (every rank's k-th batch of the epoch) covers positions ``[k * W * B, (k + 1) * W * B)``
+   (W ranks, B micro-batch size) and rank r takes the r-th B of them. So a step's samples
+   are the same set on any split of G into ranks x micro-batch x accumulation, and a
+   resume on another world size continues the same global order (`load_state_dict`).
+   Every rank has the same number of batches, so distributed training cannot hang on data.
+4. Inside a rank, logical worker j (of Wk) produces the batches k with k % Wk == j; the
+   DataLoader hands them out round-robin, so the batch order is fixed and independent of
+   timing. A worker reads only its own samples: a local shard is read by seeking to its
+   fixed-size members (the shard format makes member i's offset ``i * member_size``); a
+   shard behind a URL (``pipe:``, ``http(s)://``) is streamed through webdataset, each
+   worker reading the shuffle blocks that hold its samples.
+5. Because every batch is a pure function of ``(seed, epoch, batch round)``, resuming needs
+   only ``(epoch, samples consumed in the epoch)``: each worker goes straight to its next
+   samples (nothing before them is read).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import tarfile
 import warnings
-from collections.abc import Generator, Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Generator, Iterator, Sequence
+from typing import IO, Any
 
 import numpy as np
 import torch
 
 from .manifest import Manifest
-from .shards import DTYPES, ShardError, iter_shard
+from .shards import DTYPES, MEMBER_NAME, MissingShardError, ShardError, iter_shard, member_size
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 _Batch = dict[str, torch.Tensor]
 _Produced = tuple[_Batch, int, list[str]]  # a batch, the shards found bad since the last one, and their URLs
+
+
+DIGEST_MOD = (1 << 61) - 1
+
+
+def sample_digest(input_ids: torch.Tensor) -> int:
+    """An order-free digest of a batch's samples (the sum of a hash of each row, mod 2**61 - 1):
+    the digests of a step's micro-batches, summed over the ranks, are the same on any split of
+    the step into ranks and micro-batches, so runs can be compared sample set by sample set."""
+    rows = input_ids.to(torch.int64)
+    weights = torch.arange(1, rows.shape[1] + 1, dtype=torch.int64) * 0x9E3779B1
+    hashed = (rows * weights).sum(dim=1) % DIGEST_MOD  # int64 wraps: the same on every machine
+    return int(hashed.sum()) % DIGEST_MOD
+
+
+def _is_local(url: str) -> bool:
+    return "://" not in url and not url.startswith(("pipe:", "file:"))
+
+
+class _ShardReader:
+    """One worker's reads: samples of a shard by their index, seeking in a local file with the
+    fixed-size member layout, else streaming forward through webdataset (one open stream,
+    reused while the indices grow). Every member is checked as `iter_shard` checks it."""
+
+    def __init__(self, sequences: Sequence[int], sample_tokens: int, ext: str, vocab_size: int | None) -> None:
+        self.sequences, self.sample_tokens, self.ext, self.vocab_size = sequences, sample_tokens, ext, vocab_size
+        self.nbytes = sample_tokens * DTYPES[ext].itemsize
+        self.stride = member_size(sample_tokens, ext)
+        self.files: dict[int, IO[bytes] | None] = {}  # shard -> its open local file, None: streamed
+        self.stream: tuple[int, Generator[tuple[int, bytes], None, None], int] | None = None  # shard, samples, next
+
+    def read(self, shard: int, url: str, indices: list[int]) -> list[bytes]:
+        """The payloads of samples `indices` (increasing) of shard number `shard`; ShardError."""
+        fh = self._local(shard, url)
+        if fh is None:
+            return self._streamed(shard, url, indices)
+        return [self._member(fh, url, i) for i in indices]
+
+    def _local(self, shard: int, url: str) -> IO[bytes] | None:
+        if shard in self.files:
+            return self.files[shard]
+        fh = None
+        if _is_local(url):
+            if not os.path.exists(url):
+                raise MissingShardError(url, "no such file")
+            need = self.sequences[shard] * self.stride + 1024  # the members, then tar's two end blocks
+            size = os.path.getsize(url)
+            if size < need:
+                raise ShardError(url, f"truncated: {size} bytes, the {self.sequences[shard]} samples need {need}")
+            fh = open(url, "rb")  # noqa: SIM115 (kept open for the epoch, closed by close())
+            if not self._fixed_layout(fh):
+                fh.close()
+                fh = None  # written by another tar writer (e.g. extended headers): streamed instead
+        self.files[shard] = fh
+        return fh
+
+    def _fixed_layout(self, fh: IO[bytes]) -> bool:
+        try:
+            info = tarfile.TarInfo.frombuf(fh.read(512), "utf-8", "surrogateescape")
+        except tarfile.HeaderError:
+            return False
+        m = MEMBER_NAME.match(info.name)
+        return info.size == self.nbytes and m is not None and int(m.group("idx")) == 0 and info.type == tarfile.REGTYPE
+
+    def _member(self, fh: IO[bytes], url: str, index: int) -> bytes:
+        fh.seek(index * self.stride)
+        header = fh.read(512)
+        try:
+            info = tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape")
+        except tarfile.HeaderError as exc:
+            raise ShardError(url, f"member {index} has a bad tar header ({type(exc).__name__}: {exc})") from None
+        m = MEMBER_NAME.match(info.name)
+        if m is None or m.group("ext") != self.ext or int(m.group("idx")) != index:
+            raise ShardError(url, f"unexpected member {info.name!r} at position {index} (want index {index:07d})")
+        if info.size != self.nbytes:
+            raise ShardError(url, f"member {info.name!r} has {info.size} bytes, want {self.nbytes}")
+        data = fh.read(self.nbytes)
+        if len(data) != self.nbytes:
+            raise ShardError(url, f"member {info.name!r} is cut off after {len(data)} of {self.nbytes} bytes")
+        dtype = DTYPES[self.ext]
+        if self.vocab_size is not None and int(np.frombuffer(data, dtype).max()) >= self.vocab_size:
+            raise ShardError(url, f"member {info.name!r} holds a token id >= vocab size {self.vocab_size}")
+        return data
+
+    def _streamed(self, shard: int, url: str, indices: list[int]) -> list[bytes]:
+        if self.stream is None or self.stream[0] != shard or self.stream[2] > indices[0]:
+            self._close_stream()
+            samples = iter_shard(
+                url, self.sequences[shard], self.sample_tokens, self.ext, start=indices[0], vocab_size=self.vocab_size
+            )
+            self.stream = (shard, samples, indices[0])
+        _, samples, _ = self.stream
+        wanted, out = set(indices), []
+        try:
+            for i, data in samples:
+                if i in wanted:
+                    out.append(data)
+                if i >= indices[-1]:
+                    self.stream = (shard, samples, i + 1)
+                    return out
+        except ShardError:
+            self._close_stream()
+            raise
+        self._close_stream()
+        raise ShardError(url, f"ended before sample {indices[-1]}")
+
+    def _close_stream(self) -> None:
+        if self.stream is not None:
+            self.stream[1].close()
+            self.stream = None
+
+    def close(self) -> None:
+        self._close_stream()
+        for fh in self.files.values():
+            if fh is not None:
+                fh.close()
+        self.files.clear()
 
 
 class _EpochPlan:
@@ -81,95 +204,103 @@ class _EpochPlan:
         counts = np.asarray(sequences, dtype=np.int64)[order]
         self.starts = np.concatenate([[0], np.cumsum(counts)])
         self.total = int(self.starts[-1])
+        # the unit of reading: a shuffle block, or (no shuffle) a window of the same bound
+        self.block = shuffle_buffer if shuffle_buffer > 1 else max(batch_size, 256)
 
-    def worker_range(self, j: int) -> tuple[int, int, int]:
-        """(first stream position, number of batches, batches already consumed) for worker j."""
-        W, K, B = self.num_workers, self.batches, self.batch_size
-        counts = [K // W + (1 if i < K % W else 0) for i in range(W)]
-        first = self.rank * K * B + B * sum(counts[:j])
-        done = max(0, -(-(self.start_batch - j) // W)) if self.start_batch > j else 0
-        return first, counts[j], min(done, counts[j])
+    def worker_batches(self, j: int) -> range:
+        """The batch rounds worker j produces: k % num_workers == j, from start_batch on."""
+        W = self.num_workers
+        first = self.start_batch + (j - self.start_batch) % W
+        return range(first, self.batches, W)
 
-    def read(self, pos: int, count: int, report: dict[str, Any]) -> Generator[bytes, None, None]:
-        """Exactly ``count`` sample payloads from stream position ``pos`` on.
+    def positions(self, k: int) -> range:
+        """The global positions of this rank's batch in round k."""
+        B = self.batch_size
+        first = k * self.world_size * B + self.rank * B
+        return range(first, first + B)
 
-        A corrupt or missing shard raises ShardError, or — with skip_corrupt — is reported
-        and its lost samples are replaced by the samples that follow in the stream
-        (wrapping around), so the number of batches never changes.
-        """
-        N = self.total
-        remaining = count
-        bad = report.setdefault("bad", set())
-        travelled = 0
-        while remaining > 0:
-            if travelled > 2 * N:
-                raise RuntimeError(f"every shard of the split is unreadable ({sorted(bad)})")
-            p = pos % N
-            s = int(np.searchsorted(self.starts, p, side="right") - 1)
-            shard = int(self.order[s])
-            off = p - int(self.starts[s])
-            n_in = self.sequences[shard] - off
-            url = self.urls[shard]
-            if url in bad:
-                pos += n_in
-                travelled += n_in
-                continue
-            take = min(remaining, n_in)
-            got = 0
-            it = iter_shard(
-                url, self.sequences[shard], self.seq_len + 1, self.ext, start=off, vocab_size=self.vocab_size
-            )
-            try:
-                for _, data in it:
-                    yield data
-                    got += 1
-                    if got == take:
-                        break
-            except ShardError as exc:
-                if not self.skip_corrupt:
-                    raise
-                warnings.warn(f"skipping {exc} (skip_corrupt=True)", RuntimeWarning, stacklevel=2)
-                bad.add(url)
-                report["new"] = report.get("new", 0) + 1
-                remaining -= got
-                pos += n_in
-                travelled += n_in
-                continue
-            finally:
-                it.close()
-            remaining -= take
-            pos += take
-            travelled += take
+    def stream_positions(self, block: int, offsets: np.ndarray) -> np.ndarray:
+        """Where the global positions `block * self.block + offsets` lie in the stream."""
+        base = block * self.block
+        if self.shuffle_buffer <= 1:
+            return base + offsets
+        size = min(self.block, self.total - base)
+        perm = np.random.default_rng([self.seed, self.epoch, block, 0xB10C]).permutation(size)
+        return base + perm[offsets]
 
     def batches_for_worker(self, j: int, report: dict[str, Any]) -> Iterator[_Batch]:
-        first, nb, done = self.worker_range(j)
-        B = self.batch_size
-        length = nb * B
-        out_start = done * B
-        if out_start >= length:
-            return
-        M = self.shuffle_buffer if self.shuffle_buffer > 1 else max(B, 256)
-        block0 = out_start // M
-        reader = self.read(first + block0 * M, length - block0 * M, report)
-        skip = out_start - block0 * M
-        batch: list[bytes] = []
-        nblocks = -(-length // M)
-        for b in range(block0, nblocks):
-            n = min(M, length - b * M)
-            window = [next(reader) for _ in range(n)]
-            order: Iterable[int]
-            if self.shuffle_buffer > 1:
-                rng = np.random.default_rng([self.seed, self.epoch, self.rank, j, b, 0xB10C])
-                order = rng.permutation(n)[skip:].tolist()
-            else:
-                order = range(skip, n)
-            skip = 0
-            for i in order:
-                batch.append(window[i])
-                if len(batch) == B:
-                    yield self.collate(batch)
-                    batch = []
-        reader.close()
+        """Worker j's batches in order: for each shuffle block its samples are read at once
+        (sorted by stream position), then handed out batch by batch."""
+        reader = _ShardReader(self.sequences, self.seq_len + 1, self.ext, self.vocab_size)
+        rounds = self.worker_batches(j)
+        try:
+            loaded: dict[int, bytes] = {}
+            loaded_block = -1
+            for k in rounds:
+                batch = []
+                for p in self.positions(k):
+                    block = p // self.block
+                    if block != loaded_block:
+                        loaded = self._read_block(reader, block, rounds, k, report)
+                        loaded_block = block
+                    batch.append(loaded.pop(p))
+                yield self.collate(batch)
+        finally:
+            reader.close()
+
+    def _read_block(
+        self, reader: _ShardReader, block: int, rounds: range, k: int, report: dict[str, Any]
+    ) -> dict[int, bytes]:
+        """The payloads of every global position of block `block` that this worker's rounds
+        from `k` on need, by global position."""
+        lo, hi = block * self.block, (block + 1) * self.block
+        wanted: list[int] = []
+        for later in rounds[rounds.index(k) :]:
+            span = self.positions(later)
+            if span.start >= hi:
+                break
+            wanted.extend(p for p in span if lo <= p < hi)
+        where = self.stream_positions(block, np.asarray(wanted, dtype=np.int64) - lo)
+        payloads = self.read_stream(reader, where.tolist(), report)
+        return dict(zip(wanted, payloads, strict=True))
+
+    def read_stream(self, reader: _ShardReader, positions: list[int], report: dict[str, Any]) -> list[bytes]:
+        """The payloads at stream `positions`. A corrupt or missing shard raises ShardError,
+        or, with skip_corrupt, is reported and each of its samples is replaced by the sample one
+        shard length further on in the stream (wrapping around), so the number of batches
+        never changes."""
+        bad = report.setdefault("bad", set())
+        out: dict[int, bytes] = {}
+        todo = {i: p for i, p in enumerate(positions)}
+        moved = dict.fromkeys(todo, 0)
+        while todo:
+            by_shard: dict[int, list[tuple[int, int]]] = {}
+            for i, p in todo.items():
+                s = int(np.searchsorted(self.starts, p, side="right") - 1)
+                by_shard.setdefault(s, []).append((p - int(self.starts[s]), i))
+            retry: dict[int, int] = {}
+            for s, wants in sorted(by_shard.items()):
+                shard = int(self.order[s])
+                url = self.urls[shard]
+                wants.sort()
+                if url not in bad:
+                    try:
+                        for (_, i), data in zip(wants, reader.read(shard, url, [o for o, _ in wants]), strict=True):
+                            out[i] = data
+                        continue
+                    except ShardError as exc:
+                        if not self.skip_corrupt:
+                            raise
+                        warnings.warn(f"skipping {exc} (skip_corrupt=True)", RuntimeWarning, stacklevel=2)
+                        bad.add(url)
+                        report["new"] = report.get("new", 0) + 1
+                for _, i in wants:
+                    moved[i] += self.sequences[shard]
+                    if moved[i] > 2 * self.total:
+                        raise RuntimeError(f"every shard of the split is unreadable ({sorted(bad)})")
+                    retry[i] = (positions[i] + moved[i]) % self.total
+            todo = retry
+        return [out[i] for i in range(len(positions))]
 
     def collate(self, payloads: list[bytes]) -> _Batch:
         arr = np.frombuffer(b"".join(payloads), dtype=DTYPES[self.ext]).reshape(len(payloads), self.seq_len + 1)
@@ -235,6 +366,7 @@ class TokenBatchLoader:
         pin_memory: bool = False,
         prefetch_factor: int = 4,
         check_token_range: bool = True,
+        global_batch: int | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
@@ -258,12 +390,21 @@ class TokenBatchLoader:
         self.check_token_range = check_token_range
         self.seq_len = self.manifest.seq_len
         self.num_sequences = sum(s.sequences for s in self.shards)
-        self.batches_per_epoch = self.num_sequences // (world_size * micro_batch_size)
+        round_size = world_size * micro_batch_size  # the samples of one batch round over the ranks
+        self.global_batch = int(global_batch or round_size)
+        if self.global_batch % round_size:
+            raise ValueError(
+                f"global_batch {self.global_batch} is not a multiple of world_size {world_size} x "
+                f"micro_batch_size {micro_batch_size}"
+            )
+        steps = self.num_sequences // self.global_batch
+        self.batches_per_epoch = steps * (self.global_batch // round_size)
         if self.batches_per_epoch == 0:
             msg = (
                 f"split {split!r} of {self.manifest.path!r} has {self.num_sequences} sequences, fewer than one "
-                f"batch per rank (world_size {world_size} x micro_batch_size {micro_batch_size}); prepare more "
-                f"data or use smaller batches"
+                f"batch per rank (world_size {world_size} x micro_batch_size {micro_batch_size}"
+                + (f", global batch {self.global_batch}" if self.global_batch != round_size else "")
+                + "); prepare more data or use smaller batches"
             )
             if loop:
                 raise ValueError(msg)
@@ -362,33 +503,42 @@ class TokenBatchLoader:
 
     # -- state -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Position after the batches already handed to the caller (JSON-serialisable)."""
+        """Position after the batches already handed to the caller (JSON-serialisable):
+        ``position`` is the global position reached in the epoch (samples consumed by every
+        rank together), the same whatever the split into ranks."""
         return {
             "version": STATE_VERSION,
             "split": self.split,
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
+            "position": self.batch_in_epoch * self.world_size * self.micro_batch_size,
             "samples_consumed": self.samples_consumed,
             "seed": self.seed,
             "fingerprint": self.fingerprint,
             "world_size": self.world_size,
             "num_workers": self.num_workers,
             "micro_batch_size": self.micro_batch_size,
+            "global_batch": self.global_batch,
             "shuffle_buffer": self.shuffle_buffer,
             "batches_per_epoch": self.batches_per_epoch,
             "skipped_shards": self.skipped_shards,
         }
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
-        """Continue exactly where ``state`` was taken.
+        """Continue exactly where ``state`` was taken, on any number of ranks and workers.
 
         The shard list must be the same (fingerprint), else ValueError (strict) or a
-        warning. If world_size, num_workers, micro_batch_size or shuffle_buffer differ, the
-        exact sequence cannot be reproduced: the loader warns and resumes in the same epoch
-        at the same fraction of samples consumed.
+        warning. The global order depends on the seed, the shards, ``global_batch`` and
+        ``shuffle_buffer`` only: with those unchanged the loader continues at the saved
+        global position, re-split over this loader's ranks (exact when the position is a
+        whole number of this loader's batch rounds, as it is at every optimizer step). Any
+        other change cannot continue the same order: the loader warns and resumes in the
+        same epoch at the same fraction of samples consumed. A state of the previous
+        loader version (each rank owning a contiguous range) resumes the same way.
         """
-        if int(state.get("version", 0)) != STATE_VERSION:
-            raise ValueError(f"loader state version {state.get('version')} != {STATE_VERSION}")
+        version = int(state.get("version", 0))
+        if version not in (1, STATE_VERSION):
+            raise ValueError(f"loader state version {state.get('version')} is not one of 1, {STATE_VERSION}")
         if state.get("fingerprint") != self.fingerprint:
             msg = (
                 f"loader state was saved for shard list {state.get('fingerprint')} but split {self.split!r} of "
@@ -405,20 +555,31 @@ class TokenBatchLoader:
             )
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
-        self.samples_consumed = int(state.get("samples_consumed", 0))
         self.skipped_shards = int(state.get("skipped_shards", 0))
-        layout = ("world_size", "num_workers", "micro_batch_size", "shuffle_buffer")
-        same = all(state.get(k) == getattr(self, k) for k in layout)
-        if same:
-            self.batch_in_epoch = int(state["batch_in_epoch"])
-        else:
-            old = {k: state.get(k) for k in layout}
-            new = {k: getattr(self, k) for k in layout}
-            done = int(state["batch_in_epoch"]) * int(state["micro_batch_size"]) * int(state["world_size"])
-            self.batch_in_epoch = min(self.batches_per_epoch, done // (self.micro_batch_size * self.world_size))
+        old_world = int(state["world_size"])
+        position = int(state["batch_in_epoch"]) * int(state["micro_batch_size"]) * old_world
+        round_size = self.world_size * self.micro_batch_size
+        # a rank's count, from the global count: the same on the same world size
+        self.samples_consumed = int(state.get("samples_consumed", 0)) * old_world // self.world_size
+        order = ("global_batch", "shuffle_buffer")
+        saved_order = {"global_batch": state.get("global_batch"), "shuffle_buffer": state.get("shuffle_buffer")}
+        same_order = version == STATE_VERSION and all(saved_order[k] == getattr(self, k) for k in order)
+        self.batch_in_epoch = min(self.batches_per_epoch, position // round_size)
+        if not same_order:
+            now = {k: getattr(self, k) for k in order}
+            what = "by an older loader version" if version != STATE_VERSION else f"with {saved_order}"
             warnings.warn(
-                f"loader layout changed {old} -> {new}: resuming epoch {self.epoch} at batch "
-                f"{self.batch_in_epoch}, not the exact sequence of the original run",
+                f"loader order changed: the state was saved {what}, this loader has {now}: resuming epoch "
+                f"{self.epoch} at batch "
+                f"{self.batch_in_epoch}, the same fraction of the epoch, not the exact sequence of the original run",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        elif position % round_size:
+            warnings.warn(
+                f"loader state is at global position {position} of epoch {self.epoch}, not a whole number of batch "
+                f"rounds of {round_size} (world_size {self.world_size} x micro_batch_size {self.micro_batch_size}): "
+                f"resuming at position {self.batch_in_epoch * round_size}",
                 RuntimeWarning,
                 stacklevel=2,
             )

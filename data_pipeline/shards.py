@@ -92,7 +92,7 @@ def _write_chunks(fh: IO[bytes], data: bytes, chunk: int = 1 << 22) -> None:
         fh.write(view[off : off + chunk])
 
 
-_NAME = re.compile(r"^(?:.*/)?(?P<stem>[^/]+)_(?P<idx>\d{7})\.(?P<ext>u16|u32)$")
+MEMBER_NAME = re.compile(r"^(?:.*/)?(?P<stem>[^/]+)_(?P<idx>\d{7})\.(?P<ext>u16|u32)$")
 
 
 def open_stream(url: str) -> IO[bytes]:
@@ -128,7 +128,7 @@ def iter_shard(
     try:
         try:
             for item in tar_file_iterator(stream):
-                m = _NAME.match(item["fname"])
+                m = MEMBER_NAME.match(item["fname"])
                 if m is None or m.group("ext") != ext or int(m.group("idx")) != expected:
                     raise ShardError(
                         url,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import shlex
 import shutil
 from typing import TYPE_CHECKING
@@ -51,6 +53,8 @@ def _summary(r: Resolved, what: str) -> str:
 
 
 def build_local(r: Resolved) -> Plan:
+    if r.elastic is not None:
+        return build_elastic(r)
     if r.nodes > 1:
         raise ValueError("--launcher local runs on this machine only; use deepspeed, slurm or mpi for several nodes")
     py = r.python
@@ -64,6 +68,75 @@ def build_local(r: Resolved) -> Plan:
         cmd += ["-m", r.entry_module] + r.entry_args + r.train_args
     env = dict(_parse_user_env(r))
     return Plan("local", cmd, env=env, summary=_summary(r, "local"))
+
+
+# --------------------------------------------------------------------------- elastic (torchrun's agent)
+
+# The agent's env for every elastic launch: a rendezvous round rebuilds where the workers' store is
+# (rank 0 of the round serves a new one) instead of keeping the first round's address, which
+# points at a lost node once the rendezvous's first node is gone (pretrain/distributed.py
+# `_round_store` copes with the shared store otherwise).
+ELASTIC_AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def elastic_run_id(run_dir: str) -> str:
+    """torchrun's --rdzv-id of a run directory: its name and a hash of its absolute path."""
+    path = os.path.abspath(run_dir)
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", os.path.basename(path)) or "run"
+    return f"grt-{name}-{hashlib.sha1(path.encode()).hexdigest()[:8]}"
+
+
+def elastic_command(r: Resolved) -> list[str]:
+    """One node's torchrun agent of an elastic launch (the same command on every node)."""
+    assert r.elastic is not None
+    low, high = r.elastic
+    cmd = [r.python, "-m", "torch.distributed.run", "--nnodes", f"{low}:{high}", "--nproc-per-node", str(r.procs)]
+    cmd += ["--max-restarts", str(r.max_restarts), "--rdzv-backend", "c10d"]
+    cmd += [
+        "--rdzv-endpoint",
+        f"{r.master_addr}:{r.master_port or DEFAULT_PORT}",
+        "--rdzv-id",
+        elastic_run_id(r.run_dir),
+    ]
+    if r.args.rdzv_conf:
+        cmd += ["--rdzv-conf", r.args.rdzv_conf]
+    if r.args.rank_logs:  # <dir>/<run id>/attempt_N/<rank>/{stdout,stderr}.log, and the console
+        cmd += ["--log-dir", _rank_log_dir(r), "--tee", "3"]
+    return cmd + ["-m", r.entry_module] + r.entry_args + r.train_args
+
+
+def elastic_script(r: Resolved, cmd: list[str]) -> str:
+    """<launch dir>/elastic.sh: the agent's command with the environment of every rank, for the other nodes."""
+    q = shlex.quote
+    env = {**r.env, **ELASTIC_AGENT_ENV, "PYTHONPATH": _pythonpath(r.environ.get("PYTHONPATH", ""))}
+    lines = [
+        "#!/bin/bash",
+        "# Written by `grt launch --elastic`: this run's torchrun agent, the command grt launch runs on the",
+        "# launching node; run it on each other node (by hand, from a cluster manager, pdsh -w n1,n2 bash THIS).",
+        "set -euo pipefail",
+        f"cd {q(os.getcwd())}",
+        *(f"export {k}={q(v)}" for k, v in env.items()),
+        "exec " + shlex.join(cmd),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def build_elastic(r: Resolved) -> Plan:
+    assert r.elastic is not None
+    low, high = r.elastic
+    cmd = elastic_command(r)
+    script = os.path.join(r.launch_dir, "elastic.sh")
+    nodes = str(low) if low == high else f"{low} to {high}"
+    summary = (
+        f"torchrun elastic agent: {nodes} node(s) x {r.procs} rank(s), up to {r.max_restarts} restart(s), "
+        f"rendezvous {r.master_addr}:{r.master_port or DEFAULT_PORT}, "
+        f"entry `{' '.join([r.entry_module] + r.entry_args)}`, run dir {r.run_dir}; "
+        f"on every other node run: bash {script}"
+    )
+    env = {**ELASTIC_AGENT_ENV, **_parse_user_env(r)}
+    return Plan(
+        "local", cmd, env=env, files={script: elastic_script(r, cmd)}, executable_files=[script], summary=summary
+    )
 
 
 def _parse_user_env(r: Resolved) -> dict[str, str]:
@@ -220,6 +293,14 @@ def container_binds(r: Resolved) -> list[str]:
     return [p for p in sorted(paths) if not any(p.startswith(q.rstrip("/") + "/") for q in paths)]
 
 
+def _slurm_nodes(r: Resolved) -> str:
+    """sbatch --nodes: N, or MIN-MAX for --elastic (Slurm starts the job, and a requeued one, on
+    as many nodes as it has free within the range)."""
+    if r.elastic is None or r.elastic[0] == r.elastic[1]:
+        return str(r.nodes)
+    return f"{r.elastic[0]}-{r.elastic[1]}"
+
+
 def slurm_script(r: Resolved, script_path: str) -> str:
     a = r.args
     run_dir = os.path.abspath(r.run_dir)
@@ -230,7 +311,7 @@ def slurm_script(r: Resolved, script_path: str) -> str:
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={a.job_name}",
-        f"#SBATCH --nodes={r.nodes}",
+        f"#SBATCH --nodes={_slurm_nodes(r)}",
         f"#SBATCH --ntasks-per-node={r.procs}",
     ]
     if r.gpus:

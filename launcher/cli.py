@@ -8,8 +8,11 @@ Everything after `--` (and any argument `grt launch` does not know) is handed to
 `python -m pretrain.cli train <args>` (`--entry` changes it, e.g. `--entry launcher.probe`
 to check a cluster's rank discovery and collectives without training).
 
+`--elastic MIN:MAX` runs torchrun's elastic agent instead (the same command on every node, in
+`<run dir>/launch/elastic.sh`): a lost rank or node restarts the worker group, which resumes.
+
 `--dry-run` prints the files the launch would write (hostfile, `.deepspeed_env`, the sbatch
-script) and the exact command line, and runs nothing.  Otherwise the files go to the run
+script, elastic.sh) and the exact command line, and runs nothing.  Otherwise the files go to the run
 directory (`--run-dir`, else the train `--out` directory, else `runs/launch-<time>`) along
 with `launch.json` (the command and environment), and the command runs in the foreground
 (Slurm: the script is submitted with `sbatch`).
@@ -40,6 +43,7 @@ LAUNCHERS = ("local", "deepspeed", "slurm", "mpi")
 # an sbatch script with srun instead)
 DS_LAUNCHERS = ("pdsh", "openmpi", "mvapich", "mpich", "impi")
 DEFAULT_ENTRY = "pretrain.cli train"
+DEFAULT_RESTARTS = 3  # torchrun --max-restarts of an elastic launch
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -113,6 +117,28 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also write each rank's output to RUN_DIR/logs/ (deepspeed: --enable_each_rank_log, "
         "slurm: srun --output, mpi: --output-filename, local: torchrun --log-dir)",
+    )
+    e = p.add_argument_group("elastic (torchrun's elastic agent; docs/launching.md, Elastic runs)")
+    e.add_argument(
+        "--elastic",
+        default=None,
+        metavar="MIN:MAX",
+        help="local: run under torchrun's elastic agent on MIN to MAX nodes (N: N:N), the same command on "
+        "every node (<run dir>/launch/elastic.sh); a failed rank or a lost node restarts the worker group, "
+        "which resumes from the newest complete checkpoint (--resume is always added); slurm: ask for MIN-MAX "
+        "nodes, so that a requeued job starts on those that are free",
+    )
+    e.add_argument(
+        "--max-restarts",
+        type=int,
+        default=None,
+        help=f"with --elastic (local): how many times torchrun restarts the worker group (default {DEFAULT_RESTARTS})",
+    )
+    e.add_argument(
+        "--rdzv-conf",
+        default=None,
+        metavar="KEY=VALUE,...",
+        help="with --elastic (local): torchrun's --rdzv-conf, e.g. last_call_timeout=10,keep_alive_interval=2",
     )
     d = p.add_argument_group("deepspeed runner")
     d.add_argument(
@@ -267,6 +293,8 @@ class Resolved:
     train_args: list[str]  # the entry's arguments after entry_args
     python: str
     env: dict[str, str]  # the environment of every rank
+    elastic: tuple[int, int] | None  # --elastic MIN:MAX (nodes), None without
+    max_restarts: int  # torchrun --max-restarts of an elastic launch
 
     def rank_argv(self) -> list[str]:
         """The per-rank program after `python`: -m MODULE ARGS..."""
@@ -287,6 +315,9 @@ class Resolved:
             "hosts": [h for h, _ in self.hosts] if self.hosts else None,
             "master_addr": self.master_addr,
             "master_port": self.master_port,
+            "elastic": None
+            if self.elastic is None
+            else {"nodes": list(self.elastic), "max_restarts": self.max_restarts},
             "config": self.config_path,
             "rank_env": {k: ("<redacted>" if SECRET.search(k) else v) for k, v in self.env.items()},
             "launch_host": socket.gethostname(),
@@ -298,25 +329,30 @@ class Resolved:
 def resolve(args: argparse.Namespace, train_args: list[str], environ: dict[str, str]) -> Resolved:
     """Apply defaults, the hostfile and the environment to the launch options, one step at a time."""
     check_values(args, environ)
+    elastic = elastic_nodes(args)
     listed_hosts, hostfile = _listed_hosts(args, environ)
     gpus = _gpus_per_node(args, listed_hosts, hostfile is not None)
     procs = args.procs_per_node or gpus or 1
     nodes, hosts = _nodes(args, listed_hosts, procs)
+    if elastic is not None:
+        nodes = elastic[1]  # the config and the DeepSpeed file are checked for the largest group
     if args.node_rank is not None and args.node_rank >= nodes:
         raise LaunchError(f"--node-rank {args.node_rank}: must be below the number of nodes ({nodes}): 0..{nodes - 1}")
     world_size = nodes * procs
     master_addr, master_port = _master(args, environ, hosts, nodes)
+    if elastic is not None and args.launcher == "local" and not (args.master_addr or environ.get("MASTER_ADDR")):
+        master_addr = socket.gethostname()  # the rendezvous: this node, by a name the other nodes resolve
     entry_module, entry_args = _entry(args.entry)
     is_train = [entry_module, *entry_args] == DEFAULT_ENTRY.split()
     config, ds_config, resume = None, None, False
     out = _train_out_dir(train_args)
     if is_train and not args.no_resolve and not {"-h", "--help", "--print-config"} & set(train_args):
-        on_this_host = hosts is None and args.launcher != "slurm"
+        on_this_host = hosts is None and args.launcher != "slurm" and elastic is None
         config, resume = resolve_train_config(train_args, world_size if on_this_host else 0)
         ds_config = checked_ds_config(config, world_size, use_cuda=gpus > 0)
         out = config["out"]
-    if args.launcher == "slurm" and is_train and not args.no_auto_resume:
-        resume = True
+    if (args.launcher == "slurm" or elastic is not None) and is_train and not args.no_auto_resume:
+        resume = True  # a requeued job, a restarted worker group: continue from the newest checkpoint
     run_dir = args.run_dir or out or os.path.join("runs", time.strftime("launch-%Y%m%d-%H%M%S"))
     launch_dir = os.path.join(os.path.abspath(run_dir), "launch")
     config_path = None if config is None else os.path.join(launch_dir, "config.json")
@@ -342,6 +378,8 @@ def resolve(args: argparse.Namespace, train_args: list[str], environ: dict[str, 
         train_args=_rank_train_args(train_args, config_path, resume),
         python=args.python or ("python" if container else sys.executable),
         env=_rank_env(args, environ, gpus, procs),
+        elastic=elastic,
+        max_restarts=DEFAULT_RESTARTS if args.max_restarts is None else args.max_restarts,
     )
 
 
@@ -354,6 +392,7 @@ NUMBER_FLAGS = (
     ("node_rank", 0, None),
     ("ssh_port", 1, 65535),
     ("cpus_per_task", 1, None),
+    ("max_restarts", 0, None),
 )
 SLURM_TIME = re.compile(r"^(?:\d+-\d+|\d+)(?::\d+){0,2}$|^(?:INFINITE|UNLIMITED)$", re.IGNORECASE)
 SLURM_MEM = re.compile(r"^\d+[KMGT]?B?$", re.IGNORECASE)
@@ -393,6 +432,67 @@ def _check_signal(spec: str) -> None:
             f"--signal {spec!r}: expected [B:]SIGNAL[@SECONDS] (a signal name or number, seconds 0..65535), "
             "e.g. USR1@120, or '' for none"
         )
+
+
+ELASTIC = re.compile(r"^\s*(-?\d+)\s*(?::\s*(-?\d+)\s*)?$")
+# why --elastic does not go with a launcher: mpirun and the deepspeed runner end the job when a rank dies
+ELASTIC_REFUSED = {
+    "mpi": "mpirun ends the whole job when a rank dies and cannot restart it",
+    "deepspeed": "the deepspeed runner ends the whole job when a rank dies and cannot restart it",
+}
+
+
+def elastic_nodes(args: argparse.Namespace) -> tuple[int, int] | None:
+    """--elastic MIN:MAX (or N) as (MIN, MAX), checked with the options it goes with; None without.
+    Every refusal is one line (exit 2)."""
+    if args.elastic is None:
+        for flag, value in (("--max-restarts", args.max_restarts), ("--rdzv-conf", args.rdzv_conf)):
+            if value is not None:
+                raise LaunchError(f"{flag} goes with --elastic (torchrun's elastic agent)")
+        return None
+    m = ELASTIC.match(args.elastic)
+    if m is None:
+        raise LaunchError(
+            f"--elastic {args.elastic!r}: expected MIN:MAX, whole numbers of nodes (e.g. 1:4), or N for N:N"
+        )
+    low, high = int(m.group(1)), int(m.group(2) or m.group(1))
+    if low < 1:
+        raise LaunchError(f"--elastic {args.elastic}: MIN must be at least 1 node, not {low}")
+    if low > high:
+        raise LaunchError(f"--elastic {args.elastic}: MIN ({low}) is above MAX ({high})")
+    if args.launcher in ELASTIC_REFUSED:
+        raise LaunchError(
+            f"--elastic with --launcher {args.launcher}: {ELASTIC_REFUSED[args.launcher]}; use --launcher local "
+            "(torchrun's elastic agent on every node) or --launcher slurm (a requeue on MIN to MAX nodes)"
+        )
+    hosts_why = (
+        "Slurm would need every node of --hosts (--nodelist)"
+        if args.launcher == "slurm"
+        else "every node runs the same command; name the rendezvous host with --master-addr"
+    )
+    refused = [
+        (args.nodes is not None, "--elastic and --nodes exclude each other: MIN:MAX is the node count"),
+        (args.hosts is not None, f"--elastic and --hosts exclude each other: {hosts_why}"),
+        (args.hostfile is not None, f"--elastic and --hostfile exclude each other: {hosts_why}"),
+        (
+            args.no_auto_resume,
+            "--elastic and --no-auto-resume exclude each other: a restarted worker group must resume from the "
+            "newest checkpoint",
+        ),
+    ]
+    if args.launcher == "slurm":
+        for flag, value in (("--max-restarts", args.max_restarts), ("--rdzv-conf", args.rdzv_conf)):
+            refused.append(
+                (
+                    value is not None,
+                    f"{flag} with --launcher slurm: a Slurm job is restarted by a requeue (--requeue), "
+                    "not by torchrun's agent",
+                )
+            )
+    for given, message in refused:
+        if given:
+            raise LaunchError(message)
+    return low, high
 
 
 def _listed_hosts(args: argparse.Namespace, environ: dict[str, str]) -> tuple[list[Host] | None, str | None]:

@@ -29,6 +29,10 @@ uses before NCCL or gloo exist) is checked: rank 0 opens it itself, so a ``MASTE
 another process holds is one line naming the port; every other rank first reaches it within
 the start's timeout (``train.dist_timeout_s``), so a rank 0 that never opened it is one line
 naming ``MASTER_ADDR:MASTER_PORT`` instead of a wait without end (`RendezvousError`, exit 2).
+Under torchrun's elastic agent each restart of the worker group is a new set of processes, whose
+rank and world size come from the agent's environment; with the agent's own store
+(``TORCHELASTIC_USE_AGENT_STORE``, which outlives the groups and holds their keys) the ranks only
+meet there, and rank 0 serves the group's store itself (`_round_store`).
 
 Every collective of the project goes through this module (`all_reduce`, `all_agree`,
 `check_ranks`, `barrier`), on tensors made on `comm_device()`, and every process that
@@ -46,6 +50,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -371,8 +376,8 @@ def _listen_error(port: int, err: Exception) -> RendezvousError:
     )
 
 
-def _reach_store(info: DistInfo, timeout_s: float) -> None:
-    """Return once rank 0's store answers at MASTER_ADDR:MASTER_PORT, within `timeout_s`.
+def _reach_store(info: DistInfo, timeout_s: float, whose: str = "rank 0's store") -> None:
+    """Return once rank 0's store (`whose`) answers at MASTER_ADDR:MASTER_PORT, within `timeout_s`.
 
     torch's own client would wait longer: it retries the connection past its timeout, and
     once a connection is accepted it waits for the store's answer without any limit, so a
@@ -386,10 +391,15 @@ def _reach_store(info: DistInfo, timeout_s: float) -> None:
     where = f"{info.master_addr}:{info.master_port}"
 
     def unreachable(why: str) -> RendezvousError:
-        return RendezvousError(
-            f"rank {info.rank} could not reach rank 0's store at {where} (MASTER_ADDR:MASTER_PORT) "
-            f"within {timeout_s:g} s (the start-up timeout, train.dist_timeout_s in grt train): {why}; "
+        hint = (
             "check that rank 0 started and that MASTER_PORT is free on its host"
+            if whose == "rank 0's store"
+            else "check that the agent on that host runs; if its node was lost, run torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (grt launch --elastic does)"
+        )
+        return RendezvousError(
+            f"rank {info.rank} could not reach {whose} at {where} (MASTER_ADDR:MASTER_PORT) "
+            f"within {timeout_s:g} s (the start-up timeout, train.dist_timeout_s in grt train): {why}; {hint}"
         )
 
     why = "no connection"
@@ -424,23 +434,32 @@ def _open_store(info: DistInfo, timeout_s: float) -> None:
     """Rank 0 opens the rendezvous store on MASTER_PORT itself (port 0: one the kernel picks,
     written back to `info`), before torch's env:// start does: a port already held is one
     line here, and torch's store on rank 0 shares this server (multi_tenant, the same port in
-    the same process) instead of binding the port again. Every other rank (and every rank
-    under torchrun's agent store) waits until the store answers, `timeout_s` at most."""
-    global _STORE
-    import torch.distributed as dist
-
+    the same process) instead of binding the port again. Every other rank waits until the
+    store answers, `timeout_s` at most. Under torchrun's agent store the ranks meet there
+    first and rank 0 opens a store of its own for this worker group (`_round_store`)."""
     if info.world_size > 1 and info.master_port == 0:
         raise RendezvousError(
             f"MASTER_PORT=0: the {info.world_size} ranks need one port that they all know; "
             "set MASTER_PORT to a free port"
         )
-    if info.rank != 0 or _agent_store():
+    if _agent_store():
+        _round_store(info, timeout_s)
+    elif info.rank != 0:
         _reach_store(info, timeout_s)
-        return
+    else:
+        _serve_store(info, info.master_port, timeout_s)
+
+
+def _serve_store(info: DistInfo, port: int, timeout_s: float) -> None:
+    """Rank 0: listen on `port` (0: one the kernel picks) for the process group's store, kept in
+    _STORE for the life of the process; `info.master_port` becomes the port it listens on."""
+    global _STORE
+    import torch.distributed as dist
+
     try:
         store = dist.TCPStore(
             info.master_addr,
-            info.master_port,
+            port,
             None,
             True,
             timedelta(seconds=timeout_s),
@@ -449,9 +468,94 @@ def _open_store(info: DistInfo, timeout_s: float) -> None:
             use_libuv=os.environ.get("USE_LIBUV", "1") == "1",  # the server torch's env:// start would make
         )
     except RuntimeError as err:  # DistNetworkError
-        raise _listen_error(info.master_port, err) from None
+        raise _listen_error(port, err) from None
     _STORE = store
     info.master_port = store.port
+
+
+# Keys of the agent store where the ranks of one worker group meet (`_round_store`)
+_ROUND = "grt/round/"
+_POLL_S = 0.05
+
+
+def _round_store(info: DistInfo, timeout_s: float) -> None:
+    """The process group's store under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE,
+    torch's default): rank 0 opens a store of its own on a port the kernel picks, and the
+    ranks learn it through the agent's store, which `info` names on entry and the new store on
+    return.
+
+    The agent's store lives as long as the agent, so that after a restart of the worker group
+    it still holds the keys of the group before (torch's own env:// start reads the former
+    ranks' gloo addresses from it: the restarted group failed to connect, or read another
+    NCCL id), and the restart counts that the agents hand to their workers differ from node to
+    node (an agent whose own workers did not fail does not count the restart), so neither can
+    name the group. The ranks agree on the group without either: each non-zero rank writes a
+    fresh random nonce under its rank and waits for rank 0's answer under that nonce, which
+    nobody wrote before; rank 0 answers every nonce it sees (a former rank's stale one too,
+    harmlessly) with this group's random token and its store's port, until every rank has said,
+    under the token, that it has it. Stale keys are never read as this group's."""
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + timeout_s
+    agent_at = f"{info.master_addr}:{info.master_port}"
+    _reach_store(info, timeout_s, whose="torchrun's agent store")
+    agent = dist.TCPStore(
+        info.master_addr,
+        info.master_port,
+        None,
+        False,
+        timedelta(seconds=max(1.0, deadline - time.monotonic())),
+        wait_for_workers=False,
+    )
+    if info.rank == 0:
+        _serve_store(info, 0, timeout_s)
+        _answer_ranks(agent, info.world_size, f"{uuid.uuid4().hex} {info.master_port}", deadline, timeout_s)
+        return
+    nonce = uuid.uuid4().hex
+    agent.set(f"{_ROUND}hello/{info.rank}", nonce)
+    key = f"{_ROUND}answer/{nonce}"
+    try:
+        agent.wait([key], timedelta(seconds=max(0.001, deadline - time.monotonic())))
+    except Exception:  # noqa: BLE001 - DistStoreError (a timeout) or a lost connection: one line
+        raise RendezvousError(
+            f"rank {info.rank}: rank 0 of this worker group did not answer within {timeout_s:g} s (the start-up "
+            f"timeout, train.dist_timeout_s in grt train) through torchrun's agent store at {agent_at}; if the "
+            "node of the rendezvous's first agent was lost, run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+            "(grt launch --elastic does)"
+        ) from None
+    token, port = agent.get(key).decode().split()
+    agent.set(f"{_ROUND}joined/{token}/{info.rank}", "1")
+    info.master_port = int(port)
+    _reach_store(info, max(1.0, deadline - time.monotonic()))
+
+
+def _answer_ranks(
+    agent: torch.distributed.TCPStore, world: int, answer: str, deadline: float, timeout_s: float
+) -> None:
+    """Rank 0's side of `_round_store`: answer each rank's nonce with `answer` until every rank
+    has joined under its token (`agent`: the agent's TCPStore)."""
+    token = answer.split()[0]
+    pending = set(range(1, world))
+    answered: dict[int, bytes] = {}
+    while pending:
+        for r in sorted(pending):
+            if agent.check([f"{_ROUND}joined/{token}/{r}"]):
+                pending.discard(r)
+                continue
+            hello = f"{_ROUND}hello/{r}"
+            if agent.check([hello]):
+                nonce = agent.get(hello)
+                if answered.get(r) != nonce:
+                    agent.set(f"{_ROUND}answer/{nonce.decode()}", answer)
+                    answered[r] = nonce
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise RendezvousError(
+                f"rank 0: {_ranks(sorted(pending))} of this worker group did not join within {timeout_s:g} s (the "
+                "start-up timeout, train.dist_timeout_s in grt train) through torchrun's agent store"
+            )
+        time.sleep(_POLL_S)
 
 
 def init_distributed(timeout_s: float = 600) -> DistInfo:

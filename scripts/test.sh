@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 bash scripts/lint.sh
 python3 scripts/clean_shm.py
-python3 -m pytest -q -rfEs tests "$@"  # -rfEs: every failure, error and skip (with its reason) in the summary
+python3 -m pytest -q -rfEs --durations=30 tests "$@"  # -rfEs: every failure, error and skip (with its reason) in the summary; the 30 slowest

@@ -313,8 +313,9 @@ RESUME_CASES = [
     ("mismatched tokenizer", ["@big_tok", "--set", "train.allow_data_change=true"], "cannot switch tokenizer"),
     ("changed schedule", ["@manifest", "--set", "train.lr=1e-3"], "train.lr 0.003 -> 0.001"),
     ("changed schedule", ["@manifest", "--set", "train.warmup_steps=2"], "train.warmup_steps 10 -> 2"),
-    ("changed schedule", ["@manifest", "--micro-batch-size", "4"], "train.micro_batch_size 8 -> 4"),
-    ("changed schedule", ["@manifest", "--grad-accum", "2"], "train.grad_accum 1 -> 2"),
+    # the global batch is kept (micro-batch 4 would be accepted, with grad_accum 2): a size that cannot keep it
+    ("changed schedule", ["@manifest", "--micro-batch-size", "3"], "global batch of 8 sequences"),
+    ("changed schedule", ["@manifest", "--grad-accum", "2"], "train.grad_accum 2 would change the global batch of 8"),
     ("changed schedule", ["@manifest", "--set", "train.schedule_steps=60"], "train.schedule_steps 30 -> 60"),
     ("changed schedule", ["@manifest", "--set", "model.d_model=64"], "model.d_model 32 -> 64"),
 ]
@@ -355,6 +356,30 @@ def test_launch_with_missing_manifest_is_one_line_before_any_rank(bad, tmp_path)
     assert not (tmp_path / "run").exists()
     rc, err = as_process(["launch", "--dry-run", "--", *resume_argv(bad["run"], bad["other_tok"])[1:]])
     check_one_line("mismatched tokenizer", rc, err, "cannot switch tokenizer")
+
+
+def test_launch_on_a_world_size_that_cannot_keep_the_global_batch_is_one_line_before_any_rank(bad):
+    """Issue 28, 4.: the checkpoint's global batch of 8 (micro-batch 8 x 1 rank) cannot be split
+    over 3 ranks: `grt launch` refuses it once, naming the sizes that can, and starts no rank;
+    on 2 ranks with micro-batch 4 it is kept (grad_accum 1) and the launch is accepted."""
+    before = tree_hash(bad["run"])
+    rc, err = as_process(
+        ["launch", "--dry-run", "--procs-per-node", "3", "--", *resume_argv(bad["run"], bad["manifest"])[1:]]
+    )
+    check_one_line("changed schedule", rc, err, "world sizes that can, with micro-batch 8: 1; micro-batch sizes")
+    assert "allow_batch_change" in err
+    rc, err = as_process(
+        [
+            "launch",
+            "--dry-run",
+            "--procs-per-node",
+            "2",
+            "--",
+            *resume_argv(bad["run"], bad["manifest"], "--micro-batch-size", "4")[1:],
+        ]
+    )
+    assert rc == 0, err
+    assert tree_hash(bad["run"]) == before
 
 
 def test_launch_of_selective_checkpointing_under_zero3_is_one_line_before_any_rank(bad, tmp_path):

@@ -361,10 +361,64 @@ def test_resume_with_another_layout_warns_and_keeps_the_position(shards):
     it = iter(a)
     for _ in range(10):
         next(it)
-    b = TokenBatchLoader(shards.path, micro_batch_size=8, seed=2)
-    with pytest.warns(RuntimeWarning, match="layout changed"):
+    b = TokenBatchLoader(shards.path, micro_batch_size=8, seed=2)  # another global batch: another order
+    with pytest.warns(RuntimeWarning, match="order changed.*'global_batch': 4.*'global_batch': 8"):
         b.load_state_dict(a.state_dict())
     assert (b.epoch, b.batch_in_epoch, b.samples_consumed) == (0, 5, 40)
+
+
+# every split of one global batch of 8 into ranks x micro-batch x accumulation (and workers)
+SPLITS = [(1, 8, 1, 0), (2, 4, 1, 2), (1, 4, 2, 2), (4, 1, 2, 0), (2, 2, 2, 3)]  # world, micro-batch, accum, workers
+
+
+def _steps(m, world, batch, accum, workers, steps, state=None, seed=9):
+    """The samples of each optimizer step (a set of rows over every rank), and the ranks' states after."""
+    loaders = [
+        TokenBatchLoader(
+            m.path,
+            micro_batch_size=batch,
+            rank=r,
+            world_size=world,
+            num_workers=workers,
+            seed=seed,
+            shuffle_buffer=29,
+            global_batch=world * batch * accum,
+        )
+        for r in range(world)
+    ]
+    for loader in loaders:
+        if state is not None:
+            loader.load_state_dict(state)
+    its = [iter(loader) for loader in loaders]
+    out = []
+    for _ in range(steps):
+        rows = [r for it in its for _ in range(accum) for r in _rows(next(it))]
+        out.append(collections.Counter(rows))
+    return out, [loader.state_dict() for loader in loaders]
+
+
+def test_the_global_order_is_the_same_on_any_split_and_a_resume_re_splits_it(shards):
+    m = shards
+    k = m.sequences("train") // 8  # steps per epoch
+    total = k + 3  # into the second epoch
+    reference, _ = _steps(m, *SPLITS[0], total)
+    assert all(sum(s.values()) == 8 for s in reference)
+    epoch = collections.Counter()
+    for s in reference[:k]:
+        epoch.update(s)
+    assert max(epoch.values()) == 1  # each sample at most once an epoch
+    for split in SPLITS[1:]:
+        got, _ = _steps(m, *split, total)
+        assert got == reference, split
+    # stop after some steps on one split, continue on another: the same steps as the reference
+    for i, j in [(1, 2), (2, 1), (3, 4), (4, 0)]:
+        before, after = SPLITS[i], SPLITS[j]
+        done = k // 2 + 1
+        first, states = _steps(m, *before, done)
+        state = json.loads(json.dumps(states[0]))  # as a checkpoint keeps it
+        assert state["position"] == done * 8
+        rest, _ = _steps(m, *after, total - done, state=state)
+        assert first + rest == reference, (before, after)
 
 
 def test_resume_rejects_other_shards(shards, tmp_path, corpus, tokenizer):

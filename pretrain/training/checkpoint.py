@@ -37,7 +37,8 @@ import torch
 from data_pipeline.files import atomic_path, atomic_write_text, is_temp
 from pretrain.config import ConfigError
 from pretrain.distributed import RankFailed, all_agree, all_reduce, check_ranks, comm_device
-from pretrain.training import deepspeed_internals
+from pretrain.errors import UnreadableCheckpoint
+from pretrain.training import deepspeed_internals, universal
 
 if TYPE_CHECKING:
     import deepspeed
@@ -48,15 +49,6 @@ TAG_RE = re.compile(r"^step(\d{8})$")
 
 class CheckpointError(RuntimeError):
     pass
-
-
-class UnreadableCheckpoint(ConfigError):
-    """A complete checkpoint whose files cannot be read (cut off, corrupt, missing): a resume
-    passes over it to the previous complete one; anywhere else it is a one-line error."""
-
-    def __init__(self, tag: str, problem: str) -> None:
-        super().__init__(f"checkpoint {tag} cannot be read: {problem}")
-        self.tag, self.problem = tag, problem
 
 
 def tag_for(step: int) -> str:
@@ -119,6 +111,11 @@ def resume_candidates(root: Path) -> list[str]:
     then each older complete one (the fallbacks when a newer one cannot be read)."""
     newest = find_latest(root)
     return [] if newest is None else [t for t in reversed(complete_tags(root)) if t <= newest]
+
+
+def ranks_that_wrote(step_dir: Path) -> int:
+    """How many ranks wrote a checkpoint (its per-rank state files; 0: none found)."""
+    return len(list(step_dir.glob("rank*_state.pt")))
 
 
 def read_config(step_dir: Path) -> dict[str, Any]:
@@ -273,20 +270,52 @@ def save(
     return tag
 
 
-def load(engine: deepspeed.DeepSpeedEngine, root: Path, tag: str, rank: int) -> dict[str, Any]:
-    """Load model/optimizer/scheduler into the engine; returns this rank's saved state."""
-    state_path = root / tag / f"rank{rank}_state.pt"
+def load(engine: deepspeed.DeepSpeedEngine, root: Path, tag: str, rank: int, world: int) -> dict[str, Any]:
+    """Load model/optimizer/scheduler into the engine; returns this rank's saved state, with
+    "rng_restored": whether its RNG streams are the saved ones. On the world size that wrote the
+    checkpoint, this rank's own state file; on another, DeepSpeed's universal copy (the engine
+    was built for it, `universal.with_universal_load`; `convert_for_world` made it) and rank 0's
+    state: the data loader's position is global, the per-rank RNG streams cannot be carried over."""
+    step_dir = root / tag
+    same_world = ranks_that_wrote(step_dir) == world
+    state_path = step_dir / f"rank{rank if same_world else 0}_state.pt"
     if not state_path.is_file():
-        raise CheckpointError(
-            f"{state_path} is missing: the checkpoint was written by a different number of ranks "
-            "(convert it with DeepSpeed's ds_to_universal.py to resume on another world size)"
-        )
-    path, client = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
-    if path is None:
-        raise CheckpointError(f"DeepSpeed could not load checkpoint {root / tag}")
+        raise CheckpointError(f"{state_path} is missing")
+    if engine.load_universal_checkpoint():
+        universal.load(engine, step_dir)
+    else:
+        path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise CheckpointError(f"DeepSpeed could not load checkpoint {root / tag}")
     state = torch.load(state_path, weights_only=False)
-    set_rng_state(state["rng"])
+    if same_world:
+        set_rng_state(state["rng"])
+    state["rng_restored"] = same_world
     return state
+
+
+def convert_for_world(root: Path, tag: str, rank: int, world: int) -> None:
+    """Where checkpoint `tag` was written by another number of ranks under ZeRO: rank 0 converts
+    it to DeepSpeed's universal checkpoint (once; a complete copy is reused) while the others
+    wait; every rank then checks the copy is there. Collective; UnreadableCheckpoint on every
+    rank when it fails anywhere (rank 0's words)."""
+    step_dir = root / tag
+    if not universal.needs_universal(step_dir, world):
+        return
+    for stage in ("convert", "see"):
+        error = None
+        try:
+            if stage == "convert" and rank == 0:
+                universal.convert(step_dir)
+            elif stage == "see" and not universal.is_converted(step_dir):
+                raise universal.ConversionError(step_dir, f"rank {rank} does not see the converted copy")
+        except UnreadableCheckpoint as err:
+            error = err.problem
+        try:
+            check_ranks(error)
+        except RankFailed as failed:
+            why = "; ".join(text for _, text in sorted(failed.errors.items()))
+            raise UnreadableCheckpoint(tag, why) from None
 
 
 def none_loadable(root: Path, problems: list[str]) -> ConfigError:
@@ -345,9 +374,14 @@ def load_agreed(
             if failed.code == 2:  # a refusal on some rank: every rank refuses, with the refusing rank's words
                 raise ConfigError(error if code == 2 and error is not None else str(failed)) from None
             why = "; ".join(text if world == 1 else f"rank {r}: {text}" for r, text in sorted(failed.errors.items()))
-            passed[tag] = why
-            if note is not None:
-                note(tag, why)
-            remaining = [t for t in remaining if t != tag]
-            continue
-        return tag, load(engine, root, tag, rank)
+        else:
+            try:
+                convert_for_world(root, tag, rank, world)
+            except UnreadableCheckpoint as err:  # agreed: its conversion failed, or a rank cannot see the copy
+                why = err.problem
+            else:
+                return tag, load(engine, root, tag, rank, world)
+        passed[tag] = why
+        if note is not None:
+            note(tag, why)
+        remaining = [t for t in remaining if t != tag]

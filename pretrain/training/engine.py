@@ -22,11 +22,12 @@ if TYPE_CHECKING:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only (not on norms, biases, or the gate's biases)."""
+    """Weight decay on matrices only (not on norms, biases, or the gate's biases). Under ZeRO-3's
+    `zero.Init` a parameter is its flat partition (`p.dim()` 1): its shape is `ds_shape`."""
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
     for _, p in model.named_parameters():
-        (decay if p.dim() >= 2 else no_decay).append(p)
+        (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

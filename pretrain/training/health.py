@@ -44,7 +44,7 @@ class Heartbeat:
 
     def __init__(self, rank: int, world: int, interval: float = 1.0) -> None:
         self.rank, self.world, self.interval = rank, world, interval
-        self.prefix = f"grt/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self.prefix = "grt/"  # the store is this worker group's own (distributed._round_store under torchrun)
         self.step, self.beats = 0, 0
         self.store: dist.TCPStore | None = None
         self._stop = threading.Event()

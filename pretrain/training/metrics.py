@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import resource
+import struct
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
+from data_pipeline.files import atomic_write_bytes, atomic_write_text
 from pretrain.distributed import all_reduce, comm_device
 from pretrain.model.flops import flops_per_token
 from pretrain.training.deepspeed_internals import local_shares
@@ -154,36 +157,97 @@ def human_duration(seconds: float) -> str:
 
 class MetricsWriter:
     """Rank 0 writes TensorBoard events under <out>/tb; every rank writes one JSON line per
-    step (metrics.jsonl on rank 0, metrics.rank<r>.jsonl elsewhere) so ranks can be compared."""
+    step (metrics.jsonl on rank 0, metrics.rank<r>.jsonl elsewhere) so ranks can be compared.
 
-    def __init__(self, out: Path, rank: int) -> None:
+    A run continues the files of the runs before it in --out, and first drops what they wrote
+    after the step it starts from, so that across any number of restarts (a resume, an
+    elastic restart of the worker group, a requeue) every step is in the records and the
+    curves once: the JSON-lines file is rewritten atomically with its records of the steps
+    before (`trim_records`), and rank 0's TensorBoard event files lose their events of later
+    steps (`trim_events`).
+
+    `resume_step`: the step the run starts from (the checkpoint's, 0 for a fresh start); the
+    files are trimmed here, on rank 0 also those of ranks `world` and above (a run resumed
+    on fewer ranks: no rank of it owns them). None: the first step this run writes tells (its step - 1; a
+    record's for the JSON lines, a step-axis scalar's for TensorBoard), and the files are
+    trimmed then (TensorBoard's writer opens then; `text` before it waits).
+
+    `SummaryWriter(purge_step=)` is not used: TensorBoard applies that purge to every series,
+    also the by_tokens/ ones whose x-axis is tokens, which would lose nearly every point."""
+
+    def __init__(self, out: Path, rank: int, *, resume_step: int | None = None, world: int | None = None) -> None:
+        self.out, self.rank = out, rank
         self.tb: SummaryWriter | None = None
-        if rank == 0:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(log_dir=str(out / "tb"))
+        self.records: TextIO | None = None
+        self._tb_opened = False  # whether TensorBoard's writer was opened (rank 0) or would have been
+        self._closed = False
+        self._texts: list[tuple[str, str]] = []  # text() before the TensorBoard writer opened
         out.mkdir(parents=True, exist_ok=True)
-        self.records: TextIO | None = open(out / ("metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl"), "a")
+        self.records_path = out / ("metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl")
+        if resume_step is not None:
+            self._open_records(resume_step)
+            self._open_tb(resume_step)
+            if rank == 0 and world is not None:  # a run resumed on fewer ranks: files no rank owns now
+                for path in out.glob("metrics.rank*.jsonl"):
+                    m = re.fullmatch(r"metrics\.rank(\d+)\.jsonl", path.name)
+                    if m and int(m.group(1)) >= world:
+                        trim_records(path, resume_step)
+
+    def _open_records(self, keep_through: int) -> None:
+        trim_records(self.records_path, keep_through)
+        self.records = open(self.records_path, "a")
+
+    def _open_tb(self, keep_through: int | None) -> None:
+        """Rank 0: trim the event files to the steps <= keep_through (None: keep them), then open
+        TensorBoard's writer (a new event file) and write the texts that waited."""
+        self._tb_opened = True
+        if self.rank != 0:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        if keep_through is not None:
+            trim_events(self.out / "tb", keep_through)
+        self.tb = SummaryWriter(log_dir=str(self.out / "tb"))
+        for tag, text in self._texts:
+            self.tb.add_text(tag, text, 0)
+        self._texts.clear()
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        if not self._tb_opened and not self._closed:
+            self._open_tb(step - 1)
+        self._add(step, values)
+
+    def _add(self, x: int, values: Mapping[str, float]) -> None:
         if self.tb:
             for key, value in values.items():
-                self.tb.add_scalar(key, value, step)
+                self.tb.add_scalar(key, value, x)
 
     def scalars_by_tokens(self, tokens: int, values: Mapping[str, float]) -> None:
-        """The same curves against tokens seen, a second x-axis (series under by_tokens/)."""
-        self.scalars(tokens, {f"by_tokens/{key}": value for key, value in values.items()})
+        """The same curves against tokens seen, a second x-axis (series under by_tokens/).
+        Called right after `scalars` of the step they belong to: `trim_events` finds a
+        by_tokens/ event's step from the step-axis event written before it."""
+        if not self._tb_opened and not self._closed:
+            self._open_tb(None)  # tokens do not tell the step
+        self._add(tokens, {f"{BY_TOKENS}{key}": value for key, value in values.items()})
 
     def text(self, tag: str, text: str) -> None:
+        block = f"```\n{text}\n```"
         if self.tb:
-            self.tb.add_text(tag, f"```\n{text}\n```", 0)
+            self.tb.add_text(tag, block, 0)
+        elif self.rank == 0 and not self._tb_opened and not self._closed:
+            self._texts.append((tag, block))
 
     def step_record(self, step: int, values: Mapping[str, Any]) -> None:
+        if self.records is None and not self._closed:
+            self._open_records(step - 1)
         if self.records:
             self.records.write(json.dumps({"step": step, **values}) + "\n")
             self.records.flush()
 
     def close(self) -> None:
+        if self._texts and not self._tb_opened:  # no step written: the texts, nothing trimmed
+            self._open_tb(None)
+        self._closed = True
         if self.tb:
             self.tb.flush()
             self.tb.close()
@@ -191,3 +255,79 @@ class MetricsWriter:
         if self.records:
             self.records.close()
             self.records = None
+
+
+BY_TOKENS = "by_tokens/"  # the prefix of the series whose x-axis is tokens seen, not steps
+
+
+def trim_records(path: Path, keep_through: int) -> bool:
+    """Rewrite the JSON-lines file `path` (atomically) with one record per step for the steps
+    <= `keep_through`, in step order, the last one written of each (an earlier resume that did
+    not trim may have left two); lines that do not parse (cut off by a kill) are dropped.
+    Returns whether the file changed (an absent file: False)."""
+    if not path.is_file():
+        return False
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = list(f)
+    by_step: dict[int, str] = {}
+    for line in lines:
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if isinstance(step, int) and step <= keep_through:
+            by_step[step] = line if line.endswith("\n") else line + "\n"
+    kept = [by_step[s] for s in sorted(by_step)]
+    if kept == lines:
+        return False
+    atomic_write_text(path, "".join(kept))
+    return True
+
+
+def _records(data: bytes) -> tuple[list[tuple[int, int]], bool]:
+    """The (start, end) byte spans of the complete TFRecords in an event file's `data`, and
+    whether anything follows the last one (a record the kill cut off)."""
+    spans, pos = [], 0
+    while pos + 12 <= len(data):
+        (length,) = struct.unpack_from("<Q", data, pos)
+        end = pos + 12 + length + 4
+        if end > len(data):
+            break
+        spans.append((pos, end))
+        pos = end
+    return spans, pos != len(data)
+
+
+def trim_events(tb_dir: Path, keep_through: int) -> list[Path]:
+    """Drop from every TensorBoard event file in `tb_dir` the summaries of steps after
+    `keep_through`, and a record cut off at the end; each changed file is rewritten in place,
+    atomically, its kept records copied byte for byte (name and order unchanged). A
+    by_tokens/ event belongs to the step of the step-axis event written before it in its file.
+    Events without a summary (the file version) and summaries before any step are kept.
+    Returns the files rewritten."""
+    from google.protobuf.message import DecodeError
+    from tensorboard.compat.proto import event_pb2
+
+    changed = []
+    for path in sorted(tb_dir.glob("events.out.tfevents.*")) if tb_dir.is_dir() else []:
+        data = path.read_bytes()
+        spans, cut_off = _records(data)
+        kept: list[bytes] = []
+        step: int | None = None  # of the last step-axis event
+        for start, end in spans:
+            record = data[start:end]
+            try:
+                event = event_pb2.Event.FromString(record[12:-4])
+            except DecodeError:  # not an event: the rest of the file is not read either
+                cut_off = True
+                break
+            if event.HasField("summary") and event.summary.value:
+                if not all(v.tag.startswith(BY_TOKENS) for v in event.summary.value):
+                    step = event.step
+                if step is not None and step > keep_through:
+                    continue
+            kept.append(record)
+        if cut_off or len(kept) != len(spans):  # a record cut off, or one dropped
+            atomic_write_bytes(path, b"".join(kept))
+            changed.append(path)
+    return changed

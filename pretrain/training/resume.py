@@ -7,9 +7,12 @@ run directory's config.json is rewritten, so a refused resume changes nothing.
 
 The resume rule (docs/reliability.md, "Resuming with changed settings"):
 - the tokenizer and every model key must be the checkpoint's (no override);
-- the learning-rate schedule (lr, min_lr, warmup_steps, schedule_steps), the optimizer
-  settings the checkpoint restores (betas, weight_decay) and the batch size
-  (micro_batch_size, grad_accum, ranks) must be the checkpoint's: a change is refused;
+- the learning-rate schedule (lr, min_lr, warmup_steps, schedule_steps) and the optimizer
+  settings the checkpoint restores (betas, weight_decay) must be the checkpoint's: a change
+  is refused;
+- the global batch (micro_batch_size x grad_accum x ranks) is kept on any number of ranks:
+  grad_accum follows from it (`keep_global_batch`); a world size and micro-batch size that
+  cannot split it is refused, naming the sizes that can, unless train.allow_batch_change;
 - train.steps may change: the run stops at the new count and the schedule keeps the
   horizon it was started with (train.schedule_steps), so the learning rate goes on from
   where it was instead of jumping; past the horizon it stays at min_lr;
@@ -30,22 +33,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pretrain.config import ConfigError
-from pretrain.training.checkpoint import UnreadableCheckpoint, read_config, resume_candidates
+from pretrain.errors import UnreadableCheckpoint
+from pretrain.training.checkpoint import ranks_that_wrote, read_config, resume_candidates
 from pretrain.training.run_config import RunConfig, load_manifest
 
 if TYPE_CHECKING:
     from data_pipeline.manifest import Manifest
 
-REFUSED_TRAIN_KEYS = (
-    "lr",
-    "min_lr",
-    "warmup_steps",
-    "schedule_steps",
-    "betas",
-    "weight_decay",
-    "micro_batch_size",
-    "grad_accum",
-)
+REFUSED_TRAIN_KEYS = ("lr", "min_lr", "warmup_steps", "schedule_steps", "betas", "weight_decay")
 
 
 def check_same_tokenizer(
@@ -208,16 +203,15 @@ def check_tag(
         "train.schedule_steps": new_t["schedule_steps"] or new_t["steps"]
     }
     refused = _changes(old_vals, new_vals)
-    world = world_size or discover().world_size
-    saved_ranks = len(list(step_dir.glob("rank*_state.pt")))
-    if saved_ranks and saved_ranks != world:
-        refused.append(f"ranks {saved_ranks} -> {world}")
     if refused:
         raise ConfigError(
-            f"resume: {'; '.join(refused)} would change the schedule or batch size that {where} was "
+            f"resume: {'; '.join(refused)} would change the schedule or optimizer that {where} was "
             "trained with; resume with the started values (docs/reliability.md), or start a new run "
             "with another --out"
         )
+    world = world_size or discover().world_size
+    batch_note = keep_global_batch(cfg, old_t, ranks_that_wrote(step_dir) or world, world, where)
+    new_t = _as_json(cfg)["train"]
     top = ("data", "ds_config", "out")
     applied = _changes(_flat("train", old_t), _flat("train", new_t)) + _changes(
         {k: saved[k] for k in top}, {k: now[k] for k in top}
@@ -228,9 +222,54 @@ def check_tag(
             if new_t["steps"] != old_t["steps"]
             else ""
         )
-        line = f"resuming {where} with changes: {'; '.join(applied)}{note}"
+        line = f"resuming {where} with changes: {'; '.join(applied)}{note}{batch_note}"
         if notes is None:
             print(f"grt train: {line}", file=sys.stderr, flush=True)
         else:
             notes.append(line)
     return cfg
+
+
+def _splits(global_batch: int, micro_batch: int, world: int) -> str:
+    worlds = [w for w in range(1, global_batch // micro_batch + 1) if global_batch % (micro_batch * w) == 0]
+    micros = [b for b in range(1, global_batch // world + 1) if global_batch % (b * world) == 0]
+    return (
+        f"world sizes that can, with micro-batch {micro_batch}: {', '.join(map(str, worlds)) or 'none'}; "
+        f"micro-batch sizes that can, on {world} rank(s): {', '.join(map(str, micros)) or 'none'}"
+    )
+
+
+def keep_global_batch(cfg: RunConfig, saved: dict[str, Any], saved_world: int, world: int, where: str) -> str:
+    """Set cfg.train.grad_accum so that the run's global batch is the checkpoint's on `world`
+    ranks (`saved`: the checkpoint's train section, written by `saved_world` ranks); returns
+    what that changes, for the resume's line (empty when nothing). Refused (ConfigError): a
+    micro-batch size and world size that cannot split the global batch, or a grad_accum given
+    that would change it; with train.allow_batch_change the given sizes are used as they are."""
+    t = cfg.train
+    old_batch = int(saved["micro_batch_size"]) * int(saved["grad_accum"]) * saved_world
+    new_batch = t.micro_batch_size * t.grad_accum * world
+    how = f"micro-batch {saved['micro_batch_size']} x grad_accum {saved['grad_accum']} x {saved_world} rank(s)"
+    if t.allow_batch_change:
+        if old_batch == new_batch:
+            return ""
+        return f"; the global batch changes {old_batch} -> {new_batch} (train.allow_batch_change)"
+    per_round = t.micro_batch_size * world
+    if old_batch % per_round:
+        raise ConfigError(
+            f"resume: {where} was trained with a global batch of {old_batch} sequences ({how}), which {world} "
+            f"rank(s) with train.micro_batch_size {t.micro_batch_size} cannot split into whole micro-batches; "
+            f"{_splits(old_batch, t.micro_batch_size, world)}; or accept a changed batch with "
+            "--set train.allow_batch_change=true"
+        )
+    keeps = old_batch // per_round
+    if t.grad_accum not in (int(saved["grad_accum"]), keeps):
+        raise ConfigError(
+            f"resume: train.grad_accum {t.grad_accum} would change the global batch of {old_batch} sequences that "
+            f"{where} was trained with ({how}); on {world} rank(s) with micro-batch {t.micro_batch_size} it is kept "
+            f"by grad_accum {keeps} (the default on resume); or accept a changed batch with "
+            "--set train.allow_batch_change=true"
+        )
+    t.grad_accum = keeps
+    if world == saved_world:
+        return ""
+    return f"; on {world} rank(s) instead of {saved_world}, grad_accum {keeps} keeps the global batch of {old_batch}"

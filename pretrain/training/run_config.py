@@ -64,6 +64,7 @@ class TrainConfig:
     compile: bool = False
     zero3_pin_core: bool = True  # keep the looped core gathered under ZeRO-3 (pretrain/training/deepspeed_internals.py)
     allow_data_change: bool = False  # resume although the shard list changed since the checkpoint
+    allow_batch_change: bool = False  # resume with another global batch (micro-batch x grad_accum x ranks)
 
 
 @dataclass

@@ -30,13 +30,15 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
 import torch
 
+from data_pipeline.loader import DIGEST_MOD, sample_digest
 from pretrain.config import ConfigError
 from pretrain.distributed import RankFailed, all_reduce, check_ranks, comm_device, discover, init_distributed
+from pretrain.errors import UnreadableCheckpoint
 from pretrain.model.flops import count_params
-from pretrain.training import checkpoint, deepspeed_internals, run_lock
-from pretrain.training.checkpoint import UnreadableCheckpoint
+from pretrain.training import checkpoint, deepspeed_internals, run_lock, universal
 from pretrain.training.depth import depth_for_step
 from pretrain.training.ds_config import build_ds_config, load_ds_json, save_ds_config, zero_stage
 from pretrain.training.engine import build_engine
@@ -143,6 +145,12 @@ def _count(items: list[str], what: str) -> str:
     return f"{len(items)} {what}{'' if len(items) == 1 else 's'}"
 
 
+def restarted_by_agent() -> bool:
+    """Whether torchrun's elastic agent runs this process and may restart it (the same answer on
+    every node: TORCHELASTIC_MAX_RESTARTS is the job's)."""
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
+
+
 def allow_data_change(cfg: RunConfig) -> bool:
     return cfg.train.allow_data_change or os.environ.get("GRT_ALLOW_DATA_CHANGE") == "1"
 
@@ -186,7 +194,10 @@ class Trainer:
         t = self.cfg.train
         self.check_split_sizes()
         deepspeed_internals.check()
-        ds = build_ds_config(load_ds_json(self.cfg.ds_config), t, discover().world_size, torch.cuda.is_available())
+        world = discover().world_size
+        ds = build_ds_config(load_ds_json(self.cfg.ds_config), t, world, torch.cuda.is_available())
+        if tag is not None and universal.needs_universal(self.ckpt_root / tag, world):
+            ds = universal.with_universal_load(ds)  # read when the engine is built
         check_checkpointing(t.activation_checkpointing, zero_stage(ds))
         return tag, ds
 
@@ -203,7 +214,12 @@ class Trainer:
                 f"{root} already holds checkpoint {candidates[0]}: pass --resume to continue it, "
                 "or choose another --out"
             )
-        if not candidates and incomplete:
+        if not candidates and incomplete and self.resume and restarted_by_agent():
+            say(
+                f"{root} holds only {_count(incomplete, 'interrupted save')} ({', '.join(incomplete)}), this job's own "
+                "under torchrun's elastic agent (a restart after a failure in its first save): starting from step 0"
+            )
+        elif not candidates and incomplete:
             raise ConfigError(
                 f"{'--resume' if self.resume else '--out'}: {root} holds no complete checkpoint, only "
                 f"{_count(incomplete, 'interrupted save')} ({', '.join(incomplete)}: no COMPLETE marker), so there is "
@@ -235,24 +251,32 @@ class Trainer:
         return cfg
 
     def check_split_sizes(self) -> None:
-        """Training, and validation when it runs, need one micro-batch per rank: a smaller split
-        gives a rank no batch (validation's mean over nothing would be reported as a loss of 0.0)."""
+        """Training needs one global batch (every rank's micro-batches of a step), validation,
+        when it runs, one micro-batch per rank: a smaller split gives a rank no batch
+        (validation's mean over nothing would be reported as a loss of 0.0)."""
         t = self.cfg.train
         world = discover().world_size
-        need = world * t.micro_batch_size
-        uses = {"train": "training would have no batch; use a smaller train.micro_batch_size or prepare more data"}
+        per_round = f"train.micro_batch_size {t.micro_batch_size} x {world} rank(s)"
+        needs = {
+            "train": (
+                world * t.micro_batch_size * t.grad_accum,
+                f"one global batch ({per_round} x train.grad_accum {t.grad_accum})",
+                "training would have no batch; use a smaller batch or prepare more data",
+            )
+        }
         if t.eval_every and self.manifest.splits.get("val"):
-            uses["val"] = (
+            needs["val"] = (
+                world * t.micro_batch_size,
+                f"one micro-batch per rank ({per_round})",
                 "so validation (train.eval_every) would score nothing; prepare a larger validation split (grt data "
                 "prepare --val-fraction), use a smaller train.micro_batch_size, or train without validation "
-                "(--set train.eval_every=0)"
+                "(--set train.eval_every=0)",
             )
-        for split, use in uses.items():
+        for split, (need, what, use) in needs.items():
             have = self.manifest.sequences(split)
             if have < need:
                 raise ConfigError(
-                    f"data={self.cfg.data!r}: the {split} split has {have} sequences, fewer than one micro-batch "
-                    f"per rank (train.micro_batch_size {t.micro_batch_size} x {world} rank(s) = {need}): {use}"
+                    f"data={self.cfg.data!r}: the {split} split has {have} sequences, fewer than {what} = {need}: {use}"
                 )
 
     def build(self) -> None:
@@ -276,16 +300,17 @@ class Trainer:
         torch.manual_seed(t.seed + self.rank)
         self.engine, self.ds = build_engine(cfg, self.world, self.device, self.manifest.seq_len, ds)
         self.seq_len = self.manifest.seq_len
-        self.tokens_per_step = t.micro_batch_size * t.grad_accum * self.world * self.seq_len
+        self.global_batch = t.micro_batch_size * t.grad_accum * self.world  # sequences per optimizer step
+        self.tokens_per_step = self.global_batch * self.seq_len
         self.log_start()
-        self.loader = self.data_loader("train")
+        self.loader = self.data_loader("train", global_batch=self.global_batch)
         if tag is not None:
             tag = self.load_checkpoint(tag)
         self.commit()
         if tag is not None:
             log.info("resumed from %s at step %d", self.ckpt_root / tag, self.step)
         self.val = self.val_batches() if t.eval_every else None
-        self.writer = MetricsWriter(self.out, self.rank)
+        self.writer = MetricsWriter(self.out, self.rank, resume_step=self.step, world=self.world)
         self.closing.callback(self.writer.close)
         self.writer.text("config", self.config_json)
         self.writer.text("deepspeed_config", json.dumps(self.ds, indent=2))
@@ -296,6 +321,7 @@ class Trainer:
         self.grad_norm: torch.Tensor | None = None
         self.grad_mask = GradientMask(self.engine.module) if t.grad_accum > 1 else None
         self.nan_faults = NanFaults(self.engine, NanInjection())
+        self.data_digest = 0  # of the samples this rank read for the step (loader.sample_digest)
 
     def check_data_order(self, tag: str, cfg: RunConfig) -> None:
         """On resume, before any process group: the data must be the data the checkpoint saw."""
@@ -348,6 +374,24 @@ class Trainer:
         )
         self.step = state["step"]
         self.loader.load_state_dict(state["loader"], strict=not allow_data_change(self.cfg))
+        if not state["rng_restored"]:
+            written_by = checkpoint.ranks_that_wrote(self.ckpt_root / tag)
+            streams = np.random.SeedSequence([self.cfg.train.seed, self.step, self.rank])
+            torch.manual_seed(int(streams.generate_state(1)[0]))
+            how = (
+                f"through DeepSpeed's universal checkpoint ({universal.universal_dir(self.ckpt_root / tag)})"
+                if self.engine.load_universal_checkpoint()
+                else "(its ZeRO stage 0 state is whole on every rank)"
+            )
+            log.info(
+                "checkpoint %s was written by %d rank(s), loaded on %d %s; the data order continues at global "
+                "position %d; the per-rank random streams (training noise) start anew from (seed, step, rank)",
+                tag,
+                written_by,
+                self.world,
+                how,
+                state["loader"].get("position", 0),
+            )
         self.say_resume(tag)
         return tag
 
@@ -380,6 +424,13 @@ class Trainer:
         `resume_checks`, and the same resulting config (the engine was built with it)."""
         if tag == checked:
             return
+        root, world = self.ckpt_root, discover().world_size
+        if universal.needs_universal(root / tag, world) != universal.needs_universal(root / checked, world):
+            raise UnreadableCheckpoint(
+                tag,
+                f"it was written by {checkpoint.ranks_that_wrote(root / tag)} rank(s) and {checked} by "
+                f"{checkpoint.ranks_that_wrote(root / checked)}: the engine was built to load {checked}'s way",
+            )
         cfg = self.resume_checks(tag)
         if cfg.to_dict() != self.cfg.to_dict():
             raise ConfigError(
@@ -490,6 +541,7 @@ class Trainer:
 
     def forward(self, batch: Batch, depth: int, log_now: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The micro-batch's loss, and its gates on logging steps."""
+        self.data_digest = (self.data_digest + sample_digest(batch["input_ids"])) % DIGEST_MOD  # on the host
         idx, targets, doc_ids = move(batch, self.device, self.cfg.train.doc_mask)
         out = self.engine(idx, targets, n_loops=depth, doc_ids=doc_ids, return_gates=log_now, return_logits=False)
         return out.loss, out.gates
@@ -598,7 +650,9 @@ class Trainer:
                 self.log_step(loss, depth, scalars)
             elif save_now:
                 self.check_grad_norm()
-            self.writer.step_record(self.step, {"loss": loss, "depth": depth, "rss_mb": round(rss_mb(), 1)})
+            record = {"loss": loss, "depth": depth, "rss_mb": round(rss_mb(), 1), "data_digest": self.data_digest}
+            self.writer.step_record(self.step, record)
+            self.data_digest = 0
             if self.val is not None and (self.step % t.eval_every == 0 or self.step == t.steps):
                 last_val = self.validate(self.val)
             if save_now:
