@@ -28,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from typing import IO
 
 from slurm_cluster import SlurmCluster, _pid_alive, _tool
@@ -354,6 +355,20 @@ class NetnsCluster:
             _ip("link", "del", self.bridge, check=False)
         self._created.clear()
         _remove_shared_dirs()
+
+
+def started_or_skip(workdir: str, nodes: int = 2) -> Iterator[NetnsCluster]:
+    """A module fixture's body: a started cluster, stopped after the module; pytest.skip with
+    the reason where this machine cannot run one."""
+    import pytest
+
+    cluster = NetnsCluster(workdir, nodes=nodes)
+    try:
+        cluster.start()
+    except ClusterUnavailable as e:
+        pytest.skip(f"no namespace cluster: {e}")
+    yield cluster
+    cluster.stop()
 
 
 def netns_slurm(cluster: NetnsCluster, state_dir: str):

@@ -363,21 +363,15 @@ def test_launch_on_a_world_size_that_cannot_keep_the_global_batch_is_one_line_be
     over 3 ranks: `grt launch` refuses it once, naming the sizes that can, and starts no rank;
     on 2 ranks with micro-batch 4 it is kept (grad_accum 1) and the launch is accepted."""
     before = tree_hash(bad["run"])
-    rc, err = as_process(
-        ["launch", "--dry-run", "--procs-per-node", "3", "--", *resume_argv(bad["run"], bad["manifest"])[1:]]
-    )
+
+    def launch_resume(ranks: int, *extra: str) -> tuple[int, str]:
+        train = resume_argv(bad["run"], bad["manifest"], *extra)[1:]
+        return as_process(["launch", "--dry-run", "--procs-per-node", str(ranks), "--", *train])
+
+    rc, err = launch_resume(3)
     check_one_line("changed schedule", rc, err, "world sizes that can, with micro-batch 8: 1; micro-batch sizes")
     assert "allow_batch_change" in err
-    rc, err = as_process(
-        [
-            "launch",
-            "--dry-run",
-            "--procs-per-node",
-            "2",
-            "--",
-            *resume_argv(bad["run"], bad["manifest"], "--micro-batch-size", "4")[1:],
-        ]
-    )
+    rc, err = launch_resume(2, "--micro-batch-size", "4")
     assert rc == 0, err
     assert tree_hash(bad["run"]) == before
 
@@ -526,19 +520,24 @@ def rank_error(output: str) -> str:
 
 @pytest.fixture(scope="module")
 def one_rank_corrupt(bad, tmp_path_factory) -> tuple[Path, Path, int]:
-    """A manifest whose val split is a good shard and a truncated copy of it, each read whole
-    by one of 2 ranks at --batch-size 5 (195 sequences each); the truncated shard; the rank that reads it."""
-    from data_pipeline.shards import ShardError
+    """A manifest whose val split is a copy of the val shard with one member corrupt (token ids
+    beyond the vocabulary), a member that only one of 2 ranks reads at --batch-size 5 and
+    --max-batches 1 (round 0: rank 0 reads samples 0-4, rank 1 samples 5-9); the shard; the rank
+    that reads it."""
+    from data_pipeline.shards import ShardError, member_size
     from pretrain.distributed import Dist
     from pretrain.infer.scoring import val_batches
 
-    truncated = Path(json.loads(bad["truncated_val"].read_text())["splits"]["val"][0]["name"])
+    raw = json.loads(bad["manifest"].read_text())
+    entry = raw["splits"]["val"][0]
+    root = tmp_path_factory.mktemp("one_rank_corrupt")
+    corrupt = root / Path(entry["name"]).name
+    shard = bytearray((bad["manifest"].parent / entry["name"]).read_bytes())
+    stride = member_size(raw["seq_len"] + 1, raw["dtype_ext"])
+    shard[7 * stride + 512 : 7 * stride + 520] = b"\xff" * 8  # member 7's first tokens: id 65535
+    corrupt.write_bytes(bytes(shard))
     data = edited_manifest(
-        bad["manifest"],
-        tmp_path_factory.mktemp("one_rank_corrupt"),
-        lambda raw: raw["splits"].update(
-            val=[raw["splits"]["val"][0], dict(raw["splits"]["val"][0], name=str(truncated))]
-        ),
+        bad["manifest"], root, lambda raw: raw["splits"].update(val=[dict(entry, name=str(corrupt))])
     )
     failing = []
     for rank in (0, 1):
@@ -546,8 +545,8 @@ def one_rank_corrupt(bad, tmp_path_factory) -> tuple[Path, Path, int]:
             list(val_batches(str(data), 5, Dist(rank, 2), 1, seed=1234))
         except ShardError:
             failing.append(rank)
-    assert len(failing) == 1, failing
-    return data, truncated, failing[0]
+    assert failing == [1], failing
+    return data, corrupt, failing[0]
 
 
 def eval_argv(run: Path, data: Path) -> list[str]:

@@ -199,12 +199,14 @@ def test_loaders_choose_the_gpu_and_bf16(monkeypatch, tmp_path):
 
 
 # -- the exit path under load ---------------------------------------------------------------
-STRESS_RUNS = 10
+# each command 5 times: 10 took 9 min of CI on a loaded machine, and the abort never reproduced in 10 on
+# the old code either (docs/gpu.md)
+STRESS_RUNS = 5
 
 
 @pytest.mark.slow
 def test_multi_rank_commands_exit_cleanly_under_load(manifest, tmp_path):  # noqa: F811
-    """Issue 20: 2-rank `grt eval`, the launch probe and `grt train` (with evaluation) 10 times
+    """Issue 20: 2-rank `grt eval`, the launch probe and `grt train` (with evaluation) STRESS_RUNS times
     each, while busy processes load every core: every rank exits 0, none aborts at
     interpreter exit."""
     from trained_models import train as trained

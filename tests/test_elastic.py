@@ -378,15 +378,9 @@ def run_args(out) -> list[str]:
 def cluster(tmp_path_factory):
     if os.geteuid() != 0:
         pytest.skip("no namespace cluster: network namespaces need root")
-    from netns_cluster import ClusterUnavailable, NetnsCluster
+    from netns_cluster import started_or_skip
 
-    c = NetnsCluster(str(tmp_path_factory.mktemp("elastic-cluster")), nodes=2)
-    try:
-        c.start()
-    except ClusterUnavailable as e:
-        pytest.skip(f"no namespace cluster: {e}")
-    yield c
-    c.stop()
+    yield from started_or_skip(str(tmp_path_factory.mktemp("elastic-cluster")))
 
 
 @pytest.fixture(scope="module")

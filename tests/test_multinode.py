@@ -34,7 +34,7 @@ from launch_helpers import (
     train_args,
     wait_all,
 )
-from netns_cluster import ClusterUnavailable, NetnsCluster, netns_slurm  # noqa: E402
+from netns_cluster import ClusterUnavailable, NetnsCluster, netns_slurm, started_or_skip  # noqa: E402
 
 from pretrain.distributed import expand_nodelist  # noqa: E402
 
@@ -79,13 +79,7 @@ def assert_losses_match(out, reference, steps):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = NetnsCluster(str(tmp_path_factory.mktemp("netns-cluster")), nodes=2)
-    try:
-        c.start()
-    except ClusterUnavailable as e:
-        pytest.skip(f"no namespace cluster: {e}")
-    yield c
-    c.stop()
+    yield from started_or_skip(str(tmp_path_factory.mktemp("netns-cluster")))
 
 
 @pytest.fixture(scope="module")

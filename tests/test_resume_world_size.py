@@ -9,12 +9,16 @@ uninterrupted 2-rank run's to fp32 round-off and every step reads the same sampl
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 from faults import build_data, records, run_job, train_args
 
 from data_pipeline.loader import DIGEST_MOD
+from pretrain.errors import ConfigError
+from pretrain.training.resume import keep_global_batch
+from pretrain.training.run_config import RunConfig
 
 STEPS, STOP = 12, 6
 NO_NOISE = ("model.state_noise_std=0", "model.gate_noise_std=0", f"train.schedule_steps={STEPS}")
@@ -79,3 +83,58 @@ def test_resume_on_another_world_size_continues_the_run(data, reference, tmp_pat
     assert [got[s][1] for s in reference] == [reference[s][1] for s in reference], "a step read other samples"
     assert worst < 2e-5, {s: (got[s][0], reference[s][0]) for s in reference}
     assert len(records(out)) == STEPS  # no step recorded twice (the stopped run ended at its checkpoint)
+
+
+def _cfg(micro: int, accum: int, **train) -> RunConfig:
+    cfg = RunConfig(data="d", out="o")
+    cfg.train.micro_batch_size, cfg.train.grad_accum = micro, accum
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
+    return cfg
+
+
+SAVED = {"micro_batch_size": 4, "grad_accum": 3}  # x 2 ranks: a global batch of 24
+
+
+@pytest.mark.parametrize(
+    "micro,accum,world,want",
+    [
+        (4, 3, 2, 3),  # the same world: unchanged
+        (4, 3, 1, 6),  # 2 -> 1 rank: twice the accumulation
+        (4, 3, 6, 1),  # 2 -> 6 ranks: one micro-batch each
+        (2, 3, 3, 4),  # micro-batch 2 on 3 ranks: 24 / 6
+        (4, 6, 1, 6),  # grad_accum given as the one that keeps it: accepted
+    ],
+)
+def test_the_global_batch_is_kept_by_grad_accum(micro, accum, world, want):
+    cfg = _cfg(micro, accum)
+    note = keep_global_batch(cfg, SAVED, 2, world, "checkpoint step00000006")
+    assert cfg.train.grad_accum == want
+    assert cfg.train.micro_batch_size * cfg.train.grad_accum * world == 24
+    assert ("keeps the global batch of 24" in note) == (world != 2)
+
+
+@pytest.mark.parametrize(
+    "micro,accum,world,want",
+    [
+        (
+            4,
+            3,
+            4,
+            "world sizes that can, with micro-batch 4: 1, 2, 3, 6; micro-batch sizes that can, on 4 rank(s): "
+            "1, 2, 3, 6",
+        ),
+        (5, 3, 2, "cannot split into whole micro-batches"),
+        (4, 2, 2, "train.grad_accum 2 would change the global batch of 24 sequences"),
+    ],
+)
+def test_a_split_that_cannot_keep_the_global_batch_is_refused_naming_those_that_can(micro, accum, world, want):
+    with pytest.raises(ConfigError, match=re.escape(want)) as err:
+        keep_global_batch(_cfg(micro, accum), SAVED, 2, world, "checkpoint step00000006")
+    assert "train.allow_batch_change=true" in str(err.value)
+
+
+def test_allow_batch_change_takes_the_given_sizes():
+    cfg = _cfg(4, 2, allow_batch_change=True)
+    note = keep_global_batch(cfg, SAVED, 2, 4, "checkpoint step00000006")
+    assert cfg.train.grad_accum == 2 and "the global batch changes 24 -> 32" in note
