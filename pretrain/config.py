@@ -1,8 +1,21 @@
 """The one typed model config, its layout string, and JSON round trip.
 
-A layout is `N` (dense: N blocks run once), `CxR` (the whole stack of C blocks
-looped R times: no prelude, no coda) or `P+CxR+K` (prelude, shared core looped R
-times, coda). Every part that is written must be at least 1.
+A layout says where the loop sits in the stack (`P` prelude blocks run once, a shared
+core of `C` blocks looped `R` times, `K` coda blocks run once):
+
+    placement  written                  canonical (saved in configs)
+    dense      N                        N            N blocks run once, no loop
+    whole      CxR  (or 0+CxR+0)        CxR          the whole stack looped: no prelude, no coda
+    middle     P+CxR+K                  P+CxR+K      prelude, loop, coda (the GRT's)
+    bottom     CxR+K  (or 0+CxR+K)      0+CxR+K      the loop first: no prelude
+    top        P+CxR  (or P+CxR+0)      P+CxR+0      the loop last: no coda
+
+C, R and N must be at least 1; P and K may be 0. `ModelConfig` stores the canonical
+form (`str(parse_layout(text))`), so a config file, a checkpoint and `grt presets` show
+one spelling per layout. Without a prelude the anchor `e` is the prelude's output all
+the same: an empty prelude returns its input, so `e` is the embeddings (token plus
+position) of a `CxR` or `0+CxR+K` model. Without a coda the exit norm, the final norm
+and the head follow the loop's last state.
 """
 
 from __future__ import annotations
@@ -23,6 +36,9 @@ STATE_DTYPES = ("fp32", "weights")
 ANCHOR_MODES = ("prelude", "zeros", "embeddings", "previous")
 
 
+PLACEMENTS = ("whole", "middle", "bottom", "top")  # where the loop sits (Layout.placement; "dense": no loop)
+
+
 @dataclass(frozen=True)
 class Layout:
     prelude: int
@@ -35,6 +51,18 @@ class Layout:
         return self.core > 0
 
     @property
+    def placement(self) -> str:
+        """Where the loop sits: whole (no prelude, no coda), middle, bottom (no prelude), top
+        (no coda), or dense (no loop)."""
+        if not self.looped:
+            return "dense"
+        if self.prelude and self.coda:
+            return "middle"
+        if self.coda:
+            return "bottom"
+        return "top" if self.prelude else "whole"
+
+    @property
     def unique_blocks(self) -> int:
         return self.prelude + self.core + self.coda
 
@@ -43,6 +71,7 @@ class Layout:
         return self.prelude + self.core * r + self.coda
 
     def __str__(self) -> str:
+        """The canonical form: `N`, `CxR`, or `P+CxR+K` with a missing prelude or coda written 0."""
         if not self.looped:
             return str(self.prelude)
         if self.prelude == 0 and self.coda == 0:
@@ -51,33 +80,41 @@ class Layout:
 
 
 _DENSE = re.compile(r"^(\d+)$")
-_LOOP_ONLY = re.compile(r"^(\d+)x(\d+)$")
-_FULL = re.compile(r"^(\d+)\+(\d+)x(\d+)\+(\d+)$")
+_LOOPED = re.compile(r"^(?:(\d+)\+)?(\d+)x(\d+)(?:\+(\d+))?$")  # [P+]CxR[+K]
+ACCEPTED_LAYOUTS = (
+    "accepted forms: 'N' (dense), 'CxR' (whole stack looped), 'P+CxR+K' (middle: prelude + core x loops + coda), "
+    "'CxR+K' or '0+CxR+K' (bottom: no prelude), 'P+CxR' or 'P+CxR+0' (top: no coda)"
+)
 
 
 def parse_layout(text: str) -> Layout:
-    """Parse `N`, `CxR` or `P+CxR+K`; errors quote the string and say what is wrong."""
+    """Parse `N`, `CxR`, `P+CxR+K`, `CxR+K` (= `0+CxR+K`) or `P+CxR` (= `P+CxR+0`); errors are
+    one line that quotes the string and says what is wrong. `str()` of the result is the
+    canonical form."""
     if not isinstance(text, str):
         raise ConfigError(f"layout must be a string like '1+5x6+5', got {text!r}")
     s = text.strip().replace("×", "x").replace("X", "x").replace(" ", "")
-    accepted = "accepted forms: 'N' (dense), 'CxR' (whole stack looped), 'P+CxR+K' (prelude+core x loops+coda)"
-    for pattern, names in (
-        (_FULL, ("prelude", "core", "loops", "coda")),
-        (_LOOP_ONLY, ("core", "loops")),
-        (_DENSE, ("prelude",)),
-    ):
-        m = pattern.match(s)
-        if not m:
-            continue
-        parts = dict(zip(names, map(int, m.groups())))
-        zero = [k for k, v in parts.items() if v == 0]
-        if zero:
-            raise ConfigError(
-                f"layout {text!r}: {', '.join(zero)} must be at least 1 "
-                f"(write 'CxR' to loop the whole stack without prelude/coda); {accepted}"
-            )
-        return Layout(parts.get("prelude", 0), parts.get("core", 0), parts.get("loops", 0), parts.get("coda", 0))
-    raise ConfigError(f"layout {text!r} does not parse; {accepted}")
+    m = _DENSE.match(s)
+    if m:
+        if int(m[1]) == 0:
+            raise ConfigError(f"layout {text!r}: a dense layout needs at least 1 block; {ACCEPTED_LAYOUTS}")
+        return Layout(int(m[1]), 0, 0, 0)
+    m = _LOOPED.match(s)
+    if not m:
+        raise ConfigError(f"layout {text!r} does not parse; {ACCEPTED_LAYOUTS}")
+    prelude, core, loops, coda = (int(g) if g is not None else 0 for g in m.groups())
+    zero = [name for name, v in (("core", core), ("loops", loops)) if v == 0]
+    if zero:
+        raise ConfigError(
+            f"layout {text!r}: {' and '.join(zero)} must be at least 1 (only the prelude P and the coda K may be 0); "
+            f"{ACCEPTED_LAYOUTS}"
+        )
+    return Layout(prelude, core, loops, coda)
+
+
+def canonical_layout(text: str) -> str:
+    """The one spelling of a layout that configs store: `N`, `CxR` or `P+CxR+K` (zeros written)."""
+    return str(parse_layout(text))
 
 
 @dataclass
@@ -134,8 +171,11 @@ class ModelConfig:
 
     # -- checks ------------------------------------------------------------------
     def validate(self) -> None:
+        """Refuse a bad config with one line naming the setting; writes `layout` in its
+        canonical form (`canonical_layout`: '2x4+2' is stored as '0+2x4+2')."""
         variant = get_variant(self.variant)
-        parse_layout(self.layout)  # its own message before the variant's layout rule
+        # its own message before the variant's layout rule; stored in its canonical form
+        self.layout = canonical_layout(self.layout)
         if self.attention not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention={self.attention!r}: accepted values are {', '.join(ATTENTION_BACKENDS)}")
         if self.state_dtype not in STATE_DTYPES:

@@ -24,6 +24,10 @@ TINY = dict(bias=False, pad_vocab_multiple=64, vocab_size=4096, max_seq_len=256)
 
 LOOP_ONLY = dict(gate=False, reinject_anchor=False, state_noise_std=0.0)
 
+# the place-* presets: one layout per placement of the loop (pretrain.config.Layout.placement),
+# canonical forms, each 12 blocks deep at R = 4
+PLACEMENT_LAYOUTS = {"whole": "3x4", "middle": "2+2x4+2", "bottom": "0+2x4+4", "top": "4+2x4+0"}
+
 
 def _preset(
     name: str, variant: str, layout: str, d_model: int, n_heads: int, conventions: dict[str, Any], **overrides: Any
@@ -84,6 +88,10 @@ PRESETS: dict[str, ModelConfig] = dict(
             **{**LOOP_ONLY, "state_noise_std": 0.1, "reinject_anchor": True},
         ),
         _preset("ladder-4-gate", "grt", "1+2x4+1", 128, 4, TINY),
+        # where to loop (../shared/seeds/004: the whole stack, the middle, the bottom, the top): the
+        # full GRT at tiny size, 12 blocks executed, R = 4 each, so equal forward FLOPs per token;
+        # the three partial placements share their unique blocks (2 core + 4 once), only their order differs
+        *[_preset(f"place-{where}", "grt", layout, 128, 4, TINY) for where, layout in PLACEMENT_LAYOUTS.items()],
     ]
 )
 
@@ -116,6 +124,10 @@ ADVERTISED_PARAMS: dict[str, int] = {
     "ladder-2-noise": 1_344_768,
     "ladder-3-reinject": 1_377_536,
     "ladder-4-gate": 1_427_200,
+    "place-whole": 1_230_336,
+    "place-middle": 1_820_928,
+    "place-bottom": 1_820_928,
+    "place-top": 1_820_928,
 }
 
 

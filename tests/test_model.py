@@ -38,10 +38,10 @@ def test_layout_parses(text, expected):
 @pytest.mark.parametrize(
     "text,why",
     [
-        ("0+5x6+5", "prelude must be at least 1"),
+        ("0", "a dense layout needs at least 1 block"),
         ("1+5x0+5", "loops must be at least 1"),
         ("1+0x6+5", "core must be at least 1"),
-        ("1+5x6", "does not parse"),
+        ("1+5x6+5+1", "does not parse"),  # bottom and top placements: tests/test_layouts.py
         ("banana", "does not parse"),
         ("1+5*6+5", "does not parse"),
     ],

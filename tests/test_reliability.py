@@ -90,7 +90,7 @@ BAD_CONFIGS = [
     (["--set", "train.depth_sampling=zigzag"], ["train.depth_sampling='zigzag'", "uniform, fixed, poisson"]),
     (["--preset", "huge-grt"], ["unknown preset 'huge-grt'", "micro-grt"]),
     (["--set", "model.layout=1+x3"], ["layout '1+x3' does not parse", "P+CxR+K"]),
-    (["--set", "model.layout=0+1x3+1"], ["prelude must be at least 1"]),
+    (["--set", "model.layout=1+0x3+1"], ["core must be at least 1"]),
     ("ds_batch", ["train_batch_size=7", "micro_batch_size 4 x grad_accum 1 x ranks 2 = 8", "train.micro_batch_size"]),
     ("ds_missing", ["no such file", "zero3.json"]),
 ]

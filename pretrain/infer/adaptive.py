@@ -1,8 +1,9 @@
 """Per-token adaptive exit at inference: a token stops looping when its state stops changing.
 
-The rule. Every token starts at the variant's s_0 (the prelude output e; Huginn's random
-state) and runs loop steps r = 1, 2, ... up to `max_steps`. After step r, a still-active
-token's change is measured by one of
+The rule. Every token starts at the variant's s_0 (the prelude output e, which is the
+embeddings when the layout has no prelude; Huginn's random state) and runs loop steps
+r = 1, 2, ... up to `max_steps`. After step r, a still-active token's change is measured
+by one of
 
     update   ||s_r - s_{r-1}|| / ||s_{r-1}||                (relative update of the state)
     kl       KL(p_r || p_{r-1}) of the next-token distributions decoded from s_r and s_{r-1}

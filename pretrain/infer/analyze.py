@@ -19,7 +19,12 @@ On held-out batches (the manifest's validation split):
   tokens making up the first 50% of occurrences), medium (the next 40%) and rare (the
   last 10%); the share of the depth-0 loss recovered after each step, (L_0 - L_r) / L_0;
 - cosine similarity between the state and anchor halves of W_proj (and of the gate's
-  first layer): cos(vec W[:, :d], vec W[:, d:]) and the mean row-wise cosine.
+  first layer): cos(vec W[:, :d], vec W[:, d:]) and the mean row-wise cosine; each half's
+  Frobenius norm and its top singular values;
+- early exit against compute: loss over forward FLOPs per token (the spec's formula,
+  pretrain.model.flops) at each exit depth, with `--dense` the dense model cut after each
+  of its layers on the same axis, and for each the share of the full-depth gain kept at half
+  the compute (`half_compute_share`).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import json
 import string
 import sys
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,10 +42,12 @@ import torch
 import torch.nn.functional as F
 
 from data_pipeline.files import atomic_savefig, atomic_write_text
-from pretrain.config import ConfigError
+from pretrain.config import ConfigError, ModelConfig
 from pretrain.infer.scoring import Batch, check_batches, jsonable, lm_sums, val_batches
 from pretrain.model import GPT, LoopStep
+from pretrain.model.flops import flops_per_token
 from pretrain.model.layers import AttentionContext
+from pretrain.variants import block_flops
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -70,14 +77,70 @@ def cka_matrix(states: list[torch.Tensor]) -> list[list[float]]:
     return m
 
 
-def half_cosines(state_half: torch.Tensor, anchor_half: torch.Tensor) -> dict[str, float]:
-    """W = [W_s | W_e] (each [out, d]): cosine between the state half and the anchor half."""
+TOP_SINGULAR_VALUES = 5  # how many of each half's singular values the report lists
+
+
+def half_cosines(state_half: torch.Tensor, anchor_half: torch.Tensor, top: int = TOP_SINGULAR_VALUES) -> dict[str, Any]:
+    """W = [W_s | W_e] (each [out, d]): cosine between the state half and the anchor half, each
+    half's Frobenius norm and its `top` largest singular values (descending; the first is the
+    spectral norm)."""
     a, b = state_half.detach().double(), anchor_half.detach().double()
     return {
         "cosine": F.cosine_similarity(a.flatten(), b.flatten(), dim=0).item(),
         "mean_row_cosine": F.cosine_similarity(a, b, dim=1).mean().item(),
         "norm_state": a.norm().item(),
         "norm_anchor": b.norm().item(),
+        "singular_values_state": torch.linalg.svdvals(a)[:top].tolist(),
+        "singular_values_anchor": torch.linalg.svdvals(b)[:top].tolist(),
+    }
+
+
+def exit_flops(cfg: ModelConfig, seq_len: int, depth: int, executed: bool = False) -> int:
+    """Forward FLOPs per token at an exit depth (pretrain.model.flops' formulas; executed: what
+    the implementation runs, as there). A looped model's depth is loop steps (flops_per_token at
+    that depth); a dense model's the layers run, 1..N: k blocks + the head, the full model's
+    count less the N - k blocks it skips."""
+    layout = cfg.parsed_layout
+    if layout.looped:
+        return flops_per_token(cfg, seq_len, depth, executed)
+    if not 1 <= depth <= layout.prelude:
+        raise ValueError(f"depth {depth}: a dense model of {layout.prelude} layers exits after 1..{layout.prelude}")
+    return flops_per_token(cfg, seq_len, executed=executed) - round(
+        (layout.prelude - depth) * block_flops(cfg, seq_len)
+    )
+
+
+def half_compute_share(depths: Sequence[int], flops: Sequence[float], losses: Sequence[float]) -> dict[str, Any]:
+    """The share of the full-depth gain an early exit keeps at half the compute. depths in
+    increasing order, the first the minimum exit depth and the last the full depth, with their
+    FLOPs per token and losses. gain(r) = loss(minimum depth) - loss(r); the half-compute depth
+    is the one whose FLOPs are closest to, and not above, half the full depth's; share =
+    gain(half-compute depth) / gain(full depth). depth and share are None where no depth is at
+    or under half the full FLOPs; share is None where the full-depth gain is 0."""
+    half = flops[-1] / 2
+    under = [i for i, f in enumerate(flops) if f <= half]
+    full_gain = losses[0] - losses[-1]
+    out: dict[str, Any] = {"full_gain": full_gain, "half_flops": half, "depth": None, "flops": None, "gain": None}
+    out["share"] = None
+    if under:
+        i = max(under, key=lambda j: flops[j])
+        out.update(depth=depths[i], flops=flops[i], gain=losses[0] - losses[i])
+        out["share"] = out["gain"] / full_gain if full_gain != 0 else None
+    return out
+
+
+def exit_curve(cfg: ModelConfig, seq_len: int, loss_by_depth: dict[int, float]) -> dict[str, Any]:
+    """One model's early exit: depths, FLOPs per token (exit_flops), losses, the half-compute share."""
+    depths = sorted(loss_by_depth)
+    flops = [exit_flops(cfg, seq_len, r) for r in depths]
+    losses = [loss_by_depth[r] for r in depths]
+    return {
+        "layout": cfg.layout,
+        "depth_unit": "loop steps" if cfg.parsed_layout.looped else "layers",
+        "depths": depths,
+        "flops_per_token": flops,
+        "loss": losses,
+        "half_compute": half_compute_share(depths, flops, losses),
     }
 
 
@@ -259,6 +322,11 @@ def analyze(
     if model.cfg.variant != "grt":
         raise ConfigError(f"grt analyze needs a GRT (variant 'grt'), got variant {model.cfg.variant!r}")
     loop = _grt_loop(model)
+    if dense is not None and dense.cfg.vocab_size != model.cfg.vocab_size:
+        raise ConfigError(
+            f"--dense: vocabulary {dense.cfg.vocab_size} differs from the GRT's "
+            f"{model.cfg.vocab_size}; CKA and the early-exit comparison need the same tokens"
+        )
     R = model.max_loops
     batches = list(val_batches(manifest, batch_size, None, max_batches, seed))
     if not batches:
@@ -303,12 +371,14 @@ def analyze(
         "cka": cka_matrix(c["states"]) if c["states"] is not None else None,
         "cka_tokens": int(c["states"][0].shape[0]) if c["states"] is not None else 0,
     }
+    seq_len = batches[0]["input_ids"].shape[1]
+    res["early_exit"] = {"seq_len": seq_len, "grt": exit_curve(model.cfg, seq_len, by_depth)}
+    if dense is not None:
+        dense_depths = list(range(1, len(dense.prelude) + 1))
+        s = lm_sums(dense, batches, dense_depths, device)
+        dense_loss = {k: (s[i, 0] / s[i, 1]).item() for i, k in enumerate(dense_depths)}
+        res["early_exit"]["dense"] = exit_curve(dense.cfg, seq_len, dense_loss)
     if dense is not None and c["states"] is not None:
-        if dense.cfg.vocab_size != model.cfg.vocab_size:
-            raise ConfigError(
-                f"--dense: vocabulary {dense.cfg.vocab_size} differs from the GRT's "
-                f"{model.cfg.vocab_size}; CKA needs the same tokens"
-            )
         layers = dense_layer_states(dense, batches, device, res["cka_tokens"])
         m = cross_cka(c["states"], layers)
         res["cka_dense"] = {
@@ -333,11 +403,21 @@ def plots(res: dict[str, Any], out: Path) -> dict[str, str]:
 
     files = {}
     R = res["trained_loops"]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(range(R + 1), [res["loss_by_depth"][r] for r in range(R + 1)], marker="o")
-    ax.set_xlabel("exit depth (loop steps)")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ee = res["early_exit"]
+    for key, mark, name in (("grt", "o", "GRT"), ("dense", "s", "dense")):
+        if key not in ee:
+            continue
+        curve = ee[key]
+        x = [f / 1e6 for f in curve["flops_per_token"]]
+        ax.plot(x, curve["loss"], marker=mark, label=f"{name} ({curve['layout']})")
+        for xi, yi, r in zip(x, curve["loss"], curve["depths"]):
+            ax.annotate(str(r), (xi, yi), textcoords="offset points", xytext=(3, 3), fontsize=7)
+    ax.set_xlabel("forward MFLOPs per token (labels: exit depth; dense: layers run)")
     ax.set_ylabel("validation loss")
+    ax.set_title("early exit against compute")
     ax.grid(alpha=0.3)
+    ax.legend()
     _save(fig, out / "loss_by_depth.png")
     files["loss_by_depth"] = "loss_by_depth.png"
     if res["cka"]:
@@ -393,6 +473,27 @@ def _save(fig: Figure, path: Path) -> None:
     plt.close(fig)
 
 
+def _exit_table(name: str, curve: dict[str, Any]) -> str:
+    """One model's early-exit rows: depth, FLOPs per token, loss, gain over the minimum depth."""
+    unit = curve["depth_unit"]
+    rows = [f"{name} (`{curve['layout']}`, depth = {unit}):", "", f"| depth ({unit}) | MFLOPs/token | loss | gain |"]
+    rows.append("|---|---|---|---|")
+    rows += [
+        f"| {r} | {f / 1e6:.2f} | {v:.4f} | {curve['loss'][0] - v:+.4f} |"
+        for r, f, v in zip(curve["depths"], curve["flops_per_token"], curve["loss"])
+    ]
+    return "\n".join(rows) + "\n"
+
+
+def _half_line(h: dict[str, Any]) -> str:
+    if h["depth"] is None:
+        return "none: no exit depth at or under half the full depth's FLOPs"
+    at = f"depth {h['depth']}, {h['flops'] / 1e6:.2f} of {2 * h['half_flops'] / 1e6:.2f} MFLOPs"
+    if h["share"] is None:
+        return f"undefined: no gain at the full depth ({at})"
+    return f"{100 * h['share']:.1f}% ({at}; gain {h['gain']:.4f} of {h['full_gain']:.4f})"
+
+
 def markdown(res: dict[str, Any], files: dict[str, str], title: str) -> str:
     R = res["trained_loops"]
     L = [
@@ -400,12 +501,19 @@ def markdown(res: dict[str, Any], files: dict[str, str], title: str) -> str:
         "",
         f"Layout `{res['layout']}`, R = {R}; {res['tokens']:,} validation tokens.",
         "",
-        "## Loss by exit depth",
+        "## Early exit: loss by exit depth, against compute",
         "",
-        "| depth | loss |",
-        "|---|---|",
     ]
-    L += [f"| {r} | {res['loss_by_depth'][r]:.4f} |" for r in range(R + 1)]
+    ee = res["early_exit"]
+    curves = [(name, ee[key]) for key, name in (("grt", "GRT"), ("dense", "dense")) if key in ee]
+    L += [_exit_table(name, curve) for name, curve in curves]
+    L += [
+        f"Forward FLOPs per token at sequence length {ee['seq_len']} (the spec's formula, pretrain/model/flops.py); "
+        "gain = loss at the minimum depth - loss at the depth. Share of the full-depth gain kept at half the "
+        "compute (the depth with the most FLOPs not above half the full depth's; docs/evaluation.md):",
+        "",
+    ]
+    L += [f"- {name}: {_half_line(curve['half_compute'])}" for name, curve in curves]
     if "loss_by_depth" in files:
         L += ["", f"![loss by depth]({files['loss_by_depth']})"]
     if res["gate_forcing"]:
@@ -479,12 +587,26 @@ def markdown(res: dict[str, Any], files: dict[str, str], title: str) -> str:
             "",
             "## State half vs anchor half of the input weights",
             "",
-            "| weight | cosine | mean row cosine | norm (state half) | norm (anchor half) |",
-            "|---|---|---|---|---|",
+            "| weight | cosine | mean row cosine | norm (state half) | norm (anchor half) "
+            "| top singular value (state half) | top singular value (anchor half) |",
+            "|---|---|---|---|---|---|---|",
         ]
         L += [
-            f"| {k} | {v['cosine']:.4f} | {v['mean_row_cosine']:.4f} | {v['norm_state']:.3f} | {v['norm_anchor']:.3f} |"
+            f"| {k} | {v['cosine']:.4f} | {v['mean_row_cosine']:.4f} | {v['norm_state']:.3f} | {v['norm_anchor']:.3f} "
+            f"| {v['singular_values_state'][0]:.3f} | {v['singular_values_anchor'][0]:.3f} |"
             for k, v in res["half_cosines"].items()
+        ]
+        L += [
+            "",
+            "Largest singular values of each half, in descending order:",
+            "",
+            "| weight | half | singular values |",
+        ]
+        L += ["|---|---|---|"]
+        L += [
+            f"| {k} | {half} | " + ", ".join(f"{x:.3f}" for x in v[f"singular_values_{half}"]) + " |"
+            for k, v in res["half_cosines"].items()
+            for half in ("state", "anchor")
         ]
     L += ["", "Definitions: see `grt analyze --help` and docs/evaluation.md.", ""]
     return "\n".join(L)
@@ -496,7 +618,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="grt analyze",
         description="The paper's analyses of a trained GRT: "
-        "gate forcing, anchor replacement, gate statistics, CKA, token buckets.",
+        "early exit against compute, gate forcing, anchor replacement, gate statistics, CKA, token buckets, "
+        "the norms and singular values of the gate's and the projection's two halves.",
     )
     p.add_argument("model", help="exported dir (grt export), run dir, <out>/checkpoints or a step dir")
     p.add_argument("--out", required=True, help="report directory (report.md, analysis.json, PNGs)")
@@ -505,7 +628,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batches", type=int, default=16, help="validation batches to analyse")
     p.add_argument("--freq-batches", type=int, default=200, help="training batches (of 16) for token frequencies")
     p.add_argument("--cka-tokens", type=int, default=2048)
-    p.add_argument("--dense", help="a dense model (same tokenizer) to compare the loop states with by CKA")
+    p.add_argument(
+        "--dense",
+        help="a dense model (same tokenizer): CKA of the loop states against its layers, and its early exit "
+        "(cut after each layer) against the GRT's over FLOPs per token",
+    )
     p.add_argument("--tokenizer")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on a CUDA GPU, else the stored dtype), fp32, bf16, fp16")

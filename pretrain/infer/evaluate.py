@@ -86,11 +86,29 @@ def parse_depths(text: str | None, trained: int) -> list[int]:
     return sorted(depths)
 
 
+def depth_unit(model: GPT) -> str:
+    """What an exit depth counts: a looped model's loop steps, a dense model's layers."""
+    return "loop steps" if model.loop is not None else "layers"
+
+
+def default_depths(model: GPT) -> list[int]:
+    """--depths by default: a looped model's 0..R, a dense model's N (the whole model)."""
+    return list(range(model.max_loops + 1)) if model.loop is not None else [len(model.prelude)]
+
+
 def check_depths(model: GPT, depths: list[int], allow_beyond: bool) -> list[int]:
+    """The exit depths, refused in one line where the model cannot run them. A looped model's
+    depth r is r loop steps (0: the prelude straight to the coda; above the trained R only with
+    allow_beyond); a dense model's depth k is its first k layers, then the final norm and head
+    (1..N; N: the whole model; `GPT.dense_exit`)."""
     trained = model.max_loops if model.loop is not None else 0
     if model.loop is None:
-        if depths != [0]:
-            raise ConfigError(f"a dense model has no loop: the only exit depth is 0, got --depths {depths}")
+        n = len(model.prelude)
+        bad = [d for d in depths if not 1 <= d <= n]
+        if bad:
+            raise ConfigError(
+                f"--depths {bad}: a dense model's exit depth is the number of layers run, 1..{n} ({n}: the whole model)"
+            )
         return depths
     beyond = [d for d in depths if d > trained]
     if beyond and not allow_beyond:
@@ -207,7 +225,8 @@ def format_table(results: dict[str, Any]) -> str:
         for metric in ("acc", "acc_norm", "ppl"):
             if metric in by_depth[depths[0]] and not (task == "winogrande" and metric == "acc_norm"):
                 cols.append((f"{task} {metric}", task_metric(task, metric)))
-    trained = results.get("trained_loops")
+    # past the trained R (a looped model's depths; a dense model's are layers, at most N)
+    trained = results.get("trained_loops") if results.get("depth_unit", "loop steps") == "loop steps" else None
     widths = [max(len(name) + 2, 10) for name, _ in cols]
     lines = ["depth " + "".join(f"{name:>{w}}" for (name, _), w in zip(cols, widths))]
     for r in depths:
@@ -241,9 +260,9 @@ def plot_depths(results: dict[str, Any], path: str | Path, title: str = "") -> N
     for key, label in (("val", "validation"), ("wikitext2", "WikiText-2")):
         if key in results:
             ax.plot(depths, [results[key][r]["loss"] for r in depths], marker="o", label=label)
-    if results.get("trained_loops"):
+    if results.get("trained_loops") and results.get("depth_unit", "loop steps") == "loop steps":
         ax.axvline(results["trained_loops"], color="grey", ls="--", lw=1, label="trained R")
-    ax.set_xlabel("exit depth (loop steps)")
+    ax.set_xlabel(f"exit depth ({results.get('depth_unit', 'loop steps')})")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(title or "loss by exit depth")
     ax.grid(alpha=0.3)
@@ -260,7 +279,11 @@ ALL_PARTS = ("val", "wikitext2", "lambada", "hellaswag", "piqa", "arc_easy", "ar
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grt eval", description="Evaluate a model at every exit depth.")
     p.add_argument("model", help="exported dir (grt export), run dir, <out>/checkpoints or a step dir")
-    p.add_argument("--depths", help="exit depths, e.g. 0-12 or 0,2,4 (default 0..R, the trained maximum)")
+    p.add_argument(
+        "--depths",
+        help="exit depths, e.g. 0-12 or 0,2,4: loop steps of a looped model (default 0..R, the trained maximum); "
+        "layers run of a dense model, 1..N (default N, the whole model)",
+    )
     p.add_argument("--allow-beyond-trained", action="store_true", help="allow depths above the trained R")
     p.add_argument("--tasks", default="all", help=f"comma list of {', '.join(ALL_PARTS)}; or 'all' (default)")
     p.add_argument("--data", help="manifest.json for the held-out split (default: the run config's data)")
@@ -369,7 +392,14 @@ def evaluate(args: argparse.Namespace, parts: list[str], dist: Dist) -> dict[str
     loaded = load_model(args.model, device=device, dtype=pick_dtype(args.dtype, device), tokenizer=args.tokenizer)
     model = loaded.model
     trained = model.max_loops if model.loop is not None else 0
-    depths = check_depths(model, parse_depths(args.depths, trained), args.allow_beyond_trained)
+    depths = check_depths(
+        model, parse_depths(args.depths, 0) if args.depths else default_depths(model), args.allow_beyond_trained
+    )
+    if args.kv_cache is not None and model.loop is None and depths != default_depths(model):
+        raise ConfigError(
+            f"--kv-cache decodes a dense model whole (depth {len(model.prelude)}): drop --kv-cache to exit "
+            f"early at --depths {args.depths}"
+        )
     if args.adaptive_exit:
         check_criterion(model, args.adaptive_exit)  # before any evaluation (a dense model or MoR is refused)
     results: dict[str, Any] = {
@@ -378,6 +408,7 @@ def evaluate(args: argparse.Namespace, parts: list[str], dist: Dist) -> dict[str
         "layout": loaded.cfg.layout,
         "variant": loaded.cfg.variant,
         "trained_loops": trained,
+        "depth_unit": depth_unit(model),
         "depths": depths,
         "world_size": dist.world,
         "kv_cache": args.kv_cache,

@@ -23,7 +23,8 @@ its preallocated slot: no cache is copied per token (a shared slot's own-step po
 written in place, then overwritten by the fold).
 
 Cache bytes: 2 (K and V) * slots * batch * max_len * d_model * bytes per element, with
-slots = P + C*R + K (full), P + C + K (shared strategies), or L (dense).
+slots = P + C*R + K (full), P + C + K (shared strategies), or L (dense). P or K may be 0 (the
+loop at the bottom or the top of the stack, pretrain/config.py): the slots are numbered the same.
 """
 
 from __future__ import annotations

@@ -46,8 +46,14 @@ def exit_hidden(
     """Yield (depth, final-norm hidden [B, T, d]) for each depth from one pass through the loop."""
     depths = list(depths)
     ctx = AttentionContext(doc_ids=doc_ids)
-    if model.loop is None:  # a dense model: its one state is the prelude's output
-        states = [model.run_prelude(model.embed(idx), ctx)]
+    if model.loop is None:  # a dense model: depth k exits after its first k blocks (GPT.dense_exit), 0 = all
+        blocks = {r: model.dense_exit(r) or len(model.prelude) for r in depths}  # checks each depth
+        x, after = model.embed(idx), dict[int, torch.Tensor]()
+        for k, block in enumerate(model.prelude[: max(blocks.values(), default=0)], 1):
+            x = block(x, ctx)
+            if k in blocks.values():
+                after[k] = x
+        states: dict[int, torch.Tensor] | list[torch.Tensor] = {r: after[k] for r, k in blocks.items()}
     else:
         states = model(
             idx, n_loops=max(depths), doc_ids=doc_ids, gate_override=gate_override, anchor=anchor, return_states=True

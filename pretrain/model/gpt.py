@@ -8,10 +8,14 @@
                 s_r = g_r * s_{r-1} + (1 - g_r) * o_r          (s_0 = e)
            -> exit norm -> coda (K blocks, once) -> final norm -> tied LM head
 
-A dense model is a prelude with no loop. The number of loop steps is an argument
-of `forward` (0 = prelude straight to coda), so training can sample it and
-evaluation can exit early. Activation checkpointing and compilation are applied
-from outside (`pretrain.training.parallelize`); `LoopStep` is the recompute/compile unit.
+A dense model is a prelude with no loop. P or K may be 0 (layouts `CxR`, `0+CxR+K`,
+`P+CxR+0`: the loop at the whole stack, the bottom, the top; pretrain/config.py): an
+empty prelude returns its input, so without a prelude the anchor e is the embeddings;
+without a coda the exit norm, final norm and head follow the loop's last state. The
+number of loop steps is an argument of `forward` (0 = prelude straight to coda), so
+training can sample it and evaluation can exit early. Activation checkpointing and
+compilation are applied from outside (`pretrain.training.parallelize`); `LoopStep` is
+the recompute/compile unit.
 """
 
 from __future__ import annotations
@@ -208,6 +212,18 @@ class GPT(nn.Module):
             raise ValueError(f"n_loops={n}: must be >= 0")
         return n
 
+    def dense_exit(self, n: int) -> int | None:
+        """The blocks a dense model runs at exit depth n (forward's n_loops): 1..N, its first n
+        blocks, then the final norm and head (the dense model cut at the GRT's depth, the paper's
+        comparison); 0, what training and a model without a loop step pass, runs all N. None:
+        every block (a looped model, or the full depth)."""
+        blocks = len(self.prelude)  # a dense layout `N` is a prelude of N blocks
+        if self.loop is not None or n in (0, blocks):
+            return None
+        if n > blocks:
+            raise ValueError(f"n_loops={n}: a dense model of {blocks} layers exits after 1..{blocks} of them (0: all)")
+        return n
+
     # -- the pieces of a forward pass -----------------------------------------------------
     def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Token plus position embeddings of idx [B, t] at positions start..start+t-1."""
@@ -217,8 +233,10 @@ class GPT(nn.Module):
         pos = torch.arange(start, end, device=idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))
 
-    def run_prelude(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        for block in self.prelude:
+    def run_prelude(self, x: torch.Tensor, ctx: AttentionContext, blocks: int | None = None) -> torch.Tensor:
+        """The prelude's output e, the anchor; x itself (the embeddings) when P = 0. `blocks`: only
+        the first ones (a dense model's early exit, `dense_exit`)."""
+        for block in self.prelude[:blocks]:
             x = block(x, ctx)
         return x
 
@@ -329,14 +347,15 @@ class GPT(nn.Module):
         return_gates: bool = False,
         return_logits: bool = True,
     ) -> ModelOutput:
-        """idx, targets: [B, T] token ids. n_loops: loop steps to run (default: the layout's R).
+        """idx, targets: [B, T] token ids. n_loops: loop steps to run (default: the layout's R); for
+        a dense model the exit depth, the layers run (1..N; None or 0: all N, `dense_exit`).
         gate_override: force every gate to this constant. anchor: what the loop is fed as e
         (prelude output, zeros, token embeddings, or the previous state). return_logits=False
         (with targets): the loss only, without materialising the logits (`output`)."""
         n = self.depth(n_loops)
         ctx = AttentionContext(doc_ids=doc_ids)
         emb = self.embed(idx)
-        e = self.run_prelude(emb, ctx)
+        e = self.run_prelude(emb, ctx, self.dense_exit(n))  # a dense model's early exit: its first blocks
         states: list[torch.Tensor] = []
         gates: list[torch.Tensor] = []
         s = self.run_loop(

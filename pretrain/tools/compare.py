@@ -48,7 +48,7 @@ from typing import Any
 
 from data_pipeline.files import atomic_savefig, atomic_write_text
 from pretrain import PROJECT_ROOT
-from pretrain.config import ConfigError, ModelConfig, load_json_object
+from pretrain.config import ConfigError, Layout, ModelConfig, load_json_object
 from pretrain.model.flops import flops_per_token, train_flops_per_token
 from pretrain.presets import PRESETS, get_preset
 from pretrain.tools.compare_eval import (
@@ -110,9 +110,8 @@ def _with_layout(cfg: ModelConfig, **parts: int) -> ModelConfig:
     layout = cfg.parsed_layout
     if not layout.looped:
         return cfg.replace(layout=str(parts.get("n", layout.prelude)))
-    p, c, r, k = layout.prelude, parts.get("c", layout.core), parts.get("r", layout.loops), layout.coda
-    text = f"{c}x{r}" if p == 0 and k == 0 else f"{p}+{c}x{r}+{k}"
-    return cfg.replace(layout=text)
+    c, r = parts.get("c", layout.core), parts.get("r", layout.loops)
+    return cfg.replace(layout=str(Layout(layout.prelude, c, r, layout.coda)))  # the placement kept
 
 
 def match(cfg: ModelConfig, target: float, what: str, seq_len: int) -> ModelConfig:

@@ -12,24 +12,36 @@ if TYPE_CHECKING:
     from pretrain.config import ModelConfig
 
 
+# how `describe` names each placement of the loop (pretrain.config.Layout.placement): the
+# full GRT, and the first word of an ablation rung ("loop + coda, noise")
+GRT_NAMES = {
+    "whole": "GRT (whole stack looped)",
+    "middle": "GRT",
+    "bottom": "GRT (bottom loop)",
+    "top": "GRT (top loop)",
+}
+RUNG_WORDS = {"whole": "whole stack looped", "middle": "prelude/coda", "bottom": "coda", "top": "prelude"}
+
+
 @register
 class GRT(Variant):
     name = "grt"
     label = "GRT"
 
     def describe(self, cfg: ModelConfig) -> str:
-        """GRT with all of its components; otherwise the ablation rung the switches make."""
-        layout = cfg.parsed_layout
-        parts = ["prelude/coda" if layout.prelude or layout.coda else "whole stack looped"]
+        """GRT with all of its components (naming where the loop sits unless it is the middle:
+        'GRT (bottom loop)'); otherwise the ablation rung the switches make."""
+        placement = cfg.parsed_layout.placement
+        parts = [RUNG_WORDS[placement]]
         if cfg.state_noise_std > 0:
             parts.append("noise")
         if cfg.reinject_anchor:
             parts.append("re-injection")
         if cfg.gate:
             parts.append("gate")
-        if parts == ["whole stack looped"]:
-            return "loop only"
-        return "GRT" if len(parts) == 4 else "loop + " + ", ".join(parts)
+        if len(parts) == 4:
+            return GRT_NAMES[placement]
+        return "loop only" if parts == [RUNG_WORDS["whole"]] else "loop + " + ", ".join(parts)
 
     def train_recipe(self, cfg: ModelConfig) -> dict[str, Any]:
         return {"depth_sampling": "uniform"}  # r ~ U{1..R} per step (spec section 2)
