@@ -30,6 +30,7 @@ How an epoch is laid out (see docs/data.md for the full description):
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import tarfile
@@ -57,9 +58,14 @@ def sample_digest(input_ids: torch.Tensor) -> int:
     the digests of a step's micro-batches, summed over the ranks, are the same on any split of
     the step into ranks and micro-batches, so runs can be compared sample set by sample set."""
     rows = input_ids.to(torch.int64)
-    weights = torch.arange(1, rows.shape[1] + 1, dtype=torch.int64) * 0x9E3779B1
-    hashed = (rows * weights).sum(dim=1) % DIGEST_MOD  # int64 wraps: the same on every machine
+    hashed = (rows * _digest_weights(rows.shape[1])).sum(dim=1) % DIGEST_MOD  # int64 wraps: the same everywhere
     return int(hashed.sum()) % DIGEST_MOD
+
+
+@functools.cache
+def _digest_weights(length: int) -> torch.Tensor:
+    """Each position's multiplier in a row's hash: made once per sequence length, not per batch."""
+    return torch.arange(1, length + 1, dtype=torch.int64) * 0x9E3779B1
 
 
 def _is_local(url: str) -> bool:
@@ -75,7 +81,9 @@ class _ShardReader:
         self.sequences, self.sample_tokens, self.ext, self.vocab_size = sequences, sample_tokens, ext, vocab_size
         self.nbytes = sample_tokens * DTYPES[ext].itemsize
         self.stride = member_size(sample_tokens, ext)
-        self.files: dict[int, IO[bytes] | None] = {}  # shard -> its open local file, None: streamed
+        self.seekable: dict[int, bool] = {}  # shard -> read by seeking (a local file of fixed-size members)
+        self.file: tuple[int, IO[bytes]] | None = None  # the one local shard open now: a worker moves through
+        # the stream in order, so it never holds more than one file (an epoch may have thousands of shards)
         self.stream: tuple[int, Generator[tuple[int, bytes], None, None], int] | None = None  # shard, samples, next
 
     def read(self, shard: int, url: str, indices: list[int]) -> list[bytes]:
@@ -86,21 +94,31 @@ class _ShardReader:
         return [self._member(fh, url, i) for i in indices]
 
     def _local(self, shard: int, url: str) -> IO[bytes] | None:
-        if shard in self.files:
-            return self.files[shard]
-        fh = None
-        if _is_local(url):
+        """The open file of shard `shard` when it is read by seeking, None when it is streamed;
+        its size and first member are checked when it is first opened."""
+        if self.file is not None and self.file[0] == shard:
+            return self.file[1]
+        if not self.seekable.get(shard, _is_local(url)):
+            return None
+        self._close_file()
+        first_open = shard not in self.seekable
+        if first_open:
             if not os.path.exists(url):
                 raise MissingShardError(url, "no such file")
             need = self.sequences[shard] * self.stride + 1024  # the members, then tar's two end blocks
             size = os.path.getsize(url)
             if size < need:
                 raise ShardError(url, f"truncated: {size} bytes, the {self.sequences[shard]} samples need {need}")
-            fh = open(url, "rb")  # noqa: SIM115 (kept open for the epoch, closed by close())
-            if not self._fixed_layout(fh):
+        try:
+            fh = open(url, "rb")  # noqa: SIM115 (kept open while the worker reads this shard, closed by _close_file)
+        except OSError as exc:  # gone since it was first opened, or unreadable
+            raise MissingShardError(url, f"{type(exc).__name__}: {exc}") from None
+        if first_open:
+            self.seekable[shard] = self._fixed_layout(fh)
+            if not self.seekable[shard]:  # written by another tar writer (e.g. extended headers): streamed instead
                 fh.close()
-                fh = None  # written by another tar writer (e.g. extended headers): streamed instead
-        self.files[shard] = fh
+                return None
+        self.file = (shard, fh)
         return fh
 
     def _fixed_layout(self, fh: IO[bytes]) -> bool:
@@ -158,12 +176,14 @@ class _ShardReader:
             self.stream[1].close()
             self.stream = None
 
+    def _close_file(self) -> None:
+        if self.file is not None:
+            self.file[1].close()
+            self.file = None
+
     def close(self) -> None:
         self._close_stream()
-        for fh in self.files.values():
-            if fh is not None:
-                fh.close()
-        self.files.clear()
+        self._close_file()
 
 
 class _EpochPlan:

@@ -4,7 +4,13 @@ import json
 
 import pytest
 import torch
-from trained_models import grt_run, manifest, single_thread, small_model  # noqa: F401 (fixtures)
+from trained_models import (  # noqa: F401 (fixtures)
+    assert_extreme_thresholds_are_fixed_depths,
+    grt_run,
+    manifest,
+    single_thread,
+    small_model,
+)
 
 from pretrain.config import ConfigError
 from pretrain.infer.adaptive import adaptive_forward, adaptive_table, parse_thresholds
@@ -22,13 +28,7 @@ def _idx(seed=0, b=2, t=24):
 
 @pytest.mark.parametrize("criterion", ["update", "kl"])
 def test_extreme_thresholds_are_the_fixed_depths(criterion):
-    model, idx = small_model(), _idx()
-    never, steps = adaptive_forward(model, idx, 0.0, criterion)
-    assert torch.equal(steps, torch.full_like(steps, R))
-    torch.testing.assert_close(never, model(idx, n_loops=R).logits, rtol=0, atol=1e-5)
-    first, steps = adaptive_forward(model, idx, float("inf"), criterion)
-    assert torch.equal(steps, torch.ones_like(steps))
-    torch.testing.assert_close(first, model(idx, n_loops=1).logits, rtol=0, atol=1e-5)
+    assert_extreme_thresholds_are_fixed_depths(small_model(), _idx(), criterion, R)
 
 
 @pytest.mark.parametrize("criterion", ["update", "kl"])

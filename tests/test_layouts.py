@@ -8,10 +8,13 @@ import json
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
-from trained_models import single_thread, small_model  # noqa: F401 (single_thread: an autouse fixture)
+from trained_models import (  # noqa: F401 (single_thread: an autouse fixture)
+    assert_extreme_thresholds_are_fixed_depths,
+    single_thread,
+    small_model,
+)
 
 from pretrain.config import PLACEMENTS, ConfigError, ModelConfig, canonical_layout, parse_layout
-from pretrain.infer.adaptive import adaptive_forward
 from pretrain.infer.generate import generate
 from pretrain.infer.kv_cache import STRATEGIES, CachedDecoder, cache_slots
 from pretrain.model.flops import flops_per_token
@@ -205,12 +208,7 @@ def test_adaptive_exit_runs_for_each_placement(placement):
     model = small_model(LAYOUTS[placement])
     idx = _idx(4, t=16)
     for criterion in ("update", "kl"):  # the extreme thresholds are the fixed depths R and 1
-        never, steps = adaptive_forward(model, idx, 0.0, criterion)
-        assert torch.equal(steps, torch.full_like(steps, R))
-        torch.testing.assert_close(never, model(idx, n_loops=R).logits, rtol=0, atol=1e-5)
-        first, steps = adaptive_forward(model, idx, float("inf"), criterion)
-        assert torch.equal(steps, torch.ones_like(steps))
-        torch.testing.assert_close(first, model(idx, n_loops=1).logits, rtol=0, atol=1e-5)
+        assert_extreme_thresholds_are_fixed_depths(model, idx, criterion, R)
     prompts, new = _idx(5, t=6), _idx(6, t=4)
     for strategy, rule in (("full", "update"), ("average", "kl")):  # at decode, through the KV cache
         fixed = CachedDecoder(model, batch=2, max_len=10, strategy=strategy)

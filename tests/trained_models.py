@@ -240,3 +240,18 @@ def torch_trained_grt(steps: int = 250, seed: int = 0):
         opt.step()
     torch.set_num_threads(threads)
     return model.eval(), manifest
+
+
+def assert_extreme_thresholds_are_fixed_depths(model, idx, criterion: str, depth: int) -> None:
+    """Adaptive exit at threshold 0 never exits early (every token runs `depth` steps, the fixed
+    depth's logits); at infinity every token exits after one step (depth 1's logits)."""
+    import torch
+
+    from pretrain.infer.adaptive import adaptive_forward
+
+    never, steps = adaptive_forward(model, idx, 0.0, criterion)
+    assert torch.equal(steps, torch.full_like(steps, depth))
+    torch.testing.assert_close(never, model(idx, n_loops=depth).logits, rtol=0, atol=1e-5)
+    first, steps = adaptive_forward(model, idx, float("inf"), criterion)
+    assert torch.equal(steps, torch.ones_like(steps))
+    torch.testing.assert_close(first, model(idx, n_loops=1).logits, rtol=0, atol=1e-5)
