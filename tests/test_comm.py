@@ -10,11 +10,12 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from multiproc import free_port, run_ranks
+from multiproc import free_port, start_ranks
 from trained_models import ENV, REPO, manifest  # noqa: F401 (fixture)
 
 GUARD = REPO / "tests" / "comm_guard.py"
@@ -199,16 +200,38 @@ def test_loaders_choose_the_gpu_and_bf16(monkeypatch, tmp_path):
 
 
 # -- the exit path under load ---------------------------------------------------------------
-# each command 5 times: 10 took 9 min of CI on a loaded machine, and the abort never reproduced in 10 on
-# the old code either (docs/gpu.md)
+# each command 5 times, the 5 two-rank runs of a command at once (10 processes and a busy process per
+# core on the machine): the abort never reproduced in 10 sequential runs on the old code either
+# (docs/gpu.md), and at once they load the machine harder in half the time
 STRESS_RUNS = 5
+
+
+def _concurrent_runs(args: list[str], out: Path) -> list[list[subprocess.CompletedProcess]]:
+    """STRESS_RUNS two-rank runs of `python <args>` at once, OUT in args replaced by run i's own folder under
+    `out`; every rank's output read as it comes, so that no rank blocks on a full pipe while its peer
+    waits for it in a collective."""
+    env = {"PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    groups = [
+        start_ranks([str(out / f"run{i}") if a == "OUT" else a for a in args], env=env) for i in range(STRESS_RUNS)
+    ]
+    procs = [p for group in groups for p in group]
+    try:
+        with ThreadPoolExecutor(len(procs)) as pool:
+            outputs = list(pool.map(lambda p: p.communicate(timeout=600)[0], procs))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    done = [subprocess.CompletedProcess(p.args, p.returncode, out, None) for p, out in zip(procs, outputs)]
+    return [done[i : i + 2] for i in range(0, len(done), 2)]
 
 
 @pytest.mark.slow
 def test_multi_rank_commands_exit_cleanly_under_load(manifest, tmp_path):  # noqa: F811
     """Issue 20: 2-rank `grt eval`, the launch probe and `grt train` (with evaluation) STRESS_RUNS times
-    each, while busy processes load every core: every rank exits 0, none aborts at
-    interpreter exit."""
+    each, the runs of a command at once beside busy processes on every core: every rank exits 0, none
+    aborts at interpreter exit."""
     from trained_models import train as trained
 
     model = trained("micro-grt", 30)
@@ -228,45 +251,38 @@ def test_multi_rank_commands_exit_cleanly_under_load(manifest, tmp_path):  # noq
             "--batch-size",
             "2",
         ],
-        "probe": ["-m", "launcher.probe", "--out", str(tmp_path / "probe")],
+        "probe": ["-m", "launcher.probe", "--out", "OUT"],
+        "train": [
+            "-m",
+            "pretrain.cli",
+            "train",
+            "--preset",
+            "micro-dense",
+            "--data",
+            str(manifest),
+            "--out",
+            "OUT",
+            "--steps",
+            "1",
+            "--micro-batch-size",
+            "2",
+            "--ds-config",
+            "ds_configs/zero1.json",
+            "--set",
+            "train.eval_every=1",
+            "--set",
+            "train.eval_batches=1",
+        ],
     }
     failures, timings = [], {}
     try:
         for name, args in commands.items():
             start = time.time()
-            for i in range(STRESS_RUNS):
-                for rank, proc in enumerate(run_ranks(args, env={"PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""})):
+            for i, group in enumerate(_concurrent_runs(args, tmp_path / name)):
+                for rank, proc in enumerate(group):
                     if proc.returncode != 0:
                         failures.append(f"{name} run {i} rank {rank}: exit {proc.returncode}\n{proc.stdout[-1500:]}")
             timings[name] = time.time() - start
-        start = time.time()
-        for i in range(STRESS_RUNS):
-            out = tmp_path / f"train{i}"
-            args = [
-                "-m",
-                "pretrain.cli",
-                "train",
-                "--preset",
-                "micro-dense",
-                "--data",
-                str(manifest),
-                "--out",
-                str(out),
-                "--steps",
-                "1",
-                "--micro-batch-size",
-                "2",
-                "--ds-config",
-                "ds_configs/zero1.json",
-                "--set",
-                "train.eval_every=1",
-                "--set",
-                "train.eval_batches=1",
-            ]
-            for rank, proc in enumerate(run_ranks(args, env={"PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""})):
-                if proc.returncode != 0:
-                    failures.append(f"train run {i} rank {rank}: exit {proc.returncode}\n{proc.stdout[-1500:]}")
-        timings["train"] = time.time() - start
     finally:
         for hog in hogs:
             hog.kill()
