@@ -33,6 +33,7 @@ from pretrain.variants import get_variant
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn", "naive")
 STATE_DTYPES = ("fp32", "weights")
+CORE_KV = ("step", "anchor")  # where a GRT core block's keys and values come from (ModelConfig.core_kv)
 ANCHOR_MODES = ("prelude", "zeros", "embeddings", "previous")
 
 
@@ -144,6 +145,9 @@ class ModelConfig:
     exit_norm: bool = True  # LayerNorm on the loop's final state (the "one more d vector")
     state_dtype: str = "fp32"  # the GRT's loop state s: fp32 whatever the weights' dtype (under bf16 the gate's
     # ~2% writes would be rounded to bf16's 0.4% spacing), or the weights' (docs/model.md)
+    # "step": each core block's keys and values come from its own input at every loop step; "anchor" (CART):
+    # from the anchor e, the state every step is fed, once per forward (docs/model.md)
+    core_kv: str = "step"
     attention: str = "auto"  # auto | sdpa | flash_attn | naive
     init_std: float = 0.02
     extra: dict[str, Any] = field(default_factory=dict)  # variant-specific settings (baselines)
@@ -180,6 +184,8 @@ class ModelConfig:
             raise ConfigError(f"attention={self.attention!r}: accepted values are {', '.join(ATTENTION_BACKENDS)}")
         if self.state_dtype not in STATE_DTYPES:
             raise ConfigError(f"state_dtype={self.state_dtype!r}: accepted values are {', '.join(STATE_DTYPES)}")
+        if self.core_kv not in CORE_KV:
+            raise ConfigError(f"core_kv={self.core_kv!r}: accepted values are {', '.join(CORE_KV)}")
         for key in ("d_model", "n_heads", "vocab_size", "pad_vocab_multiple", "max_seq_len", "mlp_ratio"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

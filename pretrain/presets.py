@@ -53,6 +53,9 @@ PRESETS: dict[str, ModelConfig] = dict(
         _preset("tiny-dense", "dense", "10", 128, 4, TINY),
         _preset("micro-grt", "grt", "1+1x3+1", 32, 2, TINY, vocab_size=512, max_seq_len=64),
         _preset("micro-dense", "dense", "5", 32, 2, TINY, vocab_size=512, max_seq_len=64),
+        # the GRT whose core attends to keys and values of the anchor, computed once per forward (CART)
+        _preset("tiny-grt-anchor-kv", "grt", "1+2x4+1", 128, 4, TINY, core_kv="anchor"),
+        _preset("micro-grt-anchor-kv", "grt", "1+1x3+1", 32, 2, TINY, vocab_size=512, max_seq_len=64, core_kv="anchor"),
         # the baselines of the paper's comparison (docs/comparison.md): no GRT gate, no state noise
         *[
             _preset(
@@ -111,6 +114,8 @@ ADVERTISED_PARAMS: dict[str, int] = {
     "tiny-dense": 2_525_824,
     "micro-grt": 60_800,
     "micro-dense": 80_224,
+    "tiny-grt-anchor-kv": 1_427_200,  # the same weights as tiny-grt, c_attn split into c_q and c_kv
+    "micro-grt-anchor-kv": 60_800,
     "micro-huginn": 57_664,
     "micro-rrt": 61_696,
     "micro-ouro": 55_585,

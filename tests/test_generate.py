@@ -9,8 +9,15 @@ from trained_models import data, single_thread, small_model, write_export  # noq
 
 from pretrain.infer.generate import filter_logits, generate, sample_next
 from pretrain.infer.generate import main as generate_main
-from pretrain.infer.kv_cache import STRATEGIES, CachedDecoder, cache_bytes_formula, cache_slots
-from pretrain.tools.bench_decode import bench_one
+from pretrain.infer.kv_cache import (
+    STRATEGIES,
+    CachedDecoder,
+    cache_bytes_formula,
+    cache_slots,
+    compile_for_decode,
+    is_compiled,
+)
+from pretrain.tools.bench_decode import PAPER_MEMORY_RATIOS, bench_one, paper_memory_ratios
 from pretrain.tools.bench_decode import main as bench_main
 
 
@@ -223,7 +230,38 @@ def test_decode_benchmark_reports_every_strategy(tmp_path, capsys):
     # micro-grt 1+1x3+1 keeps 5 slots (full) or 3 (shared); micro-dense keeps 5
     assert by[("full", 2)]["cache_bytes_formula"] == by[("dense", 2)]["cache_bytes_formula"]
     assert by[("first", 2)]["cache_bytes_formula"] * 5 == by[("full", 2)]["cache_bytes_formula"] * 3
-    assert "ms/token" in capsys.readouterr().out
+    for r in rows:  # total memory: the weights (micro-grt's 60,800 or micro-dense's 80,224 fp32 parameters) + cache
+        params = 80_224 if r["strategy"] == "dense" else 60_800
+        assert r["weights_bytes"] == 4 * params and r["total_bytes"] == r["weights_bytes"] + r["cache_bytes_measured"]
+    out = capsys.readouterr().out
+    assert "ms/token" in out and "total MB" in out and "grt-medium against dense-medium" in out
+
+
+def test_the_papers_three_memory_ratios_follow_from_the_medium_presets():
+    """Weights plus a 1,024-token bf16 cache of grt-medium (171M parameters) against dense-medium:
+    the paper's 0.55x (batch 1, full), 0.91x (batch 32, full) and 0.39x (batch 32, average)."""
+    rows = {(r["batch"], r["strategy"]): r for r in paper_memory_ratios()}
+    for key, paper in PAPER_MEMORY_RATIOS.items():
+        assert abs(rows[key]["ratio"] - paper) < 0.01, (key, rows[key]["ratio"], paper)
+    weights = 2 * 171_073_536  # bf16
+    slot = 2 * 1024 * 1024 * 2  # K and V, 1,024 positions, d 1,024, bf16, per sequence
+    assert rows[(32, "average")]["total_bytes"] == weights + 32 * (2 + 5 + 2) * slot
+
+
+def test_compiled_decode_gives_the_eager_logits_and_a_shared_cache_bench_row():
+    """`grt bench decode --compile`: the blocks and loop step under torch.compile decode the same
+    tokens and logits as eager; a core_kv='anchor' model has one exact cache, one row per batch."""
+    idx = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    model = small_model()
+    eager = generate(model, idx, 4, strategy="average", greedy=True, return_logits=True)
+    compile_for_decode(model)
+    assert is_compiled(model)
+    compiled = generate(model, idx, 4, strategy="average", greedy=True, return_logits=True)
+    assert torch.equal(compiled[0], eager[0]) and torch.allclose(compiled[1], eager[1], atol=1e-5)
+    row = bench_one(model, "full", batch=1, prompt_len=4, new_tokens=2, depth=None, warmup=1, repeats=1)
+    assert row["compiled"] and row["ms_per_token"] > 0
+    anchored = bench_one(small_model(core_kv="anchor"), "full", 1, 4, 2, None, warmup=1, repeats=1)
+    assert anchored["strategy"] == "anchor" and anchored["cache_slots"] == 1 + 2 + 1
 
 
 def test_zero_shot_scoring_through_the_kv_cache():

@@ -116,6 +116,8 @@ def test_flops_formula_is_the_specs(kw):
 FLOP_CONFIGS = {
     "grt": small_cfg(),
     "grt-no-gate": small_cfg(gate=False),
+    "grt-anchor-kv": small_cfg(core_kv="anchor"),
+    "grt-anchor-kv-no-gate": small_cfg(core_kv="anchor", gate=False, layout="0+2x3+1"),
     "loop-only": small_cfg(reinject_anchor=False, gate=False, state_noise_std=0.0),
     "dense": small_cfg(variant="dense", layout="4"),
     **{name: PRESETS[name] for name in ("ladder-0-loop-only", "micro-huginn", "micro-rrt", "micro-ouro", "micro-mor")},

@@ -15,6 +15,10 @@ The prompt is prefilled exactly (every loop step attends to its own step's keys,
 `full`), then folded the same way: only generated tokens see approximate caches.
 The exit depth (loop steps per token) is chosen at decode and is fixed for a sequence.
 
+A model whose core attends to keys and values of the anchor (core_kv='anchor', CART) has one
+set of them per core block whatever the step: its cache is the shared slots, exact, whichever
+strategy is asked for (`cache_strategy` names it `anchor`); training and decode agree.
+
 The decoder runs the model's own forward pieces (embed, prelude, `run_loop`, coda, head):
 it hands the model an AttentionContext whose `kv` is the decoder, so every attention layer
 stores its keys/values in its cache slot and attends to the slot (slots are assigned in
@@ -23,7 +27,7 @@ its preallocated slot: no cache is copied per token (a shared slot's own-step po
 written in place, then overwritten by the fold).
 
 Cache bytes: 2 (K and V) * slots * batch * max_len * d_model * bytes per element, with
-slots = P + C*R + K (full), P + C + K (shared strategies), or L (dense). P or K may be 0 (the
+slots = P + C*R + K (full), P + C + K (shared strategies, anchor), or L (dense). P or K may be 0 (the
 loop at the bottom or the top of the stack, pretrain/config.py): the slots are numbered the same.
 """
 
@@ -50,11 +54,23 @@ KV = tuple[torch.Tensor, torch.Tensor]  # the keys and values of one layer
 DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+ANCHORED = "anchor"  # the cache of a core_kv='anchor' model, whatever strategy was asked for
+
+
+def cache_strategy(model: GPT, strategy: str) -> str:
+    """The cache a decode of `model` keeps for a requested strategy: the anchor's keys and values
+    (one shared slot per core block, exact) when the core attends to them, else the strategy."""
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"strategy={strategy!r}: accepted values are {', '.join(STRATEGIES)}")
+    return ANCHORED if model.cfg.core_kv == "anchor" else strategy
+
+
 def cache_slots(model: GPT, strategy: str, n_loops: int) -> int:
     layout = model.cfg.parsed_layout
     if model.loop is None:
         return layout.prelude + layout.coda
-    core = layout.core * (n_loops if strategy == "full" else (1 if n_loops > 0 else 0))
+    full = cache_strategy(model, strategy) == "full"
+    core = layout.core * (n_loops if full else (1 if n_loops > 0 else 0))
     return layout.prelude + core + layout.coda
 
 
@@ -93,6 +109,22 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int
 CACHED_VARIANTS = ("grt", "dense")  # the variants CachedDecoder decodes; the others recompute
 
 
+def compile_for_decode(model: GPT) -> GPT:
+    """torch.compile, in place, the modules a decode runs (each prelude and coda block, the loop
+    step, the final norm and head), with dynamic shapes: one graph for the prompt and one for a
+    token. The cache's reads and writes (`CachedDecoder.attend`) stay eager, a graph break in
+    each attention: they index the cache by Python counters that change every call."""
+    for module in [*model.prelude, model.loop, *model.coda, model.exit_norm, model.ln_f, model.lm_head]:
+        if module is not None:
+            module.compile(dynamic=True)
+    return model
+
+
+def is_compiled(model: torch.nn.Module) -> bool:
+    """Whether compile_for_decode (or any Module.compile) compiled a module of the model."""
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+
+
 class CachedDecoder:
     """Prefill a prompt, then decode one token at a time; returns next-token logits [B, V]."""
 
@@ -106,8 +138,6 @@ class CachedDecoder:
         exit_threshold: float | None = None,
         exit_rule: str = "update",
     ) -> None:
-        if strategy not in STRATEGIES:
-            raise ConfigError(f"strategy={strategy!r}: accepted values are {', '.join(STRATEGIES)}")
         if model.cfg.variant not in CACHED_VARIANTS:
             raise ConfigError(
                 f"the KV cache supports the grt and dense variants, not {model.cfg.variant!r}: "
@@ -115,7 +145,7 @@ class CachedDecoder:
             )
         self.model = model.eval()
         cfg = model.cfg
-        self.strategy = strategy
+        self.strategy = cache_strategy(model, strategy)
         self.n = 0 if model.loop is None else model.depth(n_loops)
         self.max_len = min(max_len or cfg.max_seq_len, cfg.max_seq_len)
         p = next(model.parameters())
@@ -136,6 +166,8 @@ class CachedDecoder:
         self._exit_kv: list[KV | None] = []
         self.decoded_tokens = 0  # adaptive exit: tokens decoded, and the loop steps they used
         self.decoded_steps = 0
+        if is_compiled(model):  # the compiled blocks call attend: a graph break there, not a trace of it
+            self.attend = torch.compiler.disable(self.attend)  # type: ignore[method-assign]
 
     @torch.no_grad()
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

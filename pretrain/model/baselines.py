@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from pretrain.config import ConfigError, ModelConfig
 from pretrain.model.gpt import GPT, AnchorTerms, LoopStep, ModelOutput, builds, lm_loss
-from pretrain.model.layers import AttentionContext, Block, Linear, attention, layer_norm
+from pretrain.model.layers import KV, AttentionContext, Block, Linear, attention, layer_norm
 from pretrain.variants import get_variant
 
 # (s_0, step(s, r) -> s_{r+1}): what GPT.recurrence returns
@@ -79,13 +79,13 @@ class SandwichBlock(Block):
     """Huginn's core block: a norm before and after each sub-layer,
     x = n_2(x + attn(n_1(x))); x = n_4(x + mlp(n_3(x)))."""
 
-    def __init__(self, cfg: ModelConfig, out_std: float) -> None:
-        super().__init__(cfg, out_std)
+    def __init__(self, cfg: ModelConfig, out_std: float, anchored: bool = False) -> None:
+        super().__init__(cfg, out_std, anchored)
         self.ln_attn_out = layer_norm(cfg)
         self.ln_mlp_out = layer_norm(cfg)
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x = self.ln_attn_out(x + self.attn(self.ln_1(x), ctx))
+    def forward(self, x: torch.Tensor, ctx: AttentionContext, kv: KV | None = None) -> torch.Tensor:
+        x = self.ln_attn_out(x + self.attn(self.ln_1(x), ctx, kv))
         return self.ln_mlp_out(x + self.mlp(self.ln_2(x)))
 
 
@@ -204,8 +204,7 @@ def _block_with_lora(block: Block, x: torch.Tensor, ctx: AttentionContext, ad: n
     attn, mlp = block.attn, block.mlp
     h = block.ln_1(x)
     b, t, d = h.shape
-    qkv = attn.c_attn(h) + ad["attn_qkv"](h)
-    q, k, v = qkv.view(b, t, 3, attn.n_heads, d // attn.n_heads).permute(2, 0, 3, 1, 4)
+    q, k, v = attn.heads(attn.c_attn(h) + ad["attn_qkv"](h), 3)
     y = attention(q, k, v, ctx, attn.backend, attn.dropout if block.training else 0.0)
     y = y.transpose(1, 2).reshape(b, t, d)
     x = x + attn.resid_drop(attn.c_proj(y) + ad["attn_out"](y))

@@ -3,7 +3,7 @@
     tokens -> embeddings -> prelude (P blocks, once) = e, the anchor
            -> loop step r = 1..n (shared weights, `LoopStep`):
                 x_r = W_proj [s_{r-1} + eps_x ; e]
-                o_r = Core(x_r)
+                o_r = Core(x_r)                 (core_kv='anchor': keys and values of e)
                 g_r = sigmoid(f_g([LN(s_{r-1}); LN(e)]) / tau + eps_g)
                 s_r = g_r * s_{r-1} + (1 - g_r) * o_r          (s_0 = e)
            -> exit norm -> coda (K blocks, once) -> final norm -> tied LM head
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from pretrain.config import ANCHOR_MODES, ConfigError, ModelConfig
 from pretrain.kernels.gate import gate_update
-from pretrain.model.layers import AttentionContext, Block, Embedding, Linear, LMHead, layer_norm
+from pretrain.model.layers import KV, AttentionContext, Block, Embedding, Linear, LMHead, layer_norm
 from pretrain.model.loss import lm_loss
 
 
@@ -46,6 +46,7 @@ class ModelOutput(NamedTuple):
 class AnchorTerms(NamedTuple):
     proj: torch.Tensor | None  # W_proj's anchor half applied to e
     gate: torch.Tensor | None  # the gate MLP's first layer, anchor half, applied to LN(e)
+    kv: list[KV] | None = None  # core_kv='anchor': each core block's keys and values of e
 
 
 class AnchorProjection(nn.Module):
@@ -81,7 +82,10 @@ class LoopStep(nn.Module):
         self.state_noise_std, self.gate_noise_std, self.gate_tau = cfg.state_noise_std, cfg.gate_noise_std, cfg.gate_tau
         self.anchor = AnchorProjection(cfg)
         self.proj_state = Linear(d, d, bias=False, std=cfg.init_std) if cfg.reinject_anchor else None
-        self.core = nn.ModuleList(block_cls(cfg, out_std) for _ in range(layout.core))
+        # core_kv='anchor' (CART's context-anchored keys): every core block attends to keys and values of
+        # the anchor e, computed once per forward (`anchor_terms`), with queries from the step's own input
+        self.anchored_kv = cfg.core_kv == "anchor"
+        self.core = nn.ModuleList(block_cls(cfg, out_std, self.anchored_kv) for _ in range(layout.core))
         if cfg.gate:
             self.gate_norm_state = layer_norm(cfg)
             self.gate_fc_state = Linear(d, d, bias=True, std=cfg.init_std)
@@ -112,7 +116,13 @@ class LoopStep(nn.Module):
         return cast(Block, self.core[0]).ln_1.weight.dtype  # core holds block_cls instances
 
     def anchor_terms(self, e: torch.Tensor) -> AnchorTerms:
-        return self.anchor(e.to(self.weight_dtype()))
+        """What every loop step takes from the anchor e, computed once per forward: the anchor halves
+        of the projection and the gate, and under core_kv='anchor' each core block's keys and values."""
+        e = e.to(self.weight_dtype())
+        terms = self.anchor(e)
+        if self.anchored_kv:
+            terms = terms._replace(kv=[cast(Block, block).anchor_kv(e) for block in self.core])
+        return terms
 
     def forward(
         self,
@@ -132,8 +142,8 @@ class LoopStep(nn.Module):
         if self.training and self.state_noise_std > 0:
             x = x + self.state_noise_std * torch.randn_like(x)
         x = self.project(x.to(dtype), terms)
-        for block in self.core:
-            x = block(x, ctx)
+        for i, block in enumerate(self.core):
+            x = block(x, ctx, terms.kv[i]) if terms.kv is not None else block(x, ctx)
         if not self.has_gate:
             return x, None
         if gate_override is None:  # sigmoid and update fused into one kernel on GPU (kernels/gate.py)

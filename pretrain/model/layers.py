@@ -167,18 +167,45 @@ def attention(
     return probs @ v
 
 
+KV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, [B, H, T, D] each
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, out_std: float) -> None:
+    """Multi-head causal self-attention. `anchored` (a GRT core block under core_kv='anchor'):
+    the query and the key/value projections are two linears (c_q, c_kv) instead of one (c_attn),
+    so that the keys and values can be computed from another state than the queries, once
+    (`keys_values`), and handed to every call (forward's kv)."""
+
+    def __init__(self, cfg: ModelConfig, out_std: float, anchored: bool = False) -> None:
         super().__init__()
         d = cfg.d_model
         self.n_heads, self.backend, self.dropout = cfg.n_heads, cfg.attention, cfg.dropout
-        self.c_attn = Linear(d, 3 * d, bias=cfg.bias, std=cfg.init_std)
+        if anchored:
+            self.c_q = Linear(d, d, bias=cfg.bias, std=cfg.init_std)
+            self.c_kv = Linear(d, 2 * d, bias=cfg.bias, std=cfg.init_std)
+        else:
+            self.c_attn = Linear(d, 3 * d, bias=cfg.bias, std=cfg.init_std)
         self.c_proj = Linear(d, d, bias=cfg.bias, std=out_std)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """[B, T, n*d] -> [n, B, H, T, D]."""
+        b, t, width = x.shape
+        return x.view(b, t, n, self.n_heads, width // (n * self.n_heads)).permute(2, 0, 3, 1, 4)
+
+    def keys_values(self, x: torch.Tensor) -> KV:
+        """The keys and values of x [B, T, d] (an anchored block's c_kv)."""
+        k, v = self.heads(self.c_kv(x), 2)
+        return k, v
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext, kv: KV | None = None) -> torch.Tensor:
+        """x [B, T, d]; kv: the keys and values to attend to (an anchored block's, from
+        `keys_values`), else those of x."""
         b, t, d = x.shape
-        q, k, v = self.c_attn(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        if kv is not None:
+            q, (k, v) = self.heads(self.c_q(x), 1)[0], kv
+        else:
+            q, k, v = self.heads(self.c_attn(x), 3)
         y = attention(q, k, v, ctx, self.backend, self.dropout if self.training else 0.0)
         return self.resid_drop(self.c_proj(y.transpose(1, 2).reshape(b, t, d)))
 
@@ -197,15 +224,21 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x)). `anchored`: its
+    attention takes the keys and values it attends to as an argument (`anchor_kv`, forward's kv)."""
 
-    def __init__(self, cfg: ModelConfig, out_std: float) -> None:
+    def __init__(self, cfg: ModelConfig, out_std: float, anchored: bool = False) -> None:
         super().__init__()
         self.ln_1 = layer_norm(cfg)
-        self.attn = CausalSelfAttention(cfg, out_std)
+        self.attn = CausalSelfAttention(cfg, out_std, anchored)
         self.ln_2 = layer_norm(cfg)
         self.mlp = MLP(cfg, out_std)
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), ctx)
+    def anchor_kv(self, e: torch.Tensor) -> KV:
+        """The keys and values this anchored block attends to, from the state e: its own ln_1 and
+        key/value projection applied to e, as if e were its input."""
+        return self.attn.keys_values(self.ln_1(e))
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext, kv: KV | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), ctx, kv)
         return x + self.mlp(self.ln_2(x))

@@ -3,10 +3,14 @@ for each cache strategy of a looped model and for a dense model, at several batc
 
 For every (model, strategy, batch): prefill a random prompt, then decode `--new-tokens`
 tokens greedily; latency = decode wall time / new tokens (CUDA synchronised), the median
-of `--repeats` such decodes. Memory:
+of `--repeats` such decodes. `--compile`: both models' blocks and loop step under
+torch.compile (`compile_for_decode`), as the paper's latency is measured. Memory:
 the cache's bytes from the formula (pretrain.infer.kv_cache.cache_bytes_formula) next to the
 measured bytes (CUDA: the allocator's growth when the cache is built; CPU: the buffers'
-sizes), and on CUDA the peak allocated memory while decoding (weights included).
+sizes); the total, weights plus cache, and its ratio to the dense model at the same batch
+(what the paper's 0.55x / 0.91x / 0.39x are); on CUDA the peak allocated memory while
+decoding (weights and activations included). Below the table, the same totals from the
+formulas for grt-medium against dense-medium (bf16, 1,024 tokens), beside the paper's ratios.
 Models: an exported dir / checkpoint (`--model`, `--dense-model`) or a preset with random
 weights (`--preset`, `--dense-preset`): latency and memory do not depend on the weights.
 """
@@ -23,9 +27,21 @@ from typing import Any
 
 import torch
 
-from pretrain.config import ConfigError
-from pretrain.infer.kv_cache import STRATEGIES, CachedDecoder, cache_bytes_formula, cache_slots
+from pretrain.config import ConfigError, ModelConfig
+from pretrain.infer.kv_cache import (
+    STRATEGIES,
+    CachedDecoder,
+    cache_bytes_formula,
+    cache_slots,
+    cache_strategy,
+    compile_for_decode,
+    is_compiled,
+)
 from pretrain.model import GPT, build_model
+
+# the paper's total decode memory (weights + cache) of GRT-Medium against dense GPT-2 Medium
+# (spec section 5): (batch, strategy) -> ratio
+PAPER_MEMORY_RATIOS = {(1, "full"): 0.55, (32, "full"): 0.91, (32, "average"): 0.39}
 
 
 def build(
@@ -105,7 +121,7 @@ def bench_one(
         "model": model.cfg.name,
         "layout": model.cfg.layout,
         "variant": model.cfg.variant,
-        "strategy": strategy if model.loop is not None else "dense",
+        "strategy": cache_strategy(model, strategy) if model.loop is not None else "dense",
         "depth": n,
         "batch": batch,
         "prompt_len": prompt_len,
@@ -119,32 +135,94 @@ def bench_one(
         "cache_slots": cache_slots(model, strategy, n),
         "cache_bytes_formula": cache_bytes_formula(model, strategy, n, batch, max_len, dtype),
         "cache_bytes_measured": int(measured),
+        "weights_bytes": weights_bytes(model),
+        "total_bytes": weights_bytes(model) + int(measured),
+        "compiled": is_compiled(model),
         "peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)) if cuda else None,
         "params": sum(q.numel() for q in model.parameters()),
     }
 
 
+def weights_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters (a tied head once) and buffers."""
+    params = {id(p): p for p in model.parameters()}
+    return sum(p.nbytes for p in params.values()) + sum(b.nbytes for b in model.buffers())
+
+
+def total_bytes_formula(cfg: ModelConfig, strategy: str, batch: int, max_len: int, dtype: torch.dtype) -> int:
+    """Weights plus cache of a preset, from the formulas (the model built on the meta device)."""
+    with torch.device("meta"):
+        model = build_model(cfg).to(dtype)
+    n = 0 if model.loop is None else model.max_loops
+    return weights_bytes(model) + cache_bytes_formula(model, strategy, n, batch, max_len, dtype)
+
+
+def paper_memory_ratios(
+    looped: str = "grt-medium", dense: str = "dense-medium", dtype: torch.dtype = torch.bfloat16
+) -> list[dict[str, Any]]:
+    """Total decode memory (weights + a cache of max_seq_len tokens) of a looped preset against a
+    dense one at batch 1 and 32 for every strategy, from the formulas, with the paper's ratio
+    where it gives one (PAPER_MEMORY_RATIOS)."""
+    from pretrain.presets import get_preset
+
+    lcfg, dcfg = get_preset(looped), get_preset(dense)
+    rows = []
+    for batch in (1, 32):
+        ref = total_bytes_formula(dcfg, "full", batch, dcfg.max_seq_len, dtype)
+        for strategy in STRATEGIES:
+            total = total_bytes_formula(lcfg, strategy, batch, lcfg.max_seq_len, dtype)
+            rows.append(
+                {
+                    "batch": batch,
+                    "strategy": strategy,
+                    "total_bytes": total,
+                    "dense_total_bytes": ref,
+                    "ratio": total / ref,
+                    "paper": PAPER_MEMORY_RATIOS.get((batch, strategy)),
+                }
+            )
+    return rows
+
+
+def format_paper_ratios(rows: list[dict[str, Any]], looped: str = "grt-medium", dense: str = "dense-medium") -> str:
+    lines = [
+        f"total memory (weights + cache of 1,024 tokens, bf16) of {looped} against {dense}, from the formulas:",
+        f"{'batch':>6}{'strategy':>10}{'total MB':>10}{'dense MB':>10}{'ratio':>8}{'paper':>8}",
+    ]
+    for r in rows:
+        paper = f"{r['paper']:.2f}x" if r["paper"] is not None else "-"
+        lines.append(
+            f"{r['batch']:>6}{r['strategy']:>10}{r['total_bytes'] / 2**20:>10.0f}"
+            f"{r['dense_total_bytes'] / 2**20:>10.0f}{r['ratio']:>7.2f}x{paper:>8}"
+        )
+    return "\n".join(lines)
+
+
 def format_rows(rows: list[dict[str, Any]]) -> str:
     head = (
-        f"{'model':<14}{'strategy':<9}{'depth':>6}{'batch':>6}{'ms/token':>10}{'tok/s':>10}"
-        f"{'cache MB (formula)':>20}{'cache MB (measured)':>21}{'peak MB':>9}{'vs dense':>9}"
+        f"{'model':<20}{'strategy':<9}{'depth':>6}{'batch':>6}{'ms/token':>10}{'tok/s':>10}{'weights MB':>11}"
+        f"{'cache MB (formula)':>19}{'(measured)':>11}{'total MB':>9}{'vs dense':>9}{'peak MB':>9}{'vs dense':>9}"
     )
     dense = {r["batch"]: r for r in rows if r["strategy"] == "dense"}
     lines = [head]
     for r in rows:
         ref = dense.get(r["batch"])
-        ratio = ""
+        total_ratio = f"{r['total_bytes'] / ref['total_bytes']:.2f}x" if ref else ""
+        peak_ratio = ""
         if ref and r["peak_memory_bytes"] and ref["peak_memory_bytes"]:
-            ratio = f"{r['peak_memory_bytes'] / ref['peak_memory_bytes']:.2f}x"
-        elif ref and ref["cache_bytes_formula"]:
-            ratio = f"{r['cache_bytes_formula'] / ref['cache_bytes_formula']:.2f}x"
+            peak_ratio = f"{r['peak_memory_bytes'] / ref['peak_memory_bytes']:.2f}x"
         peak = f"{r['peak_memory_bytes'] / 2**20:.0f}" if r["peak_memory_bytes"] else "-"
         lines.append(
-            f"{r['model']:<14}{r['strategy']:<9}{r['depth']:>6}{r['batch']:>6}{r['ms_per_token']:>10.2f}"
-            f"{r['tokens_per_s']:>10.0f}{r['cache_bytes_formula'] / 2**20:>20.2f}"
-            f"{r['cache_bytes_measured'] / 2**20:>21.2f}{peak:>9}{ratio:>9}"
+            f"{r['model']:<20}{r['strategy']:<9}{r['depth']:>6}{r['batch']:>6}{r['ms_per_token']:>10.2f}"
+            f"{r['tokens_per_s']:>10.0f}{r['weights_bytes'] / 2**20:>11.2f}{r['cache_bytes_formula'] / 2**20:>19.2f}"
+            f"{r['cache_bytes_measured'] / 2**20:>11.2f}{r['total_bytes'] / 2**20:>9.2f}{total_ratio:>9}"
+            f"{peak:>9}{peak_ratio:>9}"
         )
-    lines.append("vs dense: peak memory on CUDA, else cache bytes, relative to the dense model at the same batch")
+    compiled = "torch.compile" if rows and rows[0]["compiled"] else "eager"
+    lines.append(
+        f"{compiled}; total: weights + cache (measured); vs dense: relative to the dense model at the same batch; "
+        "peak: CUDA's peak allocated memory while decoding"
+    )
     return "\n".join(lines)
 
 
@@ -163,6 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--depth", type=int, help="loop steps per token (default: the trained R)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3, help="timed decodes per row; the median is reported")
+    p.add_argument("--compile", action="store_true", help="decode under torch.compile (blocks and loop step)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16")
     p.add_argument("--json", nargs="?", const="-", help="print JSON (or write it to this file)")
@@ -191,6 +270,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             dense = build(
                 args.dense_model, args.dense_preset, device, dtype, None if args.dense_model else max(need, 64)
             )
+        if args.compile:
+            for model in (looped, dense):
+                if model is not None:
+                    compile_for_decode(model)
+        if cache_strategy(looped, strategies[0]) == "anchor":  # one exact cache, whichever strategy
+            strategies = strategies[:1]
         rows: list[dict[str, Any]] = []
         for b in batches:
             if dense is not None:
@@ -216,6 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.json, "w") as f:
             f.write(text + "\n")
     print(format_rows(rows))
+    print()
+    print(format_paper_ratios(paper_memory_ratios()))
     return 0
 
 

@@ -46,6 +46,7 @@ class Variant:
     adaptive_exit_refusal: ClassVar[str | None] = None  # why per-token adaptive exit does not apply, or None
     learned_exit: ClassVar[bool] = False  # it learns where each token exits (grt compare scores that exit)
     decodes_every_step: ClassVar[bool] = False  # training decodes (coda, head, logits) after every loop step
+    anchored_kv: ClassVar[bool] = False  # it builds core_kv='anchor' (keys and values of the anchor)
 
     # -- the config ----------------------------------------------------------------------------
     def check(self, cfg: ModelConfig) -> None:
@@ -55,6 +56,12 @@ class Variant:
             raise ConfigError(f"variant={self.name!r} needs a looped layout like '1+5x6+5', got layout={cfg.layout!r}")
         if not self.looped and layout.looped:
             raise ConfigError(f"variant={self.name!r} needs a dense layout like '12', got layout={cfg.layout!r}")
+        if cfg.core_kv != "step" and not self.anchored_kv:
+            takers = [name for name, v in REGISTRY.items() if v.anchored_kv]
+            raise ConfigError(
+                f"core_kv={cfg.core_kv!r}: variant={self.name!r} computes each loop step's keys and values "
+                f"(core_kv='anchor' is for the variants {', '.join(takers)})"
+            )
         if not self.extra:
             if cfg.extra:
                 takers = [name for name, v in REGISTRY.items() if v.extra]

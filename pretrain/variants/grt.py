@@ -27,6 +27,7 @@ RUNG_WORDS = {"whole": "whole stack looped", "middle": "prelude/coda", "bottom":
 class GRT(Variant):
     name = "grt"
     label = "GRT"
+    anchored_kv = True
 
     def describe(self, cfg: ModelConfig) -> str:
         """GRT with all of its components (naming where the loop sits unless it is the middle:
@@ -51,10 +52,16 @@ class GRT(Variant):
 
     def loop_flops(self, cfg: ModelConfig, seq_len: int, steps: int, executed: bool) -> float:
         total = super().loop_flops(cfg, seq_len, steps, executed)
-        if executed and steps > 0:
+        if steps == 0:
+            return total
+        d = cfg.d_model
+        if cfg.core_kv == "anchor":
+            # the model's design, so in both counts: each core block's key and value projections
+            # (2 d^2 each) run once per forward on the anchor, not once per loop step
+            total -= 4 * d * d * cfg.parsed_layout.core * (steps - 1)
+        if executed:
             # the anchor halves of the projection and of the gate's first layer (2 d^2 each) are
             # computed once per forward (model.gpt.AnchorProjection), not once per step
-            d = cfg.d_model
             anchor_half = (2 * d * d if cfg.reinject_anchor else 0) + (2 * d * d if cfg.gate else 0)
             total -= anchor_half * (steps - 1)
         return total
