@@ -719,15 +719,39 @@ def check_ranks(error: str | None = None, code: int = 1) -> None:
     codes = [int(c) for c in all_reduce(mine, op="max").cpu().tolist()]
     if not any(codes):
         return
-    rows = torch.zeros(world, ERROR_BYTES, dtype=torch.uint8)
-    if error is not None:
-        text = error.encode("utf-8")[:ERROR_BYTES]
-        rows[rank, : len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    texts = gather_text(error or "", ERROR_BYTES)
+    raise RankFailed({r: texts[r] for r in range(world) if codes[r]}, max(codes))
+
+
+def gather_text(text: str, max_bytes: int) -> list[str]:
+    """Every rank's `text` (its first max_bytes of UTF-8), in rank order: one all_reduce of a
+    row per rank. Without a process group: [text]."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [text]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = torch.zeros(world, max_bytes, dtype=torch.uint8)
+    data = text.encode("utf-8")[:max_bytes]
+    if data:
+        rows[rank, : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     rows = all_reduce(rows.to(comm_device()), op="max").cpu()
-    errors = {
-        r: bytes(rows[r].tolist()).rstrip(b"\0").decode("utf-8", errors="ignore") for r in range(world) if codes[r]
-    }
-    raise RankFailed(errors, max(codes))
+    return [bytes(rows[r].tolist()).rstrip(b"\0").decode("utf-8", errors="ignore") for r in range(world)]
+
+
+def gather_floats(value: float) -> list[float]:
+    """Every rank's `value`, in rank order: one all_reduce of a vector on the communication device
+    (the caller's host value placed in its own slot). Without a process group: [value]."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = torch.zeros(world, dtype=torch.float64, device=comm_device())
+    mine[rank] = value
+    return [float(v) for v in all_reduce(mine).cpu().tolist()]
 
 
 def barrier() -> None:

@@ -27,7 +27,7 @@ import random
 import re
 import shutil
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -200,9 +200,13 @@ def save(
     loader_state: dict[str, Any],
     keep: int,
     rank: int,
+    run_files: Mapping[str, str] | None = None,
+    fit_state: Mapping[str, Any] | None = None,
 ) -> str:
-    """Write checkpoint `step` on every rank (collective). On a write failure on any rank
-    (full disk, read-only or missing directory, I/O error) every rank raises
+    """Write checkpoint `step` on every rank (collective); rank 0 also writes `run_files`
+    ({file name: text}, e.g. the W&B run id) beside config.json, before COMPLETE; `fit_state` joins
+    each rank's state file (what the fit loop carries across a resume: the loss-spike history). On a write
+    failure on any rank (full disk, read-only or missing directory, I/O error) every rank raises
     CheckpointError, the half-written directory is removed and `latest` still names the
     previous complete checkpoint."""
     tag = tag_for(step)
@@ -233,7 +237,7 @@ def save(
             raise writes.errors[0]
         state_path = path / f"rank{rank}_state.pt"
         with atomic_path(state_path) as tmp:
-            torch.save({"rng": rng_state(), "loader": loader_state, "step": step}, tmp)
+            torch.save({**(fit_state or {}), "rng": rng_state(), "loader": loader_state, "step": step}, tmp)
     except Exception as err:  # torch.save reports a full disk as RuntimeError, not OSError
         error = err
     if not all_agree(error is None):
@@ -250,6 +254,8 @@ def save(
     if rank == 0:
         try:
             (root / tag / "config.json").write_text(config_json)
+            for name, text in (run_files or {}).items():
+                (root / tag / name).write_text(text)
             if tokenizer_path:
                 shutil.copyfile(tokenizer_path, root / tag / "tokenizer.model")
             atomic_write_text(root / tag / "COMPLETE", f"{step}\n")

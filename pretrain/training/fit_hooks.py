@@ -1,9 +1,11 @@
 """What the fit loop wraps around its steps without being part of them: warnings about skipped
-shards on the batch stream, and the NaN fault injection of the reliability tests."""
+shards on the batch stream, and the fault injections of the tests (NaN losses, delays)."""
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -38,8 +40,9 @@ def warn_on_skipped_shards(loader: TokenBatchLoader, rank: int) -> Iterator[dict
 
 class NanFaults:
     """`health.NanInjection` (GRT_INJECT_NAN_STEPS) applied from outside the step: a forward hook
-    on the engine, installed only when some step is listed, makes the loss NaN of each
-    micro-batch it names while the fit loop has armed it for that step (`at_step`)."""
+    on the engine, installed only when some step is listed, makes the loss NaN (or its factor
+    times the loss) of each micro-batch it names while the fit loop has armed it for that step
+    (`at_step`)."""
 
     def __init__(self, engine: DeepSpeedEngine, injection: NanInjection) -> None:
         self.injection = injection
@@ -58,4 +61,29 @@ class NanFaults:
     def poison(self, _module: torch.nn.Module, _args: tuple, out: ModelOutput) -> ModelOutput | None:
         if self.step is None or out.loss is None or not self.injection.poisons(self.step):
             return None
-        return out._replace(loss=out.loss * float("nan"))
+        return out._replace(loss=out.loss * self.injection.factor)
+
+
+class DelayInjection:
+    """Fault injection for the slow-rank and data-starved tests, read from the environment once:
+    GRT_INJECT_DELAY=forward@1=0.3 sleeps 0.3 s before each forward of rank 1; data@0=0.2 before
+    each batch rank 0 takes from the loader. Installed only when set."""
+
+    def __init__(self, engine: DeepSpeedEngine, rank: int, spec: str | None = None) -> None:
+        spec = os.environ.get("GRT_INJECT_DELAY", "") if spec is None else spec
+        self.seconds = {"forward": 0.0, "data": 0.0}
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            where, rest = item.split("@")
+            ranks, seconds = rest.split("=")
+            if int(ranks) == rank:
+                self.seconds[where] = float(seconds)
+        if self.seconds["forward"]:
+            engine.register_forward_pre_hook(lambda *_: time.sleep(self.seconds["forward"]))
+
+    def batches(self, batches: Iterator[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
+        if not self.seconds["data"]:
+            yield from batches
+            return
+        for batch in batches:
+            time.sleep(self.seconds["data"])
+            yield batch

@@ -204,11 +204,13 @@ class NanInjection:
     """Fault injection for the reliability tests, read from the environment once at start-up:
     GRT_INJECT_NAN_STEPS=3,4 makes the loss of the first micro-batch tried at steps 3 and 4
     NaN (the retry with the next micro-batch is clean); a step listed k times poisons its
-    first k tries (5,5,5: three bad micro-batches in a row)."""
+    first k tries (5,5,5: three bad micro-batches in a row). GRT_INJECT_LOSS_FACTOR=20 multiplies
+    those losses by 20 instead (a finite loss spike, its gradients scaled with it)."""
 
     def __init__(self, spec: str | None = None) -> None:
         spec = os.environ.get("GRT_INJECT_NAN_STEPS", "") if spec is None else spec
         self.remaining = Counter(int(s) - 1 for s in spec.split(",") if s.strip())  # 0-based steps
+        self.factor = float(os.environ.get("GRT_INJECT_LOSS_FACTOR", "nan"))
 
     def poisons(self, step: int) -> bool:
         if self.remaining[step] > 0:

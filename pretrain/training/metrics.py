@@ -182,6 +182,7 @@ class MetricsWriter:
         self._tb_opened = False  # whether TensorBoard's writer was opened (rank 0) or would have been
         self._closed = False
         self._texts: list[tuple[str, str]] = []  # text() before the TensorBoard writer opened
+        self._sinks: list[Callable[[int, Mapping[str, float]], None]] = []  # add_sink (rank 0)
         out.mkdir(parents=True, exist_ok=True)
         self.records_path = out / ("metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl")
         if resume_step is not None:
@@ -212,10 +213,18 @@ class MetricsWriter:
             self.tb.add_text(tag, text, 0)
         self._texts.clear()
 
+    def add_sink(self, sink: Callable[[int, Mapping[str, float]], None]) -> None:
+        """Also send every `scalars(step, values)` to `sink(step, values)` (e.g. W&B's run), on
+        the rank that writes TensorBoard (rank 0; elsewhere the sink is never called)."""
+        self._sinks.append(sink)
+
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
         if not self._tb_opened and not self._closed:
             self._open_tb(step - 1)
         self._add(step, values)
+        if self.rank == 0 and not self._closed:
+            for sink in self._sinks:
+                sink(step, values)
 
     def _add(self, x: int, values: Mapping[str, float]) -> None:
         if self.tb:

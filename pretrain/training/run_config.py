@@ -65,6 +65,24 @@ class TrainConfig:
     zero3_pin_core: bool = True  # keep the looped core gathered under ZeRO-3 (pretrain/training/deepspeed_internals.py)
     allow_data_change: bool = False  # resume although the shard list changed since the checkpoint
     allow_batch_change: bool = False  # resume with another global batch (micro-batch x grad_accum x ranks)
+    # watching a run (docs/training.md, "Watching a run")
+    profile: str = ""  # torch profiler window "wait,warmup,active" steps (e.g. "10,2,3"), traced once; "" = off
+    profile_ranks: str = "0"  # the ranks that trace: comma-separated ranks, or "all"
+    time_breakdown: bool = True  # on logging steps: the step's time per span (data, forward, backward, optimizer)
+    memory_history: bool = False  # CUDA: record the allocator's history, for memory snapshots on demand and on OOM
+    data_starved_share: float = 0.2  # warn when waiting for data takes more than this share of a logged step
+    slow_rank_factor: float = 1.5  # a rank whose local step time exceeds the median's by this factor is slow...
+    slow_rank_windows: int = 3  # ...on this many logging steps in a row: named in one warning line
+    loss_spike_threshold: float = 6.0  # a step loss this many robust standard deviations above the running median
+    # of the last 100 steps is a spike: logged (one line, train/loss_spike); 0 = off
+    loss_spike_action: str = "log"  # log; or skip: a micro-batch whose loss is above that limit is dropped on every
+    # rank and replaced by the next (listed in <out>/spikes.jsonl)
+    wandb: bool = False  # also log to Weights & Biases (the [wandb] extra; WANDB_MODE=offline works without network)
+    wandb_project: str = "grt"
+    wandb_entity: str = ""  # "" = the W&B default entity
+
+
+SPIKE_ACTIONS = ("log", "skip")  # what a loss spike does (TrainConfig.loss_spike_action)
 
 
 @dataclass
@@ -192,7 +210,45 @@ def train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
             _finite(t.peak_tflops) and t.peak_tflops >= 0,
             f"train.peak_tflops={t.peak_tflops}: must be >= 0 (0 = look the device up)",
         ),
+        (profile_window(t.profile) is not None or t.profile == "", profile_refusal(t.profile)),
+        (
+            t.profile_ranks == "all" or all(r.strip().isdigit() for r in t.profile_ranks.split(",")),
+            f"train.profile_ranks={t.profile_ranks!r}: comma-separated ranks (e.g. 0,8) or 'all'",
+        ),
+        (
+            _finite(t.data_starved_share) and 0 < t.data_starved_share <= 1,
+            f"train.data_starved_share={t.data_starved_share}: must be in (0, 1] (a share of the step's time)",
+        ),
+        (
+            _finite(t.slow_rank_factor) and t.slow_rank_factor > 1,
+            f"train.slow_rank_factor={t.slow_rank_factor}: must be > 1 (times the median rank's step time)",
+        ),
+        (t.slow_rank_windows >= 1, f"train.slow_rank_windows={t.slow_rank_windows}: must be >= 1 (logging steps)"),
+        (
+            t.loss_spike_action in SPIKE_ACTIONS,
+            f"train.loss_spike_action={t.loss_spike_action!r}: accepted values are {', '.join(SPIKE_ACTIONS)}",
+        ),
+        (
+            _finite(t.loss_spike_threshold) and t.loss_spike_threshold >= 0,
+            f"train.loss_spike_threshold={t.loss_spike_threshold}: must be >= 0 (robust standard deviations; 0 = off)",
+        ),
     ]
+
+
+def profile_window(text: str) -> tuple[int, int, int] | None:
+    """train.profile "wait,warmup,active" as three integers (wait, warmup >= 0, active >= 1), else None."""
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        return None
+    wait, warmup, active = (int(p) for p in parts)
+    return (wait, warmup, active) if active >= 1 else None
+
+
+def profile_refusal(text: str) -> str:
+    return (
+        f"train.profile={text!r}: expected 'wait,warmup,active' steps (e.g. '10,2,3': skip 10 steps, warm up 2, "
+        "trace 3), or '' for off"
+    )
 
 
 def train_recipe(model: ModelConfig) -> dict[str, Any]:

@@ -35,9 +35,10 @@ class MicroBatchControls(NamedTuple):
         return torch.stack([loss, (~torch.isfinite(loss)).double(), stop_flag, grad_norm_bad])
 
     @staticmethod
-    def finite_everywhere(packed: torch.Tensor) -> torch.Tensor:
-        """A device flag, before the read: no rank's loss is non-finite."""
-        return packed[_NON_FINITE] == 0
+    def kept(packed: torch.Tensor, max_loss_sum: float) -> torch.Tensor:
+        """A device flag, before the read: no rank's loss is non-finite and their sum is at most
+        `max_loss_sum` (inf: no limit; a loss spike's limit times the ranks otherwise)."""
+        return (packed[_NON_FINITE] == 0) & (packed[_LOSS] <= max_loss_sum)
 
     @classmethod
     def read(cls, packed: list[torch.Tensor]) -> list[MicroBatchControls]:
@@ -59,6 +60,7 @@ class MicroBatchControls(NamedTuple):
 
 
 _NON_FINITE = MicroBatchControls._fields.index("non_finite_ranks")
+_LOSS = MicroBatchControls._fields.index("loss_sum")
 
 
 @dataclass

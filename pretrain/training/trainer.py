@@ -24,6 +24,7 @@ import logging
 import logging.handlers
 import math
 import os
+import socket
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
@@ -35,14 +36,22 @@ import torch
 
 from data_pipeline.loader import DIGEST_MOD, sample_digest
 from pretrain.config import ConfigError
-from pretrain.distributed import RankFailed, all_reduce, check_ranks, comm_device, discover, init_distributed
+from pretrain.distributed import (
+    RankFailed,
+    all_reduce,
+    check_ranks,
+    comm_device,
+    discover,
+    gather_text,
+    init_distributed,
+)
 from pretrain.errors import UnreadableCheckpoint
 from pretrain.model.flops import count_params
 from pretrain.training import checkpoint, deepspeed_internals, run_lock, universal
 from pretrain.training.depth import depth_for_step
 from pretrain.training.ds_config import build_ds_config, load_ds_json, save_ds_config, zero_stage
 from pretrain.training.engine import build_engine
-from pretrain.training.fit_hooks import NanFaults, warn_on_skipped_shards
+from pretrain.training.fit_hooks import DelayInjection, NanFaults, warn_on_skipped_shards
 from pretrain.training.health import (
     Heartbeat,
     NanInjection,
@@ -61,11 +70,15 @@ from pretrain.training.metrics import (
     memory_scalars,
     norms,
     peak_flops,
+    trim_records,
 )
 from pretrain.training.parallelize import check_checkpointing, compile_stats
+from pretrain.training.profiling import RunProfiler, profiles
 from pretrain.training.resume import check_tag, none_readable
-from pretrain.training.run_config import RunConfig, load_manifest, resolve
+from pretrain.training.run_config import RunConfig, load_manifest, profile_window, resolve
 from pretrain.training.step_controls import GradientMask, MicroBatchControls, StepTally
+from pretrain.training.step_timer import LossSpikes, SlowRanks, StepTimer, breakdown_scalars
+from pretrain.training.wandb_run import WandbRun, check_available
 
 if TYPE_CHECKING:
     from data_pipeline.loader import TokenBatchLoader
@@ -145,6 +158,15 @@ def _count(items: list[str], what: str) -> str:
     return f"{len(items)} {what}{'' if len(items) == 1 else 's'}"
 
 
+def time_shares(seconds: dict[str, float]) -> str:
+    """' | time data/fwd/bwd/opt/other 2/38/45/10/5%' of a timed step, '' of an untimed one."""
+    if not seconds:
+        return ""
+    step = seconds["step"] or 1e-12
+    shares = "/".join(f"{100 * seconds[k] / step:.0f}" for k in ("data", "forward", "backward", "optimizer", "other"))
+    return f" | time data/fwd/bwd/opt/other {shares}%"
+
+
 def restarted_by_agent() -> bool:
     """Whether torchrun's elastic agent runs this process and may restart it (the same answer on
     every node: TORCHELASTIC_MAX_RESTARTS is the job's)."""
@@ -170,6 +192,7 @@ class Trainer:
         self.ckpt_root = self.out / "checkpoints"
         self.heartbeat: Heartbeat | None = None  # None until build() starts it: train() reports failures through it
         self.writer: MetricsWriter  # build() opens it
+        self.wandb: WandbRun | None = None  # rank 0 with train.wandb: build() opens it
         self.closing = ExitStack()  # what build() opened, for close()
         self.step, self.skipped_total, self.bad_in_a_row = 0, 0, 0
         self.requested = copy.deepcopy(cfg)  # the config as given, before a checkpoint's started schedule is kept
@@ -188,6 +211,7 @@ class Trainer:
         DeepSpeed config). `grt train --dry-run` stops here (and checks the tag's files)."""
         self.manifest = load_manifest(self.cfg.data)  # loaded once; its loaders share it (tokenizer hashed once)
         resolve(self.cfg, self.manifest)
+        check_available(self.cfg)  # train.wandb=true without the wandb package: refused before anything starts
         self.requested = copy.deepcopy(self.cfg)
         run_lock.refuse_if_in_use(self.out)  # before any checkpoint is read: another run may be writing them
         tag = self.choose_checkpoint()
@@ -292,6 +316,7 @@ class Trainer:
         self.heartbeat = Heartbeat(self.rank, self.world)
         self.closing.callback(self.heartbeat.close)
         self.held_log = setup_logging(self.rank)
+        self.spikes = LossSpikes(t.loss_spike_threshold, say=self.rank == 0)  # its history: the checkpoint's
         self.lock_run_dir()
         deepspeed_internals.quiet_deprecated_collectives()
         self.device = torch.device(f"cuda:{info.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
@@ -312,6 +337,11 @@ class Trainer:
         self.val = self.val_batches() if t.eval_every else None
         self.writer = MetricsWriter(self.out, self.rank, resume_step=self.step, world=self.world)
         self.closing.callback(self.writer.close)
+        if self.rank == 0:
+            self.wandb = WandbRun.open(self.out, self.cfg, self.ckpt_root / tag if tag is not None else None)
+        if self.wandb is not None:
+            self.writer.add_sink(self.wandb.log)
+            self.closing.callback(self.wandb.finish)  # Trainer.close: before the writer closes
         self.writer.text("config", self.config_json)
         self.writer.text("deepspeed_config", json.dumps(self.ds, indent=2))
         self.throughput = Throughput(cfg.model, self.seq_len, self.peak * self.world)
@@ -321,7 +351,25 @@ class Trainer:
         self.grad_norm: torch.Tensor | None = None
         self.grad_mask = GradientMask(self.engine.module) if t.grad_accum > 1 else None
         self.nan_faults = NanFaults(self.engine, NanInjection())
+        self.delays = DelayInjection(self.engine, self.rank)
         self.data_digest = 0  # of the samples this rank read for the step (loader.sample_digest)
+        self.watch_run()
+
+    def watch_run(self) -> None:
+        """What shows where the time goes (docs/training.md, "Watching a run"): the logged steps'
+        breakdown, the slow-rank check (the hosts gathered once, a collective), the profiler window."""
+        t = self.cfg.train
+        self.timer = StepTimer(self.device, t.time_breakdown)
+        hosts = gather_text(socket.gethostname(), 64)
+        self.slow_ranks = SlowRanks(self.rank, hosts, t.slow_rank_factor, t.slow_rank_windows)
+        self.data_starved_said = False
+        self.spike_records = self.out / "spikes.jsonl"  # the micro-batches train.loss_spike_action=skip dropped
+        self.step_spikes: list[dict[str, Any]] = []  # ... in the current step
+        if self.rank == 0:
+            trim_records(self.spike_records, self.step)  # a resume rewrites those after its checkpoint
+        window = profile_window(t.profile) if profiles(t.profile_ranks, self.rank) else None
+        self.profiler = RunProfiler(window, self.out, self.rank, self.engine.module, t.memory_history)
+        self.closing.callback(self.profiler.stop)
 
     def check_data_order(self, tag: str, cfg: RunConfig) -> None:
         """On resume, before any process group: the data must be the data the checkpoint saw."""
@@ -374,6 +422,7 @@ class Trainer:
         )
         self.step = state["step"]
         self.loader.load_state_dict(state["loader"], strict=not allow_data_change(self.cfg))
+        self.spikes.history = list(state.get("loss_history", []))  # a checkpoint from before it: a new history
         if not state["rng_restored"]:
             written_by = checkpoint.ranks_that_wrote(self.ckpt_root / tag)
             streams = np.random.SeedSequence([self.cfg.train.seed, self.step, self.rank])
@@ -521,29 +570,43 @@ class Trainer:
         grad_accum = self.cfg.train.grad_accum
         tally, scalars = StepTally(), {}
         unread: list[torch.Tensor] = []  # the control vectors of the micro-batches run since the last read
+        rounds: list[tuple[int, int]] = []  # the loader's (epoch, batch in epoch) after each of them
+        timer, profiler = self.timer, self.profiler
+        # the largest loss sum over the ranks a micro-batch may have (a spike's, train.loss_spike_action=skip)
+        max_loss_sum = self.spikes.limit() * self.world if self.cfg.train.loss_spike_action == "skip" else math.inf
         while tally.good < grad_accum:
-            loss, gates = self.forward(next(batches), depth, log_now)
+            with timer.span("data", on_device=False), profiler.range("data"):
+                batch = next(batches)
+            rounds.append((self.loader.epoch, self.loader.batch_in_epoch))
+            loss, gates = self.forward(batch, depth, log_now)
             unread.append(self.controls(loss))
             keep: torch.Tensor | None = None  # a micro-batch read before its backward needs no mask
             if tally.good + len(unread) < grad_accum:  # not the last one yet: its controls are read later
-                keep = MicroBatchControls.finite_everywhere(unread[-1])
+                keep = MicroBatchControls.kept(unread[-1], max_loss_sum)
             else:
                 read, unread = MicroBatchControls.read(unread), []  # the step's host sync
-                self.settle(read, depth, tally)
-                if read[-1].dropped:  # this one too: dropped before its backward
+                self.settle(read, depth, tally, max_loss_sum, rounds)
+                rounds = []
+                if read[-1].dropped or read[-1].loss_sum > max_loss_sum:  # this one too: dropped before its backward
                     continue
             self.backward(loss, keep, boundary=tally.good == grad_accum)
             if log_now and tally.good == grad_accum:  # the gradients are complete until engine.step() clears them
                 scalars = self.gradient_scalars(gates)
-            self.engine.step()
+            with timer.span("optimizer"), profiler.range("optimizer_step"):
+                self.engine.step()
         self.record_grad_norm()
+        if self.step_spikes and self.rank == 0:  # one record per step: trim_records keeps one per step
+            with open(self.spike_records, "a") as f:
+                f.write(json.dumps({"step": self.step + 1, "skipped": self.step_spikes}) + "\n")
+        self.step_spikes = []
         return StepResult(tally.loss_sum / grad_accum, tally.stop_requested, {k: float(v) for k, v in scalars.items()})
 
     def forward(self, batch: Batch, depth: int, log_now: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The micro-batch's loss, and its gates on logging steps."""
         self.data_digest = (self.data_digest + sample_digest(batch["input_ids"])) % DIGEST_MOD  # on the host
         idx, targets, doc_ids = move(batch, self.device, self.cfg.train.doc_mask)
-        out = self.engine(idx, targets, n_loops=depth, doc_ids=doc_ids, return_gates=log_now, return_logits=False)
+        with self.timer.span("forward"), self.profiler.range("forward"):
+            out = self.engine(idx, targets, n_loops=depth, doc_ids=doc_ids, return_gates=log_now, return_logits=False)
         return out.loss, out.gates
 
     def controls(self, loss: torch.Tensor) -> torch.Tensor:
@@ -552,15 +615,25 @@ class Trainer:
             self.stop_flag.fill_(1.0)
         return all_reduce(MicroBatchControls.pack(loss, self.stop_flag, self.grad_norm_bad, self.comm))
 
-    def settle(self, read: list[MicroBatchControls], depth: int, tally: StepTally) -> None:
-        """Account for the micro-batches just read, in order; raises TrainingStopped on a bad
-        gradient norm or too many non-finite losses in a row."""
-        for controls in read:
+    def settle(
+        self,
+        read: list[MicroBatchControls],
+        depth: int,
+        tally: StepTally,
+        max_loss_sum: float,
+        rounds: list[tuple[int, int]],
+    ) -> None:
+        """Account for the micro-batches just read, in order (`rounds`: the loader's position after
+        each); raises TrainingStopped on a bad gradient norm or too many dropped micro-batches in a row."""
+        for controls, (epoch, batch_in_epoch) in zip(read, rounds):
             if controls.grad_norm_bad:
                 self.stop_on_bad_grad_norm()
             tally.stop_requested = tally.stop_requested or controls.stop_requested
             if controls.dropped:
                 self.skip_bad_micro_batch(depth)
+                continue
+            if controls.loss_sum > max_loss_sum:
+                self.skip_spike(controls.loss_sum / self.world, max_loss_sum / self.world, epoch, batch_in_epoch)
                 continue
             self.bad_in_a_row = 0
             tally.good += 1
@@ -570,12 +643,13 @@ class Trainer:
         """DeepSpeed's backward; `keep`: the device flag of a micro-batch not read yet, whose
         gradients count only if it is true."""
         self.engine.set_gradient_accumulation_boundary(boundary)
-        if keep is None:
-            self.engine.backward(loss)
-            return
-        assert self.grad_mask is not None  # built whenever grad_accum > 1, the only case with unread micro-batches
-        with self.grad_mask.keep_if(keep):
-            self.engine.backward(loss)
+        with self.timer.span("backward"), self.profiler.range("backward"):
+            if keep is None:
+                self.engine.backward(loss)
+                return
+            assert self.grad_mask is not None  # built whenever grad_accum > 1, the only case with unread micro-batches
+            with self.grad_mask.keep_if(keep):
+                self.engine.backward(loss)
 
     def gradient_scalars(self, gates: list[torch.Tensor]) -> dict[str, float | torch.Tensor]:
         """Norms and gate means (those on the device), taken before engine.step() clears the gradients."""
@@ -608,6 +682,37 @@ class Trainer:
                 f"in {self.ckpt_root}"
             )
 
+    def skip_spike(self, loss: float, limit: float, epoch: int, batch_in_epoch: int) -> None:
+        """A micro-batch above the spike limit, dropped on every rank (train.loss_spike_action=skip):
+        one line, and its samples (global positions in the epoch's order, rank r's share the r-th
+        micro-batch of them) in <out>/spikes.jsonl; too many in a row stop the run."""
+        t = self.cfg.train
+        self.skipped_total += 1
+        self.bad_in_a_row += 1
+        width = self.world * t.micro_batch_size
+        positions = [(batch_in_epoch - 1) * width, batch_in_epoch * width]
+        if self.rank == 0:
+            log.warning(
+                "loss spike at step %d: a micro-batch's loss %.4f is above the limit %.4f (train.loss_spike_threshold"
+                "=%g): skipped on every rank and replaced by the next (samples %d-%d of epoch %d, in %s)",
+                self.step + 1,
+                loss,
+                limit,
+                t.loss_spike_threshold,
+                positions[0],
+                positions[1] - 1,
+                epoch,
+                self.spike_records,
+            )
+        self.step_spikes.append({"loss": loss, "limit": limit, "epoch": epoch, "positions": positions})
+        if self.bad_in_a_row >= t.max_bad_steps:
+            raise TrainingStopped(
+                f"{self.bad_in_a_row} micro-batches in a row dropped (loss spikes or non-finite losses) at step "
+                f"{self.step + 1}: the loss level may have moved; train.loss_spike_action=log or a higher "
+                f"train.loss_spike_threshold. The last good checkpoint is "
+                f"{checkpoint.find_latest(self.ckpt_root) or 'none (no checkpoint yet)'}"
+            )
+
     def check_grad_norm(self) -> float:
         """Stop now if the last step's gradient norm was not finite (a host sync: logging,
         saving and the end only). Returns the norm (0 when DeepSpeed does not compute it)."""
@@ -629,7 +734,7 @@ class Trainer:
         cfg, t, engine, heartbeat = self.cfg, self.cfg.train, self.engine, self.heartbeat
         assert heartbeat is not None  # build() started it
         max_r = cfg.model.max_loops
-        batches = warn_on_skipped_shards(self.loader, self.rank)
+        batches = self.delays.batches(warn_on_skipped_shards(self.loader, self.rank))
         last_val, loss, stop_requested = {}, float("nan"), False  # a resume of a finished run trains no step
         engine.train()
         self.throughput.reset()
@@ -637,8 +742,11 @@ class Trainer:
             depth = depth_for_step(t, max_r, self.step)
             log_now = (self.step + 1) % t.log_every == 0 or self.step + 1 == t.steps
             heartbeat.step = self.step
-            with self.nan_faults.at_step(self.step):
+            self.timer.start(log_now)
+            with self.nan_faults.at_step(self.step), self.profiler.on_out_of_memory():
                 loss, stop_requested, scalars = self.train_step(batches, depth, log_now)
+            seconds = self.timer.finish()
+            self.profiler.step()
             self.step += 1
             self.throughput.add(self.tokens_per_step, depth)
             save_now = (
@@ -647,10 +755,13 @@ class Trainer:
                 or stop_requested
             )
             if log_now:
-                self.log_step(loss, depth, scalars)
+                self.log_step(loss, depth, scalars, seconds)
             elif save_now:
                 self.check_grad_norm()
             record = {"loss": loss, "depth": depth, "rss_mb": round(rss_mb(), 1), "data_digest": self.data_digest}
+            if self.spikes.check(self.step, loss):
+                record["loss_spike"] = True
+                self.writer.scalars(self.step, {"train/loss_spike": 1.0})
             self.writer.step_record(self.step, record)
             self.data_digest = 0
             if self.val is not None and (self.step % t.eval_every == 0 or self.step == t.steps):
@@ -677,9 +788,14 @@ class Trainer:
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
 
-    def log_step(self, loss: float, depth: int, scalars: dict) -> None:
+    def log_step(self, loss: float, depth: int, scalars: dict, seconds: dict[str, float]) -> None:
+        """TensorBoard, metrics and the log line of a logging step; `seconds`: its time per span
+        (StepTimer, {} with train.time_breakdown off), gathered over the ranks (a collective)."""
         t = self.cfg.train
         grad_norm = self.check_grad_norm()
+        self.profiler.snapshot_if_asked(self.step)
+        if seconds:
+            scalars = {**scalars, **breakdown_scalars(seconds), **self.check_timing(seconds)}
         perf = self.throughput.read()
         tokens_seen = self.step * self.tokens_per_step
         lr = self.engine.get_lr()[0]
@@ -703,7 +819,7 @@ class Trainer:
         eta = (t.steps - self.step) * perf["perf/step_time_s"]
         log.info(
             "step %d/%d | loss %.4f | depth %d | lr %.2e | grad norm %.3f | %.0f tok/s | MFU %.2f%% | "
-            "peak mem %.0f MB | tokens %s | ETA %s",
+            "peak mem %.0f MB | tokens %s | ETA %s%s",
             self.step,
             t.steps,
             loss,
@@ -715,7 +831,28 @@ class Trainer:
             values["memory/peak_bytes"] / 2**20,
             human_count(tokens_seen),
             human_duration(eta),
+            time_shares(seconds),
         )
+
+    def check_timing(self, seconds: dict[str, float]) -> dict[str, float]:
+        """The slow-rank check on this logged step (every rank: a collective), and one line the first
+        time this rank waits for data more than train.data_starved_share of a step."""
+        t = self.cfg.train
+        share = seconds["data"] / seconds["step"] if seconds["step"] > 0 else 0.0
+        if share > t.data_starved_share and not self.data_starved_said:
+            self.data_starved_said = True
+            log.warning(
+                "data-starved: rank %d waited for data %.0f%% of step %d (%.3f of %.3f s; train.data_starved_share="
+                "%g): more loader workers (train.num_workers=%d) or faster storage",
+                self.rank,
+                100 * share,
+                self.step,
+                seconds["data"],
+                seconds["step"],
+                t.data_starved_share,
+                t.num_workers,
+            )
+        return self.slow_ranks.observe(seconds["data"] + seconds["forward"], self.step)
 
     def validate(self, batches: list[Batch]) -> dict[int, float]:
         max_r = self.cfg.model.max_loops
@@ -744,6 +881,8 @@ class Trainer:
                 loader_state=self.loader.state_dict(),
                 keep=self.cfg.train.keep_checkpoints,
                 rank=self.rank,
+                run_files=self.wandb.files() if self.wandb is not None else None,
+                fit_state={"loss_history": self.spikes.history},
             )
         except checkpoint.CheckpointError as err:  # every rank agreed on it: stop cleanly, nothing half-written is used
             raise TrainingStopped(str(err)) from err

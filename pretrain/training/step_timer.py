@@ -1,0 +1,180 @@
+"""Where a logged step's time goes, which rank is slow, and loss spikes (docs/training.md,
+"Watching a run").
+
+On logging steps only (a step that is not logged gets no event, timer or sync), the fit loop
+times four spans of the step: waiting for data (`next(batches)`, on the host, where loading
+happens), forward, backward (DeepSpeed's, with its gradient collectives), and the optimizer step
+(`engine.step()`); "other" is the rest of the step's wall time (the control vector's reduction,
+the host sync, checkpoint-free bookkeeping). On CUDA the device spans come from CUDA events,
+read once at the end of the step (the logging step syncs there anyway); on the CPU from timers.
+
+A rank's own time is its data wait plus its forwards: under ZeRO-1 and -2 no collective runs
+in them, so a rank that is slow (a slow disk, a throttled GPU, a noisy neighbour) shows there
+while the others wait for it in the backward's reductions, which equalise every other span.
+Under ZeRO-3 the forward also gathers parameters, which waits for the slowest rank: the
+comparison then sees less. Each logging step gathers every rank's own time (one collective,
+`distributed.gather_floats`); a rank above `slow_rank_factor` times the median on
+`slow_rank_windows` logging steps in a row is named, with its host, in one warning line.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from pretrain.distributed import gather_floats
+
+log = logging.getLogger("grt.train")
+
+SPANS = ("data", "forward", "backward", "optimizer")
+
+
+class StepTimer:
+    """Times the spans of a logged step (`start(active=True)` ... `finish()`); inactive steps
+    pass through `span` untouched."""
+
+    def __init__(self, device: torch.device, enabled: bool = True) -> None:
+        self.cuda, self.enabled = device.type == "cuda", enabled
+        self.active = False
+        self.started = 0.0
+        self.host: dict[str, float] = {}
+        self.events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}
+
+    def start(self, active: bool) -> None:
+        self.active = active and self.enabled
+        if self.active:
+            self.host = dict.fromkeys(SPANS, 0.0)
+            self.events = {name: [] for name in SPANS}
+            self.started = time.perf_counter()
+
+    @contextmanager
+    def span(self, name: str, on_device: bool = True) -> Iterator[None]:
+        """Time the block as span `name`: on CUDA with events when `on_device`, else on the host."""
+        if not self.active:
+            yield
+            return
+        if self.cuda and on_device:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            yield
+            end.record()
+            self.events[name].append((begin, end))
+            return
+        t0 = time.perf_counter()
+        yield
+        self.host[name] += time.perf_counter() - t0
+
+    def finish(self) -> dict[str, float]:
+        """The logged step's seconds per span, `other` and `step` (its wall time); {} when the step
+        was not timed. On CUDA: one synchronisation, then the events' times."""
+        if not self.active:
+            return {}
+        self.active = False
+        if self.cuda:
+            torch.cuda.synchronize()
+        seconds = dict(self.host)
+        for name, pairs in self.events.items():
+            seconds[name] += sum(begin.elapsed_time(end) for begin, end in pairs) / 1000.0
+        step = time.perf_counter() - self.started
+        seconds["other"] = max(0.0, step - sum(seconds[name] for name in SPANS))
+        seconds["step"] = step
+        return seconds
+
+
+def breakdown_scalars(seconds: dict[str, float]) -> dict[str, float]:
+    """TensorBoard scalars of a timed step: seconds per span and the share of the step each took."""
+    step = seconds["step"] or 1e-12
+    values = {f"time/{name}_s": seconds[name] for name in (*SPANS, "other", "step")}
+    values.update({f"time/{name}_share": seconds[name] / step for name in (*SPANS, "other")})
+    return values
+
+
+class SlowRanks:
+    """Gathers each rank's own time on logging steps and names a rank that stays slow."""
+
+    def __init__(self, rank: int, hosts: list[str], factor: float, windows: int) -> None:
+        self.rank, self.hosts, self.factor, self.windows = rank, hosts, factor, windows
+        self.streak = [0] * len(hosts)  # logging steps in a row each rank was above the factor
+        self.named: set[int] = set()  # warned about, until it is no longer slow
+
+    def observe(self, own_s: float, step: int) -> dict[str, float]:
+        """Every rank calls it on the same logging step (a collective); returns the scalars."""
+        times = gather_floats(own_s)
+        median = statistics.median(times)
+        for r, t in enumerate(times):
+            slow = median > 0 and t > self.factor * median
+            self.streak[r] = self.streak[r] + 1 if slow else 0
+            if not slow:
+                self.named.discard(r)
+            elif self.streak[r] >= self.windows and r not in self.named:
+                self.named.add(r)
+                if self.rank == 0:
+                    log.warning(
+                        "slow rank: rank %d on %s took %.3f s of its own time per step at step %d, %.1fx the "
+                        "median rank's %.3f s, on %d logging steps in a row (train.slow_rank_factor=%g)",
+                        r,
+                        self.hosts[r],
+                        t,
+                        step,
+                        t / median,
+                        median,
+                        self.streak[r],
+                        self.factor,
+                    )
+        return {
+            "ranks/own_time_min_s": min(times),
+            "ranks/own_time_median_s": median,
+            "ranks/own_time_max_s": max(times),
+            "ranks/slowest": float(max(range(len(times)), key=times.__getitem__)),
+        }
+
+
+class LossSpikes:
+    """A running robust statistic of the step losses: a loss above the median of the last `window`
+    steps plus `threshold` robust standard deviations (1.4826 x their median absolute deviation,
+    the standard deviation for normal losses) is a spike. A step's spike is said in one line and
+    flagged in TensorBoard (`train/loss_spike`); with train.loss_spike_action=skip the fit loop
+    also drops each micro-batch above the limit (`limit`, fixed for the step). It judges after
+    `min_history` steps; the history is saved in every checkpoint (`history`), so a resume
+    judges as the run would have; a spike does not enter it."""
+
+    def __init__(self, threshold: float, say: bool, window: int = 100, min_history: int = 20) -> None:
+        self.threshold, self.say, self.window, self.min_history = threshold, say, window, min_history
+        self.history: list[float] = []
+
+    def statistic(self) -> tuple[float, float, float]:
+        """(limit, median, robust standard deviation) of the history; limit inf while not judging."""
+        if self.threshold <= 0 or len(self.history) < self.min_history:
+            return math.inf, math.nan, math.nan
+        median = statistics.median(self.history)
+        spread = 1.4826 * statistics.median(abs(x - median) for x in self.history)
+        return median + self.threshold * max(spread, 1e-6 * abs(median)), median, spread
+
+    def limit(self) -> float:
+        return self.statistic()[0]
+
+    def check(self, step: int, loss: float) -> bool:
+        """Whether the step's loss (the same on every rank) is a spike; rank 0 (`say`) says so."""
+        limit, median, spread = self.statistic()
+        spike = math.isfinite(loss) and loss > limit
+        if spike and self.say:
+            log.warning(
+                "loss spike at step %d: %.4f against a running median of %.4f over %d steps (limit %.4f: "
+                "train.loss_spike_threshold=%g robust standard deviations of %.4f)",
+                step,
+                loss,
+                median,
+                len(self.history),
+                limit,
+                self.threshold,
+                spread,
+            )
+        if not spike and math.isfinite(loss):
+            self.history = [*self.history[-(self.window - 1) :], loss]
+        return spike

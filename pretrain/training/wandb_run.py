@@ -1,0 +1,136 @@
+"""Optional Weights & Biases logging (train.wandb=true, the [wandb] extra), rank 0 only.
+
+The same scalars as TensorBoard go to one W&B run (a sink of `MetricsWriter.scalars`), with the
+training step as W&B's step. The run's id is saved in every checkpoint (`WANDB_FILE`, beside
+config.json), so a resume from a checkpoint continues the same W&B run (`resume="allow"`)
+rather than starting a new one. `wandb` is imported only when a run asks for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import string
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pretrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pretrain.training.run_config import RunConfig
+
+log = logging.getLogger("grt.train")
+
+WANDB_FILE = "wandb.json"  # in a checkpoint tag directory: {"id", "project", "entity"} of the run's W&B run
+INSTALL_HINT = "pip install 'grt-pretrain[wandb]'"
+
+
+def import_wandb() -> Any:
+    """The wandb module; ConfigError of one line where it is not installed."""
+    try:
+        import wandb
+    except ImportError:  # also sys.modules["wandb"] = None
+        raise ConfigError(f"train.wandb=true needs the wandb package: {INSTALL_HINT}") from None
+    return wandb
+
+
+def check_available(cfg: RunConfig) -> None:
+    """For the start-up checks (before any process group): refuse train.wandb=true without wandb."""
+    if cfg.train.wandb:
+        import_wandb()
+
+
+def new_id() -> str:
+    """A new W&B run id: 8 random lowercase letters and digits, W&B's own form (wandb 0.31 has
+    no public generator: `wandb.util.generate_id` is gone, `wandb.sdk.lib.runid` is private)."""
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
+def saved_id(tag_dir: Path | None) -> str | None:
+    """The W&B run id saved in checkpoint `tag_dir` (None: no checkpoint, or none saved in it)."""
+    if tag_dir is None:
+        return None
+    path = tag_dir / WANDB_FILE
+    try:
+        run_id = json.loads(path.read_text())["id"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log.warning("%s cannot be read (%s): W&B logs to a new run", path, _one_line(err))
+        return None
+    return run_id if isinstance(run_id, str) and run_id else None
+
+
+class WandbRun:
+    """One W&B run of a training run (rank 0): `log` is the MetricsWriter sink, `files` goes
+    into every checkpoint, `finish` at the end."""
+
+    def __init__(self, run: Any, project: str, entity: str) -> None:
+        self.run, self.project, self.entity = run, project, entity
+        self.failed = False  # a log call failed: W&B is off for the rest of the run
+
+    @classmethod
+    def open(cls, out: Path, cfg: RunConfig, resumed_from: Path | None) -> WandbRun | None:
+        """None where train.wandb is off. Otherwise the W&B run, in `out`/wandb: the one whose id
+        checkpoint `resumed_from` (a tag directory) saved, else a new one. ConfigError (one
+        line) without the wandb package, or where W&B cannot start (no login, no network)."""
+        t = cfg.train
+        if not t.wandb:
+            return None
+        wandb = import_wandb()
+        run_id = saved_id(resumed_from) or new_id()
+        try:
+            run = wandb.init(
+                project=t.wandb_project,
+                entity=t.wandb_entity or None,
+                dir=str(out),
+                id=run_id,
+                resume="allow",
+                config=cfg.to_dict(),
+                name=out.name,
+            )
+        except Exception as err:  # wandb's errors (login, network, settings) have no common base
+            raise ConfigError(
+                f"train.wandb=true: W&B could not start ({_one_line(err)[:300]}); log in (`wandb login` or "
+                "WANDB_API_KEY), or set WANDB_MODE=offline and `wandb sync` later"
+            ) from None
+        if getattr(run, "offline", False):
+            where = out / "wandb" / f"offline-run-*-{run_id}"  # one directory per segment (start, resume)
+            log.info("W&B run %s (project %s), offline: `wandb sync %s` uploads it", run_id, t.wandb_project, where)
+        else:
+            log.info("W&B run %s (project %s): %s", run_id, t.wandb_project, getattr(run, "url", None))
+        return cls(run, t.wandb_project, t.wandb_entity)
+
+    @property
+    def id(self) -> str:
+        return str(self.run.id)
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        """`values` at W&B step `step`. A failure here (the W&B service gone, a full disk in
+        offline mode) is one warning and W&B is off from then on: losing the W&B copy of the
+        curves must not stop a training run (TensorBoard and metrics.jsonl still have them)."""
+        if self.failed:
+            return
+        try:
+            self.run.log(dict(values), step=step)
+        except Exception as err:
+            self.failed = True
+            log.warning("W&B logging failed at step %d (%s): training goes on without W&B", step, _one_line(err))
+
+    def files(self) -> dict[str, str]:
+        """{file name: text} to write into every checkpoint: the id a resume continues."""
+        return {WANDB_FILE: json.dumps({"id": self.id, "project": self.project, "entity": self.entity}) + "\n"}
+
+    def finish(self) -> None:
+        """Close the run (uploads what is left; offline: closes the local files). Never raises,
+        for the same reason as `log`."""
+        try:
+            self.run.finish()
+        except Exception as err:
+            log.warning("W&B could not finish run %s (%s)", self.id, _one_line(err))
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(f"{type(err).__name__}: {err}".split())
