@@ -157,3 +157,39 @@ def test_a_skipped_spike_is_dropped_on_every_rank_listed_and_a_resume_judges_the
     resumed = _losses(split)
     assert [resumed[s] for s in range(21, 31)] == [losses[s] for s in range(21, 31)]
     assert (split / "spikes.jsonl").read_text() == (straight / "spikes.jsonl").read_text()
+
+
+@pytest.mark.slow
+def test_a_rollback_reloads_the_checkpoint_skips_the_window_and_a_resume_does_not_replay_it(
+    tmp_path,
+    manifest,  # noqa: F811
+):
+    """train.loss_spike_action=rollback, two ranks, two micro-batches per step: the spike at step 26
+    rolls back to the checkpoint of step 20 in the same process and goes on with the data after
+    the spike; a run stopped after that rollback (before another checkpoint) and resumed from step
+    20 follows <out>/data_skips.json, so it trains on the same data: the straight run's losses."""
+    settings = (
+        "train.loss_spike_action=rollback",
+        "train.log_every=5",
+        "train.save_every=20",
+        "train.schedule_steps=30",
+    )
+    spike = {"GRT_INJECT_NAN_STEPS": "26", "GRT_INJECT_LOSS_FACTOR": "20"}
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    accum = ("--grad-accum", "2")
+    logs = _train(straight, manifest, *settings, env=spike, steps=30, extra=accum)
+    said = [line for line in logs[0].splitlines() if "rolled back" in line]
+    assert len(said) == 1 and "loss spike at step 26: rolled back to checkpoint step00000020 (step 20)" in said[0]
+    skips = json.loads((straight / "data_skips.json").read_text())
+    assert list(skips) == ["step00000020"] and skips["step00000020"]["spike_step"] == 26, skips
+    # the data since the checkpoint is skipped: steps 21..26 (2 micro-batches of 2 on 2 ranks each) and more
+    assert skips["step00000020"]["loader"]["position"] >= 26 * 8, skips
+    losses = _losses(straight)
+    assert sorted(losses) == list(range(1, 31))  # every step once: the steps before the rollback were trimmed
+    # stopped after the rollback: 28 steps, no checkpoint after step 20; then resumed without the fault
+    _train(split, manifest, *settings, "train.save_final=false", env=spike, steps=28, extra=accum)
+    assert (split / "data_skips.json").read_text() == (straight / "data_skips.json").read_text()
+    resumed_log = _train(split, manifest, *settings, steps=30, extra=(*accum, "--resume"))[0]
+    assert "was rolled back to after the loss spike at step 26" in resumed_log
+    resumed = _losses(split)
+    assert [resumed[s] for s in range(21, 31)] == [losses[s] for s in range(21, 31)]

@@ -75,14 +75,15 @@ class TrainConfig:
     slow_rank_windows: int = 3  # ...on this many logging steps in a row: named in one warning line
     loss_spike_threshold: float = 6.0  # a step loss this many robust standard deviations above the running median
     # of the last 100 steps is a spike: logged (one line, train/loss_spike); 0 = off
-    loss_spike_action: str = "log"  # log; or skip: a micro-batch whose loss is above that limit is dropped on every
-    # rank and replaced by the next (listed in <out>/spikes.jsonl)
+    loss_spike_action: str = "log"  # log; skip: a micro-batch whose loss is above that limit is dropped on every
+    # rank and replaced by the next (listed in <out>/spikes.jsonl); rollback: back to the last complete checkpoint,
+    # the data since it skipped (recorded in <out>/data_skips.json, which a resume follows)
     wandb: bool = False  # also log to Weights & Biases (the [wandb] extra; WANDB_MODE=offline works without network)
     wandb_project: str = "grt"
     wandb_entity: str = ""  # "" = the W&B default entity
 
 
-SPIKE_ACTIONS = ("log", "skip")  # what a loss spike does (TrainConfig.loss_spike_action)
+SPIKE_ACTIONS = ("log", "skip", "rollback")  # what a loss spike does (TrainConfig.loss_spike_action)
 
 
 @dataclass

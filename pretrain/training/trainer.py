@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
+from data_pipeline.files import atomic_write_text
 from data_pipeline.loader import DIGEST_MOD, sample_digest
 from pretrain.config import ConfigError
 from pretrain.distributed import (
@@ -87,6 +88,7 @@ Batch = dict[str, torch.Tensor]
 
 log = logging.getLogger("grt.train")
 
+DATA_SKIPS = "data_skips.json"  # a rollback's record: a resume from that checkpoint skips the same data
 _ALLOW_DATA_CHANGE_HINT = "--set train.allow_data_change=true (or GRT_ALLOW_DATA_CHANGE=1 in the environment)"
 
 
@@ -175,6 +177,11 @@ def restarted_by_agent() -> bool:
 
 def allow_data_change(cfg: RunConfig) -> bool:
     return cfg.train.allow_data_change or os.environ.get("GRT_ALLOW_DATA_CHANGE") == "1"
+
+
+class SpikeRollback(Exception):
+    """Raised on every rank (the same all-reduced loss, the same limit) by a loss spike under
+    train.loss_spike_action=rollback; the fit loop rolls back (`Trainer.roll_back`)."""
 
 
 class StepResult(NamedTuple):
@@ -365,6 +372,7 @@ class Trainer:
         self.data_starved_said = False
         self.spike_records = self.out / "spikes.jsonl"  # the micro-batches train.loss_spike_action=skip dropped
         self.step_spikes: list[dict[str, Any]] = []  # ... in the current step
+        self.rollbacks: dict[str, int] = {}  # rollbacks to each checkpoint tag (train.loss_spike_action=rollback)
         if self.rank == 0:
             trim_records(self.spike_records, self.step)  # a resume rewrites those after its checkpoint
         window = profile_window(t.profile) if profiles(t.profile_ranks, self.rank) else None
@@ -423,6 +431,7 @@ class Trainer:
         self.step = state["step"]
         self.loader.load_state_dict(state["loader"], strict=not allow_data_change(self.cfg))
         self.spikes.history = list(state.get("loss_history", []))  # a checkpoint from before it: a new history
+        self.follow_data_skip(tag)
         if not state["rng_restored"]:
             written_by = checkpoint.ranks_that_wrote(self.ckpt_root / tag)
             streams = np.random.SeedSequence([self.cfg.train.seed, self.step, self.rank])
@@ -573,7 +582,7 @@ class Trainer:
         rounds: list[tuple[int, int]] = []  # the loader's (epoch, batch in epoch) after each of them
         timer, profiler = self.timer, self.profiler
         # the largest loss sum over the ranks a micro-batch may have (a spike's, train.loss_spike_action=skip)
-        max_loss_sum = self.spikes.limit() * self.world if self.cfg.train.loss_spike_action == "skip" else math.inf
+        max_loss_sum = self.spikes.limit() * self.world if self.cfg.train.loss_spike_action != "log" else math.inf
         while tally.good < grad_accum:
             with timer.span("data", on_device=False), profiler.range("data"):
                 batch = next(batches)
@@ -633,6 +642,11 @@ class Trainer:
                 self.skip_bad_micro_batch(depth)
                 continue
             if controls.loss_sum > max_loss_sum:
+                if self.cfg.train.loss_spike_action == "rollback":
+                    if checkpoint.find_latest(self.ckpt_root):
+                        raise SpikeRollback()
+                    if self.rank == 0:
+                        log.warning("loss spike at step %d: no checkpoint yet to roll back to", self.step + 1)
                 self.skip_spike(controls.loss_sum / self.world, max_loss_sum / self.world, epoch, batch_in_epoch)
                 continue
             self.bad_in_a_row = 0
@@ -713,6 +727,69 @@ class Trainer:
                 f"{checkpoint.find_latest(self.ckpt_root) or 'none (no checkpoint yet)'}"
             )
 
+    def roll_back(self) -> None:
+        """train.loss_spike_action=rollback, on every rank: record that a resume from the last complete
+        checkpoint continues the data where it is now (the window since the checkpoint, spike
+        included, skipped), then load that checkpoint (model, optimizer, step, spike history, RNG)
+        in this process and go on from it with the loader where it is."""
+        tag = checkpoint.find_latest(self.ckpt_root)
+        assert tag is not None  # settle raises SpikeRollback only when there is one
+        spike_step, position = self.step + 1, self.loader.state_dict()
+        self.rollbacks[tag] = self.rollbacks.get(tag, 0) + 1
+        if self.rollbacks[tag] > self.cfg.train.max_bad_steps:
+            raise TrainingStopped(
+                f"loss spike at step {spike_step}: rolled back to checkpoint {tag} {self.rollbacks[tag] - 1} times "
+                "already (train.max_bad_steps); the loss level may have moved: train.loss_spike_action=log or a "
+                "higher train.loss_spike_threshold"
+            )
+        if self.rank == 0:
+            skips = self.data_skips()
+            skips[tag] = {"spike_step": spike_step, "loader": position}
+            atomic_write_text(self.out / DATA_SKIPS, json.dumps(skips, indent=2) + "\n")
+        self.step_spikes = []
+        self.engine.zero_grad()  # the step's micro-batches backwarded before the spike add nothing
+        state = checkpoint.load(self.engine, self.ckpt_root, tag, self.rank, self.world)
+        self.step = state["step"]
+        self.spikes.history = list(state.get("loss_history", []))
+        self.writer.close()  # a writer that drops what the steps after the checkpoint wrote
+        self.writer = MetricsWriter(self.out, self.rank, resume_step=self.step, world=self.world)
+        if self.wandb is not None:
+            self.writer.add_sink(self.wandb.log)
+        self.throughput.reset()
+        if self.rank == 0:
+            log.warning(
+                "loss spike at step %d: rolled back to checkpoint %s (step %d); the data since it is skipped, the "
+                "loader goes on at global position %d of epoch %d (recorded in %s for a resume)",
+                spike_step,
+                tag,
+                self.step,
+                position["position"],
+                position["epoch"],
+                self.out / DATA_SKIPS,
+            )
+
+    def data_skips(self) -> dict[str, Any]:
+        """<out>/data_skips.json: per checkpoint tag, where a resume from it takes the data (a rollback's)."""
+        path = self.out / DATA_SKIPS
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def follow_data_skip(self, tag: str) -> None:
+        """A resume from a checkpoint that a rollback returned to continues the data where the rollback
+        did, so that the window it skipped is not replayed."""
+        skip = self.data_skips().get(tag)
+        if skip is None:
+            return
+        self.loader.load_state_dict(skip["loader"], strict=not allow_data_change(self.cfg))
+        log.info(
+            "checkpoint %s was rolled back to after the loss spike at step %d: the data continues at global position "
+            "%d of epoch %d, the window before it skipped (%s)",
+            tag,
+            skip["spike_step"],
+            skip["loader"]["position"],
+            skip["loader"]["epoch"],
+            self.out / DATA_SKIPS,
+        )
+
     def check_grad_norm(self) -> float:
         """Stop now if the last step's gradient norm was not finite (a host sync: logging,
         saving and the end only). Returns the norm (0 when DeepSpeed does not compute it)."""
@@ -743,8 +820,12 @@ class Trainer:
             log_now = (self.step + 1) % t.log_every == 0 or self.step + 1 == t.steps
             heartbeat.step = self.step
             self.timer.start(log_now)
-            with self.nan_faults.at_step(self.step), self.profiler.on_out_of_memory():
-                loss, stop_requested, scalars = self.train_step(batches, depth, log_now)
+            try:
+                with self.nan_faults.at_step(self.step), self.profiler.on_out_of_memory():
+                    loss, stop_requested, scalars = self.train_step(batches, depth, log_now)
+            except SpikeRollback:
+                self.roll_back()
+                continue
             seconds = self.timer.finish()
             self.profiler.step()
             self.step += 1
