@@ -749,8 +749,7 @@ def gather_floats(value: float) -> list[float]:
     if not (dist.is_available() and dist.is_initialized()):
         return [value]
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine = torch.zeros(world, dtype=torch.float64, device=comm_device())
-    mine[rank] = value
+    mine = torch.tensor([value if r == rank else 0.0 for r in range(world)], dtype=torch.float64, device=comm_device())
     return [float(v) for v in all_reduce(mine).cpu().tolist()]
 
 

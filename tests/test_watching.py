@@ -4,7 +4,9 @@ named (an injected delay on one of two ranks), a data-starved rank said in one l
 
 import glob
 import json
+import os
 import socket
+from pathlib import Path
 
 import pytest
 from multiproc import REPO, run_ranks
@@ -193,3 +195,40 @@ def test_a_rollback_reloads_the_checkpoint_skips_the_window_and_a_resume_does_no
     assert "was rolled back to after the loss spike at step 26" in resumed_log
     resumed = _losses(split)
     assert [resumed[s] for s in range(21, 31)] == [losses[s] for s in range(21, 31)]
+
+
+def test_memory_snapshots_on_demand_and_on_out_of_memory(tmp_path, monkeypatch):
+    """The snapshot mechanism with the CUDA allocator's two calls recorded instead of made (the
+    CPU has none): history recording from the start, a snapshot per touch of <out>/profile/SNAPSHOT
+    at a logging step, one on an out-of-memory error, which is raised on."""
+    import time
+
+    import torch
+
+    from pretrain.training.profiling import SNAPSHOT_TRIGGER, RunProfiler
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(("record", kw)))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(("dump", path)))
+    profiler = RunProfiler(None, tmp_path, 3, torch.nn.Linear(2, 2), memory_history=True)
+    assert not profiler.memory_history and calls == []  # no CUDA device: one line, nothing recorded
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = torch.nn.Linear(2, 2)
+    monkeypatch.setattr(type(next(model.parameters())), "is_cuda", property(lambda self: True))
+    profiler = RunProfiler(None, tmp_path, 3, model, memory_history=True)
+    assert calls == [("record", {"max_entries": 100_000})]
+    profiler.snapshot_if_asked(10)  # no trigger yet
+    (tmp_path / "profile" / SNAPSHOT_TRIGGER).touch()
+    profiler.snapshot_if_asked(20)
+    profiler.snapshot_if_asked(30)  # the same touch: no second snapshot
+    time.sleep(0.01)
+    os.utime(tmp_path / "profile" / SNAPSHOT_TRIGGER)
+    profiler.snapshot_if_asked(40)
+    with pytest.raises(torch.cuda.OutOfMemoryError), profiler.on_out_of_memory():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    dumps = [Path(path).name for kind, path in calls if kind == "dump"]
+    assert dumps == [
+        "memory_snapshot_rank3_step20.pickle",
+        "memory_snapshot_rank3_step40.pickle",
+        "memory_snapshot_rank3_oom.pickle",
+    ]
