@@ -117,6 +117,7 @@ def bench_one(
         per_token.append((time.perf_counter() - t1) / new_tokens)
         del decoder
     prefill_s, token_s = statistics.median(prefill), statistics.median(per_token)
+    weights = weights_bytes(model)
     return {
         "model": model.cfg.name,
         "layout": model.cfg.layout,
@@ -135,8 +136,8 @@ def bench_one(
         "cache_slots": cache_slots(model, strategy, n),
         "cache_bytes_formula": cache_bytes_formula(model, strategy, n, batch, max_len, dtype),
         "cache_bytes_measured": int(measured),
-        "weights_bytes": weights_bytes(model),
-        "total_bytes": weights_bytes(model) + int(measured),
+        "weights_bytes": weights,
+        "total_bytes": weights + int(measured),
         "compiled": is_compiled(model),
         "peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)) if cuda else None,
         "params": sum(q.numel() for q in model.parameters()),

@@ -147,14 +147,21 @@ class LossSpikes:
     def __init__(self, threshold: float, say: bool, window: int = 100, min_history: int = 20) -> None:
         self.threshold, self.say, self.window, self.min_history = threshold, say, window, min_history
         self.history: list[float] = []
+        self._statistic: tuple[list[float], tuple[float, float, float]] | None = None  # (of which history, it)
 
     def statistic(self) -> tuple[float, float, float]:
-        """(limit, median, robust standard deviation) of the history; limit inf while not judging."""
+        """(limit, median, robust standard deviation) of the history; limit inf while not judging.
+        Computed once per history (the step asks for the limit, then checks its loss)."""
+        if self._statistic is not None and self._statistic[0] is self.history:
+            return self._statistic[1]
         if self.threshold <= 0 or len(self.history) < self.min_history:
-            return math.inf, math.nan, math.nan
-        median = statistics.median(self.history)
-        spread = 1.4826 * statistics.median(abs(x - median) for x in self.history)
-        return median + self.threshold * max(spread, 1e-6 * abs(median)), median, spread
+            value = (math.inf, math.nan, math.nan)
+        else:
+            median = statistics.median(self.history)
+            spread = 1.4826 * statistics.median(abs(x - median) for x in self.history)
+            value = (median + self.threshold * max(spread, 1e-6 * abs(median)), median, spread)
+        self._statistic = (self.history, value)
+        return value
 
     def limit(self) -> float:
         return self.statistic()[0]
