@@ -17,7 +17,14 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    from .loader import TokenBatchLoader
+    from .manifest import Manifest
+
+MIXTURE_ROUNDS = 5  # --mixture: windows of the single manifest and the mixture taking turns
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -55,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="loader micro batch size (default 8)")
     p.add_argument("--loader-seconds", type=float, default=5.0, help="minimum loader measuring time (default 5)")
     p.add_argument("--loader-workers", type=int, default=0, help="DataLoader workers for the loader run (default 0)")
+    p.add_argument(
+        "--mixture",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time a mixture of N sources (the train shards dealt into N manifests, weights N:N-1:...:1) "
+        "against the single manifest, alternating, in the same run (default 0: off)",
+    )
     p.add_argument(
         "--parquet",
         action="store_true",
@@ -138,18 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.parquet:
             result.update(_bench_parquet(files, tok_path, work, args, m.stats["bytes"], quiet))
 
-        loader = TokenBatchLoader(
-            m.path, split="train", micro_batch_size=args.batch_size, num_workers=args.loader_workers, seed=0, loop=True
-        )
-        tokens = 0
-        batches = 0
-        t0 = time.time()
-        for batch in loader:
-            tokens += batch["input_ids"].numel()
-            batches += 1
-            if batches % 64 == 0 and time.time() - t0 >= args.loader_seconds and batches >= loader.batches_per_epoch:
-                break
-        dt = time.time() - t0
+        def single() -> TokenBatchLoader:
+            return TokenBatchLoader(
+                m.path, micro_batch_size=args.batch_size, num_workers=args.loader_workers, seed=0, loop=True
+            )
+
+        tokens, batches, dt = _time_loader(single(), args.loader_seconds, single().batches_per_epoch)
         result.update(
             loader_tokens_per_s=round(tokens / dt),
             loader_batches=batches,
@@ -157,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
             loader_batch_size=args.batch_size,
             loader_workers=args.loader_workers,
         )
+        if args.mixture:
+            try:
+                result.update(_bench_mixture(m, args, single))
+            except ValueError as exc:
+                print(f"grt bench data: error: {exc}", file=sys.stderr)
+                return 2
     finally:
         if not args.out:
             shutil.rmtree(work, ignore_errors=True)
@@ -181,8 +196,85 @@ def main(argv: list[str] | None = None) -> int:
             f"loader: {result['loader_tokens_per_s'] / 1e6:.2f}M tokens/s ({result['loader_batches']} batches of "
             f"{args.batch_size}x{args.seq_len}, {args.loader_workers} DataLoader workers, one process)"
         )
+        if "mixture_vs_single" in result:
+            print(
+                f"mixture of {result['mixture_sources']} sources: {result['mixture_tokens_per_s'] / 1e6:.2f}M tokens/s "
+                f"against {result['mixture_single_tokens_per_s'] / 1e6:.2f}M for the single manifest of the same "
+                f"shards: {result['mixture_vs_single']:.3f}x (turns of 32 batches; over {MIXTURE_ROUNDS} windows "
+                f"{result['mixture_vs_single_range'][0]:.3f}-{result['mixture_vs_single_range'][1]:.3f})"
+            )
         print(f"reproduce: {result['command']}")
     return 0
+
+
+def _time_loader(loader: Iterable[dict[str, Any]], seconds: float, min_batches: int) -> tuple[int, int, float]:
+    """(tokens, batches, seconds) of iterating `loader` for at least `seconds` and `min_batches`."""
+    tokens = batches = 0
+    t0 = time.time()
+    for batch in loader:
+        tokens += batch["input_ids"].numel()
+        batches += 1
+        if batches % 64 == 0 and time.time() - t0 >= seconds and batches >= min_batches:
+            break
+    return tokens, batches, time.time() - t0
+
+
+def _bench_mixture(m: Manifest, args: argparse.Namespace, single: Callable[[], TokenBatchLoader]) -> dict[str, Any]:
+    """The loader's throughput on a mixture of `args.mixture` sources made of the same shards
+    (dealt round-robin into one manifest each, next to the original so that its relative shard
+    names resolve) against the single manifest, the two taking turns (below)."""
+    from .mixture import DataMixture, MixtureLoader, SourceSpec
+
+    n = args.mixture
+    if len(m.shards("train")) < n:
+        raise ValueError(
+            f"--mixture {n}: the prepared train split has {len(m.shards('train'))} shard(s), fewer than the sources: "
+            "pass a smaller --shard-size-mb or a larger --max-mb"
+        )
+    with open(m.path, encoding="utf-8") as fh:
+        raw = json.load(fh)
+    specs = []
+    for i in range(n):
+        part = dict(raw, splits={**raw["splits"], "train": raw["splits"]["train"][i::n]})
+        path = os.path.join(os.path.dirname(m.path), f"source-{i}.json")
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(part, fh)
+        specs.append(SourceSpec(f"s{i}", float(n - i), path))
+    mix = DataMixture.load(",".join(f"{s.name}={s.weight:g}:{s.path}" for s in specs), specs)
+
+    def mixed() -> MixtureLoader:
+        return MixtureLoader(mix, micro_batch_size=args.batch_size, num_workers=args.loader_workers, seed=0)
+
+    # Both loaders live at once and take turns, 32 batches each: this machine's speed drifts by
+    # tens of percent over seconds, which a turn of either sees alike. Each of MIXTURE_ROUNDS
+    # windows of --loader-seconds x 2 gives a ratio; the whole run's is the result.
+    loaders = {"single": iter(single()), "mixture": iter(mixed())}
+    for it in loaders.values():
+        next(it)  # the first read of each (a shuffle block, a chunk) is start-up, not throughput
+    totals = {name: [0, 0.0] for name in loaders}  # tokens, seconds
+    ratios = []
+    for _ in range(MIXTURE_ROUNDS):
+        window = {name: [0, 0.0] for name in loaders}
+        end = time.perf_counter() + 2 * args.loader_seconds
+        while time.perf_counter() < end:
+            for name, it in loaders.items():
+                t0 = time.perf_counter()
+                tokens = sum(next(it)["input_ids"].numel() for _ in range(32))
+                window[name][0] += tokens
+                window[name][1] += time.perf_counter() - t0
+        for name in loaders:
+            totals[name][0] += window[name][0]
+            totals[name][1] += window[name][1]
+        ratios.append((window["mixture"][0] / window["mixture"][1]) / (window["single"][0] / window["single"][1]))
+    single_rate, mixture_rate = (totals[name][0] / totals[name][1] for name in ("single", "mixture"))
+    return {
+        "mixture_sources": n,
+        "mixture_weights": [s.weight / sum(x.weight for x in specs) for s in specs],
+        "mixture_single_tokens_per_s": round(single_rate),
+        "mixture_tokens_per_s": round(mixture_rate),
+        "mixture_vs_single": round(mixture_rate / single_rate, 3),
+        "mixture_vs_single_range": [round(min(ratios), 3), round(max(ratios), 3)],
+    }
 
 
 def _bench_parquet(

@@ -36,7 +36,7 @@ import signal
 import tarfile
 import warnings
 from collections.abc import Generator, Iterator, Sequence
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import numpy as np
 import torch
@@ -46,8 +46,8 @@ from .shards import DTYPES, MEMBER_NAME, MissingShardError, ShardError, iter_sha
 
 STATE_VERSION = 2
 
-_Batch = dict[str, torch.Tensor]
-_Produced = tuple[_Batch, int, list[str]]  # a batch, the shards found bad since the last one, and their URLs
+Batch = dict[str, torch.Tensor]
+_Produced = tuple[Batch, int, list[str]]  # a batch, the shards found bad since the last one, and their URLs
 
 
 DIGEST_MOD = (1 << 61) - 1
@@ -72,18 +72,23 @@ def _is_local(url: str) -> bool:
     return "://" not in url and not url.startswith(("pipe:", "file:"))
 
 
-class _ShardReader:
+class ShardReader:
     """One worker's reads: samples of a shard by their index, seeking in a local file with the
     fixed-size member layout, else streaming forward through webdataset (one open stream,
     reused while the indices grow). Every member is checked as `iter_shard` checks it."""
 
-    def __init__(self, sequences: Sequence[int], sample_tokens: int, ext: str, vocab_size: int | None) -> None:
+    def __init__(
+        self, sequences: Sequence[int], sample_tokens: int, ext: str, vocab_size: int | None, max_open: int = 1
+    ) -> None:
         self.sequences, self.sample_tokens, self.ext, self.vocab_size = sequences, sample_tokens, ext, vocab_size
         self.nbytes = sample_tokens * DTYPES[ext].itemsize
         self.stride = member_size(sample_tokens, ext)
         self.seekable: dict[int, bool] = {}  # shard -> read by seeking (a local file of fixed-size members)
-        self.file: tuple[int, IO[bytes]] | None = None  # the one local shard open now: a worker moves through
-        # the stream in order, so it never holds more than one file (an epoch may have thousands of shards)
+        # the local shards open now, least recently used first: a worker moves through the stream in
+        # order, so it needs one at a time (a mixture's reader jumps between a few); never all of an
+        # epoch's, which may be thousands
+        self.files: dict[int, IO[bytes]] = {}
+        self.max_open = max_open
         self.stream: tuple[int, Generator[tuple[int, bytes], None, None], int] | None = None  # shard, samples, next
 
     def read(self, shard: int, url: str, indices: list[int]) -> list[bytes]:
@@ -96,11 +101,13 @@ class _ShardReader:
     def _local(self, shard: int, url: str) -> IO[bytes] | None:
         """The open file of shard `shard` when it is read by seeking, None when it is streamed;
         its size and first member are checked when it is first opened."""
-        if self.file is not None and self.file[0] == shard:
-            return self.file[1]
+        if shard in self.files:
+            self.files[shard] = self.files.pop(shard)  # now the most recently used
+            return self.files[shard]
         if not self.seekable.get(shard, _is_local(url)):
             return None
-        self._close_file()
+        while len(self.files) >= self.max_open:
+            self.files.pop(next(iter(self.files))).close()
         first_open = shard not in self.seekable
         if first_open:
             if not os.path.exists(url):
@@ -118,7 +125,7 @@ class _ShardReader:
             if not self.seekable[shard]:  # written by another tar writer (e.g. extended headers): streamed instead
                 fh.close()
                 return None
-        self.file = (shard, fh)
+        self.files[shard] = fh
         return fh
 
     def _fixed_layout(self, fh: IO[bytes]) -> bool:
@@ -177,16 +184,16 @@ class _ShardReader:
             self.stream = None
 
     def _close_file(self) -> None:
-        if self.file is not None:
-            self.file[1].close()
-            self.file = None
+        for fh in self.files.values():
+            fh.close()
+        self.files.clear()
 
     def close(self) -> None:
         self._close_stream()
         self._close_file()
 
 
-class _EpochPlan:
+class EpochPlan:
     """Everything a worker needs to produce its batches of one epoch (picklable)."""
 
     def __init__(
@@ -248,10 +255,10 @@ class _EpochPlan:
         perm = np.random.default_rng([self.seed, self.epoch, block, 0xB10C]).permutation(size)
         return base + perm[offsets]
 
-    def batches_for_worker(self, j: int, report: dict[str, Any]) -> Iterator[_Batch]:
+    def batches_for_worker(self, j: int, report: dict[str, Any]) -> Iterator[Batch]:
         """Worker j's batches in order: for each shuffle block its samples are read at once
         (sorted by stream position), then handed out batch by batch."""
-        reader = _ShardReader(self.sequences, self.seq_len + 1, self.ext, self.vocab_size)
+        reader = ShardReader(self.sequences, self.seq_len + 1, self.ext, self.vocab_size)
         rounds = self.worker_batches(j)
         try:
             loaded: dict[int, bytes] = {}
@@ -269,7 +276,7 @@ class _EpochPlan:
             reader.close()
 
     def _read_block(
-        self, reader: _ShardReader, block: int, rounds: range, k: int, report: dict[str, Any]
+        self, reader: ShardReader, block: int, rounds: range, k: int, report: dict[str, Any]
     ) -> dict[int, bytes]:
         """The payloads of every global position of block `block` that this worker's rounds
         from `k` on need, by global position."""
@@ -284,7 +291,7 @@ class _EpochPlan:
         payloads = self.read_stream(reader, where.tolist(), report)
         return dict(zip(wanted, payloads, strict=True))
 
-    def read_stream(self, reader: _ShardReader, positions: list[int], report: dict[str, Any]) -> list[bytes]:
+    def read_stream(self, reader: ShardReader, positions: list[int], report: dict[str, Any]) -> list[bytes]:
         """The payloads at stream `positions`. A corrupt or missing shard raises ShardError,
         or, with skip_corrupt, is reported and each of its samples is replaced by the sample one
         shard length further on in the stream (wrapping around), so the number of batches
@@ -322,18 +329,33 @@ class _EpochPlan:
             todo = retry
         return [out[i] for i in range(len(positions))]
 
-    def collate(self, payloads: list[bytes]) -> _Batch:
-        arr = np.frombuffer(b"".join(payloads), dtype=DTYPES[self.ext]).reshape(len(payloads), self.seq_len + 1)
-        x = torch.from_numpy(arr.astype(np.int64))
-        inp = x[:, :-1].contiguous()
-        tgt = x[:, 1:].contiguous()
-        doc = torch.cumsum(inp == self.sep_id, dim=1, dtype=torch.int32)
-        doc -= doc[:, :1].clone()
-        return {"input_ids": inp, "targets": tgt, "doc_ids": doc}
+    def collate(self, payloads: list[bytes]) -> Batch:
+        return collate(payloads, self.seq_len, self.ext, self.sep_id)
+
+
+def collate(payloads: list[bytes], seq_len: int, ext: str, sep_id: int) -> Batch:
+    """A batch of stored samples (seq_len + 1 tokens each): inputs, targets shifted by one, and
+    each position's document within its row."""
+    arr = np.frombuffer(b"".join(payloads), dtype=DTYPES[ext]).reshape(len(payloads), seq_len + 1)
+    x = torch.from_numpy(arr.astype(np.int64))
+    inp = x[:, :-1].contiguous()
+    tgt = x[:, 1:].contiguous()
+    doc = torch.cumsum(inp == sep_id, dim=1, dtype=torch.int32)
+    doc -= doc[:, :1].clone()
+    return {"input_ids": inp, "targets": tgt, "doc_ids": doc}
+
+
+class WorkerPlan(Protocol):
+    """What `_EpochDataset` runs in each loader worker: an epoch's plan, or a mixture's."""
+
+    start_batch: int
+    num_workers: int
+
+    def batches_for_worker(self, j: int, report: dict[str, Any]) -> Iterator[Batch]: ...
 
 
 class _EpochDataset(torch.utils.data.IterableDataset):
-    def __init__(self, plan: _EpochPlan) -> None:
+    def __init__(self, plan: WorkerPlan) -> None:
         super().__init__()
         self.plan = plan
 
@@ -348,6 +370,23 @@ class _EpochDataset(torch.utils.data.IterableDataset):
         for batch in self.plan.batches_for_worker(j, report):
             new = report.pop("new", 0)
             yield batch, new, sorted(report.get("bad", ())) if new else []
+
+
+def produced(plan: WorkerPlan, num_workers: int, pin_memory: bool, prefetch_factor: int) -> Iterator[_Produced]:
+    """The plan's batches in order: made here (num_workers 0) or by a DataLoader's workers."""
+    dataset = _EpochDataset(plan)
+    if num_workers == 0:
+        return iter(dataset)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        prefetch_factor=prefetch_factor,
+        persistent_workers=False,
+        worker_init_fn=_ignore_stop_signals,
+    )
+    return iter(loader)
 
 
 def _ignore_stop_signals(_worker_id: int) -> None:
@@ -443,8 +482,8 @@ class TokenBatchLoader:
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.batch_in_epoch = int(epoch), 0
 
-    def _plan(self) -> _EpochPlan:
-        return _EpochPlan(
+    def _plan(self) -> EpochPlan:
+        return EpochPlan(
             urls=[s.url for s in self.shards],
             sequences=[s.sequences for s in self.shards],
             epoch=self.epoch,
@@ -465,21 +504,9 @@ class TokenBatchLoader:
         )
 
     def _epoch_source(self) -> Iterator[_Produced]:
-        dataset = _EpochDataset(self._plan())
-        if self.num_workers == 0:
-            return iter(dataset)
-        loader = torch.utils.data.DataLoader(
-            dataset,
-            batch_size=None,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            prefetch_factor=self.prefetch_factor,
-            persistent_workers=False,
-            worker_init_fn=_ignore_stop_signals,
-        )
-        return iter(loader)
+        return produced(self._plan(), self.num_workers, self.pin_memory, self.prefetch_factor)
 
-    def __iter__(self) -> Iterator[_Batch]:
+    def __iter__(self) -> Iterator[Batch]:
         if not self.loop and self.batch_in_epoch >= self.batches_per_epoch:
             self.batch_in_epoch = 0  # a new pass over the same (validation) epoch
         if self.batches_per_epoch == 0:

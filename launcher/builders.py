@@ -277,17 +277,20 @@ def container_binds(r: Resolved) -> list[str]:
     this checkout. A directory inside another one goes with it."""
     paths = {os.getcwd(), os.path.abspath(r.run_dir)}
     if r.config is not None:
-        paths |= {os.path.dirname(r.config[k]) for k in ("data", "ds_config") if "://" not in r.config[k]}
-        try:
-            from data_pipeline.manifest import Manifest, is_url
+        from data_pipeline.manifest import Manifest, is_url
+        from pretrain.training.run_config import data_paths
 
-            manifest = Manifest.load(r.config["data"])
+        manifests = data_paths(r.config["data"])  # one, or a mixture's sources'
+        paths |= {os.path.dirname(p) for p in [*manifests, r.config["ds_config"]] if "://" not in p}
+        for path in manifests:
+            try:
+                manifest = Manifest.load(path)
+            except (OSError, ValueError, KeyError):
+                continue  # visible from the nodes only: its directory is mounted, shards next to it are covered
             paths.add(os.path.dirname(manifest.tokenizer_path))
             paths |= {
                 os.path.dirname(e.url) for entries in manifest.splits.values() for e in entries if not is_url(e.url)
             }
-        except (OSError, ValueError, KeyError):
-            pass  # visible from the nodes only: its directory is mounted, shards next to it are covered
     if r.args.host_code:
         paths.add(PROJECT_ROOT)
     return [p for p in sorted(paths) if not any(p.startswith(q.rstrip("/") + "/") for q in paths)]

@@ -601,7 +601,8 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
     Like GPT-NeoX, the merged config (preset, model JSON, flags, --set overrides) is built
     here and every rank gets the same file through --config-json.  Paths in it are made
     absolute so that every node reads the same files whatever its working directory.
-    Returns (config dict, whether --resume was given).  local_world_size > 0: the ranks run on
+    Returns (config dict, whether --resume or --branch-from was given: a decay branch's ranks each
+    make its checkpoint, pretrain/training/branch.py).  local_world_size > 0: the ranks run on
     this host, so the data and the checkpoint to resume are checked here, once, before any
     rank starts (a missing manifest, another tokenizer, a changed schedule).
     """
@@ -609,6 +610,7 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
     from pretrain.train import build_parser as train_parser
     from pretrain.train import config_from_args
     from pretrain.training.ds_config import resolve_ds_path
+    from pretrain.training.run_config import data_paths, with_data_paths
 
     try:
         targs = train_parser().parse_args(list(train_args))
@@ -616,27 +618,39 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
         raise LaunchError(f"grt train arguments rejected: {' '.join(train_args)}") from e
     try:
         cfg = config_from_args(targs)
-        if cfg.data and (local_world_size or os.path.isfile(cfg.data)):
+        if cfg.data and (local_world_size or all(os.path.isfile(p) for p in data_paths(cfg.data))):
             # the checks that need the data (vocabulary and context follow the tokenizer);
             # skipped when the manifest is only visible from the cluster's nodes
             from pretrain.training.run_config import resolve as resolve_with_data
 
             cfg = resolve_with_data(cfg)
-        if local_world_size and targs.resume:
+        if local_world_size and cfg.data:  # train.tokens -> train.steps, as each rank will (the resume compares steps)
+            from pretrain.training.run_config import apply_token_budget, load_manifest
+
+            apply_token_budget(cfg, local_world_size, load_manifest(cfg.data).seq_len)
+        if local_world_size and cfg.branch_from:  # a decay branch: checked against its source; each rank makes it
+            from pretrain.training.branch import check as check_branch
+
+            cfg = check_branch(cfg, local_world_size)
+        elif local_world_size and targs.resume:
             from pretrain.training.checkpoint import find_latest
             from pretrain.training.resume import check_resume
 
             ckpt_root = Path(cfg.out) / "checkpoints"
             cfg = check_resume(cfg, ckpt_root, find_latest(ckpt_root), local_world_size)
+        config = cfg.to_dict()
+        config["data"] = with_data_paths(config["data"], absolute) if config["data"] else ""
     except ConfigError as e:
         raise LaunchError(f"run config: {e}") from e
-    config = cfg.to_dict()
-    for key in ("data", "out"):
-        value = config.get(key)
-        if isinstance(value, str) and value and not os.path.isabs(value) and "://" not in value:
-            config[key] = os.path.abspath(value)
+    config["out"] = absolute(config["out"]) if config["out"] else ""
     config["ds_config"] = os.path.abspath(resolve_ds_path(config["ds_config"]))
-    return config, bool(targs.resume)
+    return config, bool(targs.resume or cfg.branch_from)
+
+
+def absolute(path: str) -> str:
+    """A path made absolute, so that every node reads the same file whatever its working directory
+    (a URL as it is)."""
+    return path if os.path.isabs(path) or "://" in path else os.path.abspath(path)
 
 
 def checked_ds_config(config: dict[str, Any], world_size: int, use_cuda: bool) -> dict[str, Any]:

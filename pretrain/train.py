@@ -21,6 +21,7 @@ if __name__ == "__main__" and not __package__:
 from pretrain.config import ConfigError, ModelConfig  # noqa: E402
 from pretrain.distributed import discover, run_command  # noqa: E402
 from pretrain.presets import PRESETS, get_preset  # noqa: E402
+from pretrain.training import branch  # noqa: E402
 from pretrain.training.run_config import (  # noqa: E402
     RunConfig,
     apply_overrides,
@@ -37,7 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--preset", help=f"model preset: {', '.join(PRESETS)}")
     p.add_argument("--model-config", help="model config JSON (instead of --preset)")
-    p.add_argument("--data", help="manifest.json written by `grt data prepare`")
+    p.add_argument(
+        "--data",
+        action="append",
+        help="manifest.json written by `grt data prepare`; or a mixture, one source per flag: "
+        "--data web=0.7:path/a/manifest.json --data books=0.3:path/b/manifest.json (docs/data.md)",
+    )
     p.add_argument(
         "--ds-config",
         "--deepspeed_config",
@@ -69,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue from the newest complete checkpoint in --out, if any"
     )
     p.add_argument(
+        "--branch-from",
+        metavar="RUN_OR_CHECKPOINT",
+        help="a decay branch: start the new run --out from this wsd run's newest complete checkpoint (or the "
+        "checkpoints/stepNNNNNNNN given), its config as the base, and train its decay of train.decay_tokens; "
+        "the source run is left untouched (implies --resume; docs/training.md)",
+    )
+    p.add_argument(
         "--set",
         dest="overrides",
         action="append",
@@ -91,7 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    cfg = RunConfig.load(args.config_json) if args.config_json else RunConfig()
+    source = branch.find_source(args.branch_from, args.out) if args.branch_from else None
+    if args.config_json:
+        cfg = RunConfig.load(args.config_json)
+    else:
+        cfg = branch.base_config(source, args.out) if source is not None else RunConfig()
     if args.preset and args.model_config:
         raise ConfigError("give --preset or --model-config, not both")
     overrides = args.overrides
@@ -103,13 +120,16 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         raise ConfigError(
             f"--deepspeed {args.deepspeed} and --ds-config {args.ds_config} name different DeepSpeed files; give one"
         )
-    for key, value in (("data", args.data), ("ds_config", args.ds_config or args.deepspeed), ("out", args.out)):
+    data = ",".join(args.data) if args.data else None  # the run config's one string (data_pipeline/mixture.py)
+    for key, value in (("data", data), ("ds_config", args.ds_config or args.deepspeed), ("out", args.out)):
         if value:
             setattr(cfg, key, value)
     for flag in ("steps", "micro_batch_size", "grad_accum"):
         if getattr(args, flag) is not None:
             setattr(cfg.train, flag, getattr(args, flag))
     apply_overrides(cfg, overrides)
+    if source is not None:
+        branch.configure(cfg, source, branch.given_train_keys(args))  # wsd, its length, branch_from
     cfg.validate()
     return cfg
 
@@ -136,9 +156,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.dry_run:
-            print(f"grt train: dry run: {dry_run(cfg, resume=args.resume)}")
+            print(f"grt train: dry run: {branch.dry_run(cfg) if cfg.branch_from else dry_run(cfg, resume=args.resume)}")
             return 0
-        summary = train(cfg, resume=args.resume)
+        with branch.prepared(cfg):  # a decay branch's checkpoint, made in --out first (nothing otherwise)
+            summary = train(cfg, resume=args.resume or bool(cfg.branch_from))
     except ConfigError as err:
         print(f"grt train: error: {err}", file=sys.stderr)
         return 2

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from multiproc import free_port
 
+from data_pipeline.loader import DIGEST_MOD
+
 REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO / "examples" / "data" / "tinyshakespeare.txt"
 
@@ -297,3 +299,18 @@ def fp32_state(ckpt_dir: Path, tag: str) -> dict:
 def stray_files(root: Path) -> list[str]:
     """Temporary files left behind by interrupted writes (names with .tmp)."""
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if ".tmp" in p.name)
+
+
+def per_step(out: Path) -> dict[int, tuple[float, int]]:
+    """step -> (loss, the step's data digest summed over the ranks that ran it), from every
+    rank's metrics file; within a file the last record of a step wins (a resumed run appends)."""
+    steps: dict[int, tuple[float, int]] = {}
+    for path in sorted(out.glob("metrics*.jsonl")):  # rank 0's first: metrics.jsonl holds the loss
+        mine = {}
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            mine[rec["step"]] = rec
+        for step, rec in mine.items():
+            loss, digest = steps.get(step, (rec["loss"], 0))
+            steps[step] = (loss, (digest + rec["data_digest"]) % DIGEST_MOD)
+    return steps

@@ -8,14 +8,12 @@ uninterrupted 2-rank run's to fp32 round-off and every step reads the same sampl
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
-from faults import build_data, records, run_job, train_args
+from faults import build_data, per_step, records, run_job, train_args
 
-from data_pipeline.loader import DIGEST_MOD
 from pretrain.errors import ConfigError
 from pretrain.training.resume import keep_global_batch
 from pretrain.training.run_config import RunConfig
@@ -28,21 +26,6 @@ STAGES = {"zero2": "ds_configs/zero2.json", "zero3": "ds_configs/zero3.json"}
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     return build_data(tmp_path_factory.mktemp("world_size_data"))
-
-
-def per_step(out: Path) -> dict[int, tuple[float, int]]:
-    """step -> (loss, the step's data digest summed over the ranks that ran it), from every
-    rank's metrics file; within a file the last record of a step wins (a resumed run appends)."""
-    steps: dict[int, tuple[float, int]] = {}
-    for path in sorted(out.glob("metrics*.jsonl")):  # rank 0's first: metrics.jsonl holds the loss
-        mine = {}
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            mine[rec["step"]] = rec
-        for step, rec in mine.items():
-            loss, digest = steps.get(step, (rec["loss"], 0))
-            steps[step] = (loss, (digest + rec["data_digest"]) % DIGEST_MOD)
-    return steps
 
 
 def train(data: Path, out: Path, world: int, steps: int, stage: str, resume: bool = False) -> str:

@@ -42,11 +42,13 @@ import torch
 import torch.nn.functional as F
 
 from data_pipeline.files import atomic_savefig, atomic_write_text
+from data_pipeline.manifest import Manifest
 from pretrain.config import ConfigError, ModelConfig
 from pretrain.infer.scoring import Batch, check_batches, jsonable, lm_sums, val_batches
 from pretrain.model import GPT, LoopStep
 from pretrain.model.flops import flops_per_token
 from pretrain.model.layers import AttentionContext
+from pretrain.training.run_config import data_sources
 from pretrain.variants import block_flops
 
 if TYPE_CHECKING:
@@ -651,9 +653,14 @@ def main(argv: list[str] | None = None) -> int:
         dtype = pick_dtype(args.dtype, device)
         loaded = load_model(args.model, device=device, dtype=dtype, tokenizer=args.tokenizer)
         manifest = args.data or loaded.run_config.get("data")
+        if manifest and data_sources(manifest) is not None:
+            raise ConfigError(
+                f"data={manifest!r} is a mixture: the analyses read one manifest, pass --data <manifest.json>"
+            )
         if not manifest or not Path(manifest).is_file():
             raise ConfigError(f"no manifest ({manifest!r}): pass --data <manifest.json>")
         data = loaded.check_data(manifest)  # the model's tokenizer, a readable manifest
+        assert isinstance(data, Manifest)  # a mixture was refused above
         check_batches(data, "val", args.batch_size)  # before the loader, which would warn and give none
         dense = load_model(args.dense, device=device, dtype=dtype).model if args.dense else None
         if dense is not None and dense.loop is not None:

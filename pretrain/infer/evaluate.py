@@ -50,10 +50,12 @@ from pretrain.infer.scoring import (
 )
 from pretrain.infer.zero_shot import TASKS, evaluate_task, load_task
 from pretrain.model import GPT
+from pretrain.training.run_config import data_paths
 
 if TYPE_CHECKING:
     from data_pipeline.manifest import Manifest
     from data_pipeline.tokenizer import Tokenizer
+    from pretrain.infer.load import LoadedModel
 
 LN2 = math.log(2.0)
 
@@ -214,6 +216,8 @@ def format_table(results: dict[str, Any]) -> str:
         return lambda r: results["tasks"][task][r][metric]
 
     cols: list[tuple[str, Callable[[int], float]]] = []
+    for name in results.get("val_by_source", {}):
+        cols.append((f"val loss {name}", source_loss(results, name)))
     if "val" in results:
         cols += [("val loss", lambda r: results["val"][r]["loss"]), ("val ppl", lambda r: results["val"][r]["ppl"])]
     if "wikitext2" in results:
@@ -245,6 +249,10 @@ def format_table(results: dict[str, Any]) -> str:
             f"{thr:>10g}{row['loss']:>12.4f}{row['mean_steps']:>12.3f}" for thr, row in ad["by_threshold"].items()
         ]
     return "\n".join(lines)
+
+
+def source_loss(results: dict[str, Any], name: str) -> Callable[[int], float]:
+    return lambda r: results["val_by_source"][name][r]["loss"]
 
 
 def plot_depths(results: dict[str, Any], path: str | Path, title: str = "") -> None:
@@ -417,7 +425,7 @@ def evaluate(args: argparse.Namespace, parts: list[str], dist: Dist) -> dict[str
     say = (lambda *a: None) if args.quiet or dist.rank else (lambda *a: print(*a, file=sys.stderr, flush=True))
     if "val" in parts:
         manifest: str | None = args.data or loaded.run_config.get("data")
-        found = bool(manifest and Path(manifest).is_file())
+        found = bool(manifest and all(Path(p).is_file() for p in data_paths(manifest)))
         if dist.world > 1:
             # every collective here follows a check_ranks(): a rank that failed earlier (loading
             # the model) waits in check_ranks, and any other collective would pair with it wrongly
@@ -435,40 +443,9 @@ def evaluate(args: argparse.Namespace, parts: list[str], dist: Dist) -> dict[str
                 raise ConfigError(f"held-out split: no manifest ({manifest!r}); pass --data <manifest.json>")
             say(f"skipping the held-out split: no manifest ({manifest!r}); pass --data")
         else:
-            assert manifest is not None  # found: a manifest file
-            data = loaded.check_data(manifest)
-            split = held_out_split(data, args.split)
-            check_batches(data, split, args.batch_size, dist.world)
+            assert manifest is not None  # found: a manifest file or a mixture's
             t0 = time.time()
-            seed = loaded.run_config.get("train", {}).get("seed", 1234)
-            batches = val_batches(manifest, args.batch_size, dist, args.max_batches, seed, split)
-            if args.kv_cache is not None:
-                sums = lm_sums_cached(model, batches, depths, device, args.kv_cache, dist=dist)
-            else:
-                sums = lm_sums(model, batches, depths, device, doc_mask=args.doc_mask, dist=dist)
-            results["val"] = loss_table(sums, depths, f"data={manifest!r} split {split!r}")
-            if args.adaptive_exit:
-                thresholds = parse_thresholds(args.exit_thresholds)
-                batches = val_batches(manifest, args.batch_size, dist, args.max_batches, seed, split)
-                results["adaptive_exit"] = {
-                    "criterion": args.adaptive_exit,
-                    "max_steps": max(depths),
-                    "by_threshold": adaptive_table(
-                        adaptive_sums(
-                            model,
-                            batches,
-                            thresholds,
-                            device,
-                            args.adaptive_exit,
-                            max(depths),
-                            dist=dist,
-                            doc_mask=args.doc_mask,
-                        ),
-                        thresholds,
-                    ),
-                }
-            results["val_manifest"] = str(manifest)
-            results["val_split"] = split
+            results.update(held_out(args, loaded, model, manifest, depths, device, dist))
             timings["val"] = time.time() - t0
     eval_dir = Path(args.eval_dir) if args.eval_dir else default_eval_dir()
     tok = loaded.tokenizer() if any(p != "val" for p in parts) else None
@@ -509,6 +486,80 @@ def evaluate(args: argparse.Namespace, parts: list[str], dist: Dist) -> dict[str
         say(f"{task}: {len(items)} items in {timings[task]:.1f}s")
     results["seconds"] = timings
     return results
+
+
+def held_out(
+    args: argparse.Namespace,
+    loaded: LoadedModel,
+    model: GPT,
+    data: str,
+    depths: list[int],
+    device: torch.device,
+    dist: Dist,
+) -> dict[str, Any]:
+    """The held-out split's loss at each depth ("val"), of one manifest or, for a mixture
+    (`data` written name=weight:path,...), of each source that has the split ("val_by_source")
+    and their mean under the mixture's weights ("val"): each source's table is the one
+    `--data <its manifest>` gives. With --adaptive-exit (one manifest), the adaptive exit's table too."""
+    from data_pipeline.mixture import DataMixture
+
+    loaded_data = loaded.check_data(data)
+    seed = loaded.run_config.get("train", {}).get("seed", 1234)
+    if isinstance(loaded_data, DataMixture):
+        if args.adaptive_exit:
+            raise ConfigError("--adaptive-exit scores one manifest: pass --data <manifest.json>, not a mixture")
+        wanted = args.split or "val"
+        sources = [
+            (s.name, s.weight, m)
+            for s, m in zip(loaded_data.sources, loaded_data.manifests, strict=True)
+            if m.splits.get(wanted)  # as in training: the sources that have the split
+        ]
+        if not sources:
+            held_out_split(loaded_data.manifest, args.split)  # refused, naming the splits there are
+    else:
+        sources = [("", 1.0, loaded_data)]
+    tables: dict[str, dict[int, dict[str, float]]] = {}
+    for name, _, manifest in sources:
+        split = held_out_split(manifest, args.split)
+        check_batches(manifest, split, args.batch_size, dist.world)
+        batches = val_batches(manifest.path, args.batch_size, dist, args.max_batches, seed, split)
+        if args.kv_cache is not None:
+            sums = lm_sums_cached(model, batches, depths, device, args.kv_cache, dist=dist)
+        else:
+            sums = lm_sums(model, batches, depths, device, doc_mask=args.doc_mask, dist=dist)
+        tables[name] = loss_table(sums, depths, f"data={manifest.path!r} split {split!r}")
+    out: dict[str, Any] = {"val_manifest": str(data), "val_split": split}
+    if len(sources) == 1 and not sources[0][0]:
+        out["val"] = tables[""]
+    else:
+        total = sum(w for _, w, _ in sources)
+        mean = {r: sum(w * tables[n][r]["loss"] for n, w, _ in sources) / total for r in depths}
+        out["val"] = {
+            r: {"loss": mean[r], "ppl": math.exp(mean[r]), "tokens": sum(t[r]["tokens"] for t in tables.values())}
+            for r in depths
+        }
+        out["val_by_source"] = tables
+    if args.adaptive_exit:
+        thresholds = parse_thresholds(args.exit_thresholds)
+        batches = val_batches(data, args.batch_size, dist, args.max_batches, seed, split)
+        out["adaptive_exit"] = {
+            "criterion": args.adaptive_exit,
+            "max_steps": max(depths),
+            "by_threshold": adaptive_table(
+                adaptive_sums(
+                    model,
+                    batches,
+                    thresholds,
+                    device,
+                    args.adaptive_exit,
+                    max(depths),
+                    dist=dist,
+                    doc_mask=args.doc_mask,
+                ),
+                thresholds,
+            ),
+        }
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,7 @@ from pretrain.training.checkpoint import TAG_RE, find_latest
 
 if TYPE_CHECKING:
     from data_pipeline.manifest import Manifest
+    from data_pipeline.mixture import DataMixture
     from data_pipeline.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class LoadedModel:
         )
         return tok
 
-    def check_data(self, manifest: str) -> Manifest:
+    def check_data(self, manifest: str) -> Manifest | DataMixture:
         """The manifest, refused if its shards were made with another tokenizer than the model's
         or hold token ids beyond its vocabulary (before any tensor is built). A model without its
         tokenizer.model is refused unless --tokenizer names it: with the vocabulary size alone,

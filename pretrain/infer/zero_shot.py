@@ -123,13 +123,15 @@ def score_requests(
     batch_size: int = 8,
     **fwd: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loglik [N, D] float64, greedy [N, D] bool) for encoded requests at each depth."""
+    """(loglik [N, D] float64, greedy [N, D] bool) for encoded requests at each depth, on the
+    host. Kept on the model's device until the end: one copy to the host per call."""
     n, nd = len(encoded), len(depths)
-    ll = torch.zeros(n, nd, dtype=torch.float64)
-    greedy = torch.zeros(n, nd, dtype=torch.bool)
-    order = sorted(range(n), key=lambda i: -len(encoded[i][0]))  # similar lengths together
+    ll = torch.zeros(n, nd, dtype=torch.float64, device=device)
+    greedy = torch.zeros(n, nd, dtype=torch.bool, device=device)
+    order = sorted(range(n), key=lambda i: -len(encoded[i][0]))  # similar lengths together (stable: ties keep order)
     for start in range(0, n, batch_size):
         chunk = order[start : start + batch_size]
+        chunk_t = torch.tensor(chunk, device=device)
         width = max(len(encoded[i][0]) - 1 for i in chunk)
         inp = torch.zeros(len(chunk), width, dtype=torch.long)
         rows: list[int] = []
@@ -154,9 +156,9 @@ def score_requests(
             hit = (logp.argmax(-1) == tgt).float()
             sum_ll = torch.zeros(len(chunk), dtype=torch.float64, device=device).index_add_(0, own, tok_ll)
             misses = torch.zeros(len(chunk), device=device).index_add_(0, own, 1 - hit)
-            ll[chunk, j] = sum_ll.cpu()
-            greedy[chunk, j] = (misses == 0).cpu()
-    return ll, greedy
+            ll[chunk_t, j] = sum_ll
+            greedy[chunk_t, j] = misses == 0
+    return ll.cpu(), greedy.cpu()
 
 
 @torch.no_grad()
@@ -188,6 +190,15 @@ def score_requests_cached(
     return ll, greedy
 
 
+def pad_requests(tok: Tokenizer, items: list[Item], dist: Dist, mine: int) -> list[tuple[list[int], int]]:
+    """The dummy requests that bring this rank's `mine` requests up to the most any rank scores
+    of `items` (each rank's share is `Dist.shard`'s, known to every rank: no collective). A dummy
+    is the separator followed by the separator, one scored token: the shortest request there
+    is, so that the length order puts it after every real one."""
+    most = max(sum(len(item.requests) for item in Dist(r, dist.world).shard(items)) for r in range(dist.world))
+    return [([tok.sep_id, tok.sep_id], 1)] * (most - mine)
+
+
 def evaluate_task(
     model: GPT,
     tok: Tokenizer,
@@ -200,14 +211,20 @@ def evaluate_task(
     **fwd: Any,
 ) -> dict[int, dict[str, float]]:
     """{depth: metrics} for one task; with a dist (pretrain.distributed.Dist) items are sharded
-    over ranks and the sums all-reduced."""
+    over ranks and the sums all-reduced.
+
+    With several ranks every rank scores as many requests as the rank with the most (its own,
+    then one-token dummies, `pad_requests`), so every rank runs the same forwards: under ZeRO-3
+    (the trainer's `train.eval_tasks_every`) parameters are gathered collectively inside them,
+    and a rank with one forward fewer would leave the others waiting. The dummies come last
+    in the length order, after every real request, and are never read."""
     mine = items if dist is None else dist.shard(items)
     flat: list[tuple[list[int], int]] = []
-    owners: list[int] = []
-    for k, item in enumerate(mine):
+    for item in mine:
         for context, cont in item.requests:
             flat.append(encode_request(tok, context, cont, model.cfg.max_seq_len))
-            owners.append(k)
+    if dist is not None and dist.world > 1:
+        flat += pad_requests(tok, items, dist, len(flat))
     if not flat:
         ll, greedy = torch.zeros(0, len(depths), dtype=torch.float64), torch.zeros(0, len(depths), dtype=torch.bool)
     elif kv_cache is not None:

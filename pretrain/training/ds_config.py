@@ -7,6 +7,11 @@ Hugging Face trainer does), or equal to the run config's value; any other value 
 refused with one line naming both values. Everything else (ZeRO, offload, communication,
 logging) belongs to DeepSpeed and is used as written; "auto" there means DeepSpeed's own
 default.
+
+The schedule (pretrain/training/schedule.py): `cosine` is DeepSpeed's WarmupCosineLR, written
+into the merged config's `scheduler` section; `wsd` has no DeepSpeed type, so the merged config
+has no `scheduler` section (the engine is given the scheduler, engine.py) and the file's
+`scheduler.type` must be absent or "auto", its params "auto" or agreeing.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError, load_json_object
 from pretrain.training.run_config import RunConfig, TrainConfig
+from pretrain.training.schedule import horizon, warmup_num_steps
 
 SHIPPED_DIR = PROJECT_ROOT / "ds_configs"
 AUTO = "auto"
@@ -222,10 +228,9 @@ def build_ds_config(base: dict[str, Any], train: TrainConfig, world_size: int, u
     # eps and DeepSpeed's optimizer switches are not in the run config: the file's, else ours
     ds["optimizer"] = {"type": "AdamW", "params": {**adam, **{k: v for k, v in params.items() if v != AUTO}}}
 
-    horizon = train.schedule_steps or train.steps  # a resumed run with more steps keeps its started schedule
-    schedule = {
-        "total_num_steps": horizon,
-        "warmup_num_steps": max(1, min(train.warmup_steps, horizon)),
+    schedule = {  # a resumed run with more steps keeps its started horizon (train.schedule_steps)
+        "total_num_steps": horizon(train),
+        "warmup_num_steps": warmup_num_steps(train),
         "warmup_min_ratio": 0.0,
         "cos_min_ratio": train.min_lr / train.lr,
         "warmup_type": "linear",
@@ -239,6 +244,10 @@ def build_ds_config(base: dict[str, Any], train: TrainConfig, world_size: int, u
     }
     scheduler = ds.get("scheduler") or {}
     kind = scheduler.get("type", AUTO)
+    if train.schedule == "wsd":
+        _check_wsd_scheduler(scheduler, schedule, schedule_owner)
+        ds.pop("scheduler", None)  # engine.py gives DeepSpeed the wsd scheduler itself (schedule.py)
+        return _drop_auto(ds)
     if kind != AUTO and kind != SCHEDULER_TYPE:
         _agree(
             "scheduler.type",
@@ -253,6 +262,28 @@ def build_ds_config(base: dict[str, Any], train: TrainConfig, world_size: int, u
             schedule[key] = value
     ds["scheduler"] = {"type": SCHEDULER_TYPE, "params": schedule}
     return _drop_auto(ds)
+
+
+def _check_wsd_scheduler(scheduler: dict[str, Any], schedule: dict[str, Any], owner: dict[str, str]) -> None:
+    """train.schedule=wsd: no DeepSpeed scheduler type implements it, so the DeepSpeed file's
+    scheduler type must be absent or "auto"; a parameter must be "auto" or agree with the run
+    config where it means the same (the warmup, the horizon, min_lr / lr), and is refused otherwise."""
+    kind = scheduler.get("type", AUTO)
+    if kind != AUTO:
+        raise ConfigError(
+            f"DeepSpeed config scheduler.type={json.dumps(kind)} disagrees with the run config "
+            '(train.schedule = "wsd": warmup-stable-decay, the trainer\'s own scheduler, no DeepSpeed type): remove '
+            'it from the DeepSpeed file or set it to "auto", or change train.schedule'
+        )
+    for key, value in (scheduler.get("params") or {}).items():
+        if key in schedule:
+            _agree(f"scheduler.params.{key}", value, schedule[key], owner[key])
+        elif value != AUTO:
+            raise ConfigError(
+                f"DeepSpeed config scheduler.params.{key}={json.dumps(value)} is no setting of the run config's "
+                'schedule (train.schedule = "wsd": train.lr, min_lr, warmup_steps, decay_tokens, decay_shape): '
+                'remove it from the DeepSpeed file or set it to "auto"'
+            )
 
 
 def merged_ds_config(cfg: RunConfig, world_size: int, use_cuda: bool) -> dict[str, Any]:

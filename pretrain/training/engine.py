@@ -1,6 +1,7 @@
 """The DeepSpeed engine of a run: the model built under ZeRO-3's `zero.Init`, its optimizer
 groups, activation checkpointing and compilation applied from outside it (after DeepSpeed has
-placed the weights, so that `auto` sees the memory left), and ZeRO-3's core pinning. The
+placed the weights, so that `auto` sees the memory left), the learning-rate scheduler
+(schedule.py: cosine from the merged config, wsd given to DeepSpeed), and ZeRO-3's core pinning. The
 trainer, `grt compare`'s step timing and the gradient checks build it the same way."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pretrain.training.auto_checkpointing import checkpointing_mode
 from pretrain.training.ds_config import build_ds_config, load_ds_json, zero_stage
 from pretrain.training.parallelize import checkpoint_and_compile
 from pretrain.training.run_config import RunConfig
+from pretrain.training.schedule import client_scheduler
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -42,8 +44,13 @@ def build_engine(
     ds = ds or build_ds_config(load_ds_json(cfg.ds_config), cfg.train, world_size, device.type == "cuda")
     with deepspeed.zero.Init(config_dict_or_path=ds, enabled=zero_stage(ds) == 3):
         model = build_model(cfg.model)
+    t = cfg.train
+    tokens_per_step = t.micro_batch_size * t.grad_accum * world_size * (seq_len or cfg.model.max_seq_len)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=param_groups(model, cfg.train.weight_decay), config=ds
+        model=model,
+        model_parameters=param_groups(model, t.weight_decay),
+        config=ds,
+        lr_scheduler=client_scheduler(t, tokens_per_step),  # wsd's; cosine: None, DeepSpeed's from `ds`
     )
     mode = checkpointing_mode(
         cfg, ds, device, seq_len or cfg.model.max_seq_len, count_params(model)["params"], world_size

@@ -18,12 +18,13 @@ if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
 
     from data_pipeline.loader import TokenBatchLoader
+    from data_pipeline.mixture import MixtureLoader
     from pretrain.model.gpt import ModelOutput
 
 log = logging.getLogger("grt.train")
 
 
-def warn_on_skipped_shards(loader: TokenBatchLoader, rank: int) -> Iterator[dict[str, torch.Tensor]]:
+def warn_on_skipped_shards(loader: TokenBatchLoader | MixtureLoader, rank: int) -> Iterator[dict[str, torch.Tensor]]:
     """The loader's batches, with a warning whenever it has skipped another unreadable shard."""
     seen = loader.skipped_shards
     for batch in loader:

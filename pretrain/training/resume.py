@@ -7,16 +7,25 @@ run directory's config.json is rewritten, so a refused resume changes nothing.
 
 The resume rule (docs/reliability.md, "Resuming with changed settings"):
 - the tokenizer and every model key must be the checkpoint's (no override);
-- the learning-rate schedule (lr, min_lr, warmup_steps, schedule_steps) and the optimizer
-  settings the checkpoint restores (betas, weight_decay) must be the checkpoint's: a change
-  is refused;
+- the learning-rate schedule (train.schedule, lr, min_lr, warmup_steps, schedule_steps) and
+  the optimizer settings the checkpoint restores (betas, weight_decay) must be the
+  checkpoint's: a change is refused (cosine -> wsd and wsd -> cosine included), except as below
+  for a wsd run;
 - the global batch (micro_batch_size x grad_accum x ranks) is kept on any number of ranks:
   grad_accum follows from it (`keep_global_batch`); a world size and micro-batch size that
   cannot split it is refused, naming the sizes that can, unless train.allow_batch_change;
-- train.steps may change: the run stops at the new count and the schedule keeps the
-  horizon it was started with (train.schedule_steps), so the learning rate goes on from
-  where it was instead of jumping; past the horizon it stays at min_lr;
-- any other key takes its new value.
+- train.steps (and train.tokens) may change: the run stops at the new count and a cosine
+  schedule keeps the horizon it was started with (train.schedule_steps), so the learning
+  rate goes on from where it was instead of jumping; past the horizon it stays at min_lr;
+- a wsd run (schedule.py) may also change where its decay is: train.steps/tokens (its
+  length), train.decay_tokens, train.decay_shape and train.schedule_steps, as long as the
+  learning rate at the checkpoint stays what it was (`keep_wsd_lr`): the decay is put at the
+  end of the new length while it has not started at the checkpoint (a longer stable run; a
+  decay added to end a stable run; a decay branch, branch.py, which is such a resume in a new
+  run directory); once it has started, a new length keeps the started horizon as cosine's
+  does; a change that would move the learning rate at the checkpoint is refused, naming both
+  values;
+- any other key takes its new value (the out dir and branch_from included).
 Every change that is applied is said in one line on stderr.
 
 A checkpoint whose own files cannot be read (its config.json cut off, its tokenizer
@@ -27,6 +36,7 @@ checks the previous complete checkpoint instead, as the trainer's resume loads i
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -34,13 +44,17 @@ from typing import TYPE_CHECKING, Any
 
 from pretrain.config import ConfigError
 from pretrain.errors import UnreadableCheckpoint
-from pretrain.training.checkpoint import ranks_that_wrote, read_config, resume_candidates
-from pretrain.training.run_config import RunConfig, load_manifest
+from pretrain.training.checkpoint import ranks_that_wrote, read_config, resume_candidates, step_of
+from pretrain.training.run_config import RunConfig, TrainConfig, load_manifest
+from pretrain.training.schedule import Schedule
 
 if TYPE_CHECKING:
     from data_pipeline.manifest import Manifest
+    from data_pipeline.mixture import DataMixture
 
 REFUSED_TRAIN_KEYS = ("lr", "min_lr", "warmup_steps", "schedule_steps", "betas", "weight_decay")
+# a wsd run: schedule_steps may change (with train.steps, decay_tokens, decay_shape), checked by `keep_wsd_lr`
+WSD_REFUSED_KEYS = tuple(k for k in REFUSED_TRAIN_KEYS if k != "schedule_steps")
 
 
 def check_same_tokenizer(
@@ -80,7 +94,11 @@ def _changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def check_resume(
-    cfg: RunConfig, ckpt_root: Path, tag: str | None, world_size: int | None = None, manifest: Manifest | None = None
+    cfg: RunConfig,
+    ckpt_root: Path,
+    tag: str | None,
+    world_size: int | None = None,
+    manifest: Manifest | DataMixture | None = None,
 ) -> RunConfig:
     """Check `cfg` (resolved against the data) against checkpoint `tag` (None: a fresh start,
     nothing to check) for a run of `world_size` ranks (default: this process's launch);
@@ -156,7 +174,7 @@ def check_tag(
     ckpt_root: Path,
     tag: str,
     world_size: int | None = None,
-    manifest: Manifest | None = None,
+    manifest: Manifest | DataMixture | None = None,
     notes: list[str] | None = None,
 ) -> RunConfig:
     """`check_resume` against checkpoint `tag` only: UnreadableCheckpoint when its config or
@@ -168,7 +186,8 @@ def check_tag(
 
     step_dir = ckpt_root / tag
     # through RunConfig: keys added since the checkpoint was written take their defaults
-    saved = _as_json(RunConfig.from_dict(read_config(step_dir)))
+    saved_cfg = RunConfig.from_dict(read_config(step_dir))
+    saved = _as_json(saved_cfg)
     where = f"checkpoint {tag}"
     manifest = manifest or load_manifest(cfg.data)
     saved_tok = step_dir / "tokenizer.model"
@@ -195,13 +214,22 @@ def check_tag(
     _check_same_checkpoint_format(step_dir, cfg, where)
     old_t = saved["train"]
     old_horizon = old_t["schedule_steps"] or old_t["steps"]
-    if not cfg.train.schedule_steps and cfg.train.steps != old_horizon:
+    if old_t["schedule"] != cfg.train.schedule:
+        raise ConfigError(
+            f"resume: train.schedule {old_t['schedule']!r} -> {cfg.train.schedule!r} would change the schedule that "
+            f"{where} was trained with (a decay branch needs a run trained with train.schedule=wsd, docs/training.md); "
+            "resume with the started schedule, or start a new run with another --out"
+        )
+    wsd = cfg.train.schedule == "wsd"
+    if not wsd and not cfg.train.schedule_steps and cfg.train.steps != old_horizon:
         cfg.train.schedule_steps = old_horizon  # keep the started schedule
     new_t = _as_json(cfg)["train"]
-    old_vals = {f"train.{k}": old_t[k] for k in REFUSED_TRAIN_KEYS} | {"train.schedule_steps": old_horizon}
-    new_vals = {f"train.{k}": new_t[k] for k in REFUSED_TRAIN_KEYS} | {
-        "train.schedule_steps": new_t["schedule_steps"] or new_t["steps"]
-    }
+    keys = WSD_REFUSED_KEYS if wsd else REFUSED_TRAIN_KEYS
+    old_vals = {f"train.{k}": old_t[k] for k in keys}
+    new_vals = {f"train.{k}": new_t[k] for k in keys}
+    if not wsd:
+        old_vals["train.schedule_steps"] = old_horizon
+        new_vals["train.schedule_steps"] = new_t["schedule_steps"] or new_t["steps"]
     refused = _changes(old_vals, new_vals)
     if refused:
         raise ConfigError(
@@ -210,24 +238,60 @@ def check_tag(
             "with another --out"
         )
     world = world_size or discover().world_size
-    batch_note = keep_global_batch(cfg, old_t, ranks_that_wrote(step_dir) or world, world, where)
+    saved_world = ranks_that_wrote(step_dir) or world
+    batch_note = keep_global_batch(cfg, old_t, saved_world, world, where)
+    schedule_note = ""
+    if wsd:
+        t, old = cfg.train, saved_cfg.train
+        old_tokens = old.micro_batch_size * old.grad_accum * saved_world * manifest.seq_len
+        new_tokens = t.micro_batch_size * t.grad_accum * world * manifest.seq_len
+        schedule_note = keep_wsd_lr(cfg.train, old, step_of(tag), new_tokens, old_tokens, where)
     new_t = _as_json(cfg)["train"]
-    top = ("data", "ds_config", "out")
+    top = ("data", "ds_config", "out", "branch_from")
     applied = _changes(_flat("train", old_t), _flat("train", new_t)) + _changes(
         {k: saved[k] for k in top}, {k: now[k] for k in top}
     )
     if applied and discover().rank == 0:
-        note = (
-            f" (the learning-rate schedule keeps its {old_horizon}-step horizon)"
-            if new_t["steps"] != old_t["steps"]
-            else ""
-        )
+        if wsd:
+            note = schedule_note
+        else:
+            note = (
+                f" (the learning-rate schedule keeps its {old_horizon}-step horizon)"
+                if new_t["steps"] != old_t["steps"]
+                else ""
+            )
         line = f"resuming {where} with changes: {'; '.join(applied)}{note}{batch_note}"
         if notes is None:
             print(f"grt train: {line}", file=sys.stderr, flush=True)
         else:
             notes.append(line)
     return cfg
+
+
+def keep_wsd_lr(
+    train: TrainConfig, saved: TrainConfig, step: int, tokens_per_step: int, saved_tokens_per_step: int, where: str
+) -> str:
+    """A wsd run resumed at `step` (its scheduler at step - 1) with `train` instead of `saved`: where
+    train.schedule_steps is 0 and train.steps changed, the horizon follows the new steps if that keeps
+    the learning rate at the checkpoint (the decay had not started), else it keeps the started horizon
+    (set into train.schedule_steps). Refused (ConfigError naming both rates): a schedule whose rate at
+    the checkpoint differs from the saved one's. Returns the note of the resume's line."""
+    at = step - 1
+    old = Schedule.of(saved, saved_tokens_per_step)
+    if not train.schedule_steps and train.steps != old.horizon:
+        if Schedule.of(train, tokens_per_step).ratio(at) != old.ratio(at):
+            train.schedule_steps = old.horizon  # the decay has begun: it ends where it was going to
+    new = Schedule.of(train, tokens_per_step)
+    if not math.isclose(new.ratio(at), old.ratio(at), rel_tol=1e-9):
+        raise ConfigError(
+            f"resume: the learning rate at {where} (step {step}) would jump {old.lr_at(at):.6g} -> "
+            f"{new.lr_at(at):.6g}: "
+            f"{where} was trained with {old.describe(saved_tokens_per_step)}, the new settings give "
+            f"{new.describe(tokens_per_step)}; a wsd run may move its decay (train.steps, tokens, decay_tokens, "
+            "decay_shape) only where it starts after the checkpoint: give more steps or fewer decay_tokens, or "
+            "start a new run with another --out"
+        )
+    return f" (the learning rate goes on from {new.lr_at(at):.3g} at step {step}; {new.describe(tokens_per_step)})"
 
 
 def _splits(global_batch: int, micro_batch: int, world: int) -> str:

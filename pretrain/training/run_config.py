@@ -20,7 +20,10 @@ from pretrain.training.parallelize import AUTO, CHECKPOINT_MODES
 from pretrain.variants import get_variant
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from data_pipeline.manifest import Manifest
+    from data_pipeline.mixture import DataMixture, SourceSpec
 
 DEPTH_SAMPLING = ("uniform", "fixed", "poisson", "loguniform")
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -29,12 +32,18 @@ PRECISIONS = ("auto", "bf16", "fp32")
 @dataclass
 class TrainConfig:
     steps: int = 20000
+    tokens: float = 0.0  # the run's length in training tokens (e.g. 3e9): steps = ceil(tokens / tokens per step);
+    # 0 = train.steps
     micro_batch_size: int = 8
     grad_accum: int = 1
     lr: float = 6e-4
     min_lr: float = 6e-5
     warmup_steps: int = 2000
     schedule_steps: int = 0  # learning-rate schedule horizon; 0 = steps (a resume with new steps keeps the old)
+    schedule: str = "cosine"  # cosine: warmup then cosine to min_lr over the horizon; wsd: warmup-stable-decay
+    decay_tokens: float = 0.0  # wsd: the decay phase, the run's last this many tokens (0: no decay, stable to the
+    # end: a run to branch decays from, docs/training.md)
+    decay_shape: str = "linear"  # wsd: linear or sqrt (1 - sqrt) from lr to min_lr
     weight_decay: float = 0.1
     betas: tuple = (0.9, 0.95)
     grad_clip: float = 1.0
@@ -51,10 +60,17 @@ class TrainConfig:
     precision: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     num_workers: int = 0
     shuffle_buffer: int = 1000
+    data_stages: str = ""  # a mixture's weights from a token count on: "2e9:web=0.2,books=0.8;3e9:web=0,books=1"
+    max_repeats: float = 0.0  # a mixture source's train split is read at most this many times (0 = no cap)
     skip_corrupt_shards: bool = False
     log_every: int = 10
     eval_every: int = 500
     eval_batches: int = 20
+    eval_tasks_every: int = 0  # score the zero-shot tasks every this many steps (0 = off), at eval_tasks_depths
+    eval_tasks: str = "all"  # comma-separated task names (pretrain/infer/zero_shot.py), or all
+    eval_tasks_depths: str = ""  # exit depths, comma-separated; "" = 1, R/2, R
+    eval_tasks_limit: int = 200  # items per task (0 = every item)
+    eval_dir: str = ""  # the task files' directory ("" = grt eval's default)
     save_every: int = 1000
     save_final: bool = True  # a checkpoint at the last step (false: benchmarks, whose runs are thrown away)
     keep_checkpoints: int = 3
@@ -84,6 +100,8 @@ class TrainConfig:
 
 
 SPIKE_ACTIONS = ("log", "skip", "rollback")  # what a loss spike does (TrainConfig.loss_spike_action)
+SCHEDULES = ("cosine", "wsd")  # TrainConfig.schedule
+DECAY_SHAPES = ("linear", "sqrt")  # TrainConfig.decay_shape
 
 
 @dataclass
@@ -93,6 +111,8 @@ class RunConfig:
     data: str = ""  # manifest.json from `grt data prepare`
     ds_config: str = "ds_configs/zero3.json"
     out: str = "runs/default"
+    branch_from: str = ""  # a decay branch: the checkpoint (tag directory) it starts from (--branch-from,
+    # pretrain/training/branch.py); "" = none
 
     def validate(self) -> None:
         """Every value checked once, before anything starts: the first meaningless one is a
@@ -101,6 +121,10 @@ class RunConfig:
         for ok, message in (*train_checks(self.train), *self._top_checks()):
             if not ok:
                 raise ConfigError(message)
+        data_sources(self.data)  # a mixture that does not parse: one line now
+        from pretrain.training.task_eval import check_settings
+
+        check_settings(self)  # train.eval_tasks (names) and train.eval_tasks_depths (against the model)
 
     def _top_checks(self) -> list[tuple[bool, str]]:
         return [
@@ -164,6 +188,25 @@ def train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
             f"{', '.join((AUTO, *CHECKPOINT_MODES))}",
         ),
         (t.steps >= 1, f"train.steps={t.steps}: must be >= 1"),
+        (
+            _finite(t.tokens) and t.tokens >= 0,
+            f"train.tokens={t.tokens}: must be >= 0 (training tokens, e.g. 3e9; 0 = train.steps)",
+        ),
+        (t.schedule in SCHEDULES, f"train.schedule={t.schedule!r}: accepted values are {', '.join(SCHEDULES)}"),
+        (
+            t.decay_shape in DECAY_SHAPES,
+            f"train.decay_shape={t.decay_shape!r}: accepted values are {', '.join(DECAY_SHAPES)}",
+        ),
+        (
+            _finite(t.decay_tokens) and t.decay_tokens >= 0,
+            f"train.decay_tokens={t.decay_tokens}: must be >= 0 (tokens of the wsd decay phase; 0 = no decay)",
+        ),
+        (
+            _finite(t.max_repeats) and t.max_repeats >= 0,
+            f"train.max_repeats={t.max_repeats}: must be >= 0 (passes over a source's train split; 0 = no cap)",
+        ),
+        (t.eval_tasks_every >= 0, f"train.eval_tasks_every={t.eval_tasks_every}: must be >= 0 (0 = off)"),
+        (t.eval_tasks_limit >= 0, f"train.eval_tasks_limit={t.eval_tasks_limit}: must be >= 0 (0 = every item)"),
         (t.max_train_depth >= 0, f"train.max_train_depth={t.max_train_depth}: must be >= 0 (0 = the layout's R)"),
         (t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size}: must be >= 1"),
         (t.grad_accum >= 1, f"train.grad_accum={t.grad_accum}: must be >= 1"),
@@ -276,19 +319,64 @@ def apply_recipe(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def load_manifest(path: str) -> Manifest:
-    """The manifest at `path`; a missing, foreign or malformed one is a ConfigError naming it."""
+def load_manifest(data: str) -> Manifest | DataMixture:
+    """The run's data: the manifest at `data`, or the mixture it writes (data_pipeline/mixture.py);
+    a missing, foreign or malformed manifest, or sources that do not go together, is a
+    ConfigError naming it."""
     from data_pipeline.manifest import Manifest
+    from data_pipeline.mixture import DataMixture, MixtureError, parse_sources
 
-    if not Path(path).is_file():
-        raise ConfigError(f"data={path!r}: no such manifest (write one with `grt data prepare`)")
     try:
-        return Manifest.load(path)
+        sources = parse_sources(data)
+        if sources is not None:
+            return DataMixture.load(data, sources)
+    except MixtureError as err:
+        raise ConfigError(str(err)) from None
+    if not Path(data).is_file():
+        raise ConfigError(f"data={data!r}: no such manifest (write one with `grt data prepare`)")
+    try:
+        return Manifest.load(data)
     except (ValueError, KeyError) as err:
-        raise ConfigError(f"data={path!r}: {err}") from None
+        raise ConfigError(f"data={data!r}: {err}") from None
 
 
-def resolve(cfg: RunConfig, manifest: Manifest | None = None) -> RunConfig:
+def data_sources(data: str) -> list[SourceSpec] | None:
+    """A mixture's sources (None: `data` is one manifest path); a mixture string that does not
+    parse is a ConfigError naming what is wrong."""
+    from data_pipeline.mixture import MixtureError, parse_sources
+
+    try:
+        return parse_sources(data)
+    except MixtureError as err:
+        raise ConfigError(str(err)) from None
+
+
+def data_paths(data: str) -> list[str]:
+    """The manifest paths a run's `data` names (one, or a mixture's sources'), for the launcher."""
+    sources = data_sources(data)
+    return [data] if sources is None else [s.path for s in sources]
+
+
+def with_data_paths(data: str, change: Callable[[str], str]) -> str:
+    """`data` with each manifest path it names replaced by `change(path)` (e.g. made absolute)."""
+    sources = data_sources(data)
+    if sources is None:
+        return change(data)
+    return ",".join(f"{s.name}={s.weight:g}:{change(s.path)}" for s in sources)
+
+
+def apply_token_budget(cfg: RunConfig, world: int, seq_len: int) -> str:
+    """train.tokens sets train.steps: ceil(tokens / tokens per step), the global batch on `world`
+    ranks of `seq_len`-token samples. Returns the line that says so (empty without a budget)."""
+    t = cfg.train
+    if not t.tokens:
+        return ""
+    per_step = t.micro_batch_size * t.grad_accum * world * seq_len
+    t.steps = max(1, math.ceil(t.tokens / per_step))
+    return f"train.tokens={t.tokens:.4g}: {t.steps} steps of {per_step} tokens ({t.steps * per_step:.4g} tokens)"
+
+
+def resolve(cfg: RunConfig, manifest: Manifest | DataMixture | None = None) -> RunConfig:
     """Checks that need the data: the model's vocabulary and context follow the tokenizer's.
     (The splits' sizes against the batch are the trainer's, which knows the ranks.)"""
     manifest = manifest or load_manifest(cfg.data)

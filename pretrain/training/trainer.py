@@ -19,6 +19,7 @@ config files and the log. A refused start leaves --out as it was.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import logging
 import logging.handlers
@@ -36,6 +37,7 @@ import torch
 
 from data_pipeline.files import atomic_write_text
 from data_pipeline.loader import DIGEST_MOD, sample_digest
+from data_pipeline.mixture import DataMixture, MixtureError, MixtureLoader, SourceSpec, Stage, parse_stages
 from pretrain.config import ConfigError
 from pretrain.distributed import (
     RankFailed,
@@ -76,13 +78,15 @@ from pretrain.training.metrics import (
 from pretrain.training.parallelize import check_checkpointing, compile_stats
 from pretrain.training.profiling import RunProfiler, profiles
 from pretrain.training.resume import check_tag, none_readable
-from pretrain.training.run_config import RunConfig, load_manifest, profile_window, resolve
+from pretrain.training.run_config import RunConfig, apply_token_budget, load_manifest, profile_window, resolve
 from pretrain.training.step_controls import GradientMask, MicroBatchControls, StepTally
 from pretrain.training.step_timer import LossSpikes, SlowRanks, StepTimer, breakdown_scalars
+from pretrain.training.task_eval import TaskEval
 from pretrain.training.wandb_run import WandbRun, check_available
 
 if TYPE_CHECKING:
     from data_pipeline.loader import TokenBatchLoader
+    from data_pipeline.manifest import Manifest
 
 Batch = dict[str, torch.Tensor]
 
@@ -219,13 +223,19 @@ class Trainer:
         self.manifest = load_manifest(self.cfg.data)  # loaded once; its loaders share it (tokenizer hashed once)
         resolve(self.cfg, self.manifest)
         check_available(self.cfg)  # train.wandb=true without the wandb package: refused before anything starts
+        world = discover().world_size
+        apply_token_budget(self.cfg, world, self.manifest.seq_len)  # the steps a resume is checked with
         self.requested = copy.deepcopy(self.cfg)
         run_lock.refuse_if_in_use(self.out)  # before any checkpoint is read: another run may be writing them
         tag = self.choose_checkpoint()
+        budget = apply_token_budget(self.cfg, world, self.manifest.seq_len)  # on the global batch kept
+        if budget:
+            say(budget)
         t = self.cfg.train
         self.check_split_sizes()
+        self.tasks = TaskEval.build(self.cfg, self.manifest.tokenizer_path)  # task files read once; None: off
+        self.stages = self.check_data_plan()
         deepspeed_internals.check()
-        world = discover().world_size
         ds = build_ds_config(load_ds_json(self.cfg.ds_config), t, world, torch.cuda.is_available())
         if tag is not None and universal.needs_universal(self.ckpt_root / tag, world):
             ds = universal.with_universal_load(ds)  # read when the engine is built
@@ -281,6 +291,25 @@ class Trainer:
         self.change_notes[tag] = notes
         return cfg
 
+    def check_data_plan(self) -> list[Stage]:
+        """The mixture's stages (train.data_stages), and the run against the repetition cap
+        (train.max_repeats): refused in one line when the sources cannot fill the run."""
+        t, data = self.cfg.train, self.manifest
+        if not isinstance(data, DataMixture):
+            if t.data_stages:
+                raise ConfigError(
+                    f"train.data_stages={t.data_stages!r} needs a mixture of sources (data=name=weight:path,...), "
+                    f"not one manifest ({self.cfg.data!r})"
+                )
+            data = DataMixture([SourceSpec("data", 1.0, self.cfg.data)], [data])
+        try:
+            stages = parse_stages(t.data_stages, data.names)
+            per_step = t.micro_batch_size * t.grad_accum * discover().world_size
+            data.check_budget(t.steps * per_step, t.max_repeats, stages, data.seq_len)
+        except MixtureError as err:
+            raise ConfigError(str(err)) from None
+        return stages
+
     def check_split_sizes(self) -> None:
         """Training needs one global batch (every rank's micro-batches of a step), validation,
         when it runs, one micro-batch per rank: a smaller split gives a rank no batch
@@ -295,7 +324,7 @@ class Trainer:
                 "training would have no batch; use a smaller batch or prepare more data",
             )
         }
-        if t.eval_every and self.manifest.splits.get("val"):
+        if t.eval_every and self.sources("val"):
             needs["val"] = (
                 world * t.micro_batch_size,
                 f"one micro-batch per rank ({per_round})",
@@ -304,11 +333,20 @@ class Trainer:
                 "(--set train.eval_every=0)",
             )
         for split, (need, what, use) in needs.items():
-            have = self.manifest.sequences(split)
-            if have < need:
-                raise ConfigError(
-                    f"data={self.cfg.data!r}: the {split} split has {have} sequences, fewer than {what} = {need}: {use}"
-                )
+            sources = self.sources(split) if split == "val" else [("", self.manifest)]
+            for name, data in sources:
+                have = data.sequences(split)
+                if have < need:
+                    where = f"data={self.cfg.data!r}" + (f" source {name!r}" if name else "")
+                    raise ConfigError(
+                        f"{where}: the {split} split has {have} sequences, fewer than {what} = {need}: {use}"
+                    )
+
+    def sources(self, split: str) -> list[tuple[str, Manifest]]:
+        """The manifests that have `split`, by source name ("" for a run on one manifest)."""
+        if isinstance(self.manifest, DataMixture):
+            return self.manifest.with_split(split)
+        return [("", self.manifest)] if self.manifest.splits.get(split) else []
 
     def build(self) -> None:
         """Checks first (`preflight`: no process group yet), then the group, the run directory's
@@ -335,7 +373,7 @@ class Trainer:
         self.global_batch = t.micro_batch_size * t.grad_accum * self.world  # sequences per optimizer step
         self.tokens_per_step = self.global_batch * self.seq_len
         self.log_start()
-        self.loader = self.data_loader("train", global_batch=self.global_batch)
+        self.loader = self.train_loader()
         if tag is not None:
             tag = self.load_checkpoint(tag)
         self.commit()
@@ -370,6 +408,8 @@ class Trainer:
         hosts = gather_text(socket.gethostname(), 64)
         self.slow_ranks = SlowRanks(self.rank, hosts, t.slow_rank_factor, t.slow_rank_windows)
         self.data_starved_said = False
+        self.capped_said: set[str] = set()  # mixture sources whose cap was said (mixture_scalars)
+        self.stage_said = 0  # the mixture stage last said (mixture_scalars)
         self.spike_records = self.out / "spikes.jsonl"  # the micro-batches train.loss_spike_action=skip dropped
         self.step_spikes: list[dict[str, Any]] = []  # ... in the current step
         self.rollbacks: dict[str, int] = {}  # rollbacks to each checkpoint tag (train.loss_spike_action=rollback)
@@ -539,7 +579,27 @@ class Trainer:
             t.compile,
         )
 
-    def data_loader(self, split: str, **overrides: Any) -> TokenBatchLoader:
+    def train_loader(self) -> TokenBatchLoader | MixtureLoader:
+        """The training batches: one manifest's (data_pipeline/loader.py), or a mixture's drawn
+        from its sources (data_pipeline/mixture.py); both in one global order whatever the ranks."""
+        t = self.cfg.train
+        if not isinstance(self.manifest, DataMixture):
+            return self.data_loader(self.manifest, "train", global_batch=self.global_batch)
+        return MixtureLoader(
+            self.manifest,
+            micro_batch_size=t.micro_batch_size,
+            rank=self.rank,
+            world_size=self.world,
+            num_workers=t.num_workers,
+            seed=t.seed,
+            global_batch=self.global_batch,
+            stages=self.stages,
+            max_repeats=t.max_repeats,
+            shuffle_buffer=t.shuffle_buffer,
+            skip_corrupt=t.skip_corrupt_shards,
+        )
+
+    def data_loader(self, manifest: Manifest, split: str, **overrides: Any) -> TokenBatchLoader:
         from data_pipeline.loader import TokenBatchLoader
 
         t = self.cfg.train
@@ -551,19 +611,21 @@ class Trainer:
             seed=t.seed,
             shuffle_buffer=t.shuffle_buffer,
             skip_corrupt=t.skip_corrupt_shards,
-            expected_seq_len=self.manifest.seq_len,
+            expected_seq_len=manifest.seq_len,
         )
-        return TokenBatchLoader(self.manifest, split=split, **{**options, **overrides})
+        return TokenBatchLoader(manifest, split=split, **{**options, **overrides})
 
-    def val_batches(self) -> list[Batch] | None:
-        if not self.manifest.splits.get("val"):
+    def val_batches(self) -> dict[str, list[Batch]] | None:
+        """Each source's first train.eval_batches validation batches per rank ("" for a run on one
+        manifest), read once: the batches `grt eval --data <that manifest>` scores."""
+        sources = self.sources("val")
+        if not sources:
             return None
-        batches = []
-        for batch in self.data_loader("val", num_workers=0, shuffle_buffer=0, loop=False):
-            batches.append(batch)
-            if len(batches) >= self.cfg.train.eval_batches:
-                break
-        return batches
+        by_source = {}
+        for name, manifest in sources:
+            loader = self.data_loader(manifest, "val", num_workers=0, shuffle_buffer=0, loop=False)
+            by_source[name] = list(itertools.islice(loader, self.cfg.train.eval_batches))
+        return by_source
 
     # -- one optimizer step --------------------------------------------------------------
     def train_step(self, batches: Iterator[Batch], depth: int, log_now: bool) -> StepResult:
@@ -843,10 +905,12 @@ class Trainer:
             if self.spikes.check(self.step, loss):
                 record["loss_spike"] = True
                 self.writer.scalars(self.step, {"train/loss_spike": 1.0})
+            if self.val is not None and (self.step % t.eval_every == 0 or self.step == t.steps):
+                last_val = self.validate(self.val, record)
             self.writer.step_record(self.step, record)
             self.data_digest = 0
-            if self.val is not None and (self.step % t.eval_every == 0 or self.step == t.steps):
-                last_val = self.validate(self.val)
+            if self.tasks is not None and self.tasks.due(self.step, t.steps):
+                self.score_tasks(self.tasks)
             if save_now:
                 saved = self.save()
                 log.info("saved checkpoint %s", self.ckpt_root / saved)
@@ -866,6 +930,9 @@ class Trainer:
             "stopped_by_signal": stop_requested,
             "skipped_shards": self.loader.skipped_shards,
         }
+        if isinstance(self.loader, MixtureLoader):
+            summary["tokens_by_source"] = self.loader.drawn_tokens()
+            summary["sources_at_cap"] = dict(self.loader.exhausted)
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
 
@@ -889,6 +956,7 @@ class Trainer:
             "train/tokens_seen": tokens_seen,
             **perf,
             **memory_scalars(self.device),
+            **self.mixture_scalars(),
             **scalars,
             "zero3/trace_invalidations": deepspeed_internals.COUNTERS.trace_invalidations,
             "zero3/param_gathers": deepspeed_internals.COUNTERS.gathers,
@@ -915,6 +983,38 @@ class Trainer:
             time_shares(seconds),
         )
 
+    def mixture_scalars(self) -> dict[str, float]:
+        """A mixture's realised draw: each source's training tokens so far and share of them
+        (data/<source>/tokens, data/<source>/share); the sources that reached their cap said once."""
+        if not isinstance(self.loader, MixtureLoader):
+            return {}
+        for name, g in self.loader.exhausted.items():
+            if name not in self.capped_said:
+                self.capped_said.add(name)
+                log.warning(
+                    "mixture source %r reached train.max_repeats=%g at global batch %d: it is not drawn from there, "
+                    "its weight shared among the other sources",
+                    name,
+                    self.cfg.train.max_repeats,
+                    g,
+                )
+        stage, start, weights = self.loader.stage()
+        if stage != self.stage_said:
+            self.stage_said = stage
+            log.info(
+                "mixture stage %d (train.data_stages) in force from global batch %d: weights %s",
+                stage,
+                start,
+                " ".join(f"{n}={w:g}" for n, w in weights.items()),
+            )
+        drawn = self.loader.drawn_tokens()
+        total = max(sum(drawn.values()), 1)
+        values = {f"data/{n}/tokens": float(v) for n, v in drawn.items()}
+        values.update({f"data/{n}/share": v / total for n, v in drawn.items()})
+        values.update({f"data/{n}/at_cap": float(n in self.loader.exhausted) for n in drawn})
+        values["data/stage"] = float(stage)
+        return values
+
     def check_timing(self, seconds: dict[str, float]) -> dict[str, float]:
         """The slow-rank check on this logged step (every rank: a collective), and one line the first
         time this rank waits for data more than train.data_starved_share of a step."""
@@ -935,18 +1035,41 @@ class Trainer:
             )
         return self.slow_ranks.observe(seconds["data"] + seconds["forward"], self.step)
 
-    def validate(self, batches: list[Batch]) -> dict[int, float]:
+    def score_tasks(self, tasks: TaskEval) -> None:
+        """The zero-shot tasks at this step (train.eval_tasks_every, task_eval.py), on every rank:
+        TensorBoard tasks/<task>/<metric>_depth_<d>, <out>/tasks.jsonl, one log line with the cost."""
+        scores = tasks.score(self.engine.module, self.step, self.rank, self.world, self.device)
+        log.info("%s", tasks.report(scores, self.writer, self.out, self.rank))
+        self.engine.train()
+        self.throughput.reset()  # evaluation time is not training throughput
+
+    def validate(self, batches: dict[str, list[Batch]], record: dict[str, Any]) -> dict[int, float]:
+        """The validation loss at every exit depth: of each source (val/<source>/...) and, for a
+        mixture, their mean under the mixture's weights (val/loss...), in TensorBoard and in the
+        step's `record` (metrics.jsonl, under "val"). Returns the latter."""
         max_r = self.cfg.model.max_loops
-        by_depth = evaluate_depths(self.engine, batches, list(range(max_r + 1)), self.device, self.cfg.train.doc_mask)
+        depths, doc_mask = list(range(max_r + 1)), self.cfg.train.doc_mask
+        per_source = {n: evaluate_depths(self.engine, b, depths, self.device, doc_mask) for n, b in batches.items()}
+        weights = self.manifest.weights if isinstance(self.manifest, DataMixture) else {"": 1.0}
+        total = sum(weights[name] for name in per_source)
+        by_depth = {k: sum(weights[n] * v[k] for n, v in per_source.items()) / total for k in depths}
         full = by_depth[max_r]
-        self.writer.scalars(self.step, {"val/loss": full, **{f"val/loss_depth_{k}": v for k, v in by_depth.items()}})
+        values = {"val/loss": full, **{f"val/loss_depth_{k}": v for k, v in by_depth.items()}}
+        for name, losses in per_source.items():
+            if name:
+                values[f"val/{name}/loss"] = losses[max_r]
+                values.update({f"val/{name}/loss_depth_{k}": v for k, v in losses.items()})
+        self.writer.scalars(self.step, values)
+        record["val"] = values
         self.writer.scalars_by_tokens(self.step * self.tokens_per_step, {"val/loss": full})
-        log.info(
-            "validation at step %d: loss %.4f at full depth; by exit depth: %s",
-            self.step,
-            full,
-            " ".join(f"{k}:{v:.3f}" for k, v in by_depth.items()),
-        )
+        for name, losses in [*((n, v) for n, v in per_source.items() if n), ("", by_depth)]:
+            log.info(
+                "validation at step %d%s: loss %.4f at full depth; by exit depth: %s",
+                self.step,
+                f", source {name}" if name else (" (the mixture's weighted mean)" if len(per_source) > 1 else ""),
+                losses[max_r],
+                " ".join(f"{k}:{v:.3f}" for k, v in losses.items()),
+            )
         self.engine.train()
         self.throughput.reset()  # evaluation time is not training throughput
         return by_depth
