@@ -42,7 +42,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if [ "$cpu" = 1 ]; then
   export CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=1
   grt_small=micro-grt dense_small=micro-dense grt_medium=micro-grt grt_large=micro-grt
-  seq=64 mbs=2 perf_steps=12 log_every=4 smoke_steps=4 resume_steps=6 eval_batches=1 compare_tokens=2048
+  seq=64 mbs=2 perf_steps=6 log_every=3 smoke_steps=4 resume_steps=6 eval_batches=1 compare_tokens=2048  # 2 logged windows a perf row
   limit_train=240 limit_compiled=400 limit_other=240
   decode=(--prompt-len 16 --new-tokens 16) bench_tokens=1024 bench_d=64 bench_heads=4 precision=(micro-grt 20)
 else

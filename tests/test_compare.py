@@ -154,6 +154,11 @@ def test_compare_trains_each_config_and_writes_table_json_and_plot(shards, tmp_p
         str(REPO / "ds_configs" / "zero2.json"),
         "--exit-depth-factor",
         "2",
+        # the two runs at once, one thread each: CI's 2 cores, each process's start (imports) included
+        "--parallel",
+        "2",
+        "--threads",
+        "1",
     ]
     r = grt(*args)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]

@@ -66,6 +66,7 @@ print(json.dumps(results))
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("beside_cpu_call_1")
 def test_every_gpu_row_with_a_preset_passes_the_trainers_checks_on_the_gpu_data(tmp_path):
     """The GPU's own data (seq 1024, GPT-2's vocabulary), made by the plan's data row, then each
     `grt train` row of both calls (overrides and DeepSpeed file as written) with --dry-run and each
@@ -130,7 +131,8 @@ def test_dry_run_refuses_a_preset_whose_context_is_shorter_than_the_shards(tmp_p
 
 def _run(out, work, *args, rows=None):
     """`--cpu` with a `grt` on PATH that fails: the GPU machine has no `grt` installed, the script must
-    run the checkout's own CLI."""
+    run the checkout's own CLI. Its output goes to `output.txt` beside `out` (not into it: the files
+    that come back), which no pipe can fill while the call runs in the background."""
     stub = work.parent / "no-grt"
     stub.mkdir(exist_ok=True)
     (stub / "grt").write_text("#!/bin/sh\necho 'not the checkout' >&2; exit 99\n")
@@ -138,27 +140,75 @@ def _run(out, work, *args, rows=None):
     env = {**os.environ, "OUT": str(out), "GPU_CHECK_WORK": str(work), "PATH": f"{stub}:{os.environ['PATH']}"}
     if rows:
         env["GPU_CHECK_ROWS"] = rows
-    return subprocess.Popen(
-        ["bash", str(SCRIPT), "--cpu", *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    with open(out.parent / "output.txt", "w") as output:
+        return subprocess.Popen(
+            ["bash", str(SCRIPT), "--cpu", *args],
+            cwd=REPO,
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+
+
+def _output(out) -> str:
+    return (out.parent / "output.txt").read_text()
 
 
 def _results(out):
     return [line.split("\t") for line in (out / "results.tsv").read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.slow
-def test_cpu_mode_runs_every_row_of_call_1_in_the_planned_order(tmp_path):
-    out, work = tmp_path / "out", tmp_path / "work"
+CALL_1 = "test_cpu_mode_runs_every_row_of_call_1_in_the_planned_order"
+
+
+@pytest.fixture(scope="module")
+def cpu_call_1(tmp_path_factory):
+    """`--cpu` call 1, started in the background (by `beside_cpu_call_1`, or by CALL_1 itself) and
+    awaited by CALL_1. Its rows run one after the other on one thread each (the script sets
+    OMP_NUM_THREADS=1), so on CI's 2 cores the tests that run meanwhile, each in its own processes,
+    take the core it leaves idle instead of waiting for it. Killed at the module's end if unfinished."""
+    base = tmp_path_factory.mktemp("cpu-call-1")
+    out, work = base / "out", base / "work"
     proc = _run(out, work)
-    output, _ = proc.communicate(timeout=1200)
-    assert proc.returncode == 0, output[-4000:]
+    yield proc, out, work
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture
+def beside_cpu_call_1(request):
+    """Start `cpu_call_1` now when CALL_1, which waits for it, is among the tests to run; otherwise
+    (the test run alone, or CALL_1 deselected) start nothing."""
+    if any(item.name == CALL_1 and item.module is request.module for item in request.session.items):
+        request.getfixturevalue("cpu_call_1")
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("beside_cpu_call_1")
+def test_a_call_killed_halfway_keeps_the_rows_it_finished(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = _run(out, work, rows="^(data|perf-micro-(grt|dense)-z2-eager|smoke-.*)$")
+    deadline = time.time() + 600
+    summary = out / "summary.md"
+    while time.time() < deadline and not (summary.is_file() and "perf-micro-grt-z2-eager" in summary.read_text()):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # as the device tool ends a command that ran past its limit
+    proc.wait(timeout=60)
+    results = _results(out)
+    assert [r[0] for r in results][:2] == ["data", "perf-micro-grt-z2-eager"] and len(results) < 8, results
+    assert all(r[6] == "pass" for r in results), results
+    assert "perf-micro-grt-z2-eager" in (out / "summary.md").read_text()
+    assert "===== perf-micro-grt-z2-eager (pass" in (out / "log.txt").read_text()
+
+
+@pytest.mark.slow
+def test_cpu_mode_runs_every_row_of_call_1_in_the_planned_order(cpu_call_1):
+    proc, out, work = cpu_call_1
+    proc.wait(timeout=1200)
+    assert proc.returncode == 0, _output(out)[-4000:]
     results = _results(out)
     assert [r[0] for r in results] == [name for name, _, _ in plan(work, "--cpu")], results
     assert all(r[6] == "pass" for r in results), results
@@ -168,20 +218,3 @@ def test_cpu_mode_runs_every_row_of_call_1_in_the_planned_order(tmp_path):
     assert len(files) <= MAX_FILES_BACK and all(p.parent == out for p in files), files
     summary = (out / "summary.md").read_text()
     assert "micro-grt/micro-dense MFU (equal FLOPs), ZeRO-3 compiled" in summary, summary
-
-
-@pytest.mark.slow
-def test_a_call_killed_halfway_keeps_the_rows_it_finished(tmp_path):
-    out, work = tmp_path / "out", tmp_path / "work"
-    proc = _run(out, work, rows="^(data|perf-micro-(grt|dense)-z2-eager|smoke-.*)$")
-    deadline = time.time() + 600
-    summary = out / "summary.md"
-    while time.time() < deadline and not (summary.is_file() and "perf-micro-grt-z2-eager" in summary.read_text()):
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)  # as the device tool ends a command that ran past its limit
-    proc.communicate(timeout=60)
-    results = _results(out)
-    assert [r[0] for r in results][:2] == ["data", "perf-micro-grt-z2-eager"] and len(results) < 8, results
-    assert all(r[6] == "pass" for r in results), results
-    assert "perf-micro-grt-z2-eager" in (out / "summary.md").read_text()
-    assert "===== perf-micro-grt-z2-eager (pass" in (out / "log.txt").read_text()
