@@ -243,20 +243,29 @@ class DataMixture:
 _MIX = np.array([0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93], dtype=np.uint64)
 
 
-def uniforms(seed: int, g: int, positions: np.ndarray, attempt: int, rows: np.ndarray | None = None) -> np.ndarray:
-    """Uniforms in [0, 1), one per position of global batch g: a counter-based hash (splitmix64)
-    of (seed, g, position, attempt), so every worker and rank computes the same draw without a
+def uniforms(seed: int, batches: np.ndarray, positions: np.ndarray, attempt: int) -> np.ndarray:
+    """Uniforms in [0, 1), one per (global batch, position): a counter-based hash (splitmix64) of
+    (seed, batch, position, attempt), so every worker and rank computes the same draw without a
     generator's state (and at a few microseconds per batch, not a seeded generator's 70).
-    `rows`: global batches instead of g, one row of uniforms each (the same values)."""
-    batches = np.asarray([g] if rows is None else rows, dtype=np.uint64)[:, None]
+    Shape [len(batches), len(positions)]; a batch's row is the same whatever else is asked."""
+    rows = np.asarray(batches, dtype=np.uint64)[:, None]
     key = np.array([seed, attempt], dtype=np.uint64)
     with np.errstate(over="ignore"):
-        z = positions.astype(np.uint64)[None, :] * _MIX[3] + batches * _MIX[1] + key[0] * _MIX[0] + key[1] * _MIX[2]
+        z = positions.astype(np.uint64)[None, :] * _MIX[3] + rows * _MIX[1] + key[0] * _MIX[0] + key[1] * _MIX[2]
         for shift, mult in ((30, _MIX[1]), (27, _MIX[2])):
             z = (z ^ (z >> np.uint64(shift))) * mult
         z ^= z >> np.uint64(31)
-    out = (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
-    return out[0] if rows is None else out
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def stage_at(stages: Sequence[Stage], g: int, tokens_per_batch: int) -> int:
+    """The stage in force at global batch g: 0 (the mixture's own weights) or i, the i-th stage,
+    the last whose token count the batches before g have reached."""
+    number = 0
+    for i, st in enumerate(stages, 1):
+        if g * tokens_per_batch >= st.tokens:
+            number = i
+    return number
 
 
 class _MixturePlan:
@@ -296,23 +305,18 @@ class _MixturePlan:
             int(np.random.SeedSequence([seed, zlib.crc32(n.encode())]).generate_state(1)[0]) for n in self.names
         ]
         self.base = np.asarray([mixture.weights[n] for n in self.names], dtype=np.float64)
-        self.stages = [(st.tokens, np.asarray([st.weights[n] for n in self.names], dtype=np.float64)) for st in stages]
-        self.sample_tokens = self.seq_len  # training tokens per sample (the stages count these)
+        self.stages = list(stages)
+        self.stage_weights = [self.base] + [np.asarray([st.weights[n] for n in self.names]) for st in stages]
         self._plans: dict[tuple[int, int], EpochPlan] = {}
         self._blocks: dict[tuple[int, int, int], np.ndarray] = {}
 
     # -- the draw ------------------------------------------------------------------------
     def weights_at(self, g: int) -> np.ndarray:
-        tokens = g * self.global_batch * self.sample_tokens
-        weights = self.base
-        for at, stage in self.stages:
-            if tokens >= at:
-                weights = stage
-        return weights
+        return self.stage_weights[stage_at(self.stages, g, self.global_batch * self.seq_len)]
 
     def draw(self, g: int, cursors: np.ndarray) -> np.ndarray:
         """The source of each of global batch g's positions, given each source's draws before g:
-        position i takes the source that `uniforms(seed, g, i, attempt)` falls in under the
+        position i takes the source that `uniforms(seed, [g], [i], attempt)` falls in under the
         weights; a draw past a source's cap is drawn again (next attempt) from the others."""
         weights = self.weights_at(g).copy()
         capped = np.nonzero(self.caps >= 0)[0]
@@ -329,7 +333,7 @@ class _MixturePlan:
                 )
             cumulative = np.cumsum(weights)
             cumulative /= cumulative[-1]  # as `draws` computes it for a window: the same draws bit for bit
-            picked = np.searchsorted(cumulative, uniforms(self.seed, g, todo, attempt), side="right")
+            picked = np.searchsorted(cumulative, uniforms(self.seed, np.array([g]), todo, attempt)[0], side="right")
             out[todo] = np.minimum(picked, len(weights) - 1)
             over = []
             for s in capped:
@@ -397,7 +401,7 @@ class _MixturePlan:
             else:  # the same draws as `draw` gives one batch at a time
                 cumulative = np.cumsum(weights, axis=1)
                 cumulative /= cumulative[:, -1:]
-                u = uniforms(self.seed, 0, np.arange(G, dtype=np.int64), 0, rows)
+                u = uniforms(self.seed, rows, np.arange(G, dtype=np.int64), 0)
                 sources = np.minimum((u[:, :, None] >= cumulative[:, None, :]).sum(axis=2), n - 1)
             onehot = sources[:, :, None] == np.arange(n)
             within = np.cumsum(onehot, axis=1) - 1  # the same source's earlier positions in the batch
@@ -565,12 +569,11 @@ class MixtureLoader:
         """The stage in force at the current global batch: its number (0: the mixture's own
         weights, i: the i-th of train.data_stages), the global batch it starts at, its weights."""
         per_batch_tokens = self.global_batch * self.seq_len
-        number, start, weights = 0, 0, self.mixture.weights
-        for i, st in enumerate(self.stages, 1):
-            first = math.ceil(st.tokens / per_batch_tokens)  # the first global batch that starts at or after it
-            if self.global_batch_index >= first:
-                number, start, weights = i, first, st.weights
-        return number, start, weights
+        number = stage_at(self.stages, self.global_batch_index, per_batch_tokens)
+        if number == 0:
+            return 0, 0, self.mixture.weights
+        stage = self.stages[number - 1]
+        return number, math.ceil(stage.tokens / per_batch_tokens), stage.weights
 
     def drawn_tokens(self) -> dict[str, int]:
         """Training tokens drawn from each source by the completed global batches."""

@@ -621,13 +621,13 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
         if cfg.data and (local_world_size or all(os.path.isfile(p) for p in data_paths(cfg.data))):
             # the checks that need the data (vocabulary and context follow the tokenizer);
             # skipped when the manifest is only visible from the cluster's nodes
+            from pretrain.training.run_config import apply_token_budget, load_manifest
             from pretrain.training.run_config import resolve as resolve_with_data
 
-            cfg = resolve_with_data(cfg)
-        if local_world_size and cfg.data:  # train.tokens -> train.steps, as each rank will (the resume compares steps)
-            from pretrain.training.run_config import apply_token_budget, load_manifest
-
-            apply_token_budget(cfg, local_world_size, load_manifest(cfg.data).seq_len)
+            data = load_manifest(cfg.data)  # read once, for both
+            cfg = resolve_with_data(cfg, data)
+            if local_world_size:  # train.tokens -> train.steps, as each rank will (the resume compares steps)
+                apply_token_budget(cfg, local_world_size, data.seq_len)
         if local_world_size and cfg.branch_from:  # a decay branch: checked against its source; each rank makes it
             from pretrain.training.branch import check as check_branch
 
