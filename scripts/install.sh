@@ -2,7 +2,7 @@
 # Installs what the project needs on a fresh Debian machine (run as root or with sudo).
 #   bash scripts/install.sh           everything for the tests: Debian's slurm-wlm, munge, OpenMPI, sshd and pdsh
 #                                     (for the launcher tests and mpi4py), then the package with [dev]
-#                                     (the test-only packages and every extra's: wandb for tests/test_wandb.py, ...)
+#                                     (the test-only packages and every extra's: wandb for tests/training/test_wandb.py, ...)
 #   GRT_MINIMAL=1 bash scripts/install.sh   only what training needs (the main job)
 # CPU torch is pinned: an unpinned `torch` would pull a multi-GB CUDA build.
 set -euo pipefail

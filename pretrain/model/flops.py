@@ -1,7 +1,7 @@
 """Parameter and FLOP accounting for every variant: MFU, `grt presets`, `grt compare`, the benches.
 
 FLOPs count the matmuls (2 per multiply-add), as PyTorch's FLOP counter does; elementwise
-work (norms, activations, the gate's sigmoid) is left out. tests/test_model.py checks the
+work (norms, activations, the gate's sigmoid) is left out. tests/model/test_model.py checks the
 counts against torch.utils.flop_counter for every variant.
 """
 

@@ -6,7 +6,7 @@ of tokens, and each chunk's gradients (of the hidden states and of the head's we
 computed right away, so the [tokens x vocabulary] logits, their fp32 copy and their gradient
 never exist at once (at GPT-2's vocabulary and 16 x 1024 tokens, 3.3 GB each in fp32). Same
 FLOPs as the plain loss (no recompute); the loss and gradients equal the plain loss's to fp32
-round-off (tests/test_loss.py; `grt bench loss` measures the memory).
+round-off (tests/model/test_loss.py; `grt bench loss` measures the memory).
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def eval_depths(r: int, exit_factor: int) -> tuple[list[int], list[int]]:
 def final_eval_work(cfg: ModelConfig, exit_factor: int) -> dict[str, int]:
     """Loop steps and decodes (coda and head) final_evals runs per validation batch of a looped
     model, each adaptive pass at its most (R steps): the `grt compare --time-budget` plan's
-    count (tests/test_compare.py counts them in a real run)."""
+    count (tests/infer/test_compare.py counts them in a real run)."""
     r, depths = cfg.max_loops, eval_depths(cfg.max_loops, exit_factor)[1]
     # one pass to the deepest depth: its forward decodes the last state, exit_hidden every depth
     steps, decodes = max(depths), 1 + len(depths)

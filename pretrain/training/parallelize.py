@@ -94,7 +94,7 @@ def activation_bytes(cfg: ModelConfig, tokens: int, depth: int, mode: str, dtype
     tokens at loop depth `depth` under checkpointing `mode`: the tensors the forward keeps
     for the backward, plus the largest transient (the recompute of one unit, the logits'
     gradient). Per token and layer, counted from what autograd saves in `pretrain.model`
-    (tests/test_checkpointing.py measures it): a block keeps 16 d-sized tensors (LN inputs
+    (tests/model/test_checkpointing.py measures it): a block keeps 16 d-sized tensors (LN inputs
     and outputs, q/k/v, attention output, the MLP's 4d input and GELU output), 10 of them
     matmul or attention outputs; a GRT loop step adds 8 for its projection and gate (3 of
     them matmul outputs); the training loss (`return_logits=False`, pretrain/model/loss.py) keeps

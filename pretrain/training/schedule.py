@@ -10,7 +10,7 @@ update uses the value at i = -1 (0: both schedules start the warmup from 0).
   (ds_config.py). Linear warmup over W = max(2, min(train.warmup_steps, H)) steps (DeepSpeed
   warms up over at least 2), then cosine from lr to min_lr, reaching it at i = H - 1, where the
   horizon H = train.schedule_steps or train.steps; past it, min_lr. `Schedule.ratio` repeats
-  its formula (tests/test_schedule.py checks it against DeepSpeed's class).
+  its formula (tests/training/test_schedule.py checks it against DeepSpeed's class).
 - `wsd` (warmup-stable-decay; Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training
   Beyond Fixed Training Durations"): the same warmup, then lr constant, then over the last
   D = ceil(train.decay_tokens / tokens per step) steps of the horizon a decay to min_lr:

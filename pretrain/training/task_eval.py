@@ -7,7 +7,7 @@ from `train.eval_dir`) are scored at a few exit depths (`train.eval_tasks_depths
 items sharded over the ranks, every rank running the same forwards (ZeRO-3 gathers parameters
 inside them), the sums all-reduced. So a step's numbers are those of `grt eval <its
 checkpoint> --tasks <the tasks> --depths <the depths> --limit <the limit> --eval-dir <the
-dir>` (tests/test_task_eval.py), up to the order of float sums.
+dir>` (tests/training/test_task_eval.py), up to the order of float sums.
 
 What is checked, and when: the task names and depths with every other value of the run
 config (`check_settings`, from `RunConfig.validate`); the task files, each read once here,

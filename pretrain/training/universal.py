@@ -43,7 +43,7 @@ saved world's ranks (`checkpoint.load` refuses another world size: its file for 
 missing), and frozen parameters (refused, below). Gradient-accumulation micro-step counters
 restart at 0, as after any load (a checkpoint is taken at a step boundary).
 
-Pitfalls found (DeepSpeed 0.19.8, tests/test_universal_checkpoint.py), and their workarounds here:
+Pitfalls found (DeepSpeed 0.19.8, tests/training/test_universal_checkpoint.py), and their workarounds here:
 - `universal_checkpoint_info`: ZeRO-1/2 conversion asserts it is in the checkpoint, and DeepSpeed
   writes it only when the module has such an attribute (client_state may not carry it: a
   reserved key) -> `convert` passes `--inject_missing_state` (the version only; it names no

@@ -6,7 +6,7 @@ that pretrain.config, at the bottom of the import graph, checks configs with it.
 
 A new variant is a `Variant` subclass decorated with `@register` (in this package, or in any
 module imported before the variant is used), its torch model decorated with `@builds(name)`
-(pretrain/model/), and its presets in pretrain/presets.py (tests/test_variants.py adds one
+(pretrain/model/), and its presets in pretrain/presets.py (tests/model/test_variants.py adds one
 from a test file alone).
 """
 

@@ -14,7 +14,7 @@ from pretrain.config import ConfigError
 from pretrain.training.ds_config import build_ds_config, load_ds_json, resolve_ds_path
 from pretrain.training.run_config import TrainConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # the Hugging Face docs' ZeRO-3 example (scheduler type aside: see test_hf_warmup_lr_is_refused)
 HF_ZERO3 = {

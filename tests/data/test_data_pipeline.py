@@ -26,7 +26,7 @@ from data_pipeline.shards import MissingShardError, ShardError
 from data_pipeline.sources import SourceStats, expand_inputs, iter_documents
 from data_pipeline.tokenizer import file_sha256, train_tokenizer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHAKESPEARE = os.path.join(REPO, "examples", "data", "tinyshakespeare.txt")
 SEQ = 32
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch_helpers import free_port, grt_launch, probe_results, wait_all  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch_helpers import ROOT, _end_group, clean_env, complete_lines, grt_launch, train_args  # noqa: E402
 from multiproc import free_port  # noqa: E402
 

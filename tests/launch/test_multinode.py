@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from faults import losses  # noqa: E402
 from launch_helpers import (
     ROOT,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 STEPS, WARMUP, LR, MIN_LR = 12, 3, 3e-3, 3e-4
 MICRO_BATCH, SEQ_LEN = 4, 64  # the shards fixture's sequences (conftest.py)

@@ -1,7 +1,7 @@
 """Activation checkpointing: the activation-memory estimate matches what torch allocates,
 `auto` picks the least recompute that fits the device memory left, selective checkpointing
 gives the reference gradients under real DeepSpeed ZeRO-2 and is refused under ZeRO-3 (the
-eager gradients of every mode: tests/test_model.py)."""
+eager gradients of every mode: tests/model/test_model.py)."""
 
 import json
 import weakref
@@ -165,7 +165,7 @@ def test_auto_leaves_room_for_what_the_first_step_allocates():
 def test_selective_checkpointing_gradients_under_zero2_equal_the_reference(tmp_path):
     """Real DeepSpeed ZeRO-2 on 2 ranks, gradient accumulation 2, depths 3, 1, 0, 2, selective
     checkpointing: the full gradients equal a single-process reference without
-    checkpointing (loop_step under ZeRO-3: tests/test_trainer.py)."""
+    checkpointing (loop_step under ZeRO-3: tests/training/test_trainer.py)."""
     report_path = tmp_path / "report.json"
     results = run_ranks(
         [

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch_helpers import ROOT, check_trained, clean_env, free_port, grt_launch, train_args, wait_all  # noqa: E402
 
 pytestmark = pytest.mark.slow

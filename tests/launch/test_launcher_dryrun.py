@@ -18,7 +18,7 @@ import pytest
 
 from launcher.cli import build_plan, main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = [
     "--preset",
     "grt-small",

@@ -41,7 +41,7 @@ def test_layout_parses(text, expected):
         ("0", "a dense layout needs at least 1 block"),
         ("1+5x0+5", "loops must be at least 1"),
         ("1+0x6+5", "core must be at least 1"),
-        ("1+5x6+5+1", "does not parse"),  # bottom and top placements: tests/test_layouts.py
+        ("1+5x6+5+1", "does not parse"),  # bottom and top placements: tests/model/test_layouts.py
         ("banana", "does not parse"),
         ("1+5*6+5", "does not parse"),
     ],
@@ -309,7 +309,7 @@ def test_model_and_infer_modules_import_one_way():
     has no cycle."""
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     files = {
         f"pretrain.{p.parent.name}.{p.stem}": p
         for d in ("model", "infer")

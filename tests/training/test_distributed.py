@@ -11,7 +11,7 @@ import pytest
 
 from pretrain.distributed import DistInfo, discover, expand_nodelist, parse_tasks_per_node
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCKERFILE = os.path.join(ROOT, "Dockerfile")
 APPTAINER = os.path.join(ROOT, "Apptainer.def")
 DOC = os.path.join(ROOT, "docs", "launching.md")

@@ -28,7 +28,7 @@ from multiproc import TEST_PORTS, free_port, release_port, start_ranks
 
 from pretrain.distributed import DistInfo, RendezvousError, discover
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 # Ports outside TEST_PORTS for the picker's own tests, so that they never take one from a test
 # running beside them; each test uses its own small slice.

@@ -26,7 +26,7 @@ from pretrain.training.metrics import MetricsWriter
 from pretrain.training.run_config import RunConfig
 from pretrain.training.wandb_run import WANDB_FILE, WandbRun, check_available, saved_id
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def offline_env(tmp: Path) -> dict[str, str]:

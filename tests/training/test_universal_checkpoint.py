@@ -13,7 +13,7 @@ load gets both groups' hyperparameters and step counters wrong unless universal.
 The conversion is atomic and reused: a leftover temporary, a copy without its marker, a stale
 copy and a converter killed mid-way are never used, and no converter outlives its caller.
 
-This file is also the rank script: python tests/test_universal_checkpoint.py train|resume ...
+This file is also the rank script: python tests/training/test_universal_checkpoint.py train|resume ...
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 G, B, T, STEPS, DEPTH = 2, 2, 16, 3, 2  # micro-batches per step (over all ranks), batch, seq, steps, loops
 

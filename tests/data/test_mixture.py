@@ -20,7 +20,7 @@ from data_pipeline.mixture import DataMixture, MixtureError, MixtureLoader, pars
 from pretrain.config import ConfigError
 from pretrain.training.run_config import load_manifest
 
-DEMO = Path(__file__).resolve().parents[1] / "examples" / "data" / "tinyshakespeare.txt"
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "data" / "tinyshakespeare.txt"
 
 
 @pytest.fixture(scope="session")
