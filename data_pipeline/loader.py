@@ -20,9 +20,10 @@ How an epoch is laid out (see docs/data.md for the full description):
 4. Inside a rank, logical worker j (of Wk) produces the batches k with k % Wk == j; the
    DataLoader hands them out round-robin, so the batch order is fixed and independent of
    timing. A worker reads only its own samples: a local shard is read by seeking to its
-   fixed-size members (the shard format makes member i's offset ``i * member_size``); a
-   shard behind a URL (``pipe:``, ``http(s)://``) is streamed through webdataset, each
-   worker reading the shuffle blocks that hold its samples.
+   fixed-size members (the shard format makes member i's offset ``i * member_size``), a
+   shard behind an ``http(s)://``, ``s3://`` or ``gs://`` URL by ranged requests for just
+   those members (data_pipeline/remote.py); a ``pipe:`` or ``file:`` URL is streamed through
+   webdataset, each worker reading the shuffle blocks that hold its samples.
 5. Because every batch is a pure function of ``(seed, epoch, batch round)``, resuming needs
    only ``(epoch, samples consumed in the epoch)``: each worker goes straight to its next
    samples (nothing before them is read).
@@ -42,6 +43,7 @@ import numpy as np
 import torch
 
 from .manifest import Manifest
+from .remote import RandomAccess, RangedReader, is_ranged
 from .shards import DTYPES, MEMBER_NAME, MissingShardError, ShardError, iter_shard, member_size
 
 STATE_VERSION = 2
@@ -90,9 +92,13 @@ class ShardReader:
         self.files: dict[int, IO[bytes]] = {}
         self.max_open = max_open
         self.stream: tuple[int, Generator[tuple[int, bytes], None, None], int] | None = None  # shard, samples, next
+        self.ranged = RangedReader()  # http(s)://, s3://, gs:// shards
 
     def read(self, shard: int, url: str, indices: list[int]) -> list[bytes]:
         """The payloads of samples `indices` (increasing) of shard number `shard`; ShardError."""
+        if is_ranged(url):  # behind a URL: only these members, by ranged requests
+            fetched = self.ranged.fetch(url, self.sequences[shard] * self.stride + 1024, self.stride, indices)
+            return [self._member(fetched, url, i) for i in indices]
         fh = self._local(shard, url)
         if fh is None:
             return self._streamed(shard, url, indices)
@@ -136,7 +142,7 @@ class ShardReader:
         m = MEMBER_NAME.match(info.name)
         return info.size == self.nbytes and m is not None and int(m.group("idx")) == 0 and info.type == tarfile.REGTYPE
 
-    def _member(self, fh: IO[bytes], url: str, index: int) -> bytes:
+    def _member(self, fh: RandomAccess, url: str, index: int) -> bytes:
         fh.seek(index * self.stride)
         header = fh.read(512)
         try:
@@ -191,6 +197,7 @@ class ShardReader:
     def close(self) -> None:
         self._close_stream()
         self._close_file()
+        self.ranged.close()
 
 
 class EpochPlan:
@@ -481,6 +488,10 @@ class TokenBatchLoader:
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.batch_in_epoch = int(epoch), 0
+
+    def draw(self) -> None:
+        """One manifest draws from no other source (batches.TrainBatches: a mixture's draw)."""
+        return None
 
     def _plan(self) -> EpochPlan:
         return EpochPlan(

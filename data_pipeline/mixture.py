@@ -134,6 +134,17 @@ def parse_stages(text: str, names: Sequence[str]) -> list[Stage]:
     return stages
 
 
+@dataclass(frozen=True)
+class Draw:
+    """A mixture's realised draw after the completed global batches."""
+
+    tokens: dict[str, int]  # training tokens drawn from each source
+    at_cap: dict[str, int]  # the sources at train.max_repeats -> the global batch from which they are
+    stage: int  # the stage in force (0: the mixture's own weights, i: the i-th of train.data_stages)
+    stage_start: int  # the global batch it starts at
+    weights: dict[str, float]  # its weights
+
+
 @dataclass
 class DataMixture:
     """The sources of a run's data, loaded and checked: each one's weight and manifest. The
@@ -493,7 +504,7 @@ class _MixturePlan:
 
 class MixtureLoader:
     """Per-rank iterator of ``{"input_ids", "targets", "doc_ids"}`` batches drawn from a mixture
-    (module doc); the trainer's interface of `TokenBatchLoader`: ``epoch`` is always 0 and
+    (module doc); batches.TrainBatches, as `TokenBatchLoader`: ``epoch`` is always 0 and
     ``batch_in_epoch`` counts the rounds since the start, so positions are global positions of
     the whole run."""
 
@@ -578,6 +589,11 @@ class MixtureLoader:
     def drawn_tokens(self) -> dict[str, int]:
         """Training tokens drawn from each source by the completed global batches."""
         return {n: int(c) * self.seq_len for n, c in zip(self.mixture.names, self.cursors, strict=True)}
+
+    def draw(self) -> Draw:
+        """The draw so far (batches.TrainBatches)."""
+        stage, start, weights = self.stage()
+        return Draw(self.drawn_tokens(), dict(self.exhausted), stage, start, weights)
 
     def __iter__(self) -> Iterator[Batch]:
         plan = self._plan()

@@ -38,6 +38,7 @@ import numpy.typing as npt
 
 from .files import check_output_path, is_temp
 from .manifest import MANIFEST_NAME, Manifest, manifest_dict
+from .parts import inputs_digest, part_dir, part_files
 from .shards import DTYPES, build_shard, ext_for_vocab, member_size, write_shard_atomic
 from .sources import TXT_MODES, SourceStats, check_readable, expand_inputs, iter_file_documents
 from .tokenizer import Tokenizer, load_tokenizer
@@ -77,7 +78,7 @@ def _init_worker(model_path: str) -> None:
     _worker_segment = not any("\n" in sp.id_to_piece(i) for i in range(sp.get_piece_size()))
 
 
-def _segments(text: str, size: int = _SEGMENT_CHARS) -> list[str]:
+def segments(text: str, size: int = _SEGMENT_CHARS) -> list[str]:
     """Cut ``text`` just before newlines, into pieces of roughly ``size`` characters."""
     if len(text) <= size:
         return [text]
@@ -102,7 +103,7 @@ def _encode_chunk(task: _Task) -> _Encoded:
         pieces: list[str] = []
         counts: list[int] = []
         for t in texts:
-            seg = _segments(t)
+            seg = segments(t)
             pieces += seg
             counts.append(len(seg))
         flat = sp.encode(pieces, out_type=int)
@@ -500,6 +501,7 @@ def _write_manifest(
     reader: _DocumentReader,
     packers: dict[str, _Packer],
     dropped: dict[str, int],
+    part_options: dict[str, Any],
 ) -> None:
     run_stats = {
         **reader.stats.to_dict(),
@@ -518,7 +520,7 @@ def _write_manifest(
         splits=splits,
         sources=reader.sources,
         stats=run_stats,
-        options=asdict(options),
+        options={**asdict(options), **part_options},
     )
     out.put_bytes(MANIFEST_NAME, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
 
@@ -560,12 +562,14 @@ def prepare(
     txt_mode: str = "file",
     max_mb: float | None = None,
     progress: bool = True,
+    part: tuple[int, int] | None = None,
 ) -> Manifest:
     """Tokenise ``inputs`` into shards under ``out_dir``; returns the loaded manifest.
 
     ``val_inputs`` go entirely to the ``val`` split; otherwise a ``val_fraction`` of the
     documents (chosen by a seeded hash of their content) does. ``max_mb`` stops after that
-    many MB of document text (for benchmarks and smoke runs).
+    many MB of document text (for benchmarks and smoke runs). ``part=(i, N)`` prepares part i of
+    N into ``out_dir/part-0000i-of-0000N`` (data_pipeline/parts.py; `parts.join` joins them).
     """
     t_start = time.time()
     options = _Options(
@@ -578,7 +582,9 @@ def prepare(
         txt_mode=txt_mode,
         max_mb=max_mb,
     )
-    files, tok = _preflight(inputs, val_inputs, tokenizer, out_dir, options, workers)
+    if part is not None:
+        out_dir = os.path.join(out_dir, part_dir(*part))
+    files, tok, part_options = _preflight(inputs, val_inputs, tokenizer, out_dir, options, workers, part)
     ext = ext_for_vocab(tok.vocab_size)
     options = replace(options, sequences_per_shard=max(1, int(shard_size_mb * 1e6) // member_size(seq_len + 1, ext)))
     n_workers = workers if workers is not None else (os.cpu_count() or 1)
@@ -595,7 +601,7 @@ def prepare(
         tokenizer_bytes = _tokenizer_bytes(tok, out)
         if tokenizer_bytes is not None:
             out.put_bytes(TOKENIZER_NAME, tokenizer_bytes)
-        _write_manifest(out, tok, options, splits, reader, packers, dropped)
+        _write_manifest(out, tok, options, splits, reader, packers, dropped, part_options)
         manifest = Manifest.load(manifest_path)
     except Exception:  # refused: the folder as it was (an interruption, BaseException, leaves no manifest)
         problems = out.rollback()
@@ -616,12 +622,18 @@ def _preflight(
     out_dir: str,
     options: _Options,
     workers: int | None,
-) -> tuple[list[tuple[str, str]], Tokenizer]:
+    part: tuple[int, int] | None,
+) -> tuple[list[tuple[str, str]], Tokenizer, dict[str, Any]]:
     """Everything that can be refused before a byte is written: the options, the inputs (they
     exist and can be read), the tokenizer (a SentencePiece model), the output path, and at
-    least one usable document. Returns the input files (path, split) and the tokenizer."""
+    least one usable document (in the part's files, for a part). Returns the input files (path,
+    split), the tokenizer and what a part adds to the manifest's options."""
     _check_options(options, workers)
     files = _input_files(inputs, val_inputs)
+    part_options: dict[str, Any] = {}
+    if part is not None:  # the digest of the whole input: the join checks that the parts agree
+        part_options = {"part": list(part), "inputs_sha256": inputs_digest(files)}
+        files = part_files(files, *part)
     tok = load_tokenizer(tokenizer)
     check_output_path(out_dir, "output folder", is_dir=True)
     for path, _ in files:
@@ -630,5 +642,5 @@ def _preflight(
     for path, _ in files:
         documents = iter_file_documents(path, text_field=options.text_field, txt_mode=options.txt_mode, stats=stats)
         if any(True for _ in itertools.islice(documents, 1)):
-            return files, tok
+            return files, tok, part_options
     raise ValueError(f"no usable documents in the {len(files)} input file(s) (stats {stats.to_dict()})")

@@ -40,6 +40,15 @@ class MissingShardError(ShardError, FileNotFoundError):
         self.url, self.reason = url, reason
 
 
+class UnreachableShardError(ShardError):
+    """A shard behind a URL that could not be fetched: access denied, or still failing when the
+    retries' time ran out."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        RuntimeError.__init__(self, f"cannot read shard {url!r}: {reason}")
+        self.url, self.reason = url, reason
+
+
 def ext_for_vocab(vocab_size: int) -> str:
     return "u16" if vocab_size <= 1 << 16 else "u32"
 

@@ -1,4 +1,4 @@
-"""One builder per launcher: launch options (`cli.Resolved`) -> `Plan`."""
+"""One builder per launcher: launch options (`options.Resolved`) -> `Plan`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from launcher.hosts import format_hostfile
 from launcher.plan import Plan
 
 if TYPE_CHECKING:
-    from launcher.cli import Resolved
+    from launcher.options import Resolved
 
 # rank variables of an outer launcher that must not reach ranks started by mpirun or srun
 # (pretrain.distributed.discover() reads RANK/WORLD_SIZE first)
@@ -74,7 +74,7 @@ def build_local(r: Resolved) -> Plan:
 
 # The agent's env for every elastic launch: a rendezvous round rebuilds where the workers' store is
 # (rank 0 of the round serves a new one) instead of keeping the first round's address, which
-# points at a lost node once the rendezvous's first node is gone (pretrain/distributed.py
+# points at a lost node once the rendezvous's first node is gone (pretrain/distributed/rendezvous.py
 # `_round_store` copes with the shared store otherwise).
 ELASTIC_AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
@@ -278,7 +278,7 @@ def container_binds(r: Resolved) -> list[str]:
     paths = {os.getcwd(), os.path.abspath(r.run_dir)}
     if r.config is not None:
         from data_pipeline.manifest import Manifest, is_url
-        from pretrain.training.run_config import data_paths
+        from pretrain.runs.run_config import data_paths
 
         manifests = data_paths(r.config["data"])  # one, or a mixture's sources'
         paths |= {os.path.dirname(p) for p in [*manifests, r.config["ds_config"]] if "://" not in p}

@@ -29,13 +29,12 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from launcher import builders
 from launcher.envvars import DEFAULT_EXPORT_PREFIXES, SECRET
 from launcher.hosts import Host, env_hostfile, parse_hosts, read_hostfile, slurm_allocation_hosts
+from launcher.options import Resolved
 from launcher.plan import Plan
 
 LAUNCHERS = ("local", "deepspeed", "slurm", "mpi")
@@ -267,63 +266,6 @@ class LaunchError(SystemExit):
     def __init__(self, message: str, code: int = 2) -> None:
         super().__init__(message)
         self.code = code
-
-
-@dataclass
-class Resolved:
-    """The launch options after defaults, hostfile and environment are applied (built by `resolve`)."""
-
-    args: argparse.Namespace
-    environ: dict[str, str]
-    hostfile: str | None  # the hostfile `hosts` were read from, None when they were not
-    hosts: list[Host] | None  # with the slots of each; None: this machine only, or the scheduler's choice
-    nodes: int
-    gpus: int  # per node
-    procs: int  # ranks per node
-    world_size: int
-    master_addr: str
-    master_port: int | None
-    entry_module: str
-    entry_args: list[str]
-    config: dict[str, Any] | None  # the resolved run config, when the entry is `grt train`
-    ds_config: dict[str, Any] | None  # its merged DeepSpeed config, checked before anything starts
-    config_path: str | None  # where the run config is written for the ranks
-    run_dir: str
-    launch_dir: str
-    train_args: list[str]  # the entry's arguments after entry_args
-    python: str
-    env: dict[str, str]  # the environment of every rank
-    elastic: tuple[int, int] | None  # --elastic MIN:MAX (nodes), None without
-    max_restarts: int  # torchrun --max-restarts of an elastic launch
-
-    def rank_argv(self) -> list[str]:
-        """The per-rank program after `python`: -m MODULE ARGS..."""
-        return ["-m", self.entry_module] + self.entry_args + self.train_args
-
-    def record(self, argv: Sequence[str]) -> dict[str, object]:
-        return {
-            "grt_launch_argv": [
-                re.sub(r"^([^=]+)=.*", r"\1=<redacted>", a) if SECRET.search(a.split("=", 1)[0]) and "=" in a else a
-                for a in argv
-            ],
-            "train_args": self.train_args,
-            "entry": [self.entry_module] + self.entry_args,
-            "nodes": self.nodes,
-            "procs_per_node": self.procs,
-            "gpus_per_node": self.gpus,
-            "world_size": self.world_size,
-            "hosts": [h for h, _ in self.hosts] if self.hosts else None,
-            "master_addr": self.master_addr,
-            "master_port": self.master_port,
-            "elastic": None
-            if self.elastic is None
-            else {"nodes": list(self.elastic), "max_restarts": self.max_restarts},
-            "config": self.config_path,
-            "rank_env": {k: ("<redacted>" if SECRET.search(k) else v) for k, v in self.env.items()},
-            "launch_host": socket.gethostname(),
-            "cwd": os.getcwd(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
 
 
 def resolve(args: argparse.Namespace, train_args: list[str], environ: dict[str, str]) -> Resolved:
@@ -603,14 +545,14 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
     absolute so that every node reads the same files whatever its working directory.
     Returns (config dict, whether --resume or --branch-from was given: a decay branch's ranks each
     make its checkpoint, pretrain/training/branch.py).  local_world_size > 0: the ranks run on
-    this host, so the data and the checkpoint to resume are checked here, once, before any
-    rank starts (a missing manifest, another tokenizer, a changed schedule).
+    this host, so their start is planned here, once, before any rank starts (start.py: the data,
+    the checkpoint to resume, the budget, every refusal); the config is the plan's.
     """
     from pretrain.config import ConfigError
+    from pretrain.runs.run_config import data_paths, load_manifest, resolve, with_data_paths
     from pretrain.train import build_parser as train_parser
     from pretrain.train import config_from_args
     from pretrain.training.ds_config import resolve_ds_path
-    from pretrain.training.run_config import data_paths, with_data_paths
 
     try:
         targs = train_parser().parse_args(list(train_args))
@@ -618,33 +560,26 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
         raise LaunchError(f"grt train arguments rejected: {' '.join(train_args)}") from e
     try:
         cfg = config_from_args(targs)
-        if cfg.data and (local_world_size or all(os.path.isfile(p) for p in data_paths(cfg.data))):
+        resume = bool(targs.resume or cfg.branch_from)
+        if local_world_size and cfg.data:
+            from pretrain.training.start import plan_start, say
+
+            plan = plan_start(cfg, resume, local_world_size)
+            if plan.resume is not None:  # what the resume changes, said here as the ranks will
+                for line in plan.resume_lines(plan.resume.tag, [], plan.resume.notes):
+                    say(line)
+            cfg = plan.cfg
+        elif cfg.data and all(os.path.isfile(p) for p in data_paths(cfg.data)):
             # the checks that need the data (vocabulary and context follow the tokenizer);
             # skipped when the manifest is only visible from the cluster's nodes
-            from pretrain.training.run_config import apply_token_budget, load_manifest
-            from pretrain.training.run_config import resolve as resolve_with_data
-
-            data = load_manifest(cfg.data)  # read once, for both
-            cfg = resolve_with_data(cfg, data)
-            if local_world_size:  # train.tokens -> train.steps, as each rank will (the resume compares steps)
-                apply_token_budget(cfg, local_world_size, data.seq_len)
-        if local_world_size and cfg.branch_from:  # a decay branch: checked against its source; each rank makes it
-            from pretrain.training.branch import check as check_branch
-
-            cfg = check_branch(cfg, local_world_size)
-        elif local_world_size and targs.resume:
-            from pretrain.training.checkpoint import find_latest
-            from pretrain.training.resume import check_resume
-
-            ckpt_root = Path(cfg.out) / "checkpoints"
-            cfg = check_resume(cfg, ckpt_root, find_latest(ckpt_root), local_world_size)
+            cfg = resolve(cfg, load_manifest(cfg.data))
         config = cfg.to_dict()
         config["data"] = with_data_paths(config["data"], absolute) if config["data"] else ""
     except ConfigError as e:
         raise LaunchError(f"run config: {e}") from e
     config["out"] = absolute(config["out"]) if config["out"] else ""
     config["ds_config"] = os.path.abspath(resolve_ds_path(config["ds_config"]))
-    return config, bool(targs.resume or cfg.branch_from)
+    return config, resume
 
 
 def absolute(path: str) -> str:
@@ -657,9 +592,9 @@ def checked_ds_config(config: dict[str, Any], world_size: int, use_cuda: bool) -
     """The DeepSpeed config every rank will build, merged and checked once, here (with the
     checkpointing mode it allows, so that a refusal is one line, not one per rank)."""
     from pretrain.config import ConfigError
+    from pretrain.runs.run_config import RunConfig
     from pretrain.training.ds_config import merged_ds_config, zero_stage
     from pretrain.training.parallelize import check_checkpointing
-    from pretrain.training.run_config import RunConfig
 
     try:
         cfg = RunConfig.from_dict(config)

@@ -35,6 +35,14 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn", "naive")
 STATE_DTYPES = ("fp32", "weights")
 CORE_KV = ("step", "anchor")  # where a GRT core block's keys and values come from (ModelConfig.core_kv)
 ANCHOR_MODES = ("prelude", "zeros", "embeddings", "previous")
+# where the vocabulary's padding is decided (ModelConfig.pad_vocab_multiple's default): every preset and
+# built model pads to it; a config saved with another multiple (1: a checkpoint from before) keeps its own
+VOCAB_PAD_MULTIPLE = 64
+
+
+def padded_vocab(vocab: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
+    """The head's rows for a vocabulary of `vocab` tokens: the next multiple of `multiple`."""
+    return (vocab + multiple - 1) // multiple * multiple
 
 
 PLACEMENTS = ("whole", "middle", "bottom", "top")  # where the loop sits (Layout.placement; "dense": no loop)
@@ -128,7 +136,9 @@ class ModelConfig:
     d_model: int = 128
     n_heads: int = 4
     vocab_size: int = 50257
-    pad_vocab_multiple: int = 1  # 64 pads 50257 -> 50304 (nanoGPT); logits are sliced back
+    # the head's rows padded to a multiple of this (64: 50257 -> 50304, nanoGPT's), so that its matmuls run
+    # at an aligned width; the padded logits are masked out of the loss and sliced off every output
+    pad_vocab_multiple: int = VOCAB_PAD_MULTIPLE
     max_seq_len: int = 1024
     bias: bool = False  # biases in linears and LayerNorms (HF GPT-2: True)
     tie_embeddings: bool = True
@@ -162,8 +172,7 @@ class ModelConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        m = self.pad_vocab_multiple
-        return (self.vocab_size + m - 1) // m * m
+        return padded_vocab(self.vocab_size, self.pad_vocab_multiple)
 
     @property
     def head_dim(self) -> int:

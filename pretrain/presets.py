@@ -1,9 +1,11 @@
 """Named model presets (the spec's table plus tiny CPU ones) and `grt presets`.
 
 Dense GPT-2 presets use Hugging Face's conventions (biases, vocabulary 50,257), so
-dense-small is GPT-2's 124,439,808 parameters. GRT presets use the authors' nanoGPT
-conventions (no biases, vocabulary padded to 50,304), which reproduce their model
-cards exactly (grt-large 290,196,480; grt-large-isoparams 781,780,480).
+dense-small exports as GPT-2's 124,439,808 parameters. GRT presets use the authors' nanoGPT
+conventions (no biases), which reproduce their model cards exactly (grt-large 290,196,480;
+grt-large-isoparams 781,780,480). Every preset trains with the vocabulary padded to 50,304
+(ModelConfig.pad_vocab_multiple, pretrain/config.py): dense-small trains 47 padded rows more
+than it exports.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from typing import Any
 import torch
 
 from pretrain.config import ConfigError, ModelConfig
-from pretrain.variants import get_variant
+from pretrain.variants import REGISTRY, Baseline, get_variant
 
-HF = dict(bias=True, pad_vocab_multiple=1, vocab_size=50257)
-NANOGPT = dict(bias=False, pad_vocab_multiple=64, vocab_size=50257)
-TINY = dict(bias=False, pad_vocab_multiple=64, vocab_size=4096, max_seq_len=256)
+HF = dict(bias=True, vocab_size=50257)
+NANOGPT = dict(bias=False, vocab_size=50257)
+TINY = dict(bias=False, vocab_size=4096, max_seq_len=256)
 
 
 LOOP_ONLY = dict(gate=False, reinject_anchor=False, state_noise_std=0.0)
@@ -66,14 +68,15 @@ PRESETS: dict[str, ModelConfig] = dict(
                 heads,
                 TINY,
                 **sizing,
-                **get_variant(v).switches(),
-                **({"extra": {"backprop_steps": 2}} if v == "huginn" else {}),
+                **variant.switches(),
+                extra=dict(variant.preset_extra),
             )
             for size, layout, d, heads, sizing in (
                 ("micro", "1+1x3+1", 32, 2, dict(vocab_size=512, max_seq_len=64)),
                 ("tiny", "1+2x4+1", 128, 4, {}),
             )
-            for v in ("huginn", "rrt", "ouro", "mor")
+            for v, variant in REGISTRY.items()
+            if isinstance(variant, Baseline)
         ],
         # the ablation ladder at tiny size: loop only, then add prelude/coda, state noise,
         # prelude re-injection and the gate (ladder-4 is tiny-grt); loop only loops the whole
@@ -101,9 +104,11 @@ PRESETS: dict[str, ModelConfig] = dict(
 # The parameter counts each preset advertises (docs, model cards); a test builds every
 # preset on the meta device and checks it against these.
 ADVERTISED_PARAMS: dict[str, int] = {
-    "dense-small": 124_439_808,
-    "dense-medium": 354_823_168,
-    "dense-large": 774_030_080,
+    # GPT-2's counts (124,439,808; 354,823,168; 774,030,080: the Hugging Face export's) plus the 47 padded
+    # rows of the tied embedding (50,304 - 50,257) that training carries
+    "dense-small": 124_439_808 + 47 * 768,
+    "dense-medium": 354_823_168 + 47 * 1024,
+    "dense-large": 774_030_080 + 47 * 1280,
     "grt-small": 63_611_904,
     "grt-medium": 171_073_536,
     "grt-large": 290_196_480,

@@ -21,14 +21,14 @@ if __name__ == "__main__" and not __package__:
 from pretrain.config import ConfigError, ModelConfig  # noqa: E402
 from pretrain.distributed import discover, run_command  # noqa: E402
 from pretrain.presets import PRESETS, get_preset  # noqa: E402
-from pretrain.training import branch  # noqa: E402
-from pretrain.training.run_config import (  # noqa: E402
+from pretrain.runs.run_config import (  # noqa: E402
     RunConfig,
     apply_overrides,
     choose_model,
     is_model_override,
     load_manifest,
 )
+from pretrain.training import branch  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,10 +156,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.dry_run:
-            print(f"grt train: dry run: {branch.dry_run(cfg) if cfg.branch_from else dry_run(cfg, resume=args.resume)}")
+            print(f"grt train: dry run: {dry_run(cfg, resume=args.resume)}")
             return 0
-        with branch.prepared(cfg):  # a decay branch's checkpoint, made in --out first (nothing otherwise)
-            summary = train(cfg, resume=args.resume or bool(cfg.branch_from))
+        summary = train(cfg, resume=args.resume)
     except ConfigError as err:
         print(f"grt train: error: {err}", file=sys.stderr)
         return 2

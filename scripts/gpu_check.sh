@@ -1,25 +1,28 @@
 #!/usr/bin/env bash
-# The GPU check (docs/gpu.md), planned for the GPU machine's limits: one call of at most 10
-# minutes (15 in all, the machine's start included) that brings back at most 8 files.
+# The GPU check (docs/gpu.md), planned for the GPU machine's limits: 15 minutes of device time in
+# all (the machine's start, 2-3 of them, included), at most 10 minutes a call, at most 8 files back.
 #
-#   scripts/gpu_check.sh [1]     call 1 (under 8 minutes): `grt train` throughput of grt-small and
-#                                dense-small (ZeRO-2 and 3, eager and compiled), then a functional
-#                                smoke at GPT-2 size (train with eval and a checkpoint, resume,
-#                                export, eval, generate)
-#   scripts/gpu_check.sh 2       call 2 (optional): checkpointing modes, the ZeRO-3 persistence A/B,
-#                                medium/large, the bench rows (train-step, loss, precision), compare,
-#                                analyze, decode
+#   scripts/gpu_check.sh [1]     call 1 (280 s of work): `grt train` throughput of grt-small and
+#                                dense-small (ZeRO-2 and 3, eager and compiled)
+#   scripts/gpu_check.sh 2       call 2 (300 s): a functional smoke at GPT-2 size (train with eval and
+#                                a checkpoint, resume, export, eval, generate), `grt bench loss`, the
+#                                host syncs, the ZeRO-3 persistence A/B, checkpointing with compile,
+#                                medium/large, then decode, precision and train-step benches
 #   scripts/gpu_check.sh --cpu [1|2]   the same rows at a tiny size on the CPU (micro presets, seq 64)
-#   scripts/gpu_check.sh --plan [--cpu] [1|2]   print the rows (name, limit, command) without running them
-#                                (it writes only the persistence A/B's DeepSpeed file, which its rows name)
+#   scripts/gpu_check.sh --plan [--cpu] [1|2]   print the call's budget, then its rows (name, limit,
+#                                command), without running them (it writes only the persistence A/B's
+#                                DeepSpeed file, which its rows name)
 #
 # Every row is its own process under `timeout -k`, given at most what is left of the call's budget
-# (GPU_CHECK_BUDGET_S: on the GPU 450 s for call 1 and 540 s for call 2, with --cpu 1800 s; counted from the script's start, the wheels'
-# install included); a row that would start with under 20 s left is recorded as skipped. Each row is
-# printed and appended to $OUT/results.tsv the moment it ends, the tail of its log to $OUT/log.txt, and
-# $OUT/summary.md (the ratios against the goals) is rewritten after it, so a call killed halfway keeps
-# every row it finished. $OUT (default ./gpu_check) gets 5 files: gpu.txt, results.tsv, log.txt,
-# summary.md, bench.txt; runs, shards and full logs go to $GPU_CHECK_WORK (default $TMPDIR/gpu_check_work).
+# (GPU_CHECK_BUDGET_S, counted from the script's start, the wheels' install included). A row that would
+# start with under GPU_CHECK_MIN_LEFT_S (20) left, or that the budget cut, is "skipped (budget)". A failed
+# `data` row or first training row ends the call at once: every row after it needs it. Each row is
+# printed and appended to $OUT/results.tsv the moment it ends, its log to $OUT/log.txt (the last 40
+# lines, a failed row's whole log) and to $OUT/logs.tar.gz (every row's whole log), and $OUT/summary.md
+# is rewritten after it, so a call killed halfway keeps every row it finished. $OUT (default
+# ./gpu_check; emptied, not removed: it may be a mount point) gets 6 files: env.txt, results.tsv,
+# log.txt, logs.tar.gz, summary.md, bench.txt; runs, shards and caches go to $GPU_CHECK_WORK (default
+# $TMPDIR/gpu_check_work).
 #
 #   GPU_CHECK_ROWS='^(data|perf-)' scripts/gpu_check.sh   only the rows whose name matches (a bash regex)
 set -uo pipefail
@@ -36,35 +39,42 @@ done
 started=$(date +%s)
 out="${OUT:-gpu_check}"
 work="${GPU_CHECK_WORK:-${TMPDIR:-/tmp}/gpu_check_work}"
-budget="${GPU_CHECK_BUDGET_S:-$([ "$cpu" = 1 ] && echo 1800 || { [ "$call" = 1 ] && echo 450 || echo 540; })}"  # the CPU only checks the rows
+# the device call's timeout_s is the budget plus SPARE_S: the env file, the last archive, the transfers
+SPARE_S=20
+budget="${GPU_CHECK_BUDGET_S:-$([ "$cpu" = 1 ] && echo 1800 || { [ "$call" = 1 ] && echo 280 || echo 300; })}"
+min_left="${GPU_CHECK_MIN_LEFT_S:-20}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# the rows share one compile cache: a later row reuses the kernels an earlier one compiled
+export TORCHINDUCTOR_CACHE_DIR="$work/cache/inductor" TRITON_CACHE_DIR="$work/cache/triton"
 
 if [ "$cpu" = 1 ]; then
-  export CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=1
+  # TRITON_INTERPRET: the fused gate's Triton kernel runs (interpreted) in the eager rows, as on CUDA
+  export CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=1 TRITON_INTERPRET=1
   grt_small=micro-grt dense_small=micro-dense grt_medium=micro-grt grt_large=micro-grt
-  seq=64 mbs=2 perf_steps=6 log_every=3 smoke_steps=4 resume_steps=6 eval_batches=1 compare_tokens=2048  # 2 logged windows a perf row
-  limit_train=240 limit_compiled=400 limit_other=240
-  decode=(--prompt-len 16 --new-tokens 16) bench_tokens=1024 bench_d=64 bench_heads=4 precision=(micro-grt 20)
+  seq=64 mbs=2 perf_steps=6 log_every=3 smoke_steps=4 resume_steps=6 eval_batches=1  # 2 logged windows a perf row
+  limit_train=240 limit_big=240 limit_compiled=400 limit_other=240
+  decode=(--prompt-len 16 --new-tokens 16) bench_d=64 bench_heads=4 precision=(micro-grt 20)
 else
   grt_small=grt-small dense_small=dense-small grt_medium=grt-medium grt_large=grt-large
-  seq=1024 mbs=16 perf_steps=60 log_every=10 smoke_steps=20 resume_steps=30 eval_batches=4 compare_tokens=2000000
-  limit_train=150 limit_compiled=240 limit_other=150
-  decode=() bench_tokens=16384 bench_d=768 bench_heads=12 precision=(tiny-grt 100)
+  seq=1024 mbs=16 perf_steps=40 log_every=10 smoke_steps=20 resume_steps=30 eval_batches=4
+  limit_train=60 limit_big=90 limit_compiled=100 limit_other=60
+  decode=() bench_d=768 bench_heads=12 precision=(tiny-grt 100)
 fi
 data="$work/data/manifest.json"
 tokenizer=examples/tokenizers/gutenberg-50257.model  # GPT-2's vocabulary size: the head and loss cost what they cost
 
+# empty DIR: made if absent, its contents removed (the folder itself may be a mount point)
+empty() { mkdir -p "$1" && find "$1" -mindepth 1 -delete; }
+
 if [ "$plan" = 0 ]; then
-  rm -rf "$out" "$work" && mkdir -p "$out" "$work/logs" || exit 1
+  empty "$out" && empty "$work" && mkdir -p "$work/logs" || exit 1
   : > "$out/results.tsv"; : > "$out/log.txt"; : > "$out/bench.txt"; : > "$out/summary.md"
-  if [ "$cpu" = 0 ]; then
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
-  fi
-  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" >> "$out/gpu.txt" 2>&1
   . scripts/gpu_env.sh
   gpu_env_install || exit 1
+  gpu_env_record "$out/env.txt"
 else
   mkdir -p "$work"
+  printf '# call %s: budget %s s, timeout_s %s\n' "$call" "$budget" "$((budget + SPARE_S))"
 fi
 # the ZeRO-3 persistence A/B's other arm: DeepSpeed's default threshold of 1e5 elements
 python3 - "$work/zero3-persist1e5.json" <<'EOF'
@@ -77,25 +87,36 @@ EOF
 # record NAME SECONDS TOKENS_S MFU PEAK_MB RESULT: one line of results.tsv, printed as it is written
 record() {
   printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$call" "$2" "$3" "$4" "$5" "$6" >> "$out/results.tsv"
-  printf 'gpu_check: %-40s %-8s %6ss  %s tok/s  MFU %s%%  peak %s MB\n' "$1" "$6" "$2" "$3" "$4" "$5"
+  printf 'gpu_check: %-40s %-16s %6ss  %s tok/s  MFU %s%%  peak %s MB\n' "$1" "$6" "$2" "$3" "$4" "$5"
 }
+
+# after each row: the whole logs archived and the summary rewritten, each written whole then renamed,
+# so that a call killed meanwhile keeps the previous ones, never half of one
+publish() {
+  tar -czf "$work/logs.tar.gz" -C "$work" logs && mv "$work/logs.tar.gz" "$out/logs.tar.gz"
+  python3 scripts/gpu_check_summary.py "$out/results.tsv" > "$work/summary.md" && mv "$work/summary.md" "$out/summary.md"
+}
+
+wanted() { [[ $1 =~ ${GPU_CHECK_ROWS:-.} ]]; }
 
 # row NAME LIMIT_S COMMAND...: run it under `timeout` (at most what is left of the budget), then record
 # it. A training row's tokens/s and MFU are over its logged windows after the first (warm-up and compile).
+# With gate=1 (the data row, the first training row) a failure ends the call.
 row() {
-  local name=$1 limit=$2 left start rc log seconds status tps mfu peak
+  local name=$1 limit=$2 left start rc log seconds status tps mfu peak cut=0
   shift 2
-  [[ $name =~ ${GPU_CHECK_ROWS:-.} ]] || return 0
+  wanted "$name" || return 0
   if [ "$plan" = 1 ]; then
     printf '%s\t%s\t%s\n' "$name" "$limit" "$(printf '%q ' "$@")"
     return 0
   fi
   left=$(( budget - ($(date +%s) - started) ))
-  if (( left < 20 )); then
-    record "$name" 0 - - - "skipped (budget of ${budget}s spent)"
+  if (( left < min_left )); then
+    record "$name" 0 - - - "skipped (budget)"
+    publish
     return 0
   fi
-  (( limit > left )) && limit=$left
+  (( limit > left )) && { limit=$left; cut=1; }
   log="$work/logs/$name.log"
   # `grt` is the checkout's own CLI: the GPU machine has the dependencies' wheels, not this package installed
   [ "$1" = grt ] && { shift; set -- python3 -m pretrain.cli "$@"; }
@@ -105,24 +126,43 @@ row() {
   rc=$?
   seconds=$(awk -v s="$start" -v e="$(date +%s%N)" 'BEGIN { printf "%.1f", (e - s) / 1e9 }')
   status=pass
-  [ "$rc" = 0 ] || status="FAIL (exit $rc$([ "$rc" = 124 ] && echo ": timed out after ${limit}s"))"
+  if [ "$rc" != 0 ]; then
+    if [ "$cut" = 1 ] && { [ "$rc" = 124 ] || [ "$rc" = 137 ]; }; then
+      status="skipped (budget)"  # stopped by what was left of the budget, not by its own limit
+    else
+      status="FAIL (exit $rc$([ "$rc" = 124 ] && echo ": timed out after ${limit}s"))"
+    fi
+  fi
   # harmonic means over the windows after the first: equal tokens per window, so tokens over time
   tps=$(grep -o '[0-9.]* tok/s' "$log" | awk 'NR > 1 { n++; s += 1 / $1 } END { if (n) printf "%.0f", n / s; else print "-" }')
   mfu=$(grep -o 'MFU [0-9.]*%' "$log" | tr -d '%' | awk 'NR > 1 { n++; s += 1 / $2 } END { if (n) printf "%.2f", n / s; else print "-" }')
   peak=$(grep -o 'peak mem [0-9]* MB' "$log" | tail -1 | awk '{ print $3 }')
-  { echo "===== $name ($status, ${seconds}s): the last 40 lines of its log"; tail -40 "$log"; } >> "$out/log.txt"
+  if [ "$status" = pass ]; then
+    { echo "===== $name ($status, ${seconds}s): the last 40 lines of its log"; tail -40 "$log"; } >> "$out/log.txt"
+  else
+    { echo "===== $name ($status, ${seconds}s): its whole log"; cat "$log"; } >> "$out/log.txt"
+  fi
   grep -q '^# reproduce' "$log" && { echo "## $name"; sed -n '/^# reproduce/,$p' "$log"; echo; } >> "$out/bench.txt"
   record "$name" "$seconds" "$tps" "$mfu" "${peak:--}" "$status"
-  # written whole, then renamed: a call killed meanwhile keeps the previous summary, never half of one
-  python3 scripts/gpu_check_summary.py "$out/results.tsv" > "$work/summary.md" && mv "$work/summary.md" "$out/summary.md"
+  publish
+  if [ "${gate:-0}" = 1 ] && [[ $status == FAIL* ]]; then
+    echo "gpu_check: $name failed, and the rows after it need it: the call ends here. Its whole log:" >&2
+    cat "$log" >&2
+    exit 1
+  fi
 }
 
-# train ROW LIMIT PRESET STAGE STEPS RUN [args]: `grt train` at the check's sequence length and micro-batch
+# train ROW LIMIT PRESET STAGE STEPS RUN [args]: `grt train` at the check's sequence length and micro-batch,
+# in bf16 (what `auto` is on CUDA; on the CPU, so that --cpu rehearses DeepSpeed's bf16 mode). The call's
+# first training row is a gate.
+first_train=1
 train() {
-  local name=$1 limit=$2 preset=$3 stage=$4 steps=$5 run=$6
+  local name=$1 limit=$2 preset=$3 stage=$4 steps=$5 run=$6 gate=0
   shift 6
+  wanted "$name" && { gate=$first_train; first_train=0; }
   row "$name" "$limit" grt train --preset "$preset" --data "$data" --out "$work/$run" --steps "$steps" \
-    --micro-batch-size "$mbs" --ds-config "ds_configs/zero$stage.json" --set "train.log_every=$log_every" "$@"
+    --micro-batch-size "$mbs" --ds-config "ds_configs/zero$stage.json" --set "train.log_every=$log_every" \
+    --set train.precision=bf16 "$@"
 }
 
 # perf ROW PRESET STAGE COMPILE CHECKPOINTING [args]: a throughput row at the trained depth R every step (the
@@ -147,8 +187,16 @@ smoke() {  # train with eval and a checkpoint, resume it, export, eval, generate
   row smoke-generate "$limit_other" grt generate "$work/export" --prompt "ROMEO:" --max-new-tokens 32 --kv-cache first
 }
 
-row data "$limit_other" grt data prepare -i examples/data/tinyshakespeare.txt --txt-mode paragraph -t "$tokenizer" \
-  -o "$work/data" --seq-len "$seq" --shard-size-mb 1 --val-fraction 0.05 -q
+# syncs ROW STAGE: the host syncs of `grt train` per step by call site, with the time the host waited in each
+syncs() {
+  row "$1" "$limit_train" python3 scripts/gpu_syncs.py "$work/$1.json" --preset "$grt_small" --data "$data" \
+    --out "$work/run-$1" --steps 12 --micro-batch-size "$mbs" --ds-config "ds_configs/zero$2.json" \
+    --set train.log_every=4 --set train.precision=bf16 --set train.depth_sampling=fixed --set train.eval_every=0 \
+    --set train.save_every=0 --set train.save_final=false
+}
+
+gate=1 row data "$limit_other" grt data prepare -i examples/data/tinyshakespeare.txt --txt-mode paragraph \
+  -t "$tokenizer" -o "$work/data" --seq-len "$seq" --shard-size-mb 1 --val-fraction 0.05 -q
 if [ "$call" = 1 ]; then
   for compile in false true; do
     for stage in 2 3; do
@@ -157,39 +205,35 @@ if [ "$call" = 1 ]; then
       done
     done
   done
-  smoke
 else
-  # checkpointing modes: selective composed with compile (ZeRO-2: ZeRO-3 refuses selective), loop_step
-  perf "ckpt-$grt_small-z2-selective-eager" "$grt_small" 2 false selective
-  perf "ckpt-$grt_small-z2-selective-compiled" "$grt_small" 2 true selective
-  perf "ckpt-$grt_small-z2-loop_step-compiled" "$grt_small" 2 true loop_step
-  perf "ckpt-$grt_small-z3-loop_step-compiled" "$grt_small" 3 true loop_step
+  # in the order of what a row tells that no other does: the rows at the end are the first the budget cuts
+  smoke
+  row bench-loss "$limit_other" grt bench loss  # its flags are its own (pretrain/tools/bench.py)
+  syncs syncs-z2 2
+  syncs syncs-z3 3
   # the ZeRO-3 knob with the depth changing every step: every parameter resident (the trainer's setting
   # on one GPU, perf-*-z3 rows of call 1) against DeepSpeed's 1e5
   perf "persist-$grt_small-z3-1e5-uniform" "$grt_small" 3 false off --ds-config "$work/zero3-persist1e5.json" \
     --set train.depth_sampling=uniform
   perf "persist-$grt_small-z3-trainer-uniform" "$grt_small" 3 false off --set train.depth_sampling=uniform
+  # checkpointing composed with compile (ZeRO-2: ZeRO-3 refuses selective)
+  perf "ckpt-$grt_small-z2-loop_step-compiled" "$grt_small" 2 true loop_step
+  perf "ckpt-$grt_small-z2-selective-compiled" "$grt_small" 2 true selective
   # medium and large on one GPU, checkpointing as `auto` picks it
-  perf "medium-$grt_medium-z3-auto" "$grt_medium" 3 false auto
-  perf "large-$grt_large-z3-auto" "$grt_large" 3 false auto
-  row bench-loss "$limit_other" grt bench loss --tokens "$bench_tokens" --d-model "$bench_d"
+  limit_train=$limit_big perf "medium-$grt_medium-z3-auto" "$grt_medium" 3 false auto
+  limit_train=$limit_big perf "large-$grt_large-z3-auto" "$grt_large" 3 false auto
+  row bench-decode "$limit_other" grt bench decode --model "$work/export" --dense-preset "$dense_small" \
+    --batch-sizes 1 ${decode[@]+"${decode[@]}"} --json "$work/decode.json"
   row bench-precision "$limit_other" grt bench precision --preset "${precision[0]}" --train-steps "${precision[1]}" \
     --seq-len 64
   row bench-train-step "$limit_compiled" grt bench train-step --layout 1+1x10+1 --d-model "$bench_d" --n-heads "$bench_heads" \
     --seq-len "$seq" --batch "$mbs" --vocab 50257 --steps 10 --warmup 3 --dtype bf16 --compile
-  row compare "$limit_compiled" grt compare --configs "$grt_small,$dense_small" --data "$data" --out "$work/compare" \
-    --tokens "$compare_tokens" --micro-batch-size "$mbs" --evals 1 --eval-batches "$eval_batches"
-  smoke
-  row analyze "$limit_other" grt analyze "$work/export" --out "$work/analysis" --data "$data" \
-    --max-batches "$eval_batches" --freq-batches 2
-  row bench-decode "$limit_other" grt bench decode --model "$work/export" --dense-preset "$dense_small" \
-    --batch-sizes 1 ${decode[@]+"${decode[@]}"} --json "$work/decode.json"
 fi
 
 [ "$plan" = 1 ] && exit 0
 echo
 cat "$out/summary.md"
 if grep -q $'\tFAIL' "$out/results.tsv"; then
-  echo "gpu_check: some rows failed; the tail of each row's log is in $out/log.txt" >&2
+  echo "gpu_check: some rows failed; their whole logs are in $out/log.txt (every row's in $out/logs.tar.gz)" >&2
   exit 1
 fi

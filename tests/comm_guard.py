@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._pytree import tree_flatten, tree_map  # noqa: E402
 
 import pretrain.distributed as pd  # noqa: E402
+import pretrain.distributed.collectives as collectives  # noqa: E402
 
 COMM = torch.device("meta")
 VIOLATIONS = sys.argv[1]
@@ -178,7 +179,9 @@ COLLECTIVES = (
 
 def main() -> int:
     open(VIOLATIONS, "w").close()
-    pd.comm_device, pd.all_reduce = comm_device, all_reduce  # before any command module imports them
+    # in the package and in the module that defines them (its own callers), before any command module imports them
+    for module in (pd, collectives):
+        module.comm_device, module.all_reduce = comm_device, all_reduce
     for name in COLLECTIVES:
         setattr(dist, name, guard_collective(name))
     if sys.argv[2] == "-m":

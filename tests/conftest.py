@@ -18,50 +18,56 @@ def demo_text() -> Path:
     return DEMO_TEXT
 
 
+def shared_dir(tmp_path_factory) -> Path:
+    """A folder every pytest-xdist worker of this run sees (the run's base temp folder; the
+    workers' own are below it); without xdist, this process's base temp folder."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def made_once(root: Path, name: str, make) -> Path:
+    """<root>/<name>, made by make(path) by the first worker to ask, under a file lock: the
+    others wait for it instead of making their own."""
+    from filelock import FileLock
+
+    path, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            make(path)
+            done.touch()
+    return path
+
+
 @pytest.fixture(scope="session")
 def shards(tmp_path_factory, demo_text) -> Path:
     """A tokenizer (vocab 512) and seq-64 shards of the bundled text with a validation
-    split, made once per test session with the real `grt data` commands."""
+    split, made once per test run with the real `grt data` commands."""
+    from commands import data_commands, manifest_of
     from multiproc import grt
 
-    d = tmp_path_factory.mktemp("data")
-    for args in (
-        [
-            "data",
-            "tokenizer",
-            "-i",
-            str(demo_text),
-            "--txt-mode",
-            "paragraph",
-            "--vocab-size",
-            "512",
-            "-o",
-            str(d / "tok"),
-            "-q",
-        ],
-        [
-            "data",
-            "prepare",
-            "-i",
-            str(demo_text),
-            "--txt-mode",
-            "paragraph",
-            "-t",
-            str(d / "tok.model"),
-            "-o",
-            str(d / "shards"),
-            "--seq-len",
-            "64",
-            "--shard-size-mb",
-            "0.1",
-            "--val-fraction",
-            "0.05",
-            "-q",
-        ],
-    ):
-        r = grt(*args)
-        assert r.returncode == 0, r.stderr
-    return d / "shards" / "manifest.json"
+    def make(d: Path) -> None:
+        for args in data_commands(demo_text, d):
+            r = grt(*args)
+            assert r.returncode == 0, r.stderr
+
+    return manifest_of(made_once(shared_dir(tmp_path_factory), "data", make))
+
+
+# Modules whose tests must not run beside each other's (one xdist worker runs them in turn):
+# namespace clusters and Slurm clusters share /etc/netns and /run/sshd, which the last
+# cluster to stop removes.
+CLUSTER_MODULES = ("test_launcher_slurm.py", "test_multinode.py", "test_elastic.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks (--dist loadgroup)
+def pytest_collection_modifyitems(items):
+    """Each module is one unit of work for pytest-xdist (its module and session fixtures are
+    made once, on one worker), the cluster modules together."""
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        module = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group("cluster" if item.path.name in CLUSTER_MODULES else module))
 
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # transformers and lm-eval never reach a hub

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from commands import data_commands, manifest_of, train_command
 from multiproc import free_port
 
 from data_pipeline.loader import DIGEST_MOD
@@ -40,49 +41,9 @@ def cli(*args: str) -> list[str]:
 def build_data(root: Path) -> Path:
     """Tokenizer + shards of the demo text under `root`; returns the manifest path."""
     root.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        cli(
-            "data",
-            "tokenizer",
-            "-i",
-            str(TEXT),
-            "--txt-mode",
-            "paragraph",
-            "--vocab-size",
-            "512",
-            "-o",
-            str(root / "tok"),
-            "-q",
-        ),
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-    )
-    subprocess.run(
-        cli(
-            "data",
-            "prepare",
-            "-i",
-            str(TEXT),
-            "--txt-mode",
-            "paragraph",
-            "-t",
-            str(root / "tok.model"),
-            "-o",
-            str(root / "shards"),
-            "--seq-len",
-            "64",
-            "--shard-size-mb",
-            "0.1",
-            "--val-fraction",
-            "0.05",
-            "-q",
-        ),
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-    )
-    return root / "shards" / "manifest.json"
+    for args in data_commands(TEXT, root):
+        subprocess.run(cli(*args), cwd=REPO, check=True, capture_output=True)
+    return manifest_of(root)
 
 
 def train_args(
@@ -94,23 +55,7 @@ def train_args(
     ds_config: str = "ds_configs/zero3.json",
     micro_batch_size: int = 4,
 ) -> list[str]:
-    args = [
-        "train",
-        "--preset",
-        "micro-grt",
-        "--data",
-        str(data),
-        "--out",
-        str(out),
-        "--steps",
-        str(steps),
-        "--micro-batch-size",
-        str(micro_batch_size),
-        "--ds-config",
-        ds_config,
-    ]
-    for s in (*BASE_SETS, *sets):
-        args += ["--set", s]
+    args = train_command("micro-grt", data, out, steps, micro_batch_size, ds_config, (*BASE_SETS, *sets))
     if resume:
         args.append("--resume")
     return args

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 
+from commands import data_commands, manifest_of
 from multiproc import free_port  # noqa: F401 - the tests' one port picker (reserved, collision-free)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -120,40 +121,7 @@ def tiny_shards() -> str:
     if "manifest" in _SHARDS:
         return _SHARDS["manifest"]
     d = tempfile.mkdtemp(prefix="grt-launch-shards-")
-    for args in (
-        [
-            "data",
-            "tokenizer",
-            "-i",
-            DEMO_TEXT,
-            "--txt-mode",
-            "paragraph",
-            "--vocab-size",
-            "512",
-            "-o",
-            os.path.join(d, "tok"),
-            "-q",
-        ],
-        [
-            "data",
-            "prepare",
-            "-i",
-            DEMO_TEXT,
-            "--txt-mode",
-            "paragraph",
-            "-t",
-            os.path.join(d, "tok.model"),
-            "-o",
-            os.path.join(d, "shards"),
-            "--seq-len",
-            "64",
-            "--shard-size-mb",
-            "0.1",
-            "--val-fraction",
-            "0.05",
-            "-q",
-        ],
-    ):
+    for args in data_commands(DEMO_TEXT, d):
         r = subprocess.run(
             [sys.executable, "-m", "pretrain.cli", *args],
             cwd=ROOT,
@@ -163,7 +131,7 @@ def tiny_shards() -> str:
             timeout=300,
         )
         assert r.returncode == 0, r.stderr[-3000:]
-    _SHARDS["manifest"] = os.path.join(d, "shards", "manifest.json")
+    _SHARDS["manifest"] = str(manifest_of(d))
     return _SHARDS["manifest"]
 
 

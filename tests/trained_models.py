@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from commands import data_commands, manifest_of, train_command
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_TEXT = REPO / "examples" / "data" / "tinyshakespeare.txt"
@@ -50,69 +51,17 @@ def data() -> Path:
     """Tokenizer (vocab 512) and shards (seq 64, 5% validation) from the demo text."""
     root = _root() / "data"
     root.mkdir()
-    grt(
-        "data",
-        "tokenizer",
-        "-i",
-        str(DEMO_TEXT),
-        "--txt-mode",
-        "paragraph",
-        "--vocab-size",
-        "512",
-        "-o",
-        str(root / "tok"),
-        "-q",
-    )
-    grt(
-        "data",
-        "prepare",
-        "-i",
-        str(DEMO_TEXT),
-        "--txt-mode",
-        "paragraph",
-        "-t",
-        str(root / "tok.model"),
-        "-o",
-        str(root / "shards"),
-        "--seq-len",
-        "64",
-        "--shard-size-mb",
-        "0.2",
-        "--val-fraction",
-        "0.05",
-        "-q",
-    )
-    return root / "shards" / "manifest.json"
+    for args in data_commands(DEMO_TEXT, root, 512, 0.2):
+        grt(*args)
+    return manifest_of(root)
 
 
 @functools.cache
 def train(preset: str, steps: int, lr: float = 3e-3, eval_batches: int = EVAL_BATCHES) -> Path:
     out = _root() / f"{preset}-{steps}"
-    grt(
-        "train",
-        "--preset",
-        preset,
-        "--data",
-        str(data()),
-        "--out",
-        str(out),
-        "--steps",
-        str(steps),
-        "--micro-batch-size",
-        "8",
-        "--set",
-        "train.warmup_steps=10",
-        "--set",
-        f"train.lr={lr}",
-        "--set",
-        f"train.eval_every={steps}",
-        "--set",
-        f"train.eval_batches={eval_batches}",
-        "--set",
-        "train.log_every=50",
-        "--ds-config",
-        "ds_configs/zero3.json",
-    )
+    sets = ["train.warmup_steps=10", f"train.lr={lr}", f"train.eval_every={steps}"]
+    sets += [f"train.eval_batches={eval_batches}", "train.log_every=50"]
+    grt(*train_command(preset, data(), out, steps, 8, "ds_configs/zero3.json", sets))
     assert (out / "summary.json").is_file()
     return out
 
@@ -194,7 +143,8 @@ def write_export(model, out: Path, tokenizer: Path | None = None, run_config: di
     """An export directory (as `grt export` writes it) for a model built in the test."""
     from safetensors.torch import save_file
 
-    from pretrain.infer.load import WEIGHTS, state_for_saving
+    from pretrain.infer.load import WEIGHTS
+    from pretrain.model.weights import state_for_saving
 
     out.mkdir(parents=True, exist_ok=True)
     model.cfg.save(out / "config.json")

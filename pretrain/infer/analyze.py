@@ -1,6 +1,5 @@
 """`grt analyze`: the paper's analyses of a trained GRT (spec section 5), as one Markdown
-report with a JSON twin and plots. (About 400 lines: the measures, the one data pass, the
-plots and the report of one command, which change together.)
+report with a JSON twin and plots (those two: pretrain/infer/analyze_report.py).
 
 On held-out batches (the manifest's validation split):
 - loss at each exit depth 0..R;
@@ -41,19 +40,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from data_pipeline.files import atomic_savefig, atomic_write_text
+from data_pipeline.files import atomic_write_text, check_output_path
 from data_pipeline.manifest import Manifest
 from pretrain.config import ConfigError, ModelConfig
+from pretrain.infer.analyze_report import markdown, plots
 from pretrain.infer.scoring import Batch, check_batches, jsonable, lm_sums, val_batches
 from pretrain.model import GPT, LoopStep
 from pretrain.model.flops import flops_per_token
 from pretrain.model.layers import AttentionContext
-from pretrain.training.run_config import data_sources
+from pretrain.runs.run_config import data_sources
 from pretrain.variants import block_flops
 
 if TYPE_CHECKING:
-    from matplotlib.figure import Figure
-
     from data_pipeline.tokenizer import Tokenizer
 
 BUCKETS = ("punctuation", "frequent", "medium", "rare")
@@ -183,10 +181,28 @@ def variance_share(a_sum: torch.Tensor, a_sq: torch.Tensor, b_sum: torch.Tensor,
 
 
 def _grt_loop(model: GPT) -> LoopStep:
-    """The GRT's loop step, whose projection and gate the analyses read."""
-    if not isinstance(model.loop, LoopStep):
-        raise ConfigError(f"grt analyze needs a looped GRT, got layout {model.cfg.layout!r}")
+    """The GRT's loop step, whose projection and gate the analyses read; refused, in one line, for a
+    model whose loop is not the GRT's (the analyses force its gates and replace its anchor)."""
+    if not isinstance(model.loop, LoopStep) or not model.runs_grt_loop():
+        raise ConfigError(
+            f"grt analyze needs a GRT (a looped model whose gates can be forced and anchor replaced), got "
+            f"variant {model.cfg.variant!r} with layout {model.cfg.layout!r}"
+        )
     return model.loop
+
+
+def check_models(model: GPT, dense: GPT | None, dense_path: str = "") -> LoopStep:
+    """Refuse a pair the analyses cannot use (the model's structure suffices: the meta device
+    serves); the GRT's loop step."""
+    loop = _grt_loop(model)
+    if dense is not None and dense.loop is not None:
+        raise ConfigError(f"--dense {dense_path}: expected a dense model, got layout {dense.cfg.layout!r}")
+    if dense is not None and dense.cfg.vocab_size != model.cfg.vocab_size:
+        raise ConfigError(
+            f"--dense: vocabulary {dense.cfg.vocab_size} differs from the GRT's "
+            f"{model.cfg.vocab_size}; CKA and the early-exit comparison need the same tokens"
+        )
+    return loop
 
 
 # -- one pass over the data -----------------------------------------------------------------
@@ -321,14 +337,7 @@ def analyze(
     seed: int = 1234,
     dense: GPT | None = None,
 ) -> dict[str, Any]:
-    if model.cfg.variant != "grt":
-        raise ConfigError(f"grt analyze needs a GRT (variant 'grt'), got variant {model.cfg.variant!r}")
-    loop = _grt_loop(model)
-    if dense is not None and dense.cfg.vocab_size != model.cfg.vocab_size:
-        raise ConfigError(
-            f"--dense: vocabulary {dense.cfg.vocab_size} differs from the GRT's "
-            f"{model.cfg.vocab_size}; CKA and the early-exit comparison need the same tokens"
-        )
+    loop = check_models(model, dense)
     R = model.max_loops
     batches = list(val_batches(manifest, batch_size, None, max_batches, seed))
     if not batches:
@@ -397,223 +406,6 @@ def analyze(
     return res
 
 
-def plots(res: dict[str, Any], out: Path) -> dict[str, str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    files = {}
-    R = res["trained_loops"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ee = res["early_exit"]
-    for key, mark, name in (("grt", "o", "GRT"), ("dense", "s", "dense")):
-        if key not in ee:
-            continue
-        curve = ee[key]
-        x = [f / 1e6 for f in curve["flops_per_token"]]
-        ax.plot(x, curve["loss"], marker=mark, label=f"{name} ({curve['layout']})")
-        for xi, yi, r in zip(x, curve["loss"], curve["depths"]):
-            ax.annotate(str(r), (xi, yi), textcoords="offset points", xytext=(3, 3), fontsize=7)
-    ax.set_xlabel("forward MFLOPs per token (labels: exit depth; dense: layers run)")
-    ax.set_ylabel("validation loss")
-    ax.set_title("early exit against compute")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    _save(fig, out / "loss_by_depth.png")
-    files["loss_by_depth"] = "loss_by_depth.png"
-    if res["cka"]:
-        fig, ax = plt.subplots(figsize=(4.5, 4))
-        im = ax.imshow(res["cka"], vmin=0, vmax=1, cmap="viridis")
-        ax.set_xlabel("loop state s_r")
-        ax.set_ylabel("loop state s_r")
-        ax.set_title("linear CKA")
-        fig.colorbar(im)
-        _save(fig, out / "cka.png")
-        files["cka"] = "cka.png"
-    if res.get("cka_dense"):
-        m = res["cka_dense"]["matrix"]
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        im = ax.imshow(m, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-        ax.set_xlabel("dense layer (0 = embeddings)")
-        ax.set_ylabel("loop state s_r")
-        ax.set_title("linear CKA: GRT loop states vs dense layers")
-        fig.colorbar(im)
-        _save(fig, out / "cka_dense.png")
-        files["cka_dense"] = "cka_dense.png"
-    if res["buckets"]:
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        for name, b in res["buckets"].items():
-            ax.plot(range(1, R + 1), [100 * v for v in b["recovered_by_step"]], marker="o", label=name)
-        ax.set_xlabel("loop step")
-        ax.set_ylabel("% of depth-0 loss recovered")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        _save(fig, out / "buckets.png")
-        files["buckets"] = "buckets.png"
-    if res["gate_mean_by_step"]:
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        steps = range(1, R + 1)
-        ax.plot(steps, res["gate_mean_by_step"], marker="o", label="mean gate")
-        if res["gate_state_share_by_step"]:
-            ax.plot(steps, res["gate_state_share_by_step"], marker="s", label="state share of gate-input variance")
-        ax.set_xlabel("loop step")
-        ax.set_ylim(0, 1)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        _save(fig, out / "gates.png")
-        files["gates"] = "gates.png"
-    return files
-
-
-def _save(fig: Figure, path: Path) -> None:
-    """Lay the figure out, write it (complete or absent) and close it."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    atomic_savefig(fig, path, dpi=120)
-    plt.close(fig)
-
-
-def _exit_table(name: str, curve: dict[str, Any]) -> str:
-    """One model's early-exit rows: depth, FLOPs per token, loss, gain over the minimum depth."""
-    unit = curve["depth_unit"]
-    rows = [f"{name} (`{curve['layout']}`, depth = {unit}):", "", f"| depth ({unit}) | MFLOPs/token | loss | gain |"]
-    rows.append("|---|---|---|---|")
-    rows += [
-        f"| {r} | {f / 1e6:.2f} | {v:.4f} | {curve['loss'][0] - v:+.4f} |"
-        for r, f, v in zip(curve["depths"], curve["flops_per_token"], curve["loss"])
-    ]
-    return "\n".join(rows) + "\n"
-
-
-def _half_line(h: dict[str, Any]) -> str:
-    if h["depth"] is None:
-        return "none: no exit depth at or under half the full depth's FLOPs"
-    at = f"depth {h['depth']}, {h['flops'] / 1e6:.2f} of {2 * h['half_flops'] / 1e6:.2f} MFLOPs"
-    if h["share"] is None:
-        return f"undefined: no gain at the full depth ({at})"
-    return f"{100 * h['share']:.1f}% ({at}; gain {h['gain']:.4f} of {h['full_gain']:.4f})"
-
-
-def markdown(res: dict[str, Any], files: dict[str, str], title: str) -> str:
-    R = res["trained_loops"]
-    L = [
-        f"# {title}",
-        "",
-        f"Layout `{res['layout']}`, R = {R}; {res['tokens']:,} validation tokens.",
-        "",
-        "## Early exit: loss by exit depth, against compute",
-        "",
-    ]
-    ee = res["early_exit"]
-    curves = [(name, ee[key]) for key, name in (("grt", "GRT"), ("dense", "dense")) if key in ee]
-    L += [_exit_table(name, curve) for name, curve in curves]
-    L += [
-        f"Forward FLOPs per token at sequence length {ee['seq_len']} (the spec's formula, pretrain/model/flops.py); "
-        "gain = loss at the minimum depth - loss at the depth. Share of the full-depth gain kept at half the "
-        "compute (the depth with the most FLOPs not above half the full depth's; docs/evaluation.md):",
-        "",
-    ]
-    L += [f"- {name}: {_half_line(curve['half_compute'])}" for name, curve in curves]
-    if "loss_by_depth" in files:
-        L += ["", f"![loss by depth]({files['loss_by_depth']})"]
-    if res["gate_forcing"]:
-        g = res["gate_forcing"]
-        L += [
-            "",
-            "## Gate forcing (at depth R)",
-            "",
-            "| gate | loss |",
-            "|---|---|",
-            f"| trained | {g['trained']:.4f} |",
-            f"| forced to 0 (s_r = o_r) | {g['gate=0']:.4f} |",
-            f"| forced to 1 (= prelude only, depth 0: {res['loss_by_depth'][0]:.4f}) | {g['gate=1']:.4f} |",
-        ]
-    L += ["", "## Anchor replacement (what the loop is fed as e, at depth R)", "", "| anchor | loss |", "|---|---|"]
-    L += [f"| {a} | {v:.4f} |" for a, v in res["anchor"].items()]
-    if res["gate_mean_by_step"]:
-        L += [
-            "",
-            "## Gates by loop step",
-            "",
-            "| step | mean gate | state share of gate-input variance |",
-            "|---|---|---|",
-        ]
-        shares = res["gate_state_share_by_step"] or [float("nan")] * R
-        L += [f"| {r + 1} | {g:.4f} | {s:.3f} |" for r, (g, s) in enumerate(zip(res["gate_mean_by_step"], shares))]
-        if "gates" in files:
-            L += ["", f"![gates]({files['gates']})"]
-    if res["cka"]:
-        n = len(res["cka"])
-        L += [
-            "",
-            f"## Linear CKA between loop states s_0..s_{n - 1} ({res['cka_tokens']} tokens)",
-            "",
-            "| | " + " | ".join(f"s_{j}" for j in range(n)) + " |",
-            "|---" * (n + 1) + "|",
-        ]
-        L += [f"| s_{i} | " + " | ".join(f"{v:.3f}" for v in row) + " |" for i, row in enumerate(res["cka"])]
-        if "cka" in files:
-            L += ["", f"![CKA]({files['cka']})"]
-    if res.get("cka_dense"):
-        cd = res["cka_dense"]
-        L += [
-            "",
-            f"## Linear CKA against a dense model ({cd['layout']} layers)",
-            "",
-            "| loop state | best-aligned dense layer | CKA |",
-            "|---|---|---|",
-        ]
-        L += [f"| s_{i} | {j} | {cd['matrix'][i][j]:.3f} |" for i, j in enumerate(cd["best_layer_by_state"])]
-        if "cka_dense" in files:
-            L += ["", f"![CKA vs dense]({files['cka_dense']})"]
-    if res["buckets"]:
-        L += [
-            "",
-            "## Share of the depth-0 loss recovered after each step, by token bucket",
-            "",
-            "| bucket | tokens | depth-0 loss | " + " | ".join(f"step {r}" for r in range(1, R + 1)) + " |",
-            "|---" * (R + 3) + "|",
-        ]
-        for name, b in res["buckets"].items():
-            L.append(
-                f"| {name} | {b['tokens']} | {b['loss_by_depth'][0]:.3f} | "
-                + " | ".join(f"{100 * v:.1f}%" for v in b["recovered_by_step"])
-                + " |"
-            )
-        if "buckets" in files:
-            L += ["", f"![buckets]({files['buckets']})"]
-    if res["half_cosines"]:
-        L += [
-            "",
-            "## State half vs anchor half of the input weights",
-            "",
-            "| weight | cosine | mean row cosine | norm (state half) | norm (anchor half) "
-            "| top singular value (state half) | top singular value (anchor half) |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        L += [
-            f"| {k} | {v['cosine']:.4f} | {v['mean_row_cosine']:.4f} | {v['norm_state']:.3f} | {v['norm_anchor']:.3f} "
-            f"| {v['singular_values_state'][0]:.3f} | {v['singular_values_anchor'][0]:.3f} |"
-            for k, v in res["half_cosines"].items()
-        ]
-        L += [
-            "",
-            "Largest singular values of each half, in descending order:",
-            "",
-            "| weight | half | singular values |",
-        ]
-        L += ["|---|---|---|"]
-        L += [
-            f"| {k} | {half} | " + ", ".join(f"{x:.3f}" for x in v[f"singular_values_{half}"]) + " |"
-            for k, v in res["half_cosines"].items()
-            for half in ("state", "anchor")
-        ]
-    L += ["", "Definitions: see `grt analyze --help` and docs/evaluation.md.", ""]
-    return "\n".join(L)
-
-
 def main(argv: list[str] | None = None) -> int:
     from pretrain.infer.load import load_model, pick_device, pick_dtype
 
@@ -649,26 +441,32 @@ def main(argv: list[str] | None = None) -> int:
         for flag, value, least in counts:
             if value < least:
                 raise ConfigError(f"{flag} {value}: must be >= {least}")
+        try:
+            check_output_path(args.out, "--out", is_dir=True)
+        except ValueError as err:
+            raise ConfigError(f"{err} (the report's directory: report.md, analysis.json, PNGs)") from None
         device = pick_device(args.device)
         dtype = pick_dtype(args.dtype, device)
-        loaded = load_model(args.model, device=device, dtype=dtype, tokenizer=args.tokenizer)
-        manifest = args.data or loaded.run_config.get("data")
+        # every refusal before a weight is read: the models' structures (on the meta device), the data
+        plan = load_model(args.model, tokenizer=args.tokenizer, weights=False)
+        check_models(plan.model, load_model(args.dense, weights=False).model if args.dense else None, args.dense)
+        manifest = args.data or plan.run_config.get("data")
         if manifest and data_sources(manifest) is not None:
             raise ConfigError(
                 f"data={manifest!r} is a mixture: the analyses read one manifest, pass --data <manifest.json>"
             )
         if not manifest or not Path(manifest).is_file():
             raise ConfigError(f"no manifest ({manifest!r}): pass --data <manifest.json>")
-        data = loaded.check_data(manifest)  # the model's tokenizer, a readable manifest
+        data = plan.check_data(manifest)  # the model's tokenizer, a readable manifest
         assert isinstance(data, Manifest)  # a mixture was refused above
         check_batches(data, "val", args.batch_size)  # before the loader, which would warn and give none
+        tok = plan.tokenizer()
+        loaded = load_model(args.model, device=device, dtype=dtype, tokenizer=args.tokenizer)
         dense = load_model(args.dense, device=device, dtype=dtype).model if args.dense else None
-        if dense is not None and dense.loop is not None:
-            raise ConfigError(f"--dense {args.dense}: expected a dense model, got layout {dense.cfg.layout!r}")
         res = analyze(
             loaded.model,
             manifest,
-            loaded.tokenizer(),
+            tok,
             device,
             args.batch_size,
             args.max_batches,
@@ -681,12 +479,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grt analyze: error: {err}", file=sys.stderr)
         return 2
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    files = plots(res, out)
     res["model"] = str(args.model)
-    atomic_write_text(out / "analysis.json", json.dumps(jsonable(res), indent=2) + "\n")
-    atomic_write_text(out / "report.md", markdown(res, files, f"Analysis of {loaded.cfg.name} ({loaded.cfg.layout})"))
-    print(markdown(res, {}, f"Analysis of {loaded.cfg.name} ({loaded.cfg.layout})"))
+    title = f"Analysis of {loaded.cfg.name} ({loaded.cfg.layout})"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        files = plots(res, out)
+        atomic_write_text(out / "analysis.json", json.dumps(jsonable(res), indent=2) + "\n")
+        atomic_write_text(out / "report.md", markdown(res, files, title))
+    except OSError as err:  # a full disk, a folder that went away or became a file: one line
+        print(f"grt analyze: error: --out {str(out)!r}: {err.strerror or err}", file=sys.stderr)
+        return 2
+    print(markdown(res, {}, title))
     print(f"report: {out / 'report.md'}", file=sys.stderr)
     return 0
 

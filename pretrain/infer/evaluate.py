@@ -48,9 +48,10 @@ from pretrain.infer.scoring import (
     lm_sums_cached,
     val_batches,
 )
-from pretrain.infer.zero_shot import TASKS, evaluate_task, load_task
+from pretrain.infer.zero_shot import evaluate_task
 from pretrain.model import GPT
-from pretrain.training.run_config import data_paths
+from pretrain.runs.eval_tasks import TASKS, load_task, parse_depths
+from pretrain.runs.run_config import data_paths
 
 if TYPE_CHECKING:
     from data_pipeline.manifest import Manifest
@@ -66,28 +67,6 @@ def default_eval_dir() -> Path:
 
 
 # -- depths ------------------------------------------------------------------------------
-def parse_depths(text: str | None, trained: int) -> list[int]:
-    """'0-12', '0,2,4', '0-4,8' -> sorted unique ints; None -> 0..trained."""
-    if text is None or text == "":
-        return list(range(0, trained + 1))
-    depths: set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
-        try:
-            if "-" in part:
-                a, b = (int(x) for x in part.split("-", 1))
-                if b < a:
-                    raise ValueError
-                depths.update(range(a, b + 1))
-            else:
-                depths.add(int(part))
-        except ValueError:
-            raise ConfigError(f"--depths {text!r}: expected e.g. '0-12', '0,2,4' or '0-4,8'") from None
-    if any(d < 0 for d in depths):
-        raise ConfigError(f"--depths {text!r}: depths are >= 0")
-    return sorted(depths)
-
-
 def depth_unit(model: GPT) -> str:
     """What an exit depth counts: a looped model's loop steps, a dense model's layers."""
     return "loop steps" if model.loop is not None else "layers"
@@ -501,23 +480,17 @@ def held_out(
     (`data` written name=weight:path,...), of each source that has the split ("val_by_source")
     and their mean under the mixture's weights ("val"): each source's table is the one
     `--data <its manifest>` gives. With --adaptive-exit (one manifest), the adaptive exit's table too."""
-    from data_pipeline.mixture import DataMixture
+    from data_pipeline.batches import sources_of
 
-    loaded_data = loaded.check_data(data)
+    every = sources_of(loaded.check_data(data))  # one manifest: its one unnamed source
     seed = loaded.run_config.get("train", {}).get("seed", 1234)
-    if isinstance(loaded_data, DataMixture):
-        if args.adaptive_exit:
-            raise ConfigError("--adaptive-exit scores one manifest: pass --data <manifest.json>, not a mixture")
-        wanted = args.split or "val"
-        sources = [
-            (s.name, s.weight, m)
-            for s, m in zip(loaded_data.sources, loaded_data.manifests, strict=True)
-            if m.splits.get(wanted)  # as in training: the sources that have the split
-        ]
-        if not sources:
-            held_out_split(loaded_data.manifest, args.split)  # refused, naming the splits there are
-    else:
-        sources = [("", 1.0, loaded_data)]
+    if args.adaptive_exit and every[0].name:
+        raise ConfigError("--adaptive-exit scores one manifest: pass --data <manifest.json>, not a mixture")
+    wanted = args.split or "val"
+    # as in training: a mixture's sources that have the split (one manifest's is refused below, naming its splits)
+    sources = [(s.name, s.weight, s.manifest) for s in every if not s.name or s.manifest.splits.get(wanted)]
+    if not sources:
+        held_out_split(every[0].manifest, args.split)  # refused, naming the splits there are
     tables: dict[str, dict[int, dict[str, float]]] = {}
     for name, _, manifest in sources:
         split = held_out_split(manifest, args.split)

@@ -30,11 +30,11 @@ from pretrain.infer.load import (
     consolidate,
     model_from_state,
     parse_dtype,
-    read_run_config,
     resolve_checkpoint,
-    state_for_saving,
 )
 from pretrain.model import GPT
+from pretrain.model.weights import state_for_saving
+from pretrain.runs.checkpoint_files import read_config
 
 
 def export(
@@ -52,7 +52,7 @@ def export(
         raise ConfigError(f"--out {out}: exists and is not a directory")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"{out} exists and is not empty; pass --overwrite to replace it")
-    run_cfg = read_run_config(step_dir)
+    run_cfg = read_config(step_dir)
     cfg = ModelConfig.from_dict(run_cfg["model"])
     save_hf = _hf_writer() if hf else None  # before anything is written
     model = model_from_state(cfg, consolidate(step_dir), parse_dtype(dtype))

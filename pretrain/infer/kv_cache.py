@@ -106,9 +106,6 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
 
 
-CACHED_VARIANTS = ("grt", "dense")  # the variants CachedDecoder decodes; the others recompute
-
-
 def compile_for_decode(model: GPT) -> GPT:
     """torch.compile, in place, the modules a decode runs (each prelude and coda block, the loop
     step, the final norm and head), with dynamic shapes: one graph for the prompt and one for a
@@ -138,10 +135,10 @@ class CachedDecoder:
         exit_threshold: float | None = None,
         exit_rule: str = "update",
     ) -> None:
-        if model.cfg.variant not in CACHED_VARIANTS:
+        if not model.runs_grt_loop():  # the decoder replays the GRT's forward piece by piece
             raise ConfigError(
-                f"the KV cache supports the grt and dense variants, not {model.cfg.variant!r}: "
-                "decode it without a cache (--no-cache)"
+                f"the KV cache decodes models whose loop is the GRT's; variant {model.cfg.variant!r} runs its "
+                "own: decode it without a cache (--no-cache)"
             )
         self.model = model.eval()
         cfg = model.cfg

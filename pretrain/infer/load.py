@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pretrain.config import ConfigError, ModelConfig, load_json_object
+from pretrain.config import ConfigError, ModelConfig
 from pretrain.model import GPT, build_model
-from pretrain.training.checkpoint import TAG_RE, find_latest
+from pretrain.model.weights import TIED_KEY
+from pretrain.runs.checkpoint_files import TAG_RE, find_latest, read_config
 
 if TYPE_CHECKING:
     from data_pipeline.manifest import Manifest
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WEIGHTS = "model.safetensors"
-TIED_KEY = "lm_head.weight"
 
 
 @dataclass
@@ -77,7 +77,7 @@ class LoadedModel:
     def tokenizer(self) -> Tokenizer:
         """The tokenizer to encode text with, refused unless it is the model's (tokenizer identity)."""
         from data_pipeline.tokenizer import Tokenizer
-        from pretrain.training.resume import check_same_tokenizer
+        from pretrain.runs.identity import check_same_tokenizer
 
         if not self.tokenizer_path:
             raise ConfigError(f"{self.path}: no tokenizer.model next to the model; pass --tokenizer")
@@ -101,8 +101,8 @@ class LoadedModel:
         or hold token ids beyond its vocabulary (before any tensor is built). A model without its
         tokenizer.model is refused unless --tokenizer names it: with the vocabulary size alone,
         data of another tokenizer of that size would give a plausible, meaningless loss."""
-        from pretrain.training.resume import check_same_tokenizer
-        from pretrain.training.run_config import load_manifest
+        from pretrain.runs.identity import check_same_tokenizer
+        from pretrain.runs.run_config import load_manifest
 
         m = load_manifest(manifest)
         if self.own_tokenizer_path is None and not self.tokenizer_path:
@@ -144,13 +144,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
         f"{path}: neither an exported model (config.json + {WEIGHTS}) nor a checkpoint "
         "(<out>, <out>/checkpoints or <out>/checkpoints/stepNNNNNNNN)"
     )
-
-
-def read_run_config(step_dir: Path) -> dict[str, Any]:
-    path = step_dir / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{path} is missing: the checkpoint does not say which model it holds")
-    return load_json_object(path, f"checkpoint {step_dir.name}: {path.name}")  # cut off or corrupt: one line
 
 
 def consolidate(step_dir: Path) -> dict[str, torch.Tensor]:
@@ -201,18 +194,21 @@ def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: to
     return model.eval()
 
 
-def state_for_saving(model: GPT) -> dict[str, torch.Tensor]:
-    """The state dict with shared tensors stored once (safetensors refuses aliases)."""
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if model.cfg.tie_embeddings:
-        state.pop(TIED_KEY, None)
-    return state
+def meta_model(cfg: ModelConfig) -> GPT:
+    """The model of cfg on the meta device: its structure without memory or weights."""
+    with torch.device("meta"):
+        return build_model(cfg).eval()
 
 
 def load_model(
-    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, tokenizer: str | None = None
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    tokenizer: str | None = None,
+    weights: bool = True,
 ) -> LoadedModel:
-    """Load an exported directory or a checkpoint (see module doc), in eval mode."""
+    """Load an exported directory or a checkpoint (see module doc), in eval mode. weights=False: the
+    model built on the meta device, its weights not read (what a command checks before loading them)."""
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"{path}: no such file or directory")
@@ -220,19 +216,20 @@ def load_model(
         from safetensors.torch import load_file
 
         cfg = ModelConfig.load(p / "config.json")
-        model = model_from_state(cfg, load_file(str(p / WEIGHTS)), dtype)
+        model = model_from_state(cfg, load_file(str(p / WEIGHTS)), dtype) if weights else meta_model(cfg)
         run_cfg = json.loads((p / "run_config.json").read_text()) if (p / "run_config.json").is_file() else {}
         source, where = "export", p
     else:
         where = resolve_checkpoint(p)
-        run_cfg = read_run_config(where)
+        run_cfg = read_config(where)  # missing, cut off or corrupt: one line
         if "model" not in run_cfg:
             raise ConfigError(f"{where / 'config.json'} is not a run config (no 'model' key)")
         cfg = ModelConfig.from_dict(run_cfg["model"])
-        model = model_from_state(cfg, consolidate(where), dtype)
+        model = model_from_state(cfg, consolidate(where), dtype) if weights else meta_model(cfg)
         source = "checkpoint"
     own = str(where / "tokenizer.model") if (where / "tokenizer.model").is_file() else None
-    model.to(device)
+    if weights:
+        model.to(device)
     return LoadedModel(
         model=model,
         cfg=cfg,

@@ -20,11 +20,7 @@ core's shared caches (first/last/average) cost in accuracy; `full` is exact.
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,74 +31,10 @@ from pretrain.distributed import Dist
 from pretrain.infer.kv_cache import CachedDecoder
 from pretrain.infer.scoring import exit_hidden, sum_over_ranks
 from pretrain.model import GPT
+from pretrain.runs.eval_tasks import Item
 
 if TYPE_CHECKING:
     from data_pipeline.tokenizer import Tokenizer
-
-
-@dataclass
-class Item:
-    requests: list[tuple[str, str]]  # (context, continuation) per choice
-    gold: int = 0
-    kind: str = "mc"  # mc | lambada
-
-    @property
-    def choice_chars(self) -> list[int]:
-        return [len(c) for _, c in self.requests]
-
-
-@dataclass
-class TaskSpec:
-    file: str
-    kind: str = "mc"
-    build: Callable[[dict[str, Any]], Item] | None = field(default=None, repr=False)  # a JSON line -> an Item
-
-
-def _qa_context(query: str) -> str:
-    q = query.rstrip()
-    return q if q.endswith("Answer:") else q + "\nAnswer:"
-
-
-def _lambada(d: dict[str, Any]) -> Item:
-    return Item([(d["context"], " " + d["continuation"])], 0, "lambada")
-
-
-def _hellaswag(d: dict[str, Any]) -> Item:
-    ctx = f"{d['activity_label']}: {d['ctx']}"
-    return Item([(ctx, " " + e) for e in d["endings"]], int(d["label"]))
-
-
-def _qa(d: dict[str, Any]) -> Item:
-    ctx = _qa_context(d["query"])
-    return Item([(ctx, " " + c) for c in d["choices"]], int(d["gold"]))
-
-
-def _winogrande(d: dict[str, Any]) -> Item:
-    return Item([(opt, " " + d["continuation"]) for opt in d["context_options"]], int(d["gold"]))
-
-
-TASKS: dict[str, TaskSpec] = {
-    "lambada": TaskSpec("lambada_openai.jsonl", "lambada", _lambada),
-    "hellaswag": TaskSpec("hellaswag_val.jsonl", "mc", _hellaswag),
-    "piqa": TaskSpec("piqa.jsonl", "mc", _qa),
-    "arc_easy": TaskSpec("arc_easy.jsonl", "mc", _qa),
-    "arc_challenge": TaskSpec("arc_challenge.jsonl", "mc", _qa),
-    "winogrande": TaskSpec("winogrande.jsonl", "mc", _winogrande),
-}
-
-
-def load_task(name: str, path: str | Path, limit: int | None = None) -> list[Item]:
-    build = TASKS[name].build
-    if build is None:
-        raise ValueError(f"task {name!r} has no item builder")
-    items: list[Item] = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                items.append(build(json.loads(line)))
-                if limit is not None and len(items) >= limit:
-                    break
-    return items
 
 
 def encode_request(tok: Tokenizer, context: str, continuation: str, max_len: int) -> tuple[list[int], int]:

@@ -25,16 +25,18 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _out_dtype(logits: torch.Tensor, s: torch.Tensor, o: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(torch.promote_types(logits.dtype, s.dtype), o.dtype)
+def _out_dtype(s: torch.Tensor, o: torch.Tensor) -> torch.dtype:
+    """s_new's dtype: the state's and the core output's, not the logits' (fp32 in the model, which
+    would otherwise make a bf16 state, ModelConfig.state_dtype='weights', fp32)."""
+    return torch.promote_types(s.dtype, o.dtype)
 
 
 def gate_update_reference(logits: torch.Tensor, s: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The eager formula, computed in fp32 as the kernel computes it: a bf16 sigmoid near the
     gate's 0.98 would round 1 - g (the share the step writes) to steps of 0.004, about 20% of it.
-    Outputs: s_new in the promoted dtype of the inputs, g in the logits' dtype."""
+    Outputs: s_new in the promoted dtype of s and o, g in the logits' dtype."""
     g = torch.sigmoid(logits.float())
-    return (g * s + (1 - g) * o).to(_out_dtype(logits, s, o)), g.to(logits.dtype)
+    return (g * s + (1 - g) * o).to(_out_dtype(s, o)), g.to(logits.dtype)
 
 
 if triton is not None:
@@ -76,11 +78,11 @@ def _grid(n: int) -> tuple[int]:
 class FusedGateUpdate(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, s: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs of mixed dtypes are read as they are (the kernel computes in fp32): under
-        bf16 autocast the logits and the core output are bf16 and the state is fp32. The
-        outputs take eager's dtypes: s_new the promoted one, g the logits'."""
+        """Inputs of mixed dtypes are read as they are (the kernel computes in fp32): with bf16
+        weights (DeepSpeed's bf16 mode, or autocast) the core output is bf16, the logits and the
+        state fp32. The outputs take eager's dtypes: s_new that of s and o, g the logits'."""
         logits, s, o = logits.contiguous(), s.contiguous(), o.contiguous()
-        out = torch.empty_like(s, dtype=_out_dtype(logits, s, o))
+        out = torch.empty_like(s, dtype=_out_dtype(s, o))
         g = torch.empty_like(logits)
         n = s.numel()
         _gate_fwd[_grid(n)](logits, s, o, out, g, n, BLOCK=BLOCK)

@@ -21,8 +21,9 @@ part in every training micro-batch, so per-step modules beyond the sampled depth
 adapters, routers) and the loop at depth 0 get a zero-weighted touch.
 
 `pretrain.model.build_model(cfg)` builds these classes for their variants, so the trainer, the
-checkpoint loaders and the gradient checks build them without knowing them. Each composes
-the GPT's public pieces (`run_prelude`, `loop_step`, `decode`) with its own loop. Variant
+checkpoint loaders and the gradient checks build them without knowing them. Each keeps the
+GPT's forward (embeddings and prelude, then exit norm, coda, final norm, head and loss) and
+overrides its loop part, `loop_forward`, composed of the GPT's public pieces. Variant
 settings live in `cfg.extra` (accepted keys and defaults: each one's Variant, pretrain/variants/).
 Outputs beyond ModelOutput (per-step losses, exit distribution, router selections) are
 left in `model.last_aux` after each forward.
@@ -30,6 +31,7 @@ left in `model.last_aux` after each forward.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, cast
@@ -39,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pretrain.config import ConfigError, ModelConfig
-from pretrain.model.gpt import GPT, AnchorTerms, LoopStep, ModelOutput, builds, lm_loss
+from pretrain.model.gpt import GPT, AnchorTerms, LoopStep, LoopTrace, builds, lm_loss
 from pretrain.model.layers import KV, AttentionContext, Block, Linear, attention, layer_norm
 from pretrain.variants import get_variant
 
@@ -60,18 +62,31 @@ def _zero(*tensors: torch.Tensor) -> torch.Tensor:
 
 
 class LoopedBaseline(GPT):
-    """Shared pieces of the baselines: the argument checks and the auxiliary outputs."""
+    """Shared pieces of the baselines: the option checks, a plain loop, the auxiliary outputs."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         self.last_aux: dict[str, Any] = {}
 
-    def _check_args(self, n_loops: int | None, gate_override: float | None, anchor: str) -> int:
+    def check_loop_options(self, gate_override: float | None, anchor: str) -> None:
         if gate_override is not None:
             raise ValueError(f"gate_override: variant {self.cfg.variant!r} has no gate")
         if anchor != "prelude":
             raise ValueError(f"anchor={anchor!r}: variant {self.cfg.variant!r} supports only the prelude anchor")
-        return self.depth(n_loops)
+
+    def plain_loop(
+        self, s: torch.Tensor, e: torch.Tensor, ctx: AttentionContext, n: int, trace: LoopTrace, untracked: int = 0
+    ) -> torch.Tensor:
+        """n loop steps from state s with anchor e, the first `untracked` of them without autograd;
+        s_0..s_n into trace.states when asked for."""
+        if trace.states is not None:
+            trace.states.append(s)
+        for i in range(n):
+            with torch.no_grad() if i < untracked else contextlib.nullcontext():
+                s, _ = self.loop_step(s, e, ctx, i)
+            if trace.states is not None:
+                trace.states.append(s)
+        return s
 
 
 # -- Huginn ---------------------------------------------------------------------------------
@@ -110,37 +125,15 @@ class HuginnGPT(LoopedBaseline):
         _, step = super().recurrence(e, ctx)  # the adapter on [s; e] every step
         return self.initial_state(e), step
 
-    def forward(
-        self,
-        idx: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        *,
-        n_loops: int | None = None,
-        doc_ids: torch.Tensor | None = None,
-        gate_override: float | None = None,
-        anchor: str = "prelude",
-        return_states: bool = False,
-        return_gates: bool = False,
-        return_logits: bool = True,
-    ) -> ModelOutput:
-        n = self._check_args(n_loops, gate_override, anchor)
-        ctx = AttentionContext(doc_ids=doc_ids)
-        e = self.run_prelude(self.embed(idx), ctx)
-        s = self.initial_state(e)
+    def loop_forward(
+        self, e: torch.Tensor, ctx: AttentionContext, n: int, trace: LoopTrace, **_options: Any
+    ) -> torch.Tensor:
+        # truncated backprop: in training only the last k steps are differentiated
         k = int(self.cfg.xget("backprop_steps"))
-        states = [s] if return_states else []
-        for i in range(n):
-            if self.training and i < n - k:
-                with torch.no_grad():  # truncated backprop: only the last k steps are differentiated
-                    s, _ = self.loop_step(s, e, ctx, i)
-            else:
-                s, _ = self.loop_step(s, e, ctx, i)
-            if return_states:
-                states.append(s)
+        s = self.plain_loop(self.initial_state(e), e, ctx, n, trace, untracked=n - k if self.training else 0)
         if self.training and n == 0:
             s = s + 0.0 * self._touch_loop(e)
-        logits, loss = self.output(s, ctx, targets, return_logits)
-        return ModelOutput(logits=logits, loss=loss, states=states, gates=[])
+        return s
 
 
 # -- RRT ----------------------------------------------------------------------------------
@@ -236,35 +229,17 @@ class RRTGPT(LoopedBaseline):
     def recurrence(self, e: torch.Tensor, ctx: AttentionContext) -> Recurrence:
         return e, lambda s, r: self.loop_step(s, e, ctx, r)[0]
 
-    def forward(
-        self,
-        idx: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        *,
-        n_loops: int | None = None,
-        doc_ids: torch.Tensor | None = None,
-        gate_override: float | None = None,
-        anchor: str = "prelude",
-        return_states: bool = False,
-        return_gates: bool = False,
-        return_logits: bool = True,
-    ) -> ModelOutput:
-        n = self._check_args(n_loops, gate_override, anchor)
-        ctx = AttentionContext(doc_ids=doc_ids)
-        s = e = self.run_prelude(self.embed(idx), ctx)
-        states = [s] if return_states else []
-        for i in range(n):
-            s, _ = self.loop_step(s, e, ctx, i)
-            if return_states:
-                states.append(s)
+    def loop_forward(
+        self, e: torch.Tensor, ctx: AttentionContext, n: int, trace: LoopTrace, **_options: Any
+    ) -> torch.Tensor:
+        s = self.plain_loop(e, e, ctx, n, trace)
         if self.training:
             unused = list(range(n, self.max_loops))
             if unused:  # per-step adapters this depth did not reach: zero gradient, not a stale one
                 s = s + self.loop.touch(unused, s)
             if n == 0:
                 s = s + 0.0 * self._touch_loop(e)
-        logits, loss = self.output(s, ctx, targets, return_logits)
-        return ModelOutput(logits=logits, loss=loss, states=states, gates=[])
+        return s
 
 
 # -- Ouro ---------------------------------------------------------------------------------
@@ -293,46 +268,45 @@ class OuroGPT(LoopedBaseline):
         p = survive * lambdas
         return torch.cat([p[:-1], survive[-1:]]) if n > 0 else p  # the last step exits whatever is left
 
-    def forward(
+    def loop_forward(
         self,
-        idx: torch.Tensor,
-        targets: torch.Tensor | None = None,
+        e: torch.Tensor,
+        ctx: AttentionContext,
+        n: int,
+        trace: LoopTrace,
         *,
-        n_loops: int | None = None,
-        doc_ids: torch.Tensor | None = None,
-        gate_override: float | None = None,
-        anchor: str = "prelude",
-        return_states: bool = False,
-        return_gates: bool = False,
-        return_logits: bool = True,
+        targets: torch.Tensor | None,
         exit: str = "fixed",
-    ) -> ModelOutput:
+        **_options: Any,
+    ) -> torch.Tensor:
         """exit='fixed': decode after step n (early exit at a chosen depth); exit='learned': each
         token exits at the first step where the learned distribution's CDF >= exit_threshold.
         In training (with targets) the loss is the expected step loss minus beta x entropy, from
         every step's logits (return_logits does not apply: each step's per-token losses are kept)."""
-        n = self._check_args(n_loops, gate_override, anchor)
         if exit not in ("fixed", "learned"):
             raise ValueError(f"exit={exit!r}: accepted values are fixed, learned")
-        ctx = AttentionContext(doc_ids=doc_ids)
-        s = self.run_prelude(self.embed(idx), ctx)
-        states = [s] if return_states else []
+        s = e
+        if trace.states is not None:
+            trace.states.append(s)
         every_step = (self.training and targets is not None) or exit == "learned"
         logits_steps: list[torch.Tensor] = []
         lambdas: list[torch.Tensor] = []
         for i in range(n):
             s, _ = self.loop_step(s, s, ctx, i)
-            if return_states:
-                states.append(s)
+            if trace.states is not None:
+                trace.states.append(s)
             lambdas.append(torch.sigmoid(self.exit_logits(s)))
             if every_step:
                 logits_steps.append(self.decode(s, ctx))
         self.last_aux = {}
-        if n == 0 or not every_step:
-            logits, loss = self.output(s, ctx, targets, return_logits)
-            if self.training and loss is not None:  # only at n = 0: with targets, training decodes every step
-                loss = loss + 0.0 * self._touch_loop(s) + _zero(self.exit_logits(s[:, :1]))
-            return ModelOutput(logits=logits, loss=loss, states=states, gates=[])
+        if n == 0 or not every_step:  # the epilogue decodes s
+            if self.training and n == 0:  # with targets, training decodes every step at n > 0
+                final = s
+                trace.loss_terms += [
+                    lambda: 0.0 * self._touch_loop(final),
+                    lambda: _zero(self.exit_logits(final[:, :1])),
+                ]
+            return s
         lam = torch.stack(lambdas)  # [n, B, T]
         p = self.exit_distribution(lam)
         self.last_aux = {"exit_probs": p.detach()}
@@ -342,8 +316,8 @@ class OuroGPT(LoopedBaseline):
             stacked = torch.stack(logits_steps)  # [n, B, T, V]
             logits = stacked.gather(0, step[None, ..., None].expand(1, *stacked.shape[1:])).squeeze(0)
             self.last_aux["exit_step"] = step + 1
-            loss = lm_loss(logits, targets) if targets is not None else None
-            return ModelOutput(logits=logits, loss=loss, states=states, gates=[])
+            trace.decoded = logits, lm_loss(logits, targets) if targets is not None else None
+            return s
         assert targets is not None  # here every_step holds by training with targets (exit='fixed')
         step_losses = torch.stack([lm_loss(lg, targets, reduction="none") for lg in logits_steps])  # [n, B, T]
         valid = (targets != -100).float()
@@ -352,9 +326,9 @@ class OuroGPT(LoopedBaseline):
         entropy = (-(p * p.clamp_min(1e-12).log()).sum(0) * valid).sum() / denom
         beta = float(self.cfg.xget("entropy_beta"))
         # lambda_n does not enter p (the last step takes the rest): touch it for ZeRO-3
-        loss = expected - beta * entropy + _zero(lam[-1])
+        trace.decoded = logits_steps[-1], expected - beta * entropy + _zero(lam[-1])
         self.last_aux.update(step_losses=(step_losses * valid).sum((1, 2)).detach() / denom, entropy=entropy.detach())
-        return ModelOutput(logits=logits_steps[-1], loss=loss, states=states, gates=[])
+        return s
 
 
 # -- MoR ----------------------------------------------------------------------------------
@@ -377,30 +351,20 @@ class MoRGPT(LoopedBaseline):
         share = (r_max - min(step, r_max - 1)) / r_max
         return max(1, math.ceil(seq_len * share))
 
-    def forward(
-        self,
-        idx: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        *,
-        n_loops: int | None = None,
-        doc_ids: torch.Tensor | None = None,
-        gate_override: float | None = None,
-        anchor: str = "prelude",
-        return_states: bool = False,
-        return_gates: bool = False,
-        return_logits: bool = True,
-    ) -> ModelOutput:
-        n = self._check_args(n_loops, gate_override, anchor)
-        ctx = AttentionContext(doc_ids=doc_ids)
-        s = self.run_prelude(self.embed(idx), ctx)
+    def loop_forward(
+        self, e: torch.Tensor, ctx: AttentionContext, n: int, trace: LoopTrace, **_options: Any
+    ) -> torch.Tensor:
+        s = e
         b, t, d = s.shape
-        states = [s] if return_states else []
+        if trace.states is not None:
+            trace.states.append(s)
         active = torch.ones(b, t, dtype=torch.bool, device=s.device)
         per_row = t  # tokens active in each sequence (the last step's k): known on the host, no sync
         aux_terms: list[torch.Tensor] = []
         selected_counts: list[int] = []
         masks: list[torch.Tensor] = []
         noise = float(self.cfg.xget("router_noise_std"))
+        doc_ids = ctx.doc_ids
         for i in range(n):
             router = self.routers[min(i, len(self.routers) - 1)]
             logits_r = router(s).squeeze(-1).float()  # [B, T]
@@ -421,17 +385,19 @@ class MoRGPT(LoopedBaseline):
             active, per_row = picked, k
             selected_counts.append(b * k)
             masks.append(picked)
-            if return_states:
-                states.append(s)
+            if trace.states is not None:
+                trace.states.append(s)
         self.last_aux = {"selected": selected_counts, "selected_masks": masks}
-        logits, loss = self.output(s, ctx, targets, return_logits)
-        if loss is not None and self.training:
+        if self.training:
             if aux_terms:
-                loss = loss + float(self.cfg.xget("aux_loss_coef")) * torch.stack(aux_terms).mean()
-            head = s[:, :1]
-            touch = [self.routers[j](head) for j in range(n, len(self.routers))]  # routers past depth n
-            if n == 0:
-                touch.append(self._touch_loop(s))
-            if touch:
-                loss = loss + _zero(*touch)
-        return ModelOutput(logits=logits, loss=loss, states=states, gates=[])
+                coef = float(self.cfg.xget("aux_loss_coef"))
+                trace.loss_terms.append(lambda: coef * torch.stack(aux_terms).mean())
+            if n < len(self.routers):
+                trace.loss_terms.append(lambda: _zero(*self.unused(s, n)))
+        return s
+
+    def unused(self, s: torch.Tensor, n: int) -> list[torch.Tensor]:
+        """What a forward of depth n < R touches at zero weight: the routers past depth n and, at
+        depth 0, the loop."""
+        head = s[:, :1]
+        return [self.routers[j](head) for j in range(n, len(self.routers))] + ([self._touch_loop(s)] if n == 0 else [])

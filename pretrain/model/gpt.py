@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple, TypeVar, cast
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 import torch.nn as nn
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 
 from pretrain.config import ANCHOR_MODES, ConfigError, ModelConfig
 from pretrain.kernels.gate import gate_update
-from pretrain.model.layers import KV, AttentionContext, Block, Embedding, Linear, LMHead, layer_norm
+from pretrain.model.layers import KV, AttentionContext, Block, Embedding, FP32Linear, Linear, LMHead, layer_norm
 from pretrain.model.loss import lm_loss
 
 
@@ -41,6 +42,20 @@ class ModelOutput(NamedTuple):
     loss: torch.Tensor | None = None
     states: list[torch.Tensor] = []  # s_0..s_n, when asked for
     gates: list[torch.Tensor] = []  # g_1..g_n, when asked for
+
+
+@dataclass
+class LoopTrace:
+    """What a forward's loop (`GPT.loop_forward`, the hook each variant overrides) hands the
+    epilogue (`GPT.finish`) besides the final state."""
+
+    states: list[torch.Tensor] | None = None  # s_0..s_n, when asked for
+    gates: list[torch.Tensor] | None = None  # g_1..g_n, when asked for
+    # terms of a training loss (auxiliary losses, zero-weighted touches), added in order; computed
+    # after the head, as they were written, so that random draws (dropout) keep the forward's order
+    loss_terms: list[Callable[[], torch.Tensor]] = field(default_factory=list)
+    # (logits, loss) of a loop that decodes its own exit (Ouro): the epilogue decodes nothing more
+    decoded: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
 
 
 class AnchorTerms(NamedTuple):
@@ -73,7 +88,9 @@ class LoopStep(nn.Module):
     """One loop step (projection, shared core, gate): the unit of recompute and compile.
 
     Parameters: W_proj = [proj_state | anchor.proj] (2d x d, no bias), the gate MLP
-    f_g = gate_out(SiLU([gate_fc_state | anchor.gate_fc] [LN(s); LN(e)])), output bias +4.
+    f_g = gate_out(SiLU([gate_fc_state | anchor.gate_fc] [LN(s); LN(e)])), output bias +4; gate_out
+    computes in fp32 whatever the weights' dtype (`FP32Linear`), so the gate's logits, and 1 - g, which
+    the update writes, are not rounded to bf16.
     """
 
     def __init__(self, cfg: ModelConfig, out_std: float, block_cls: type[Block] = Block) -> None:
@@ -89,7 +106,7 @@ class LoopStep(nn.Module):
         if cfg.gate:
             self.gate_norm_state = layer_norm(cfg)
             self.gate_fc_state = Linear(d, d, bias=True, std=cfg.init_std)
-            self.gate_out = Linear(d, d, bias=True, std=cfg.init_std, bias_init=cfg.gate_bias_init)
+            self.gate_out = FP32Linear(d, d, bias=True, std=cfg.init_std, bias_init=cfg.gate_bias_init)
         self.has_gate = cfg.gate
 
     def project(self, x: torch.Tensor, terms: AnchorTerms) -> torch.Tensor:
@@ -97,6 +114,7 @@ class LoopStep(nn.Module):
         return self.proj_state(x) + terms.proj if self.proj_state is not None else x
 
     def gate_logits(self, s: torch.Tensor, terms: AnchorTerms) -> torch.Tensor:
+        """The gate's logits, in fp32 (gate_out's matmul and everything after it)."""
         h = F.silu(self.gate_fc_state(self.gate_norm_state(s)) + terms.gate)
         return self.gate_out(h) / self.gate_tau
 
@@ -356,32 +374,76 @@ class GPT(nn.Module):
         return_states: bool = False,
         return_gates: bool = False,
         return_logits: bool = True,
+        **options: Any,
     ) -> ModelOutput:
         """idx, targets: [B, T] token ids. n_loops: loop steps to run (default: the layout's R); for
         a dense model the exit depth, the layers run (1..N; None or 0: all N, `dense_exit`).
         gate_override: force every gate to this constant. anchor: what the loop is fed as e
         (prelude output, zeros, token embeddings, or the previous state). return_logits=False
-        (with targets): the loss only, without materialising the logits (`output`)."""
+        (with targets): the loss only, without materialising the logits (`output`). options: the
+        variant's own (Ouro's exit).
+
+        Every variant's forward: embeddings and prelude, the loop (`loop_forward`, the one part a
+        variant overrides), then exit norm, coda, final norm, head and loss (`finish`)."""
+        self.check_loop_options(gate_override, anchor)
         n = self.depth(n_loops)
         ctx = AttentionContext(doc_ids=doc_ids)
         emb = self.embed(idx)
         e = self.run_prelude(emb, ctx, self.dense_exit(n))  # a dense model's early exit: its first blocks
-        states: list[torch.Tensor] = []
-        gates: list[torch.Tensor] = []
+        trace = LoopTrace([] if return_states else None, [] if return_gates else None)
+        s = self.loop_forward(
+            e, ctx, n, trace, emb=emb, targets=targets, gate_override=gate_override, anchor=anchor, **options
+        )
+        return self.finish(s, ctx, targets, return_logits, trace)
+
+    def check_loop_options(self, gate_override: float | None, anchor: str) -> None:
+        """Refuse, before any compute, forward options the loop cannot honour; the GRT's loop
+        takes them all (`run_loop` checks the anchor)."""
+
+    def loop_forward(
+        self,
+        e: torch.Tensor,
+        ctx: AttentionContext,
+        n: int,
+        trace: LoopTrace,
+        *,
+        emb: torch.Tensor,
+        targets: torch.Tensor | None,
+        gate_override: float | None,
+        anchor: str,
+    ) -> torch.Tensor:
+        """The loop part of forward, from the prelude output e: n steps, the final state returned,
+        states, gates and loss terms left in `trace`. The GRT's is `run_loop`; a dense model's
+        returns e."""
         s = self.run_loop(
-            e,
-            ctx,
-            n,
-            emb=emb,
-            gate_override=gate_override,
-            anchor=anchor,
-            states=states if return_states else None,
-            gates=gates if return_gates else None,
+            e, ctx, n, emb=emb, gate_override=gate_override, anchor=anchor, states=trace.states, gates=trace.gates
         )
         if self.training and n == 0 and self.loop is not None:
             s = s + 0.0 * self._touch_loop(e)
-        logits, loss = self.output(s, ctx, targets, return_logits)
-        return ModelOutput(logits=logits, loss=loss, states=states, gates=gates)
+        return s
+
+    @classmethod
+    def runs_grt_loop(cls) -> bool:
+        """Whether forward's loop is the GRT's `run_loop` (LoopStep steps from s_0 = e, with gate
+        forcing and anchor replacement): what CachedDecoder replays piece by piece and `grt analyze`
+        forces. A class whose loop is its own `loop_forward` (the baselines) has neither."""
+        return cls.loop_forward is GPT.loop_forward
+
+    def finish(
+        self,
+        s: torch.Tensor,
+        ctx: AttentionContext,
+        targets: torch.Tensor | None,
+        return_logits: bool,
+        trace: LoopTrace,
+    ) -> ModelOutput:
+        """The epilogue: the final state's logits and loss (`output`, unless the loop decoded its
+        own), a training loss plus the loop's terms."""
+        logits, loss = trace.decoded if trace.decoded is not None else self.output(s, ctx, targets, return_logits)
+        if loss is not None and self.training:
+            for term in trace.loss_terms:
+                loss = loss + term()
+        return ModelOutput(logits=logits, loss=loss, states=trace.states or [], gates=trace.gates or [])
 
     def _touch_loop(self, x: torch.Tensor) -> torch.Tensor:
         """A zero-weighted loop step on one token, so that a depth-0 training step still

@@ -33,6 +33,7 @@ from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError, ModelConfig
 from pretrain.model.gpt import GPT
 from pretrain.model.registry import build_model
+from pretrain.variants import REGISTRY, get_variant
 
 if TYPE_CHECKING:
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -41,8 +42,9 @@ _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c
 
 
 def _check_dense(cfg: ModelConfig) -> None:
-    if cfg.variant != "dense":
-        raise ConfigError(f"only dense models convert to GPT2LMHeadModel, got variant={cfg.variant!r}")
+    if not get_variant(cfg.variant).hf_gpt2:
+        takers = ", ".join(name for name, v in REGISTRY.items() if v.hf_gpt2)
+        raise ConfigError(f"only the variants {takers} convert to GPT2LMHeadModel, got variant={cfg.variant!r}")
 
 
 def hf_config(cfg: ModelConfig) -> GPT2Config:
@@ -128,7 +130,6 @@ def from_hf(hf_model: GPT2LMHeadModel, **overrides: Any) -> GPT:
         d_model=c.n_embd,
         n_heads=c.n_head,
         vocab_size=c.vocab_size,
-        pad_vocab_multiple=1,
         max_seq_len=c.n_positions,
         bias=True,
         layer_norm_eps=c.layer_norm_epsilon,
@@ -146,6 +147,8 @@ def from_hf(hf_model: GPT2LMHeadModel, **overrides: Any) -> GPT:
             name = f"prelude.{i}.{rest}"
             if rest in _CONV1D:
                 tensor = tensor.t()
+        if name in ("wte.weight", "lm_head.weight"):  # zero rows up to the padded vocabulary (masked in the loss)
+            tensor = torch.nn.functional.pad(tensor, (0, 0, 0, cfg.padded_vocab_size - cfg.vocab_size))
         ours[name] = tensor
     model.load_state_dict(ours, strict=True)
     return model
@@ -216,7 +219,7 @@ def save_remote(model: GPT, directory: Path, sep_id: int | None) -> None:
     """The remote-code directory of a looped model: config, code, weights (tied head stored once)."""
     from safetensors.torch import save_file
 
-    from pretrain.infer.load import state_for_saving
+    from pretrain.model.weights import state_for_saving
 
     directory.mkdir(parents=True, exist_ok=True)
     for name, text in vendored_sources().items():
@@ -235,7 +238,7 @@ def save_pretrained(model: GPT, directory: Path, tokenizer: Path | None) -> None
     sep_id = None
     if tokenizer is not None:  # first: with config.json there, AutoTokenizer would ask to run its code
         sep_id = save_tokenizer(tokenizer, directory, model.cfg.max_seq_len)
-    if model.cfg.variant == "dense":
+    if get_variant(model.cfg.variant).hf_gpt2:
         hf = to_hf(model.float())
         if sep_id is not None:  # GPT-2's 50256 is not our separator: generate() stops at ours
             for config in (hf.config, hf.generation_config):

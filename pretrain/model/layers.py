@@ -40,10 +40,24 @@ class Linear(nn.Linear):
             nn.init.constant_(self.bias, self.bias_init)
 
 
+class FP32Linear(Linear):
+    """A linear computed in fp32 whatever the weights' dtype (bf16 under DeepSpeed's bf16 mode) and
+    autocast: the weights are upcast inside the call, so that ZeRO-3 gathers them as for any module,
+    and the gradients flow back to them in their own dtype. For the gate's logits (pretrain/model/gpt.py
+    LoopStep): near the gate's +4 start a bf16 logit's step is 0.031, 1.5% of 1 - g."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            bias = self.bias.float() if self.bias is not None else None
+            return F.linear(x.float(), self.weight.float(), bias)
+
+
 class LMHead(Linear):
-    """The output projection to the (padded) vocabulary. Given targets, its forward returns the
-    training loss straight from the hidden states (`linear_cross_entropy`: no logits tensor);
-    as a module call either way, so that ZeRO-3's hooks gather its (tied) weight."""
+    """The output projection to the padded vocabulary (ModelConfig.padded_vocab_size: an aligned
+    width for the matmuls). Given targets, its forward returns the training loss straight from the
+    hidden states (`linear_cross_entropy`: no logits tensor, the padded logits masked out); as a
+    module call either way, so that ZeRO-3's hooks gather its (tied) weight. Without targets, the
+    padded logits: `GPT.head` slices them to the real vocabulary, which is all a user sees."""
 
     def __init__(self, d_model: int, padded_vocab: int, vocab: int, std: float = 0.02) -> None:
         super().__init__(d_model, padded_vocab, bias=False, std=std)

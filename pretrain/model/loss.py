@@ -5,19 +5,39 @@ the final hidden states: the head's matmul and the cross-entropy are computed ch
 of tokens, and each chunk's gradients (of the hidden states and of the head's weight) are
 computed right away, so the [tokens x vocabulary] logits, their fp32 copy and their gradient
 never exist at once (at GPT-2's vocabulary and 16 x 1024 tokens, 3.3 GB each in fp32). Same
-FLOPs as the plain loss (no recompute); the loss and gradients equal the plain loss's to fp32
-round-off (tests/model/test_loss.py; `grt bench loss` measures the memory).
+FLOPs as the plain loss (no recompute).
+
+The matmuls run on the whole (padded) weight, 50,304 rows for GPT-2's 50,257: an aligned width
+for the GPU's fast matmul kernels; the padded logits are -inf (no probability, no gradient).
+How a chunk is computed (`impl`): `compiled`, the per-chunk function under torch.compile (the
+mask, log-sum-exp, softmax and its cast fused into a few kernels between the matmuls);
+`eager`, the same function run op by op; `cce`, cut-cross-entropy's fused kernel where it is
+installed (CUDA; the `fused-loss` extra). `auto` picks cce, else compiled, on CUDA, and eager
+on the CPU, where the compile (10-60 s a process) costs more than it saves at CPU sizes. Every
+impl gives the plain loss's value and gradients (tests/model/test_loss.py; `grt bench loss`
+times them).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+try:  # optional: Apple's cut-cross-entropy (CUDA, Triton)
+    from cut_cross_entropy import linear_cross_entropy as cce_linear_cross_entropy
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    cce_linear_cross_entropy = None
+
 IGNORE_INDEX = -100  # a target that is not scored
 CHUNK_BYTES = 256 * 2**20  # one chunk's fp32 logits
+LOSS_IMPLS = ("auto", "cce", "compiled", "eager")
+
+ChunkFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -33,6 +53,64 @@ def chunk_tokens(vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * vocab))
 
 
+def chunk_loss(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int, want_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk of tokens: (the summed loss, d(summed loss)/d(logits) in h's dtype, or None
+    without want_grad). The logits of weight's rows from `vocab` on (the padding) are -inf."""
+    logits = (h @ weight.t()).float()
+    if vocab < weight.shape[0]:
+        logits.masked_fill_(torch.arange(weight.shape[0], device=h.device) >= vocab, float("-inf"))
+    scored = targets != IGNORE_INDEX
+    target = targets.clamp_min(0)[:, None]
+    lse = logits.logsumexp(-1)
+    loss = ((lse - logits.gather(1, target).squeeze(1)) * scored).sum()
+    if not want_grad:
+        return loss, None
+    # softmax - one_hot(target), zero for unscored tokens (in place: eagerly one [chunk x V] fp32 buffer)
+    grad = logits.sub_(lse[:, None]).exp_()
+    grad.scatter_add_(1, target, torch.full_like(target, -1.0, dtype=grad.dtype))
+    return loss, grad.mul_(scored[:, None]).to(h.dtype)
+
+
+_compiled_chunk: ChunkFn | None = None
+
+
+def compiled_chunk_loss() -> ChunkFn:
+    """`chunk_loss` under torch.compile, built once per process (a second chunk size, the last
+    chunk's, makes its token dimension dynamic: no recompile per batch after that)."""
+    global _compiled_chunk
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(chunk_loss)
+    return _compiled_chunk
+
+
+def compile_available(device: torch.device) -> bool:
+    """Whether torch.compile can build the chunk here: Triton on CUDA, a C++ compiler on the CPU."""
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return has_triton()
+    return shutil.which(os.environ.get("CXX", "g++")) is not None
+
+
+def resolve_impl(impl: str, h: torch.Tensor, weight: torch.Tensor) -> str:
+    """The implementation `impl` names on these inputs; `auto` as the module's docstring says.
+    An impl that cannot run here is refused in one line."""
+    if impl not in LOSS_IMPLS:
+        raise ValueError(f"loss impl {impl!r}: accepted values are {', '.join(LOSS_IMPLS)}")
+    cce_ok = cce_linear_cross_entropy is not None and h.is_cuda and h.dtype == weight.dtype
+    if impl == "auto":
+        if not h.is_cuda:
+            return "eager"
+        return "cce" if cce_ok else "compiled" if compile_available(h.device) else "eager"
+    if impl == "cce" and not cce_ok:
+        raise RuntimeError("loss impl 'cce' needs the cut-cross-entropy package, CUDA tensors and one dtype")
+    if impl == "compiled" and not compile_available(h.device):
+        raise RuntimeError(f"loss impl 'compiled': torch.compile cannot build code on {h.device.type} here")
+    return impl
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -43,57 +121,59 @@ class _LinearCrossEntropy(torch.autograd.Function):
         vocab: int,
         chunk: int,
         grad_enabled: bool,
+        step: ChunkFn,
     ) -> torch.Tensor:
-        w = weight[:vocab]  # the padded rows take no part (the plain head slices its logits)
-        scored = targets != IGNORE_INDEX
-        count = scored.sum().to(torch.float32)  # a device tensor: no host sync
-        safe_targets = targets.clamp_min(0)
+        count = (targets != IGNORE_INDEX).sum().to(torch.float32)  # a device tensor: no host sync
         # needs_input_grad follows requires_grad alone: under no_grad (evaluation) no gradient is made
         want_h, want_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if want_h else None
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_w else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for start in range(0, h.shape[0], chunk):
             part = slice(start, start + chunk)
-            logits = (h[part] @ w.t()).float()
-            lse = logits.logsumexp(-1)
-            target = safe_targets[part, None]
-            total += ((lse - logits.gather(1, target).squeeze(1)) * scored[part]).sum()
-            if not (want_h or want_w):
+            loss, grad = step(h[part], weight, targets[part], vocab, want_h or want_w)
+            total += loss
+            if grad is None:
                 continue
-            # d(sum of losses)/d(logits) = softmax - one_hot(target), zero for unscored tokens
-            grad = logits.sub_(lse[:, None]).exp_()
-            grad.scatter_add_(1, target, torch.full_like(target, -1.0, dtype=grad.dtype))
-            grad = grad.mul_(scored[part, None]).to(h.dtype)
-            if grad_h is not None:  # want_h
-                grad_h[part] = grad @ w
-            if grad_w is not None:  # want_w
+            if grad_h is not None:
+                grad_h[part] = grad @ weight
+            if grad_w is not None:  # an fp32 sum over chunks, each chunk's product in the model's dtype
                 grad_w += (grad.t() @ h[part]).float()
         ctx.save_for_backward(grad_h, grad_w, count)
-        ctx.padded_rows = weight.shape[0] - vocab
         ctx.weight_dtype = weight.dtype
         return total / count
 
     @staticmethod
     def backward(
         ctx: Any, grad_loss: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None]:
         grad_h, grad_w, count = ctx.saved_tensors
         scale = grad_loss / count
         dh = (grad_h * scale).to(grad_h.dtype) if grad_h is not None else None
-        dw = None
-        if grad_w is not None:
-            vocab = grad_w.shape[0]
-            dw = torch.zeros((vocab + ctx.padded_rows, grad_w.shape[1]), dtype=ctx.weight_dtype, device=grad_w.device)
-            dw[:vocab] = grad_w * scale
-        return dh, dw, None, None, None, None
+        dw = (grad_w * scale).to(ctx.weight_dtype) if grad_w is not None else None
+        return dh, dw, None, None, None, None, None
 
 
 def linear_cross_entropy(
-    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int, chunk: int | None = None
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    vocab: int,
+    chunk: int | None = None,
+    impl: str = "auto",
 ) -> torch.Tensor:
-    """The mean cross-entropy of `h @ weight[:vocab].T` (h [..., d], targets [...], -100 not
-    scored) without materialising the logits: `chunk` tokens at a time (default: 256 MiB of
-    fp32 logits). Equals `lm_loss(h @ weight.T[..., :vocab], targets)`, gradients included."""
+    """The mean cross-entropy of `h @ weight.T` over the first `vocab` of weight's rows (h [..., d],
+    targets [...], -100 not scored; the rows after `vocab` are padding) without materialising the
+    logits: `chunk` tokens at a time (default: 256 MiB of fp32 logits). Equals
+    `lm_loss((h @ weight.T)[..., :vocab], targets)`, gradients included."""
     h2, t2 = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-    return _LinearCrossEntropy.apply(h2, weight, t2, vocab, chunk or chunk_tokens(vocab), torch.is_grad_enabled())
+    how = resolve_impl(impl, h2, weight)
+    if how == "cce":
+        # the padding sliced off (a view: no copy); cce tiles the vocabulary itself, so the width does
+        # not matter to it. No gradient filtering (filter_eps=None): the exact gradients
+        return cce_linear_cross_entropy(h2, weight[:vocab], t2, ignore_index=IGNORE_INDEX, filter_eps=None).float()
+    # inside a compiled graph already (a whole-model compile): the eager function, which it traces
+    step = compiled_chunk_loss() if how == "compiled" and not torch.compiler.is_compiling() else chunk_loss
+    return _LinearCrossEntropy.apply(
+        h2, weight, t2, vocab, chunk or chunk_tokens(weight.shape[0]), torch.is_grad_enabled(), step
+    )

@@ -8,7 +8,8 @@
                           model step of train-step (real DeepSpeed)
     grt bench decode      decode latency and memory per KV-cache strategy (pretrain.tools.bench_decode)
     grt bench precision   the loop state under bf16, and bf16 training's losses (pretrain.tools.bench_numerics)
-    grt bench loss        peak memory of the training loss at GPT-2's vocabulary (pretrain.tools.bench_numerics)
+    grt bench loss        time and peak memory of the training loss at GPT-2's vocabulary: the plain
+                          loss, the chunked loss before and after padding, compiled (pretrain.tools.bench_numerics)
 
 On CPU the absolute figures are this machine's; the ratios are what carry over.
 """
@@ -16,10 +17,10 @@ On CPU the absolute figures are this machine's; the ratios are what carry over.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
-import resource
 import shlex
 import subprocess
 import sys
@@ -35,72 +36,20 @@ from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError, ModelConfig
 from pretrain.model import GPT, build_model
 from pretrain.model.flops import flops_per_token
+from pretrain.runs.run_config import AUTO, CHECKPOINT_MODES
+from pretrain.tools.bench_support import (
+    GPT2_VOCAB,
+    make_bench_data,
+    peak_bytes,
+    positive_number,
+    whole_number,
+)
 from pretrain.training.metrics import peak_flops
 from pretrain.training.parallelize import (
-    AUTO,
-    CHECKPOINT_MODES,
     apply_activation_checkpointing,
     checkpoint_and_compile,
     modes_for_stage,
 )
-
-# a tokenizer of GPT-2's vocabulary size (examples/tokenizers/README.md), so that benchmark runs pay
-# for the embedding, head and loss what GPT-2-sized training pays
-GPT2_VOCAB = 50257
-GPT2_VOCAB_TOKENIZER = PROJECT_ROOT / "examples" / "tokenizers" / "gutenberg-50257.model"
-DEMO_TEXT = PROJECT_ROOT / "examples" / "data" / "tinyshakespeare.txt"
-
-
-def make_bench_data(out: Path, seq_len: int, vocab: int) -> Path:
-    """Shards of the bundled text at `seq_len` with the real `grt data` commands; the tokenizer
-    is the shipped GPT-2-sized one at vocab 50257, else one trained here. Returns the manifest."""
-    grt = [sys.executable, "-m", "pretrain.cli"]
-    tokenizer = GPT2_VOCAB_TOKENIZER
-    if vocab != GPT2_VOCAB:
-        tokenizer = out / "tok.model"
-        subprocess.run(
-            [
-                *grt,
-                "data",
-                "tokenizer",
-                "-i",
-                str(DEMO_TEXT),
-                "--txt-mode",
-                "paragraph",
-                "--vocab-size",
-                str(vocab),
-                "-o",
-                str(tokenizer),
-                "-q",
-            ],
-            check=True,
-            cwd=PROJECT_ROOT,
-            capture_output=True,
-        )
-    subprocess.run(
-        [
-            *grt,
-            "data",
-            "prepare",
-            "-i",
-            str(DEMO_TEXT),
-            "--txt-mode",
-            "paragraph",
-            "-t",
-            str(tokenizer),
-            "-o",
-            str(out / "shards"),
-            "--seq-len",
-            str(seq_len),
-            "--shard-size-mb",
-            "0.2",
-            "-q",
-        ],
-        check=True,
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-    )
-    return out / "shards" / "manifest.json"
 
 
 def equal_flops_pair(
@@ -108,9 +57,7 @@ def equal_flops_pair(
 ) -> tuple[ModelConfig, ModelConfig]:
     """A GRT and the dense model of the same width and effective depth (equal FLOPs up to
     the loop's small projection and gate)."""
-    common: dict[str, Any] = dict(
-        d_model=d_model, n_heads=n_heads, vocab_size=vocab, max_seq_len=seq_len, pad_vocab_multiple=64, bias=False
-    )
+    common: dict[str, Any] = dict(d_model=d_model, n_heads=n_heads, vocab_size=vocab, max_seq_len=seq_len, bias=False)
     grt = ModelConfig(name="grt", variant="grt", layout=layout, **common)
     dense = ModelConfig(name="dense", variant="dense", layout=str(grt.parsed_layout.effective_depth()), **common)
     return grt, dense
@@ -150,7 +97,7 @@ def bench_train_step(args: argparse.Namespace) -> dict[str, Any]:
             torch.manual_seed(0)
             model = build_model(cfg).to(device).train()
             steps[name] = _step_fn(
-                model, grt_cfg.max_loops if name == "grt" else None, compiled, dtype, args.checkpointing
+                model, cfg.max_loops if cfg.parsed_layout.looped else None, compiled, dtype, args.checkpointing
             )
             for _ in range(args.warmup):
                 steps[name](idx)
@@ -177,7 +124,7 @@ def bench_train_step(args: argparse.Namespace) -> dict[str, Any]:
     results["grt_tokens_per_s"] = results["grt_eager_tokens_per_s"]
     results["dense_tokens_per_s"] = results["dense_eager_tokens_per_s"]
     results["ratio"] = results["ratio_eager"]
-    results["peak_bytes"] = _peak_bytes(device)
+    results["peak_bytes"] = peak_bytes(device)
     results.update(
         layout=args.layout,
         dense_layout=dense_cfg.layout,
@@ -190,12 +137,6 @@ def bench_train_step(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def _peak_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated())
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
 def memory_probe(argv: list[str]) -> None:
     """One training step in a fresh process; prints the peak memory above the baseline."""
     d_model, seq_len, batch, loops, mode = int(argv[0]), int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
@@ -203,9 +144,9 @@ def memory_probe(argv: list[str]) -> None:
     cfg = ModelConfig(layout=f"1+2x{loops}+1", d_model=d_model, n_heads=4, vocab_size=512, max_seq_len=seq_len)
     model = apply_activation_checkpointing(build_model(cfg).to(device).train(), mode)
     idx = torch.randint(0, 512, (batch, seq_len), device=device)
-    base = _peak_bytes(device)
+    base = peak_bytes(device)
     model(idx, idx).loss.backward()
-    print(json.dumps({"peak_bytes": _peak_bytes(device) - base}))
+    print(json.dumps({"peak_bytes": peak_bytes(device) - base}))
 
 
 def bench_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -269,6 +210,8 @@ def bench_zero(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     from pretrain.presets import get_preset
 
+    for preset in args.presets:  # at the door: an unknown preset or a size it refuses, before any data is made
+        get_preset(preset).replace(max_seq_len=args.seq_len, vocab_size=args.vocab)
     rows: list[dict[str, Any]] = []
     bare: dict[tuple[str, bool, str], float] = {}  # (preset, compiled, checkpointing) -> tokens/s
     with tempfile.TemporaryDirectory() as tmp_dir:
@@ -389,21 +332,6 @@ def _on_off(text: str) -> bool:
     return text == "on"
 
 
-def whole_number(minimum: int) -> Callable[[str], int]:
-    """An argparse type: a whole number >= minimum (a size, a count of steps or tokens)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= {minimum}")
-        return value
-
-    return parse
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Every `grt bench` command: one that cannot run (an unknown preset, a size the model or the
     tokenizer refuses, a data step that fails) ends in one line naming why, exit 2."""
@@ -419,33 +347,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
 
 
+# the subcommands other modules parse: name -> (module, what it measures)
+DELEGATED = {
+    "data": ("data_pipeline.bench", "data pipeline: prepare MB/s, loader tokens/s"),
+    "decode": ("pretrain.tools.bench_decode", "decode latency and memory per KV-cache strategy"),
+    "precision": ("pretrain.tools.bench_numerics", "the loop state under bf16, and bf16 training's losses"),
+    "loss": ("pretrain.tools.bench_numerics", "time and peak memory of the training loss, per implementation"),
+}
+SUBCOMMANDS = ("data", "train-step", "memory", "zero", "decode", "precision", "loss")
+
+
 def _dispatch(argv: list[str]) -> int:
     if argv and argv[0] == "_memory_probe":
         memory_probe(argv[1:])
         return 0
-    if argv and argv[0] == "data":
-        from data_pipeline.bench import main as data_bench
-
-        return data_bench(argv[1:])
-    if argv and argv[0] == "decode":
-        from pretrain.tools.bench_decode import main as decode_bench
-
-        return decode_bench(argv[1:])
-    if argv and argv[0] in ("precision", "loss"):
-        from pretrain.tools.bench_numerics import main as numerics_bench
-
-        return numerics_bench(argv)
-    p = argparse.ArgumentParser(prog="grt bench", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="what", required=True)
+    if argv and argv[0] in DELEGATED:
+        module = importlib.import_module(DELEGATED[argv[0]][0])
+        return int(module.main(argv if module.__name__ == "pretrain.tools.bench_numerics" else argv[1:]))
+    p = argparse.ArgumentParser(
+        prog="grt bench", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="what", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    for name, (_, what) in DELEGATED.items():  # parsed by their own modules (dispatched above): listed here
+        sub.add_parser(name, help=what, add_help=False)
     ts = sub.add_parser("train-step", help="GRT vs dense of equal FLOPs")
     ts.add_argument("--layout", default="1+2x4+1")
-    ts.add_argument("--d-model", type=int, default=256)
-    ts.add_argument("--n-heads", type=int, default=4)
-    ts.add_argument("--seq-len", type=int, default=256)
-    ts.add_argument("--batch", type=int, default=8)
-    ts.add_argument("--vocab", type=int, default=2048)
-    ts.add_argument("--steps", type=int, default=8)
-    ts.add_argument("--warmup", type=int, default=2)
+    ts.add_argument("--d-model", type=whole_number(1), default=256)
+    ts.add_argument("--n-heads", type=whole_number(1), default=4)
+    ts.add_argument("--seq-len", type=whole_number(1), default=256)
+    ts.add_argument("--batch", type=whole_number(1), default=8)
+    ts.add_argument("--vocab", type=whole_number(1), default=2048)
+    ts.add_argument("--steps", type=whole_number(1), default=8)
+    ts.add_argument("--warmup", type=whole_number(0), default=2)
     ts.add_argument("--checkpointing", default="off", choices=CHECKPOINT_MODES)
     ts.add_argument("--compile", action="store_true", help="also time torch.compile'd models")
     ts.add_argument(
@@ -454,17 +387,17 @@ def _dispatch(argv: list[str]) -> int:
         choices=["fp32", "bf16"],
         help="bf16: the weights cast to bf16 as `grt train` runs them (the loop state stays fp32)",
     )
-    ts.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (default: looked up)")
+    ts.add_argument("--peak-tflops", type=positive_number, default=0.0, help="device peak for MFU (default: looked up)")
     mem = sub.add_parser("memory", help="peak memory against R")
-    mem.add_argument("--loops", type=int, nargs="+", default=[1, 4, 8])
-    mem.add_argument("--d-model", type=int, default=256)
-    mem.add_argument("--seq-len", type=int, default=512)
-    mem.add_argument("--batch", type=int, default=8)
+    mem.add_argument("--loops", type=whole_number(1), nargs="+", default=[1, 4, 8])
+    mem.add_argument("--d-model", type=whole_number(4), default=256, help="a multiple of its 4 heads")
+    mem.add_argument("--seq-len", type=whole_number(1), default=512)
+    mem.add_argument("--batch", type=whole_number(1), default=8)
     zr = sub.add_parser(
         "zero", help="`grt train` per ZeRO stage x compile x checkpointing x preset, against the bare step"
     )
-    zr.add_argument("--stages", type=int, nargs="+", default=[2, 3])
-    zr.add_argument("--ranks", type=int, nargs="+", default=[1])
+    zr.add_argument("--stages", type=int, nargs="+", default=[2, 3], choices=[0, 1, 2, 3])
+    zr.add_argument("--ranks", type=whole_number(1), nargs="+", default=[1])
     zr.add_argument("--presets", nargs="+", default=["tiny-grt", "tiny-dense"])
     zr.add_argument("--compile", type=_on_off, nargs="+", default=[False, True], metavar="off|on")
     zr.add_argument(
@@ -483,9 +416,9 @@ def _dispatch(argv: list[str]) -> int:
         metavar="off|on",
         help="ZeRO-3: keep the looped core gathered (train.zero3_pin_core); `on off` compares both",
     )
-    zr.add_argument("--steps", type=int, default=20)
-    zr.add_argument("--seq-len", type=int, default=128)
-    zr.add_argument("--micro-batch-size", type=int, default=8)
+    zr.add_argument("--steps", type=whole_number(2), default=20, help="at least 2: a log at half of them")
+    zr.add_argument("--seq-len", type=whole_number(1), default=128)
+    zr.add_argument("--micro-batch-size", type=whole_number(1), default=8)
     zr.add_argument(
         "--vocab",
         type=whole_number(1),

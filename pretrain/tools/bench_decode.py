@@ -38,6 +38,7 @@ from pretrain.infer.kv_cache import (
     is_compiled,
 )
 from pretrain.model import GPT, build_model
+from pretrain.tools.bench_support import whole_number, whole_numbers
 
 # the paper's total decode memory (weights + cache) of GRT-Medium against dense GPT-2 Medium
 # (spec section 5): (batch, strategy) -> ratio
@@ -236,32 +237,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dense-model", help="dense model to compare with: exported dir or checkpoint")
     p.add_argument("--dense-preset", default="tiny-dense", help="dense preset ('none' to skip)")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
-    p.add_argument("--batch-sizes", default="1,32")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--depth", type=int, help="loop steps per token (default: the trained R)")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3, help="timed decodes per row; the median is reported")
+    p.add_argument("--batch-sizes", type=whole_numbers(1), default=[1, 32], help="comma-separated, e.g. 1,32")
+    p.add_argument("--prompt-len", type=whole_number(1), default=32)
+    p.add_argument("--new-tokens", type=whole_number(1), default=64)
+    p.add_argument("--depth", type=whole_number(0), help="loop steps per token (default: the trained R)")
+    p.add_argument("--warmup", type=whole_number(0), default=2)
+    p.add_argument("--repeats", type=whole_number(1), default=3, help="timed decodes per row; the median is reported")
     p.add_argument("--compile", action="store_true", help="decode under torch.compile (blocks and loop step)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16")
     p.add_argument("--json", nargs="?", const="-", help="print JSON (or write it to this file)")
     args = p.parse_args(argv)
     try:
-        device = pick_device(args.device)
+        try:
+            device = pick_device(args.device)
+        except RuntimeError:
+            raise ConfigError(f"--device {args.device!r}: expected auto, cpu, cuda or cuda:N") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"--device {args.device}: no CUDA device here (use --device cpu or auto)")
         dtype = pick_dtype(args.dtype, device) or torch.float32
         strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
         bad = [s for s in strategies if s not in STRATEGIES]
-        if bad:
-            raise ConfigError(f"--strategies: unknown {bad}; accepted: {', '.join(STRATEGIES)}")
-        try:
-            batches = [int(b) for b in args.batch_sizes.split(",")]
-        except ValueError:
-            raise ConfigError(
-                f"--batch-sizes {args.batch_sizes!r}: expected comma-separated integers, e.g. 1,32"
-            ) from None
-        if args.repeats < 1:
-            raise ConfigError(f"--repeats {args.repeats}: must be at least 1")
+        if bad or not strategies:
+            raise ConfigError(f"--strategies: unknown {bad or 'none given'}; accepted: {', '.join(STRATEGIES)}")
+        batches = args.batch_sizes
         need = args.prompt_len + args.new_tokens
         looped = build(args.model, args.preset, device, dtype, None if args.model else max(need, 64))
         if looped.loop is None:

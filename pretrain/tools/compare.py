@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import socket
 import subprocess
@@ -46,20 +45,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from data_pipeline.files import atomic_savefig, atomic_write_text
+from data_pipeline.files import atomic_write_text
 from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError, Layout, ModelConfig, load_json_object
 from pretrain.model.flops import flops_per_token, train_flops_per_token
 from pretrain.presets import PRESETS, get_preset
-from pretrain.tools.compare_eval import (
-    ADAPTIVE_EXITS,
-    EXTRAPOLATION_FACTORS,
-    adaptive_label,
-    final_eval_work,
-    final_evals,
-)
-from pretrain.training.depth import depth_for_step
-from pretrain.training.run_config import (
+from pretrain.runs.run_config import (
     RunConfig,
     apply_overrides,
     apply_recipe,
@@ -67,6 +58,15 @@ from pretrain.training.run_config import (
     is_model_override,
     resolve,
 )
+from pretrain.tools.compare_eval import (
+    ADAPTIVE_EXITS,
+    EXTRAPOLATION_FACTORS,
+    adaptive_label,
+    final_eval_work,
+    final_evals,
+)
+from pretrain.tools.compare_plot import plot
+from pretrain.training.depth import depth_for_step
 from pretrain.variants import get_variant
 
 
@@ -372,7 +372,10 @@ def start_run(cfg: RunConfig, nproc: int, log_path: Path, threads: int = 0) -> l
     procs = []
     with open(log_path, "a") as log:
         for rank in range(nproc):
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            # the caller's working directory, so that every path it gave (and the run config's) means
+            # what it meant to the caller; the checkout on the path for a tree that is not installed
+            path = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
             if threads:
                 env["OMP_NUM_THREADS"] = str(threads)
             if nproc > 1:
@@ -387,7 +390,6 @@ def start_run(cfg: RunConfig, nproc: int, log_path: Path, threads: int = 0) -> l
             procs.append(
                 subprocess.Popen(
                     cmd,
-                    cwd=PROJECT_ROOT,
                     env=env,
                     stdout=log if rank == 0 else subprocess.DEVNULL,
                     stderr=subprocess.STDOUT,
@@ -414,20 +416,43 @@ def _lock(run_dir: Path) -> Path:
     return lock
 
 
+PROGRESS_EVERY_S = 30.0  # how often train_all says where each running run is
+
+
+def progress(run_dir: Path, steps: int) -> str:
+    """Where a run is, from the last record of its metrics.jsonl: "step 40/100, loss 5.12"."""
+    try:
+        with open(run_dir / "metrics.jsonl", "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            lines = f.read().decode(errors="replace").splitlines()
+    except FileNotFoundError:
+        lines = []
+    for line in reversed(lines):  # the last whole record (the newest line may be half written)
+        try:
+            record = json.loads(line)
+            return f"step {record['step']}/{steps}, loss {record['loss']:.3f}"
+        except (ValueError, KeyError, TypeError):
+            continue
+    return f"starting (0/{steps} steps)"
+
+
 def train_all(todo: list[dict], args: argparse.Namespace, out: Path) -> dict[str, float]:
     """Train the runs, up to --parallel at a time; {label: wall seconds}. Raises on a failed run."""
     running: dict[str, tuple[list[subprocess.Popen], float]] = {}
-    pending, walls = list(todo), {}
+    pending, walls, reported = list(todo), {}, time.time()
+    steps = {run["label"]: run["cfg"].train.steps for run in todo}
     while pending or running:
         while pending and len(running) < max(1, args.parallel):
             run = pending.pop(0)
             _lock(Path(run["cfg"].out))
-            print(f"training {run['label']} ...", flush=True)
-            running[run["label"]] = (
-                start_run(run["cfg"], args.nproc, out / f"{run['label']}.log", args.threads),
-                time.time(),
-            )
+            log = out / f"{run['label']}.log"
+            print(f"training {run['label']} ... (log: {log})", flush=True)
+            running[run["label"]] = (start_run(run["cfg"], args.nproc, log, args.threads), time.time())
         time.sleep(1.0)
+        if time.time() - reported >= PROGRESS_EVERY_S:
+            reported = time.time()
+            for label, (_, start) in running.items():
+                print(f"  {label}: {progress(out / label, steps[label])}, {time.time() - start:.0f} s", flush=True)
         for label, (procs, start) in list(running.items()):
             codes = [p.poll() for p in procs]
             if any(c is None for c in codes):
@@ -548,59 +573,6 @@ def table(rows: list[dict]) -> str:
             f"{_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(r['peak_memory_mb'], ',.0f')} |"
         )
     return "\n".join(lines)
-
-
-def plot(rows: list[dict], path: Path, smooth: float = 0.9) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_train, ax_val, ax_exit) = plt.subplots(1, 3, figsize=(18, 5.5))
-    for r in rows:
-        xs, ys, ema = [], [], None
-        for step, loss in r["train_curve"]:
-            if not math.isfinite(loss):
-                continue
-            ema = loss if ema is None else smooth * ema + (1 - smooth) * loss
-            xs.append(step * r["tokens_per_step"] / 1e6)
-            ys.append(ema)
-        style = "--" if r["label"].startswith("ladder") else "-"
-        (line,) = ax_train.plot(xs, ys, style, label=r["label"], linewidth=1.2)
-        if r["val_curve"]:
-            ax_val.plot(
-                [s * r["tokens_per_step"] / 1e6 for s, _ in r["val_curve"]],
-                [v for _, v in r["val_curve"]],
-                style + "o",
-                color=line.get_color(),
-                label=r["label"],
-                markersize=3,
-            )
-        exits = {**(r.get("exit_curve") or r["val_loss_by_depth"]), **(r.get("extrapolation") or {})}
-        if exits and get_variant(r["variant"]).looped:
-            depths = sorted(exits)
-            ax_exit.plot(
-                depths, [exits[d] for d in depths], style + "o", color=line.get_color(), label=r["label"], markersize=3
-            )
-        elif r["val_loss"] is not None:
-            ax_exit.axhline(r["val_loss"], color=line.get_color(), linestyle=":", label=f"{r['label']} (dense)")
-    ax_train.set(title=f"training loss (EMA {smooth})", xlabel="tokens (M)", ylabel="loss")
-    ax_val.set(title="validation loss at full depth", xlabel="tokens (M)", ylabel="loss")
-    ax_exit.set(
-        title="validation loss after r loop steps (to 4R: past the trained R)", xlabel="loop steps r", ylabel="loss"
-    )
-    finals = [r["val_loss"] for r in rows if r["val_loss"] is not None]
-    if finals:
-        lo = min(finals)
-        ax_train.set_ylim(lo - 0.2, lo + 2.5)
-        ax_val.set_ylim(lo - 0.1, lo + 1.5)
-        ax_exit.set_ylim(lo - 0.1, lo + 2.5)
-    for ax in (ax_train, ax_val, ax_exit):
-        ax.grid(alpha=0.3)
-    ax_train.legend(fontsize=7)
-    fig.tight_layout()
-    atomic_savefig(fig, path, dpi=110)
-    plt.close(fig)
 
 
 # -- command line ------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ import torch
 from data_pipeline.files import atomic_write_text
 from pretrain.config import ModelConfig
 from pretrain.model.baselines import LoopedBaseline
-from pretrain.training.run_config import RunConfig
+from pretrain.runs.run_config import RunConfig
 from pretrain.variants import get_variant
 
 ADAPTIVE_EXITS: tuple[tuple[str, float], ...] = (("update", 0.1), ("kl", 0.01))

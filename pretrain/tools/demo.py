@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pretrain import PROJECT_ROOT
 from pretrain.presets import get_preset
-from pretrain.training.run_config import RunConfig
+from pretrain.runs.run_config import RunConfig
 
 DEFAULT_TEXT = PROJECT_ROOT / "examples" / "data" / "tinyshakespeare.txt"
 

@@ -12,17 +12,16 @@ import logging
 import torch
 
 from pretrain.distributed import all_reduce, comm_device
+from pretrain.runs.run_config import AUTO, RunConfig
 from pretrain.training.depth import max_depth
 from pretrain.training.ds_config import zero_stage
 from pretrain.training.parallelize import (
-    AUTO,
     AUTO_MEMORY_SHARE,
     AUTO_MODES,
     activation_bytes,
     choose_checkpointing,
     modes_for_stage,
 )
-from pretrain.training.run_config import RunConfig
 
 log = logging.getLogger("grt.train")
 

@@ -15,18 +15,20 @@ instead set the length, the decay being its last decay_tokens. Everything else i
 rule (resume.py): the model, tokenizer, lr, warmup, betas and weight decay stay, the lr at the
 checkpoint may not move, the global batch is kept.
 
-How: the branch's `checkpoints/<tag>` is made of hard links to the source checkpoint's files
-(copies where the file system has none), built in a temporary folder and renamed into place, so
-it is whole or absent; then the branch is an ordinary `--resume` of the new run directory (the
-trainer's checks and load). The source run directory is only read: no file in it is written,
-renamed or removed, and pruning the branch's checkpoints removes the branch's links only. Nothing
-writes into a linked file: checkpoint.save writes each tag's files into a new folder, always of a
-later step (a resume saves after its first step), rank files by rename; a universal conversion
-writes a new `universal/`. The source's W&B id (`wandb.json`) is not linked: a branch is a new W&B
-run. `<out>/branch.json` records the source. Every rank of a launch runs this (the run config
-carries `branch_from`): the first rename wins, the others find the tag there; a start with the tag
-already there (a restart, a requeue) links nothing. A start refused after the links were made
-(the trainer's checks) removes what the branch created, leaving --out as it was.
+How: the start is planned against the source checkpoint first (start.py: the resume rule, and
+nothing linked while it refuses); then the branch's `checkpoints/<tag>` is made of hard links to
+the source checkpoint's files (copies where the file system has none), built in a temporary
+folder and renamed into place, so it is whole or absent, and the branch trains as an ordinary
+`--resume` of the new run directory (the trainer's load). The source run directory is only
+read: no file in it is written, renamed or removed, and pruning the branch's checkpoints removes
+the branch's links only. Nothing writes into a linked file: checkpoint.save writes each tag's
+files into a new folder, always of a later step (a resume saves after its first step), rank files
+by rename; a universal conversion writes a new `universal/`. The source's W&B id (`wandb.json`)
+is not linked: a branch is a new W&B run. `<out>/branch.json` records the source. Every rank of a
+launch runs this (the run config carries `branch_from`): the first rename wins, the others find
+the tag there; a start with the tag already there (a restart, a requeue) links nothing. A start
+refused after the links were made (the trainer's lock or load) removes what the branch created,
+leaving --out as it was.
 
 Caveat of hard links: they share the source's bytes, so if the source run ever rewrote that very
 tag (only a resume from an older checkpoint of the source, passing over it as unreadable, does),
@@ -36,7 +38,6 @@ the branch's copy would change with it; `GRT_BRANCH_COPY=1` copies instead of li
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import shutil
@@ -50,8 +51,9 @@ from typing import Any
 from data_pipeline.files import atomic_write_text, is_temp
 from pretrain.config import ConfigError
 from pretrain.errors import UnreadableCheckpoint
-from pretrain.training import checkpoint, run_lock
-from pretrain.training.run_config import RunConfig, load_manifest
+from pretrain.runs import checkpoint_files
+from pretrain.runs.checkpoint_files import DATA_SKIPS
+from pretrain.runs.run_config import RunConfig, load_manifest, tokens_per_step
 from pretrain.training.schedule import decay_steps
 
 BRANCH_FILE = "branch.json"  # in the branch's run directory: where it branched from
@@ -82,7 +84,7 @@ def find_source(given: str, out: str | None) -> Path:
     if not out:
         raise ConfigError("--branch-from needs --out: the branch's own, new run directory")
     p = Path(given).resolve()
-    if checkpoint.TAG_RE.match(p.name) and p.is_dir():
+    if checkpoint_files.TAG_RE.match(p.name) and p.is_dir():
         if not (p / "COMPLETE").is_file():
             raise ConfigError(f"--branch-from {given}: not a complete checkpoint (no COMPLETE marker)")
         tag_dir: Path | None = p
@@ -106,7 +108,7 @@ def find_source(given: str, out: str | None) -> Path:
         return made_from
     if tag_dir is not None:
         return tag_dir
-    latest = checkpoint.find_latest(root)
+    latest = checkpoint_files.find_latest(root)
     if latest is None:
         raise ConfigError(f"--branch-from {given}: {root} holds no complete checkpoint")
     return root / latest
@@ -115,7 +117,7 @@ def find_source(given: str, out: str | None) -> Path:
 def source_config(source: Path) -> RunConfig:
     """The run config the checkpoint was trained with: a branch's starting point."""
     try:
-        return RunConfig.from_dict(checkpoint.read_config(source))
+        return RunConfig.from_dict(checkpoint_files.read_config(source))
     except UnreadableCheckpoint as err:
         raise ConfigError(f"--branch-from {source}: {err}") from None
 
@@ -163,21 +165,22 @@ def configure(cfg: RunConfig, source: Path, given: set[str]) -> RunConfig:
             "--branch-from with train.allow_batch_change: the decay's steps follow the global batch, which the "
             "ranks set; give the branch's length (--steps)"
         )
-    tokens_per_step = _global_batch(source, Path(cfg.out)) * load_manifest(cfg.data).seq_len
-    t.steps = checkpoint.step_of(source.name) + decay_steps(t.decay_tokens, tokens_per_step)
+    per_step = _tokens_per_step(source, Path(cfg.out), load_manifest(cfg.data).seq_len)
+    t.steps = checkpoint_files.step_of(source.name) + decay_steps(t.decay_tokens, per_step)
     t.tokens = 0.0  # the length is train.steps (said by the resume's line, with the decay, once the start is sure)
     return cfg
 
 
-def _global_batch(source: Path, out: Path) -> int:
-    """The sequences per optimizer step of the source checkpoint (a resume keeps them): read from it,
-    or, where the source has pruned it since, from the branch's own copy or newest checkpoint."""
+def _tokens_per_step(source: Path, out: Path, seq_len: int) -> int:
+    """The tokens per optimizer step of the source checkpoint's global batch (a resume keeps it): read
+    from it, or, where the source has pruned it since, from the branch's own copy or newest checkpoint."""
     root = out / "checkpoints"
-    newest = checkpoint.find_latest(root)
+    newest = checkpoint_files.find_latest(root)
     for tag_dir in (source, root / source.name, *([root / newest] if newest else [])):
         if (tag_dir / "COMPLETE").is_file():
-            saved = source_config(tag_dir).train
-            return saved.micro_batch_size * saved.grad_accum * (checkpoint.ranks_that_wrote(tag_dir) or 1)
+            return tokens_per_step(
+                source_config(tag_dir).train, checkpoint_files.ranks_that_wrote(tag_dir) or 1, seq_len
+            )
     raise ConfigError(f"--branch-from {source}: no complete checkpoint there")
 
 
@@ -194,7 +197,7 @@ def _made(cfg: RunConfig) -> bool:
     if (mine / "COMPLETE").is_file():
         return True
     root = mine.parent
-    others = checkpoint.tag_dirs(root)
+    others = checkpoint_files.tag_dirs(root)
     if not others:
         return False
     recorded = _read_json(Path(cfg.out) / BRANCH_FILE) or {}
@@ -206,19 +209,12 @@ def _made(cfg: RunConfig) -> bool:
     )
 
 
-def check(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
-    """The branch's start checked before anything is written (`grt launch` on this host, and each
-    rank before it links): against the source checkpoint by the resume rule, or, when the branch is
-    made already, against its own newest checkpoint. Returns cfg as the resume would train it."""
-    from pretrain.training.resume import check_resume, check_tag
-
-    source, mine = _tag_dir(cfg)
-    run_lock.refuse_if_in_use(cfg.out)
-    if _made(cfg):
-        return check_resume(cfg, mine.parent, checkpoint.find_latest(mine.parent), world_size)
-    if not (source / "COMPLETE").is_file():
-        raise ConfigError(f"branch_from={cfg.branch_from!r}: no complete checkpoint there")
-    return check_tag(copy.deepcopy(cfg), source.parent, source.name, world_size, notes=[])
+def unmade_source(cfg: RunConfig) -> Path | None:
+    """A decay branch whose checkpoint is not in --out yet: the source checkpoint its start is
+    checked against (start.py; None: no branch, or one made already, which resumes as any run)."""
+    if not cfg.branch_from or _made(cfg):
+        return None
+    return Path(cfg.branch_from)
 
 
 def _link_tree(src: Path, dst: Path, copy_files: bool) -> set[str]:
@@ -247,7 +243,7 @@ def _remove(created: list[Path]) -> None:
     """Undo a branch's start: what it created, newest first (a folder only where it is empty now,
     but its own tag folder whole)."""
     for p in reversed(created):
-        if p.is_dir() and checkpoint.TAG_RE.match(p.name):
+        if p.is_dir() and checkpoint_files.TAG_RE.match(p.name):
             shutil.rmtree(p, ignore_errors=True)
         elif p.is_dir():
             try:
@@ -267,11 +263,10 @@ def _mkdir(path: Path, created: list[Path]) -> None:
 
 
 def prepare(cfg: RunConfig) -> list[Path]:
-    """Check the branch (`check`), then make `<out>/checkpoints/<tag>` of the source's files (once:
-    another rank may have); returns what this process created."""
+    """Make `<out>/checkpoints/<tag>` of the source's files (once: another rank may have), the start
+    checked first (start.plan_start); returns what this process created."""
     if _made(cfg):
         return []
-    check(cfg)
     source, mine = _tag_dir(cfg)
     created: list[Path] = []
     out = Path(cfg.out)
@@ -302,7 +297,7 @@ def prepare(cfg: RunConfig) -> list[Path]:
                     "source_run": str(source.parent.parent),
                     "checkpoint": str(source),
                     "tag": source.name,
-                    "step": checkpoint.step_of(source.name),
+                    "step": checkpoint_files.step_of(source.name),
                     "files": " and ".join(sorted(how)) or "none",
                     "steps": cfg.train.steps,
                     "decay_tokens": cfg.train.decay_tokens,
@@ -327,8 +322,6 @@ def prepare(cfg: RunConfig) -> list[Path]:
 def _carry_data_skip(cfg: RunConfig, source: Path) -> list[Path]:
     """Where the source's rollback recorded that a resume from this tag skips data
     (data_skips.json), the branch does the same."""
-    from pretrain.training.trainer import DATA_SKIPS
-
     skip = (_read_json(source.parent.parent / DATA_SKIPS) or {}).get(source.name)
     path = Path(cfg.out) / DATA_SKIPS
     if skip is None or path.exists():
@@ -362,19 +355,3 @@ def prepared(cfg: RunConfig) -> Iterator[None]:
         if created and _stat(config_json) == before:
             _remove(created)
         raise
-
-
-def dry_run(cfg: RunConfig) -> str:
-    """`grt train --dry-run` of a branch: its checks against the source (nothing linked), then the
-    trainer's of a start in --out; one line."""
-    from pretrain.training.trainer import dry_run as trainer_dry_run
-
-    if _made(cfg):
-        return trainer_dry_run(cfg, resume=True)
-    from pretrain.training.resume import check_tag
-
-    source, _ = _tag_dir(cfg)
-    run_lock.refuse_if_in_use(cfg.out)
-    checked = check_tag(copy.deepcopy(cfg), source.parent, source.name)  # says the changes, as the resume will
-    line = trainer_dry_run(checked, resume=False)
-    return line.removesuffix(", from scratch") + f", branching from {source}"

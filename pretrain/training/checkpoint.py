@@ -1,12 +1,6 @@
 """Checkpoints that are complete or invisible.
 
-Layout of `<out>/checkpoints/`:
-    step00001000/            DeepSpeed's files (model, ZeRO partitions, optimizer, scheduler)
-        rank<r>_state.pt     per-rank RNG states and data-loader position
-        config.json          the run config; tokenizer.model beside it
-        COMPLETE             written by rank 0 only after every rank has finished writing
-    latest                   the tag of the newest COMPLETE checkpoint, replaced atomically
-
+The layout of `<out>/checkpoints/` and how a complete one is found: pretrain/runs/checkpoint_files.py.
 A kill at any moment leaves either the previous `latest` or the new one, never a
 half-written checkpoint that is loaded. Old checkpoints are pruned to the last K.
 
@@ -20,11 +14,9 @@ DeepSpeed would leave the ranks in different collectives; it is read-checked fir
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
-import re
 import shutil
 import zipfile
 from collections.abc import Callable, Mapping
@@ -38,28 +30,25 @@ from data_pipeline.files import atomic_path, atomic_write_text, is_temp
 from pretrain.config import ConfigError
 from pretrain.distributed import RankFailed, all_agree, all_reduce, check_ranks, comm_device
 from pretrain.errors import UnreadableCheckpoint
+from pretrain.runs.checkpoint_files import (
+    TAG_RE,
+    complete_tags,
+    error_text,
+    find_latest,
+    ranks_that_wrote,
+    step_of,
+    tag_for,
+)
 from pretrain.training import deepspeed_internals, universal
 
 if TYPE_CHECKING:
     import deepspeed
 
 log = logging.getLogger(__name__)
-TAG_RE = re.compile(r"^step(\d{8})$")
 
 
 class CheckpointError(RuntimeError):
     pass
-
-
-def tag_for(step: int) -> str:
-    return f"step{step:08d}"
-
-
-def step_of(tag: str) -> int:
-    m = TAG_RE.match(tag)
-    if m is None:
-        raise ValueError(f"{tag!r} is not a checkpoint tag (stepNNNNNNNN)")
-    return int(m.group(1))
 
 
 def rng_state() -> dict[str, Any]:
@@ -81,59 +70,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def complete_tags(root: Path) -> list[str]:
-    if not root.is_dir():
-        return []
-    return sorted(p.name for p in root.iterdir() if TAG_RE.match(p.name) and (p / "COMPLETE").is_file())
-
-
-def find_latest(root: Path) -> str | None:
-    """The newest complete checkpoint: `latest` if it points at one, else the newest COMPLETE tag."""
-    marker = root / "latest"
-    if marker.is_file():
-        tag = marker.read_text().strip()
-        if (root / tag / "COMPLETE").is_file():
-            return tag
-        log.warning("checkpoint marker %s names %r, which is not complete; using the newest complete one", marker, tag)
-    tags = complete_tags(root)
-    return tags[-1] if tags else None
-
-
-def tag_dirs(root: Path) -> list[str]:
-    """Every checkpoint directory, complete or not (an interrupted save leaves one without COMPLETE)."""
-    if not root.is_dir():
-        return []
-    return sorted(p.name for p in root.iterdir() if TAG_RE.match(p.name) and p.is_dir())
-
-
-def resume_candidates(root: Path) -> list[str]:
-    """The complete checkpoints a resume may load, in the order it tries them: `find_latest`'s,
-    then each older complete one (the fallbacks when a newer one cannot be read)."""
-    newest = find_latest(root)
-    return [] if newest is None else [t for t in reversed(complete_tags(root)) if t <= newest]
-
-
-def ranks_that_wrote(step_dir: Path) -> int:
-    """How many ranks wrote a checkpoint (its per-rank state files; 0: none found)."""
-    return len(list(step_dir.glob("rank*_state.pt")))
-
-
-def read_config(step_dir: Path) -> dict[str, Any]:
-    """A checkpoint's saved run config (its `config.json`) as a dict; UnreadableCheckpoint
-    (one line) when it is missing, cut off or not a JSON object."""
-    path = step_dir / "config.json"
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UnreadableCheckpoint(step_dir.name, "config.json is missing") from None
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        problem = f"config.json is cut off or corrupt ({_error_text(err, '')})"
-        raise UnreadableCheckpoint(step_dir.name, problem) from None
-    if not isinstance(data, dict):
-        raise UnreadableCheckpoint(step_dir.name, f"config.json holds a JSON {type(data).__name__}, not an object")
-    return data
-
-
 def verify(root: Path, tag: str, rank: int = 0, world: int = 1) -> str | None:
     """Read through this rank's share (every world-th, by name) of the tag's `*.pt` files: the
     problem of the first that is not a whole zip archive of intact members (torch.save's
@@ -144,7 +80,7 @@ def verify(root: Path, tag: str, rank: int = 0, world: int = 1) -> str | None:
     try:
         files = sorted(p.name for p in path.iterdir() if p.name.endswith(".pt") and not is_temp(p.name))
     except OSError as err:
-        return f"cannot list {path} ({_error_text(err, '')})"
+        return f"cannot list {path} ({error_text(err, '')})"
     if not files:
         return f"{path} holds no model or optimizer state (*.pt)"
     for name in files[rank::world]:
@@ -156,7 +92,7 @@ def verify(root: Path, tag: str, rank: int = 0, world: int = 1) -> str | None:
             with zipfile.ZipFile(path / name) as archive:
                 bad = archive.testzip()
         except (OSError, zipfile.BadZipFile, EOFError, ValueError, RuntimeError) as err:
-            return f"{name} is cut off or corrupt ({_error_text(err, '')})"
+            return f"{name} is cut off or corrupt ({error_text(err, '')})"
         if bad is not None:
             return f"{name} is corrupt (CRC mismatch in {bad})"
     return None
@@ -174,10 +110,6 @@ def _fault(kind: str, step: int, rank: int) -> bool:
         and int(parts[1]) == step
         and int(parts[2] if len(parts) > 2 else 0) == rank
     )
-
-
-def _error_text(err: BaseException | None, fallback: str) -> str:
-    return " ".join(f"{type(err).__name__}: {err}".split()) if err is not None else fallback
 
 
 def _remove_debris(root: Path, tag: str) -> None:
@@ -224,7 +156,7 @@ def save(
     if not all_agree(error is None):
         raise CheckpointError(
             f"could not create checkpoint directory {path}: "
-            f"{_error_text(error, 'it failed on another rank')}; the previous checkpoint "
+            f"{error_text(error, 'it failed on another rank')}; the previous checkpoint "
             f"({find_latest(root)}) is intact"
         ) from error
     # 2. DeepSpeed's files and this rank's state
@@ -245,7 +177,7 @@ def save(
             shutil.rmtree(path, ignore_errors=True)
         raise CheckpointError(
             f"could not write checkpoint {path} (rank {rank}: "
-            f"{_error_text(error, 'its own files were written, a write failed on another rank')}); "
+            f"{error_text(error, 'its own files were written, a write failed on another rank')}); "
             f"removed it; the previous checkpoint ({find_latest(root)}) is intact"
         ) from error
     if _fault("kill", step, rank):
@@ -270,7 +202,7 @@ def save(
             shutil.rmtree(path, ignore_errors=True)
     if not all_agree(error is None):
         raise CheckpointError(
-            f"could not finish checkpoint {path}: {_error_text(error, 'rank 0 failed')}; "
+            f"could not finish checkpoint {path}: {error_text(error, 'rank 0 failed')}; "
             f"the previous checkpoint ({find_latest(root)}) is intact"
         )
     return tag

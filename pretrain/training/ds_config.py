@@ -24,7 +24,7 @@ from typing import Any
 
 from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError, load_json_object
-from pretrain.training.run_config import RunConfig, TrainConfig
+from pretrain.runs.run_config import RunConfig, TrainConfig
 from pretrain.training.schedule import horizon, warmup_num_steps
 
 SHIPPED_DIR = PROJECT_ROOT / "ds_configs"
@@ -212,10 +212,17 @@ def build_ds_config(base: dict[str, Any], train: TrainConfig, world_size: int, u
         )
         ds[block] = {**section, "enabled": ours}
 
-    adam = {"lr": train.lr, "betas": list(train.betas), "eps": 1e-8, "weight_decay": train.weight_decay}
-    if not use_cuda:
-        # DeepSpeed's FusedAdam/CPUAdam JIT-compile on first use; torch's fused AdamW needs no build
-        adam.update(torch_adam=True, fused=True)
+    # torch's fused AdamW on every device, through DeepSpeed's `torch_adam` switch: DeepSpeed's own
+    # FusedAdam (CUDA) and CPUAdam compile an extension on first use, which the GPU machine may not
+    # manage; the update is the same (tests/launch/test_optimizer.py)
+    adam = {
+        "lr": train.lr,
+        "betas": list(train.betas),
+        "eps": 1e-8,
+        "weight_decay": train.weight_decay,
+        "torch_adam": True,
+        "fused": True,
+    }
     optimizer = ds.get("optimizer") or {}
     kind = optimizer.get("type", AUTO)
     if kind != AUTO and str(kind).lower() not in ADAMW_TYPES:

@@ -12,11 +12,11 @@ import torch
 
 from pretrain.model import build_model
 from pretrain.model.flops import count_params
+from pretrain.runs.run_config import RunConfig, tokens_per_step
 from pretrain.training import deepspeed_internals
 from pretrain.training.auto_checkpointing import checkpointing_mode
 from pretrain.training.ds_config import build_ds_config, load_ds_json, zero_stage
 from pretrain.training.parallelize import checkpoint_and_compile
-from pretrain.training.run_config import RunConfig
 from pretrain.training.schedule import client_scheduler
 
 if TYPE_CHECKING:
@@ -44,17 +44,15 @@ def build_engine(
     ds = ds or build_ds_config(load_ds_json(cfg.ds_config), cfg.train, world_size, device.type == "cuda")
     with deepspeed.zero.Init(config_dict_or_path=ds, enabled=zero_stage(ds) == 3):
         model = build_model(cfg.model)
-    t = cfg.train
-    tokens_per_step = t.micro_batch_size * t.grad_accum * world_size * (seq_len or cfg.model.max_seq_len)
+    t, seq_len = cfg.train, seq_len or cfg.model.max_seq_len
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, t.weight_decay),
         config=ds,
-        lr_scheduler=client_scheduler(t, tokens_per_step),  # wsd's; cosine: None, DeepSpeed's from `ds`
+        # wsd's; cosine: None, DeepSpeed's from `ds`
+        lr_scheduler=client_scheduler(t, tokens_per_step(t, world_size, seq_len)),
     )
-    mode = checkpointing_mode(
-        cfg, ds, device, seq_len or cfg.model.max_seq_len, count_params(model)["params"], world_size
-    )
+    mode = checkpointing_mode(cfg, ds, device, seq_len, count_params(model)["params"], world_size)
     checkpoint_and_compile(model, mode, cfg.train.compile)
     deepspeed_internals.check_engine(engine)
     if zero_stage(ds) == 3:

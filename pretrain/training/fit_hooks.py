@@ -17,14 +17,13 @@ from pretrain.training.health import NanInjection
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
 
-    from data_pipeline.loader import TokenBatchLoader
-    from data_pipeline.mixture import MixtureLoader
+    from data_pipeline.batches import TrainBatches
     from pretrain.model.gpt import ModelOutput
 
 log = logging.getLogger("grt.train")
 
 
-def warn_on_skipped_shards(loader: TokenBatchLoader | MixtureLoader, rank: int) -> Iterator[dict[str, torch.Tensor]]:
+def warn_on_skipped_shards(loader: TrainBatches, rank: int) -> Iterator[dict[str, torch.Tensor]]:
     """The loader's batches, with a warning whenever it has skipped another unreadable shard."""
     seen = loader.skipped_shards
     for batch in loader:

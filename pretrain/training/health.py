@@ -66,6 +66,10 @@ class Heartbeat:
             return
         threading.Thread(target=self._run, name="grt-heartbeat", daemon=True).start()
 
+    def at_step(self, step: int) -> None:
+        """The step this rank is training now (published with its next beat)."""
+        self.step = step
+
     def _beat(self) -> None:
         self.beats += 1
         assert self.store is not None  # only called once the store is connected

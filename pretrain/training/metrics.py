@@ -253,6 +253,14 @@ class MetricsWriter:
             self.records.write(json.dumps({"step": step, **values}) + "\n")
             self.records.flush()
 
+    def rewind(self, step: int) -> None:
+        """Go back to `step` (a rollback to its checkpoint): what was written after it is dropped, as
+        a resume from it would, and the records go on from there; the sinks stay."""
+        self.close()
+        self._closed = False
+        self._open_records(step)
+        self._open_tb(step)
+
     def close(self) -> None:
         if self._texts and not self._tb_opened:  # no step written: the texts, nothing trimmed
             self._open_tb(None)

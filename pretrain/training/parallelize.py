@@ -18,11 +18,10 @@ from pretrain.config import ConfigError, ModelConfig
 from pretrain.model.gpt import GPT
 from pretrain.model.layers import Block
 from pretrain.model.loss import chunk_tokens
+from pretrain.runs.run_config import AUTO, CHECKPOINT_MODES
 from pretrain.variants import get_variant
 
-# explicit modes, cheapest recompute first; `auto` picks one of AUTO_MODES for the run
-CHECKPOINT_MODES = ("off", "selective", "loop_step", "block")
-AUTO = "auto"
+# `auto` (of CHECKPOINT_MODES, the run config's accepted values) picks one of AUTO_MODES for the run
 AUTO_MODES = ("off", "selective", "loop_step")
 # what `auto` may fill: device memory left after the engine is built (weights, optimizer state,
 # buffers) minus headroom for the allocator's fragmentation and ZeRO's gather/reduce buckets

@@ -1,7 +1,6 @@
 """What makes a run itself: its tokenizer, its model, its schedule and batch size.
 
-`check_same_tokenizer` is shared by resume, `grt eval` and `grt generate`: data tokenised
-with another tokenizer is refused, whatever the overrides. `check_resume` compares a run
+The tokenizer must be the checkpoint's (pretrain/runs/identity.py). `check_resume` compares a run
 config with the checkpoint it continues, before any process group exists and before the
 run directory's config.json is rewritten, so a refused resume changes nothing.
 
@@ -35,6 +34,7 @@ checks the previous complete checkpoint instead, as the trainer's resume loads i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -44,8 +44,9 @@ from typing import TYPE_CHECKING, Any
 
 from pretrain.config import ConfigError
 from pretrain.errors import UnreadableCheckpoint
-from pretrain.training.checkpoint import ranks_that_wrote, read_config, resume_candidates, step_of
-from pretrain.training.run_config import RunConfig, TrainConfig, load_manifest
+from pretrain.runs.checkpoint_files import ranks_that_wrote, read_config, resume_candidates, step_of
+from pretrain.runs.identity import check_same_tokenizer
+from pretrain.runs.run_config import RunConfig, TrainConfig, global_batch, load_manifest, tokens_per_step
 from pretrain.training.schedule import Schedule
 
 if TYPE_CHECKING:
@@ -55,30 +56,6 @@ if TYPE_CHECKING:
 REFUSED_TRAIN_KEYS = ("lr", "min_lr", "warmup_steps", "schedule_steps", "betas", "weight_decay")
 # a wsd run: schedule_steps may change (with train.steps, decay_tokens, decay_shape), checked by `keep_wsd_lr`
 WSD_REFUSED_KEYS = tuple(k for k in REFUSED_TRAIN_KEYS if k != "schedule_steps")
-
-
-def check_same_tokenizer(
-    data_sha256: str | None,
-    data_vocab: int,
-    data_what: str,
-    model_sha256: str | None,
-    model_vocab: int,
-    model_what: str,
-) -> None:
-    """Refuse data made with another tokenizer than the model's (sha256 of tokenizer.model,
-    where both are known), or whose vocabulary does not fit the model."""
-    if data_sha256 and model_sha256 and data_sha256 != model_sha256:
-        raise ConfigError(
-            f"{data_what} was tokenised with tokenizer sha256 {data_sha256[:16]} (vocab {data_vocab}), "
-            f"but {model_what} was trained with tokenizer sha256 {model_sha256[:16]} "
-            f"(vocab {model_vocab}): a model cannot switch tokenizer (no override allows it); use data "
-            "prepared with the model's tokenizer.model"
-        )
-    if data_vocab > model_vocab:
-        raise ConfigError(
-            f"{data_what} has a vocabulary of {data_vocab} tokens, more than the {model_vocab} of "
-            f"{model_what}: its token ids do not fit the model"
-        )
 
 
 def _flat(prefix: str, d: dict[str, Any]) -> dict[str, Any]:
@@ -243,8 +220,8 @@ def check_tag(
     schedule_note = ""
     if wsd:
         t, old = cfg.train, saved_cfg.train
-        old_tokens = old.micro_batch_size * old.grad_accum * saved_world * manifest.seq_len
-        new_tokens = t.micro_batch_size * t.grad_accum * world * manifest.seq_len
+        old_tokens = tokens_per_step(old, saved_world, manifest.seq_len)
+        new_tokens = tokens_per_step(t, world, manifest.seq_len)
         schedule_note = keep_wsd_lr(cfg.train, old, step_of(tag), new_tokens, old_tokens, where)
     new_t = _as_json(cfg)["train"]
     top = ("data", "ds_config", "out", "branch_from")
@@ -310,8 +287,8 @@ def keep_global_batch(cfg: RunConfig, saved: dict[str, Any], saved_world: int, w
     micro-batch size and world size that cannot split the global batch, or a grad_accum given
     that would change it; with train.allow_batch_change the given sizes are used as they are."""
     t = cfg.train
-    old_batch = int(saved["micro_batch_size"]) * int(saved["grad_accum"]) * saved_world
-    new_batch = t.micro_batch_size * t.grad_accum * world
+    old = dataclasses.replace(t, micro_batch_size=int(saved["micro_batch_size"]), grad_accum=int(saved["grad_accum"]))
+    old_batch, new_batch = global_batch(old, saved_world), global_batch(t, world)
     how = f"micro-batch {saved['micro_batch_size']} x grad_accum {saved['grad_accum']} x {saved_world} rank(s)"
     if t.allow_batch_change:
         if old_batch == new_batch:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pretrain.training.run_config import TrainConfig
+from pretrain.runs.run_config import TrainConfig
 
 
 def warmup_num_steps(train: TrainConfig) -> int:

@@ -166,6 +166,10 @@ class LossSpikes:
     def limit(self) -> float:
         return self.statistic()[0]
 
+    def restore(self, history: list[float]) -> None:
+        """Judge on from a checkpoint's history (an empty one: a checkpoint from before it)."""
+        self.history = list(history)
+
     def check(self, step: int, loss: float) -> bool:
         """Whether the step's loss (the same on every rank) is a spike; rank 0 (`say`) says so."""
         limit, median, spread = self.statistic()

@@ -10,7 +10,7 @@ checkpoint> --tasks <the tasks> --depths <the depths> --limit <the limit> --eval
 dir>` (tests/training/test_task_eval.py), up to the order of float sums.
 
 What is checked, and when: the task names and depths with every other value of the run
-config (`check_settings`, from `RunConfig.validate`); the task files, each read once here,
+config (pretrain/runs/eval_tasks.py, from `RunConfig.validate`); the task files, each read once here,
 before the process group starts (`TaskEval.build`, from `Trainer.preflight`): a missing or
 empty one is one line naming it.
 """
@@ -26,15 +26,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pretrain.config import ConfigError, ModelConfig
+from pretrain.config import ConfigError
 from pretrain.distributed import Dist
-from pretrain.infer.zero_shot import TASKS, Item, evaluate_task, load_task
+from pretrain.infer.zero_shot import evaluate_task
+from pretrain.runs.eval_tasks import TASKS, Item, load_task, task_depths, task_names
 
 if TYPE_CHECKING:
     from data_pipeline.tokenizer import Tokenizer
     from pretrain.model import GPT
+    from pretrain.runs.run_config import RunConfig, TrainConfig
     from pretrain.training.metrics import MetricsWriter
-    from pretrain.training.run_config import RunConfig, TrainConfig
 
 RECORDS = "tasks.jsonl"  # <out>/tasks.jsonl: one record per evaluation, the full-precision numbers
 
@@ -43,57 +44,6 @@ def shown(task: str, metric: str) -> bool:
     """The metrics TensorBoard and the log line show, as `grt eval`'s table: not the item count,
     nor WinoGrande's acc_norm (its choices share one continuation: acc_norm is acc)."""
     return metric != "n" and not (task == "winogrande" and metric == "acc_norm")
-
-
-def task_names(text: str) -> list[str]:
-    """train.eval_tasks: 'all' (every task of zero_shot.TASKS) or comma-separated names."""
-    if text.strip() == "all":
-        return list(TASKS)
-    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    unknown = [n for n in names if n not in TASKS]
-    if unknown or not names:
-        raise ConfigError(
-            f"train.eval_tasks={text!r}: {'unknown ' + ', '.join(unknown) if unknown else 'no task named'}; "
-            f"accepted: all, or comma-separated names of {', '.join(TASKS)}"
-        )
-    return names
-
-
-def default_depths(model: ModelConfig) -> list[int]:
-    """1, R/2 (rounded down) and R of a looped model; a dense model's N (the whole model, as `grt eval`)."""
-    layout = model.parsed_layout
-    if not layout.looped:
-        return [layout.prelude]
-    r = layout.loops
-    return sorted({1, max(1, r // 2), r})
-
-
-def task_depths(text: str, model: ModelConfig) -> list[int]:
-    """train.eval_tasks_depths: '' (default_depths), or exit depths as `grt eval --depths` reads
-    them ('1,2,4', '1-4'): a looped model's loop steps (any >= 0; above the layout's R
-    `grt eval` needs --allow-beyond-trained), a dense model's layers run, 1..N."""
-    from pretrain.infer.evaluate import parse_depths
-
-    if not text.strip():
-        return default_depths(model)
-    key = f"train.eval_tasks_depths={text!r}"
-    try:
-        depths = parse_depths(text, 0)
-    except ConfigError:
-        raise ConfigError(f"{key}: expected exit depths, e.g. '1,2,4' or '1-4' ('' = 1, R/2, R)") from None
-    layout = model.parsed_layout
-    if not layout.looped and not all(1 <= d <= layout.prelude for d in depths):
-        n = layout.prelude
-        raise ConfigError(
-            f"{key}: a dense model's exit depth is the number of layers run, 1..{n} ({n}: the whole model)"
-        )
-    return depths
-
-
-def check_settings(cfg: RunConfig) -> None:
-    """The task names and depths, refused in one line naming the key (the files: `TaskEval.build`)."""
-    task_names(cfg.train.eval_tasks)
-    task_depths(cfg.train.eval_tasks_depths, cfg.model)
 
 
 def eval_dir(t: TrainConfig) -> Path:

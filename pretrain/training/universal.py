@@ -26,7 +26,7 @@ How the trainer uses it (every rank runs the same code):
        `checkpoint.load_universal` in `deepspeed.initialize`, not at load time);
     2. rank 0 alone calls `convert(step_dir)` (a complete copy is reused); every rank then meets
        rank 0 in a collective that carries its outcome (`check_ranks(error)` of
-       pretrain/distributed.py: str(ConversionError) on rank 0, None elsewhere), so that a failure
+       pretrain/distributed/: str(ConversionError) on rank 0, None elsewhere), so that a failure
        stops every rank with rank 0's line. The others wait in it for the whole conversion: the
        process group's timeout (train.dist_timeout_s) must exceed it (measured below). Then every
        rank checks `is_converted(step_dir)` and they agree once more (`check_ranks`): every rank

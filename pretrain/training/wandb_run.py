@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from pretrain.errors import ConfigError
 
 if TYPE_CHECKING:
-    from pretrain.training.run_config import RunConfig
+    from pretrain.runs.run_config import RunConfig
 
 log = logging.getLogger("grt.train")
 

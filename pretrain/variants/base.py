@@ -11,15 +11,15 @@ per-token adaptive exit applies to it. Its torch module is the class decorated w
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from pretrain.errors import ConfigError
+from pretrain.variants.model_spec import ModelSpec
 
-if TYPE_CHECKING:
-    from pretrain.config import ModelConfig
+M = TypeVar("M", bound=ModelSpec)  # noise_off returns the config type it is given
 
 
-def block_flops(cfg: ModelConfig, seq_len: int, share: float = 1.0) -> float:
+def block_flops(cfg: ModelSpec, seq_len: int, share: float = 1.0) -> float:
     """One transformer block per token: the matmuls (qkv 6 d^2, attention out 2 d^2, MLP
     2 * 2 * mlp_ratio d^2) plus the attention scores and values over the keys it sees,
     4 S d at full (unmasked) length; `share` of the sequence for tokens gathered from it."""
@@ -27,7 +27,7 @@ def block_flops(cfg: ModelConfig, seq_len: int, share: float = 1.0) -> float:
     return (8 + 4 * cfg.mlp_ratio) * d * d + 4 * share * seq_len * d
 
 
-def projection_and_gate_flops(cfg: ModelConfig) -> float:
+def projection_and_gate_flops(cfg: ModelSpec) -> float:
     """Per token and loop step: the projection W_proj [s; e] (4 d^2) and the gate MLP (6 d^2:
     2d -> d -> d), those of the two the config has."""
     d = cfg.d_model
@@ -47,9 +47,11 @@ class Variant:
     learned_exit: ClassVar[bool] = False  # it learns where each token exits (grt compare scores that exit)
     decodes_every_step: ClassVar[bool] = False  # training decodes (coda, head, logits) after every loop step
     anchored_kv: ClassVar[bool] = False  # it builds core_kv='anchor' (keys and values of the anchor)
+    hf_gpt2: ClassVar[bool] = False  # GPT-2's function: `grt export` writes transformers' GPT2LMHeadModel
+    preset_extra: ClassVar[dict[str, Any]] = {}  # the extra settings of its micro and tiny presets
 
     # -- the config ----------------------------------------------------------------------------
-    def check(self, cfg: ModelConfig) -> None:
+    def check(self, cfg: ModelSpec) -> None:
         """Refuse a config this variant cannot build, with one line that names the setting."""
         layout = cfg.parsed_layout
         if self.looped and not layout.looped:
@@ -79,10 +81,10 @@ class Variant:
                 raise ConfigError(f"extra.{key}={value!r}: must be a number >= 0")
         self.check_extra(cfg)
 
-    def check_extra(self, cfg: ModelConfig) -> None:
+    def check_extra(self, cfg: ModelSpec) -> None:
         """The variant's own rules for its extra settings (their keys and signs are checked)."""
 
-    def setting(self, cfg: ModelConfig, key: str) -> Any:
+    def setting(self, cfg: ModelSpec, key: str) -> Any:
         """An extra setting of cfg, or its default."""
         return cfg.extra.get(key, self.extra.get(key))
 
@@ -90,33 +92,33 @@ class Variant:
         """The ModelConfig settings its presets need (those its check requires)."""
         return {}
 
-    def describe(self, cfg: ModelConfig) -> str:
+    def describe(self, cfg: ModelSpec) -> str:
         """The method's name for cfg in tables."""
         return self.label
 
-    def train_recipe(self, cfg: ModelConfig) -> dict[str, Any]:
+    def train_recipe(self, cfg: ModelSpec) -> dict[str, Any]:
         """The training settings (TrainConfig keys) this method trains with, for the model cfg:
         applied when a run picks the model, before the user's own settings."""
         return {}
 
-    def noise_off(self, cfg: ModelConfig) -> ModelConfig:
+    def noise_off(self, cfg: M) -> M:
         """The same model with every random perturbation of training off (gradient checks)."""
         return cfg.replace(state_noise_std=0.0, gate_noise_std=0.0, extra={**cfg.extra, **self.noise_extra})
 
     # -- the work of a training step (sums: pretrain/model/flops.py, pretrain/training/parallelize.py)
-    def step_shares(self, cfg: ModelConfig, steps: int) -> list[float]:
+    def step_shares(self, cfg: ModelSpec, steps: int) -> list[float]:
         """The share of the tokens each of `steps` loop steps runs the core on."""
         return [1.0] * steps
 
-    def block_extra_flops(self, cfg: ModelConfig) -> float:
+    def block_extra_flops(self, cfg: ModelSpec) -> float:
         """FLOPs per token a core block adds to its transformer block, per loop step."""
         return 0.0
 
-    def step_extra_flops(self, cfg: ModelConfig) -> float:
+    def step_extra_flops(self, cfg: ModelSpec) -> float:
         """FLOPs per token a loop step adds to its core blocks, over every token."""
         return 0.0
 
-    def loop_flops(self, cfg: ModelConfig, seq_len: int, steps: int, executed: bool) -> float:
+    def loop_flops(self, cfg: ModelSpec, seq_len: int, steps: int, executed: bool) -> float:
         """Forward FLOPs per token of `steps` loop steps. executed: what the implementation runs
         (less than the formula where it computes a term once per forward)."""
         core = cfg.parsed_layout.core
@@ -125,7 +127,7 @@ class Variant:
             for share in self.step_shares(cfg, steps)
         )
 
-    def no_grad_steps(self, cfg: ModelConfig, depth: int) -> int:
+    def no_grad_steps(self, cfg: ModelSpec, depth: int) -> int:
         """Loop steps of a training forward at `depth` that run without autograd (kept nothing)."""
         return 0
 
@@ -133,12 +135,12 @@ class Variant:
         """Decodes (exit norm, coda, final norm, head) of a training forward of `steps` loop steps."""
         return max(steps, 1) if self.decodes_every_step else 1
 
-    def block_extra_bytes(self, cfg: ModelConfig, dtype_bytes: int) -> tuple[int, int]:
+    def block_extra_bytes(self, cfg: ModelSpec, dtype_bytes: int) -> tuple[int, int]:
         """Bytes per token a core block keeps beyond a transformer block's: (everything, under
         selective checkpointing)."""
         return 0, 0
 
-    def outside_loop_bytes(self, cfg: ModelConfig, shares: list[float], dtype_bytes: int) -> float:
+    def outside_loop_bytes(self, cfg: ModelSpec, shares: list[float], dtype_bytes: int) -> float:
         """Bytes per token kept around the loop steps, outside what checkpointing recomputes."""
         return 0.0
 
@@ -149,7 +151,7 @@ class Baseline(Variant):
 
     reinjects_anchor: ClassVar[bool] = False
 
-    def check(self, cfg: ModelConfig) -> None:
+    def check(self, cfg: ModelSpec) -> None:
         super().check(cfg)
         if cfg.gate or cfg.state_noise_std:
             raise ConfigError(

@@ -10,3 +10,4 @@ class Dense(Variant):
     name = "dense"
     label = "dense GPT-2"
     looped = False
+    hf_gpt2 = True

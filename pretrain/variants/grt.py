@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pretrain.variants.base import Variant, projection_and_gate_flops, register
 
 if TYPE_CHECKING:
-    from pretrain.config import ModelConfig
+    from pretrain.variants.model_spec import ModelSpec
 
 
 # how `describe` names each placement of the loop (pretrain.config.Layout.placement): the
@@ -29,7 +29,7 @@ class GRT(Variant):
     label = "GRT"
     anchored_kv = True
 
-    def describe(self, cfg: ModelConfig) -> str:
+    def describe(self, cfg: ModelSpec) -> str:
         """GRT with all of its components (naming where the loop sits unless it is the middle:
         'GRT (bottom loop)'); otherwise the ablation rung the switches make."""
         placement = cfg.parsed_layout.placement
@@ -44,13 +44,13 @@ class GRT(Variant):
             return GRT_NAMES[placement]
         return "loop only" if parts == [RUNG_WORDS["whole"]] else "loop + " + ", ".join(parts)
 
-    def train_recipe(self, cfg: ModelConfig) -> dict[str, Any]:
+    def train_recipe(self, cfg: ModelSpec) -> dict[str, Any]:
         return {"depth_sampling": "uniform"}  # r ~ U{1..R} per step (spec section 2)
 
-    def step_extra_flops(self, cfg: ModelConfig) -> float:
+    def step_extra_flops(self, cfg: ModelSpec) -> float:
         return projection_and_gate_flops(cfg)
 
-    def loop_flops(self, cfg: ModelConfig, seq_len: int, steps: int, executed: bool) -> float:
+    def loop_flops(self, cfg: ModelSpec, seq_len: int, steps: int, executed: bool) -> float:
         total = super().loop_flops(cfg, seq_len, steps, executed)
         if steps == 0:
             return total

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pretrain.variants.base import Baseline, register
 
 if TYPE_CHECKING:
-    from pretrain.config import ModelConfig
+    from pretrain.variants.model_spec import ModelSpec
 
 
 @register
@@ -23,17 +23,17 @@ class MoR(Baseline):
         "the tokens each loop step runs"
     )
 
-    def train_recipe(self, cfg: ModelConfig) -> dict[str, Any]:
+    def train_recipe(self, cfg: ModelSpec) -> dict[str, Any]:
         return {"depth_sampling": "fixed"}  # the router learns its capacities over all R steps
 
-    def step_shares(self, cfg: ModelConfig, steps: int) -> list[float]:
+    def step_shares(self, cfg: ModelSpec, steps: int) -> list[float]:
         r = cfg.max_loops  # step i runs on (R - i) / R of the tokens (the last share repeats past R)
         return [(r - min(i, r - 1)) / r for i in range(steps)]
 
-    def step_extra_flops(self, cfg: ModelConfig) -> float:
+    def step_extra_flops(self, cfg: ModelSpec) -> float:
         return 2 * cfg.d_model  # the router Linear(d -> 1) scores every token
 
-    def outside_loop_bytes(self, cfg: ModelConfig, shares: list[float], dtype_bytes: int) -> float:
+    def outside_loop_bytes(self, cfg: ModelSpec, shares: list[float], dtype_bytes: int) -> float:
         # the router keeps the full state, the gated update the chosen tokens' (out - x), outside
         # the checkpointed loop step
         return sum(1 + share for share in shares) * cfg.d_model * dtype_bytes

@@ -10,7 +10,7 @@ from pretrain.errors import ConfigError
 from pretrain.variants.base import Baseline, register
 
 if TYPE_CHECKING:
-    from pretrain.config import ModelConfig
+    from pretrain.variants.model_spec import ModelSpec
 
 
 @register
@@ -21,13 +21,13 @@ class Ouro(Baseline):
     learned_exit = True
     decodes_every_step = True
 
-    def check_extra(self, cfg: ModelConfig) -> None:
+    def check_extra(self, cfg: ModelSpec) -> None:
         threshold = self.setting(cfg, "exit_threshold")
         if not 0 < threshold <= 1:
             raise ConfigError(f"extra.exit_threshold={threshold!r}: must be in (0, 1]")
 
-    def train_recipe(self, cfg: ModelConfig) -> dict[str, Any]:
+    def train_recipe(self, cfg: ModelSpec) -> dict[str, Any]:
         return {"depth_sampling": "fixed"}  # the exit distribution is learned over all R steps
 
-    def step_extra_flops(self, cfg: ModelConfig) -> float:
+    def step_extra_flops(self, cfg: ModelSpec) -> float:
         return 2 * cfg.d_model  # the exit gate Linear(d -> 1) after every step

@@ -9,7 +9,7 @@ from pretrain.errors import ConfigError
 from pretrain.variants.base import Baseline, register
 
 if TYPE_CHECKING:
-    from pretrain.config import ModelConfig
+    from pretrain.variants.model_spec import ModelSpec
 
 
 @register
@@ -18,19 +18,19 @@ class RRT(Baseline):
     label = "RRT"
     extra = {"lora_rank": 4, "lora_alpha": 4.0}
 
-    def check_extra(self, cfg: ModelConfig) -> None:
+    def check_extra(self, cfg: ModelSpec) -> None:
         rank = self.setting(cfg, "lora_rank")
         if int(rank) < 1 or rank != int(rank):
             raise ConfigError(f"extra.lora_rank={rank!r}: must be a positive integer")
 
-    def train_recipe(self, cfg: ModelConfig) -> dict[str, Any]:
+    def train_recipe(self, cfg: ModelSpec) -> dict[str, Any]:
         return {"depth_sampling": "fixed"}  # each step's adapters train at their own step: all R of them
 
-    def block_extra_flops(self, cfg: ModelConfig) -> float:
+    def block_extra_flops(self, cfg: ModelSpec) -> float:
         d, h, rank = cfg.d_model, cfg.mlp_ratio * cfg.d_model, int(self.setting(cfg, "lora_rank"))
         return 2 * rank * ((d + 3 * d) + (d + d) + (d + h) + (h + d))  # down + up at the block's 4 linears
 
-    def block_extra_bytes(self, cfg: ModelConfig, dtype_bytes: int) -> tuple[int, int]:
+    def block_extra_bytes(self, cfg: ModelSpec, dtype_bytes: int) -> tuple[int, int]:
         # the 4 LoRA sites keep their rank-sized inner activation; selective also the outputs of
         # their up matmuls (3d + d + 4d + d)
         rank = int(self.setting(cfg, "lora_rank"))

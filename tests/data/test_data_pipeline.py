@@ -645,6 +645,34 @@ def test_bench_json(tmp_path, capsys):
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["prepare_mb_per_s"] > 0 and res["loader_tokens_per_s"] > 0
     assert res["command"].startswith("grt bench data")
+    # prepare beside its limit: SentencePiece's encode of the same text, the same tokens
+    assert res["encode_limit_mb_per_s_per_core"] > 0 and res["prepare_vs_limit"] > 0
+    assert res["encode_limit_tokens"] == res["encode_whole_docs_tokens"] > 0  # cut as prepare cuts: the same tokens
+    assert res["shard_write_mb_per_s"] > 0 and res["read_s"] >= 0
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--mixture", "-2"], "--mixture must be >= 0"),
+        (["--loader-seconds", "0"], "--loader-seconds must be > 0"),
+        (["--max-mb", "nan"], "--max-mb must be > 0"),
+        (["--vocab-size", "10"], "--vocab-size must be in [258, "),
+        (["--workers", "0"], "--workers must be >= 1"),
+        (["--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--loader-workers", "-1"], "--loader-workers must be >= 0"),
+        (["--seq-len", "0"], "--seq-len must be >= 1"),
+        (["--shard-size-mb", "0"], "--shard-size-mb must be > 0"),
+        (["--tokenizer-chars", "0"], "--tokenizer-chars must be >= 1"),
+        (["--tokenizer", "no/such.model"], "--tokenizer 'no/such.model' is not a file"),
+    ],
+)
+def test_bench_flags_are_checked_at_the_door(flags, message, capsys):
+    from data_pipeline.bench import main
+
+    assert main(flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"grt bench data: error: {message}") and len(err.splitlines()) == 1, err
 
 
 def test_long_documents_tokenise_exactly_as_the_tokenizer(tmp_path, tokenizer):

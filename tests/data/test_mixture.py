@@ -18,7 +18,7 @@ from multiproc import grt
 from data_pipeline.loader import TokenBatchLoader
 from data_pipeline.mixture import DataMixture, MixtureError, MixtureLoader, parse_sources, parse_stages
 from pretrain.config import ConfigError
-from pretrain.training.run_config import load_manifest
+from pretrain.runs.run_config import load_manifest
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "data" / "tinyshakespeare.txt"
 

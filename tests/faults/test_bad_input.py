@@ -192,7 +192,7 @@ CASES = [
         ["data", "prepare", "-i", "@empty_txt", "-t", "@tokenizer", "-o", "@missing", "--seq-len", "x"],
         "invalid int value: 'x'",
     ),
-    ("wrong type", ["bench", "train-step", "--steps", "x"], "invalid int value: 'x'"),
+    ("wrong type", ["bench", "train-step", "--steps", "x"], "'x': expected a whole number >= 1"),
     ("bad value", ["bench", "loss", "--tokens", "0"], "'0': expected a whole number >= 1"),
     ("bad value", ["bench", "precision", "--preset", "nope", "--train-steps", "0"], "unknown preset 'nope'"),
     ("bad value", ["bench", "zero", "--vocab", "100", "--presets", "micro-grt"], "vocab_size must be in [258, 50257]"),
@@ -501,7 +501,7 @@ def test_resume_with_more_steps_keeps_the_started_schedule(grt_run, tmp_path):
 # connections) stays alive, as a rank whose exit an NCCL collective does not notice. The others
 # must stop on the error it reported, not on its exit.
 HOLD_AFTER_ERROR = """import time
-import pretrain.distributed as pd
+import pretrain.distributed.exit as pd  # where run_command finds it
 exit_now = pd.exit_process
 def exit_later(code):
     if code:

@@ -262,9 +262,9 @@ def test_the_launchers_resume_check_passes_over_a_cut_off_config_json(base_run, 
     config.json of the newest checkpoint is passed over in one line, as the resume does;
     all cut off: one line (ConfigError)."""
     from pretrain.config import ConfigError
-    from pretrain.training.checkpoint import find_latest
+    from pretrain.runs.checkpoint_files import find_latest
+    from pretrain.runs.run_config import RunConfig
     from pretrain.training.resume import check_resume
-    from pretrain.training.run_config import RunConfig
 
     run = copy_run(base_run, tmp_path)
     root = run / "checkpoints"

@@ -166,30 +166,30 @@ def test_bad_master_port_is_one_line(value):
 
 
 def test_rank0_on_a_taken_port_is_one_line_naming_it():
-    from pretrain.distributed import _open_store
+    from pretrain.distributed import open_store
 
     port = free_port()
     with listening(port):
         with pytest.raises(RendezvousError) as err:
-            _open_store(DistInfo(rank=0, world_size=2, master_port=port, launcher="torchrun/deepspeed"), 5)
+            open_store(DistInfo(rank=0, world_size=2, master_port=port, launcher="torchrun/deepspeed"), 5)
     assert str(err.value) == (
         f"rank 0 cannot listen on MASTER_PORT={port} for the process group's store: address already in use "
         "(another process holds the port); set MASTER_PORT to a free port"
     )
     with pytest.raises(RendezvousError, match="MASTER_PORT=0: the 2 ranks need one port that they all know"):
-        _open_store(DistInfo(rank=0, world_size=2, master_port=0, launcher="torchrun/deepspeed"), 5)
+        open_store(DistInfo(rank=0, world_size=2, master_port=0, launcher="torchrun/deepspeed"), 5)
 
 
 @pytest.mark.parametrize("held", [True, False], ids=["port held by another program", "nothing listening"])
 def test_other_rank_gives_up_within_the_timeout(held):
-    from pretrain.distributed import _reach_store
+    from pretrain.distributed import reach_store
 
     port = free_port()
     info = DistInfo(rank=1, world_size=2, master_port=port, launcher="torchrun/deepspeed")
     with listening(port) if held else _nothing():
         start = time.monotonic()
         with pytest.raises(RendezvousError) as err:
-            _reach_store(info, 2.0)
+            reach_store(info, 2.0)
         took = time.monotonic() - start
     why = "the port accepts connections but no store answers there" if held else "Connection refused"
     assert str(err.value) == (

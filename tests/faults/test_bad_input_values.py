@@ -233,8 +233,8 @@ def test_impossible_deepspeed_value_is_refused_by_the_launcher_once(manifest, tm
 
 @pytest.mark.parametrize("ds", DS_GOOD, ids=[json.dumps(d) for d in DS_GOOD])
 def test_possible_deepspeed_values_are_accepted(ds):
+    from pretrain.runs.run_config import TrainConfig
     from pretrain.training.ds_config import build_ds_config, zero_stage
-    from pretrain.training.run_config import TrainConfig
 
     merged = build_ds_config(ds, TrainConfig(), world_size=1, use_cuda=False)
     assert zero_stage(merged) in (0, 1, 2, 3)
@@ -411,7 +411,7 @@ def test_analyze_with_no_batch_to_score_is_one_line(models, manifest, tmp_path, 
 def test_eval_of_an_empty_text_or_task_file_is_one_line(models, tmp_path, capsys):
     """Before: an empty WikiText-2 file was a ZeroDivisionError traceback; an empty task file an
     accuracy of 0.0 over no item."""
-    from pretrain.infer.zero_shot import TASKS
+    from pretrain.runs.eval_tasks import TASKS
 
     (tmp_path / "eval").mkdir()
     (tmp_path / "eval" / "wikitext2_raw_test.txt").write_text("")

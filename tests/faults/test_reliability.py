@@ -194,7 +194,7 @@ def test_eval_depth_beyond_trained_is_refused(reference):
 def test_only_complete_checkpoints_are_ever_chosen(tmp_path):
     """What a kill can leave behind: a tag without COMPLETE, `latest` naming it, a stray
     marker temp file. find_latest picks the newest complete tag in every case."""
-    from pretrain.training.checkpoint import find_latest
+    from pretrain.runs.checkpoint_files import find_latest
 
     root = tmp_path / "checkpoints"
     assert find_latest(root) is None

@@ -203,3 +203,36 @@ def test_analyze_command_writes_the_report(trained, tmp_path, capsys):
     capsys.readouterr()
     assert analyze_main([str(dense), "--out", str(tmp_path / "x")]) == 2
     assert "needs a GRT" in capsys.readouterr().err
+
+
+def test_analyze_refuses_what_it_cannot_use_before_reading_a_weight(trained, tmp_path, capsys, monkeypatch):
+    """--out a file or under one, a mixture, a model whose loop is not the GRT's, a --dense that is
+    not dense: each one line and exit 2, before any weight is read and with nothing written."""
+    import pretrain.infer.load as load
+    from pretrain.model import build_model
+    from pretrain.presets import get_preset
+
+    model, manifest = trained
+    tok_path = manifest.parent / "tokenizer.model"
+    export = write_export(model, tmp_path / "m", tokenizer=tok_path, run_config={"data": str(manifest)})
+    huginn = write_export(build_model(get_preset("micro-huginn")), tmp_path / "h", tokenizer=tok_path)
+    (tmp_path / "file").write_text("not a folder\n")
+
+    def read_weights(*args, **kwargs):
+        raise AssertionError("a weight was read before the refusal")
+
+    monkeypatch.setattr(load, "model_from_state", read_weights)
+    cases = [
+        ([str(export), "--out", str(tmp_path / "file")], "--out", "is a file"),
+        ([str(export), "--out", str(tmp_path / "file" / "report")], "--out", "is a file"),
+        ([str(export), "--data", f"a=1:{manifest},b=1:{manifest}"], "is a mixture", "pass --data <manifest.json>"),
+        ([str(huginn)], "needs a GRT", "variant 'huginn'"),
+        ([str(export), "--dense", str(export)], "--dense", "expected a dense model"),
+    ]
+    for argv, *words in cases:
+        out = tmp_path / "report"
+        assert analyze_main(argv if "--out" in argv else [*argv, "--out", str(out)]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("grt analyze: error: ") and err.count("\n") == 1, err
+        assert all(w in err for w in words), err
+        assert not out.exists() and (tmp_path / "file").read_text() == "not a folder\n"

@@ -3,6 +3,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from multiproc import REPO, grt
@@ -11,8 +12,8 @@ from trained_models import grt_run, single_thread  # noqa: F401 (fixtures)
 from pretrain.config import ConfigError
 from pretrain.model.flops import flops_per_token
 from pretrain.presets import get_preset
+from pretrain.runs.run_config import RunConfig
 from pretrain.tools import compare, compare_eval
-from pretrain.training.run_config import RunConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -129,13 +130,14 @@ def test_dry_run_lists_matched_runs(shards, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_compare_trains_each_config_and_writes_table_json_and_plot(shards, tmp_path):
+    """Run from another directory than the checkout with relative paths: they are the caller's."""
     out = tmp_path / "cmp"
     args = [
         "compare",
         "--data",
-        str(shards),
+        os.path.relpath(shards, tmp_path),
         "--out",
-        str(out),
+        "cmp",
         "--configs",
         "micro-grt,micro-ouro",
         "--tokens",
@@ -151,7 +153,7 @@ def test_compare_trains_each_config_and_writes_table_json_and_plot(shards, tmp_p
         "--log-every",
         "2",
         "--ds-config",
-        str(REPO / "ds_configs" / "zero2.json"),
+        os.path.relpath(REPO / "ds_configs" / "zero2.json", tmp_path),
         "--exit-depth-factor",
         "2",
         # the two runs at once, one thread each: CI's 2 cores, each process's start (imports) included
@@ -160,8 +162,10 @@ def test_compare_trains_each_config_and_writes_table_json_and_plot(shards, tmp_p
         "--threads",
         "1",
     ]
-    r = grt(*args)
+    r = grt(*args, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    for label in ("micro-grt", "micro-ouro"):  # each run's log named when it starts
+        assert f"training {label} ... (log: {Path('cmp') / (label + '.log')})" in r.stdout
     result = json.loads((out / "comparison.json").read_text())
     rows = {row["label"]: row for row in result["runs"]}
     assert set(rows) == {"micro-grt", "micro-ouro"}
@@ -187,9 +191,16 @@ def test_compare_trains_each_config_and_writes_table_json_and_plot(shards, tmp_p
     assert "(beyond R: " in (out / "comparison.md").read_text()
     assert "past R: val loss at 2R / 4R | adaptive exit update 0.1 / kl 0.01" in (out / "comparison.md").read_text()
     # a second call reuses the finished runs (no training) and rebuilds the same table
-    again = grt(*args, timeout=120)
+    again = grt(*args, cwd=tmp_path, timeout=120)
     assert again.returncode == 0 and "training" not in again.stdout
     assert (out / "comparison.md").read_text() in again.stdout
+
+
+def test_progress_reads_the_last_logged_step(tmp_path):
+    assert compare.progress(tmp_path, 10) == "starting (0/10 steps)"
+    records = [{"step": s, "loss": 5.0 - s / 10} for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 4, "lo')
+    assert compare.progress(tmp_path, 10) == "step 3/10, loss 4.700"  # the line half written is passed over
 
 
 def test_a_run_being_trained_by_another_compare_is_refused(tmp_path):

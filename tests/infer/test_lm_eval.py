@@ -20,7 +20,8 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from pretrain.infer.generate import generate  # noqa: E402
 from pretrain.infer.lm_eval_model import GRTLM  # noqa: E402
-from pretrain.infer.zero_shot import TASKS, encode_request, evaluate_task, load_task, score_requests  # noqa: E402
+from pretrain.infer.zero_shot import encode_request, evaluate_task, score_requests  # noqa: E402
+from pretrain.runs.eval_tasks import TASKS, load_task  # noqa: E402
 
 EVAL = SHARED / "data" / "eval"
 LIMIT = 24

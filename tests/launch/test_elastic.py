@@ -333,7 +333,7 @@ def _probe_step(progress: Path) -> int:
 def test_plain_torchrun_restart_meets_in_a_fresh_store(tmp_path):
     """Plain torchrun (its shared agent store, torch's default), 2 probe ranks, rank 1 SIGKILLed:
     the agent restarts the group, whose ranks meet through the agent's store although it still
-    holds the killed group's keys (pretrain/distributed.py `_round_store`), and finish. Before,
+    holds the killed group's keys (pretrain/distributed/rendezvous.py `_round_store`), and finish. Before,
     the restarted ranks read the killed group's gloo addresses there and failed to connect."""
     out = tmp_path / "probe"
     log = tmp_path / "torchrun.log"

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from pretrain.config import ConfigError
+from pretrain.runs.run_config import TrainConfig
 from pretrain.training.ds_config import build_ds_config, load_ds_json, resolve_ds_path
-from pretrain.training.run_config import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -100,7 +100,15 @@ def test_hf_auto_values_are_filled_from_the_run_config():
     )
     assert ds["gradient_clipping"] == 1.0
     assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
-    assert ds["optimizer"]["params"] == {"lr": 1.5e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+    # torch's fused AdamW on CUDA too: DeepSpeed's FusedAdam would compile on the GPU (test_optimizer.py)
+    assert ds["optimizer"]["params"] == {
+        "lr": 1.5e-4,
+        "betas": [0.9, 0.95],
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+        "torch_adam": True,
+        "fused": True,
+    }
     sched = ds["scheduler"]["params"]
     assert (sched["total_num_steps"], sched["warmup_num_steps"]) == (20000, 2000)
     assert sched["cos_min_ratio"] == pytest.approx(0.1)
@@ -112,7 +120,7 @@ def test_hf_auto_values_are_filled_from_the_run_config():
     # the same file on a CPU run: fp32, torch's fused AdamW
     cpu = build_ds_config(HF_ZERO3, train_config(), world_size=2, use_cuda=False)
     assert cpu["bf16"]["enabled"] is False and cpu["train_batch_size"] == 128
-    assert cpu["optimizer"]["params"]["torch_adam"] is True
+    assert cpu["optimizer"]["params"] == ds["optimizer"]["params"]
 
 
 def test_hf_warmup_lr_is_refused():

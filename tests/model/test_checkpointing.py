@@ -15,9 +15,9 @@ from torch.utils._pytree import tree_flatten
 from pretrain.config import ModelConfig
 from pretrain.model import build_model
 from pretrain.presets import get_preset
+from pretrain.runs.run_config import CHECKPOINT_MODES
 from pretrain.training.parallelize import (
     AUTO_MODES,
-    CHECKPOINT_MODES,
     activation_bytes,
     apply_activation_checkpointing,
     choose_checkpointing,

@@ -1,23 +1,26 @@
 """The fused linear cross-entropy (training's loss, pretrain/model/loss.py) against the plain
-loss on materialised logits: the same loss and gradients, chunked or not, with padded vocab
-rows, unscored targets and bf16."""
+loss on materialised logits (the reference: logits, then F.cross_entropy in fp32): the same loss
+and gradients of the hidden states and of the weight, chunked or not, eager and compiled, with
+and without padded vocab rows, with unscored targets, and in bf16."""
 
 import pytest
 import torch
 
 from pretrain.config import ModelConfig
 from pretrain.model import build_model
-from pretrain.model.loss import linear_cross_entropy, lm_loss
+from pretrain.model.loss import compile_available, linear_cross_entropy, lm_loss, resolve_impl
 
 
-def _both(dtype, chunk, padded=8, ignore_every=5):
+def _both(dtype, chunk, padded=8, ignore_every=5, impl="eager"):
     torch.manual_seed(0)
     vocab, d, n = 37, 16, 50
     h = torch.randn(2, n // 2, d, dtype=dtype, requires_grad=True)
-    w = (0.3 * torch.randn(vocab + padded, d)).to(dtype).requires_grad_()
+    w = (0.3 * torch.randn(vocab + padded, d)).to(dtype)
+    w[vocab:] *= 10  # padded rows that would dominate the softmax if they took part
+    w.requires_grad_()
     targets = torch.randint(0, vocab, (2, n // 2))
     targets.view(-1)[::ignore_every] = -100
-    fused = linear_cross_entropy(h, w, targets, vocab, chunk=chunk)
+    fused = linear_cross_entropy(h, w, targets, vocab, chunk=chunk, impl=impl)
     fused.backward()
     grads = h.grad.clone(), w.grad.clone()
     h.grad = w.grad = None
@@ -26,12 +29,56 @@ def _both(dtype, chunk, padded=8, ignore_every=5):
     return (fused, *grads), (plain, h.grad, w.grad)
 
 
+def _assert_equal_to_the_reference(fused, plain, padded):
+    for what, a, b in zip(("loss", "grad of h", "grad of the weight"), fused, plain):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), (what, (a - b).abs().max())
+    if padded:
+        assert fused[2][-padded:].abs().max() == 0  # the padded rows get no gradient
+
+
+@pytest.mark.parametrize("padded", [0, 8])
 @pytest.mark.parametrize("chunk", [1, 7, 50, 1000])
-def test_linear_cross_entropy_equals_the_plain_loss_and_gradients_in_fp32(chunk):
-    fused, plain = _both(torch.float32, chunk)
-    for a, b in zip(fused, plain):
-        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), (a - b).abs().max()
-    assert fused[2][-8:].abs().max() == 0  # the padded rows get no gradient
+def test_linear_cross_entropy_equals_the_plain_loss_and_gradients_in_fp32(chunk, padded):
+    fused, plain = _both(torch.float32, chunk, padded)
+    _assert_equal_to_the_reference(fused, plain, padded)
+
+
+@pytest.mark.skipif(not compile_available(torch.device("cpu")), reason="no C++ compiler for torch.compile")
+def test_the_compiled_chunk_equals_the_plain_loss_and_gradients_in_fp32():
+    """The per-chunk function under torch.compile, as CUDA runs it by default: padded (the mask in
+    the compiled graph) and not, a last chunk shorter than the others (a second, dynamic shape)."""
+    for padded in (8, 0):
+        fused, plain = _both(torch.float32, 20, padded, impl="compiled")
+        _assert_equal_to_the_reference(fused, plain, padded)
+
+
+def test_loss_impls_are_chosen_by_device_and_refused_where_they_cannot_run():
+    h, w = torch.randn(4, 8), torch.randn(16, 8)
+    assert resolve_impl("auto", h, w) == "eager"  # the CPU: a compile costs more than it saves
+    with pytest.raises(RuntimeError, match="'cce' needs the cut-cross-entropy package, CUDA tensors"):
+        resolve_impl("cce", h, w)
+    with pytest.raises(ValueError, match="accepted values are auto, cce, compiled, eager"):
+        resolve_impl("fused", h, w)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cut-cross-entropy runs on CUDA")
+def test_cut_cross_entropy_equals_the_plain_loss_where_it_is_installed():
+    pytest.importorskip("cut_cross_entropy")
+    torch.manual_seed(0)
+    vocab, padded = 1000, 24
+    h = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (0.1 * torch.randn(vocab + padded, 64, device="cuda")).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, vocab, (300,), device="cuda")
+    targets[::7] = -100
+    results = []
+    for impl in ("cce", "eager"):
+        loss = linear_cross_entropy(h, w, targets, vocab, impl=impl)
+        loss.backward()
+        results.append((loss.detach(), h.grad.float(), w.grad.float()))
+        h.grad = w.grad = None
+    for a, b in zip(*results):  # both in bf16: within a few roundings of each other
+        assert (a - b).abs().max() <= 2e-2 * b.abs().max(), (a - b).abs().max()
+    assert results[0][2][vocab:].abs().max() == 0
 
 
 def test_linear_cross_entropy_in_bf16_is_as_close_as_the_plain_bf16_loss():

@@ -51,6 +51,22 @@ def test_the_grt_state_is_fp32_under_bf16_weights_and_decodes_in_bf16():
         ModelConfig(state_dtype="fp16")
 
 
+def test_the_gate_logits_are_an_fp32_matmul_under_bf16_weights():
+    """The gate's logits leave an fp32 matmul of the bf16 weights (not a bf16 one, whose step near the
+    gate's +4 start, 0.031, is 1.5% of 1 - g): they equal the fp32 product of the same bf16 values."""
+    torch.manual_seed(0)
+    model = build_model(get_preset("micro-grt").replace(gate_noise_std=0.0)).to(torch.bfloat16).eval()
+    loop = model.loop
+    s = torch.randn(2, 8, 32)
+    terms = loop.anchor_terms(s)
+    logits = loop.gate_logits(s.to(torch.bfloat16), terms)
+    assert logits.dtype == torch.float32
+    hidden = torch.nn.functional.silu(loop.gate_fc_state(loop.gate_norm_state(s.to(torch.bfloat16))) + terms.gate)
+    fp32 = hidden.float() @ loop.gate_out.weight.float().t() + loop.gate_out.bias.float()
+    assert torch.allclose(logits, fp32, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(logits, fp32.to(torch.bfloat16).float())  # finer than bf16's grid
+
+
 @pytest.mark.parametrize("strategy", ["full", "first"])
 def test_kv_cache_and_adaptive_exit_run_with_bf16_weights(strategy):
     torch.manual_seed(0)

@@ -32,7 +32,7 @@ TOKENS_PER_STEP = MICRO_BATCH * SEQ_LEN
 
 # -------------------------------------------------------------------------- the curves
 def train_config(**kw):
-    from pretrain.training.run_config import TrainConfig
+    from pretrain.runs.run_config import TrainConfig
 
     return TrainConfig(**{"steps": 30, "warmup_steps": 10, "lr": LR, "min_lr": MIN_LR, **kw})
 
@@ -222,7 +222,7 @@ def losses(run: Path) -> dict[int, float]:
 
 
 def run_schedule(run: Path):
-    from pretrain.training.run_config import RunConfig
+    from pretrain.runs.run_config import RunConfig
     from pretrain.training.schedule import Schedule
 
     return Schedule.of(RunConfig.load(run / "config.json").train, TOKENS_PER_STEP)

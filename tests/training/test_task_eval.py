@@ -22,10 +22,10 @@ from pretrain.config import ConfigError
 from pretrain.distributed import Dist
 from pretrain.infer import zero_shot
 from pretrain.infer.evaluate import main as eval_main
-from pretrain.infer.zero_shot import Item, evaluate_task
+from pretrain.infer.zero_shot import evaluate_task
 from pretrain.presets import get_preset
-from pretrain.training.run_config import RunConfig, TrainConfig
-from pretrain.training.task_eval import default_depths, task_depths
+from pretrain.runs.eval_tasks import Item, default_depths, task_depths
+from pretrain.runs.run_config import RunConfig, TrainConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 CPU = torch.device("cpu")

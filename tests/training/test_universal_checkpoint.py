@@ -51,10 +51,11 @@ def _worker(argv: list[str]) -> int:
     from pretrain.distributed import all_reduce, check_ranks, comm_device, exit_process, init_distributed
     from pretrain.model.baselines import noise_off
     from pretrain.presets import get_preset
+    from pretrain.runs import checkpoint_files
+    from pretrain.runs.run_config import RunConfig
     from pretrain.training import checkpoint, universal
     from pretrain.training.ds_config import build_ds_config, load_ds_json
     from pretrain.training.engine import build_engine
-    from pretrain.training.run_config import RunConfig
 
     mode, stages, base = argv[0], [int(s) for s in argv[1].split(",")], Path(argv[2])
     info = init_distributed(timeout_s=120)
@@ -136,7 +137,7 @@ def _worker(argv: list[str]) -> int:
         engine, _ = build_engine(cfg, world, torch.device("cpu"), T, ds)
         result["client"] = {k: v for k, v in universal.load(engine, step_dir).items() if k == "step"}
         result["loaded"] = full_state(engine)
-        step = checkpoint.step_of(step_dir.name)
+        step = checkpoint_files.step_of(step_dir.name)
         result["next_loss"] = train_step(engine, step)
         result["after"] = full_state(engine)
         if len(argv) > 4:

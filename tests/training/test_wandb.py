@@ -22,8 +22,8 @@ from faults import train_args
 from trained_models import manifest  # noqa: F401 (fixture)
 
 from pretrain.config import ConfigError
+from pretrain.runs.run_config import RunConfig
 from pretrain.training.metrics import MetricsWriter
-from pretrain.training.run_config import RunConfig
 from pretrain.training.wandb_run import WANDB_FILE, WandbRun, check_available, saved_id
 
 REPO = Path(__file__).resolve().parents[2]
@@ -227,7 +227,7 @@ def test_a_failing_log_is_one_warning_and_training_goes_on(caplog):
 OFFLINE_SCRIPT = """
 import json, sys
 from pathlib import Path
-from pretrain.training.run_config import RunConfig
+from pretrain.runs.run_config import RunConfig
 from pretrain.training.wandb_run import WandbRun
 out, tag, first = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 cfg = RunConfig()

@@ -12,7 +12,7 @@ import pytest
 from multiproc import REPO, run_ranks
 from trained_models import manifest  # noqa: F401 (fixture)
 
-from pretrain.training.run_config import TrainConfig, train_checks
+from pretrain.runs.run_config import TrainConfig, train_checks
 
 LABELS = {
     "data",

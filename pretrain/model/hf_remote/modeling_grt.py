@@ -16,7 +16,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_grt import GRTConfig
 from .grt_gpt import lm_loss
-from .grt_kv_cache import CACHED_VARIANTS, CachedDecoder
+from .grt_kv_cache import CachedDecoder
 from .grt_registry import build_model
 
 
@@ -29,7 +29,7 @@ class GRTForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: GRTConfig):
         super().__init__(config)
         self.grt = build_model(config.model_config())
-        if config.variant not in CACHED_VARIANTS:
+        if not self.grt.runs_grt_loop():  # a loop of its own, which CachedDecoder cannot replay: recompute
             self.generation_config.use_cache = False
         self.post_init()
 
@@ -79,7 +79,7 @@ class GRTForCausalLM(PreTrainedModel, GenerationMixin):
                 raise ValueError(
                     "GRT: generate() cannot honour padding: generate one prompt at a time, or prompts of equal length"
                 )
-        if cache is None and use_cache and self.config.variant in CACHED_VARIANTS:
+        if cache is None and use_cache and self.grt.runs_grt_loop():
             cache = CachedDecoder(self.grt, batch=input_ids.shape[0], strategy=strategy, n_loops=depth)
         if cache is not None:
             logits = cache.forward(input_ids)[:, None]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pretrain.config import ConfigError, ModelConfig, check_keys, coerce, load_json_object
 from pretrain.presets import get_preset
-from pretrain.training.parallelize import AUTO, CHECKPOINT_MODES
+from pretrain.runs.eval_tasks import task_depths, task_names
 from pretrain.variants import get_variant
 
 if TYPE_CHECKING:
@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     from data_pipeline.mixture import DataMixture, SourceSpec
 
 DEPTH_SAMPLING = ("uniform", "fixed", "poisson", "loguniform")
+# train.activation_checkpointing (pretrain/training/parallelize.py): explicit modes, cheapest
+# recompute first; `auto` picks one for the run
+CHECKPOINT_MODES = ("off", "selective", "loop_step", "block")
+AUTO = "auto"
 PRECISIONS = ("auto", "bf16", "fp32")
 
 
@@ -122,9 +126,8 @@ class RunConfig:
             if not ok:
                 raise ConfigError(message)
         data_sources(self.data)  # a mixture that does not parse: one line now
-        from pretrain.training.task_eval import check_settings
-
-        check_settings(self)  # train.eval_tasks (names) and train.eval_tasks_depths (against the model)
+        task_names(self.train.eval_tasks)
+        task_depths(self.train.eval_tasks_depths, self.model)  # against the model's layout
 
     def _top_checks(self) -> list[tuple[bool, str]]:
         return [
@@ -365,14 +368,29 @@ def with_data_paths(data: str, change: Callable[[str], str]) -> str:
     return ",".join(f"{s.name}={s.weight:g}:{change(s.path)}" for s in sources)
 
 
+def global_batch(train: TrainConfig, world: int) -> int:
+    """The sequences of one optimizer step: every rank's micro-batches of it."""
+    return train.micro_batch_size * train.grad_accum * world
+
+
+def tokens_per_step(train: TrainConfig, world: int, seq_len: int) -> int:
+    """The training tokens of one optimizer step: its global batch of `seq_len`-token samples."""
+    return global_batch(train, world) * seq_len
+
+
+def budget_steps(tokens: float, per_step: int) -> int:
+    """The steps a budget of `tokens` training tokens gives at `per_step` tokens a step (at least one)."""
+    return max(1, math.ceil(tokens / per_step))
+
+
 def apply_token_budget(cfg: RunConfig, world: int, seq_len: int) -> str:
-    """train.tokens sets train.steps: ceil(tokens / tokens per step), the global batch on `world`
-    ranks of `seq_len`-token samples. Returns the line that says so (empty without a budget)."""
+    """train.tokens sets train.steps (`budget_steps`), the global batch on `world` ranks of
+    `seq_len`-token samples. Returns the line that says so (empty without a budget)."""
     t = cfg.train
     if not t.tokens:
         return ""
-    per_step = t.micro_batch_size * t.grad_accum * world * seq_len
-    t.steps = max(1, math.ceil(t.tokens / per_step))
+    per_step = tokens_per_step(t, world, seq_len)
+    t.steps = budget_steps(t.tokens, per_step)
     return f"train.tokens={t.tokens:.4g}: {t.steps} steps of {per_step} tokens ({t.steps * per_step:.4g} tokens)"
 
 

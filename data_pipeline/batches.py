@@ -1,0 +1,107 @@
+"""The one data interface of training: a run's data is one manifest or a mixture of them
+(mixture.py), and both give the same things under the same names, so that nothing outside
+this package asks which it has.
+
+- `sources_of(data)`: the data as a list of weighted sources; one manifest is a one-source
+  mixture whose source has no name ("") and weight 1;
+- `open_train_batches(data, ...)`: the training stream of either, a `TrainBatches`
+  (loader.TokenBatchLoader for one manifest, whose checkpointed state it keeps; mixture.MixtureLoader);
+- `plan_stages(...)`: the stages a run draws under and the repetition cap checked against its length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .loader import Batch, TokenBatchLoader
+from .manifest import Manifest
+from .mixture import DataMixture, Draw, MixtureError, MixtureLoader, SourceSpec, Stage, parse_stages
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str  # "" for a run on one manifest
+    weight: float
+    manifest: Manifest
+
+
+class TrainBatches(Protocol):
+    """The training stream of a run, in one global order whatever the ranks; its state resumes it
+    on any number of ranks. `epoch` and `batch_in_epoch` are the position after the batches handed
+    out (a mixture's epoch is always 0, its batches counted from the start of the run)."""
+
+    epoch: int
+    batch_in_epoch: int
+    skipped_shards: int
+    bad_shards: list[str]
+
+    def __iter__(self) -> Iterator[Batch]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None: ...
+
+    def draw(self) -> Draw | None:
+        """A mixture's draw so far; None for one manifest (nothing is drawn between sources)."""
+        ...
+
+
+def sources_of(data: Manifest | DataMixture) -> list[Source]:
+    """Every source of the data, in order: a mixture's by name and weight, one manifest's as the
+    unnamed source ("", 1.0)."""
+    if isinstance(data, DataMixture):
+        return [Source(s.name, s.weight, m) for s, m in zip(data.sources, data.manifests, strict=True)]
+    return [Source("", 1.0, data)]
+
+
+def with_split(data: Manifest | DataMixture, split: str) -> list[Source]:
+    """The sources that have `split` (per-source validation)."""
+    return [s for s in sources_of(data) if s.manifest.splits.get(split)]
+
+
+def plan_stages(data: Manifest | DataMixture, stages: str, max_repeats: float, samples: int, where: str) -> list[Stage]:
+    """The stages of `stages` (train.data_stages) for the data, and the run of `samples` training
+    samples against the repetition cap: MixtureError (one line) when the sources cannot fill it,
+    or stages are asked of one manifest (`where`: how the run names its data)."""
+    if not isinstance(data, DataMixture):
+        if stages:
+            raise MixtureError(
+                f"train.data_stages={stages!r} needs a mixture of sources (data=name=weight:path,...), "
+                f"not one manifest ({where!r})"
+            )
+        data = DataMixture([SourceSpec("data", 1.0, where)], [data])
+    parsed = parse_stages(stages, data.names)
+    data.check_budget(samples, max_repeats, parsed, data.seq_len)
+    return parsed
+
+
+def open_train_batches(
+    data: Manifest | DataMixture,
+    *,
+    micro_batch_size: int,
+    rank: int,
+    world_size: int,
+    num_workers: int,
+    seed: int,
+    global_batch: int,
+    shuffle_buffer: int,
+    skip_corrupt: bool,
+    stages: list[Stage],
+    max_repeats: float,
+) -> TrainBatches:
+    """The training stream: one manifest's train split, or a mixture's draws from its sources."""
+    common: dict[str, Any] = dict(
+        micro_batch_size=micro_batch_size,
+        rank=rank,
+        world_size=world_size,
+        num_workers=num_workers,
+        seed=seed,
+        global_batch=global_batch,
+        shuffle_buffer=shuffle_buffer,
+        skip_corrupt=skip_corrupt,
+    )
+    if isinstance(data, DataMixture):
+        return MixtureLoader(data, stages=stages, max_repeats=max_repeats, **common)
+    return TokenBatchLoader(data, split="train", expected_seq_len=data.seq_len, **common)

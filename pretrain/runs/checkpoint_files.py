@@ -1,0 +1,94 @@
+"""A run's checkpoints as files: finding the complete ones and reading what they say, without
+DeepSpeed or a process group (pretrain/training/checkpoint.py writes and loads them).
+
+Layout of `<out>/checkpoints/`:
+    step00001000/            DeepSpeed's files (model, ZeRO partitions, optimizer, scheduler)
+        rank<r>_state.pt     per-rank RNG states and data-loader position
+        config.json          the run config; tokenizer.model beside it
+        COMPLETE             written by rank 0 only after every rank has finished writing
+    latest                   the tag of the newest COMPLETE checkpoint, replaced atomically
+and beside it `<out>/data_skips.json` (DATA_SKIPS): per tag, where a resume from it takes the data
+(a loss-spike rollback's record, pretrain/training/checkpoint_io.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+from pretrain.errors import UnreadableCheckpoint
+
+log = logging.getLogger(__name__)
+TAG_RE = re.compile(r"^step(\d{8})$")
+DATA_SKIPS = "data_skips.json"
+
+
+def tag_for(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def step_of(tag: str) -> int:
+    m = TAG_RE.match(tag)
+    if m is None:
+        raise ValueError(f"{tag!r} is not a checkpoint tag (stepNNNNNNNN)")
+    return int(m.group(1))
+
+
+def complete_tags(root: Path) -> list[str]:
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if TAG_RE.match(p.name) and (p / "COMPLETE").is_file())
+
+
+def find_latest(root: Path) -> str | None:
+    """The newest complete checkpoint: `latest` if it points at one, else the newest COMPLETE tag."""
+    marker = root / "latest"
+    if marker.is_file():
+        tag = marker.read_text().strip()
+        if (root / tag / "COMPLETE").is_file():
+            return tag
+        log.warning("checkpoint marker %s names %r, which is not complete; using the newest complete one", marker, tag)
+    tags = complete_tags(root)
+    return tags[-1] if tags else None
+
+
+def tag_dirs(root: Path) -> list[str]:
+    """Every checkpoint directory, complete or not (an interrupted save leaves one without COMPLETE)."""
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if TAG_RE.match(p.name) and p.is_dir())
+
+
+def resume_candidates(root: Path) -> list[str]:
+    """The complete checkpoints a resume may load, in the order it tries them: `find_latest`'s,
+    then each older complete one (the fallbacks when a newer one cannot be read)."""
+    newest = find_latest(root)
+    return [] if newest is None else [t for t in reversed(complete_tags(root)) if t <= newest]
+
+
+def ranks_that_wrote(step_dir: Path) -> int:
+    """How many ranks wrote a checkpoint (its per-rank state files; 0: none found)."""
+    return len(list(step_dir.glob("rank*_state.pt")))
+
+
+def read_config(step_dir: Path) -> dict[str, Any]:
+    """A checkpoint's saved run config (its `config.json`) as a dict; UnreadableCheckpoint
+    (one line) when it is missing, cut off or not a JSON object."""
+    path = step_dir / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UnreadableCheckpoint(step_dir.name, "config.json is missing") from None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        problem = f"config.json is cut off or corrupt ({error_text(err, '')})"
+        raise UnreadableCheckpoint(step_dir.name, problem) from None
+    if not isinstance(data, dict):
+        raise UnreadableCheckpoint(step_dir.name, f"config.json holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def error_text(err: BaseException | None, fallback: str) -> str:
+    return " ".join(f"{type(err).__name__}: {err}".split()) if err is not None else fallback

@@ -1,0 +1,180 @@
+"""The import graph of the code runs one way (README.md, under "The tree"): no circle among the
+modules of pretrain/, data_pipeline/ and launcher/, counting every import (a function's own and
+those under TYPE_CHECKING too: a circle of type-only imports is still two modules that cannot be
+read apart), and no module imports another's private (`_x`) names."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("pretrain", "data_pipeline", "launcher")
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    """{dotted module name: its file}; a package's __init__.py is the package itself."""
+    found = {}
+    for package in PACKAGES:
+        for path in (root / package).rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _imports(module: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, str, int]]:
+    """(the project module imported, the name taken from it or '' for the module, line) of every
+    import statement in the file, wherever it stands."""
+
+    def owner(name: str) -> str | None:  # the module a dotted name is, or lies in
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(t, "", node.lineno) for a in node.names if (t := owner(a.name))]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, *([node.module] if node.module else [])])
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                if sub in modules:  # `from pretrain.runs import checkpoint_files`: the module itself
+                    found.append((sub, "", node.lineno))
+                elif t := owner(base):
+                    found.append((t, a.name, node.lineno))
+    return [(t, name, line) for t, name, line in found if t != module]
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return groups
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_uses(module: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, int]]:
+    """(what, line) of each private name of another project module that the file uses:
+    `from x import _y`, and `x._y` where x is a module it imported."""
+    uses = [(f"{t}.{name}", line) for t, name, line in _imports(module, path, modules) if _private(name)]
+    tree = ast.parse(path.read_text(), str(path))
+    aliases = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.asname and a.name in modules and a.name != module}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            aliases |= {a.asname or a.name for a in node.names if f"{node.module}.{a.name}" in modules}
+    uses += [
+        (f"{node.value.id}.{node.attr}", node.lineno)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in aliases
+        and _private(node.attr)
+    ]
+    return uses
+
+
+def test_the_import_graph_has_no_circles():
+    """Training, inference and the launcher read what they share (pretrain/runs/, pretrain/config.py)
+    from below: a circle names its modules and the imports that close it."""
+    modules = _modules(REPO)
+    edges = {m: _imports(m, p, modules) for m, p in modules.items()}
+    graph = {m: {t for t, _, _ in e} for m, e in edges.items()}
+    cycles = _cycles(graph)
+    where = [
+        f"{modules[m].relative_to(REPO)}:{line} imports {t}{'.' + name if name else ''}"
+        for group in cycles
+        for m in group
+        for t, name, line in edges[m]
+        if t in group
+    ]
+    assert not cycles, "import circles:\n" + "\n".join(where)
+    assert len(modules) > 50 and sum(map(len, graph.values())) > 100  # the scan does read the tree
+
+
+def _folder(module: str) -> str:
+    """The room a module stands in: a folder of pretrain/ or a module directly under it; data_pipeline, launcher."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "pretrain" else parts[0]
+
+
+def test_the_folders_import_one_way():
+    """Taken a folder at a time (pretrain/model, pretrain/infer, pretrain/runs, pretrain/training, ...),
+    the graph has no circle either: a file of a lower folder importing a higher one (model/hf.py
+    reading infer/load.py was one) makes two folders that cannot be read apart."""
+    modules = _modules(REPO)
+    graph: dict[str, set[str]] = {}
+    where: dict[tuple[str, str], str] = {}
+    for m, p in modules.items():
+        for t, _, line in _imports(m, p, modules):
+            a, b = _folder(m), _folder(t)
+            if a != b:
+                graph.setdefault(a, set()).add(b)
+                where.setdefault((a, b), f"{p.relative_to(REPO)}:{line} imports {t}")
+    cycles = _cycles(graph)
+    shown = [where[a, b] for group in cycles for a in group for b in group if (a, b) in where]
+    assert not cycles, f"folder circles {cycles}:\n" + "\n".join(shown)
+
+
+def test_no_module_imports_another_modules_private_names():
+    modules = _modules(REPO)
+    found = [
+        f"{p.relative_to(REPO)}:{line}: {what}"
+        for m, p in modules.items()
+        for what, line in _private_uses(m, p, modules)
+    ]
+    assert not found, "private names used outside their module:\n" + "\n".join(found)
+
+
+def test_the_checks_see_what_they_refuse(tmp_path):
+    """A circle of type-only imports, a function's own import and a private name, in a tree of
+    three files: each is found."""
+    (tmp_path / "pretrain").mkdir()
+    (tmp_path / "pretrain" / "__init__.py").write_text("")
+    (tmp_path / "pretrain" / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pretrain.b import B\n"
+    )
+    (tmp_path / "pretrain" / "b.py").write_text(
+        "from pretrain import a\n\n\ndef f():\n    from pretrain.a import _hidden\n\n    return a._other\n"
+    )
+    modules = _modules(tmp_path)
+    graph = {m: {t for t, _, _ in _imports(m, p, modules)} for m, p in modules.items()}
+    assert _cycles(graph) == [["pretrain.a", "pretrain.b"]]
+    assert sorted(what for what, _ in _private_uses("pretrain.b", modules["pretrain.b"], modules)) == [
+        "a._other",
+        "pretrain.a._hidden",
+    ]
