@@ -29,7 +29,7 @@ setup(
         "s3": ["fsspec", "s3fs"],
         "gcs": ["fsspec", "gcsfs"],
         "lm-eval": ["lm-eval>=0.4.13,<0.5", "accelerate"],  # accelerate: the harness' own `--model hf`
-        # train.wandb=true (pretrain/training/wandb_run.py); 0.31 tested: tests/training/test_wandb.py reads its offline files
+        # train.wandb=true (pretrain/training/wandb_run.py); 0.31 tested (tests/training/test_wandb.py)
         "wandb": ["wandb>=0.31,<0.32"],
         # literal lists (tests/launch/test_launcher_docker.py reads them with ast.literal_eval):
         # keep dev's pins equal to the above

@@ -181,7 +181,7 @@ def main() -> int:
     open(VIOLATIONS, "w").close()
     # in the package and in the module that defines them (its own callers), before any command module imports them
     for module in (pd, collectives):
-        module.comm_device, module.all_reduce = comm_device, all_reduce
+        module.comm_device, module.all_reduce = comm_device, all_reduce  # type: ignore[attr-defined]
     for name in COLLECTIVES:
         setattr(dist, name, guard_collective(name))
     if sys.argv[2] == "-m":

@@ -11,6 +11,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from servers import MotoS3, Nginx
@@ -21,7 +22,7 @@ from data_pipeline.mixture import DataMixture, MixtureLoader, parse_sources
 from data_pipeline.shards import MissingShardError, ShardError, UnreachableShardError
 
 SHARDS = 24  # of the session's seq-64 shards: ~2,300 samples, enough for several shuffle blocks
-KW = {"micro_batch_size": 4, "seed": 7, "shuffle_buffer": 256, "loop": False}
+KW: dict[str, Any] = {"micro_batch_size": 4, "seed": 7, "shuffle_buffer": 256, "loop": False}
 
 
 def _write_manifest(src: Path, dest: Path, names: list[str], first: int, count: int) -> Path:

@@ -3,6 +3,7 @@ class, never of its name: no module outside pretrain/variants/ compares anything
 registered variant's name, nor lists variants by name."""
 
 import ast
+from collections.abc import Mapping
 
 from pretrain import PROJECT_ROOT
 from pretrain.variants import REGISTRY
@@ -14,7 +15,7 @@ NOT_VARIANT_NAMES = {
 }
 
 
-def _names_in(node: ast.AST, bound: dict[str, ast.AST]) -> set[str]:
+def _names_in(node: ast.AST, bound: Mapping[str, ast.AST]) -> set[str]:
     """The registered variant names node stands for: a string constant, a tuple, list or set of
     them, or a module-level name bound to one of those."""
     if isinstance(node, ast.Name) and node.id in bound:
@@ -23,7 +24,7 @@ def _names_in(node: ast.AST, bound: dict[str, ast.AST]) -> set[str]:
         return {node.value}
     if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and node.elts:
         if all(isinstance(e, ast.Constant) and e.value in REGISTRY for e in node.elts):
-            return {e.value for e in node.elts}
+            return {str(e.value) for e in node.elts if isinstance(e, ast.Constant)}
     return set()
 
 
