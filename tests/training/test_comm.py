@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from multiproc import free_port, start_ranks
-from trained_models import ENV, REPO, manifest  # noqa: F401 (fixture)
+from trained_models import ENV, REPO, manifest, write_export  # noqa: F401 (fixture)
 
 GUARD = REPO / "tests" / "comm_guard.py"
 COLLECTIVES = {
@@ -164,7 +164,7 @@ def test_every_collective_is_on_the_comm_device(manifest, tmp_path):  # noqa: F8
     )
 
 
-def test_loaders_choose_the_gpu_and_bf16(monkeypatch, tmp_path):
+def test_loaders_choose_the_gpu_and_bf16(monkeypatch, tmp_path, manifest):  # noqa: F811 (fixture)
     """On a CUDA machine with bf16, `grt eval`, `generate` and `analyze` load the model onto the
     GPU in bf16 unless told otherwise; the decode benchmark runs in bf16 there too."""
     from pretrain.infer import analyze, evaluate, generate, load
@@ -184,16 +184,27 @@ def test_loaders_choose_the_gpu_and_bf16(monkeypatch, tmp_path):
     class Loaded(Exception):
         pass
 
-    def fake_load(path, device="cpu", dtype=None, tokenizer=None):
+    from data_pipeline.manifest import Manifest
+    from pretrain.model import build_model
+    from pretrain.presets import get_preset
+
+    # a real export (untrained micro-grt) for the checks a command makes on the model's structure first
+    shape = Manifest.load(str(manifest))
+    cfg = get_preset("micro-grt").replace(vocab_size=shape.vocab_size, max_seq_len=shape.seq_len)
+    model = str(write_export(build_model(cfg), tmp_path / "export", tokenizer=manifest.parents[1] / "tok.model"))
+    real_load = load.load_model
+
+    def fake_load(path, device="cpu", dtype=None, tokenizer=None, weights=True):
+        if not weights:  # the structure only, on the meta device: no device or dtype chosen yet
+            return real_load(path, tokenizer=tokenizer, weights=False)
         seen.append((torch.device(device).type, dtype))
         raise Loaded
 
     monkeypatch.setattr(load, "load_model", fake_load)
-    model = str(tmp_path)
     for main, argv in (
         (evaluate.main, [model, "--tasks", "val"]),
         (generate.main, [model]),
-        (analyze.main, [model, "--out", str(tmp_path / "a")]),
+        (analyze.main, [model, "--data", str(manifest), "--out", str(tmp_path / "a")]),
     ):
         with pytest.raises(Loaded):
             main(argv)
