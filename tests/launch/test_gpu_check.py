@@ -269,8 +269,8 @@ def _assert_env_file(out):
 # one whose arguments hold the word given
 FAULT = """import os, sys
 if os.environ["GPU_CHECK_TEST_FAIL"] in sys.argv:
-    print("planted failure of", sys.argv, file=sys.stderr)
-    sys.exit(3)
+    print("planted failure of", sys.argv, file=sys.stderr, flush=True)
+    os._exit(3)  # not sys.exit: a SystemExit inside the site module is a fatal error of its own (exit 1)
 """
 
 
