@@ -6,13 +6,16 @@ this package asks which it has.
   mixture whose source has no name ("") and weight 1;
 - `open_train_batches(data, ...)`: the training stream of either, a `TrainBatches`
   (loader.TokenBatchLoader for one manifest, whose checkpointed state it keeps; mixture.MixtureLoader);
-- `plan_stages(...)`: the stages a run draws under and the repetition cap checked against its length.
+- `plan_stages(...)`: the stages a run draws under and the repetition cap checked against its length;
+- `TokenCount`: the training tokens a run has trained, in all and per source (`round_tokens`: each
+  round's, from the loader, on the host), saved with every checkpoint: the one count budgets,
+  summaries and a rollback read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .loader import Batch, TokenBatchLoader
@@ -61,10 +64,14 @@ def with_split(data: Manifest | DataMixture, split: str) -> list[Source]:
     return [s for s in sources_of(data) if s.manifest.splits.get(split)]
 
 
-def plan_stages(data: Manifest | DataMixture, stages: str, max_repeats: float, samples: int, where: str) -> list[Stage]:
+def plan_stages(
+    data: Manifest | DataMixture, stages: str, max_repeats: float, samples: int, where: str, global_batch: int = 1
+) -> list[Stage]:
     """The stages of `stages` (train.data_stages) for the data, and the run of `samples` training
-    samples against the repetition cap: MixtureError (one line) when the sources cannot fill it,
-    or stages are asked of one manifest (`where`: how the run names its data)."""
+    samples (global batches of `global_batch`) against the repetition cap: MixtureError (one line)
+    when the sources cannot fill it, or stages are asked of one manifest (`where`: how the run names
+    its data). The loader reads ahead of the run, but past a cap only for a batch that is trained
+    (mixture.AllCapped), so the run's own samples are what the cap must give."""
     if not isinstance(data, DataMixture):
         if stages:
             raise MixtureError(
@@ -73,7 +80,7 @@ def plan_stages(data: Manifest | DataMixture, stages: str, max_repeats: float, s
             )
         data = DataMixture([SourceSpec("data", 1.0, where)], [data])
     parsed = parse_stages(stages, data.names)
-    data.check_budget(samples, max_repeats, parsed, data.seq_len)
+    data.check_budget(samples, max_repeats, parsed, data.seq_len, global_batch)
     return parsed
 
 
@@ -105,3 +112,46 @@ def open_train_batches(
     if isinstance(data, DataMixture):
         return MixtureLoader(data, stages=stages, max_repeats=max_repeats, **common)
     return TokenBatchLoader(data, split="train", expected_seq_len=data.seq_len, **common)
+
+
+def round_tokens(loader: TrainBatches, world_size: int, micro_batch_size: int, seq_len: int) -> dict[str, int]:
+    """Each source's tokens in the round (every rank's micro-batch) the loader last handed out, known
+    on the host without reading the batch: one manifest's are its shape's, a mixture's its draw's."""
+    if isinstance(loader, MixtureLoader):
+        return dict(loader.round_tokens)
+    return {"": world_size * micro_batch_size * seq_len}
+
+
+@dataclass
+class TokenCount:
+    """The training tokens trained (the micro-batches a step kept, not those dropped or rolled back),
+    per source ("" for one manifest). Its `state` travels with every checkpoint."""
+
+    by_source: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_source.values())
+
+    def add(self, tokens: dict[str, int]) -> None:
+        for name, n in tokens.items():
+            self.by_source[name] = self.by_source.get(name, 0) + n
+
+    def state(self) -> dict[str, int]:
+        return dict(self.by_source)
+
+    def restore(self, state: dict[str, int]) -> None:
+        self.by_source = {str(k): int(v) for k, v in state.items()}
+
+    @classmethod
+    def saved(
+        cls, state: dict[str, int] | None, loader: dict[str, Any], step: int, per_step: int, seq_len: int
+    ) -> TokenCount:
+        """A checkpoint's count (`state`); one saved before the count: its loader's draws (a mixture's
+        `loader` state), else its `step` steps of `per_step` tokens."""
+        if state is None:
+            cursors = loader.get("cursors")
+            state = {n: int(c) * seq_len for n, c in cursors.items()} if cursors else {"": step * per_step}
+        count = cls()
+        count.restore(state)
+        return count

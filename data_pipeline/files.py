@@ -17,14 +17,22 @@ if TYPE_CHECKING:
 @contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """A temporary path in `path`'s directory (named as `is_temp` recognises); renamed to
-    `path` when the block succeeds."""
+    `path` when the block succeeds. An OSError of the block (a full disk: the write of an open
+    file names no path) is raised again naming `path`, for the command's one line."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         yield tmp
         os.replace(tmp, path)
+    except OSError as err:
+        if err.filename not in (None, str(tmp), tmp):
+            raise
+        raise OSError(err.errno, err.strerror, str(path)) from None
     finally:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # a read-only file system refuses even that: the error above is the one to say
+            pass
 
 
 def is_temp(name: str) -> bool:

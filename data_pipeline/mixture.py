@@ -21,7 +21,9 @@ How a mixture's order is made (docs/data.md, "Mixtures"):
 4. ``train.max_repeats`` caps how many times a source's train split is read (a float: 1.5 =
    one and a half passes). A source at its cap is taken out of the draw, its weight shared
    among the others from that batch on, and said once (``MixtureLoader.exhausted``); the run
-   is refused at the start when the sources cannot fill it (`check_budget`).
+   is refused at the start when the sources cannot fill it (`check_budget`: each stage's span
+   from the sources it draws). Reading ahead past the last batch the sources can fill is not an
+   error: `AllCapped` is raised only where such a batch is asked for.
 
 The loader state holds the position and the cursors at the start of the current global batch:
 a resume, on any number of ranks, continues the same order.
@@ -107,8 +109,8 @@ def _check_total(weights: dict[str, float], where: str) -> None:
 
 def parse_stages(text: str, names: Sequence[str]) -> list[Stage]:
     """``train.data_stages``: ``TOKENS:name=w,name=w;TOKENS:...``, token counts increasing; a
-    source left out of a stage gets weight 0. One line names a bad stage, an unknown source or
-    weights all zero."""
+    source left out of a stage gets weight 0. One line names a bad stage, an unknown source, a
+    source given twice or weights all zero."""
     stages: list[Stage] = []
     for part in (p.strip() for p in text.split(";") if p.strip()):
         where = f"train.data_stages stage {part!r}"
@@ -119,13 +121,16 @@ def parse_stages(text: str, names: Sequence[str]) -> list[Stage]:
             tokens = math.nan
         if not sep or not math.isfinite(tokens) or tokens <= 0:
             raise MixtureError(f"{where}: expected TOKENS:name=weight,... with TOKENS a token count > 0 (e.g. 2e9)")
-        weights = dict.fromkeys(names, 0.0)
+        weights, named = dict.fromkeys(names, 0.0), set()
         for item in (i.strip() for i in rest.split(",") if i.strip()):
             name, eq, value = item.partition("=")
             if not eq:
                 raise MixtureError(f"{where}: {item!r} is not name=weight")
             if name.strip() not in weights:
                 raise MixtureError(f"{where}: no source {name.strip()!r} in the mixture (its sources: {list(names)})")
+            if name.strip() in named:
+                raise MixtureError(f"{where}: source {name.strip()!r} is given twice; give each source one weight")
+            named.add(name.strip())
             weights[name.strip()] = _weight(name.strip(), value.strip(), where)
         _check_total(weights, where)
         if stages and tokens <= stages[-1].tokens:
@@ -235,20 +240,42 @@ class DataMixture:
         """(name, manifest) of the sources that have `split` (per-source validation)."""
         return [(s.name, m) for s, m in zip(self.sources, self.manifests, strict=True) if m.splits.get(split)]
 
-    def check_budget(self, samples: int, max_repeats: float, stages: list[Stage], tokens_per_sample: int) -> None:
-        """Refuse a run that needs more samples than the sources may give under the cap (one line)."""
+    def check_budget(
+        self, samples: int, max_repeats: float, stages: list[Stage], tokens_per_sample: int, global_batch: int = 1
+    ) -> None:
+        """Refuse a run of `samples` samples (global batches of `global_batch`) that the sources cannot
+        fill under the cap (one line): each stage's span drawn, in expectation, from the sources its
+        weights draw (a source a stage gives weight 0 gives it nothing), a source at its cap out."""
         if not max_repeats:
             return
         have = self.source_sequences("train")
         caps = {n: int(max_repeats * have[n]) for n in self.names}
-        drawn = [self.weights, *(st.weights for st in stages)]
-        usable = sum(caps[n] for n in self.names if any(w[n] > 0 for w in drawn))
-        if samples > usable:
-            raise MixtureError(
-                f"the run reads {samples} samples ({samples * tokens_per_sample:.3g} tokens), but with "
-                f"train.max_repeats={max_repeats:g} the sources give at most {usable} ({caps}): raise "
-                "train.max_repeats, add data, or shorten the run"
-            )
+        starts = [stage_start(st.tokens, tokens_per_sample, global_batch) for st in stages]
+        spans = zip([0, *starts], [*starts, math.inf], [self.weights, *(st.weights for st in stages)])
+        left, filled = {n: float(c) for n, c in caps.items()}, 0.0
+        for number, (start, end, weights) in enumerate(spans):
+            if start >= samples:
+                break
+            need = min(end, samples) - max(start, filled)
+            while need > 1e-6:
+                live = {n: w for n, w in weights.items() if w > 0 and left[n] > 1e-6}
+                if not live:
+                    where = f" (stage {number}, {' '.join(f'{n}={w:g}' for n, w in weights.items())})" if number else ""
+                    raise MixtureError(
+                        f"the run reads {samples} samples ({samples * tokens_per_sample:.3g} tokens), but with "
+                        f"train.max_repeats={max_repeats:g} the sources give at most {int(filled + 1e-6)} ({caps}), "
+                        f"the sources drawn{where} running out there: raise train.max_repeats, add data, or shorten "
+                        "the run"
+                    )
+                total = sum(live.values())
+                take = min(need, *(left[n] * total / w for n, w in live.items()))
+                for n, w in live.items():
+                    left[n] -= take * w / total
+                need, filled = need - take, filled + take
+
+
+class AllCapped(RuntimeError):
+    """Every source the weights in force draw from is at its cap: raised where a batch past it is needed."""
 
 
 _MIX = np.array([0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93], dtype=np.uint64)
@@ -269,14 +296,16 @@ def uniforms(seed: int, batches: np.ndarray, positions: np.ndarray, attempt: int
     return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
-def stage_at(stages: Sequence[Stage], g: int, tokens_per_batch: int) -> int:
-    """The stage in force at global batch g: 0 (the mixture's own weights) or i, the i-th stage,
-    the last whose token count the batches before g have reached."""
-    number = 0
-    for i, st in enumerate(stages, 1):
-        if g * tokens_per_batch >= st.tokens:
-            number = i
-    return number
+def stage_at(stages: Sequence[Stage], tokens_read: int) -> int:
+    """The stage in force at a global batch with `tokens_read` training tokens read before it: 0
+    (the mixture's own weights) or i, the i-th stage, the last whose token count they have reached
+    (tokens read, not batches: a changed global batch on resume moves no stage)."""
+    return sum(1 for st in stages if tokens_read >= st.tokens)
+
+
+def stage_start(tokens: float, tokens_per_sample: int, global_batch: int) -> int:
+    """The first sample of the first global batch with `tokens` read before it (a run of one global batch)."""
+    return math.ceil(tokens / (tokens_per_sample * global_batch)) * global_batch
 
 
 class _MixturePlan:
@@ -318,12 +347,16 @@ class _MixturePlan:
         self.base = np.asarray([mixture.weights[n] for n in self.names], dtype=np.float64)
         self.stages = list(stages)
         self.stage_weights = [self.base] + [np.asarray([st.weights[n] for n in self.names]) for st in stages]
+        self.start_read = int(self.start_cursors.sum())  # samples read before global batch start_batch // rounds
         self._plans: dict[tuple[int, int], EpochPlan] = {}
         self._blocks: dict[tuple[int, int, int], np.ndarray] = {}
 
     # -- the draw ------------------------------------------------------------------------
     def weights_at(self, g: int) -> np.ndarray:
-        return self.stage_weights[stage_at(self.stages, g, self.global_batch * self.seq_len)]
+        """The weights in force at global batch g: the stage's of the tokens read before it (every
+        global batch reads `global_batch` samples)."""
+        read = self.start_read + (g - self.start_batch // self.rounds_per_batch()) * self.global_batch
+        return self.stage_weights[stage_at(self.stages, read * self.seq_len)]
 
     def draw(self, g: int, cursors: np.ndarray) -> np.ndarray:
         """The source of each of global batch g's positions, given each source's draws before g:
@@ -338,7 +371,7 @@ class _MixturePlan:
         attempt = 0
         while todo.size:
             if not weights.any():
-                raise RuntimeError(
+                raise AllCapped(
                     f"every source of the mixture is at its train.max_repeats cap at global batch {g} "
                     f"({[self.names[s] for s in capped]}): nothing left to draw"
                 )
@@ -378,18 +411,25 @@ class _MixturePlan:
         per_chunk = max(1, CHUNK_SAMPLES // B)
         try:
             while True:
-                chunk_sources, chunk_draws = [], []
+                chunk_sources, chunk_draws, capped = [], [], None
                 for _ in range(per_chunk):
                     k = next(rounds)
-                    while k // per_batch > g:  # walk the draws up to this round's global batch
-                        g += 1
-                        sources, draws, _ = next(batches)
+                    try:
+                        while k // per_batch > g:  # walk the draws up to this round's global batch
+                            g += 1
+                            sources, draws, _ = next(batches)
+                    except AllCapped as err:  # read ahead past the last batch the sources fill: the rest first
+                        capped = err
+                        break
                     first = k * self.world_size * B + self.rank * B - g * self.global_batch
                     chunk_sources.append(sources[first : first + B])
                     chunk_draws.append(draws[first : first + B])
-                payloads = self.read(readers, np.concatenate(chunk_sources), np.concatenate(chunk_draws), report)
-                for i in range(per_chunk):
-                    yield self.collate(payloads[i * B : (i + 1) * B])
+                if chunk_sources:
+                    payloads = self.read(readers, np.concatenate(chunk_sources), np.concatenate(chunk_draws), report)
+                    for i in range(len(chunk_sources)):
+                        yield self.collate(payloads[i * B : (i + 1) * B])
+                if capped is not None:  # only where a batch past the cap is asked for
+                    raise capped
         finally:
             for reader in readers:
                 reader.close()
@@ -553,6 +593,7 @@ class MixtureLoader:
         self.skipped_shards = 0
         self.bad_shards: list[str] = []
         self.exhausted: dict[str, int] = {}  # source -> the global batch from which it was at its cap
+        self.round_tokens: dict[str, int] = {}  # each source's tokens in the round last handed out (every rank's)
 
     def _plan(self) -> _MixturePlan:
         return _MixturePlan(
@@ -579,12 +620,12 @@ class MixtureLoader:
     def stage(self) -> tuple[int, int, dict[str, float]]:
         """The stage in force at the current global batch: its number (0: the mixture's own
         weights, i: the i-th of train.data_stages), the global batch it starts at, its weights."""
-        per_batch_tokens = self.global_batch * self.seq_len
-        number = stage_at(self.stages, self.global_batch_index, per_batch_tokens)
+        per_batch_tokens, read = self.global_batch * self.seq_len, int(self.cursors.sum()) * self.seq_len
+        number = stage_at(self.stages, read)
         if number == 0:
             return 0, 0, self.mixture.weights
-        stage = self.stages[number - 1]
-        return number, math.ceil(stage.tokens / per_batch_tokens), stage.weights
+        stage = self.stages[number - 1]  # started at the first batch with its tokens read before it
+        return number, self.global_batch_index - math.floor((read - stage.tokens) / per_batch_tokens), stage.weights
 
     def drawn_tokens(self) -> dict[str, int]:
         """Training tokens drawn from each source by the completed global batches."""
@@ -599,19 +640,28 @@ class MixtureLoader:
         plan = self._plan()
         per_batch = plan.rounds_per_batch()
         source = produced(plan, self.num_workers, self.pin_memory, self.prefetch_factor)
-        g = self.global_batch_index
+        g, width, names = self.global_batch_index, self.world_size * self.micro_batch_size, self.mixture.names
         draws = plan.draws(g, self.cursors)  # the main process follows the draws, for the state and the cap
-        _, _, counts = next(draws)
+        sources, _, counts = next(draws)
+        capped: AllCapped | None = None
         for batch, new_bad, urls in source:
+            if capped is not None:  # a batch past the last the sources fill (the workers raise first)
+                raise capped
             if new_bad:
                 self.skipped_shards += new_bad
                 self.bad_shards.extend(u for u in urls if u not in self.bad_shards)
+            first = self.batch_in_epoch % per_batch * width
+            mine = np.bincount(sources[first : first + width], minlength=len(names)) * self.seq_len
+            self.round_tokens = dict(zip(names, mine.tolist(), strict=True))
             self.batch_in_epoch += 1
             if self.batch_in_epoch % per_batch == 0:
                 self.cursors += counts
                 g += 1
                 self.note_caps(plan, g)
-                _, _, counts = next(draws)
+                try:
+                    sources, _, counts = next(draws)
+                except AllCapped as err:  # the run may end here: raised only if a later batch is asked for
+                    capped = err
             yield batch
 
     def note_caps(self, plan: _MixturePlan, g: int) -> None:

@@ -13,7 +13,8 @@ Everything that can be checked before a byte is written is checked first (option
 readable, the tokenizer, at least one usable document). The output folder then changes
 only through `_OutputDir`: what an earlier run left there is set aside under hidden names,
 never deleted, until the new manifest is in place; a run refused later (say no complete
-sequence) puts everything back, so a refused command leaves the file system as it found it.
+sequence, a full disk) or interrupted by Ctrl-C under `grt` (`Interrupted`, raised by the
+command's error boundary) puts everything back, so it leaves the file system as it found it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import math
 import multiprocessing as mp
 import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -35,6 +37,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
+
+from pretrain.errors import Interrupted
 
 from .files import check_output_path, is_temp
 from .manifest import MANIFEST_NAME, Manifest, manifest_dict
@@ -289,18 +293,23 @@ class _OutputDir:
         if name + ".tmp" not in self.written:
             self._set_aside(name + ".tmp")  # a partial shard of an interrupted run: garbage, but not ours
             self.written.append(name + ".tmp")
+        return write_shard_atomic(self._join(name), data, before_replace=lambda: self._replacing(name))
+
+    def _replacing(self, name: str) -> None:
+        """``name`` is about to be this run's: the old one set aside (a write that fails before
+        this, a full disk, leaves the old file where it is, for `rollback` not to remove)."""
+        self._set_aside(name)
         self.written.append(name)
-        return write_shard_atomic(self._join(name), data, before_replace=lambda: self._set_aside(name))
 
     def put_bytes(self, name: str, data: bytes) -> None:
         """Write ``name`` complete (fsynced under a temporary name), then set the old one aside and rename."""
         tmp = f".{name}.tmp{os.getpid()}"
-        self.written += [tmp, name]
+        self.written.append(tmp)
         with open(self._join(tmp), "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        self._set_aside(name)
+        self._replacing(name)
         os.replace(self._join(tmp), self._join(name))
 
     def commit(self, keep: set[str]) -> None:
@@ -417,6 +426,13 @@ class _EncodedHere:
         return self.encoded
 
 
+def _pool_worker(model_path: str) -> None:
+    """A pool process: Ctrl-C (SIGINT, sent to the terminal's whole process group) is the main
+    process's to handle (it undoes the run and ends the pool), not a traceback per worker."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(model_path)
+
+
 @contextmanager
 def _encoder_pool(model_path: str, workers: int) -> Iterator[Callable[[_Task], _PendingChunk]]:
     """``submit(task)`` for the block: encodes in ``workers`` processes (in this one when 1).
@@ -428,7 +444,7 @@ def _encoder_pool(model_path: str, workers: int) -> Iterator[Callable[[_Task], _
         yield lambda task: _EncodedHere(_encode_chunk(task))
         return
     start_method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    pool = mp.get_context(start_method).Pool(workers, initializer=_init_worker, initargs=(model_path,))
+    pool = mp.get_context(start_method).Pool(workers, initializer=_pool_worker, initargs=(model_path,))
     try:
         yield lambda task: pool.apply_async(_encode_chunk, (task,))
     finally:
@@ -603,7 +619,7 @@ def prepare(
             out.put_bytes(TOKENIZER_NAME, tokenizer_bytes)
         _write_manifest(out, tok, options, splits, reader, packers, dropped, part_options)
         manifest = Manifest.load(manifest_path)
-    except Exception:  # refused: the folder as it was (an interruption, BaseException, leaves no manifest)
+    except (Exception, Interrupted):  # refused or Ctrl-C: the folder as it was (a kill leaves no manifest)
         problems = out.rollback()
         if problems:
             print(f"prepare: could not restore {out_dir!r}: {'; '.join(problems)}", file=sys.stderr, flush=True)

@@ -248,8 +248,19 @@ def train_tokenizer(
     model = buf.getvalue()
     _check_model(model, sep_piece)
     # only now, with a complete model in hand, does the file system change
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    atomic_write_bytes(out, model)
+    parent = os.path.dirname(os.path.abspath(out))
+    missing, folder = [], parent  # the folders made here, innermost first
+    while not os.path.exists(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        atomic_write_bytes(out, model)
+    except BaseException:  # a full disk, Ctrl-C: no folder made for a model that is not there
+        for made in missing:
+            if os.path.isdir(made) and not os.listdir(made):
+                os.rmdir(made)
+        raise
     tok = Tokenizer(out, sep_piece=sep_piece)
     if progress:
         print(

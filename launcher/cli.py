@@ -565,6 +565,8 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
             from pretrain.training.start import plan_start, say
 
             plan = plan_start(cfg, resume, local_world_size)
+            for line in plan.notes:  # what the start changes in the config given (the ranks get the plan's)
+                say(line)
             if plan.resume is not None:  # what the resume changes, said here as the ranks will
                 for line in plan.resume_lines(plan.resume.tag, [], plan.resume.notes):
                     say(line)
@@ -572,7 +574,10 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
         elif cfg.data and all(os.path.isfile(p) for p in data_paths(cfg.data)):
             # the checks that need the data (vocabulary and context follow the tokenizer);
             # skipped when the manifest is only visible from the cluster's nodes
-            cfg = resolve(cfg, load_manifest(cfg.data))
+            notes: list[str] = []
+            cfg = resolve(cfg, load_manifest(cfg.data), notes)
+            for line in notes:
+                print(f"grt launch: {line}", file=sys.stderr)
         config = cfg.to_dict()
         config["data"] = with_data_paths(config["data"], absolute) if config["data"] else ""
     except ConfigError as e:

@@ -3,7 +3,8 @@
 Subcommands are imported lazily so that `grt presets` does not pay for DeepSpeed,
 and each component owns its argument parsing. Every command ends here, through
 `pretrain.distributed.run_command`: a command that started a process group ends the
-process through its one exit path, with the command's exit code.
+process through its one exit path, with the command's exit code, and every command has
+its one error boundary there (a full disk, a path of the wrong kind, Ctrl-C: one line).
 """
 
 import argparse
@@ -57,7 +58,18 @@ def main(argv: list[str] | None = None) -> int:
     """The `grt` entry point (also `python -m pretrain.cli`)."""
     from pretrain.distributed import run_command
 
-    return run_command(dispatch, argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_command(dispatch, argv, prog=prog_of(argv))
+
+
+def prog_of(argv: list[str]) -> str:
+    """The name of the command `argv` runs, as its error lines say it: `grt train`, `grt data prepare`."""
+    words = ["grt"]
+    if argv and argv[0] in COMMANDS:
+        words.append(argv[0])
+        if argv[0] in ("data", "bench") and len(argv) > 1 and not argv[1].startswith("-"):  # their subcommand
+            words.append(argv[1])
+    return " ".join(words)
 
 
 if __name__ == "__main__":

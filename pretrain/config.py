@@ -20,6 +20,7 @@ and the head follow the loop's last state.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -302,3 +303,33 @@ def coerce(key: str, value: Any, type_name: Any) -> Any:
     if target in (float, str) and not isinstance(value, target):
         raise ConfigError(f"{key}={value!r}: expected {name}")
     return value
+
+
+class OnceParser(argparse.ArgumentParser):
+    """An argument parser whose single-value flags (`--data PATH`) refuse to be given twice: argparse
+    keeps the last one silently, so `--data a --data b` would score b alone (issue #40). Flags with
+    their own action (append, store_true, ...) are as they were."""
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        if args and str(args[0]).startswith("-") and kwargs.get("action") in (None, "store"):
+            kwargs["action"] = _Once
+        return super().add_argument(*args, **kwargs)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, rest = super().parse_known_args(args, namespace)
+        parsed.__dict__.pop("_flags_given", None)
+        return parsed, rest
+
+
+class _Once(argparse.Action):
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any = None
+    ) -> None:
+        seen: set[str] = namespace.__dict__.setdefault("_flags_given", set())
+        if self.dest in seen:
+            parser.error(
+                f"argument {'/'.join(self.option_strings)}: given twice ({getattr(namespace, self.dest)!r}, then "
+                f"{values!r}); give it once"
+            )
+        seen.add(self.dest)
+        setattr(namespace, self.dest, values)

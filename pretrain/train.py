@@ -12,6 +12,9 @@ import argparse
 import json
 import os
 import sys
+import time
+from pathlib import Path
+from typing import Any
 
 if __name__ == "__main__" and not __package__:
     # run as a script path: import this checkout's package (not another installed copy), and
@@ -25,8 +28,10 @@ from pretrain.runs.run_config import (  # noqa: E402
     RunConfig,
     apply_overrides,
     choose_model,
+    data_paths,
     is_model_override,
     load_manifest,
+    mark_given,
 )
 from pretrain.training import branch  # noqa: E402
 
@@ -103,12 +108,58 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> RunConfig:
-    source = branch.find_source(args.branch_from, args.out) if args.branch_from else None
+def base_config(args: argparse.Namespace, source: Path | None) -> RunConfig:
+    """The run config the command line's settings go onto: --config-json's; for a run continued from
+    what it saved, the config it saved (one mechanism, `branch.saved_config`): a decay branch's source
+    checkpoint's, a --resume's run directory's `config.json` (the run as it last started); else the
+    defaults (a --resume of a directory that never started is a fresh start)."""
     if args.config_json:
-        cfg = RunConfig.load(args.config_json)
-    else:
-        cfg = branch.base_config(source, args.out) if source is not None else RunConfig()
+        return RunConfig.load(args.config_json)
+    if source is not None:
+        return branch.base_config(source, args.out)
+    if args.resume and args.out and (Path(args.out) / "config.json").is_file():
+        return branch.saved_config(Path(args.out), "--resume")
+    return RunConfig()
+
+
+ONE_START_KEYS = ("allow_data_change", "allow_batch_change")  # a consent given for the start that gives it
+
+
+def continued(cfg: RunConfig, given: set[str]) -> RunConfig:
+    """A run continued from its saved config (`base_config`) with the keys `given` on the command
+    line: a consent of an earlier start (train.allow_data_change, allow_batch_change) is not carried
+    over, and a length given in steps replaces the saved budget in tokens."""
+    for key in ONE_START_KEYS:
+        if f"train.{key}" not in given:
+            setattr(cfg.train, key, False)
+    if "train.steps" in given and "train.tokens" not in given:
+        cfg.train.tokens = 0.0
+    return cfg
+
+
+def run_name(args: argparse.Namespace, cfg: RunConfig) -> str:
+    """A run without --out: its own directory, runs/<preset or variant>-<YYYYmmdd-HHMMSS>."""
+    if args.resume:
+        raise ConfigError("--resume needs --out: the run directory to continue")
+    world = discover().world_size
+    if world > 1:
+        raise ConfigError(
+            f"--out: {world} ranks started without --out would each name their own run directory; give --out "
+            "(grt launch names one for all its ranks)"
+        )
+    stem = f"runs/{args.preset or cfg.model.variant}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name, n = stem, 1
+    while os.path.exists(name):
+        n += 1
+        name = f"{stem}-{n}"
+    return name
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The run config of a `grt train` command line: its base (`base_config`), then the model
+    (--preset, --model-config, `model.*`), the flags and the `--set`s, in that order."""
+    source = branch.find_source(args.branch_from, args.out) if args.branch_from else None
+    cfg = base_config(args, source)
     if args.preset and args.model_config:
         raise ConfigError("give --preset or --model-config, not both")
     overrides = args.overrides
@@ -128,10 +179,40 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         if getattr(args, flag) is not None:
             setattr(cfg.train, flag, getattr(args, flag))
     apply_overrides(cfg, overrides)
+    flags = {f"train.{flag}" for flag in ("steps", "micro_batch_size", "grad_accum") if getattr(args, flag) is not None}
+    given = {item.split("=", 1)[0] for item in args.overrides} | flags
+    mark_given(cfg, given)
+    if source is not None or (args.resume and not args.config_json):
+        continued(cfg, given)
+    mark_given(cfg, {f"train.{key}" for key in branch.given_train_keys(args)})  # and --steps (settings_rules.py)
     if source is not None:
         branch.configure(cfg, source, branch.given_train_keys(args))  # wsd, its length, branch_from
+    if not args.out and not args.config_json and source is None:
+        from pretrain.training.start import say
+
+        cfg.out = run_name(args, cfg)
+        say(f"run directory {cfg.out} (no --out given)")
     cfg.validate()
     return cfg
+
+
+def printed_config(cfg: RunConfig, resume: bool) -> dict[str, Any]:
+    """`--print-config`: the run config the run would write as its config.json (the start's plan:
+    resolved against the data, a resume's kept schedule and batch) and its merged DeepSpeed
+    config; where the data cannot be read here, the config as given (said in one line)."""
+    import torch
+
+    from pretrain.training.ds_config import merged_ds_config
+    from pretrain.training.start import plan_start, say
+
+    if cfg.data and all(os.path.isfile(p) for p in data_paths(cfg.data)):
+        plan = plan_start(cfg, resume or bool(cfg.branch_from))
+        for line in plan.start_lines():  # what the start changes: the vocabulary, a budget's steps
+            say(line)
+        return {"run_config": plan.cfg.to_dict(), "deepspeed_config": plan.ds}
+    say(f"data={cfg.data!r} cannot be read here: the config as given, not resolved against the data")
+    ds = merged_ds_config(cfg, discover().world_size, torch.cuda.is_available())
+    return {"run_config": cfg.to_dict(), "deepspeed_config": ds}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,12 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         if args.print_config:
-            import torch
-
-            from pretrain.training.ds_config import merged_ds_config
-
-            ds = merged_ds_config(cfg, discover().world_size, torch.cuda.is_available())
-            print(json.dumps({"run_config": cfg.to_dict(), "deepspeed_config": ds}, indent=2))
+            print(json.dumps(printed_config(cfg, args.resume), indent=2))
             return 0
         load_manifest(cfg.data)  # a missing, foreign or malformed manifest: one line before anything starts
     except ConfigError as err:
@@ -171,4 +247,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_command(main))
+    sys.exit(run_command(main, prog="grt train"))

@@ -30,17 +30,47 @@ def manifest_of(root: Path | str) -> Path:
 def train_command(
     preset: str,
     data: Path | str,
-    out: Path | str,
+    out: Path | str | None,
     steps: int,
     micro_batch_size: int,
     ds_config: str,
     sets: Iterable[str] = (),
     *extra: str,
 ) -> list[str]:
-    """`grt train` arguments: `preset` on `data` into `out` for `steps` steps, each of `sets`
-    as a `--set`, then `extra` as they are."""
-    args = ["train", "--preset", preset, "--data", str(data), "--out", str(out), "--steps", str(steps)]
-    args += ["--micro-batch-size", str(micro_batch_size), "--ds-config", ds_config]
+    """`grt train` arguments: `preset` on `data` into `out` (None: no --out, a named run) for `steps`
+    steps, each of `sets` as a `--set`, then `extra` as they are."""
+    args = ["train", "--preset", preset, "--data", str(data), *(["--out", str(out)] if out is not None else [])]
+    args += ["--steps", str(steps), "--micro-batch-size", str(micro_batch_size), "--ds-config", ds_config]
     for s in sets:
         args += ["--set", s]
     return [*args, *extra]
+
+
+def resume_command(out: Path | str, *extra: str) -> list[str]:
+    """`grt train --out <out> --resume`: a run continued from its directory alone, then `extra`."""
+    return ["train", "--out", str(out), "--resume", *extra]
+
+
+# what a refused or failed command prints besides its own lines: DeepSpeed's import-time
+# accelerator notice, and a start's progress ("grt train: start: checks ...")
+NOT_THE_COMMANDS = ("real_accelerator.py", ": start: ")
+
+
+def error_lines(stderr: str, *also_not: str) -> list[str]:
+    """The non-blank lines of `stderr` that the command itself says (NOT_THE_COMMANDS and any of
+    `also_not` aside): what a "one line" refusal is counted on."""
+    skip = NOT_THE_COMMANDS + also_not
+    return [line for line in stderr.splitlines() if line.strip() and not any(s in line for s in skip)]
+
+
+def grt_in_process(argv: list, capsys) -> tuple[int, str]:
+    """`grt ARGV` in this process (pytest's `capsys` captures it): its exit code and stderr. An
+    argparse exit is its code; anything else raised is a traceback and fails the test."""
+    from pretrain import cli
+
+    capsys.readouterr()
+    try:
+        rc = cli.main([str(a) for a in argv])
+    except SystemExit as stop:
+        rc = stop.code if isinstance(stop.code, int) else 2
+    return rc, capsys.readouterr().err

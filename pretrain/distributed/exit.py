@@ -1,14 +1,26 @@
 """The one exit path of every process that started a process group (`exit_process`), and
-`run_command`, which takes each command through it (docs/gpu.md says why)."""
+`run_command`, which takes each command through it (docs/gpu.md says why) and is every
+command's error boundary (docs/reliability.md, "One error boundary per command"): a
+file-system refusal (a full disk, a read-only or missing parent, a path of the wrong kind)
+is one line naming the path, exit 2; Ctrl-C (SIGINT) is one line naming the signal, exit 130,
+after the command undid what it wrote (`Interrupted`); a `ConfigError` a command let through
+is its one line, exit 2. GRT_DEBUG=1 prints the traceback first."""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
 
 from pretrain.distributed.discovery import RendezvousError
+from pretrain.errors import ConfigError, Interrupted, file_system_problem
+
+DEBUG_ENV = "GRT_DEBUG"  # GRT_DEBUG=1: the boundary prints the traceback before its one line
 
 
 def _group_exists() -> bool:
@@ -28,8 +40,6 @@ def exit_process(code: int) -> int:
     `code`. At interpreter exit the group's communication threads are still joinable, and
     C++ destroys them ("terminate called without an active exception", exit -6), which
     hides the real exit code from the launcher. Without a process group: returns `code`."""
-    import threading
-
     if not _group_exists():
         return code
     import torch.distributed as dist
@@ -57,25 +67,87 @@ def _exit_code(err: BaseException) -> int:
             return err.code or 0
         print(err.code, file=sys.stderr)
         return 1
-    if isinstance(err, KeyboardInterrupt):
-        return 130
     traceback.print_exception(err)
     return 1
 
 
-def run_command(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
+def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
+@contextmanager
+def _boundary(prog: str, said: list[BaseException]) -> Iterator[None]:
+    """While the command runs: SIGINT raises `Interrupted` (where Python's own handler is in
+    place, in the main thread: a command's own handler, such as training's, is kept), and a
+    thread's error of `boundary_line` (TensorBoard's writer on a full disk) is its one line, not
+    a traceback; `said` collects those (a library that raises it again in the command is not
+    said twice)."""
+    previous_hook = threading.excepthook
+
+    def thread_error(args: threading.ExceptHookArgs) -> None:
+        err = args.exc_value
+        handled = boundary_line(err) if err is not None else None
+        if err is None or handled is None:
+            previous_hook(args)
+            return
+        said.append(err)
+        _say(prog, handled[0], err)
+
+    threading.excepthook = thread_error
+    own_sigint = threading.current_thread() is threading.main_thread() and (
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )
+    if own_sigint:
+        signal.signal(signal.SIGINT, _raise_interrupted)
+    try:
+        yield
+    finally:
+        threading.excepthook = previous_hook
+        if own_sigint:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _say(prog: str, line: str, err: BaseException) -> None:
+    if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        traceback.print_exception(err)
+    print(f"{prog}: {line}", file=sys.stderr, flush=True)
+
+
+def boundary_line(err: BaseException) -> tuple[str, int] | None:
+    """The one line and exit code of an error the boundary handles, None for any other."""
+    if isinstance(err, KeyboardInterrupt):
+        name = err.signal_name if isinstance(err, Interrupted) else "SIGINT"
+        return f"interrupted by {name}", 130
+    if isinstance(err, ConfigError):
+        return f"error: {err}", 2
+    problem = file_system_problem(err)
+    return (f"error: {problem}", 2) if problem is not None else None
+
+
+def run_command(
+    main: Callable[[list[str] | None], int | None], argv: list[str] | None = None, prog: str = "grt"
+) -> int:
     """Run a command's `main(argv)` as the process entry (the `grt` dispatcher, and every
     `python -m` module that may start a process group): its exit code, exception included,
-    goes through exit_process, so no command can forget it. Without a process group it
-    returns the code (or lets the exception through), so in-process callers are unaffected;
-    a RendezvousError that a command does not catch itself becomes its one line and exit 2."""
+    goes through exit_process, so no command can forget it. The errors of `boundary_line`
+    (and a RendezvousError that a command does not catch itself) become one line, `prog:
+    ...`, and their exit code, in-process callers included; any other exception is let
+    through without a process group (a bug's traceback), and is exit 1 with one."""
+    said: list[BaseException] = []  # a thread's errors said already
     try:
-        code = main(argv) or 0
+        with _boundary(prog, said):
+            code = main(argv) or 0
     except RendezvousError as err:  # a command that lets it through (the probe): still one line, exit 2
         print(f"error: {err}", file=sys.stderr)
         code = 2
     except BaseException as err:  # noqa: BLE001 - the process ends here with its exit code
-        if not _group_exists():
+        handled = None if isinstance(err, SystemExit) else boundary_line(err)
+        if handled is not None:
+            if not any(err is seen for seen in said):
+                _say(prog, handled[0], err)
+            code = handled[1]
+        elif not _group_exists():
             raise
-        code = _exit_code(err)
+        else:
+            code = _exit_code(err)
     return exit_process(code)

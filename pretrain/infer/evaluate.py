@@ -22,43 +22,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import Any
 
 from data_pipeline.shards import ShardError
 from pretrain import PROJECT_ROOT
-from pretrain.config import ConfigError
+from pretrain.config import ConfigError, OnceParser
 from pretrain.distributed import Dist, RankFailed, check_ranks, is_main, join_launch, ranks_with, run_command
-from pretrain.infer.adaptive import CRITERIA, adaptive_table, check_criterion, parse_thresholds
+from pretrain.infer.adaptive import CRITERIA, check_criterion, parse_thresholds
+from pretrain.infer.eval_parts import check_depths, default_depths, depth_unit, held_out, text_eval
+from pretrain.infer.eval_report import format_table, plot_depths
 from pretrain.infer.kv_cache import STRATEGIES
-from pretrain.infer.scoring import (
-    adaptive_sums,
-    check_batches,
-    check_scored,
-    jsonable,
-    lm_sums,
-    lm_sums_cached,
-    val_batches,
-)
+from pretrain.infer.scoring import jsonable
 from pretrain.infer.zero_shot import evaluate_task
-from pretrain.model import GPT
 from pretrain.runs.eval_tasks import TASKS, load_task, parse_depths
 from pretrain.runs.run_config import data_paths
-
-if TYPE_CHECKING:
-    from data_pipeline.manifest import Manifest
-    from data_pipeline.tokenizer import Tokenizer
-    from pretrain.infer.load import LoadedModel
-
-LN2 = math.log(2.0)
 
 
 def default_eval_dir() -> Path:
@@ -66,205 +48,12 @@ def default_eval_dir() -> Path:
     return Path(os.environ.get("GRT_EVAL_DIR", PROJECT_ROOT.parent / "shared" / "data" / "eval"))
 
 
-# -- depths ------------------------------------------------------------------------------
-def depth_unit(model: GPT) -> str:
-    """What an exit depth counts: a looped model's loop steps, a dense model's layers."""
-    return "loop steps" if model.loop is not None else "layers"
-
-
-def default_depths(model: GPT) -> list[int]:
-    """--depths by default: a looped model's 0..R, a dense model's N (the whole model)."""
-    return list(range(model.max_loops + 1)) if model.loop is not None else [len(model.prelude)]
-
-
-def check_depths(model: GPT, depths: list[int], allow_beyond: bool) -> list[int]:
-    """The exit depths, refused in one line where the model cannot run them. A looped model's
-    depth r is r loop steps (0: the prelude straight to the coda; above the trained R only with
-    allow_beyond); a dense model's depth k is its first k layers, then the final norm and head
-    (1..N; N: the whole model; `GPT.dense_exit`)."""
-    trained = model.max_loops if model.loop is not None else 0
-    if model.loop is None:
-        n = len(model.prelude)
-        bad = [d for d in depths if not 1 <= d <= n]
-        if bad:
-            raise ConfigError(
-                f"--depths {bad}: a dense model's exit depth is the number of layers run, 1..{n} ({n}: the whole model)"
-            )
-        return depths
-    beyond = [d for d in depths if d > trained]
-    if beyond and not allow_beyond:
-        raise ConfigError(
-            f"depth(s) {beyond} exceed the trained maximum of {trained} loop steps; "
-            "pass --allow-beyond-trained to run them"
-        )
-    return depths
-
-
-def text_windows(n_tokens: int, window: int, stride: int | None = None) -> list[tuple[int, int, int]]:
-    """Windows over a token sequence of n_tokens (predicting ids[1:], n_tokens - 1 targets):
-    (begin, end, first_scored) in target indices; inputs are ids[begin:end], targets
-    ids[begin+1:end+1], and targets from first_scored on are scored. Every target is scored
-    exactly once; with stride < window each window after the first has window - stride
-    tokens of context that are not scored again."""
-    stride = window if stride is None else stride
-    if not 0 < stride <= window:
-        raise ConfigError(f"stride={stride}: must be in 1..window ({window})")
-    n_targets = n_tokens - 1
-    out: list[tuple[int, int, int]] = []
-    prev_end, begin = 0, 0
-    while prev_end < n_targets:
-        end = min(begin + window, n_targets)
-        out.append((begin, end, prev_end))
-        prev_end = end
-        begin += stride
-    return out
-
-
-def text_batches(
-    ids: list[int], window: int, batch_size: int, dist: Dist, stride: int | None = None
-) -> Iterator[dict[str, torch.Tensor]]:
-    spans = dist.shard(text_windows(len(ids), window, stride))
-    t = torch.tensor(ids, dtype=torch.long)
-    for i in range(0, len(spans), batch_size):
-        chunk = spans[i : i + batch_size]
-        width = max(e - b for b, e, _ in chunk)
-        inp = torch.zeros(len(chunk), width, dtype=torch.long)
-        tgt = torch.full((len(chunk), width), -100, dtype=torch.long)
-        for row, (b, e, first) in enumerate(chunk):
-            inp[row, : e - b] = t[b:e]
-            tgt[row, first - b : e - b] = t[first + 1 : e + 1]
-        yield {"input_ids": inp, "targets": tgt}
-
-
-def text_eval(
-    model: GPT,
-    tok: Tokenizer,
-    text: str,
-    depths: list[int],
-    device: torch.device,
-    batch_size: int,
-    dist: Dist,
-    window: int | None = None,
-    stride: int | None = None,
-    max_tokens: int | None = None,
-    kv_cache: str | None = None,
-    what: str = "the text",
-    **fwd: Any,
-) -> dict[int, dict[str, float]]:
-    """Perplexity and bits per byte of a raw text, scored as one document after a separator
-    (`what` names the text in the error when it holds no token to score)."""
-    ids = [tok.sep_id] + tok.encode(text)
-    if max_tokens is not None and len(ids) - 1 > max_tokens:
-        ids = ids[: max_tokens + 1]
-        text = tok.decode(ids[1:])
-    n_bytes = len(text.encode("utf-8"))
-    batches = text_batches(ids, window or model.cfg.max_seq_len, batch_size, dist, stride)
-    if kv_cache is not None:
-        sums = lm_sums_cached(model, batches, depths, device, kv_cache, dist=dist)
-    else:
-        sums = lm_sums(model, batches, depths, device, dist=dist, **fwd)
-    check_scored(sums[0, 1].item() if depths else 0.0, what)
-    out: dict[int, dict[str, float]] = {}
-    for i, r in enumerate(depths):
-        nll, n = sums[i].tolist()
-        out[r] = {
-            "loss": nll / n,
-            "ppl": math.exp(nll / n),
-            "bpb": nll / LN2 / n_bytes,
-            "tokens": int(n),
-            "bytes": n_bytes,
-        }
-    return out
-
-
-def loss_table(sums: torch.Tensor, depths: list[int], what: str = "the batches") -> dict[int, dict[str, float]]:
-    """{depth: loss, ppl, tokens} from lm_sums; no scored token is an error naming `what`."""
-    check_scored(sums[0, 1].item() if depths else 0.0, what)
-    out: dict[int, dict[str, float]] = {}
-    for i, r in enumerate(depths):
-        nll, n = sums[i].tolist()
-        out[r] = {"loss": nll / n, "ppl": math.exp(nll / n), "tokens": int(n)}
-    return out
-
-
-# -- reporting ------------------------------------------------------------------------------------
-def format_table(results: dict[str, Any]) -> str:
-    depths = results["depths"]
-
-    def task_metric(task: str, metric: str) -> Callable[[int], float]:
-        return lambda r: results["tasks"][task][r][metric]
-
-    cols: list[tuple[str, Callable[[int], float]]] = []
-    for name in results.get("val_by_source", {}):
-        cols.append((f"val loss {name}", source_loss(results, name)))
-    if "val" in results:
-        cols += [("val loss", lambda r: results["val"][r]["loss"]), ("val ppl", lambda r: results["val"][r]["ppl"])]
-    if "wikitext2" in results:
-        cols += [
-            ("wt2 ppl", lambda r: results["wikitext2"][r]["ppl"]),
-            ("wt2 bpb", lambda r: results["wikitext2"][r]["bpb"]),
-        ]
-    for task, by_depth in results.get("tasks", {}).items():
-        for metric in ("acc", "acc_norm", "ppl"):
-            if metric in by_depth[depths[0]] and not (task == "winogrande" and metric == "acc_norm"):
-                cols.append((f"{task} {metric}", task_metric(task, metric)))
-    # past the trained R (a looped model's depths; a dense model's are layers, at most N)
-    trained = results.get("trained_loops") if results.get("depth_unit", "loop steps") == "loop steps" else None
-    widths = [max(len(name) + 2, 10) for name, _ in cols]
-    lines = ["depth " + "".join(f"{name:>{w}}" for (name, _), w in zip(cols, widths))]
-    for r in depths:
-        mark = "*" if trained is not None and r > trained else " "
-        lines.append(f"{r:>4}{mark}" + "".join(f"{fn(r):>{w}.4f}" for (_, fn), w in zip(cols, widths)))
-    if trained is not None and any(r > trained for r in depths):
-        lines.append(f"* beyond the trained maximum of {trained} loop steps")
-    if "adaptive_exit" in results:
-        ad = results["adaptive_exit"]
-        lines += [
-            "",
-            f"adaptive exit ({ad['criterion']}, at most {ad['max_steps']} steps), held-out split:",
-            f"{'threshold':>10}{'val loss':>12}{'mean steps':>12}",
-        ]
-        lines += [
-            f"{thr:>10g}{row['loss']:>12.4f}{row['mean_steps']:>12.3f}" for thr, row in ad["by_threshold"].items()
-        ]
-    return "\n".join(lines)
-
-
-def source_loss(results: dict[str, Any], name: str) -> Callable[[int], float]:
-    return lambda r: results["val_by_source"][name][r]["loss"]
-
-
-def plot_depths(results: dict[str, Any], path: str | Path, title: str = "") -> None:
-    import matplotlib
-
-    from data_pipeline.files import atomic_savefig
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    depths = results["depths"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("val", "validation"), ("wikitext2", "WikiText-2")):
-        if key in results:
-            ax.plot(depths, [results[key][r]["loss"] for r in depths], marker="o", label=label)
-    if results.get("trained_loops") and results.get("depth_unit", "loop steps") == "loop steps":
-        ax.axvline(results["trained_loops"], color="grey", ls="--", lw=1, label="trained R")
-    ax.set_xlabel(f"exit depth ({results.get('depth_unit', 'loop steps')})")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title(title or "loss by exit depth")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    atomic_savefig(fig, path, dpi=120)
-    plt.close(fig)
-
-
 # -- the command --------------------------------------------------------------------------------------
 ALL_PARTS = ("val", "wikitext2", "lambada", "hellaswag", "piqa", "arc_easy", "arc_challenge", "winogrande")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="grt eval", description="Evaluate a model at every exit depth.")
+    p = OnceParser(prog="grt eval", description="Evaluate a model at every exit depth.")  # a flag given twice: refused
     p.add_argument("model", help="exported dir (grt export), run dir, <out>/checkpoints or a step dir")
     p.add_argument(
         "--depths",
@@ -330,16 +119,6 @@ def check_args(args: argparse.Namespace, parts: list[str]) -> None:
             raise ConfigError("--adaptive-exit is measured on the held-out split: add val to --tasks")
         parse_thresholds(args.exit_thresholds)
     parse_dtype(args.dtype)
-
-
-def held_out_split(manifest: Manifest, requested: str | None) -> str:
-    """The split to score: --split, else val; a missing or empty one is refused naming those there are."""
-    split = requested or "val"
-    if not manifest.splits.get(split):
-        have = ", ".join(f"{name} ({len(shards)} shards)" for name, shards in manifest.splits.items()) or "none"
-        hint = "" if requested else "; pass --split NAME to score another split (train data is not held out)"
-        raise ConfigError(f"data={manifest.path!r} has no {split!r} split with shards (its splits: {have}){hint}")
-    return split
 
 
 # What one process reports in one line (exit 2); anything else is a bug, shown with its traceback (exit 1).
@@ -467,74 +246,6 @@ def evaluate(args: argparse.Namespace, parts: list[str], dist: Dist) -> dict[str
     return results
 
 
-def held_out(
-    args: argparse.Namespace,
-    loaded: LoadedModel,
-    model: GPT,
-    data: str,
-    depths: list[int],
-    device: torch.device,
-    dist: Dist,
-) -> dict[str, Any]:
-    """The held-out split's loss at each depth ("val"), of one manifest or, for a mixture
-    (`data` written name=weight:path,...), of each source that has the split ("val_by_source")
-    and their mean under the mixture's weights ("val"): each source's table is the one
-    `--data <its manifest>` gives. With --adaptive-exit (one manifest), the adaptive exit's table too."""
-    from data_pipeline.batches import sources_of
-
-    every = sources_of(loaded.check_data(data))  # one manifest: its one unnamed source
-    seed = loaded.run_config.get("train", {}).get("seed", 1234)
-    if args.adaptive_exit and every[0].name:
-        raise ConfigError("--adaptive-exit scores one manifest: pass --data <manifest.json>, not a mixture")
-    wanted = args.split or "val"
-    # as in training: a mixture's sources that have the split (one manifest's is refused below, naming its splits)
-    sources = [(s.name, s.weight, s.manifest) for s in every if not s.name or s.manifest.splits.get(wanted)]
-    if not sources:
-        held_out_split(every[0].manifest, args.split)  # refused, naming the splits there are
-    tables: dict[str, dict[int, dict[str, float]]] = {}
-    for name, _, manifest in sources:
-        split = held_out_split(manifest, args.split)
-        check_batches(manifest, split, args.batch_size, dist.world)
-        batches = val_batches(manifest.path, args.batch_size, dist, args.max_batches, seed, split)
-        if args.kv_cache is not None:
-            sums = lm_sums_cached(model, batches, depths, device, args.kv_cache, dist=dist)
-        else:
-            sums = lm_sums(model, batches, depths, device, doc_mask=args.doc_mask, dist=dist)
-        tables[name] = loss_table(sums, depths, f"data={manifest.path!r} split {split!r}")
-    out: dict[str, Any] = {"val_manifest": str(data), "val_split": split}
-    if len(sources) == 1 and not sources[0][0]:
-        out["val"] = tables[""]
-    else:
-        total = sum(w for _, w, _ in sources)
-        mean = {r: sum(w * tables[n][r]["loss"] for n, w, _ in sources) / total for r in depths}
-        out["val"] = {
-            r: {"loss": mean[r], "ppl": math.exp(mean[r]), "tokens": sum(t[r]["tokens"] for t in tables.values())}
-            for r in depths
-        }
-        out["val_by_source"] = tables
-    if args.adaptive_exit:
-        thresholds = parse_thresholds(args.exit_thresholds)
-        batches = val_batches(data, args.batch_size, dist, args.max_batches, seed, split)
-        out["adaptive_exit"] = {
-            "criterion": args.adaptive_exit,
-            "max_steps": max(depths),
-            "by_threshold": adaptive_table(
-                adaptive_sums(
-                    model,
-                    batches,
-                    thresholds,
-                    device,
-                    args.adaptive_exit,
-                    max(depths),
-                    dist=dist,
-                    doc_mask=args.doc_mask,
-                ),
-                thresholds,
-            ),
-        }
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from data_pipeline.files import atomic_write_text
@@ -560,4 +271,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_command(main))
+    sys.exit(run_command(main, prog="grt eval"))

@@ -242,9 +242,17 @@ def load_model(
 
 
 def pick_device(name: str = "auto") -> torch.device:
+    """`--device` of every inference command: ConfigError (one line) for a name torch does not
+    know, or CUDA where there is none."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: no CUDA device here (use --device cpu or auto)")
+    return device
 
 
 DTYPES = {

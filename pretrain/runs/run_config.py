@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from pretrain.config import ConfigError, ModelConfig, check_keys, coerce, load_json_object
 from pretrain.presets import get_preset
 from pretrain.runs.eval_tasks import task_depths, task_names
+from pretrain.runs.settings_rules import check_settings, profile_refusal, profile_window
 from pretrain.variants import get_variant
 
 if TYPE_CHECKING:
@@ -120,14 +121,18 @@ class RunConfig:
 
     def validate(self) -> None:
         """Every value checked once, before anything starts: the first meaningless one is a
-        ConfigError of one line naming the key, its value and what is accepted."""
+        ConfigError of one line naming the key, its value and what is accepted; then the rules of
+        settings_rules.py (what each setting needs to take effect)."""
         self.model.validate()
         for ok, message in (*train_checks(self.train), *self._top_checks()):
             if not ok:
                 raise ConfigError(message)
-        data_sources(self.data)  # a mixture that does not parse: one line now
+        sources = data_sources(self.data)  # a mixture that does not parse: one line now
+        if sources is not None:
+            data_stages(self.train.data_stages, [s.name for s in sources])  # stages that do not parse, too
         task_names(self.train.eval_tasks)
         task_depths(self.train.eval_tasks_depths, self.model)  # against the model's layout
+        check_settings(self)
 
     def _top_checks(self) -> list[tuple[bool, str]]:
         return [
@@ -282,22 +287,6 @@ def train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
     ]
 
 
-def profile_window(text: str) -> tuple[int, int, int] | None:
-    """train.profile "wait,warmup,active" as three integers (wait, warmup >= 0, active >= 1), else None."""
-    parts = [p.strip() for p in text.split(",")]
-    if len(parts) != 3 or not all(p.isdigit() for p in parts):
-        return None
-    wait, warmup, active = (int(p) for p in parts)
-    return (wait, warmup, active) if active >= 1 else None
-
-
-def profile_refusal(text: str) -> str:
-    return (
-        f"train.profile={text!r}: expected 'wait,warmup,active' steps (e.g. '10,2,3': skip 10 steps, warm up 2, "
-        "trace 3), or '' for off"
-    )
-
-
 def train_recipe(model: ModelConfig) -> dict[str, Any]:
     """The training settings the model's method trains with (its Variant's recipe: depth sampling
     and its parameters), for the model as configured (Huginn's Poisson mean follows its R)."""
@@ -354,6 +343,16 @@ def data_sources(data: str) -> list[SourceSpec] | None:
         raise ConfigError(str(err)) from None
 
 
+def data_stages(text: str, names: list[str]) -> None:
+    """train.data_stages against a mixture's source names: a ConfigError naming what does not parse."""
+    from data_pipeline.mixture import MixtureError, parse_stages
+
+    try:
+        parse_stages(text, names)
+    except MixtureError as err:
+        raise ConfigError(str(err)) from None
+
+
 def data_paths(data: str) -> list[str]:
     """The manifest paths a run's `data` names (one, or a mixture's sources'), for the launcher."""
     sources = data_sources(data)
@@ -383,23 +382,58 @@ def budget_steps(tokens: float, per_step: int) -> int:
     return max(1, math.ceil(tokens / per_step))
 
 
-def apply_token_budget(cfg: RunConfig, world: int, seq_len: int) -> str:
-    """train.tokens sets train.steps (`budget_steps`), the global batch on `world` ranks of
-    `seq_len`-token samples. Returns the line that says so (empty without a budget)."""
+def apply_token_budget(cfg: RunConfig, world: int, seq_len: int, trained: tuple[int, int] = (0, 0)) -> str:
+    """train.tokens sets train.steps: the `trained` (steps, tokens) of a resume's checkpoint, then the
+    rest at the global batch on `world` ranks of `seq_len`-token samples (`budget_steps`), so that a
+    changed global batch trains the budget. Returns the line that says so (empty without a budget)."""
     t = cfg.train
     if not t.tokens:
         return ""
     per_step = tokens_per_step(t, world, seq_len)
-    t.steps = budget_steps(t.tokens, per_step)
-    return f"train.tokens={t.tokens:.4g}: {t.steps} steps of {per_step} tokens ({t.steps * per_step:.4g} tokens)"
+    done_steps, done = trained
+    rest = budget_steps(t.tokens - done, per_step) if t.tokens > done else 0
+    t.steps = done_steps + rest
+    total = done + rest * per_step
+    if done == done_steps * per_step:  # every step at this global batch
+        return f"train.tokens={t.tokens:.4g}: {t.steps} steps of {per_step} tokens ({total:.4g} tokens)"
+    return (
+        f"train.tokens={t.tokens:.4g}: {t.steps} steps ({done_steps} trained, {done} tokens; then {rest} of "
+        f"{per_step} tokens) ({total:.4g} tokens)"
+    )
 
 
-def resolve(cfg: RunConfig, manifest: Manifest | DataMixture | None = None) -> RunConfig:
+GIVEN = "given_keys"  # the attribute of a RunConfig naming the keys its command line set (`mark_given`)
+
+
+def mark_given(cfg: RunConfig, keys: set[str]) -> RunConfig:
+    """Record the dotted keys the command line set itself (`--set model.vocab_size=100`): a value
+    the start would change is refused instead (`resolve`). Not part of the saved config."""
+    setattr(cfg, GIVEN, given_keys(cfg) | frozenset(keys))  # called again, it adds (the flags, then the --sets)
+    return cfg
+
+
+def given_keys(cfg: RunConfig) -> frozenset[str]:
+    return getattr(cfg, GIVEN, frozenset())
+
+
+def resolve(
+    cfg: RunConfig, manifest: Manifest | DataMixture | None = None, notes: list[str] | None = None
+) -> RunConfig:
     """Checks that need the data: the model's vocabulary and context follow the tokenizer's.
-    (The splits' sizes against the batch are the trainer's, which knows the ranks.)"""
+    (The splits' sizes against the batch are the trainer's, which knows the ranks.) A vocabulary
+    changed is said in one line, into `notes`; one the command line set itself is refused."""
     manifest = manifest or load_manifest(cfg.data)
-    if cfg.model.vocab_size != manifest.vocab_size:
-        cfg.model.vocab_size = manifest.vocab_size
+    old, new = cfg.model.vocab_size, manifest.vocab_size
+    if old != new:
+        if "model.vocab_size" in given_keys(cfg):
+            raise ConfigError(
+                f"model.vocab_size={old} (--set) is not the vocabulary of the data's tokenizer, {new} "
+                f"(data={cfg.data!r}): the model's vocabulary follows the tokenizer; drop the --set, or "
+                "prepare the data with a tokenizer of that size"
+            )
+        cfg.model.vocab_size = new
+        if notes is not None:
+            notes.append(f"model.vocab_size {old} -> {new}: the vocabulary of the data's tokenizer")
     if manifest.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"the shards' seq_len={manifest.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
     cfg.validate()

@@ -249,12 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", nargs="?", const="-", help="print JSON (or write it to this file)")
     args = p.parse_args(argv)
     try:
-        try:
-            device = pick_device(args.device)
-        except RuntimeError:
-            raise ConfigError(f"--device {args.device!r}: expected auto, cpu, cuda or cuda:N") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"--device {args.device}: no CUDA device here (use --device cpu or auto)")
+        device = pick_device(args.device)  # ConfigError for a bad --device
         dtype = pick_dtype(args.dtype, device) or torch.float32
         strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
         bad = [s for s in strategies if s not in STRATEGIES]

@@ -42,6 +42,7 @@ from pretrain.tools.bench_support import (
     make_bench_data,
     peak_bytes,
     reset_peak,
+    train_command,
     whole_number,
 )
 
@@ -80,42 +81,10 @@ def state_errors(cfg: ModelConfig, batch: int, seq_len: int, seed: int = 0) -> d
 
 
 def _train_losses(manifest: Path, preset: str, out: Path, steps: int, precision: str, state: str) -> list[float]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "pretrain.cli",
-        "train",
-        "--preset",
-        preset,
-        "--data",
-        str(manifest),
-        "--out",
-        str(out),
-        "--steps",
-        str(steps),
-        "--micro-batch-size",
-        "8",
-        "--ds-config",
-        "ds_configs/zero2.json",
-        "--set",
-        f"train.precision={precision}",
-        "--set",
-        f"model.state_dtype={state}",
-        "--set",
-        "train.eval_every=0",
-        "--set",
-        "train.save_every=0",
-        "--set",
-        "train.save_final=false",
-        "--set",
-        f"train.log_every={steps}",
-        "--set",
-        f"train.warmup_steps={steps // 10}",
-        "--set",
-        "train.lr=2e-3",
-        "--set",
-        "train.depth_sampling=fixed",
-    ]
+    settings = [f"train.precision={precision}", f"model.state_dtype={state}", "train.eval_every=0"]
+    settings += ["train.save_every=0", "train.save_final=false", f"train.log_every={steps}"]
+    settings += [f"train.warmup_steps={steps // 10}", "train.lr=2e-3", "train.depth_sampling=fixed"]
+    cmd = [sys.executable, "-m", *train_command(preset, manifest, out, steps, 8, "ds_configs/zero2.json", settings)]
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")

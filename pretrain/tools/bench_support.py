@@ -7,7 +7,7 @@ import argparse
 import resource
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -77,6 +77,23 @@ def make_bench_data(out: Path, seq_len: int, vocab: int) -> Path:
         capture_output=True,
     )
     return out / "shards" / "manifest.json"
+
+
+def train_command(
+    preset: str,
+    manifest: Path,
+    out: Path,
+    steps: int,
+    micro_batch_size: int,
+    ds_config: str | Path,
+    settings: Sequence[str],
+) -> list[str]:
+    """A benchmark's short `grt train` run, as what follows `python -m` (or a launcher's
+    `--module`): the preset on the data, `steps` steps of `micro_batch_size` sequences under
+    the DeepSpeed file, and each of `settings` (KEY=VALUE) as a `--set`."""
+    flags = ["--data", str(manifest), "--out", str(out), "--steps", str(steps)]
+    flags += ["--micro-batch-size", str(micro_batch_size), "--ds-config", str(ds_config)]
+    return ["pretrain.cli", "train", "--preset", preset, *flags, *(a for s in settings for a in ("--set", s))]
 
 
 def whole_number(minimum: int) -> Callable[[str], int]:

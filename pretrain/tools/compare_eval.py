@@ -88,7 +88,7 @@ def final_evals(cfg: RunConfig, exit_factor: int) -> dict:
     "adaptive_exit": {label: {loss, mean_steps}}, "learned_exit": {...} or None} of a looped run."""
     from pretrain.distributed import Dist
     from pretrain.infer.adaptive import adaptive_table
-    from pretrain.infer.evaluate import loss_table
+    from pretrain.infer.eval_parts import loss_table
     from pretrain.infer.load import load_model, pick_device, resolve_checkpoint
     from pretrain.infer.scoring import adaptive_sums, lm_sums, val_batches
 

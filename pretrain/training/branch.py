@@ -114,12 +114,19 @@ def find_source(given: str, out: str | None) -> Path:
     return root / latest
 
 
+def saved_config(folder: Path, where: str) -> RunConfig:
+    """The run config a run saved in `folder` (a checkpoint's, or a run directory's `config.json`):
+    the base of a run continued from it (a branch, a resume: pretrain/train.py base_config);
+    `where` names it in the one line that refuses an unreadable one."""
+    try:
+        return RunConfig.from_dict(checkpoint_files.read_config(folder))
+    except UnreadableCheckpoint as err:
+        raise ConfigError(f"{where}: {folder / 'config.json'}: {err.problem}") from None
+
+
 def source_config(source: Path) -> RunConfig:
     """The run config the checkpoint was trained with: a branch's starting point."""
-    try:
-        return RunConfig.from_dict(checkpoint_files.read_config(source))
-    except UnreadableCheckpoint as err:
-        raise ConfigError(f"--branch-from {source}: {err}") from None
+    return saved_config(source, f"--branch-from {source}")
 
 
 def base_config(source: Path, out: str) -> RunConfig:

@@ -36,6 +36,7 @@ class Loaded:
     step: int
     loader: dict[str, Any]  # the data's position to go on from
     loss_history: list[float]  # the loss-spike statistic's (empty for a checkpoint from before it)
+    tokens: dict[str, int] | None  # the tokens trained by source (run_data.RunData.trained); None: saved before them
 
 
 class RunCheckpoints:
@@ -101,7 +102,7 @@ class RunCheckpoints:
             )
         for line in self.plan.resume_lines(tag, passed, notes.get(tag, ())):
             say(line)
-        return Loaded(tag, step, position, list(state.get("loss_history", [])))
+        return Loaded(tag, step, position, list(state.get("loss_history", [])), state.get("tokens"))
 
     def save(
         self,
@@ -165,4 +166,4 @@ class RunCheckpoints:
                 position["epoch"],
                 self.out / DATA_SKIPS,
             )
-        return Loaded(tag, state["step"], position, list(state.get("loss_history", [])))
+        return Loaded(tag, state["step"], position, list(state.get("loss_history", [])), state.get("tokens"))

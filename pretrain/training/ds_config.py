@@ -22,6 +22,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from data_pipeline.files import atomic_write_text
 from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError, load_json_object
 from pretrain.runs.run_config import RunConfig, TrainConfig
@@ -301,5 +302,5 @@ def merged_ds_config(cfg: RunConfig, world_size: int, use_cuda: bool) -> dict[st
 def save_ds_config(ds: dict[str, Any], out_dir: str | Path) -> Path:
     """Write the merged DeepSpeed config next to the run config (`<out>/ds_config.json`)."""
     path = Path(out_dir) / "ds_config.json"
-    path.write_text(json.dumps(ds, indent=2) + "\n")
+    atomic_write_text(path, json.dumps(ds, indent=2) + "\n")  # complete or absent, a failure naming it
     return path

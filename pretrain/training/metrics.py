@@ -159,6 +159,11 @@ class MetricsWriter:
     """Rank 0 writes TensorBoard events under <out>/tb; every rank writes one JSON line per
     step (metrics.jsonl on rank 0, metrics.rank<r>.jsonl elsewhere) so ranks can be compared.
 
+    One rule for every sink: each `scalars(step, values)` goes to TensorBoard (rank 0), to every
+    sink (rank 0: W&B), and into the step's JSON line (every rank: `step_record` adds the scalars
+    written for its step under the same names); given the step's tokens seen, to TensorBoard's
+    by_tokens/ series too, every one of them. A `rewind` (a rollback) reaches the sinks as well.
+
     A run continues the files of the runs before it in --out, and first drops what they wrote
     after the step it starts from, so that across any number of restarts (a resume, an
     elastic restart of the worker group, a requeue) every step is in the records and the
@@ -183,6 +188,8 @@ class MetricsWriter:
         self._closed = False
         self._texts: list[tuple[str, str]] = []  # text() before the TensorBoard writer opened
         self._sinks: list[Callable[[int, Mapping[str, float]], None]] = []  # add_sink (rank 0)
+        self._rewinds: list[Callable[[int], None]] = []  # add_sink's on_rewind (rank 0)
+        self._pending: dict[int, dict[str, float]] = {}  # step -> the scalars its record has not taken yet
         out.mkdir(parents=True, exist_ok=True)
         self.records_path = out / ("metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl")
         if resume_step is not None:
@@ -213,16 +220,28 @@ class MetricsWriter:
             self.tb.add_text(tag, text, 0)
         self._texts.clear()
 
-    def add_sink(self, sink: Callable[[int, Mapping[str, float]], None]) -> None:
-        """Also send every `scalars(step, values)` to `sink(step, values)` (e.g. W&B's run), on
-        the rank that writes TensorBoard (rank 0; elsewhere the sink is never called)."""
+    def add_sink(
+        self, sink: Callable[[int, Mapping[str, float]], None], on_rewind: Callable[[int], None] | None = None
+    ) -> None:
+        """Also send every `scalars(step, values)` to `sink(step, values)` (e.g. W&B's run), and
+        every `rewind(step)` to `on_rewind(step)`, on the rank that writes TensorBoard (rank 0;
+        elsewhere neither is called)."""
         self._sinks.append(sink)
+        if on_rewind is not None:
+            self._rewinds.append(on_rewind)
 
-    def scalars(self, step: int, values: Mapping[str, float]) -> None:
+    def scalars(self, step: int, values: Mapping[str, float], tokens: int | None = None) -> None:
+        """`values` at `step`, in every sink; `tokens` (the tokens seen by then): also each one
+        against tokens (by_tokens/)."""
         if not self._tb_opened and not self._closed:
             self._open_tb(step - 1)
         self._add(step, values)
-        if self.rank == 0 and not self._closed:
+        if tokens is not None:
+            self.scalars_by_tokens(tokens, values)
+        if self._closed:
+            return
+        self._pending.setdefault(step, {}).update(values)
+        if self.rank == 0:
             for sink in self._sinks:
                 sink(step, values)
 
@@ -247,19 +266,26 @@ class MetricsWriter:
             self._texts.append((tag, block))
 
     def step_record(self, step: int, values: Mapping[str, Any]) -> None:
+        """Step `step`'s JSON line: `values`, then every scalar written at the step (`scalars`)."""
         if self.records is None and not self._closed:
             self._open_records(step - 1)
+        scalars = self._pending.pop(step, {})
+        self._pending = {s: v for s, v in self._pending.items() if s > step}  # a later record cannot take them
         if self.records:
-            self.records.write(json.dumps({"step": step, **values}) + "\n")
+            self.records.write(json.dumps({"step": step, **values, **scalars}) + "\n")
             self.records.flush()
 
     def rewind(self, step: int) -> None:
         """Go back to `step` (a rollback to its checkpoint): what was written after it is dropped, as
-        a resume from it would, and the records go on from there; the sinks stay."""
+        a resume from it would, and the records go on from there; each sink's `on_rewind` follows."""
         self.close()
         self._closed = False
+        self._pending.clear()
         self._open_records(step)
         self._open_tb(step)
+        if self.rank == 0:
+            for on_rewind in self._rewinds:
+                on_rewind(step)
 
     def close(self) -> None:
         if self._texts and not self._tb_opened:  # no step written: the texts, nothing trimmed

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -46,7 +47,14 @@ from pretrain.config import ConfigError
 from pretrain.errors import UnreadableCheckpoint
 from pretrain.runs.checkpoint_files import ranks_that_wrote, read_config, resume_candidates, step_of
 from pretrain.runs.identity import check_same_tokenizer
-from pretrain.runs.run_config import RunConfig, TrainConfig, global_batch, load_manifest, tokens_per_step
+from pretrain.runs.run_config import (
+    RunConfig,
+    TrainConfig,
+    global_batch,
+    load_manifest,
+    tokens_per_step,
+    with_data_paths,
+)
 from pretrain.training.schedule import Schedule
 
 if TYPE_CHECKING:
@@ -68,6 +76,29 @@ def _as_json(cfg: RunConfig) -> dict[str, Any]:
 
 def _changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def _real(path: str) -> str:
+    return path if "://" in path else os.path.realpath(path)
+
+
+def named_file(key: str, value: Any) -> Any:
+    """A top-level path setting by what it resolves to (a DeepSpeed file by `resolve_ds_path`, the
+    data's manifests, the run directories), so that one file named two ways is no change."""
+    from pretrain.training.ds_config import resolve_ds_path
+
+    if not isinstance(value, str) or not value:
+        return value
+    if key == "ds_config":
+        return _real(str(resolve_ds_path(value)))
+    if key == "data":
+        return with_data_paths(value, _real)
+    return _real(value)  # out, branch_from
+
+
+def _path_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """`_changes` of the top-level path settings, each compared by the file it names."""
+    return [f"{k} {old[k]!r} -> {new[k]!r}" for k in sorted(old) if named_file(k, old[k]) != named_file(k, new[k])]
 
 
 def check_resume(
@@ -225,7 +256,7 @@ def check_tag(
         schedule_note = keep_wsd_lr(cfg.train, old, step_of(tag), new_tokens, old_tokens, where)
     new_t = _as_json(cfg)["train"]
     top = ("data", "ds_config", "out", "branch_from")
-    applied = _changes(_flat("train", old_t), _flat("train", new_t)) + _changes(
+    applied = _changes(_flat("train", old_t), _flat("train", new_t)) + _path_changes(
         {k: saved[k] for k in top}, {k: now[k] for k in top}
     )
     if applied and discover().rank == 0:

@@ -1,6 +1,7 @@
 """The data of a run, through data_pipeline's one interface (data_pipeline/batches.py): the
 training stream (one manifest's or a mixture's, in one global order whatever the ranks), each
-source's validation batches, and what a mixture's draw looks like so far."""
+source's validation batches, the tokens trained (in all and per source: the one count, saved with
+every checkpoint, restored by a resume and a rollback), and what a mixture's draw looks like so far."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import itertools
 import logging
 from typing import TYPE_CHECKING, Any
 
-from data_pipeline.batches import open_train_batches, sources_of, with_split
+from data_pipeline.batches import TokenCount, open_train_batches, sources_of, with_split
 from data_pipeline.loader import Batch, TokenBatchLoader
 from pretrain.training.start import allow_data_change
 
@@ -36,12 +37,18 @@ class RunData:
             max_repeats=t.max_repeats,
         )
         self.weights = {s.name: s.weight for s in sources_of(plan.data)}  # one manifest: {"": 1.0}
+        self.trained = TokenCount()  # the step runner counts each kept micro-batch's round into it
         self.capped_said: set[str] = set()  # the sources whose cap was said
         self.stage_said = 0  # the stage last said
 
     def continue_from(self, state: dict[str, Any]) -> None:
         """Go on where a checkpoint's loader state (or a rollback's record) says."""
         self.loader.load_state_dict(state, strict=not allow_data_change(self.plan.cfg))
+
+    def restore_count(self, tokens: dict[str, int] | None, step: int, loader: dict[str, Any]) -> None:
+        """The tokens trained by the checkpoint loaded (a resume's or a rollback's; `TokenCount.saved`)."""
+        saved = TokenCount.saved(tokens, loader, step, self.plan.tokens_per_step, self.plan.data.seq_len)
+        self.trained.restore(saved.state())
 
     def validation_batches(self) -> dict[str, list[Batch]] | None:
         """Each source's first train.eval_batches validation batches per rank ("" for a run on one
@@ -91,17 +98,20 @@ class RunData:
                 draw.stage_start,
                 " ".join(f"{n}={w:g}" for n, w in draw.weights.items()),
             )
-        total = max(sum(draw.tokens.values()), 1)
-        values = {f"data/{n}/tokens": float(v) for n, v in draw.tokens.items()}
-        values.update({f"data/{n}/share": v / total for n, v in draw.tokens.items()})
+        trained = {n: self.trained.by_source.get(n, 0) for n in draw.tokens}
+        total = max(sum(trained.values()), 1)
+        values = {f"data/{n}/tokens": float(v) for n, v in trained.items()}
+        values.update({f"data/{n}/share": v / total for n, v in trained.items()})
         values.update({f"data/{n}/at_cap": float(n in draw.at_cap) for n in draw.tokens})
         values["data/stage"] = float(draw.stage)
         return values
 
     def summary(self) -> dict[str, Any]:
-        """What summary.json says of the data: the shards skipped; a mixture's tokens by source."""
-        out: dict[str, Any] = {"skipped_shards": self.loader.skipped_shards}
+        """What summary.json says of the data: the shards skipped, the tokens trained; a mixture's
+        tokens trained by source."""
+        out: dict[str, Any] = {"skipped_shards": self.loader.skipped_shards, "tokens": self.trained.total}
         draw = self.loader.draw()
         if draw is not None:
-            out.update(tokens_by_source=draw.tokens, sources_at_cap=draw.at_cap)
+            by_source = {n: self.trained.by_source.get(n, 0) for n in draw.tokens}
+            out.update(tokens_by_source=by_source, sources_at_cap=draw.at_cap)
         return out

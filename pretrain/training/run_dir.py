@@ -7,15 +7,23 @@ from __future__ import annotations
 
 import logging
 import logging.handlers
+import os
 import sys
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from data_pipeline.files import atomic_write_text
 from pretrain.config import ConfigError
 from pretrain.distributed import RankFailed, check_ranks
+from pretrain.errors import file_system_problem, path_kind
 from pretrain.training import run_lock
 from pretrain.training.ds_config import save_ds_config
+
+# What a run writes into --out, by kind (checked before anything starts: `check_run_paths`)
+RUN_FOLDERS = ("checkpoints", "tb", "profile")
+COMMIT_FILES = ("config.json", "ds_config.json", "train.log")  # written by `commit`
+RUN_FILES = (*COMMIT_FILES, "metrics.jsonl", "summary.json", run_lock.LOCK_NAME)
 
 
 def setup_logging(rank: int) -> logging.handlers.MemoryHandler | None:
@@ -39,15 +47,31 @@ def setup_logging(rank: int) -> logging.handlers.MemoryHandler | None:
 
 
 def log_to_file(held: logging.handlers.MemoryHandler, path: Path) -> None:
-    """From now on the log also goes to `path` (appended), the lines held so far first."""
-    fh = logging.FileHandler(path)
+    """From now on the log also goes to `path` (appended), the lines held so far first (written
+    here, so that a full disk is an OSError naming the file, not the logging module's report)."""
+    try:
+        with open(path, "a") as f:
+            f.write("".join(held.format(record) + "\n" for record in held.buffer))
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(path)) from None
+    held.buffer.clear()
+    fh = RunLog(path)
     fh.setFormatter(held.formatter)
-    held.setTarget(fh)
-    held.flush()
     root = logging.getLogger()
     root.removeHandler(held)
     held.close()
     root.addHandler(fh)
+
+
+class RunLog(logging.FileHandler):
+    """train.log: a line that cannot be written (a full disk) stops the run through the command's
+    error boundary (one line naming the file), not the logging module's report and traceback."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        err = sys.exc_info()[1]
+        if isinstance(err, OSError):
+            raise err
+        super().handleError(record)
 
 
 class RunDir:
@@ -76,14 +100,48 @@ class RunDir:
 
     def commit(self, config_json: str, ds: dict[str, Any]) -> None:
         """The start is good (the checkpoint loaded on every rank): from here the run writes into
-        --out, first its config files and the log held so far (rank 0)."""
-        if self.rank != 0:
-            return
+        --out, first its config files and the log held so far (rank 0). Every rank agrees on the
+        outcome (a collective): rank 0 unable to write them (a full disk) stops every rank, exit 2,
+        before any writes its own files, and --out is left as it was."""
+        error = None
+        if self.rank == 0:
+            try:
+                self._write_run_files(config_json, ds)
+            except OSError as err:
+                error = file_system_problem(err) or str(err)
+        try:
+            check_ranks(error, code=2)
+        except RankFailed as failed:
+            raise ConfigError(error or str(failed)) from None
         if self.lock is not None:
             self.lock.commit()
+
+    def _write_run_files(self, config_json: str, ds: dict[str, Any]) -> None:
+        """config.json, ds_config.json and train.log (the log held so far), each complete or absent;
+        a failure removes what this call wrote (train.log back to its length)."""
         self.out.mkdir(parents=True, exist_ok=True)
-        if self.held_log is not None:
-            log_to_file(self.held_log, self.out / "train.log")
-            self.held_log = None
-        (self.out / "config.json").write_text(config_json)
-        save_ds_config(ds, self.out)
+        new = [p for p in (self.out / name for name in COMMIT_FILES) if not p.exists()]
+        sizes = {p: p.stat().st_size for p in [self.out / "train.log"] if p.exists()}
+        try:
+            atomic_write_text(self.out / "config.json", config_json)
+            save_ds_config(ds, self.out)
+            if self.held_log is not None:
+                log_to_file(self.held_log, self.out / "train.log")
+                self.held_log = None
+        except OSError:
+            for path in new:
+                path.unlink(missing_ok=True)
+            for path, size in sizes.items():
+                os.truncate(path, size)
+            raise
+
+
+def check_run_paths(out: Path) -> None:
+    """Refuse a run whose --out, or a path it writes there (RUN_FOLDERS, RUN_FILES), is of the wrong
+    kind (a file for a folder, a folder for a file, a dangling symlink), before anything starts."""
+    wanted = [(out, True)] + [(out / n, True) for n in RUN_FOLDERS] + [(out / n, False) for n in RUN_FILES]
+    for path, folder in wanted:
+        if os.path.lexists(path) and (os.path.isdir(path) != folder or not os.path.exists(path)):
+            flag = "--out " if path == out else ""
+            need = "a folder" if folder else "a file"
+            raise ConfigError(f"{flag}{path} is {path_kind(str(path))}; the run needs {need} there")

@@ -34,23 +34,10 @@ from typing import Any
 
 from pretrain.runs.run_config import TrainConfig
 
+# one home: the settings rules (pretrain/runs/) check the same schedule
+from pretrain.runs.settings_rules import decay_steps, horizon, warmup_num_steps
 
-def warmup_num_steps(train: TrainConfig) -> int:
-    """DeepSpeed's `warmup_num_steps` of both schedules: train.warmup_steps, at least 1 and at most
-    the horizon (DeepSpeed then warms up over at least 2)."""
-    return max(1, min(train.warmup_steps, horizon(train)))
-
-
-def horizon(train: TrainConfig) -> int:
-    """Where the schedule ends: train.schedule_steps (kept by a resume with more steps), else train.steps."""
-    return train.schedule_steps or train.steps
-
-
-def decay_steps(decay_tokens: float, tokens_per_step: int) -> int:
-    """The steps of a wsd decay of `decay_tokens` tokens: ceil(decay_tokens / tokens_per_step)."""
-    if decay_tokens <= 0:
-        return 0
-    return math.ceil(decay_tokens / tokens_per_step)
+__all__ = ["Schedule", "WarmupStableDecayLR", "client_scheduler", "decay_steps", "horizon", "warmup_num_steps"]
 
 
 @dataclass(frozen=True)

@@ -22,19 +22,28 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from data_pipeline.batches import plan_stages, with_split
+from data_pipeline.batches import TokenCount, plan_stages, with_split
 from data_pipeline.mixture import MixtureError
 from pretrain.config import ConfigError
 from pretrain.distributed import discover
 from pretrain.errors import UnreadableCheckpoint
 from pretrain.runs import checkpoint_files
-from pretrain.runs.run_config import RunConfig, apply_token_budget, global_batch, load_manifest, resolve
+from pretrain.runs.run_config import (
+    RunConfig,
+    apply_token_budget,
+    data_sources,
+    global_batch,
+    load_manifest,
+    resolve,
+)
 from pretrain.runs.run_config import tokens_per_step as step_tokens
+from pretrain.runs.settings_rules import RunShape, check_settings, start_notes
 from pretrain.training import branch, checkpoint, run_lock, universal
 from pretrain.training.ds_config import build_ds_config, load_ds_json, zero_stage
 from pretrain.training.health import one_line
 from pretrain.training.parallelize import check_checkpointing
 from pretrain.training.resume import check_tag, none_readable
+from pretrain.training.run_dir import check_run_paths
 from pretrain.training.wandb_run import check_available
 
 if TYPE_CHECKING:
@@ -69,6 +78,7 @@ class Resume:
     universal: bool  # written on another world size: loaded through DeepSpeed's universal checkpoint
     passed_over: tuple[str, ...]  # why each newer complete checkpoint was passed over
     notes: tuple[str, ...]  # the line of settings the resume changes
+    trained: tuple[int, int] = (0, 0)  # the steps and tokens it trained (its saved count): the budget goes on from them
 
 
 @dataclass(frozen=True)
@@ -85,6 +95,7 @@ class StartPlan:
     resume: Resume | None  # None: a fresh start
     branch_source: Path | None  # a decay branch not made yet: the source checkpoint it was planned on
     restart_note: str  # a restart under torchrun's elastic agent that finds only its own interrupted save
+    notes: tuple[str, ...] = ()  # what the start changes in the config given (the vocabulary the data's)
 
     @property
     def root(self) -> Path:
@@ -92,8 +103,22 @@ class StartPlan:
         return Path(self.cfg.out) / "checkpoints"
 
     def start_lines(self) -> list[str]:
-        """What the start says before anything else: a restart's interrupted save, the budget's steps."""
-        return [line for line in (self.restart_note, self.budget) if line]
+        """What the start says before anything else: a restart's interrupted save, what it changes in
+        the config given, the budget's steps."""
+        return [line for line in (self.restart_note, *self.notes, self.budget) if line]
+
+    @property
+    def nothing_to_do(self) -> str:
+        """A resume whose checkpoint is at or past train.steps trains nothing: the one line that says
+        so, and the run is left as it is (exit 0, pretrain/train.py); "" when there is a step to train."""
+        if self.resume is None:
+            return ""
+        step, steps = checkpoint_files.step_of(self.resume.tag), self.cfg.train.steps
+        if step < steps:
+            return ""
+        where = self.branch_source or Path(self.cfg.out)
+        past = "" if step == steps else f" (train.steps={steps} is below the checkpoint's step)"
+        return f"nothing to do: {where} is at step {step} of {steps}{past}; nothing was changed"
 
     def resume_lines(self, tag: str, passed_over: list[str], notes: tuple[str, ...]) -> list[str]:
         """What a resume from `tag` says once it is sure (a refused one says only why): the newer
@@ -108,25 +133,31 @@ def plan_start(given: RunConfig, resume: bool, world: int | None = None, use_cud
     or a decay branch) from the newest complete checkpoint in --out; ConfigError refuses it."""
     cfg = copy.deepcopy(given)
     data = load_manifest(cfg.data)  # loaded once: the loaders share it (the tokenizer hashed once)
-    resolve(cfg, data)
+    notes: list[str] = []
+    resolve(cfg, data, notes)
     check_available(cfg)  # train.wandb=true without the wandb package
     world = world or discover().world_size
     apply_token_budget(cfg, world, data.seq_len)  # the steps a resume is checked with
     requested = copy.deepcopy(cfg)
     run_lock.refuse_if_in_use(cfg.out)  # before any checkpoint is read: another run may be writing them
+    check_run_paths(Path(cfg.out))  # a file where tb/ or checkpoints/ goes: refused now, not after the engine
     source, restart_note = branch.unmade_source(cfg), ""
     chosen: Resume | None
     if source is not None:
         cfg, chosen = _branch_resume(requested, data, source, world)
     else:
         cfg, chosen, restart_note = _choose_checkpoint(requested, data, resume or bool(cfg.branch_from), world)
-    budget = apply_token_budget(cfg, world, data.seq_len)  # on the global batch kept
+    trained = chosen.trained if chosen is not None else (0, 0)
+    budget = apply_token_budget(cfg, world, data.seq_len, trained)  # on the global batch kept, from the tokens trained
     check_split_sizes(cfg, data, world)
     t = cfg.train
     try:
-        stages = plan_stages(data, t.data_stages, t.max_repeats, t.steps * global_batch(t, world), cfg.data)
+        samples = trained[1] // data.seq_len + (t.steps - trained[0]) * global_batch(t, world)  # the run's, in all
+        stages = plan_stages(data, t.data_stages, t.max_repeats, samples, cfg.data, global_batch(t, world))
     except MixtureError as err:
         raise ConfigError(str(err)) from None
+    start_step = checkpoint_files.step_of(chosen.tag) if chosen is not None else 0
+    check_settings(cfg, RunShape(world, step_tokens(t, world, data.seq_len), start_step))  # what must fit the run
     cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
     ds = build_ds_config(load_ds_json(cfg.ds_config), t, world, cuda)
     if chosen is not None and chosen.universal:
@@ -145,23 +176,35 @@ def plan_start(given: RunConfig, resume: bool, world: int | None = None, use_cud
         resume=chosen,
         branch_source=source,
         restart_note=restart_note,
+        notes=(*notes, *start_notes(cfg)),  # and the defaults that do not fit the run (settings_rules.py)
     )
 
 
 def _resumed(
     requested: RunConfig, data: Manifest | DataMixture, root: Path, tag: str, world: int
-) -> tuple[RunConfig, list[str]]:
+) -> tuple[RunConfig, list[str], tuple[int, int]]:
     """The run config as requested, checked against checkpoint `tag` (its model, schedule, batch
-    size, tokenizer and data order) and given its budget's steps: ConfigError to refuse,
-    UnreadableCheckpoint when the tag's own files cannot be read. With the line of its changes."""
+    size, tokenizer and data order) and given its budget's steps from what it trained: ConfigError
+    to refuse, UnreadableCheckpoint when the tag's own files cannot be read. With the line of its
+    changes, and the steps and tokens it trained."""
     notes: list[str] = []
     cfg = check_tag(copy.deepcopy(requested), root, tag, world, manifest=data, notes=notes)
-    check_data_order(cfg, data, root, tag)
-    apply_token_budget(cfg, world, data.seq_len)
-    return cfg, notes
+    state = check_data_order(cfg, data, root, tag)
+    step, per_step = int(state.get("step", 0)), step_tokens(cfg.train, world, data.seq_len)
+    trained = step, TokenCount.saved(state.get("tokens"), state.get("loader", {}), step, per_step, data.seq_len).total
+    apply_token_budget(cfg, world, data.seq_len, trained)
+    return cfg, notes, trained
 
 
-def _resume(root: Path, tag: str, world: int, candidates: list[str], passed: list[str], notes: list[str]) -> Resume:
+def _resume(
+    root: Path,
+    tag: str,
+    world: int,
+    candidates: list[str],
+    passed: list[str],
+    notes: list[str],
+    trained: tuple[int, int],
+) -> Resume:
     return Resume(
         tag=tag,
         candidates=tuple(candidates),
@@ -169,6 +212,7 @@ def _resume(root: Path, tag: str, world: int, candidates: list[str], passed: lis
         universal=universal.needs_universal(root / tag, world),
         passed_over=tuple(passed),
         notes=tuple(notes),
+        trained=trained,
     )
 
 
@@ -202,12 +246,12 @@ def _choose_checkpoint(
     problems, passed = [], []
     for i, tag in enumerate(candidates):
         try:
-            cfg, notes = _resumed(requested, data, root, tag, world)
+            cfg, notes, trained = _resumed(requested, data, root, tag, world)
         except UnreadableCheckpoint as err:
             problems.append(f"{tag}: {err.problem}")
             passed.append(str(err))
             continue
-        return cfg, _resume(root, tag, world, candidates[i:], passed, notes), note
+        return cfg, _resume(root, tag, world, candidates[i:], passed, notes, trained), note
     if problems:
         raise none_readable(root, problems)
     return copy.deepcopy(requested), None, note
@@ -220,25 +264,49 @@ def _branch_resume(
     links into --out (the only candidate: a branch does not fall back to an older one)."""
     if not (source / "COMPLETE").is_file():
         raise ConfigError(f"branch_from={requested.branch_from!r}: no complete checkpoint there")
-    cfg, notes = _resumed(requested, data, source.parent, source.name, world)
-    return cfg, _resume(source.parent, source.name, world, [source.name], [], notes)
+    cfg, notes, trained = _resumed(requested, data, source.parent, source.name, world)
+    return cfg, _resume(source.parent, source.name, world, [source.name], [], notes, trained)
 
 
-def check_data_order(cfg: RunConfig, data: Manifest | DataMixture, root: Path, tag: str) -> None:
-    """On resume: the data must be the data the checkpoint saw (its train split's shard list)."""
+def check_data_order(cfg: RunConfig, data: Manifest | DataMixture, root: Path, tag: str) -> dict[str, Any]:
+    """On resume: the data must be the data the checkpoint saw (its train split's shard list).
+    Returns rank 0's saved state (its step, loader state and tokens trained)."""
     state_path = root / tag / "rank0_state.pt"
     if not state_path.is_file():
         raise UnreadableCheckpoint(tag, "rank0_state.pt is missing")
     try:
-        saved = torch.load(state_path, weights_only=False).get("loader", {}).get("fingerprint")
+        state = torch.load(state_path, weights_only=False)
+        saved = state.get("loader", {}).get("fingerprint")
     except Exception as err:  # torch reports a cut-off or corrupt file as RuntimeError, pickle errors, EOFError
         raise UnreadableCheckpoint(tag, f"rank0_state.pt is cut off or corrupt ({one_line(err)[:300]})") from None
     now = data.fingerprint("train")
     if saved is not None and saved != now and not allow_data_change(cfg):
+        _refuse_reordered_sources(cfg, root, tag)
         raise ConfigError(
             f"data={cfg.data!r}: the train split's shard list changed since checkpoint {tag} (fingerprint "
             f"{saved} -> {now}: shards added, removed, reordered or rewritten), so resuming would not continue "
             f"the same data order; restore the original manifest, or resume anyway with {ALLOW_DATA_CHANGE_HINT}"
+        )
+    return state
+
+
+def _refuse_reordered_sources(cfg: RunConfig, root: Path, tag: str) -> None:
+    """A mixture given with the checkpoint's sources in another order: refused naming both orders (a
+    mixture draws its sources in the order given, so the data order would change; data_pipeline/mixture.py)."""
+    try:
+        saved = data_sources(str(checkpoint_files.read_config(root / tag).get("data", "")))
+    except (ConfigError, UnreadableCheckpoint):
+        return
+    now = data_sources(cfg.data)
+    if saved is None or now is None:
+        return
+    old, new = [s.name for s in saved], [s.name for s in now]
+    if old != new and sorted(old) == sorted(new):
+        raise ConfigError(
+            f"data: the mixture's sources come in another order than at checkpoint {tag} ({', '.join(old)} -> "
+            f"{', '.join(new)}; compared: the train split's shard list, source by source in order): a mixture draws "
+            "its sources in the order given, so the data order would change; give the --data sources in the "
+            f"checkpoint's order ({', '.join(old)})"
         )
 
 
@@ -285,7 +353,7 @@ def check_fallback(plan: StartPlan, tag: str) -> tuple[str, ...]:
             f"it was written by {checkpoint_files.ranks_that_wrote(root / tag)} rank(s) and {checked} by "
             f"{plan.resume.saved_world}: the engine was built to load {checked}'s way",
         )
-    cfg, notes = _resumed(plan.requested, plan.data, root, tag, plan.world)
+    cfg, notes, _ = _resumed(plan.requested, plan.data, root, tag, plan.world)
     if cfg.to_dict() != plan.cfg.to_dict():
         raise ConfigError(
             f"resume: checkpoint {tag} (the newest that every rank can load) was trained with other settings than "

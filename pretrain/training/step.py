@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from data_pipeline.batches import TokenCount, round_tokens
 from data_pipeline.loader import DIGEST_MOD, sample_digest
 from pretrain.distributed import all_reduce
 from pretrain.runs.checkpoint_files import find_latest
@@ -67,6 +68,8 @@ class StepRunner:
         comm: torch.device,
         root: Path,
         loader: TrainBatches,
+        count: TokenCount,
+        seq_len: int,
         stop: StopSignal,
         spikes: LossSpikes,
         bad: BadBatches,
@@ -75,6 +78,7 @@ class StepRunner:
     ) -> None:
         self.engine, self.t, self.rank, self.world = engine, t, rank, world
         self.device, self.comm, self.root, self.loader = device, comm, root, loader
+        self.count, self.seq_len = count, seq_len  # the tokens trained: each kept micro-batch's round's
         self.stop, self.spikes, self.bad, self.timer, self.profiler = stop, spikes, bad, timer, profiler
         # the control vector's device-side inputs: set without a sync, read with the step's one sync
         self.stop_flag = torch.zeros((), dtype=torch.float64, device=comm)
@@ -88,13 +92,14 @@ class StepRunner:
         grad_accum = self.t.grad_accum
         tally, scalars = StepTally(), {}
         unread: list[torch.Tensor] = []  # the control vectors of the micro-batches run since the last read
-        rounds: list[tuple[int, int]] = []  # the loader's (epoch, batch in epoch) after each of them
+        rounds: list[tuple[int, int, dict[str, int]]] = []  # the loader's (epoch, batch in epoch) after each; tokens
         # the largest loss sum over the ranks a micro-batch may have (a spike's, train.loss_spike_action=skip)
         max_loss_sum = self.spikes.limit() * self.world if self.t.loss_spike_action != "log" else math.inf
         while tally.good < grad_accum:
             with self.timer.span("data", on_device=False), self.profiler.range("data"):
                 batch = next(batches)
-            rounds.append((self.loader.epoch, self.loader.batch_in_epoch))
+            tokens = round_tokens(self.loader, self.world, self.t.micro_batch_size, self.seq_len)  # on the host
+            rounds.append((self.loader.epoch, self.loader.batch_in_epoch, tokens))
             loss, gates = self.forward(batch, depth, log_now)
             unread.append(self.controls(loss))
             keep: torch.Tensor | None = None  # a micro-batch read before its backward needs no mask
@@ -136,11 +141,12 @@ class StepRunner:
         depth: int,
         tally: StepTally,
         max_loss_sum: float,
-        rounds: list[tuple[int, int]],
+        rounds: list[tuple[int, int, dict[str, int]]],
     ) -> None:
         """Account for the micro-batches just read, in order (`rounds`: the loader's position after
-        each); raises TrainingStopped on a bad gradient norm or too many dropped micro-batches in a row."""
-        for controls, (epoch, batch_in_epoch) in zip(read, rounds):
+        each, and its round's tokens, counted where it is kept); raises TrainingStopped on a bad
+        gradient norm or too many dropped micro-batches in a row."""
+        for controls, (epoch, batch_in_epoch, tokens) in zip(read, rounds):
             if controls.grad_norm_bad:
                 self.stop_on_bad_grad_norm(step)
             tally.stop_requested = tally.stop_requested or controls.stop_requested
@@ -153,6 +159,7 @@ class StepRunner:
                 )
                 continue
             self.bad.good()
+            self.count.add(tokens)
             tally.good += 1
             tally.loss_sum += controls.loss_sum / self.world
 

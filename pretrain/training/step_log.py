@@ -1,10 +1,14 @@
-"""What a run says about its steps: the start's lines (the model, the optimizer), and on each
-logging step TensorBoard's scalars, the records and one log line, with the checks that watch the
-step's time (data-starved, slow ranks: docs/training.md, "Watching a run")."""
+"""What a run says about its steps: the start's phases and lines (the model, the optimizer), and on
+each logging step one dict of values that every sink is written from (TensorBoard, against steps
+and tokens, W&B, the step's JSON line: `MetricsWriter.scalars`) and the log line, with the checks
+that watch the step's time (data-starved, slow ranks: docs/training.md, "Watching a run")."""
 
 from __future__ import annotations
 
 import logging
+import sys
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,7 +21,7 @@ from pretrain.training.metrics import MetricsWriter, Throughput, human_count, hu
 from pretrain.training.parallelize import compile_stats
 from pretrain.training.profiling import RunProfiler
 from pretrain.training.run_data import RunData
-from pretrain.training.step_timer import SlowRanks, breakdown_scalars
+from pretrain.training.step_timer import BREAKDOWN, SlowRanks, breakdown_scalars
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -25,13 +29,61 @@ if TYPE_CHECKING:
 log = logging.getLogger("grt.train")
 
 
-def time_shares(seconds: dict[str, float]) -> str:
-    """' | time data/fwd/bwd/opt/other 2/38/45/10/5%' of a timed step, '' of an untimed one."""
-    if not seconds:
+SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "waiting": "wait", "other": "other"}
+
+
+def time_shares(values: dict[str, float]) -> str:
+    """' | time data/fwd/bwd/opt/wait/other 2/38/45/10/0/5%' of a timed step's values (its time/*_share
+    scalars), '' of an untimed one."""
+    if "time/step_s" not in values:
         return ""
-    step = seconds["step"] or 1e-12
-    shares = "/".join(f"{100 * seconds[k] / step:.0f}" for k in ("data", "forward", "backward", "optimizer", "other"))
-    return f" | time data/fwd/bwd/opt/other {shares}%"
+    shares = "/".join(f"{100 * values[f'time/{k}_share']:.0f}" for k in BREAKDOWN)
+    return f" | time {'/'.join(SHORT[k] for k in BREAKDOWN)} {shares}%"
+
+
+def step_line(step: int, steps: int, values: dict[str, float]) -> str:
+    """A logging step's log line, from the values every sink gets."""
+    eta = (steps - step) * values["perf/step_time_s"]
+    return (
+        f"step {step}/{steps} | loss {values['train/loss']:.4f} | depth {values['train/depth']:.0f} | "
+        f"lr {values['train/lr']:.2e} | grad norm {values['train/grad_norm']:.3f} | "
+        f"{values['perf/tokens_per_s']:.0f} tok/s | MFU {100 * values['perf/mfu']:.2f}% | "
+        f"peak mem {values['memory/peak_bytes'] / 2**20:.0f} MB | tokens {human_count(values['train/tokens_seen'])} | "
+        f"ETA {human_duration(eta)}{time_shares(values)}"
+    )
+
+
+class StartPhases:
+    """The start's progress on rank 0 (`say`): one line as each phase begins, one with its duration
+    when it is done (`begin` ends the phase before it; `done` the last). Until the run's log is set
+    up (`to_log`) the lines go to stderr as the start's other lines do (`grt train: ...`)."""
+
+    def __init__(self, say: bool, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.say, self.clock = say, clock
+        self.logging = False
+        self.current: tuple[str, float] | None = None
+
+    def to_log(self) -> None:
+        self.logging = True
+
+    def _line(self, message: str) -> None:
+        if not self.say:
+            return
+        if self.logging:
+            log.info("%s", message)
+        else:
+            print(f"grt train: {message}", file=sys.stderr, flush=True)
+
+    def begin(self, name: str) -> None:
+        self.done()
+        self._line(f"start: {name} ...")
+        self.current = (name, self.clock())
+
+    def done(self) -> None:
+        if self.current is not None:
+            name, started = self.current
+            self._line(f"start: {name} done in {self.clock() - started:.2f} s")
+        self.current = None
 
 
 def log_start(
@@ -75,14 +127,14 @@ class StepLog:
         *,
         rank: int,
         device: torch.device,
-        tokens_per_step: int,
         writer: MetricsWriter,
         throughput: Throughput,
         profiler: RunProfiler,
         slow_ranks: SlowRanks,
         data: RunData,
+        zero3: bool,
     ) -> None:
-        self.cfg, self.engine, self.rank, self.device, self.tokens_per_step = cfg, engine, rank, device, tokens_per_step
+        self.cfg, self.engine, self.rank, self.device = cfg, engine, rank, device
         self.writer, self.throughput, self.profiler, self.slow_ranks, self.data = (
             writer,
             throughput,
@@ -90,6 +142,7 @@ class StepLog:
             slow_ranks,
             data,
         )
+        self.zero3 = zero3  # the zero3/* series: only where they mean something
         self.data_starved_said = False
 
     def step(
@@ -107,49 +160,33 @@ class StepLog:
         t = self.cfg.train
         self.profiler.snapshot_if_asked(step)
         if seconds:
-            scalars = {**scalars, **breakdown_scalars(seconds), **self.check_timing(step, seconds)}
-        perf = self.throughput.read()
-        tokens_seen = step * self.tokens_per_step
-        lr = self.engine.get_lr()[0]
+            seconds, ranks = self.check_timing(step, seconds)
+            scalars = {**scalars, **breakdown_scalars(seconds), **ranks}
+        tokens_seen = self.data.trained.total  # the one count (a batch change, a skip, a rollback)
         values = {
             "train/loss": loss,
-            "train/lr": lr,
+            "train/lr": self.engine.get_lr()[0],
             "train/grad_norm": grad_norm,
             "train/depth": depth,
             "train/skipped_microbatches": skipped,
             "train/tokens_seen": tokens_seen,
-            **perf,
+            **self.throughput.read(),
             **memory_scalars(self.device),
             **self.data.draw_scalars(),
             **scalars,
-            "zero3/trace_invalidations": deepspeed_internals.COUNTERS.trace_invalidations,
-            "zero3/param_gathers": deepspeed_internals.COUNTERS.gathers,
         }
+        if self.zero3:
+            values["zero3/trace_invalidations"] = deepspeed_internals.COUNTERS.trace_invalidations
+            values["zero3/param_gathers"] = deepspeed_internals.COUNTERS.gathers
         if t.compile:
             values["compile/unique_graphs"] = compile_stats()["unique_graphs"]
-        self.writer.scalars(step, values)
-        self.writer.scalars_by_tokens(tokens_seen, {"train/loss": loss})
-        eta = (t.steps - step) * perf["perf/step_time_s"]
-        log.info(
-            "step %d/%d | loss %.4f | depth %d | lr %.2e | grad norm %.3f | %.0f tok/s | MFU %.2f%% | "
-            "peak mem %.0f MB | tokens %s | ETA %s%s",
-            step,
-            t.steps,
-            loss,
-            depth,
-            lr,
-            grad_norm,
-            perf["perf/tokens_per_s"],
-            100 * perf["perf/mfu"],
-            values["memory/peak_bytes"] / 2**20,
-            human_count(tokens_seen),
-            human_duration(eta),
-            time_shares(seconds),
-        )
+        self.writer.scalars(step, values, tokens=tokens_seen)
+        log.info("%s", step_line(step, t.steps, values))
 
-    def check_timing(self, step: int, seconds: dict[str, float]) -> dict[str, float]:
-        """The slow-rank check on this logged step (every rank: a collective), and one line the first
-        time this rank waits for data more than train.data_starved_share of a step."""
+    def check_timing(self, step: int, seconds: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+        """The slow-rank check on this logged step (every rank: a collective): the step's breakdown
+        with its waiting, and the ranks' scalars; and one line the first time this rank waits for
+        data more than train.data_starved_share of a step."""
         t = self.cfg.train
         share = seconds["data"] / seconds["step"] if seconds["step"] > 0 else 0.0
         if share > t.data_starved_share and not self.data_starved_said:
@@ -165,4 +202,4 @@ class StepLog:
                 t.data_starved_share,
                 t.num_workers,
             )
-        return self.slow_ranks.observe(seconds["data"] + seconds["forward"], step)
+        return self.slow_ranks.observe(seconds, step)

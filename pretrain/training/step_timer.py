@@ -10,11 +10,15 @@ read once at the end of the step (the logging step syncs there anyway); on the C
 
 A rank's own time is its data wait plus its forwards: under ZeRO-1 and -2 no collective runs
 in them, so a rank that is slow (a slow disk, a throttled GPU, a noisy neighbour) shows there
-while the others wait for it in the backward's reductions, which equalise every other span.
-Under ZeRO-3 the forward also gathers parameters, which waits for the slowest rank: the
-comparison then sees less. Each logging step gathers every rank's own time (one collective,
-`distributed.gather_floats`); a rank above `slow_rank_factor` times the median on
-`slow_rank_windows` logging steps in a row is named, with its host, in one warning line.
+while the others wait for it at the first collective after the forward (the control vector's
+reduction), which equalises every later span. Under ZeRO-3 the forward also gathers parameters,
+which waits for the slowest rank: the comparison then sees less. Each logging step gathers every
+rank's own time (one collective, `distributed.gather_floats`); each rank is measured against the
+median of the OTHER ranks (with two ranks: the other one; the median of all would be their
+mean, and a rank five times slower would read 1.7x), and a rank above `slow_rank_factor` times
+that on `slow_rank_windows` logging steps in a row is named, with its host, in one warning line.
+The time a rank waited for the slowest one at that collective (the slowest own time less its
+own, at most its "other") is "waiting" in the breakdown, out of "other".
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pretrain.distributed import gather_floats
 log = logging.getLogger("grt.train")
 
 SPANS = ("data", "forward", "backward", "optimizer")
+BREAKDOWN = (*SPANS, "waiting", "other")  # a timed step's parts, in the log line's order
 
 
 class StepTimer:
@@ -88,11 +93,19 @@ class StepTimer:
 
 
 def breakdown_scalars(seconds: dict[str, float]) -> dict[str, float]:
-    """TensorBoard scalars of a timed step: seconds per span and the share of the step each took."""
+    """The scalars of a timed step (`SlowRanks.observe`'s breakdown): seconds per part and the share
+    of the step each took."""
     step = seconds["step"] or 1e-12
-    values = {f"time/{name}_s": seconds[name] for name in (*SPANS, "other", "step")}
-    values.update({f"time/{name}_share": seconds[name] / step for name in (*SPANS, "other")})
+    values = {f"time/{name}_s": seconds[name] for name in (*BREAKDOWN, "step")}
+    values.update({f"time/{name}_share": seconds[name] / step for name in BREAKDOWN})
     return values
+
+
+def median_of_others(times: list[float]) -> list[float]:
+    """Each rank's yardstick: the median of the other ranks' times (one rank: its own)."""
+    if len(times) == 1:
+        return list(times)
+    return [statistics.median(times[:r] + times[r + 1 :]) for r in range(len(times))]
 
 
 class SlowRanks:
@@ -103,12 +116,13 @@ class SlowRanks:
         self.streak = [0] * len(hosts)  # logging steps in a row each rank was above the factor
         self.named: set[int] = set()  # warned about, until it is no longer slow
 
-    def observe(self, own_s: float, step: int) -> dict[str, float]:
-        """Every rank calls it on the same logging step (a collective); returns the scalars."""
-        times = gather_floats(own_s)
-        median = statistics.median(times)
-        for r, t in enumerate(times):
-            slow = median > 0 and t > self.factor * median
+    def observe(self, seconds: dict[str, float], step: int) -> tuple[dict[str, float], dict[str, float]]:
+        """Every rank calls it on the same logging step (a collective) with its `StepTimer.finish()`;
+        returns the step's breakdown with "waiting" split off "other", and the ranks' scalars."""
+        own = seconds["data"] + seconds["forward"]
+        times = gather_floats(own)
+        for r, (t, yardstick) in enumerate(zip(times, median_of_others(times))):
+            slow = yardstick > 0 and t > self.factor * yardstick
             self.streak[r] = self.streak[r] + 1 if slow else 0
             if not slow:
                 self.named.discard(r)
@@ -117,22 +131,25 @@ class SlowRanks:
                 if self.rank == 0:
                     log.warning(
                         "slow rank: rank %d on %s took %.3f s of its own time per step at step %d, %.1fx the "
-                        "median rank's %.3f s, on %d logging steps in a row (train.slow_rank_factor=%g)",
+                        "median of the other ranks' %.3f s, on %d logging steps in a row (train.slow_rank_factor=%g)",
                         r,
                         self.hosts[r],
                         t,
                         step,
-                        t / median,
-                        median,
+                        t / yardstick,
+                        yardstick,
                         self.streak[r],
                         self.factor,
                     )
-        return {
+        waiting = min(seconds["other"], max(0.0, max(times) - own))
+        breakdown = {**seconds, "waiting": waiting, "other": seconds["other"] - waiting}
+        scalars = {
             "ranks/own_time_min_s": min(times),
-            "ranks/own_time_median_s": median,
+            "ranks/own_time_median_s": statistics.median(times),
             "ranks/own_time_max_s": max(times),
             "ranks/slowest": float(max(range(len(times)), key=times.__getitem__)),
         }
+        return breakdown, scalars
 
 
 class LossSpikes:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from pretrain.config import ConfigError
-from pretrain.distributed import comm_device, gather_text, init_distributed
+from pretrain.distributed import comm_device, discover, gather_text, init_distributed
 from pretrain.runs.run_config import RunConfig, profile_window
 from pretrain.training import branch, deepspeed_internals
 from pretrain.training.bad_batches import BadBatches, SpikeRollback
@@ -61,9 +61,9 @@ from pretrain.training.run_data import RunData
 from pretrain.training.run_dir import RunDir
 from pretrain.training.start import StartPlan, check_files, plan_start, say
 from pretrain.training.step import StepRunner
-from pretrain.training.step_log import StepLog, log_start
+from pretrain.training.step_log import StartPhases, StepLog, log_start
 from pretrain.training.step_timer import LossSpikes, SlowRanks, StepTimer
-from pretrain.training.task_eval import TaskEval
+from pretrain.training.task_eval import TaskEval, eval_dir
 from pretrain.training.wandb_run import WandbRun
 
 log = logging.getLogger("grt.train")
@@ -83,9 +83,12 @@ class Trainer:
         """The components, in the order the start needs (module doc); collectives: the process
         group, the heartbeat's store, the lock's agreement, the engine, the load, the hosts' gather."""
         plan, cfg, t, closing = self.plan, self.cfg, self.cfg.train, self.closing
+        self.phases = phases = StartPhases(say=discover().rank == 0)  # the start's progress, on rank 0
+        phases.begin("checks")
         self.tasks = TaskEval.build(cfg, plan.data.tokenizer_path)  # task files read once; None: off
         deepspeed_internals.check()
         self.stop = StopSignal()  # before the slow start-up: a signal during it stops after the first step
+        phases.begin("process group")
         info = init_distributed(timeout_s=t.dist_timeout_s)
         self.rank, self.world = info.rank, info.world_size
         assert self.world == plan.world, (self.world, plan.world)  # the plan's launch is this one
@@ -93,9 +96,11 @@ class Trainer:
         self.heartbeat = Heartbeat(self.rank, self.world)
         closing.callback(self.heartbeat.close)
         run_dir = RunDir(self.out, self.rank, closing)
+        phases.to_log()  # the log is set up: the phases go to it (train.log on rank 0)
         self.spikes = LossSpikes(t.loss_spike_threshold, say=self.rank == 0)  # its history: the checkpoint's
         run_dir.take_lock()
         deepspeed_internals.quiet_deprecated_collectives()
+        phases.begin("model and engine")
         self.device = torch.device(f"cuda:{info.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -103,24 +108,31 @@ class Trainer:
         self.engine, ds = build_engine(cfg, self.world, self.device, plan.data.seq_len, plan.ds)
         peak, peak_note = peak_flops(self.device, t.peak_tflops)
         log_start(cfg, self.engine, ds, self.world, plan.tokens_per_step, peak_note)
+        phases.begin("data")
         self.data = RunData(plan, self.rank, self.world)
         self.checkpoints = RunCheckpoints(plan, self.rank, self.world)
+        if plan.resume is not None:
+            phases.begin("checkpoint load")
         loaded = self.checkpoints.load(self.engine) if plan.resume is not None else None
         if loaded is not None:
             self.step = loaded.step
             self.data.continue_from(loaded.loader)
+            self.data.restore_count(loaded.tokens, loaded.step, loaded.loader)
             self.spikes.restore(loaded.loss_history)
         self.config_json = json.dumps(cfg.to_dict(), indent=2) + "\n"
         run_dir.commit(self.config_json, ds)
         if loaded is not None:
             log.info("resumed from %s at step %d", plan.root / loaded.tag, self.step)
+        if t.eval_every:
+            phases.begin("validation data")
         val = self.data.validation_batches() if t.eval_every else None
+        phases.begin("logs (TensorBoard, W&B)")
         self.writer = MetricsWriter(self.out, self.rank, resume_step=self.step, world=self.world)
         closing.callback(self.writer.close)
         resumed_from = plan.root / loaded.tag if loaded is not None else None
         self.wandb = WandbRun.open(self.out, cfg, resumed_from) if self.rank == 0 else None
         if self.wandb is not None:
-            self.writer.add_sink(self.wandb.log)
+            self.writer.add_sink(self.wandb.log, self.wandb.rewind)  # W&B follows a rollback
             closing.callback(self.wandb.finish)  # close(): before the writer closes
         self.writer.text("config", self.config_json)
         self.writer.text("deepspeed_config", json.dumps(ds, indent=2))
@@ -151,6 +163,8 @@ class Trainer:
             comm=comm,
             root=plan.root,
             loader=self.data.loader,
+            count=self.data.trained,
+            seq_len=plan.data.seq_len,
             stop=self.stop,
             spikes=self.spikes,
             bad=self.bad,
@@ -162,13 +176,14 @@ class Trainer:
             self.engine,
             rank=self.rank,
             device=self.device,
-            tokens_per_step=plan.tokens_per_step,
             writer=self.writer,
             throughput=self.throughput,
             profiler=self.profiler,
             slow_ranks=slow_ranks,
             data=self.data,
+            zero3=zero_stage(ds) == 3,
         )
+        phases.done()
 
     # -- the loop ------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -176,9 +191,11 @@ class Trainer:
         assert self.heartbeat is not None  # build() started it
         batches = self.delays.batches(warn_on_skipped_shards(self.data.loader, self.rank))
         last_val: dict[int, float] = {}
-        loss, stop_requested = float("nan"), False  # a resume of a finished run trains no step
+        loss, stop_requested = float("nan"), False  # (a finished run resumed never gets here: train())
         self.engine.train()
         self.throughput.reset()
+        if t.compile:  # torch.compile compiles at the first step: the start's last phase
+            self.phases.begin("compile (the first step)")
         while self.step < t.steps:
             depth = depth_for_step(t, max_r, self.step)
             log_now = (self.step + 1) % t.log_every == 0 or self.step + 1 == t.steps
@@ -193,6 +210,7 @@ class Trainer:
             seconds = self.timer.finish()
             self.profiler.step()
             self.step += 1
+            self.phases.done()  # the first step's: nothing after it
             self.throughput.add(tokens_per_step, depth)
             save_now = (
                 (t.save_every and self.step % t.save_every == 0)
@@ -212,14 +230,14 @@ class Trainer:
             }
             if self.spikes.check(self.step, loss):
                 record["loss_spike"] = True
-                self.writer.scalars(self.step, {"train/loss_spike": 1.0})
+                self.writer.scalars(self.step, {"train/loss_spike": 1.0}, tokens=self.data.trained.total)
             if self.validation is not None and self.validation.due(self.step, t.steps):  # a collective
-                last_val = self.validation.run(self.engine, self.step, self.step * tokens_per_step, record)
+                last_val = self.validation.run(self.engine, self.step, self.data.trained.total, record)
                 self.back_to_training()
-            self.writer.step_record(self.step, record)
             if self.tasks is not None and self.tasks.due(self.step, t.steps):  # collectives
                 score_tasks(self.tasks, self.engine.module, self.step, self.rank, self.world, self.device, self.writer)
                 self.back_to_training()
+            self.writer.step_record(self.step, record)  # with every scalar written at the step
             if save_now:  # a collective
                 log.info("saved checkpoint %s", self.plan.root / self.save())
             if stop_requested:
@@ -237,6 +255,7 @@ class Trainer:
         self.bad.forget_step()
         loaded = self.checkpoints.roll_back(self.engine, self.step + 1, self.data.loader.state_dict())
         self.step = loaded.step
+        self.data.restore_count(loaded.tokens, loaded.step, {})  # the checkpoint's: the window since is not trained
         self.spikes.restore(loaded.loss_history)
         self.writer.rewind(self.step)
         self.throughput.reset()
@@ -247,7 +266,7 @@ class Trainer:
             self.step,
             config_json=self.config_json,
             loader_state=self.data.loader.state_dict(),
-            fit_state={"loss_history": self.spikes.history},
+            fit_state={"loss_history": self.spikes.history, "tokens": self.data.trained.state()},
             run_files=self.wandb.files() if self.wandb is not None else None,
         )
 
@@ -279,7 +298,9 @@ def dry_run(cfg: RunConfig, resume: bool = False) -> str:
     plan = plan_start(cfg, resume)
     for line in plan.start_lines():
         say(line)
-    TaskEval.build(plan.cfg, plan.data.tokenizer_path)
+    if plan.nothing_to_do:
+        return plan.nothing_to_do
+    tasks = TaskEval.build(plan.cfg, plan.data.tokenizer_path)
     deepspeed_internals.check()
     tag = None
     if plan.resume is not None:
@@ -294,20 +315,24 @@ def dry_run(cfg: RunConfig, resume: bool = False) -> str:
         f"would train {c.model.name} ({c.model.variant} {c.model.layout}, d {c.model.d_model}, vocab "
         f"{c.model.vocab_size}) on {c.data} (seq_len {plan.data.seq_len}) for {c.train.steps} steps, ZeRO stage "
         f"{zero_stage(ds)}, {'bf16' if ds['bf16']['enabled'] else 'fp32'}, checkpointing "
-        f"{c.train.activation_checkpointing}, compile {c.train.compile}, {start}"
+        f"{c.train.activation_checkpointing}, compile {c.train.compile}, {start}, into {c.out}"
+        + (f", the zero-shot tasks from {eval_dir(c.train)}" if tasks is not None else "")
     )
 
 
 def train(cfg: RunConfig, resume: bool = False) -> dict:
     """Run training (resume=True: continue from the newest complete checkpoint, if any; a decay
     branch's checkpoint is made in --out first, branch.py). Returns a summary dict on rank 0
-    (others: {}).
+    (others: {}; every rank {} when a resume has nothing to train, `StartPlan.nothing_to_do`).
 
     A failure on one rank (an exception, or a peer that died or hung) stops every rank
     with RankFailure naming the rank that failed (see health.Heartbeat)."""
     plan = plan_start(cfg, resume or bool(cfg.branch_from))
     for line in plan.start_lines():
         say(line)
+    if plan.nothing_to_do:  # a finished run resumed: said, and every file of the run left as it is
+        say(plan.nothing_to_do)
+        return {}
     with branch.prepared(plan.cfg):
         trainer = Trainer(plan)
         try:

@@ -4,15 +4,27 @@ The same scalars as TensorBoard go to one W&B run (a sink of `MetricsWriter.scal
 training step as W&B's step. The run's id is saved in every checkpoint (`WANDB_FILE`, beside
 config.json), so a resume from a checkpoint continues the same W&B run (`resume="allow"`)
 rather than starting a new one. `wandb` is imported only when a run asks for it.
+
+A loss-spike rollback (`MetricsWriter.rewind`) rewinds the W&B run too, with W&B's own
+"rewind a run" (`wandb.init(resume_from="<id>?_step=<step>")`): the run keeps its id and step
+axis, its history after the step is dropped, and the steps trained again are logged at their own
+step numbers, as TensorBoard and metrics.jsonl show them. Chosen over a W&B step of its own
+(monotonic, with the training step as a field and `define_metric`): that keeps the abandoned
+points in every chart, beside the re-trained ones, and W&B's rewind does not work with it. In
+offline mode the rewind is recorded in the new segment (its branch point) and `wandb sync`
+applies it. Where the server refuses it (rewind is a preview feature of W&B), one warning, and
+the run resumes as it would without: W&B ignores the steps at or below its last one.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import os
 import secrets
 import string
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,9 +49,21 @@ def import_wandb() -> Any:
 
 
 def check_available(cfg: RunConfig) -> None:
-    """For the start-up checks (before any process group): refuse train.wandb=true without wandb."""
-    if cfg.train.wandb:
-        import_wandb()
+    """For the start-up checks (before any process group, nothing written yet): refuse train.wandb=true
+    without wandb, or, unless W&B runs offline (WANDB_MODE=offline or disabled), without a W&B login
+    (an API key in WANDB_API_KEY or from `wandb login`; checked without the network)."""
+    if not cfg.train.wandb:
+        return
+    wandb = import_wandb()
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled"):
+        return
+    try:
+        wandb.login(verify=False)  # raises where no API key is configured; never prompts without a terminal
+    except Exception as err:  # wandb's UsageError, or whatever its settings raise
+        raise ConfigError(
+            f"train.wandb=true: not logged in to W&B ({_one_line(err)[:200]}): log in (`wandb login` or "
+            "WANDB_API_KEY), or set WANDB_MODE=offline and `wandb sync` later"
+        ) from None
 
 
 def new_id() -> str:
@@ -67,8 +91,9 @@ class WandbRun:
     """One W&B run of a training run (rank 0): `log` is the MetricsWriter sink, `files` goes
     into every checkpoint, `finish` at the end."""
 
-    def __init__(self, run: Any, project: str, entity: str) -> None:
+    def __init__(self, run: Any, project: str, entity: str, reopen: Callable[..., Any] | None = None) -> None:
         self.run, self.project, self.entity = run, project, entity
+        self.reopen = reopen  # wandb.init with the run's own arguments, plus those given (`rewind`)
         self.failed = False  # a log call failed: W&B is off for the rest of the run
 
     @classmethod
@@ -81,16 +106,16 @@ class WandbRun:
             return None
         wandb = import_wandb()
         run_id = saved_id(resumed_from) or new_id()
+        reopen = functools.partial(
+            wandb.init,
+            project=t.wandb_project,
+            entity=t.wandb_entity or None,
+            dir=str(out),
+            config=cfg.to_dict(),
+            name=out.name,
+        )
         try:
-            run = wandb.init(
-                project=t.wandb_project,
-                entity=t.wandb_entity or None,
-                dir=str(out),
-                id=run_id,
-                resume="allow",
-                config=cfg.to_dict(),
-                name=out.name,
-            )
+            run = reopen(id=run_id, resume="allow")
         except Exception as err:  # wandb's errors (login, network, settings) have no common base
             raise ConfigError(
                 f"train.wandb=true: W&B could not start ({_one_line(err)[:300]}); log in (`wandb login` or "
@@ -101,7 +126,7 @@ class WandbRun:
             log.info("W&B run %s (project %s), offline: `wandb sync %s` uploads it", run_id, t.wandb_project, where)
         else:
             log.info("W&B run %s (project %s): %s", run_id, t.wandb_project, getattr(run, "url", None))
-        return cls(run, t.wandb_project, t.wandb_entity)
+        return cls(run, t.wandb_project, t.wandb_entity, reopen)
 
     @property
     def id(self) -> str:
@@ -118,6 +143,28 @@ class WandbRun:
         except Exception as err:
             self.failed = True
             log.warning("W&B logging failed at step %d (%s): training goes on without W&B", step, _one_line(err))
+
+    def rewind(self, step: int) -> None:
+        """Back to training step `step` (a rollback): the run is closed and opened again rewound to
+        it (module doc). Never raises: a failure is one warning, and W&B is off if it cannot reopen."""
+        if self.failed or self.reopen is None:
+            return
+        run_id = self.id
+        try:
+            self.run.finish()
+            try:
+                self.run = self.reopen(resume_from=f"{run_id}?_step={step}")
+            except Exception as err:
+                log.warning(
+                    "W&B could not rewind run %s to step %d (%s): it resumes, and ignores the steps up to its last",
+                    run_id,
+                    step,
+                    _one_line(err)[:300],
+                )
+                self.run = self.reopen(id=run_id, resume="allow")
+        except Exception as err:
+            self.failed = True
+            log.warning("W&B could not reopen run %s (%s): training goes on without W&B", run_id, _one_line(err))
 
     def files(self) -> dict[str, str]:
         """{file name: text} to write into every checkpoint: the id a resume continues."""

@@ -23,6 +23,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from commands import error_lines
+from commands import grt_in_process as in_process
 from faults import Job, run_job
 from trained_models import DEMO_TEXT, ENV, REPO, grt, grt_run, manifest, single_thread  # noqa: F401 (fixtures)
 
@@ -36,22 +38,6 @@ def tree_hash(root: Path) -> dict[str, str]:
         for p in sorted(root.rglob("*"))
         if p.is_file()
     }
-
-
-def error_lines(stderr: str) -> list[str]:
-    """stderr without DeepSpeed's import-time accelerator notice (printed by its logger on import)."""
-    return [line for line in stderr.splitlines() if line.strip() and "real_accelerator.py" not in line]
-
-
-def in_process(argv: list[str], capsys) -> tuple[int, str]:
-    from pretrain import cli
-
-    capsys.readouterr()
-    try:
-        rc = cli.main(argv)
-    except SystemExit as stop:  # argparse exits; anything else raised is a traceback and fails the test
-        rc = stop.code if isinstance(stop.code, int) else 2
-    return rc, capsys.readouterr().err
 
 
 def as_process(argv: list[str], env: dict | None = None) -> tuple[int, str]:
@@ -693,7 +679,7 @@ def test_multi_rank_eval_refuses_a_manifest_that_only_some_ranks_see(bad, monkey
     ranks agree first (ranks_with); here the agreement answers as on a job where they differ."""
     from pretrain.config import ConfigError
     from pretrain.distributed import Dist
-    from pretrain.infer import evaluate
+    from pretrain.infer import eval_parts, evaluate
 
     monkeypatch.setattr(evaluate, "ranks_with", lambda flag: 1)  # of 2: neither every rank nor none found it
     agreements = []
@@ -705,7 +691,7 @@ def test_multi_rank_eval_refuses_a_manifest_that_only_some_ranks_see(bad, monkey
     assert agreements == ["checked"]  # a rank that failed before (loading) is met first
     # a rank that has it meets the ranks without it at a second agreement, which names them
     monkeypatch.setattr(evaluate, "evaluate_task", lambda *a, **k: pytest.fail("scored past the disagreement"))
-    monkeypatch.setattr(evaluate, "lm_sums", lambda *a, **k: pytest.fail("scored past the disagreement"))
+    monkeypatch.setattr(eval_parts, "lm_sums", lambda *a, **k: pytest.fail("scored past the disagreement"))
     args = evaluate.build_parser().parse_args([str(bad["run"]), "--data", str(bad["manifest"])])
     agreements.clear()
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from commands import error_lines
 from multiproc import grt
 
 TRIED: Counter = Counter()  # inputs tried per class, printed at the end (-s) for docs/reliability.md
@@ -37,11 +38,6 @@ def tree(root: Path) -> dict[str, str]:
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
         for p in sorted(root.rglob("*"))
     }
-
-
-def error_lines(stderr: str) -> list[str]:
-    """stderr without DeepSpeed's import-time accelerator notice (printed by its logger on import)."""
-    return [line for line in stderr.splitlines() if line.strip() and "real_accelerator.py" not in line]
 
 
 def zst_frames(data: bytes, frame_bytes: int) -> bytes:

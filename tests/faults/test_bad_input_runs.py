@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from commands import error_lines as command_lines
 from faults import REPO, Job, cli, losses, run_job, train_args, wait_for
 
 STEPS = 6
@@ -47,12 +48,9 @@ def train(*args: str, env: dict | None = None, timeout: float = 240) -> subproce
 
 
 def error_lines(stderr: str) -> list[str]:
-    """stderr without the import-time warnings of DeepSpeed and torch."""
-    return [
-        line
-        for line in stderr.splitlines()
-        if line.strip() and "[WARNING]" not in line and "Warning" not in line and not line.startswith("  ")
-    ]
+    """The command's lines, also without torch's and DeepSpeed's import-time warnings (and their
+    indented continuation lines)."""
+    return [line for line in command_lines(stderr, "[WARNING]", "Warning") if not line.startswith("  ")]
 
 
 def assert_refused(res: subprocess.CompletedProcess, *words: str) -> str:

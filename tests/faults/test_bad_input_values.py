@@ -17,27 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from commands import error_lines
+from commands import grt_in_process as grt
 from trained_models import DEMO_TEXT, CharTokenizer, manifest, single_thread, small_model, write_export  # noqa: F401 (fixtures)
 
 TRIED: Counter = Counter()  # inputs tried per class, printed at the end (-s) for docs/reliability.md
 HANDLED: Counter = Counter()
-
-
-def error_lines(stderr: str) -> list[str]:
-    """stderr without DeepSpeed's import-time accelerator notice."""
-    return [line for line in stderr.splitlines() if line.strip() and "real_accelerator.py" not in line]
-
-
-def grt(argv: list[str], capsys) -> tuple[int, str]:
-    """`grt ARGV` in this process: its exit code and stderr."""
-    from pretrain import cli
-
-    capsys.readouterr()
-    try:
-        rc = cli.main([str(a) for a in argv])
-    except SystemExit as stop:  # argparse exits; anything else raised is a traceback and fails the test
-        rc = stop.code if isinstance(stop.code, int) else 2
-    return rc, capsys.readouterr().err
 
 
 def refused(kind: str, rc: int, stderr: str, *wants: str) -> str:
@@ -429,7 +414,7 @@ def test_sums_over_nothing_raise_instead_of_a_number():
     naming what was scored (before: loss 0, perplexity 1, accuracy 0)."""
     from pretrain.config import ConfigError
     from pretrain.distributed import Dist
-    from pretrain.infer.evaluate import loss_table
+    from pretrain.infer.eval_parts import loss_table
     from pretrain.infer.zero_shot import evaluate_task
 
     TRIED["nothing scored"] += 2

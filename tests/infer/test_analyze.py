@@ -9,18 +9,16 @@ import torch
 from trained_models import single_thread, small_model, torch_trained_grt, write_export  # noqa: F401
 
 from pretrain.distributed import Dist
-from pretrain.infer.analyze import (
+from pretrain.infer.analyze import collect
+from pretrain.infer.analyze import main as analyze_main
+from pretrain.infer.analyze_measures import (
     BUCKETS,
     cka_matrix,
-    collect,
     frequency_buckets,
     half_cosines,
     is_punctuation,
     linear_cka,
     variance_share,
-)
-from pretrain.infer.analyze import (
-    main as analyze_main,
 )
 from pretrain.infer.scoring import lm_sums, val_batches
 from pretrain.model.layers import AttentionContext
@@ -106,7 +104,8 @@ def test_bucket_losses_by_hand():
 
 
 def test_cka_against_dense_layers_by_hand():
-    from pretrain.infer.analyze import cross_cka, dense_layer_states
+    from pretrain.infer.analyze import dense_layer_states
+    from pretrain.infer.analyze_measures import cross_cka
 
     grt, dense = small_model(), small_model("3", variant="dense", seed=1)
     idx = torch.randint(1, 64, (2, 16), generator=torch.Generator().manual_seed(4))

@@ -13,7 +13,7 @@ from pretrain.config import ConfigError
 from pretrain.model.flops import flops_per_token
 from pretrain.presets import get_preset
 from pretrain.runs.run_config import RunConfig
-from pretrain.tools import compare, compare_eval
+from pretrain.tools import compare, compare_eval, compare_runs, compare_sizing
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -36,12 +36,14 @@ def test_config_specs_presets_and_json(tmp_path):
 def test_matching_flops_and_params():
     grt_cfg = get_preset("tiny-grt")
     target = flops_per_token(grt_cfg, 256)
-    dense = compare.match(get_preset("tiny-dense"), target, "flops", 256)
-    mor = compare.match(get_preset("tiny-mor"), target, "flops", 256)
+    dense = compare_sizing.match(get_preset("tiny-dense"), target, "flops", 256)
+    mor = compare_sizing.match(get_preset("tiny-mor"), target, "flops", 256)
     assert dense.layout.isdigit() and mor.parsed_layout.loops > grt_cfg.parsed_layout.loops  # MoR skips tokens
     for cfg in (dense, mor):
         assert abs(flops_per_token(cfg, 256) - target) / target < 0.1
-    bigger = compare.match(get_preset("micro-grt"), 2 * compare.model_params(get_preset("micro-grt")), "params", 64)
+    bigger = compare_sizing.match(
+        get_preset("micro-grt"), 2 * compare_sizing.model_params(get_preset("micro-grt")), "params", 64
+    )
     assert bigger.parsed_layout.core > 1 and bigger.parsed_layout.loops == 3
 
 
@@ -197,10 +199,10 @@ def test_compare_trains_each_config_and_writes_table_json_and_plot(shards, tmp_p
 
 
 def test_progress_reads_the_last_logged_step(tmp_path):
-    assert compare.progress(tmp_path, 10) == "starting (0/10 steps)"
+    assert compare_runs.progress(tmp_path, 10) == "starting (0/10 steps)"
     records = [{"step": s, "loss": 5.0 - s / 10} for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 4, "lo')
-    assert compare.progress(tmp_path, 10) == "step 3/10, loss 4.700"  # the line half written is passed over
+    assert compare_runs.progress(tmp_path, 10) == "step 3/10, loss 4.700"  # the line half written is passed over
 
 
 def test_a_run_being_trained_by_another_compare_is_refused(tmp_path):
@@ -208,9 +210,9 @@ def test_a_run_being_trained_by_another_compare_is_refused(tmp_path):
     run.mkdir()
     (run / "compare.lock").write_text(f"{os.getppid()}\n")  # a live process that is not us
     with pytest.raises(RuntimeError, match="being trained by another grt compare"):
-        compare._lock(run)
+        compare_runs._lock(run)
     (run / "compare.lock").write_text("999999999\n")  # stale
-    assert compare._lock(run).read_text().strip() == str(os.getpid())
+    assert compare_runs._lock(run).read_text().strip() == str(os.getpid())
 
 
 def _run(label: str, preset: str, steps: int, sampling: str = "uniform") -> dict:
@@ -220,29 +222,29 @@ def _run(label: str, preset: str, steps: int, sampling: str = "uniform") -> dict
 
 
 def test_depth_counts_follow_each_recipe():
-    assert compare.depth_counts(_run("d", "micro-dense", 50)["cfg"]) == {0: 50}
-    assert compare.depth_counts(_run("f", "micro-rrt", 50, "fixed")["cfg"]) == {3: 50}
-    uniform = compare.depth_counts(_run("g", "micro-grt", 300)["cfg"])
+    assert compare_sizing.depth_counts(_run("d", "micro-dense", 50)["cfg"]) == {0: 50}
+    assert compare_sizing.depth_counts(_run("f", "micro-rrt", 50, "fixed")["cfg"]) == {3: 50}
+    uniform = compare_sizing.depth_counts(_run("g", "micro-grt", 300)["cfg"])
     assert set(uniform) == {1, 2, 3} and sum(uniform.values()) == 300 and min(uniform.values()) > 60
 
 
 def test_time_budget_sizing_fills_the_budget_and_no_more():
     runs = [_run("grt", "micro-grt", 300), _run("dense", "micro-dense", 300)]
     timed = [{1: 0.01, 2: 0.02, 3: 0.03}, {0: 0.025}]
-    sizing = compare.size_tokens(
+    sizing = compare_sizing.size_tokens(
         runs, timed, startup_s=5.0, budget_s=100.0, tokens_per_step=512, evals=2, eval_batches=2, exit_factor=2
     )
-    grt_step = sum(timed[0][d] * n for d, n in compare.depth_counts(runs[0]["cfg"]).items()) / 300
+    grt_step = sum(timed[0][d] * n for d, n in compare_sizing.depth_counts(runs[0]["cfg"]).items()) / 300
     assert sizing["runs"]["grt"]["step_s"] == pytest.approx(grt_step) and 0.019 < grt_step < 0.021
     # start-up: the first run's one-step probe less its step; evaluations: 2 x 2 batches x (R + 1) forwards
     assert sizing["runs"]["dense"]["overhead_s"] == pytest.approx(5.0 - grt_step + 2 * 2 * 1 * 0.025 / 3)
     # a looped run also pays what compare_eval runs on its final checkpoint (counted in the next test)
-    final = compare.final_forwards(runs[0]["cfg"].model, exit_factor=2)
+    final = compare_sizing.final_forwards(runs[0]["cfg"].model, exit_factor=2)
     assert sizing["runs"]["grt"]["overhead_s"] == pytest.approx(5.0 - grt_step + 2 * 0.03 / 3 * (2 * 4 + final))
-    usable = 100.0 * (1 - compare.UNPLANNED_SHARE)
+    usable = 100.0 * (1 - compare_sizing.UNPLANNED_SHARE)
     assert sizing["planned_s"] <= usable < sizing["planned_s"] + grt_step + 0.025  # one more step would not fit
     assert sizing["tokens"] == sizing["steps"] * 512 and sizing["steps"] > 1000
-    starved = compare.size_tokens(runs, timed, 5.0, 8.0, 512, 2, 2, 2)
+    starved = compare_sizing.size_tokens(runs, timed, 5.0, 8.0, 512, 2, 2, 2)
     assert starved["steps"] == 1 and starved["planned_s"] > 8.0  # reported (and warned about), never zero steps
 
 
@@ -326,7 +328,7 @@ def test_table_shows_the_exit_curve_beyond_r():
 def test_step_timing_uses_the_real_engine_at_each_recipe_depth():
     run = _run("grt", "micro-grt", 20)
     run["cfg"].ds_config = str(REPO / "ds_configs" / "zero2.json")
-    timed = compare.measure_steps_apart([run], seq_len=64, repeats=1)
+    timed = compare_sizing.measure_steps_apart([run], seq_len=64, repeats=1)
     assert len(timed) == 1 and set(timed[0]) == {1, 2, 3} and all(t > 0 for t in timed[0].values())
 
 

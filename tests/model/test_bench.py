@@ -56,8 +56,9 @@ def test_bad_bench_flags_are_refused_at_the_door_in_one_line(args, message, caps
 
 
 def test_the_bench_modules_import_nothing_private_and_no_circle():
-    """bench.py dispatches to bench_numerics and bench_decode; what they share is in bench_support."""
-    for name in ("bench_numerics", "bench_decode", "bench_support"):
+    """bench.py dispatches to bench_numerics, bench_decode, bench_train and bench_zero; what they share
+    is in bench_support."""
+    for name in ("bench_numerics", "bench_decode", "bench_train", "bench_zero", "bench_support"):
         tree = ast.parse((REPO / "pretrain" / "tools" / f"{name}.py").read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert "pretrain.tools.bench" not in imported, name

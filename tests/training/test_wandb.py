@@ -5,108 +5,24 @@ imports wandb; the offline files are read back with `wandb_history` below)."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
-import struct
 import subprocess
 import sys
 import types
-import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 from faults import train_args
 from trained_models import manifest  # noqa: F401 (fixture)
+from wandb_files import REPO, offline_env, wandb_history
 
 from pretrain.config import ConfigError
 from pretrain.runs.run_config import RunConfig
 from pretrain.training.metrics import MetricsWriter
 from pretrain.training.wandb_run import WANDB_FILE, WandbRun, check_available, saved_id
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def offline_env(tmp: Path) -> dict[str, str]:
-    """The environment of a process that may import wandb: offline, silent, every W&B file under `tmp`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # no key, no server address
-    return {
-        **env,
-        "PYTHONPATH": str(REPO),
-        "CUDA_VISIBLE_DEVICES": "",
-        "OMP_NUM_THREADS": "1",
-        "WANDB_MODE": "offline",
-        "WANDB_SILENT": "true",
-        "WANDB_CONFIG_DIR": str(tmp / "wandb-config"),
-        "WANDB_CACHE_DIR": str(tmp / "wandb-cache"),
-        "WANDB_DATA_DIR": str(tmp / "wandb-data"),
-    }
-
-
-# -- reading W&B's offline files -----------------------------------------------------------
-# An offline run writes <dir>/wandb/offline-run-<time>-<id>/run-<id>.wandb (one directory per
-# wandb.init: a resume with the same id writes a second one, which `wandb sync` appends to the
-# same run). The file is W&B's "LevelDB log" of protobuf Records: a 7-byte header (":W&B",
-# magic 0xBEE1, version 0), then 32 KiB blocks of chunks, each a 7-byte header (crc32 of type +
-# data, length, type: 1 full, 2 first, 3 middle, 4 last) and its data. wandb 0.31 has no Python
-# reader of its own (wandb.sdk.internal.datastore is gone), so this is one.
-BLOCK, HEADER = 32768, 7
-
-
-def wandb_records(path: Path) -> list[Any]:
-    pb: Any = importlib.import_module("wandb.proto.wandb_internal_pb2")  # generated: no types for mypy
-
-    data = path.read_bytes()
-    assert data[:4] == b":W&B" and struct.unpack_from("<HB", data, 4) == (0xBEE1, 0), data[:HEADER]
-    pos, bodies, parts = HEADER, [], b""
-    while pos + HEADER <= len(data):
-        left = BLOCK - pos % BLOCK
-        if left < HEADER:  # a block's tail too short for a chunk header: zero padding
-            pos += left
-            continue
-        crc, length, kind = struct.unpack_from("<IHB", data, pos)
-        body = data[pos + HEADER : pos + HEADER + length]
-        if kind == 0 and length == 0:  # padding to the end of the block
-            pos += left
-            continue
-        assert len(body) == length and zlib.crc32(bytes([kind]) + body) == crc, f"{path}: bad chunk at {pos}"
-        pos += HEADER + length
-        if kind == 1:
-            bodies.append(body)
-        elif kind == 2:
-            parts = body
-        elif kind == 3:
-            parts += body
-        elif kind == 4:
-            bodies.append(parts + body)
-    records = []
-    for body in bodies:
-        record = pb.Record()
-        record.ParseFromString(body)
-        records.append(record)
-    return records
-
-
-def wandb_history(out: Path, run_id: str) -> dict[int, dict[str, Any]]:
-    """{step: the scalars logged at it} over every offline directory of W&B run `run_id` in
-    `out`/wandb (each wandb.init of that id, in time order: a later one's values win)."""
-    dirs = sorted((out / "wandb").glob(f"offline-run-*-{run_id}"))
-    assert dirs, f"no offline W&B run {run_id} in {out / 'wandb'}: {sorted(p.name for p in (out / 'wandb').glob('*'))}"
-    history: dict[int, dict[str, Any]] = {}
-    for d in dirs:
-        for record in wandb_records(d / f"run-{run_id}.wandb"):
-            if record.WhichOneof("record_type") == "run":
-                assert record.run.run_id == run_id
-            elif record.WhichOneof("record_type") == "history":
-                row = {
-                    item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item
-                }
-                history.setdefault(int(row["_step"]), {}).update(
-                    {k: v for k, v in row.items() if not k.startswith("_")}
-                )
-    return history
 
 
 # -- units: no trainer -----------------------------------------------------------------------
@@ -134,10 +50,14 @@ class FakeWandb(types.ModuleType):
     def __init__(self) -> None:
         super().__init__("wandb")
         self.inits: list[dict[str, Any]] = []
+        self.refuse = ""  # a rewind fails with this message
 
     def init(self, **kwargs: Any) -> Any:
         self.inits.append(kwargs)
-        return types.SimpleNamespace(id=kwargs["id"], log=lambda values, step: None, finish=lambda: None)
+        if self.refuse and "resume_from" in kwargs:
+            raise RuntimeError(self.refuse)
+        run_id = kwargs.get("id") or kwargs["resume_from"].split("?")[0]
+        return types.SimpleNamespace(id=run_id, log=lambda values, step: None, finish=lambda: None)
 
 
 def wandb_cfg(**train: Any) -> RunConfig:
@@ -183,6 +103,25 @@ def test_open_starts_a_new_run_or_continues_the_checkpoints(tmp_path, monkeypatc
     assert fresh is not None and fresh.id != first.id
     # off: nothing opened
     assert WandbRun.open(out, RunConfig(), tag) is None and len(fake.inits) == 3
+
+
+def test_a_rollback_rewinds_the_run_or_resumes_it_with_one_warning(tmp_path, monkeypatch, caplog):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    run = WandbRun.open(tmp_path, wandb_cfg(), None)
+    assert run is not None
+    writer = MetricsWriter(tmp_path, 0)
+    writer.add_sink(run.log, run.rewind)
+    writer.rewind(20)  # a rollback to the checkpoint of step 20
+    rewound = {k: v for k, v in fake.inits[0].items() if k not in ("id", "resume")}
+    assert fake.inits[-1] == {**rewound, "resume_from": f"{run.id}?_step=20"} and run.id == fake.inits[0]["id"]
+    fake.refuse = "rewind is not enabled for this entity"
+    with caplog.at_level(logging.WARNING, logger="grt.train"):
+        writer.rewind(20)
+    writer.close()
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "could not rewind run" in warning and "rewind is not enabled" in warning and "\n" not in warning
+    assert fake.inits[-1] == {**rewound, "id": run.id, "resume": "allow"} and not run.failed
 
 
 def test_a_cut_off_id_file_starts_a_new_run_with_a_warning(tmp_path, caplog):

@@ -68,9 +68,9 @@ def test_a_profiled_run_writes_a_trace_per_rank_with_the_labelled_ranges(tmp_pat
         assert sum(name.startswith("ProfilerStep#") for name in names) == 2  # the active steps
         assert any(e.get("name") == "[memory]" for e in events)  # profile_memory
     line = next(line for line in logs[0].splitlines() if "step 2/6" in line)
-    assert "| time data/fwd/bwd/opt/other " in line, line
+    assert "| time data/fwd/bwd/opt/wait/other " in line, line
     tags = _scalar_tags(out / "tb")
-    want = {f"time/{s}_s" for s in ("data", "forward", "backward", "optimizer", "other", "step")}
+    want = {f"time/{s}_s" for s in ("data", "forward", "backward", "optimizer", "waiting", "other", "step")}
     want |= {"ranks/own_time_min_s", "ranks/own_time_median_s", "ranks/own_time_max_s"}
     assert want <= tags, want - tags
 
@@ -232,3 +232,38 @@ def test_memory_snapshots_on_demand_and_on_out_of_memory(tmp_path, monkeypatch):
         "memory_snapshot_rank3_step40.pickle",
         "memory_snapshot_rank3_oom.pickle",
     ]
+
+
+def test_a_slow_rank_is_measured_against_the_others_and_the_wait_shows_as_waiting(monkeypatch, caplog):
+    """Fabricated own times of two ranks, one five times slower: 5.0x the other rank (the median of
+    both, their mean, read 1.7x); the fast rank's wait for it is "waiting", out of "other"."""
+    import logging
+
+    from pretrain.training import step_timer
+
+    times = [0.1, 0.5]
+    monkeypatch.setattr(step_timer, "gather_floats", lambda own: list(times))
+    slow = step_timer.SlowRanks(0, ["a", "b"], factor=1.5, windows=2)
+    seconds = {"data": 0.02, "forward": 0.08, "backward": 0.3, "optimizer": 0.05, "other": 0.45, "step": 0.9}
+    with caplog.at_level(logging.WARNING, logger="grt.train"):
+        for step in (1, 2, 3):
+            breakdown, scalars = slow.observe(seconds, step)
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert warning.startswith("slow rank: rank 1 on b took 0.500 s of its own time per step at step 2, 5.0x")
+    assert "the median of the other ranks' 0.100 s" in warning
+    assert breakdown["waiting"] == pytest.approx(0.4) and breakdown["other"] == pytest.approx(0.05)
+    assert sum(breakdown[k] for k in step_timer.BREAKDOWN) == pytest.approx(seconds["step"])
+    assert scalars["ranks/slowest"] == 1.0 and scalars["ranks/own_time_max_s"] == 0.5
+    shares = step_timer.breakdown_scalars(breakdown)
+    assert shares["time/waiting_s"] == pytest.approx(0.4) and shares["time/waiting_share"] == pytest.approx(0.4 / 0.9)
+    # the slow rank waits for no one; its wait is never more than its "other"
+    slow_rank = step_timer.SlowRanks(1, ["a", "b"], factor=1.5, windows=2)
+    own = {**seconds, "data": 0.1, "forward": 0.4}
+    assert slow_rank.observe(own, 1)[0]["waiting"] == 0.0
+    times[:] = [0.1, 5.0]
+    assert slow.observe(seconds, 4)[0]["waiting"] == seconds["other"]
+    # one rank: its own yardstick, never slow, never waiting
+    times[:] = [0.1]  # its own
+    alone = step_timer.SlowRanks(0, ["a"], factor=1.5, windows=1)
+    breakdown, _ = alone.observe(seconds, 1)
+    assert breakdown["waiting"] == 0.0 and not alone.named
