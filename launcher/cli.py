@@ -565,6 +565,8 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
             from pretrain.training.start import plan_start, say
 
             plan = plan_start(cfg, resume, local_world_size)
+            if plan.nothing_to_do:  # a finished run: no rank is started, nothing is written (exit 0)
+                raise LaunchError(plan.nothing_to_do, code=0)
             for line in plan.notes:  # what the start changes in the config given (the ranks get the plan's)
                 say(line)
             if plan.resume is not None:  # what the resume changes, said here as the ranks will

@@ -32,6 +32,7 @@ from pretrain.runs.run_config import (  # noqa: E402
     is_model_override,
     load_manifest,
     mark_given,
+    with_data_paths,
 )
 from pretrain.training import branch  # noqa: E402
 
@@ -187,6 +188,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     mark_given(cfg, {f"train.{key}" for key in branch.given_train_keys(args)})  # and --steps (settings_rules.py)
     if source is not None:
         branch.configure(cfg, source, branch.given_train_keys(args))  # wsd, its length, branch_from
+    callers_paths(cfg)
     if not args.out and not args.config_json and source is None:
         from pretrain.training.start import say
 
@@ -194,6 +196,27 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         say(f"run directory {cfg.out} (no --out given)")
     cfg.validate()
     return cfg
+
+
+def callers_paths(cfg: RunConfig) -> None:
+    """The files a run reads later, by the caller's working directory, once, here (issue 41): the
+    data's manifests and a DeepSpeed file found there, made absolute, so that the config.json the
+    run saves (which a --resume, `grt export`'s run_config.json, `grt eval` and `grt analyze` read
+    again, from any directory) names the same files. A shipped DeepSpeed file named by its name
+    (ds_configs/zero3.json, found from any directory) and a URL stay as they are; so does --out,
+    which only this command and its ranks (in this directory) use."""
+    from pretrain.training.ds_config import shipped_ds_file
+
+    if cfg.data:
+        cfg.data = with_data_paths(cfg.data, absolute)
+    # the caller's own file, which `resolve_ds_path` takes before a shipped one of that name
+    if cfg.ds_config and os.path.exists(cfg.ds_config) and not shipped_ds_file(cfg.ds_config):
+        cfg.ds_config = absolute(cfg.ds_config)
+
+
+def absolute(path: str) -> str:
+    """A path made absolute against the working directory (a URL as it is)."""
+    return path if os.path.isabs(path) or "://" in path else os.path.abspath(path)
 
 
 def printed_config(cfg: RunConfig, resume: bool) -> dict[str, Any]:

@@ -364,7 +364,13 @@ def with_data_paths(data: str, change: Callable[[str], str]) -> str:
     sources = data_sources(data)
     if sources is None:
         return change(data)
-    return ",".join(f"{s.name}={s.weight:g}:{change(s.path)}" for s in sources)
+    return ",".join(f"{s.name}={_weight_text(s.weight)}:{change(s.path)}" for s in sources)
+
+
+def _weight_text(weight: float) -> str:
+    """A mixture weight as short as it reads back exactly (0.7, 1, 0.123456789)."""
+    short = f"{weight:g}"
+    return short if float(short) == weight else repr(weight)
 
 
 def global_batch(train: TrainConfig, world: int) -> int:

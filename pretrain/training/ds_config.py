@@ -47,6 +47,15 @@ def resolve_ds_path(path: str | Path) -> Path:
     return p
 
 
+def shipped_ds_file(path: str | Path) -> bool:
+    """Whether `path` names a shipped config by its shipped name (`ds_configs/zero3.json` from the
+    checkout, `zero3.json` from ds_configs/): a name that finds it from any directory."""
+    p = Path(path)
+    if p.is_absolute() or not p.exists():
+        return False
+    return any((base / p).is_file() and (base / p).samefile(p) for base in (PROJECT_ROOT, SHIPPED_DIR))
+
+
 def load_ds_json(path: str | Path) -> dict[str, Any]:
     return load_json_object(
         resolve_ds_path(path),

@@ -74,9 +74,11 @@ class StartPhases:
         else:
             print(f"grt train: {message}", file=sys.stderr, flush=True)
 
-    def begin(self, name: str) -> None:
+    def begin(self, name: str, announce: bool = True) -> None:
+        """`announce=False`: the phase is said only when done (the checks: a refusal in them stays one line)."""
         self.done()
-        self._line(f"start: {name} ...")
+        if announce:
+            self._line(f"start: {name} ...")
         self.current = (name, self.clock())
 
     def done(self) -> None:

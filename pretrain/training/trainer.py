@@ -84,7 +84,7 @@ class Trainer:
         group, the heartbeat's store, the lock's agreement, the engine, the load, the hosts' gather."""
         plan, cfg, t, closing = self.plan, self.cfg, self.cfg.train, self.closing
         self.phases = phases = StartPhases(say=discover().rank == 0)  # the start's progress, on rank 0
-        phases.begin("checks")
+        phases.begin("checks", announce=False)  # a refusal in them is one line
         self.tasks = TaskEval.build(cfg, plan.data.tokenizer_path)  # task files read once; None: off
         deepspeed_internals.check()
         self.stop = StopSignal()  # before the slow start-up: a signal during it stops after the first step

@@ -13,7 +13,7 @@ from pretrain.config import ConfigError
 from pretrain.model.flops import flops_per_token
 from pretrain.presets import get_preset
 from pretrain.runs.run_config import RunConfig
-from pretrain.tools import compare, compare_eval, compare_runs, compare_sizing
+from pretrain.tools import compare, compare_eval, compare_runs, compare_sizing, compare_table
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -49,7 +49,7 @@ def test_matching_flops_and_params():
 
 def test_method_names_follow_the_ladder():
     names = [
-        compare.describe_method(get_preset(n))
+        compare_table.describe_method(get_preset(n))
         for n in (
             "ladder-0-loop-only",
             "ladder-1-prelude-coda",

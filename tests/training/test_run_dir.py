@@ -102,6 +102,11 @@ def test_nothing_to_do_is_said_and_changes_no_file(finished, tmp_path, capsys):
     assert not r.stdout.strip(), r.stdout
     rc, printed, err = run_main(capsys, *resume_command(out, "--steps", "1")[1:])
     assert rc == 0 and f"is at step {STEPS} of 1 (train.steps=1 is below the checkpoint's step)" in err, err
+    # grt launch plans the start on its host: no rank is started, no launch file written
+    from launcher.cli import main as launch
+
+    assert launch(["--cpu", "--procs-per-node", "2", "--", *resume_command(out)[1:]]) == 0
+    assert f"grt launch: nothing to do: {out} is at step {STEPS} of {STEPS}" in capsys.readouterr().err
     assert file_states(out) == before
 
 
