@@ -188,7 +188,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     mark_given(cfg, {f"train.{key}" for key in branch.given_train_keys(args)})  # and --steps (settings_rules.py)
     if source is not None:
         branch.configure(cfg, source, branch.given_train_keys(args))  # wsd, its length, branch_from
-    callers_paths(cfg)
+    named = {key for key, value in (("data", data), ("ds_config", args.ds_config or args.deepspeed)) if value}
+    callers_paths(cfg, named | ({"data", "ds_config"} & given))
     if not args.out and not args.config_json and source is None:
         from pretrain.training.start import say
 
@@ -198,19 +199,21 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     return cfg
 
 
-def callers_paths(cfg: RunConfig) -> None:
-    """The files a run reads later, by the caller's working directory, once, here (issue 41): the
-    data's manifests and a DeepSpeed file found there, made absolute, so that the config.json the
-    run saves (which a --resume, `grt export`'s run_config.json, `grt eval` and `grt analyze` read
-    again, from any directory) names the same files. A shipped DeepSpeed file named by its name
+def callers_paths(cfg: RunConfig, keys: set[str]) -> None:
+    """The files this command line names (`keys`: data, ds_config) that the run reads again later,
+    resolved against the caller's working directory once, here (issue 41): the data's manifests
+    and a DeepSpeed file found there, made absolute, so that the config.json the run saves (which
+    a --resume, `grt export`'s run_config.json, `grt eval` and `grt analyze` read again, from any
+    directory) names the same files. A shipped DeepSpeed file named by its name
     (ds_configs/zero3.json, found from any directory) and a URL stay as they are; so does --out,
-    which only this command and its ranks (in this directory) use."""
+    which only this command and its ranks (started in this directory) use, and so does a path of
+    a saved config (a --resume's base): where it was relative to is not known here."""
     from pretrain.training.ds_config import shipped_ds_file
 
-    if cfg.data:
+    if "data" in keys and cfg.data:
         cfg.data = with_data_paths(cfg.data, absolute)
     # the caller's own file, which `resolve_ds_path` takes before a shipped one of that name
-    if cfg.ds_config and os.path.exists(cfg.ds_config) and not shipped_ds_file(cfg.ds_config):
+    if "ds_config" in keys and os.path.exists(cfg.ds_config) and not shipped_ds_file(cfg.ds_config):
         cfg.ds_config = absolute(cfg.ds_config)
 
 

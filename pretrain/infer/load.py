@@ -152,7 +152,7 @@ def consolidate(step_dir: Path) -> dict[str, torch.Tensor]:
 
     # its progress bars only where someone watches: in a log or a pipe they are lines of noise
     quiet = contextlib.nullcontext() if sys.stderr.isatty() else contextlib.redirect_stderr(io.StringIO())
-    with quiet:
+    with quiet, contextlib.redirect_stdout(sys.stderr):  # its "Processing zero checkpoint" lines: not the output
         state = get_fp32_state_dict_from_zero_checkpoint(str(step_dir.parent), tag=step_dir.name)
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 

@@ -76,9 +76,8 @@ class Validation:
             if name:
                 values[f"val/{name}/loss"] = losses[max_r]
                 values.update({f"val/{name}/loss_depth_{k}": v for k, v in losses.items()})
-        self.writer.scalars(step, values)
+        self.writer.scalars(step, values, tokens=tokens_seen)  # each also against tokens (by_tokens/)
         record["val"] = values
-        self.writer.scalars_by_tokens(tokens_seen, {"val/loss": full})
         for name, losses in [*((n, v) for n, v in per_source.items() if n), ("", by_depth)]:
             log.info(
                 "validation at step %d%s: loss %.4f at full depth; by exit depth: %s",

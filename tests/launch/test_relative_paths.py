@@ -152,7 +152,7 @@ def test_export_eval_generate_analyze_from_another_directory(dirs, data, run, mo
     gen = ["generate", f"../work/{RUN}", "--prompt", "To be", "--max-new-tokens", "3", "--greedy", "--json"]
     rc, out, err = here([*gen, "--tokenizer", f"../work/{DATA}/tok.model"], capsys)
     assert rc == 0, err
-    assert json.loads(out)["samples"][0].startswith("To be")
+    assert json.loads(out)["samples"][0].startswith("To be")  # stdout is the JSON alone
     analyze = ["analyze", "rel-export", "--data", MANIFEST, "--out", "rel-analysis", "--batch-size", "4"]
     rc, _, err = here([*analyze, "--max-batches", "1", "--freq-batches", "2", "--cka-tokens", "64"], capsys)
     assert rc == 0, err
