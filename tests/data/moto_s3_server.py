@@ -1,5 +1,8 @@
 """moto's S3 server mode on 127.0.0.1:PORT, appending `method path status body-bytes` to LOG for
-every response (moto's own request log has no byte counts). Usage: moto_s3_server.py PORT LOG"""
+every response (moto's own request log has no byte counts). Usage:
+moto_s3_server.py PORT LOG [BUCKET PREFIX FILE...]: with a bucket, it is made and each FILE put
+at PREFIX/NAME before the port listens, so a restarted server (moto keeps its state in memory
+only) serves the same objects from its first request."""
 
 import sys
 import threading
@@ -29,5 +32,16 @@ def counting(app, log_path):
 
 if __name__ == "__main__":
     port, log = int(sys.argv[1]), sys.argv[2]
+    if len(sys.argv) > 3:
+        from pathlib import Path
+
+        from moto.core import DEFAULT_ACCOUNT_ID
+        from moto.s3.models import s3_backends
+
+        bucket, prefix = sys.argv[3], sys.argv[4]
+        backend = s3_backends[DEFAULT_ACCOUNT_ID]["global"]
+        backend.create_bucket(bucket, "us-east-1")
+        for f in map(Path, sys.argv[5:]):
+            backend.put_object(bucket, f"{prefix}/{f.name}", f.read_bytes())
     app = counting(DomainDispatcherApplication(create_backend_app), log)
     make_server("127.0.0.1", port, app, threaded=True).serve_forever()

@@ -102,18 +102,27 @@ class Nginx:
 
 class MotoS3:
     """moto's S3 server mode on an ephemeral port, its request log giving body bytes sent; the
-    environment that s3fs/boto3 read (endpoint, dummy credentials, region) is set by `env`."""
+    environment that s3fs/boto3 read (endpoint, dummy credentials, region) is set by `env`.
+    `seed` (bucket, key prefix, files) is put in before the port listens, at every `start`: a
+    restart (`stop`, `start`) serves the same objects on the same port."""
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, seed: tuple[str, str, list[Path]] | None = None) -> None:
         pytest.importorskip("s3fs")
         pytest.importorskip("moto.server")
-        self.port, self.log = free_port(), work / "s3.log"
-        self.proc = subprocess.Popen(
-            [sys.executable, str(MOTO_SERVER), str(self.port), str(self.log)],
-            stdout=subprocess.DEVNULL,
-            stderr=open(work / "s3.err", "w"),  # noqa: SIM115 (kept for the server's life)
-        )
-        _wait_listening(self.port, self.proc, "moto server", work / "s3.err")
+        self.port, self.log, self.work, self.seed = free_port(), work / "s3.log", work, seed
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        args = [str(self.port), str(self.log)]
+        if self.seed is not None:
+            bucket, prefix, files = self.seed
+            args += [bucket, prefix, *map(str, files)]
+        with open(self.work / "s3.err", "a") as err:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, str(MOTO_SERVER), *args], stdout=subprocess.DEVNULL, stderr=err
+            )
+        _wait_listening(self.port, self.proc, "moto server", self.work / "s3.err")
 
     @property
     def env(self) -> dict[str, str]:
@@ -131,5 +140,8 @@ class MotoS3:
         self.log.write_text("")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
+        """Its connections are dropped, and then refused until `start`."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+        self.proc = None

@@ -18,7 +18,7 @@ from servers import MotoS3, Nginx
 
 from data_pipeline.loader import DIGEST_MOD, TokenBatchLoader, sample_digest
 from data_pipeline.manifest import Manifest
-from data_pipeline.mixture import DataMixture, MixtureLoader, parse_sources
+from data_pipeline.mixture import AllCapped, DataMixture, MixtureLoader, parse_sources
 from data_pipeline.shards import MissingShardError, ShardError, UnreachableShardError
 
 SHARDS = 24  # of the session's seq-64 shards: ~2,300 samples, enough for several shuffle blocks
@@ -107,16 +107,16 @@ def test_http_epoch_reads_each_byte_once_and_the_local_samples(served, local_dig
     _assert_each_byte_once(ranges)
 
 
-def test_http_server_restarted_mid_epoch_loses_or_repeats_nothing(served, local_digests, monkeypatch):
-    monkeypatch.setenv("GRT_SHARD_RETRY_S", "60")
-    server = served["server"]
-    loaders = [TokenBatchLoader(str(served["http"]), rank=r, world_size=2, num_workers=2, **KW) for r in range(2)]
+def _restarted_epoch(manifest: Path, stop, start, steps: int, outage_s: float) -> tuple[list[int], float]:
+    """One epoch of 2 ranks x 2 workers, the server stopped a third into it and started again
+    `outage_s` later: each step's digest and the longest a step waited."""
+    loaders = [TokenBatchLoader(str(manifest), rank=r, world_size=2, num_workers=2, **KW) for r in range(2)]
     its = [iter(loader) for loader in loaders]
     digests, longest_wait, restarter = [], 0.0, None
-    for step in range(len(local_digests)):
-        if step == len(local_digests) // 3:  # connections in flight are dropped, then refused for 1.5 s
-            server.stop()
-            restarter = threading.Timer(1.5, server.start)
+    for step in range(steps):
+        if step == steps // 3:
+            stop()
+            restarter = threading.Timer(outage_s, start)
             restarter.start()
         t0 = time.monotonic()
         digests.append(sum(sample_digest(next(it)["input_ids"]) for it in its) % DIGEST_MOD)
@@ -124,6 +124,13 @@ def test_http_server_restarted_mid_epoch_loses_or_repeats_nothing(served, local_
     assert restarter is not None
     restarter.join()
     assert all(next(it, None) is None for it in its)  # nothing more in the epoch
+    return digests, longest_wait
+
+
+def test_http_server_restarted_mid_epoch_loses_or_repeats_nothing(served, local_digests, monkeypatch):
+    monkeypatch.setenv("GRT_SHARD_RETRY_S", "60")
+    server = served["server"]  # connections in flight are dropped, then refused for 1.5 s
+    digests, longest_wait = _restarted_epoch(served["http"], server.stop, server.start, len(local_digests), 1.5)
     assert digests == local_digests
     assert longest_wait > 0.5, "the loader never waited for the server: the outage was not hit"
 
@@ -176,6 +183,32 @@ def test_s3_epoch_reads_its_bytes_once_and_the_local_samples(served, monkeypatch
         s3.stop()
 
 
+def test_s3_server_restarted_mid_epoch_loses_or_repeats_nothing(served, monkeypatch, tmp_path):
+    """moto keeps its objects in memory: the restarted server is seeded with the same shards
+    before it listens. The retries are bounded: no step waits much longer than the outage."""
+    count = 8
+    names, src = served["names"][:count], Path(served["local"]).parent
+    files = [Path(served["src"]) / n for n in names]
+    local = _write_manifest(src, tmp_path / "local", [str(f) for f in files], 0, count)
+    reference = _step_digests(local, world=2, workers=2)
+    s3 = MotoS3(tmp_path, seed=("grt-shards", "corpus", files))
+    try:
+        for k, v in s3.env.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("GRT_SHARD_RETRY_S", "60")
+        manifest = _write_manifest(src, tmp_path / "s3", [f"s3://grt-shards/corpus/{n}" for n in names], 0, count)
+        t0 = time.monotonic()
+        digests, longest_wait = _restarted_epoch(manifest, s3.stop, s3.start, len(reference), outage_s=1.5)
+        ratio = s3.bytes_served("GET") / _shard_bytes(manifest)
+        print(f"s3 restart: longest step {longest_wait:.2f} s, epoch {time.monotonic() - t0:.1f} s, {ratio:.3f} x")
+        assert digests == reference
+        assert longest_wait > 0.5, "the loader never waited for the server: the outage was not hit"
+        assert longest_wait < 15, "retried far longer than the outage (backoff is capped at 5 s)"
+        assert ratio <= 1.2  # the requests cut by the stop are asked again, nothing else
+    finally:
+        s3.stop()
+
+
 def test_mixture_with_a_url_source_resumed_on_another_world_size(served):
     """One local and one http source, 2 ranks x 2 workers for 6 steps, then resumed on 1 rank:
     every step's samples are those of the same mixture read from local files without a break."""
@@ -202,3 +235,41 @@ def test_mixture_with_a_url_source_resumed_on_another_world_size(served):
     first, loaders = run(mixture("b_http"), world=2, steps=6)
     rest, _ = run(mixture("b_http"), world=1, steps=8, state=loaders[0].state_dict())
     assert first + rest == reference
+
+
+def test_mixture_reads_its_url_source_once_and_the_local_samples(served):
+    """One local and one http source, each read once (max_repeats 1), 2 ranks x 2 workers: nginx
+    serves the http source's shards' bytes about once, and every step's samples are those of the
+    same mixture read from local files."""
+
+    def epoch(b: str) -> tuple[list[int], dict[str, int]]:
+        text = f"a=0.6:{served['a']},b=0.4:{served[b]}"
+        data = DataMixture.load(text, parse_sources(text) or [])
+        loaders = [
+            MixtureLoader(
+                data, micro_batch_size=4, rank=r, world_size=2, num_workers=2, global_batch=8, shuffle_buffer=64,
+                seed=3, max_repeats=1.0,
+            )  # fmt: skip
+            for r in range(2)
+        ]
+        its, out = [iter(loader) for loader in loaders], []
+        while True:
+            try:
+                out.append(sum(sample_digest(next(it)["input_ids"]) for it in its) % DIGEST_MOD)
+            except (AllCapped, StopIteration):
+                break
+        for it in its:  # the other rank's workers are still reading ahead: stop them now, not at exit
+            it.close()
+        return out, dict(zip(data.names, loaders[0].cursors.tolist(), strict=True))
+
+    server = served["server"]
+    reference, _ = epoch("b_local")
+    server.clear_log()
+    digests, drawn = epoch("b_http")
+    assert digests == reference
+    sequences = sum(s.sequences for s in Manifest.load(str(served["b_http"])).shards("train"))
+    assert drawn["b"] == sequences  # its epoch is complete: every sample of it was drawn once
+    ratio = server.bytes_served("/shards/") / _shard_bytes(served["b_http"])
+    print(f"mixture: {len(digests)} steps, b's {sequences} samples, {ratio:.3f} x its shards' bytes")
+    assert 0.9 < ratio <= 1.1
+    _assert_each_byte_once(server.ranges("/shards/"))
