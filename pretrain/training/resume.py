@@ -259,6 +259,8 @@ def check_tag(
     applied = _changes(_flat("train", old_t), _flat("train", new_t)) + _path_changes(
         {k: saved[k] for k in top}, {k: now[k] for k in top}
     )
+    if cfg.train.tokens:  # the steps follow the budget from the tokens trained: its own line says them (start.py)
+        applied = [change for change in applied if not change.startswith("train.steps ")]
     if applied and discover().rank == 0:
         if wsd:
             note = schedule_note

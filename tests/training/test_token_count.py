@@ -45,6 +45,7 @@ def test_a_resume_with_a_changed_batch_trains_the_budget_in_tokens(shards, tmp_p
     said = job.output(0)
     assert "train.tokens=3072: 8 steps (4 trained, 1024 tokens; then 4 of 512 tokens) (3072 tokens)" in said, said
     assert "for 8 steps" in said
+    assert "train.steps 4 -> 6" not in said  # the fresh run's count of the budget is not what trains
     state = torch.load(out / "checkpoints" / "step00000004" / "rank0_state.pt", weights_only=False)
     assert state["tokens"] == {"": 1024}  # the count the budget went on from, saved with the checkpoint
 
