@@ -4,7 +4,8 @@ through fsspec (s3fs / gcsfs, which read their credentials from the environment)
 A shard written by ``grt data prepare`` puts member i at byte ``i * member_size``, so a loader
 worker fetches exactly the members it needs: one request per run of neighbouring members, over
 a bounded number of connections. A dropped connection, a timeout or a 5xx is retried with
-backoff for a bounded time; a 404 is a missing shard and a 401/403 stops at once. Settings
+backoff for a bounded time; a 404 is a missing shard, and a 401/403 or a TLS certificate that
+fails verification (trusted through ``SSL_CERT_FILE``, which urllib3 reads) stops at once. Settings
 (environment, so that they reach every loader worker process):
 
 * ``GRT_SHARD_CONNECTIONS`` (default 4): concurrent requests per loader worker;
@@ -141,6 +142,12 @@ class RangedReader:
                 timeout=urllib3.Timeout(connect=self.timeout, read=self.timeout),
             )
         except urllib3.exceptions.HTTPError as exc:  # refused, reset, timed out, body cut short
+            if _is_untrusted_certificate(exc):  # another attempt cannot help
+                raise UnreachableShardError(
+                    url,
+                    f"its TLS certificate is not trusted ({_one_line(exc)}): put the CA's certificate in a "
+                    "bundle file named by SSL_CERT_FILE",
+                ) from None
             raise _Retry(f"{type(exc).__name__}: {exc}") from None
         status = resp.status
         if status == 206:
@@ -211,3 +218,22 @@ def _is_credentials_error(exc: BaseException) -> bool:
     """No or rejected credentials: another attempt cannot help."""
     name = type(exc).__name__
     return name in ("NoCredentialsError", "PartialCredentialsError") or "InvalidAccessKeyId" in str(exc)
+
+
+def _is_untrusted_certificate(exc: BaseException) -> bool:
+    """A server certificate that fails verification (unknown CA, self-signed, expired, another host)."""
+    import ssl
+
+    seen: BaseException | None = exc
+    for _ in range(4):  # urllib3 wraps the ssl error: SSLError(SSLCertVerificationError) or inside MaxRetryError
+        if seen is None:
+            return False
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return True
+        nested = [a for a in getattr(seen, "args", ()) if isinstance(a, BaseException)]
+        seen = getattr(seen, "reason", None) or (nested[0] if nested else None) or seen.__cause__ or seen.__context__
+    return "CERTIFICATE_VERIFY_FAILED" in str(exc)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())

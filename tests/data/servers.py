@@ -42,31 +42,34 @@ def _log_lines(path: Path) -> list[list[str]]:
 
 class Nginx:
     """nginx serving `root` on an ephemeral port. `/denied/` answers 403 and `/busy/` 503; the
-    access log has one line per request: method, path, status, body bytes sent, Range header."""
+    access log has one line per request: method, path, status, body bytes sent, Range header.
+    With `tls` (certificate file, key file) it serves HTTPS only."""
 
-    def __init__(self, root: Path, work: Path) -> None:
+    def __init__(self, root: Path, work: Path, tls: tuple[Path, Path] | None = None) -> None:
         if shutil.which("nginx") is None:
             pytest.skip("nginx is not installed (bash scripts/install.sh installs Debian's)")
-        self.root, self.work, self.port = root, work, free_port()
+        self.root, self.work, self.port, self.tls = root, work, free_port(), tls
         self.access_log = work / "access.log"
         self.proc: subprocess.Popen | None = None
         for d in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
             (work / d).mkdir(parents=True, exist_ok=True)
         user = "user root;\n" if os.geteuid() == 0 else ""  # its workers must read the test's private temp dirs
+        listen = f"{HOST}:{self.port}" + (" ssl" if tls else "")
+        certs = f"    ssl_certificate {tls[0]};\n    ssl_certificate_key {tls[1]};\n" if tls else ""
         temps = "".join(f"  {d}_temp_path {work / d};\n" for d in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
         (work / "nginx.conf").write_text(
             f"{user}daemon off;\nworker_processes 1;\npid {work / 'nginx.pid'};\nerror_log {work / 'error.log'};\n"
             "events { worker_connections 512; }\nhttp {\n"
             "  log_format bytes '$request_method $uri $status $body_bytes_sent $http_range';\n"
             f"  access_log {self.access_log} bytes;\n{temps}"
-            f"  server {{\n    listen {HOST}:{self.port};\n    root {root};\n"
+            f"  server {{\n    listen {listen};\n{certs}    root {root};\n"
             "    location /denied/ { deny all; }\n    location /busy/ { return 503; }\n  }\n}\n"
         )
         self.start()
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{HOST}:{self.port}"
 
     def start(self) -> None:
         conf = self.work / "nginx.conf"

@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from servers import MotoS3, Nginx
+from servers import HOST, MotoS3, Nginx
 
 from data_pipeline.loader import DIGEST_MOD, TokenBatchLoader, sample_digest
 from data_pipeline.manifest import Manifest
-from data_pipeline.mixture import AllCapped, DataMixture, MixtureLoader, parse_sources
+from data_pipeline.mixture import DataMixture, MixtureLoader, parse_sources
 from data_pipeline.shards import MissingShardError, ShardError, UnreachableShardError
 
 SHARDS = 24  # of the session's seq-64 shards: ~2,300 samples, enough for several shuffle blocks
@@ -238,28 +239,31 @@ def test_mixture_with_a_url_source_resumed_on_another_world_size(served):
 
 
 def test_mixture_reads_its_url_source_once_and_the_local_samples(served):
-    """One local and one http source, each read once (max_repeats 1), 2 ranks x 2 workers: nginx
-    serves the http source's shards' bytes about once, and every step's samples are those of the
-    same mixture read from local files."""
+    """One local and one http source, each read once (max_repeats 1), on 2 ranks: nginx serves
+    the http source's shards' bytes about once, and every step's samples are those of the same
+    mixture read from local files. No loader workers: the workers that read ahead up to the
+    sources' cap (AllCapped) take ~5 s each to shut down and hang the interpreter's exit."""
 
     def epoch(b: str) -> tuple[list[int], dict[str, int]]:
         text = f"a=0.6:{served['a']},b=0.4:{served[b]}"
         data = DataMixture.load(text, parse_sources(text) or [])
         loaders = [
             MixtureLoader(
-                data, micro_batch_size=4, rank=r, world_size=2, num_workers=2, global_batch=8, shuffle_buffer=64,
-                seed=3, max_repeats=1.0,
+                data,
+                micro_batch_size=4,
+                rank=r,
+                world_size=2,
+                num_workers=0,
+                global_batch=8,
+                shuffle_buffer=64,
+                seed=3,
+                max_repeats=1.0,
             )  # fmt: skip
             for r in range(2)
         ]
-        its, out = [iter(loader) for loader in loaders], []
-        while True:
-            try:
-                out.append(sum(sample_digest(next(it)["input_ids"]) for it in its) % DIGEST_MOD)
-            except (AllCapped, StopIteration):
-                break
-        for it in its:  # the other rank's workers are still reading ahead: stop them now, not at exit
-            it.close()
+        steps = sum(data.source_sequences("train").values()) // 8  # the global batches the sources fill
+        its = [iter(loader) for loader in loaders]
+        out = [sum(sample_digest(next(it)["input_ids"]) for it in its) % DIGEST_MOD for _ in range(steps)]
         return out, dict(zip(data.names, loaders[0].cursors.tolist(), strict=True))
 
     server = served["server"]
@@ -273,3 +277,47 @@ def test_mixture_reads_its_url_source_once_and_the_local_samples(served):
     print(f"mixture: {len(digests)} steps, b's {sequences} samples, {ratio:.3f} x its shards' bytes")
     assert 0.9 < ratio <= 1.1
     _assert_each_byte_once(server.ranges("/shards/"))
+
+
+def _self_signed(work: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 (and its key), made by openssl."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: no certificate for the HTTPS server")
+    cert, key = work / "cert.pem", work / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={HOST}",
+         "-addext", f"subjectAltName=IP:{HOST}", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+def test_https_with_a_trusted_self_signed_certificate(served, local_digests, monkeypatch, tmp_path):
+    """nginx over TLS: the certificate is trusted through SSL_CERT_FILE (what urllib3 reads, by
+    OpenSSL's default paths; REQUESTS_CA_BUNDLE is requests' own and does not apply), the epoch
+    reads the local samples and each byte about once; untrusted, the read stops at once, in one
+    line naming the URL."""
+    cert, key = _self_signed(tmp_path)
+    server = Nginx(served["tmp"] / "www", tmp_path / "nginx", tls=(cert, key))
+    try:
+        names, src = served["names"], Path(served["local"]).parent
+        manifest = _write_manifest(src, tmp_path / "https", [f"{server.url}/shards/{n}" for n in names], 0, SHARDS)
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        assert _step_digests(manifest, world=2, workers=2) == local_digests
+        ratio = server.bytes_served("/shards/") / _shard_bytes(manifest)
+        print(f"https: {ratio:.3f} x the shards' bytes")
+        assert 0.9 < ratio <= 1.1
+        _assert_each_byte_once(server.ranges("/shards/"))
+
+        monkeypatch.delenv("SSL_CERT_FILE")  # the system's CAs only: ours is unknown
+        monkeypatch.setenv("GRT_SHARD_RETRY_S", "30")
+        url = f"{server.url}/shards/{names[0]}"
+        loader = TokenBatchLoader(str(_write_manifest(src, tmp_path / "untrusted", [url], 0, 1)), micro_batch_size=4)
+        t0 = time.monotonic()
+        with pytest.raises(UnreachableShardError, match="TLS certificate is not trusted.*SSL_CERT_FILE") as info:
+            next(iter(loader))
+        assert url in str(info.value) and "\n" not in str(info.value), str(info.value)
+        assert time.monotonic() - t0 < 5, "a certificate that fails verification was retried"
+        print(info.value)
+    finally:
+        server.stop()
