@@ -6,6 +6,7 @@ trainer, `grt compare`'s step timing and the gradient checks build it the same w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,17 +35,25 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_engine(
-    cfg: RunConfig, world_size: int, device: torch.device, seq_len: int | None = None, ds: dict | None = None
+    cfg: RunConfig,
+    world_size: int,
+    device: torch.device,
+    seq_len: int | None = None,
+    ds: dict | None = None,
+    phase: Callable[[str], None] = lambda _name: None,
 ) -> tuple[DeepSpeedEngine, dict]:
     """The DeepSpeed engine and its merged config (`ds`, when the caller has merged it already).
     Activation checkpointing is applied after DeepSpeed has placed the weights and optimizer
-    state, so that `auto` sees what is left; compilation with it (`checkpoint_and_compile`)."""
+    state, so that `auto` sees what is left; compilation with it (`checkpoint_and_compile`).
+    `phase` is told as the model and then the engine begin (the start's progress, step_log.py)."""
     import deepspeed
 
     ds = ds or build_ds_config(load_ds_json(cfg.ds_config), cfg.train, world_size, device.type == "cuda")
+    phase("model")
     with deepspeed.zero.Init(config_dict_or_path=ds, enabled=zero_stage(ds) == 3):
         model = build_model(cfg.model)
     t, seq_len = cfg.train, seq_len or cfg.model.max_seq_len
+    phase("engine")
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=param_groups(model, t.weight_decay),

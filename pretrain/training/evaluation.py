@@ -90,9 +90,16 @@ class Validation:
 
 
 def score_tasks(
-    tasks: TaskEval, model: GPT, step: int, rank: int, world: int, device: torch.device, writer: MetricsWriter
+    tasks: TaskEval,
+    model: GPT,
+    step: int,
+    tokens_seen: int,
+    rank: int,
+    world: int,
+    device: torch.device,
+    writer: MetricsWriter,
 ) -> None:
     """The zero-shot tasks at this step (train.eval_tasks_every, task_eval.py), on every rank:
     TensorBoard tasks/<task>/<metric>_depth_<d>, <out>/tasks.jsonl, one log line with the cost."""
     scores = tasks.score(model, step, rank, world, device)
-    log.info("%s", tasks.report(scores, writer, writer.out, rank))
+    log.info("%s", tasks.report(scores, tokens_seen, writer, writer.out, rank))

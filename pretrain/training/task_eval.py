@@ -171,12 +171,12 @@ class TaskEval:
             f"{100 * scores.share:.1f}% of the time since the first step ({scores.spent:.1f} of {scores.elapsed:.1f} s)"
         )
 
-    def report(self, scores: TaskScores, writer: MetricsWriter, out: Path, rank: int) -> str:
+    def report(self, scores: TaskScores, tokens_seen: int, writer: MetricsWriter, out: Path, rank: int) -> str:
         """TensorBoard (the writer), and on rank 0 one record in <out>/tasks.jsonl (a step written
         again, after a resume or a rollback, first drops the records from it on); the log line."""
         from pretrain.training.metrics import trim_records
 
-        writer.scalars(scores.step, self.scalars(scores))
+        writer.scalars(scores.step, self.scalars(scores), tokens=tokens_seen)  # each also against tokens
         if rank == 0:
             path = out / RECORDS
             if self.last_written is None or scores.step <= self.last_written:

@@ -100,19 +100,18 @@ class Trainer:
         self.spikes = LossSpikes(t.loss_spike_threshold, say=self.rank == 0)  # its history: the checkpoint's
         run_dir.take_lock()
         deepspeed_internals.quiet_deprecated_collectives()
-        phases.begin("model and engine")
         self.device = torch.device(f"cuda:{info.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(t.seed + self.rank)
-        self.engine, ds = build_engine(cfg, self.world, self.device, plan.data.seq_len, plan.ds)
+        self.engine, ds = build_engine(cfg, self.world, self.device, plan.data.seq_len, plan.ds, phases.begin)
         peak, peak_note = peak_flops(self.device, t.peak_tflops)
         log_start(cfg, self.engine, ds, self.world, plan.tokens_per_step, peak_note)
         phases.begin("data")
         self.data = RunData(plan, self.rank, self.world)
         self.checkpoints = RunCheckpoints(plan, self.rank, self.world)
-        if plan.resume is not None:
-            phases.begin("checkpoint load")
+        if plan.resume is not None:  # written on another world size: DeepSpeed's universal conversion
+            phases.begin("checkpoint conversion and load" if plan.resume.universal else "checkpoint load")
         loaded = self.checkpoints.load(self.engine) if plan.resume is not None else None
         if loaded is not None:
             self.step = loaded.step
@@ -235,7 +234,16 @@ class Trainer:
                 last_val = self.validation.run(self.engine, self.step, self.data.trained.total, record)
                 self.back_to_training()
             if self.tasks is not None and self.tasks.due(self.step, t.steps):  # collectives
-                score_tasks(self.tasks, self.engine.module, self.step, self.rank, self.world, self.device, self.writer)
+                score_tasks(
+                    self.tasks,
+                    self.engine.module,
+                    self.step,
+                    self.data.trained.total,
+                    self.rank,
+                    self.world,
+                    self.device,
+                    self.writer,
+                )
                 self.back_to_training()
             self.writer.step_record(self.step, record)  # with every scalar written at the step
             if save_now:  # a collective

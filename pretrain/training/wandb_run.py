@@ -13,7 +13,9 @@ step numbers, as TensorBoard and metrics.jsonl show them. Chosen over a W&B step
 points in every chart, beside the re-trained ones, and W&B's rewind does not work with it. In
 offline mode the rewind is recorded in the new segment (its branch point) and `wandb sync`
 applies it. Where the server refuses it (rewind is a preview feature of W&B), one warning, and
-the run resumes as it would without: W&B ignores the steps at or below its last one.
+the run resumes as it would without: W&B ignores the steps at or below its last one. A resume
+whose W&B run has logged past the checkpoint (online, W&B knows the run's last step; offline it
+does not) is rewound the same way, so the re-trained steps are kept.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pretrain.errors import ConfigError
+from pretrain.runs.checkpoint_files import TAG_RE
 
 if TYPE_CHECKING:
     from pretrain.runs.run_config import RunConfig
@@ -126,7 +129,11 @@ class WandbRun:
             log.info("W&B run %s (project %s), offline: `wandb sync %s` uploads it", run_id, t.wandb_project, where)
         else:
             log.info("W&B run %s (project %s): %s", run_id, t.wandb_project, getattr(run, "url", None))
-        return cls(run, t.wandb_project, t.wandb_entity, reopen)
+        opened = cls(run, t.wandb_project, t.wandb_entity, reopen)
+        tag = TAG_RE.match(resumed_from.name) if resumed_from is not None else None
+        if tag is not None and int(getattr(run, "step", 0) or 0) > int(tag.group(1)) + 1:
+            opened.rewind(int(tag.group(1)))  # W&B logged past the checkpoint (a kill after it): as a rollback
+        return opened
 
     @property
     def id(self) -> str:

@@ -32,7 +32,7 @@ FIELDS = {
     *(f"time/{part}_s" for part in ("data", "forward", "backward", "optimizer", "waiting", "other", "step")),
     "ranks/own_time_max_s",
 }
-PHASES = ["checks", "process group", "model and engine", "data", r"logs \(TensorBoard, W&B\)"]
+PHASES = ["checks", "process group", "model", "engine", "data", r"logs \(TensorBoard, W&B\)"]
 
 
 def tensorboard(tb: Path) -> dict[str, dict[int, float]]:

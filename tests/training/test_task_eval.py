@@ -231,10 +231,11 @@ def test_report_writes_the_scalars_the_records_and_one_line(tmp_path):
 
     class Writer:
         def __init__(self):
-            self.got = {}
+            self.got, self.tokens = {}, {}
 
-        def scalars(self, step, values):
+        def scalars(self, step, values, tokens=None):
             self.got[step] = dict(values)
+            self.tokens[step] = tokens
 
     tasks = TaskEval(2, {"winogrande": [], "lambada": []}, {}, [1, 3], CharTokenizer(), 4, 0)
     results = {
@@ -243,7 +244,7 @@ def test_report_writes_the_scalars_the_records_and_one_line(tmp_path):
     }
     writer = Writer()
     for step in (2, 4, 2):
-        line = tasks.report(TaskScores(step, results, 1.5, 8, 3.0, 30.0), writer, tmp_path, rank=0)
+        line = tasks.report(TaskScores(step, results, 1.5, 8, 3.0, 30.0), step * 512, writer, tmp_path, rank=0)
     assert set(writer.got[2]) == {
         "tasks/winogrande/acc_depth_1",
         "tasks/winogrande/acc_depth_3",
@@ -254,6 +255,7 @@ def test_report_writes_the_scalars_the_records_and_one_line(tmp_path):
         "tasks/eval_s",
     }
     assert writer.got[4]["tasks/lambada/ppl_depth_3"] == 250.0
+    assert writer.tokens == {2: 1024, 4: 2048}  # each score also against the tokens trained (by_tokens/)
     records = [json.loads(r) for r in (tmp_path / "tasks.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2] and records[0]["tasks"]["winogrande"]["3"]["acc_norm"] == 0.75
     assert line == (

@@ -51,13 +51,15 @@ class FakeWandb(types.ModuleType):
         super().__init__("wandb")
         self.inits: list[dict[str, Any]] = []
         self.refuse = ""  # a rewind fails with this message
+        self.logged_to = 0  # the run's next step on the server: what a resumed run's `step` says
 
     def init(self, **kwargs: Any) -> Any:
         self.inits.append(kwargs)
         if self.refuse and "resume_from" in kwargs:
             raise RuntimeError(self.refuse)
         run_id = kwargs.get("id") or kwargs["resume_from"].split("?")[0]
-        return types.SimpleNamespace(id=run_id, log=lambda values, step: None, finish=lambda: None)
+        step = self.logged_to if kwargs.get("resume") else 0  # the next step W&B expects, after a resume
+        return types.SimpleNamespace(id=run_id, step=step, log=lambda values, step: None, finish=lambda: None)
 
 
 def wandb_cfg(**train: Any) -> RunConfig:
@@ -122,6 +124,23 @@ def test_a_rollback_rewinds_the_run_or_resumes_it_with_one_warning(tmp_path, mon
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "could not rewind run" in warning and "rewind is not enabled" in warning and "\n" not in warning
     assert fake.inits[-1] == {**rewound, "id": run.id, "resume": "allow"} and not run.failed
+
+
+def test_a_resume_behind_what_w_and_b_logged_rewinds_the_run(tmp_path, monkeypatch):
+    """Killed after W&B logged step 25 (its next step 26), resumed from checkpoint step 20: the run is
+    rewound to step 20, so steps 21-25 trained again are kept; resumed at its last step: no rewind."""
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    tag = tmp_path / "checkpoints" / "step00000020"
+    tag.mkdir(parents=True)
+    (tag / WANDB_FILE).write_text(json.dumps({"id": "abc123", "project": "grt", "entity": ""}))
+    fake.logged_to = 26
+    run = WandbRun.open(tmp_path, wandb_cfg(), tag)
+    assert run is not None and [i.get("resume_from") for i in fake.inits] == [None, "abc123?_step=20"]
+    fake.inits.clear()
+    fake.logged_to = 21
+    WandbRun.open(tmp_path, wandb_cfg(), tag)
+    assert [i.get("resume") for i in fake.inits] == ["allow"]
 
 
 def test_a_cut_off_id_file_starts_a_new_run_with_a_warning(tmp_path, caplog):
