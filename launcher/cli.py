@@ -549,7 +549,7 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
     the checkpoint to resume, the budget, every refusal); the config is the plan's.
     """
     from pretrain.config import ConfigError
-    from pretrain.runs.run_config import data_paths, load_manifest, resolve, with_data_paths
+    from pretrain.runs.run_config import absolute, data_paths, load_manifest, resolve, with_data_paths
     from pretrain.train import build_parser as train_parser
     from pretrain.train import config_from_args
     from pretrain.training.ds_config import resolve_ds_path
@@ -587,12 +587,6 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
     config["out"] = absolute(config["out"]) if config["out"] else ""
     config["ds_config"] = os.path.abspath(resolve_ds_path(config["ds_config"]))
     return config, resume
-
-
-def absolute(path: str) -> str:
-    """A path made absolute, so that every node reads the same file whatever its working directory
-    (a URL as it is)."""
-    return path if os.path.isabs(path) or "://" in path else os.path.abspath(path)
 
 
 def checked_ds_config(config: dict[str, Any], world_size: int, use_cuda: bool) -> dict[str, Any]:

@@ -26,14 +26,15 @@ from pretrain.distributed import discover, run_command  # noqa: E402
 from pretrain.presets import PRESETS, get_preset  # noqa: E402
 from pretrain.runs.run_config import (  # noqa: E402
     RunConfig,
+    absolute,
     apply_overrides,
     choose_model,
     data_paths,
     is_model_override,
     load_manifest,
-    mark_given,
     with_data_paths,
 )
+from pretrain.runs.settings_rules import mark_given  # noqa: E402
 from pretrain.training import branch  # noqa: E402
 
 
@@ -182,10 +183,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     apply_overrides(cfg, overrides)
     flags = {f"train.{flag}" for flag in ("steps", "micro_batch_size", "grad_accum") if getattr(args, flag) is not None}
     given = {item.split("=", 1)[0] for item in args.overrides} | flags
-    mark_given(cfg, given)
+    mark_given(cfg, given)  # the flags and the --sets (settings_rules.py)
     if source is not None or (args.resume and not args.config_json):
         continued(cfg, given)
-    mark_given(cfg, {f"train.{key}" for key in branch.given_train_keys(args)})  # and --steps (settings_rules.py)
     if source is not None:
         branch.configure(cfg, source, branch.given_train_keys(args))  # wsd, its length, branch_from
     named = {key for key, value in (("data", data), ("ds_config", args.ds_config or args.deepspeed)) if value}
@@ -215,11 +215,6 @@ def callers_paths(cfg: RunConfig, keys: set[str]) -> None:
     # the caller's own file, which `resolve_ds_path` takes before a shipped one of that name
     if "ds_config" in keys and os.path.exists(cfg.ds_config) and not shipped_ds_file(cfg.ds_config):
         cfg.ds_config = absolute(cfg.ds_config)
-
-
-def absolute(path: str) -> str:
-    """A path made absolute against the working directory (a URL as it is)."""
-    return path if os.path.isabs(path) or "://" in path else os.path.abspath(path)
 
 
 def printed_config(cfg: RunConfig, resume: bool) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from pretrain.config import ConfigError, ModelConfig, check_keys, coerce, load_json_object
 from pretrain.presets import get_preset
 from pretrain.runs.eval_tasks import task_depths, task_names
-from pretrain.runs.settings_rules import check_settings, profile_refusal, profile_window
+from pretrain.runs.settings_rules import check_settings, given_keys, profile_refusal, profile_window
 from pretrain.variants import get_variant
 
 if TYPE_CHECKING:
@@ -359,6 +360,12 @@ def data_paths(data: str) -> list[str]:
     return [data] if sources is None else [s.path for s in sources]
 
 
+def absolute(path: str) -> str:
+    """A path made absolute against the working directory, so that every process reads the same file
+    whatever its own (a URL as it is)."""
+    return path if os.path.isabs(path) or "://" in path else os.path.abspath(path)
+
+
 def with_data_paths(data: str, change: Callable[[str], str]) -> str:
     """`data` with each manifest path it names replaced by `change(path)` (e.g. made absolute)."""
     sources = data_sources(data)
@@ -406,20 +413,6 @@ def apply_token_budget(cfg: RunConfig, world: int, seq_len: int, trained: tuple[
         f"train.tokens={t.tokens:.4g}: {t.steps} steps ({done_steps} trained, {done} tokens; then {rest} of "
         f"{per_step} tokens) ({total:.4g} tokens)"
     )
-
-
-GIVEN = "given_keys"  # the attribute of a RunConfig naming the keys its command line set (`mark_given`)
-
-
-def mark_given(cfg: RunConfig, keys: set[str]) -> RunConfig:
-    """Record the dotted keys the command line set itself (`--set model.vocab_size=100`): a value
-    the start would change is refused instead (`resolve`). Not part of the saved config."""
-    setattr(cfg, GIVEN, given_keys(cfg) | frozenset(keys))  # called again, it adds (the flags, then the --sets)
-    return cfg
-
-
-def given_keys(cfg: RunConfig) -> frozenset[str]:
-    return getattr(cfg, GIVEN, frozenset())
 
 
 def resolve(

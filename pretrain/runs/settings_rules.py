@@ -11,7 +11,7 @@ setting, its value and the way out,
   schedule, which would cut it to its horizon);
 - numbers outside what the run can hold (MAX_STEPS, MAX_TOKENS, MAX_SECONDS).
 
-Explicit values are the ones the command line gave (`--set`, `--steps`, ...: run_config.py `mark_given`);
+Explicit values are the ones the command line gave (`--set`, `--steps`, ...: `mark_given`);
 a preset's, a recipe's or a saved config's values are defaults. An explicit value is never
 replaced; a default that does not fit is refused with the way out where that is safe, else
 said in one line (`start_notes`): train.warmup_steps' default of 2000 against a shorter run
@@ -72,10 +72,24 @@ def rule(
     return register
 
 
+GIVEN = "given_keys"  # the attribute of a RunConfig naming the keys its command line set (`mark_given`)
+
+
+def mark_given(cfg: Any, keys: set[str]) -> Any:
+    """Record the dotted keys the command line set itself (`--set model.vocab_size=100`): a value
+    the start would change is refused instead (run_config.py `resolve`). Not part of the saved
+    config; called again, it adds."""
+    setattr(cfg, GIVEN, given_keys(cfg) | frozenset(keys))
+    return cfg
+
+
+def given_keys(cfg: Any) -> frozenset[str]:
+    return getattr(cfg, GIVEN, frozenset())
+
+
 def given(cfg: Any, key: str) -> bool:
-    """Whether the command line set `key` ("train.steps") itself (run_config.py `mark_given`; its
-    attribute, read by name: run_config.py imports this module)."""
-    return key in getattr(cfg, "given_keys", ())
+    """Whether the command line set `key` ("train.steps") itself (`mark_given`)."""
+    return key in given_keys(cfg)
 
 
 def check_settings(cfg: Any, shape: RunShape | None = None) -> None:
