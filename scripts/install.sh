@@ -11,7 +11,8 @@ SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
 if [ "${GRT_MINIMAL:-0}" != 1 ] && command -v apt-get >/dev/null; then
   need=""
   for tool in sbatch:slurm-wlm munged:munge mpirun:openmpi-bin mpicc:libopenmpi-dev gcc:build-essential \
-              sshd:openssh-server ssh:openssh-client pdsh:pdsh ip:iproute2 nsenter:util-linux nginx:nginx; do
+              sshd:openssh-server ssh:openssh-client pdsh:pdsh ip:iproute2 nsenter:util-linux nginx:nginx \
+              openssl:openssl; do
     command -v "${tool%%:*}" >/dev/null || need="$need ${tool#*:}"
   done
   if [ -n "$need" ]; then
