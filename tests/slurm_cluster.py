@@ -227,6 +227,19 @@ OverSubscribe=NO
             + " ".join(self._log_tail(f"slurmd-{n}") for n in self.node_addrs())
         )
 
+    def diagnosis(self, lines: int = 25) -> str:
+        """What a timed-out wait prints: why nodes are down or drained, and the daemons' last
+        log lines (a batch launch that failed on a node is said only in that node's slurmd log)."""
+        parts = [self.run("sinfo", "-h", "-N", "-o", "%N %T %E", check=False, timeout=15).stdout.strip()]
+        for name in ["slurmctld"] + [f"slurmd-{n}" for n in self.node_addrs()]:
+            try:
+                with open(os.path.join(self.dir, name + ".log"), errors="replace") as f:
+                    tail = f.readlines()[-lines:]
+            except OSError:
+                continue
+            parts.append(f"--- {name}.log\n" + "".join(tail).rstrip())
+        return "\n".join(parts)
+
     def _log_tail(self, name: str, n: int = 1500) -> str:
         text = ""
         for suffix in (".log", ".stdout"):
@@ -333,7 +346,7 @@ OverSubscribe=NO
             if info.get("JobState") in states:
                 return info
             time.sleep(0.5)
-        raise TimeoutError(f"job {job_id} still {info.get('JobState')} after {timeout}s: {info}")
+        raise TimeoutError(f"job {job_id} still {info.get('JobState')} after {timeout}s: {info}\n{self.diagnosis()}")
 
     def wait_for(self, predicate, timeout: float = 120, what: str = "condition") -> None:
         deadline = time.time() + timeout
@@ -341,7 +354,7 @@ OverSubscribe=NO
             if predicate():
                 return
             time.sleep(0.3)
-        raise TimeoutError(f"timed out waiting for {what}")
+        raise TimeoutError(f"timed out waiting for {what}\n{self.diagnosis()}")
 
     def sbatch(self, script: str, *extra: str) -> str:
         r = self.run("sbatch", "--parsable", *extra, script)
