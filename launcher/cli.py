@@ -288,7 +288,8 @@ def resolve(args: argparse.Namespace, train_args: list[str], environ: dict[str, 
     is_train = [entry_module, *entry_args] == DEFAULT_ENTRY.split()
     config, ds_config, resume = None, None, False
     out = _train_out_dir(train_args)
-    if is_train and not args.no_resolve and not {"-h", "--help", "--print-config"} & set(train_args):
+    only_prints = {"-h", "--help", "--print-config", "--print-ds-config"} & set(train_args)
+    if is_train and not args.no_resolve and not only_prints:
         on_this_host = hosts is None and args.launcher != "slurm" and elastic is None
         config, resume = resolve_train_config(train_args, world_size if on_this_host else 0)
         ds_config = checked_ds_config(config, world_size, use_cuda=gpus > 0)

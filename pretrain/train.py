@@ -9,6 +9,7 @@ and `--deepspeed [DS_JSON]` / `--deepspeed_config DS_JSON` as aliases of `--ds-c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -96,16 +97,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override any config key, e.g. train.lr=3e-4, model.layout=2+4x4+2 (repeatable)",
     )
-    p.add_argument(
+    only = p.add_mutually_exclusive_group()  # each prints one document on stdout
+    only.add_argument(
         "--dry-run",
         action="store_true",
         help="check the run against its data, checkpoint and DeepSpeed config (everything checked before "
-        "training starts, no process group) and exit",
+        "training starts, no process group), print the config.json it would write, and exit",
     )
-    p.add_argument(
+    only.add_argument(
         "--print-config",
         action="store_true",
-        help="print the resolved run config and the merged DeepSpeed config, and exit",
+        help="print the config.json the run would write (resolved against the data) and exit",
+    )
+    only.add_argument(
+        "--print-ds-config",
+        action="store_true",
+        help="print the ds_config.json the run would write (the DeepSpeed file merged for this rank count) and exit",
     )
     return p
 
@@ -217,10 +224,11 @@ def callers_paths(cfg: RunConfig, keys: set[str]) -> None:
         cfg.ds_config = absolute(cfg.ds_config)
 
 
-def printed_config(cfg: RunConfig, resume: bool) -> dict[str, Any]:
-    """`--print-config`: the run config the run would write as its config.json (the start's plan:
-    resolved against the data, a resume's kept schedule and batch) and its merged DeepSpeed
-    config; where the data cannot be read here, the config as given (said in one line)."""
+def resolved_configs(cfg: RunConfig, resume: bool) -> tuple[RunConfig, dict[str, Any]]:
+    """`--print-config` and `--print-ds-config`: the run config the run would write as its
+    config.json (the start's plan: resolved against the data, a resume's kept schedule and batch)
+    and its merged DeepSpeed config; where the data cannot be read here, the config as given
+    (said in one line)."""
     import torch
 
     from pretrain.training.ds_config import merged_ds_config
@@ -230,10 +238,25 @@ def printed_config(cfg: RunConfig, resume: bool) -> dict[str, Any]:
         plan = plan_start(cfg, resume or bool(cfg.branch_from))
         for line in plan.start_lines():  # what the start changes: the vocabulary, a budget's steps
             say(line)
-        return {"run_config": plan.cfg.to_dict(), "deepspeed_config": plan.ds}
+        return plan.cfg, plan.ds
     say(f"data={cfg.data!r} cannot be read here: the config as given, not resolved against the data")
-    ds = merged_ds_config(cfg, discover().world_size, torch.cuda.is_available())
-    return {"run_config": cfg.to_dict(), "deepspeed_config": ds}
+    return cfg, merged_ds_config(cfg, discover().world_size, torch.cuda.is_available())
+
+
+def printed_document(cfg: RunConfig, args: argparse.Namespace) -> str:
+    """What --print-config, --print-ds-config and --dry-run print: the config.json or ds_config.json the
+    run would write; a dry run first runs the trainer's checks and says what would train."""
+    if not args.dry_run:
+        from pretrain.training.ds_config import ds_config_json
+
+        resolved, ds = resolved_configs(cfg, args.resume)
+        return resolved.to_json() if args.print_config else ds_config_json(ds)
+    load_manifest(cfg.data)
+    from pretrain.training.trainer import dry_run
+
+    summary, resolved = dry_run(cfg, resume=args.resume)
+    print(f"grt train: dry run: {summary}", file=sys.stderr)
+    return resolved.to_json()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,19 +265,19 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     try:
         cfg = config_from_args(args)
-        if args.print_config:
-            print(json.dumps(printed_config(cfg, args.resume), indent=2))
+        if args.print_config or args.print_ds_config or args.dry_run:
+            # stdout is the document alone: what libraries print on the way (DeepSpeed's accelerator line) is not
+            with contextlib.redirect_stdout(sys.stderr):
+                document = printed_document(cfg, args)
+            sys.stdout.write(document)
             return 0
         load_manifest(cfg.data)  # a missing, foreign or malformed manifest: one line before anything starts
     except ConfigError as err:
         print(f"grt train: error: {err}", file=sys.stderr)
         return 2
-    from pretrain.training.trainer import TrainingStopped, dry_run, train
+    from pretrain.training.trainer import TrainingStopped, train
 
     try:
-        if args.dry_run:
-            print(f"grt train: dry run: {dry_run(cfg, resume=args.resume)}")
-            return 0
         summary = train(cfg, resume=args.resume)
     except ConfigError as err:
         print(f"grt train: error: {err}", file=sys.stderr)

@@ -145,6 +145,10 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def to_json(self) -> str:
+        """The bytes of the run's `config.json` (and of what `--print-config` and `--dry-run` print)."""
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
         data = dict(data)

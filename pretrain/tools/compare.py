@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:  # each run as `grt train --dry-run` checks it
             from pretrain.training.trainer import dry_run
 
-            checks = [dry_run(run["cfg"], resume=True) for run in runs]
+            checks = [dry_run(run["cfg"], resume=True)[0] for run in runs]
     except (ConfigError, ValueError, OSError) as err:
         print(f"grt compare: error: {err}", file=sys.stderr)
         return 2

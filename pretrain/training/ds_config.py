@@ -308,8 +308,13 @@ def merged_ds_config(cfg: RunConfig, world_size: int, use_cuda: bool) -> dict[st
     return build_ds_config(load_ds_json(cfg.ds_config), cfg.train, world_size, use_cuda)
 
 
+def ds_config_json(ds: dict[str, Any]) -> str:
+    """The bytes of `<out>/ds_config.json` (and of what `grt train --print-ds-config` prints)."""
+    return json.dumps(ds, indent=2) + "\n"
+
+
 def save_ds_config(ds: dict[str, Any], out_dir: str | Path) -> Path:
     """Write the merged DeepSpeed config next to the run config (`<out>/ds_config.json`)."""
     path = Path(out_dir) / "ds_config.json"
-    atomic_write_text(path, json.dumps(ds, indent=2) + "\n")  # complete or absent, a failure naming it
+    atomic_write_text(path, ds_config_json(ds))  # complete or absent, a failure naming it
     return path

@@ -118,7 +118,7 @@ class Trainer:
             self.data.continue_from(loaded.loader)
             self.data.restore_count(loaded.tokens, loaded.step, loaded.loader)
             self.spikes.restore(loaded.loss_history)
-        self.config_json = json.dumps(cfg.to_dict(), indent=2) + "\n"
+        self.config_json = cfg.to_json()
         run_dir.commit(self.config_json, ds)
         if loaded is not None:
             log.info("resumed from %s at step %d", plan.root / loaded.tag, self.step)
@@ -300,14 +300,15 @@ class Trainer:
         self.closing.close()
 
 
-def dry_run(cfg: RunConfig, resume: bool = False) -> str:
+def dry_run(cfg: RunConfig, resume: bool = False) -> tuple[str, RunConfig]:
     """`grt train --dry-run`: the run's checks (its plan, its task files, the installed DeepSpeed, the
-    checkpoint's files read through) and nothing else; one line saying what would train."""
+    checkpoint's files read through) and nothing else. Returns one line saying what would train
+    and the run config the run would write as its config.json."""
     plan = plan_start(cfg, resume)
     for line in plan.start_lines():
         say(line)
     if plan.nothing_to_do:
-        return plan.nothing_to_do
+        return plan.nothing_to_do, plan.cfg
     tasks = TaskEval.build(plan.cfg, plan.data.tokenizer_path)
     deepspeed_internals.check()
     tag = None
@@ -324,7 +325,8 @@ def dry_run(cfg: RunConfig, resume: bool = False) -> str:
         f"{c.model.vocab_size}) on {c.data} (seq_len {plan.data.seq_len}) for {c.train.steps} steps, ZeRO stage "
         f"{zero_stage(ds)}, {'bf16' if ds['bf16']['enabled'] else 'fp32'}, checkpointing "
         f"{c.train.activation_checkpointing}, compile {c.train.compile}, {start}, into {c.out}"
-        + (f", the zero-shot tasks from {eval_dir(c.train)}" if tasks is not None else "")
+        + (f", the zero-shot tasks from {eval_dir(c.train)}" if tasks is not None else ""),
+        c,
     )
 
 

@@ -222,7 +222,7 @@ def test_resume_falls_back_to_the_previous_complete_checkpoint(shards, base_run,
     cut(step6 / (MODEL_STATE if damage == "model_state" else "config.json"))
     before = tree(run)
     dry = train(*train_args(shards, run, STEPS + 1, *SAVE, resume=True), "--dry-run")
-    assert dry.returncode == 0 and "resuming step00000004" in dry.stdout, dry.stdout + dry.stderr[-2000:]
+    assert dry.returncode == 0 and "resuming step00000004" in dry.stderr, dry.stdout + dry.stderr[-2000:]
     assert tree(run) == before
     res = train(*train_args(shards, run, STEPS + 1, *SAVE, resume=True))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]

@@ -91,7 +91,7 @@ for name, command in json.load(sys.stdin):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = {"train": train, "compare": compare}[command[1]](command[2:] + ["--dry-run"])
-    results.append([name, code, out.getvalue()[-1500:], err.getvalue()[-1500:]])
+    results.append([name, command[1], code, out.getvalue(), err.getvalue()[-1500:]])
 print(json.dumps(results))
 """
 
@@ -122,8 +122,11 @@ def test_every_gpu_row_with_a_preset_passes_the_trainers_checks_on_the_gpu_data(
         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name, code, out, err in json.loads(proc.stdout.strip().splitlines()[-1]):
-        assert code == 0 and "would train" in out, (name, code, out, err)
+    for name, command, code, out, err in json.loads(proc.stdout.strip().splitlines()[-1]):
+        # grt train: its line on stderr, the config.json on stdout; grt compare: a line a run on stdout
+        said = err if command == "train" else out
+        assert code == 0 and "would train" in said, (name, code, out[-1500:], err)
+        assert command != "train" or json.loads(out)["model"]["name"], (name, out[-1500:])
 
 
 def test_dry_run_refuses_a_preset_whose_context_is_shorter_than_the_shards(tmp_path):

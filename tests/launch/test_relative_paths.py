@@ -109,15 +109,15 @@ def test_train_print_config_and_dry_run_from_another_directory(dirs, data, monke
     i = own.index("--ds-config")
     default = own[:i] + own[i + 2 :]
     for argv, ds, stage in ((default, REPO / "ds_configs" / "zero3.json", 3), (own, work / OWN_DS, 2)):
-        rc, out, err = here([*argv, "--print-config"], capsys)
+        rc, printed, err = here([*argv, "--print-config"], capsys)
         assert rc == 0, err
-        printed = json.loads(out)
-        config = printed["run_config"]
+        config = json.loads(printed)
         assert os.path.isabs(config["data"]) and same_file(other, config["data"], data), config["data"]
         assert resolve_ds_path(config["ds_config"]).resolve() == ds.resolve(), config["ds_config"]
-        assert printed["deepspeed_config"]["zero_optimization"]["stage"] == stage
+        rc, out, err = here([*argv, "--print-ds-config"], capsys)
+        assert rc == 0 and json.loads(out)["zero_optimization"]["stage"] == stage, (out, err)
         rc, out, err = here([*argv, "--dry-run"], capsys)
-        assert rc == 0 and "dry run" in out, (out, err)
+        assert rc == 0 and "dry run: would train" in err and out == printed, (out, err)
     assert not (other / "rel-runs").exists()  # a dry run writes nothing
 
 

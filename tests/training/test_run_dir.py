@@ -66,7 +66,7 @@ def test_resume_from_the_run_directory_alone_on_one_rank(finished, shards, tmp_p
     assert rc == 0, err
     log = resumed(out, 1, "--steps", "4", *same)
     written = (out / "config.json").read_text()
-    assert json.dumps(json.loads(printed)["run_config"], indent=2) + "\n" == written
+    assert printed == written
     assert json.loads(written)["train"]["warmup_steps"] == 2
     changes = next(line for line in log.splitlines() if "with changes" in line)
     assert f"train.steps {STEPS} -> 4" in changes and "ds_config" not in changes and "data" not in changes, changes
@@ -119,7 +119,8 @@ def test_a_run_without_out_gets_its_own_named_directory(shards, tmp_path, monkey
     assert rc == 0, err
     said = re.search(rf"grt train: run directory ({NAMED}) \(no --out given\)", err)
     assert said is not None, err
-    assert f"into {said[1]}" in printed, printed
+    assert "dry run: would train" in err and f"into {said[1]}" in err, err
+    assert json.loads(printed)["out"] == said[1], printed  # the config.json the run would write
     assert not list(tmp_path.iterdir())  # a dry run writes nothing
     config, _ = resolve_train_config(args[1:], local_world_size=1)  # once, on the launching host: every rank's
     assert re.fullmatch(rf"{re.escape(str(tmp_path))}/{NAMED}", config["out"]), config["out"]
@@ -133,7 +134,7 @@ def test_the_vocabulary_is_the_datas_said_and_an_explicit_one_refused(shards, tm
     tiny = train_command("tiny-grt", shards, tmp_path / "run", 1, 4, "ds_configs/zero3.json", QUICK)[1:]
     rc, printed, err = run_main(capsys, *tiny, "--print-config")
     assert rc == 0, err
-    assert json.loads(printed)["run_config"]["model"]["vocab_size"] == 512
+    assert json.loads(printed)["model"]["vocab_size"] == 512
     assert "model.vocab_size 4096 -> 512" in err, err
 
 

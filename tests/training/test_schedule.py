@@ -315,7 +315,7 @@ def test_decay_branch_continues_the_run_and_ends_at_min_lr(stable, tmp_path):
         "--dry-run",
     )
     said = again.stdout + again.stderr
-    assert again.returncode == 0 and "nothing to do" in again.stdout and "at step 12 of 12" in again.stdout, said
+    assert again.returncode == 0 and "nothing to do" in again.stderr and "at step 12 of 12" in again.stderr, said
     assert_untouched(stable)
 
 
