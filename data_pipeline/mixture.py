@@ -419,7 +419,7 @@ class _MixturePlan:
                             g += 1
                             sources, draws, _ = next(batches)
                     except AllCapped as err:  # read ahead past the last batch the sources fill: the rest first
-                        capped = err
+                        capped = err.with_traceback(None)  # kept without this frame (see __iter__ below)
                         break
                     first = k * self.world_size * B + self.rank * B - g * self.global_batch
                     chunk_sources.append(sources[first : first + B])
@@ -661,7 +661,10 @@ class MixtureLoader:
                 try:
                     sources, _, counts = next(draws)
                 except AllCapped as err:  # the run may end here: raised only if a later batch is asked for
-                    capped = err
+                    # kept without its traceback, which holds this frame: frame -> capped -> frame would be a
+                    # cycle, the DataLoader iterator (`source`) freed by the garbage collector after its queues'
+                    # feeder threads, so its workers never hear the shutdown and the interpreter's exit waits forever
+                    capped = err.with_traceback(None)
             yield batch
 
     def note_caps(self, plan: _MixturePlan, g: int) -> None:

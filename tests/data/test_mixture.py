@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -231,6 +234,36 @@ def test_repetition_cap_takes_the_source_out_and_says_so(sources):
     budget = data.source_sequences("train")
     with pytest.raises(MixtureError, match=r"train.max_repeats=1 the sources give at most"):
         data.check_budget(budget["a"] + budget["c"] + 1, 1.0, [], 64)
+
+
+CAPPED_AND_DROPPED = r"""
+import multiprocessing, sys, time
+from data_pipeline.mixture import DataMixture, MixtureLoader, parse_sources
+text = sys.argv[1]
+data = DataMixture.load(text, parse_sources(text))
+loader = MixtureLoader(data, micro_batch_size=4, num_workers=2, global_batch=4, seed=3, max_repeats=1.0)
+it = iter(loader)
+for _ in range(sum(data.source_sequences("train").values()) // 4):  # every batch the sources fill
+    next(it)
+del it  # its workers read ahead to the cap (AllCapped): they must end now, and not hold up the exit
+deadline = time.time() + 10
+while multiprocessing.active_children() and time.time() < deadline:
+    time.sleep(0.1)
+print(len(multiprocessing.active_children()))
+"""
+
+
+def test_loader_workers_that_read_to_the_cap_end_with_the_iterator(sources):
+    """Before: the iterator's AllCapped was kept with its traceback (a cycle through the loader's
+    frame), so the DataLoader iterator was freed by the garbage collector after its queues: its
+    workers never heard the shutdown (20 s of joins) and, ignoring SIGTERM, held the
+    interpreter's exit forever."""
+    text = f"a=0.5:{sources['a']},c=0.5:{sources['c']}"
+    started = time.time()
+    r = subprocess.run([sys.executable, "-c", CAPPED_AND_DROPPED, text], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "0", r.stdout  # no worker left once the iterator is gone
+    assert time.time() - started < 60
 
 
 # -- a run ----------------------------------------------------------------------------------

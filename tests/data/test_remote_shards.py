@@ -241,8 +241,8 @@ def test_mixture_with_a_url_source_resumed_on_another_world_size(served):
 def test_mixture_reads_its_url_source_once_and_the_local_samples(served):
     """One local and one http source, each read once (max_repeats 1), on 2 ranks: nginx serves
     the http source's shards' bytes about once, and every step's samples are those of the same
-    mixture read from local files. No loader workers: the workers that read ahead up to the
-    sources' cap (AllCapped) take ~5 s each to shut down and hang the interpreter's exit."""
+    mixture read from local files, with two loader workers each (they read ahead to the
+    sources' cap)."""
 
     def epoch(b: str) -> tuple[list[int], dict[str, int]]:
         text = f"a=0.6:{served['a']},b=0.4:{served[b]}"
@@ -253,7 +253,7 @@ def test_mixture_reads_its_url_source_once_and_the_local_samples(served):
                 micro_batch_size=4,
                 rank=r,
                 world_size=2,
-                num_workers=0,
+                num_workers=2,
                 global_batch=8,
                 shuffle_buffer=64,
                 seed=3,
