@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from .files import output_path
+
 if TYPE_CHECKING:
     from .loader import TokenBatchLoader
     from .manifest import Manifest
@@ -75,7 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also time prepare from the same text as Parquet (row groups of 64 documents; needs pyarrow)",
     )
-    p.add_argument("--out", default=None, help="keep the shards in this directory (default: a temp dir, removed)")
+    p.add_argument(
+        "--out",
+        default=None,
+        type=output_path(is_dir=True),
+        help="keep the shards in this directory (default: a temp dir, removed)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object with the results")
     return p
 

@@ -3,9 +3,10 @@ then renamed into place, so a crash, a full disk or a kill leaves the old file o
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,6 +57,21 @@ def check_output_path(path: str, what: str, is_dir: bool) -> None:
         raise ValueError(f"{what} {path!r} cannot be made: {ancestor!r} is a file")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise ValueError(f"{what} {path!r} cannot be written: no permission in {ancestor!r}")
+
+
+def output_path(is_dir: bool) -> Callable[[str], str]:
+    """The argparse `type` of every command's output path (a report, a JSON file, a folder):
+    `check_output_path` at the door, so that a path that cannot be written is one line, exit 2,
+    before any work (not a traceback after an evaluation or a benchmark)."""
+
+    def parse(text: str) -> str:
+        try:
+            check_output_path(text, "path", is_dir)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return text
+
+    return parse
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from data_pipeline.files import atomic_write_text, check_output_path
+from data_pipeline.files import atomic_write_text, output_path
 from data_pipeline.manifest import Manifest
 from pretrain.config import ConfigError
 from pretrain.infer.analyze_measures import (
@@ -297,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         "the norms and singular values of the gate's and the projection's two halves.",
     )
     p.add_argument("model", help="exported dir (grt export), run dir, <out>/checkpoints or a step dir")
-    p.add_argument("--out", required=True, help="report directory (report.md, analysis.json, PNGs)")
+    p.add_argument(
+        "--out", required=True, type=output_path(is_dir=True), help="report directory (report.md, analysis.json, PNGs)"
+    )
     p.add_argument("--data", help="manifest.json (default: the run config's data)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-batches", type=int, default=16, help="validation batches to analyse")
@@ -322,10 +324,6 @@ def main(argv: list[str] | None = None) -> int:
         for flag, value, least in counts:
             if value < least:
                 raise ConfigError(f"{flag} {value}: must be >= {least}")
-        try:
-            check_output_path(args.out, "--out", is_dir=True)
-        except ValueError as err:
-            raise ConfigError(f"{err} (the report's directory: report.md, analysis.json, PNGs)") from None
         device = pick_device(args.device)
         dtype = pick_dtype(args.dtype, device)
         # every refusal before a weight is read: the models' structures (on the meta device), the data

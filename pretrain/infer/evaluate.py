@@ -29,6 +29,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from data_pipeline.files import output_path
 from data_pipeline.shards import ShardError
 from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError, OnceParser
@@ -91,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="tokenizer.model (default: the one next to the model)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on a CUDA GPU, else the stored dtype), fp32, bf16, fp16")
-    p.add_argument("--json-out", help="write the results as JSON here")
-    p.add_argument("--plot", help="write a PNG of loss against depth here")
+    p.add_argument("--json-out", type=output_path(is_dir=False), help="write the results as JSON here")
+    p.add_argument("--plot", type=output_path(is_dir=False), help="write a PNG of loss against depth here")
     p.add_argument("--quiet", action="store_true")
     return p
 

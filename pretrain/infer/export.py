@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from data_pipeline.files import output_path
 from pretrain.config import ConfigError
 from pretrain.infer.load import (
     WEIGHTS,
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         required=True,
         help="<out>, <out>/checkpoints (newest complete) or <out>/checkpoints/stepNNNNNNNN",
     )
-    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--out", required=True, type=output_path(is_dir=True), help="directory to write")
     p.add_argument("--dtype", default="fp32", help="weights dtype: fp32 (default), bf16, fp16")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face directory hf/")
     p.add_argument(

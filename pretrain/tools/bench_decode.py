@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from data_pipeline.files import output_path
 from pretrain.config import ConfigError, ModelConfig
 from pretrain.infer.kv_cache import (
     STRATEGIES,
@@ -246,7 +247,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true", help="decode under torch.compile (blocks and loop step)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16, fp16")
-    p.add_argument("--json", nargs="?", const="-", help="print JSON (or write it to this file)")
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        type=lambda text: text if text == "-" else output_path(is_dir=False)(text),
+        help="print JSON (or write it to this file)",
+    )
     args = p.parse_args(argv)
     try:
         device = pick_device(args.device)  # ConfigError for a bad --device

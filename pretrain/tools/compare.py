@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from data_pipeline.files import atomic_write_text
+from data_pipeline.files import atomic_write_text, output_path
 from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError, ModelConfig, load_json_object
 from pretrain.model.flops import flops_per_token
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated presets or JSON files (repeatable); the first is the reference",
     )
     p.add_argument("--data", required=True, help="manifest.json from `grt data prepare` (every run reads it)")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=True, type=output_path(is_dir=True), help="output directory")
     p.add_argument("--tokens", type=float, default=1e6, help="training tokens per run (default 1e6)")
     p.add_argument(
         "--time-budget",

@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+from data_pipeline.files import output_path
 from pretrain import PROJECT_ROOT
 from pretrain.presets import get_preset
 from pretrain.runs.run_config import RunConfig
@@ -36,7 +37,7 @@ def unigram_entropy(manifest_path: str) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="grt demo", description=__doc__.splitlines()[0])
     p.add_argument("--text", default=str(DEFAULT_TEXT), help="training text (default: bundled tinyshakespeare)")
-    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--out", default="runs/demo", type=output_path(is_dir=True))
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--seq-len", type=int, default=128)

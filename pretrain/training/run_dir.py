@@ -13,7 +13,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from data_pipeline.files import atomic_write_text
+from data_pipeline.files import atomic_write_text, check_output_path
 from pretrain.config import ConfigError
 from pretrain.distributed import RankFailed, check_ranks
 from pretrain.errors import file_system_problem, path_kind
@@ -145,3 +145,7 @@ def check_run_paths(out: Path) -> None:
             flag = "--out " if path == out else ""
             need = "a folder" if folder else "a file"
             raise ConfigError(f"{flag}{path} is {path_kind(str(path))}; the run needs {need} there")
+    try:
+        check_output_path(str(out), "--out", is_dir=True)  # under a file, or in a folder this process may not write
+    except ValueError as err:
+        raise ConfigError(str(err)) from None

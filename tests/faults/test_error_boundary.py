@@ -199,6 +199,41 @@ def test_a_run_path_of_the_wrong_kind_is_refused_at_the_start(case, manifest, tm
     assert not dist.is_initialized(), "refused after the process group started"
 
 
+# every command's output path, refused at the door (one argparse type: data_pipeline/files.py output_path)
+OUTPUTS = {
+    "eval --json-out": ["eval", "--model", "{model}", "--json-out", "{path}"],
+    "eval --plot": ["eval", "--model", "{model}", "--plot", "{path}"],
+    "export --out": ["export", "--checkpoint", "{model}", "--out", "{path}"],
+    "analyze --out": ["analyze", "--model", "{model}", "--out", "{path}"],
+    "compare --out": ["compare", "--data", "{data}", "--out", "{path}"],
+    "bench decode --json": ["bench", "decode", "--preset", "micro-grt", "--json", "{path}"],
+    "bench data --out": ["bench", "data", "--out", "{path}"],
+    "demo --out": ["demo", "--out", "{path}"],
+    "train --out": ["train", "--preset", "micro-grt", "--data", "{data}", "--out", "{path}", "--dry-run"],
+}
+
+
+@pytest.mark.parametrize("kind", ["under a file", "a file for a folder or a folder for a file"])
+@pytest.mark.parametrize("command", list(OUTPUTS))
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(command, kind, manifest, tmp_path, capsys):
+    """Before: `grt eval --json-out` and `--plot`, `grt bench decode --json` wrote their file after
+    the whole evaluation or benchmark (a traceback then), `grt train --out <file>/run` passed its
+    dry run and `grt export`, `grt compare`, `grt bench data`, `grt demo` went to work first."""
+    afile = tmp_path / "afile"
+    afile.write_text("someone's file\n")
+    folder_wanted = command.endswith("--out")
+    if kind == "under a file":
+        path = afile / "x"
+    else:  # the other kind at the path itself
+        path = afile if folder_wanted else tmp_path
+    argv = [a.format(model=tmp_path / "no-model", data=manifest, path=path) for a in OUTPUTS[command]]
+    before = tree(tmp_path)
+    started = time.time()
+    rc, err = grt_here(argv, capsys)
+    one_line(f"output path {kind}", rc, err, 2, str(path))
+    assert time.time() - started < 30 and tree(tmp_path) == before
+
+
 # ------------------------------------------------------------ a full disk
 def test_a_full_disk_at_the_run_directorys_files_is_one_line_and_leaves_nothing(manifest, small_fs):
     """The lock fits, the config files do not (before: ds_config.json's write was a traceback)."""
@@ -299,9 +334,10 @@ def test_a_read_only_parent_is_one_line_for_every_writing_command(run2, model, m
     assert tree(read_only) == before
 
 
-def test_grt_debug_shows_the_traceback(run2, read_only, capsys, monkeypatch):
+def test_grt_debug_shows_the_traceback(run2, small_fs, capsys, monkeypatch):
     monkeypatch.setenv("GRT_DEBUG", "1")
-    rc, err = grt_here(["export", "--checkpoint", run2, "--out", read_only / "export", "--no-hf"], capsys)
+    fill(small_fs, 4)  # a full disk: an error of the work itself (a read-only --out is refused at the door)
+    rc, err = grt_here(["export", "--checkpoint", run2, "--out", small_fs / "export", "--no-hf"], capsys)
     assert rc == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("grt export: error: "), err
 
 
