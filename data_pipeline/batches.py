@@ -20,7 +20,8 @@ from typing import Any, Protocol
 
 from .loader import Batch, TokenBatchLoader
 from .manifest import Manifest
-from .mixture import DataMixture, Draw, MixtureError, MixtureLoader, SourceSpec, Stage, parse_stages
+from .mixture import DataMixture, Draw, MixtureError, SourceSpec, Stage, parse_stages
+from .mixture_loader import MixtureLoader
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ def plan_stages(
     samples (global batches of `global_batch`) against the repetition cap: MixtureError (one line)
     when the sources cannot fill it, or stages are asked of one manifest (`where`: how the run names
     its data). The loader reads ahead of the run, but past a cap only for a batch that is trained
-    (mixture.AllCapped), so the run's own samples are what the cap must give."""
+    (mixture_draws.AllCapped), so the run's own samples are what the cap must give."""
     if not isinstance(data, DataMixture):
         if stages:
             raise MixtureError(

@@ -287,7 +287,8 @@ def _bench_mixture(m: Manifest, args: argparse.Namespace, single: Callable[[], T
     """The loader's throughput on a mixture of `args.mixture` sources made of the same shards
     (dealt round-robin into one manifest each, next to the original so that its relative shard
     names resolve) against the single manifest, the two taking turns (below)."""
-    from .mixture import DataMixture, MixtureLoader, SourceSpec
+    from .mixture import DataMixture, SourceSpec
+    from .mixture_loader import MixtureLoader
 
     n = args.mixture
     if len(m.shards("train")) < n:

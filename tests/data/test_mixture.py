@@ -19,7 +19,8 @@ from faults import Job, last_step, losses, per_step, run_job, train_args, wait_f
 from multiproc import grt
 
 from data_pipeline.loader import TokenBatchLoader
-from data_pipeline.mixture import DataMixture, MixtureError, MixtureLoader, parse_sources, parse_stages
+from data_pipeline.mixture import DataMixture, MixtureError, parse_sources, parse_stages
+from data_pipeline.mixture_loader import MixtureLoader
 from pretrain.config import ConfigError
 from pretrain.runs.run_config import load_manifest
 
@@ -238,7 +239,8 @@ def test_repetition_cap_takes_the_source_out_and_says_so(sources):
 
 CAPPED_AND_DROPPED = r"""
 import multiprocessing, sys, time
-from data_pipeline.mixture import DataMixture, MixtureLoader, parse_sources
+from data_pipeline.mixture import DataMixture, parse_sources
+from data_pipeline.mixture_loader import MixtureLoader
 text = sys.argv[1]
 data = DataMixture.load(text, parse_sources(text))
 loader = MixtureLoader(data, micro_batch_size=4, num_workers=2, global_batch=4, seed=3, max_repeats=1.0)

@@ -19,7 +19,8 @@ from servers import HOST, MotoS3, Nginx
 
 from data_pipeline.loader import DIGEST_MOD, TokenBatchLoader, sample_digest
 from data_pipeline.manifest import Manifest
-from data_pipeline.mixture import DataMixture, MixtureLoader, parse_sources
+from data_pipeline.mixture import DataMixture, parse_sources
+from data_pipeline.mixture_loader import MixtureLoader
 from data_pipeline.shards import MissingShardError, ShardError, UnreachableShardError
 
 SHARDS = 24  # of the session's seq-64 shards: ~2,300 samples, enough for several shuffle blocks
