@@ -420,7 +420,8 @@ def test_refused_branches_leave_out_as_it_was(stable, tmp_path, capsys):
 def test_grt_launch_resolves_the_branch_and_writes_nothing(stable, tmp_path):
     """grt launch's config resolution takes --branch-from: the branch's config (wsd, its length,
     branch_from) and a resume, checked against the source on this host; nothing written."""
-    from launcher.cli import LaunchError, resolve_train_config
+    from launcher.checks import LaunchError
+    from launcher.cli import resolve_train_config
 
     out = tmp_path / "launched"
     config, resume = resolve_train_config(branch_argv(stable["out"] / "checkpoints", out), local_world_size=1)
