@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .loader import Batch, TokenBatchLoader
+from .epoch_plan import Batch
+from .loader import TokenBatchLoader
 from .manifest import Manifest
 from .mixture import DataMixture, Draw, MixtureError, SourceSpec, Stage, parse_stages
 from .mixture_loader import MixtureLoader

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from .manifest import Manifest
-from .prepare import segments
+from .prepare_encode import segments
 from .shards import DTYPES, build_shard, iter_shard, write_shard_atomic
 from .sources import iter_documents
 

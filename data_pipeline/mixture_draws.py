@@ -12,8 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from .loader import Batch, EpochPlan, ShardReader, collate
+from .epoch_plan import Batch, EpochPlan, collate
 from .mixture import DataMixture, Stage, stage_at
+from .shard_reader import ShardReader
 
 CHUNK_SAMPLES = 4096  # a worker reads this many of its samples at once
 DRAW_WINDOW = 64  # global batches drawn at once (fewer near a source's cap)

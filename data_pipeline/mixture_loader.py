@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .loader import Batch, produced
+from .epoch_plan import Batch, produced
 from .mixture import DataMixture, Draw, Stage, stage_at
 from .mixture_draws import AllCapped, MixturePlan
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from data_pipeline.loader import Batch
+from data_pipeline.epoch_plan import Batch
 from pretrain.distributed import all_reduce, comm_device
 from pretrain.training.metrics import MetricsWriter
 from pretrain.training.step import move

@@ -10,7 +10,8 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from data_pipeline.batches import TokenCount, open_train_batches, sources_of, with_split
-from data_pipeline.loader import Batch, TokenBatchLoader
+from data_pipeline.epoch_plan import Batch
+from data_pipeline.loader import TokenBatchLoader
 from pretrain.training.start import allow_data_change
 
 if TYPE_CHECKING:

@@ -1,0 +1,128 @@
+"""The output folder of `prepare`: `OutputDir`, through which every file there is written, set
+aside and put back or cleaned up, and the tokenizer file copied next to the shards."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+
+from .files import is_temp
+from .manifest import MANIFEST_NAME
+from .shards import write_shard_atomic
+from .tokenizer import Tokenizer
+
+TOKENIZER_NAME = "tokenizer.model"
+_SHARD_RE = re.compile(r"^(train|val)-\d{6}\.tar$")
+_SHARD_TMP_RE = re.compile(r"^(train|val)-\d{6}\.tar\.tmp$")
+# what a run set aside (`OutputDir`): `.NAME.oldN` of the pipeline's own names only
+_ASIDE_RE = re.compile(r"^\.(manifest\.json|tokenizer\.model|(train|val)-\d{6}\.tar(\.tmp)?)\.old\d+$")
+
+
+class OutputDir:
+    """The output folder of one run, changed so that a refused run can be undone.
+
+    Nothing there is deleted or overwritten before the run is complete: whatever a new file
+    replaces is first renamed to a hidden ``.NAME.oldN`` beside it, the old manifest before
+    the first file it may describe (so that no manifest describes shards being replaced).
+    `commit` deletes what was set aside, and stale shards, once the new manifest is in place;
+    `rollback` (a refused run) deletes what this run wrote, renames everything back and
+    removes the folders it made. An interrupted run (a kill, Ctrl-C) leaves complete
+    ``*.tar`` files only, and the old manifest only if none of its files was replaced yet;
+    the next complete run deletes what it set aside.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.created: list[str] = []  # folders this run made, outermost first
+        self.aside: list[tuple[str, str]] = []  # (name, hidden name it was renamed to), in order
+        self.written: list[str] = []  # names this run wrote (temporaries included)
+
+    def _join(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def open(self) -> None:
+        """Make the folder and its missing parents."""
+        missing, d = [], os.path.abspath(self.path)
+        while not os.path.exists(d):
+            missing.append(d)
+            d = os.path.dirname(d)
+        for d in reversed(missing):
+            os.mkdir(d)
+            self.created.append(d)
+
+    def _set_aside(self, name: str) -> None:
+        if not os.path.lexists(self._join(name)):
+            return
+        if name != MANIFEST_NAME and not name.endswith(".tmp"):  # a file the old manifest may describe
+            self._set_aside(MANIFEST_NAME)
+        n = os.getpid()
+        while os.path.lexists(self._join(f".{name}.old{n}")):
+            n += 1
+        os.rename(self._join(name), self._join(f".{name}.old{n}"))
+        self.aside.append((name, f".{name}.old{n}"))
+
+    def put_shard(self, name: str, data: bytes) -> str:
+        """Write shard ``name`` (through ``NAME.tmp``); returns its sha256."""
+        if name + ".tmp" not in self.written:
+            self._set_aside(name + ".tmp")  # a partial shard of an interrupted run: garbage, but not ours
+            self.written.append(name + ".tmp")
+        return write_shard_atomic(self._join(name), data, before_replace=lambda: self._replacing(name))
+
+    def _replacing(self, name: str) -> None:
+        """``name`` is about to be this run's: the old one set aside (a write that fails before
+        this, a full disk, leaves the old file where it is, for `rollback` not to remove)."""
+        self._set_aside(name)
+        self.written.append(name)
+
+    def put_bytes(self, name: str, data: bytes) -> None:
+        """Write ``name`` complete (fsynced under a temporary name), then set the old one aside and rename."""
+        tmp = f".{name}.tmp{os.getpid()}"
+        self.written.append(tmp)
+        with open(self._join(tmp), "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        self._replacing(name)
+        os.replace(self._join(tmp), self._join(name))
+
+    def commit(self, keep: set[str]) -> None:
+        """The new manifest is in place: delete what was set aside, shards an earlier (larger) run
+        left behind and leftovers of interrupted runs; only this pipeline's own names."""
+        for f in os.listdir(self.path):
+            stale_shard = _SHARD_RE.match(f) is not None and f not in keep
+            if stale_shard or _SHARD_TMP_RE.match(f) or _ASIDE_RE.match(f) or is_temp(f):
+                os.unlink(self._join(f))
+
+    def rollback(self) -> list[str]:
+        """Undo the run: the folder as it was before `open`. Returns what could not be undone."""
+        problems = []
+        for name in reversed(self.written):
+            try:
+                if os.path.lexists(self._join(name)):
+                    os.unlink(self._join(name))
+            except OSError as err:
+                problems.append(f"remove {name}: {err}")
+        for name, hidden in reversed(self.aside):
+            try:
+                os.rename(self._join(hidden), self._join(name))
+            except OSError as err:
+                problems.append(f"rename {hidden} back to {name}: {err}")
+        for d in reversed(self.created):
+            try:
+                os.rmdir(d)
+            except OSError as err:
+                problems.append(f"remove the folder {d}: {err}")
+        return problems
+
+
+def tokenizer_bytes(tok: Tokenizer, out: OutputDir) -> bytes | None:
+    """The tokenizer to put next to the shards, or None when it is that file already."""
+    dst = os.path.join(out.path, TOKENIZER_NAME)
+    if os.path.exists(dst) and os.path.samefile(dst, tok.model_path):
+        return None
+    with open(tok.model_path, "rb") as fh:
+        data = fh.read()
+    if hashlib.sha256(data).hexdigest() != tok.sha256:
+        raise ValueError(f"the tokenizer {tok.model_path!r} changed while prepare ran")
+    return data
