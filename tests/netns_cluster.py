@@ -373,7 +373,7 @@ def started_or_skip(workdir: str, nodes: int = 2) -> Iterator[NetnsCluster]:
 
 def netns_slurm(cluster: NetnsCluster, state_dir: str):
     """A Slurm cluster on the namespace nodes: munged and slurmctld on node 0, `slurmd -N <node>`
-    on every node (own spool, pid and log files: SlurmdSpoolDir=.../spool-%n), clients on node 0.
+    on every node (own spool, pid and log files: SlurmdSpoolDir=<sockets>/spool/%n), clients on node 0.
     Its own state dir, SLURM_CONF, ports and munge socket: one-node test clusters are not touched."""
 
     class NetnsSlurm(SlurmCluster):

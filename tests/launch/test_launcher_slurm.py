@@ -23,7 +23,7 @@ from launch_helpers import (
     read_metrics,
     train_args,
 )
-from slurm_cluster import SlurmCluster, SlurmUnavailable, default_state_dir  # noqa: E402
+from slurm_cluster import SlurmCluster, SlurmUnavailable, default_state_dir, missing_tools  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +38,25 @@ def cluster():
         pytest.skip(f"no test Slurm cluster: {e}")
     yield c
     c.stop()
+
+
+def test_a_cluster_in_a_deep_directory_launches_its_jobs(tmp_path):
+    """slurmstepd's Unix sockets live in slurmd's spool, and a socket path may not exceed 108 bytes.
+    Before: the spool sat in the cluster's directory, so under a deep one (pytest's tmp dirs, now
+    and then) every batch launch failed ("Unix socket path ... is too long") and the job was held
+    (launch_failed_requeued_held), failing the Slurm tests at random."""
+    if missing_tools() or os.geteuid() != 0:
+        pytest.skip("no test Slurm cluster here (its tools, or root, missing)")
+    deep = SlurmCluster(str(tmp_path / ("d" * 80)), name="grtdeep")
+    try:
+        deep.start()  # before, munged itself did not start here: its socket sat in the deep directory
+        script = tmp_path / "job.sbatch"
+        script.write_text("#!/bin/sh\nsrun true\n")
+        job = deep.sbatch(str(script), f"--output={tmp_path}/job-%j.out", f"--chdir={tmp_path}")
+        info = deep.wait_job(job, timeout=90)  # a held job stays PENDING: a timeout that prints why
+        assert info["JobState"] == "COMPLETED", info
+    finally:
+        deep.stop()
 
 
 def submit(cluster, *args):
