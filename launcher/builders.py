@@ -12,41 +12,18 @@ from typing import TYPE_CHECKING
 from launcher.envvars import DEFAULT_EXPORT_PREFIXES, SECRET
 from launcher.hosts import format_hostfile
 from launcher.plan import Plan
+from launcher.rank_env import OUTER_RANK_VARS, PROJECT_ROOT, parse_user_env, rank_log_dir, summary
+from launcher.slurm_script import build_slurm
 
 if TYPE_CHECKING:
     from launcher.options import Resolved
 
-# rank variables of an outer launcher that must not reach ranks started by mpirun or srun
-# (pretrain.distributed.discover() reads RANK/WORLD_SIZE first)
-OUTER_RANK_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "LOCAL_SIZE",
-    "NODE_RANK",
-    "GROUP_RANK",
-    "CROSS_RANK",
-    "CROSS_SIZE",
-)
-PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_PORT = 29500
 
 
 def _pythonpath(existing: str = "") -> str:
     parts = [PROJECT_ROOT] + [p for p in existing.split(os.pathsep) if p and p != PROJECT_ROOT]
     return os.pathsep.join(parts)
-
-
-def _rank_log_dir(r: Resolved) -> str:
-    return os.path.join(os.path.abspath(r.run_dir), "logs")
-
-
-def _summary(r: Resolved, what: str) -> str:
-    return (
-        f"{what}: {r.nodes} node(s) x {r.procs} rank(s) = {r.world_size} ranks, "
-        f"entry `{' '.join([r.entry_module] + r.entry_args)}`, run dir {r.run_dir}"
-    )
 
 
 # --------------------------------------------------------------------------- local
@@ -64,10 +41,10 @@ def build_local(r: Resolved) -> Plan:
         # torchrun (torch.distributed.run) sets RANK/LOCAL_RANK/WORLD_SIZE for each process
         cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={r.procs}"]
         if r.args.rank_logs:  # <dir>/<run id>/attempt_N/<rank>/{stdout,stderr}.log, and the console
-            cmd += ["--log-dir", _rank_log_dir(r), "--tee", "3"]
+            cmd += ["--log-dir", rank_log_dir(r), "--tee", "3"]
         cmd += ["-m", r.entry_module] + r.entry_args + r.train_args
-    env = dict(_parse_user_env(r))
-    return Plan("local", cmd, env=env, summary=_summary(r, "local"))
+    env = dict(parse_user_env(r))
+    return Plan("local", cmd, env=env, summary=summary(r, "local"))
 
 
 # --------------------------------------------------------------------------- elastic (torchrun's agent)
@@ -101,7 +78,7 @@ def elastic_command(r: Resolved) -> list[str]:
     if r.args.rdzv_conf:
         cmd += ["--rdzv-conf", r.args.rdzv_conf]
     if r.args.rank_logs:  # <dir>/<run id>/attempt_N/<rank>/{stdout,stderr}.log, and the console
-        cmd += ["--log-dir", _rank_log_dir(r), "--tee", "3"]
+        cmd += ["--log-dir", rank_log_dir(r), "--tee", "3"]
     return cmd + ["-m", r.entry_module] + r.entry_args + r.train_args
 
 
@@ -133,15 +110,10 @@ def build_elastic(r: Resolved) -> Plan:
         f"entry `{' '.join([r.entry_module] + r.entry_args)}`, run dir {r.run_dir}; "
         f"on every other node run: bash {script}"
     )
-    env = {**ELASTIC_AGENT_ENV, **_parse_user_env(r)}
+    env = {**ELASTIC_AGENT_ENV, **parse_user_env(r)}
     return Plan(
         "local", cmd, env=env, files={script: elastic_script(r, cmd)}, executable_files=[script], summary=summary
     )
-
-
-def _parse_user_env(r: Resolved) -> dict[str, str]:
-    """Rank environment this process does not already have (--env, computed defaults)."""
-    return {k: v for k, v in r.env.items() if r.environ.get(k) != v}
 
 
 # --------------------------------------------------------------------------- deepspeed
@@ -193,7 +165,7 @@ def build_deepspeed(r: Resolved) -> Plan:
     if a.no_ssh_check:
         cmd += ["--no_ssh_check"]
     if a.rank_logs:
-        cmd += [f"--enable_each_rank_log={_rank_log_dir(r)}"]
+        cmd += [f"--enable_each_rank_log={rank_log_dir(r)}"]
     # ranks read LOCAL_RANK from the environment; without this the runner inserts
     # --local_rank=N in front of the module's own arguments
     cmd += ["--no_local_rank", "--module", r.entry_module] + r.entry_args + r.train_args
@@ -206,8 +178,8 @@ def build_deepspeed(r: Resolved) -> Plan:
             lines.setdefault("PYTHONPATH", _pythonpath(r.environ.get("PYTHONPATH", "")))
         files[env_file] = "".join(f"{k}={v}\n" for k, v in lines.items())
         env["DS_ENV_FILE"] = env_file
-    env.update(_parse_user_env(r))
-    return Plan("deepspeed", cmd, env=env, files=files, summary=_summary(r, "deepspeed runner"))
+    env.update(parse_user_env(r))
+    return Plan("deepspeed", cmd, env=env, files=files, summary=summary(r, "deepspeed runner"))
 
 
 # --------------------------------------------------------------------------- mpi
@@ -238,7 +210,7 @@ def build_mpi(r: Resolved) -> Plan:
         "MASTER_PORT": str(r.master_port or DEFAULT_PORT),
         "PYTHONPATH": _pythonpath(r.environ.get("PYTHONPATH", "")),
     }
-    user_env = _parse_user_env(r)
+    user_env = parse_user_env(r)
     env.update(user_env)
     exported = ["MASTER_ADDR", "MASTER_PORT", "PYTHONPATH", "PATH", "LD_LIBRARY_PATH"]
     exported += [k for k in r.env if k not in exported]
@@ -248,206 +220,12 @@ def build_mpi(r: Resolved) -> Plan:
     for k in exported:
         cmd += ["-x", k]
     if a.rank_logs:  # OpenMPI: <dir>/1/rank.N/{stdout,stderr}
-        cmd += ["--output-filename", _rank_log_dir(r)]
+        cmd += ["--output-filename", rank_log_dir(r)]
     if a.mpirun_args:
         cmd += shlex.split(a.mpirun_args)
     cmd += [r.python] + r.rank_argv()
     unset = [k for k in OUTER_RANK_VARS if k in r.environ]
-    return Plan("mpi", cmd, env=env, files=files, unset=unset, summary=_summary(r, "mpirun"))
-
-
-# --------------------------------------------------------------------------- slurm
-
-
-def _signal_parts(spec: str) -> tuple[str, str] | tuple[None, None]:
-    """'USR1@120' -> ('B:USR1@120', 'USR1'); '' -> (None, None)."""
-    if not spec:
-        return None, None
-    full = spec if ":" in spec else f"B:{spec}"
-    name = full.split(":", 1)[1].split("@", 1)[0]
-    if name.upper().startswith("SIG"):
-        name = name[3:]
-    return full, name
-
-
-def container_binds(r: Resolved) -> list[str]:
-    """Host directories the ranks need inside a container, each mounted at its own path: the
-    working directory, the run directory, the DeepSpeed file's directory, the data (manifest,
-    shards, tokenizer; read from the manifest when it is visible here) and, with --host-code,
-    this checkout. A directory inside another one goes with it."""
-    paths = {os.getcwd(), os.path.abspath(r.run_dir)}
-    if r.config is not None:
-        from data_pipeline.manifest import Manifest, is_url
-        from pretrain.runs.run_config import data_paths
-
-        manifests = data_paths(r.config["data"])  # one, or a mixture's sources'
-        paths |= {os.path.dirname(p) for p in [*manifests, r.config["ds_config"]] if "://" not in p}
-        for path in manifests:
-            try:
-                manifest = Manifest.load(path)
-            except (OSError, ValueError, KeyError):
-                continue  # visible from the nodes only: its directory is mounted, shards next to it are covered
-            paths.add(os.path.dirname(manifest.tokenizer_path))
-            paths |= {
-                os.path.dirname(e.url) for entries in manifest.splits.values() for e in entries if not is_url(e.url)
-            }
-    if r.args.host_code:
-        paths.add(PROJECT_ROOT)
-    return [p for p in sorted(paths) if not any(p.startswith(q.rstrip("/") + "/") for q in paths)]
-
-
-def _slurm_nodes(r: Resolved) -> str:
-    """sbatch --nodes: N, or MIN-MAX for --elastic (Slurm starts the job, and a requeued one, on
-    as many nodes as it has free within the range)."""
-    if r.elastic is None or r.elastic[0] == r.elastic[1]:
-        return str(r.nodes)
-    return f"{r.elastic[0]}-{r.elastic[1]}"
-
-
-def slurm_script(r: Resolved, script_path: str) -> str:
-    a = r.args
-    run_dir = os.path.abspath(r.run_dir)
-    cwd = os.getcwd()
-    output = a.output or os.path.join(run_dir, "slurm-%j.out")
-    sig_full, sig_name = _signal_parts(a.signal)
-    q = shlex.quote
-    lines = [
-        "#!/bin/bash",
-        f"#SBATCH --job-name={a.job_name}",
-        f"#SBATCH --nodes={_slurm_nodes(r)}",
-        f"#SBATCH --ntasks-per-node={r.procs}",
-    ]
-    if r.gpus:
-        lines.append(f"#SBATCH --gpus-per-node={r.gpus}")
-    if a.cpus_per_task:
-        lines.append(f"#SBATCH --cpus-per-task={a.cpus_per_task}")
-    if a.mem is not None:
-        lines.append(f"#SBATCH --mem={a.mem}")
-    for flag, value in (("time", a.time), ("partition", a.partition), ("account", a.account), ("qos", a.qos)):
-        if value:
-            lines.append(f"#SBATCH --{flag}={value}")
-    if a.exclusive:
-        lines.append("#SBATCH --exclusive")
-    if a.hosts and r.hosts:  # run on these nodes
-        lines.append("#SBATCH --nodelist=" + ",".join(h for h, _ in r.hosts))
-    lines += [f"#SBATCH --output={output}", "#SBATCH --open-mode=append", f"#SBATCH --chdir={cwd}"]
-    if sig_full:
-        lines.append(f"#SBATCH --signal={sig_full}")
-    if a.requeue:
-        lines.append("#SBATCH --requeue")
-    for extra in a.sbatch_arg:
-        lines.append(f"#SBATCH {extra}")
-    lines += [
-        "# Written by `grt launch --launcher slurm`; submit with: sbatch " + script_path,
-        "set -uo pipefail",
-        "export MASTER_ADDR="
-        + (q(r.master_addr) if a.master_addr else '"$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"'),
-        "export MASTER_PORT=" + (str(r.master_port) if r.master_port else '"$((20000 + SLURM_JOB_ID % 20000))"'),
-        f"export GRT_RUN_DIR={q(run_dir)}",
-        "log() { echo \"$(date '+%Y-%m-%d %H:%M:%S') grt: $*\"; }",
-    ]
-    lines.append("unset " + " ".join(OUTER_RANK_VARS) + "  # ranks come from Slurm (SLURM_PROCID, ...)")
-    container = a.container_image or a.apptainer
-    if container and not a.host_code:
-        # the image's code: no checkout on PYTHONPATH, and `python -m` does not put the
-        # working directory (perhaps a checkout) first on sys.path (Python 3.11+)
-        lines += ["unset PYTHONPATH", "export PYTHONSAFEPATH=1"]
-    else:
-        lines.append(f"export PYTHONPATH={q(PROJECT_ROOT)}" + '"${PYTHONPATH:+:$PYTHONPATH}"')
-    for k, v in r.env.items():
-        lines.append(f"export {k}={q(v)}")
-    lines.append(
-        'log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on '
-        '$SLURM_JOB_NODELIST, $SLURM_NTASKS ranks, master $MASTER_ADDR:$MASTER_PORT"'
-    )
-
-    srun = ["srun", "--kill-on-bad-exit=1", f"--ntasks-per-node={r.procs}"]
-    if a.cpus_per_task:
-        # srun of Slurm 22.05-23.02 does not inherit the job's --cpus-per-task
-        srun += [f"--cpus-per-task={a.cpus_per_task}"]
-    if a.rank_logs:  # srun opens the files but does not create their directory
-        lines.append(f"mkdir -p {q(_rank_log_dir(r))}")
-        srun += [f"--output={os.path.join(_rank_log_dir(r), 'rank%t.log')}", "--open-mode=append"]
-    rank_cmd = [r.python] + r.rank_argv()
-    if a.container_image:
-        mounts = a.container_mounts or ",".join(f"{b}:{b}" for b in container_binds(r))
-        srun += [f"--container-image={a.container_image}", f"--container-mounts={mounts}", f"--container-workdir={cwd}"]
-    elif a.apptainer:
-        binds = a.container_mounts or ",".join(container_binds(r))
-        rank_cmd = (
-            ["apptainer", "exec"]
-            + (["--nv"] if r.gpus else [])
-            + ["--bind", binds, "--pwd", cwd, a.apptainer]
-            + rank_cmd
-        )
-    for extra in a.srun_arg:
-        srun += shlex.split(extra)
-    srun_line = shlex.join(srun + rank_cmd)
-    if sig_name:
-        lines += [
-            "# Pre-emption: Slurm signals this script (--signal=B:...) or `scancel --batch "
-            f"--signal={sig_name}`; it is",
-            "# forwarded to the ranks (scancel: every step but this script's); the trainer saves a checkpoint",
-            "# and exits 0.",
-            "preempted=0",
-            "srun_pid=",
-            "forward() {",
-            "  preempted=1",
-            '  log "received SIG$1, forwarding it to the ranks"',
-            "  # through Slurm to every rank on every node, not `kill` on srun: srun answers SIGTERM",
-            "  # (or SIGINT) by killing every rank at once, before any could save a checkpoint",
-            '  if [ -n "$srun_pid" ]; then scancel --signal="$1" "$SLURM_JOB_ID" || true; fi',
-            "}",
-            f"trap 'forward {sig_name}' {sig_name}",
-        ]
-        if sig_name != "TERM":
-            lines.append("trap 'forward TERM' TERM")
-        lines += [
-            f"{srun_line} &",
-            "srun_pid=$!",
-            "# `wait` returns early when a trapped signal arrives: wait until srun has really ended",
-            "while :; do",
-            '  wait "$srun_pid"; status=$?',
-            '  kill -0 "$srun_pid" 2>/dev/null || break',
-            "done",
-            'log "ranks exited with status $status"',
-            'if [ "$preempted" = 1 ] && [ "$status" = 0 ]; then',
-        ]
-        if a.requeue:
-            lines += [
-                '  log "checkpoint saved after the pre-emption signal; requeueing job $SLURM_JOB_ID"',
-                '  scontrol requeue "$SLURM_JOB_ID"',
-            ]
-        else:
-            lines += [f'  log "checkpoint saved after the pre-emption signal; resume with: sbatch {script_path}"']
-        lines += ["fi", 'exit "$status"']
-    else:
-        lines += [srun_line]
-    return "\n".join(lines) + "\n"
-
-
-def build_slurm(r: Resolved) -> Plan:
-    a = r.args
-    if a.container_image and a.apptainer:
-        raise ValueError("choose one of --container-image (pyxis) and --apptainer")
-    if not r.gpus and not a.cpu:
-        raise ValueError("a Slurm job needs --gpus-per-node G (one rank per GPU), or --cpu for a CPU-only job")
-    if a.host_code and not (a.container_image or a.apptainer):
-        raise ValueError(
-            "--host-code goes with --container-image or --apptainer (without a container "
-            "the ranks run this checkout's code anyway)"
-        )
-    script_path = os.path.join(r.launch_dir, "slurm.sbatch")
-    script = slurm_script(r, script_path)
-    cmd = ["sbatch", "--parsable"] + (["--wait"] if a.wait else []) + [script_path]
-    return Plan(
-        "slurm",
-        cmd,
-        files={script_path: script},
-        executable_files=[script_path],
-        env=_parse_user_env(r),
-        summary=_summary(r, "slurm batch job"),
-    )
+    return Plan("mpi", cmd, env=env, files=files, unset=unset, summary=summary(r, "mpirun"))
 
 
 BUILDERS = {"local": build_local, "deepspeed": build_deepspeed, "mpi": build_mpi, "slurm": build_slurm}

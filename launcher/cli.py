@@ -208,7 +208,8 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
     the checkpoint to resume, the budget, every refusal); the config is the plan's.
     """
     from pretrain.config import ConfigError
-    from pretrain.runs.run_config import absolute, data_paths, load_manifest, resolve, with_data_paths
+    from pretrain.runs.data_spec import absolute, data_paths, load_manifest, with_data_paths
+    from pretrain.runs.run_config import resolve
     from pretrain.train import build_parser as train_parser
     from pretrain.train import config_from_args
     from pretrain.training.ds_config import resolve_ds_path

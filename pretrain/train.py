@@ -25,16 +25,8 @@ if __name__ == "__main__" and not __package__:
 from pretrain.config import ConfigError, ModelConfig  # noqa: E402
 from pretrain.distributed import discover, run_command  # noqa: E402
 from pretrain.presets import PRESETS, get_preset  # noqa: E402
-from pretrain.runs.run_config import (  # noqa: E402
-    RunConfig,
-    absolute,
-    apply_overrides,
-    choose_model,
-    data_paths,
-    is_model_override,
-    load_manifest,
-    with_data_paths,
-)
+from pretrain.runs.data_spec import absolute, data_paths, load_manifest, with_data_paths  # noqa: E402
+from pretrain.runs.run_config import RunConfig, apply_overrides, choose_model, is_model_override  # noqa: E402
 from pretrain.runs.settings_rules import mark_given  # noqa: E402
 from pretrain.training import branch  # noqa: E402
 

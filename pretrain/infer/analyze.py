@@ -57,7 +57,7 @@ from pretrain.infer.analyze_report import markdown, plots
 from pretrain.infer.scoring import Batch, check_batches, jsonable, lm_sums, val_batches
 from pretrain.model import GPT, LoopStep
 from pretrain.model.layers import AttentionContext
-from pretrain.runs.run_config import data_sources
+from pretrain.runs.data_spec import data_sources
 
 if TYPE_CHECKING:
     from data_pipeline.tokenizer import Tokenizer

@@ -40,8 +40,8 @@ from pretrain.infer.eval_report import format_table, plot_depths
 from pretrain.infer.kv_cache import STRATEGIES
 from pretrain.infer.scoring import jsonable
 from pretrain.infer.zero_shot import evaluate_task
+from pretrain.runs.data_spec import data_paths
 from pretrain.runs.eval_tasks import TASKS, load_task, parse_depths
-from pretrain.runs.run_config import data_paths
 
 
 def default_eval_dir() -> Path:

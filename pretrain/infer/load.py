@@ -101,8 +101,8 @@ class LoadedModel:
         or hold token ids beyond its vocabulary (before any tensor is built). A model without its
         tokenizer.model is refused unless --tokenizer names it: with the vocabulary size alone,
         data of another tokenizer of that size would give a plausible, meaningless loss."""
+        from pretrain.runs.data_spec import load_manifest
         from pretrain.runs.identity import check_same_tokenizer
-        from pretrain.runs.run_config import load_manifest
 
         m = load_manifest(manifest)
         if self.own_tokenizer_path is None and not self.tokenizer_path:

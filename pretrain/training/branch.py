@@ -53,7 +53,8 @@ from pretrain.config import ConfigError
 from pretrain.errors import UnreadableCheckpoint
 from pretrain.runs import checkpoint_files
 from pretrain.runs.checkpoint_files import DATA_SKIPS
-from pretrain.runs.run_config import RunConfig, load_manifest, tokens_per_step
+from pretrain.runs.data_spec import load_manifest
+from pretrain.runs.run_config import RunConfig, tokens_per_step
 from pretrain.training.schedule import decay_steps
 
 BRANCH_FILE = "branch.json"  # in the branch's run directory: where it branched from

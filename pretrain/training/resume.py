@@ -46,14 +46,13 @@ from typing import TYPE_CHECKING, Any
 from pretrain.config import ConfigError
 from pretrain.errors import UnreadableCheckpoint
 from pretrain.runs.checkpoint_files import ranks_that_wrote, read_config, resume_candidates, step_of
+from pretrain.runs.data_spec import load_manifest, with_data_paths
 from pretrain.runs.identity import check_same_tokenizer
 from pretrain.runs.run_config import (
     RunConfig,
     TrainConfig,
     global_batch,
-    load_manifest,
     tokens_per_step,
-    with_data_paths,
 )
 from pretrain.training.schedule import Schedule
 

@@ -28,12 +28,11 @@ from pretrain.config import ConfigError
 from pretrain.distributed import discover
 from pretrain.errors import UnreadableCheckpoint
 from pretrain.runs import checkpoint_files
+from pretrain.runs.data_spec import data_sources, load_manifest
 from pretrain.runs.run_config import (
     RunConfig,
     apply_token_budget,
-    data_sources,
     global_batch,
-    load_manifest,
     resolve,
 )
 from pretrain.runs.run_config import tokens_per_step as step_tokens

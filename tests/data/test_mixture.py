@@ -22,7 +22,7 @@ from data_pipeline.loader import TokenBatchLoader
 from data_pipeline.mixture import DataMixture, MixtureError, parse_sources, parse_stages
 from data_pipeline.mixture_loader import MixtureLoader
 from pretrain.config import ConfigError
-from pretrain.runs.run_config import load_manifest
+from pretrain.runs.data_spec import load_manifest
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "data" / "tinyshakespeare.txt"
 

@@ -144,7 +144,8 @@ def test_a_mixture_given_in_another_order_is_refused_naming_both_orders(shards, 
     import torch
 
     from pretrain.config import ConfigError
-    from pretrain.runs.run_config import RunConfig, load_manifest
+    from pretrain.runs.data_spec import load_manifest
+    from pretrain.runs.run_config import RunConfig
     from pretrain.training.start import check_data_order
 
     saved, now = f"a=0.5:{shards},b=0.5:{shards}", f"b=0.5:{shards},a=0.5:{shards}"

@@ -16,7 +16,7 @@ from faults import run_job, train_args
 from data_pipeline.batches import plan_stages
 from data_pipeline.mixture import DataMixture, MixtureError, parse_stages
 from data_pipeline.mixture_loader import MixtureLoader
-from pretrain.runs.run_config import load_manifest
+from pretrain.runs.data_spec import load_manifest
 
 SEQ = 64  # the shards fixture's sequence length
 
