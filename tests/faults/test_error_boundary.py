@@ -359,7 +359,14 @@ def interrupt_prepare(text: Path, tok: Path, out: Path) -> subprocess.Popen:
     argv += ["--shard-size-mb", "0.1", "--workers", "2", "-q"]
     before = set(os.listdir(out)) if out.is_dir() else set()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pretrain.cli", *map(str, argv)], cwd=REPO, env=ENV, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "pretrain.cli", *map(str, argv)],
+        cwd=REPO,
+        env=ENV,
+        stderr=subprocess.PIPE,
+        text=True,
+        # SIGINT as a terminal gives it: a suite started in the background of a script inherits it
+        # ignored (POSIX), and a command that inherits an ignored SIGINT rightly keeps ignoring it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
