@@ -243,8 +243,7 @@ def printed_document(cfg: RunConfig, args: argparse.Namespace) -> str:
 
         resolved, ds = resolved_configs(cfg, args.resume)
         return resolved.to_json() if args.print_config else ds_config_json(ds)
-    load_manifest(cfg.data)
-    from pretrain.training.trainer import dry_run
+    from pretrain.training.trainer import dry_run  # its plan loads (and checks) the manifest once
 
     summary, resolved = dry_run(cfg, resume=args.resume)
     print(f"grt train: dry run: {summary}", file=sys.stderr)

@@ -41,7 +41,7 @@ from pretrain.training import branch, deepspeed_internals
 from pretrain.training.bad_batches import BadBatches, SpikeRollback
 from pretrain.training.checkpoint_io import RunCheckpoints
 from pretrain.training.depth import depth_for_step
-from pretrain.training.ds_config import zero_stage
+from pretrain.training.ds_config import ds_config_json, zero_stage
 from pretrain.training.engine import build_engine
 from pretrain.training.evaluation import Validation, score_tasks
 from pretrain.training.fit_hooks import DelayInjection, NanFaults, warn_on_skipped_shards
@@ -134,7 +134,7 @@ class Trainer:
             self.writer.add_sink(self.wandb.log, self.wandb.rewind)  # W&B follows a rollback
             closing.callback(self.wandb.finish)  # close(): before the writer closes
         self.writer.text("config", self.config_json)
-        self.writer.text("deepspeed_config", json.dumps(ds, indent=2))
+        self.writer.text("deepspeed_config", ds_config_json(ds))
         self.throughput = Throughput(cfg.model, plan.data.seq_len, peak * self.world)
         self.validation = None
         if val is not None:
