@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pretrain.config import ModelConfig
+from pretrain.kernels.matmul import fp32_linear
 from pretrain.model.loss import linear_cross_entropy
 
 log = logging.getLogger(__name__)
@@ -41,13 +42,17 @@ class Linear(nn.Linear):
 
 
 class FP32Linear(Linear):
-    """A linear computed in fp32 whatever the weights' dtype (bf16 under DeepSpeed's bf16 mode) and
-    autocast: the weights are upcast inside the call, so that ZeRO-3 gathers them as for any module,
-    and the gradients flow back to them in their own dtype. For the gate's logits (pretrain/model/gpt.py
-    LoopStep): near the gate's +4 start a bf16 logit's step is 0.031, 1.5% of 1 - g."""
+    """A linear with fp32 results whatever the weights' dtype (bf16 under DeepSpeed's bf16 mode) and
+    autocast; the gradients flow back to the weights in their own dtype, and ZeRO-3 gathers them as
+    for any module. For the gate's logits (pretrain/model/gpt.py LoopStep): near the gate's +4 start a
+    bf16 logit's step is 0.031, 1.5% of 1 - g. bf16 input, weights and bias (DeepSpeed's bf16 mode):
+    bf16 GEMMs with fp32 accumulation (`fp32_linear`, tensor cores on CUDA), the fp32 matmul's
+    numbers; any other mix (fp32 weights, under autocast too): the operands upcast, an fp32 matmul."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
+            if all(t.dtype == torch.bfloat16 for t in (x, self.weight, self.bias) if t is not None):
+                return fp32_linear(x, self.weight, self.bias)
             bias = self.bias.float() if self.bias is not None else None
             return F.linear(x.float(), self.weight.float(), bias)
 
