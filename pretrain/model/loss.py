@@ -5,7 +5,11 @@ the final hidden states: the head's matmul and the cross-entropy are computed ch
 of tokens, and each chunk's gradients (of the hidden states and of the head's weight) are
 computed right away, so the [tokens x vocabulary] logits, their fp32 copy and their gradient
 never exist at once (at GPT-2's vocabulary and 16 x 1024 tokens, 3.3 GB each in fp32). Same
-FLOPs as the plain loss (no recompute).
+FLOPs as the plain loss (no recompute). A chunk is a multiple of 256 tokens (the matmuls' tiles),
+the chunks of a call equal: on CUDA as large as a quarter of the memory free at the first call
+(after the engine, with the forward's activations live; one chunk on a large card), elsewhere
+256 MiB of fp32 logits. The weight's gradient is summed over chunks in fp32 inside the matmul
+(`addmm_fp32`: bf16 products, fp32 accumulation, no product rounded to bf16, no cast-and-add).
 
 The matmuls run on the whole (padded) weight, 50,304 rows for GPT-2's 50,257: an aligned width
 for the GPU's fast matmul kernels; the padded logits are -inf (no probability, no gradient).
@@ -28,13 +32,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pretrain.kernels.matmul import addmm_fp32, mm_fp32
+
 try:  # optional: Apple's cut-cross-entropy (CUDA, Triton)
     from cut_cross_entropy import linear_cross_entropy as cce_linear_cross_entropy
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     cce_linear_cross_entropy = None
 
 IGNORE_INDEX = -100  # a target that is not scored
-CHUNK_BYTES = 256 * 2**20  # one chunk's fp32 logits
+CHUNK_BYTES = 256 * 2**20  # one chunk's fp32 logits, off CUDA (and the memory plan's least)
+CHUNK_MULTIPLE = 256  # tokens: whole tiles of the matmuls
+FREE_SHARE = 0.25  # of the free CUDA memory, for one chunk's fp32 logits (and its gradient, temporaries)
 LOSS_IMPLS = ("auto", "cce", "compiled", "eager")
 
 ChunkFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor | None]]
@@ -50,7 +58,26 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
 
 
 def chunk_tokens(vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    return max(1, chunk_bytes // (4 * vocab))
+    """The most tokens whose fp32 logits fit in chunk_bytes, a multiple of CHUNK_MULTIPLE (at least one)."""
+    return max(CHUNK_MULTIPLE, chunk_bytes // (4 * vocab) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
+
+
+_cuda_chunks: dict[tuple[torch.device, int, int], int] = {}  # (device, tokens, width) -> chunk, decided once
+
+
+def loss_chunk(tokens: int, width: int, device: torch.device) -> int:
+    """Tokens per chunk for `tokens` tokens at `width` logits: equal chunks, a multiple of
+    CHUNK_MULTIPLE, each within the budget (module docstring). On CUDA the free memory is read once
+    per (tokens, width), so every later micro-batch takes the same chunk (one compiled shape)."""
+    key = (device, tokens, width)
+    if device.type == "cuda" and key not in _cuda_chunks and not torch.compiler.is_compiling():
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # the allocator's cache
+        _cuda_chunks[key] = chunk_tokens(width, int(FREE_SHARE * free))
+    most = _cuda_chunks.get(key) or chunk_tokens(width)
+    count = max(1, -(-tokens // most))
+    per = max(1, -(-tokens // count))
+    return -(-per // CHUNK_MULTIPLE) * CHUNK_MULTIPLE
 
 
 def chunk_loss(
@@ -127,7 +154,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # needs_input_grad follows requires_grad alone: under no_grad (evaluation) no gradient is made
         want_h, want_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if want_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        grad_w: torch.Tensor | None = None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for start in range(0, h.shape[0], chunk):
             part = slice(start, start + chunk)
@@ -137,8 +164,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 continue
             if grad_h is not None:
                 grad_h[part] = grad @ weight
-            if grad_w is not None:  # an fp32 sum over chunks, each chunk's product in the model's dtype
-                grad_w += (grad.t() @ h[part]).float()
+            if want_w:  # an fp32 sum over chunks, in the GEMM (bf16 products, fp32 accumulation)
+                gt = grad.t()
+                grad_w = mm_fp32(gt, h[part]) if grad_w is None else addmm_fp32(grad_w, gt, h[part])
         ctx.save_for_backward(grad_h, grad_w, count)
         ctx.weight_dtype = weight.dtype
         return total / count
@@ -164,7 +192,7 @@ def linear_cross_entropy(
 ) -> torch.Tensor:
     """The mean cross-entropy of `h @ weight.T` over the first `vocab` of weight's rows (h [..., d],
     targets [...], -100 not scored; the rows after `vocab` are padding) without materialising the
-    logits: `chunk` tokens at a time (default: 256 MiB of fp32 logits). Equals
+    logits: `chunk` tokens at a time (default: `loss_chunk`). Equals
     `lm_loss((h @ weight.T)[..., :vocab], targets)`, gradients included."""
     h2, t2 = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     how = resolve_impl(impl, h2, weight)
@@ -175,5 +203,11 @@ def linear_cross_entropy(
     # inside a compiled graph already (a whole-model compile): the eager function, which it traces
     step = compiled_chunk_loss() if how == "compiled" and not torch.compiler.is_compiling() else chunk_loss
     return _LinearCrossEntropy.apply(
-        h2, weight, t2, vocab, chunk or chunk_tokens(weight.shape[0]), torch.is_grad_enabled(), step
+        h2,
+        weight,
+        t2,
+        vocab,
+        chunk or loss_chunk(h2.shape[0], weight.shape[0], h2.device),
+        torch.is_grad_enabled(),
+        step,
     )

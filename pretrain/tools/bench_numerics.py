@@ -34,7 +34,7 @@ from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError, ModelConfig, padded_vocab
 from pretrain.model import GPT, build_model
 from pretrain.model.layers import AttentionContext
-from pretrain.model.loss import IGNORE_INDEX, linear_cross_entropy, lm_loss, resolve_impl
+from pretrain.model.loss import IGNORE_INDEX, linear_cross_entropy, lm_loss, loss_chunk, resolve_impl
 from pretrain.presets import get_preset
 from pretrain.tools.bench_support import (
     GPT2_VOCAB,
@@ -179,7 +179,10 @@ def loss_probe(argv: list[str]) -> None:
     ref = lm_loss((h32 @ w32[: int(vocab)].t())[None], targets[None])
     ref.backward()
     assert h32.grad is not None and w32.grad is not None
+    width = int(vocab) if row == "chunked-unpadded" else w.shape[0]
+    chunked = row.startswith("chunked") or row == "compiled"
     out = {
+        "chunk": loss_chunk(h.shape[0], width, device) if chunked else None,
         "ms": 1000 * statistics.median(times),
         "peak_mb": peak / 2**20,
         "loss_abs_diff": float((loss.detach().float() - ref.detach()).abs()),
@@ -224,21 +227,23 @@ def bench_loss(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def format_loss_rows(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "row | width | ms (fwd+bwd) | peak MB | loss diff | grad h rel diff | grad w rel diff | training's",
-        "---|---:|---:|---:|---:|---:|---:|---",
+        "row | width | chunk | ms (fwd+bwd) | peak MB | loss diff | grad h rel diff | grad w rel diff | training's",
+        "---|---:|---:|---:|---:|---:|---:|---:|---",
     ]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"{r['row']} | {r['width']} | skipped: {r['skipped']} | | | | |")
+            lines.append(f"{r['row']} | {r['width']} | | skipped: {r['skipped']} | | | | |")
             continue
         lines.append(
-            f"{r['row']} | {r['width']} | {r['ms']:,.1f} | {r['peak_mb']:,.1f} | {r['loss_abs_diff']:.1e} | "
-            f"{r['grad_h_rel_diff']:.1e} | {r['grad_w_rel_diff']:.1e} | {'yes' if r['training_default'] else ''}"
+            f"{r['row']} | {r['width']} | {r['chunk'] or ''} | {r['ms']:,.1f} | {r['peak_mb']:,.1f} | "
+            f"{r['loss_abs_diff']:.1e} | {r['grad_h_rel_diff']:.1e} | {r['grad_w_rel_diff']:.1e} | "
+            f"{'yes' if r['training_default'] else ''}"
         )
     first = rows[0]
     lines.append(
         f"\n{first['tokens']} tokens, d {first['d_model']}, {first['dtype']} on {first['device']}; diffs against "
-        "the fp32 reference (plain logits, F.cross_entropy); training's: the impl `auto` picks here."
+        "the fp32 reference (plain logits, F.cross_entropy); chunk: tokens per chunk (loss_chunk: on CUDA "
+        "sized by the free memory); training's: the impl `auto` picks here."
     )
     lines += [f"  {name}: {what}" for name, what in LOSS_ROWS.items()]
     return "\n".join(lines)

@@ -136,10 +136,10 @@ def activation_bytes(cfg: ModelConfig, tokens: int, depth: int, mode: str, dtype
     if not variant.decodes_every_step:
         # the training loss straight from the hidden states (pretrain/model/loss.py): per token the final
         # norm's input and output and the hidden states' gradient; once, one chunk's fp32 logits (and their
-        # copy in the model's dtype) and the head weight's fp32 gradient with each chunk's product (in the
-        # model's dtype, then fp32) added to it
+        # copy in the model's dtype; the least chunk: on CUDA a larger one takes a share of what is left
+        # free) and the head weight's fp32 gradient, with the next chunk's sum the GEMM writes
         chunk, copy = min(tokens, chunk_tokens(cfg.vocab_size)), (a if a != 4 else 0)
-        loss_once = chunk * cfg.vocab_size * (4 + copy) + (8 + copy) * cfg.padded_vocab_size * d
+        loss_once = chunk * cfg.vocab_size * (4 + copy) + 8 * cfg.padded_vocab_size * d
         return int(tokens * (kept + outside + anchor + state + 3 * d * a) + max(tokens * recompute, loss_once))
     # every step's logits scored (Ouro): materialised, with their fp32 log-softmax and gradient
     head = 4 * cfg.vocab_size + 2 * d * a  # the fp32 log-softmax, the final norm's input and output

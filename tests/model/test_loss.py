@@ -139,3 +139,59 @@ def test_no_gradient_is_computed_without_grad_mode():
             loss = linear_cross_entropy(h, w, targets, 37, chunk=10)
         assert counter.count == expected, (grad_mode, counter.count)
         assert torch.allclose(loss, lm_loss((h @ w.t())[None], targets[None]).detach(), atol=1e-6)
+
+
+def test_chunks_are_whole_tiles_sized_by_the_free_cuda_memory(monkeypatch):
+    """Chunks of a multiple of 256 tokens, equal but the last: off CUDA 256 MiB of fp32 logits (1,280
+    tokens at GPT-2's padded width); on CUDA a quarter of the memory free at the first call, read once
+    (the CUDA calls stubbed: the sizing is arithmetic on what they return)."""
+    from pretrain.model import loss
+
+    assert loss.loss_chunk(16384, 50304, torch.device("cpu")) == 1280
+    assert loss.loss_chunk(1000, 50304, torch.device("cpu")) == 1024  # one chunk, a whole tile
+    assert loss.loss_chunk(0, 50304, torch.device("cpu")) == 256
+    reads = []
+
+    def free(device):
+        reads.append(device)
+        return (free_bytes, 2**40)
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", free)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 2 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2**30)  # 1 GiB cached, free to reuse
+    monkeypatch.setattr(loss, "_cuda_chunks", {})
+    free_bytes = 100 * 2**30  # an H200 after the engine: one chunk
+    assert loss.loss_chunk(16384, 50304, torch.device("cuda", 0)) == 16384
+    free_bytes = 3 * 2**30  # 4 GiB with the cache: 5,336 tokens at most -> 4 equal chunks
+    assert loss.loss_chunk(16384, 50304, torch.device("cuda", 1)) == 4096
+    free_bytes = 0  # read once per device and size: later calls keep the first answer
+    assert loss.loss_chunk(16384, 50304, torch.device("cuda", 1)) == 4096
+    assert len(reads) == 2
+
+
+def test_the_weight_gradient_is_summed_inside_the_matmul():
+    """No pass over the [V, d] weight gradient besides the GEMMs that write it (the first chunk's mm,
+    then each chunk's addmm into the fp32 sum): no zero-fill, no cast, no separate add."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class WeightShapedOps(TorchDispatchMode):
+        def __init__(self, shape):
+            super().__init__()
+            self.shape, self.ops = shape, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.shape == self.shape:
+                self.ops.append(func)
+            return out
+
+    h = torch.randn(40, 16, requires_grad=True)
+    w = torch.randn(37, 16, requires_grad=True)
+    targets = torch.randint(0, 37, (40,))
+    with WeightShapedOps(w.shape) as seen:
+        loss = linear_cross_entropy(h, w, targets, 37, chunk=10)
+    assert seen.ops == [torch.ops.aten.mm.default] + [torch.ops.aten.addmm.default] * 3, seen.ops
+    loss.backward()
+    h32, w32 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    lm_loss((h32 @ w32.t())[None], targets[None]).backward()
+    assert torch.allclose(w.grad, w32.grad, atol=1e-6, rtol=1e-5)
