@@ -25,6 +25,8 @@ if __name__ == "__main__" and not __package__:
 from pretrain.config import ConfigError, ModelConfig  # noqa: E402
 from pretrain.distributed import discover, run_command  # noqa: E402
 from pretrain.presets import PRESETS, get_preset  # noqa: E402
+from pretrain.runs import checkpoint_files  # noqa: E402
+from pretrain.runs.checkpoint_files import check_not_a_checkpoint  # noqa: E402
 from pretrain.runs.data_spec import absolute, data_paths, load_manifest, with_data_paths  # noqa: E402
 from pretrain.runs.run_config import RunConfig, apply_overrides, choose_model, is_model_override  # noqa: E402
 from pretrain.runs.settings_rules import mark_given  # noqa: E402
@@ -112,15 +114,86 @@ def build_parser() -> argparse.ArgumentParser:
 def base_config(args: argparse.Namespace, source: Path | None) -> RunConfig:
     """The run config the command line's settings go onto: --config-json's; for a run continued from
     what it saved, the config it saved (one mechanism, `branch.saved_config`): a decay branch's source
-    checkpoint's, a --resume's run directory's `config.json` (the run as it last started); else the
-    defaults (a --resume of a directory that never started is a fresh start)."""
+    checkpoint's, a --resume's run directory's `config.json` (the run as it last started; refused
+    where its checkpoints are there without it); else the defaults (a --resume of a directory that
+    never started is a fresh start). A saved config's relative `out` is the run it was saved in."""
+    if args.out:
+        check_not_a_checkpoint(Path(args.out))  # before any saved config is read as a run's
     if args.config_json:
-        return RunConfig.load(args.config_json)
+        return branch.saved_where(RunConfig.load(args.config_json), Path(args.config_json))
     if source is not None:
         return branch.base_config(source, args.out)
-    if args.resume and args.out and (Path(args.out) / "config.json").is_file():
-        return branch.saved_config(Path(args.out), "--resume")
+    if args.resume and args.out:
+        run = Path(args.out)
+        if (run / "config.json").is_file():
+            return branch.saved_config(run, "--resume")
+        if checkpoint_files.tag_dirs(run / "checkpoints") and not (args.model_config or args.preset):
+            raise ConfigError(
+                f"--resume: {run / 'config.json'} is missing: {run} holds checkpoints but not the run's settings; "
+                f"restore it, or resume with a checkpoint's own (--config-json {run}/checkpoints/<tag>/config.json)"
+            )
     return RunConfig()
+
+
+# the flags that set a run config key: a --set of the same key must agree (one setting, one value)
+FLAG_KEYS = (
+    ("--out", "out"),
+    ("--data", "data"),
+    ("--ds-config", "ds_config"),
+    ("--steps", "train.steps"),
+    ("--micro-batch-size", "train.micro_batch_size"),
+    ("--grad-accum", "train.grad_accum"),
+)
+
+
+def flag_values(args: argparse.Namespace) -> dict[str, tuple[str, Any]]:
+    """The run config keys the command line's flags set: key -> (flag, value)."""
+    values = {
+        "out": args.out,
+        "data": ",".join(args.data) if args.data else None,  # the run config's one string (data_pipeline/mixture.py)
+        "ds_config": args.ds_config or args.deepspeed,
+        "train.steps": args.steps,
+        "train.micro_batch_size": args.micro_batch_size,
+        "train.grad_accum": args.grad_accum,
+    }
+    return {key: (flag, values[key]) for flag, key in FLAG_KEYS if values[key] not in (None, "")}
+
+
+def _setting(cfg: RunConfig, key: str) -> Any:
+    section, _, name = key.rpartition(".")
+    return getattr(cfg.train if section == "train" else cfg, name)
+
+
+def _same_value(key: str, a: Any, b: Any) -> bool:
+    """Two values of one setting name the same thing: paths by the files they name."""
+    if key == "out":
+        return os.path.abspath(a) == os.path.abspath(b)
+    if key == "data":
+        return with_data_paths(a, absolute) == with_data_paths(b, absolute)
+    if key == "ds_config":
+        from pretrain.training.ds_config import resolve_ds_path
+
+        return os.path.abspath(resolve_ds_path(a)) == os.path.abspath(resolve_ds_path(b))
+    return bool(a == b)
+
+
+def set_flags(cfg: RunConfig, flags: dict[str, tuple[str, Any]], overrides: list[str]) -> None:
+    """The flags' values into `cfg`, then the --sets; a --set of a flag's key that names another value
+    is refused (before, the --set won without a word: `--set out=B` beside `--out A` trained in B)."""
+    for key, (_, value) in flags.items():
+        section, _, name = key.rpartition(".")
+        setattr(cfg.train if section == "train" else cfg, name, value)
+    apply_overrides(cfg, overrides)
+    for item in overrides:
+        key = item.split("=", 1)[0]
+        if key in flags:
+            flag, value = flags[key]
+            if not _same_value(key, value, _setting(cfg, key)):
+                raise ConfigError(
+                    f"{flag} {value} and --set {item} disagree: one setting has one value; give one of them"
+                )
+            section, _, name = key.rpartition(".")
+            setattr(cfg.train if section == "train" else cfg, name, value)
 
 
 ONE_START_KEYS = ("allow_data_change", "allow_batch_change")  # a consent given for the start that gives it
@@ -172,28 +245,17 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         raise ConfigError(
             f"--deepspeed {args.deepspeed} and --ds-config {args.ds_config} name different DeepSpeed files; give one"
         )
-    data = ",".join(args.data) if args.data else None  # the run config's one string (data_pipeline/mixture.py)
-    for key, value in (("data", data), ("ds_config", args.ds_config or args.deepspeed), ("out", args.out)):
-        if value:
-            setattr(cfg, key, value)
-    for flag in ("steps", "micro_batch_size", "grad_accum"):
-        if getattr(args, flag) is not None:
-            setattr(cfg.train, flag, getattr(args, flag))
-    apply_overrides(cfg, overrides)
-    flags = {f"train.{flag}" for flag in ("steps", "micro_batch_size", "grad_accum") if getattr(args, flag) is not None}
-    given = {item.split("=", 1)[0] for item in args.overrides} | flags
+    flags = flag_values(args)
+    set_flags(cfg, flags, overrides)
+    given = {item.split("=", 1)[0] for item in args.overrides} | {k for k in flags if k.startswith("train.")}
     mark_given(cfg, given)  # the flags and the --sets (settings_rules.py)
     if source is not None or (args.resume and not args.config_json):
         continued(cfg, given)
     if source is not None:
         branch.configure(cfg, source, branch.given_train_keys(args))  # wsd, its length, branch_from
-    named = {key for key, value in (("data", data), ("ds_config", args.ds_config or args.deepspeed)) if value}
-    callers_paths(cfg, named | ({"data", "ds_config"} & given))
+    callers_paths(cfg, {"data", "ds_config"} & (set(flags) | given))
     if not args.out and not args.config_json and source is None:
-        from pretrain.training.start import say
-
-        cfg.out = run_name(args, cfg)
-        say(f"run directory {cfg.out} (no --out given)")
+        cfg.out = run_name(args, cfg)  # said by the start's first line (StartPlan.start_lines)
     cfg.validate()
     return cfg
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any
 
-from pretrain.errors import UnreadableCheckpoint
+from pretrain.errors import ConfigError, UnreadableCheckpoint
 
 log = logging.getLogger(__name__)
 TAG_RE = re.compile(r"^step(\d{8})$")
@@ -67,6 +68,31 @@ def resume_candidates(root: Path) -> list[str]:
     then each older complete one (the fallbacks when a newer one cannot be read)."""
     newest = find_latest(root)
     return [] if newest is None else [t for t in reversed(complete_tags(root)) if t <= newest]
+
+
+def _is_checkpoints_folder(d: Path) -> bool:
+    """A run's `checkpoints/`: named so, and holding checkpoints or beside the run's config.json (a
+    folder of one's own named "checkpoints" holding run directories is none)."""
+    return d.name == "checkpoints" and (
+        bool(tag_dirs(d)) or (d / "latest").exists() or (d.parent / "config.json").is_file()
+    )
+
+
+def check_not_a_checkpoint(out: Path) -> None:
+    """Refuse a run directory `out` that is a run's checkpoints folder, a checkpoint, or lies inside
+    one: a run there would write its files among the checkpoints (a fresh start from step 0 inside a
+    checkpoint rewrote its config.json)."""
+    path = Path(os.path.abspath(out))
+    for d in (path, *path.parents):
+        tag = TAG_RE.match(d.name) is not None and d.parent.name == "checkpoints" and d.is_dir()
+        if tag or _is_checkpoints_folder(d):
+            run = d.parent.parent if tag else d.parent
+            what = ("checkpoint " if tag else "checkpoints folder ") + str(d)
+            where = "is" if d == path else "lies inside"
+            raise ConfigError(
+                f"--out {out} {where} the {what} of the run {run}: a run directory holds checkpoints, it is not "
+                f"one; continue that run with --out {run} --resume, or choose another --out"
+            )
 
 
 def ranks_that_wrote(step_dir: Path) -> int:

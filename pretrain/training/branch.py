@@ -115,14 +115,34 @@ def find_source(given: str, out: str | None) -> Path:
     return root / latest
 
 
+def saved_where(cfg: RunConfig, path: Path) -> RunConfig:
+    """A run config read from the file `path`: where that is a run's own config.json (its run
+    directory's, or one of its checkpoints'), a relative `out` in it names that run directory (it
+    was relative to the directory the run was started from, not to this command's). A relative
+    DeepSpeed file in any saved config is a shipped one by its name (the run made the caller's own
+    absolute, pretrain/train.py callers_paths): that file, whatever this directory holds of that name."""
+    from pretrain.training.ds_config import PROJECT_ROOT, SHIPPED_DIR
+
+    folder = Path(os.path.abspath(path)).parent
+    run = folder.parent.parent if checkpoint_files.TAG_RE.match(folder.name) else folder
+    if cfg.out and not os.path.isabs(cfg.out) and (run / "checkpoints").is_dir():
+        cfg.out = str(run)
+    names = [base / cfg.ds_config for base in (PROJECT_ROOT, SHIPPED_DIR) if not os.path.isabs(cfg.ds_config)]
+    shipped = next((p for p in names if p.is_file()), None)
+    if shipped is not None and not (os.path.exists(cfg.ds_config) and os.path.samefile(cfg.ds_config, shipped)):
+        cfg.ds_config = str(shipped)
+    return cfg
+
+
 def saved_config(folder: Path, where: str) -> RunConfig:
     """The run config a run saved in `folder` (a checkpoint's, or a run directory's `config.json`):
     the base of a run continued from it (a branch, a resume: pretrain/train.py base_config);
     `where` names it in the one line that refuses an unreadable one."""
     try:
-        return RunConfig.from_dict(checkpoint_files.read_config(folder))
+        cfg = RunConfig.from_dict(checkpoint_files.read_config(folder))
     except UnreadableCheckpoint as err:
         raise ConfigError(f"{where}: {folder / 'config.json'}: {err.problem}") from None
+    return saved_where(cfg, folder / "config.json")
 
 
 def source_config(source: Path) -> RunConfig:

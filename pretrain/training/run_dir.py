@@ -17,6 +17,7 @@ from data_pipeline.files import atomic_write_text, check_output_path
 from pretrain.config import ConfigError
 from pretrain.distributed import RankFailed, check_ranks
 from pretrain.errors import file_system_problem, path_kind
+from pretrain.runs.checkpoint_files import check_not_a_checkpoint
 from pretrain.training import run_lock
 from pretrain.training.ds_config import save_ds_config
 
@@ -138,7 +139,9 @@ class RunDir:
 
 def check_run_paths(out: Path) -> None:
     """Refuse a run whose --out, or a path it writes there (RUN_FOLDERS, RUN_FILES), is of the wrong
-    kind (a file for a folder, a folder for a file, a dangling symlink), before anything starts."""
+    kind (a file for a folder, a folder for a file, a dangling symlink), or that is or lies inside a run's
+    checkpoints, before anything starts."""
+    check_not_a_checkpoint(out)
     wanted = [(out, True)] + [(out / n, True) for n in RUN_FOLDERS] + [(out / n, False) for n in RUN_FILES]
     for path, folder in wanted:
         if os.path.lexists(path) and (os.path.isdir(path) != folder or not os.path.exists(path)):

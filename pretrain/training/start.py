@@ -102,9 +102,13 @@ class StartPlan:
         return Path(self.cfg.out) / "checkpoints"
 
     def start_lines(self) -> list[str]:
-        """What the start says before anything else: a restart's interrupted save, what it changes in
-        the config given, the budget's steps."""
-        return [line for line in (self.restart_note, *self.notes, self.budget) if line]
+        """What the start says before anything else: the run directory it writes and how it starts,
+        a restart's interrupted save, what it changes in the config given, the budget's steps."""
+        how = f"resuming {self.resume.tag}" if self.resume is not None else "a fresh start"
+        if self.branch_source is not None:
+            how = f"a decay branch of {self.branch_source}"
+        first = f"start: run directory {os.path.abspath(self.cfg.out)}: {how}"  # a progress line (tests/commands.py)
+        return [line for line in (first, self.restart_note, *self.notes, self.budget) if line]
 
     @property
     def nothing_to_do(self) -> str:

@@ -117,7 +117,7 @@ def test_a_run_without_out_gets_its_own_named_directory(shards, tmp_path, monkey
     args = train_command("micro-grt", shards, None, 1, 4, "ds_configs/zero3.json", QUICK)
     rc, printed, err = run_main(capsys, *args[1:], "--dry-run")
     assert rc == 0, err
-    said = re.search(rf"grt train: run directory ({NAMED}) \(no --out given\)", err)
+    said = re.search(rf"grt train: start: run directory {re.escape(str(tmp_path))}/({NAMED}): a fresh start", err)
     assert said is not None, err
     assert "dry run: would train" in err and f"into {said[1]}" in err, err
     assert json.loads(printed)["out"] == said[1], printed  # the config.json the run would write
