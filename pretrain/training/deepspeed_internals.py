@@ -18,6 +18,10 @@ pins the tested range). What is patched, and why:
   per-step routers are outside the core). A re-recorded order costs hundreds of host syncs,
   and the hooks' compiler-disabled calls split a compiled loop step into many graphs. The
   coordinator's gather and trace invalidation are wrapped to count.
+- ZeRO-1/2's gradient clipping without a host read (`install_device_clip`): DeepSpeed turns
+  an invalid norm into an infinite one with `bool()` of a device tensor (a sync every step, the
+  last one left in its bf16 step once `bf16.check_grad_overflow` is off); the same formula with
+  `torch.where` keeps it on the device.
 - Checkpoints: DeepSpeed's file writes record their errors instead of raising, so that a
   rank whose disk is full still joins the collectives the save makes (checkpoint.py).
 - Warnings: torch's FutureWarnings about the collectives DeepSpeed calls, several per step.
@@ -41,6 +45,7 @@ if TYPE_CHECKING:
 
 TESTED = "deepspeed>=0.19.8,<0.20"  # setup.py pins the same range
 _COORDINATOR = ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator")
+_ZERO12 = ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer")
 _GATHER = "_PartitionedParameterCoordinator__all_gather_params"
 _NAMES = [
     (_COORDINATOR, _GATHER),
@@ -48,6 +53,7 @@ _NAMES = [
     (("deepspeed.runtime.zero.partition_parameters", "ZeroParamStatus"), "NOT_AVAILABLE"),
     (("deepspeed.utils.tensor_fragment", "tensor_fragment"), "get_lp_grad_fragment"),
     (("deepspeed.utils.tensor_fragment", "tensor_fragment"), "lp_fragment_address"),
+    (_ZERO12, "unscale_and_clip_grads"),
 ]
 
 
@@ -99,6 +105,33 @@ def quiet_deprecated_collectives() -> None:
         message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor|"
         r"_all_gather_base|_reduce_scatter_base)` is deprecated",
     )
+
+
+def install_device_clip() -> None:
+    """ZeRO-1/2's `unscale_and_clip_grads` with the clip factor computed on the device (once per
+    process): DeepSpeed 0.19's formula, `((norm / loss_scale) + 1e-6) / clip` clamped to at least 1,
+    an invalid norm (not finite, or DeepSpeed's -1 for one) taken as infinite, as DeepSpeed does,
+    but chosen by `torch.where` instead of `bool()` on the host."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Z
+
+    if getattr(Z.unscale_and_clip_grads, "grt_device_clip", False):
+        return
+
+    def unscale_and_clip_grads(self: Any, grad_groups_flat: list[Any], total_norm: Any) -> None:
+        if self.clip_grad == 0.0 and self.loss_scale == 1.0:
+            return
+        combined_scale: Any = self.loss_scale
+        if self.clip_grad > 0.0:
+            norm = torch.as_tensor(total_norm, dtype=torch.float, device=self.device)
+            norm = torch.where(torch.isfinite(norm) & (norm >= 0), norm, torch.inf)
+            combined_scale = torch.clamp(((norm / self.loss_scale) + 1e-6) / self.clip_grad, min=1.0) * self.loss_scale
+        for grad in grad_groups_flat:
+            for g in grad if isinstance(grad, list) else [grad]:
+                g.data.mul_(1.0 / combined_scale)
+
+    unscale_and_clip_grads.grt_device_clip = True  # type: ignore[attr-defined]  # marks the patch installed
+    unscale_and_clip_grads.grt_replaced = Z.unscale_and_clip_grads  # type: ignore[attr-defined]  # what it replaces
+    Z.unscale_and_clip_grads = unscale_and_clip_grads
 
 
 @dataclass

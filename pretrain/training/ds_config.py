@@ -221,6 +221,11 @@ def build_ds_config(base: dict[str, Any], train: TrainConfig, world_size: int, u
             precision_owner if block == "bf16" else "train.precision (no fp16: bf16 or fp32)",
         )
         ds[block] = {**section, "enabled": ours}
+    if precision == "bf16" and ds["bf16"].get("check_grad_overflow", AUTO) == AUTO:
+        # DeepSpeed's overflow check reads the device every step (ZeRO-1/2: `.item()`, then `bool()` of
+        # the norm); bf16 needs no loss scale, and the trainer's own check of the norm, read with the next
+        # step's controls, stops a run whose gradient was not finite before anything is saved (docs/gpu.md)
+        ds["bf16"]["check_grad_overflow"] = False
 
     # torch's fused AdamW on every device, through DeepSpeed's `torch_adam` switch: DeepSpeed's own
     # FusedAdam (CUDA) and CPUAdam compile an extension on first use, which the GPU machine may not

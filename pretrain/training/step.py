@@ -186,7 +186,8 @@ class StepRunner:
         grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is not None:
             self.grad_norm = torch.as_tensor(grad_norm, dtype=torch.float64).to(self.comm, non_blocking=True)
-            self.grad_norm_bad = (~torch.isfinite(self.grad_norm)).double()
+            # DeepSpeed reports a non-finite norm as -1 (its group norms mask inf/NaN to -1)
+            self.grad_norm_bad = (~torch.isfinite(self.grad_norm) | (self.grad_norm < 0)).double()
 
     def check_grad_norm(self, step: int) -> float:
         """Stop now if the gradient norm of `step` (the last trained) was not finite (a host sync:
@@ -194,7 +195,7 @@ class StepRunner:
         if self.grad_norm is None:
             return 0.0
         value = float(self.grad_norm)
-        if not math.isfinite(value):
+        if not math.isfinite(value) or value < 0:  # -1: DeepSpeed's mark of a non-finite norm
             self.stop_on_bad_grad_norm(step)
         return value
 

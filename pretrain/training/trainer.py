@@ -87,6 +87,7 @@ class Trainer:
         phases.begin("checks", announce=False)  # a refusal in them is one line
         self.tasks = TaskEval.build(cfg, plan.data.tokenizer_path)  # task files read once; None: off
         deepspeed_internals.check()
+        deepspeed_internals.install_device_clip()  # ZeRO-1/2's clip without a host read
         self.stop = StopSignal()  # before the slow start-up: a signal during it stops after the first step
         phases.begin("process group")
         info = init_distributed(timeout_s=t.dist_timeout_s)
