@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # The GPU check (docs/gpu.md), planned for the GPU machine's limits: 15 minutes of device time in
 # all (the machine's start, 2-3 of them, included), at most 10 minutes a call, at most 8 files back.
+# Each call's budget leaves one rerun of either call: start + call 1 + call 2 + a rerun <= 15 minutes.
 #
-#   scripts/gpu_check.sh [1]     call 1 (280 s of work): `grt train` throughput of grt-small and
+#   scripts/gpu_check.sh [1]     call 1 (225 s of work): `grt train` throughput of grt-small and
 #                                dense-small (ZeRO-2 and 3, eager and compiled)
-#   scripts/gpu_check.sh 2       call 2 (300 s): a functional smoke at GPT-2 size (train with eval and
+#   scripts/gpu_check.sh 2       call 2 (225 s): a functional smoke at GPT-2 size (train with eval and
 #                                a checkpoint, resume, export, eval, generate), `grt bench loss`, the
 #                                host syncs, the ZeRO-3 persistence A/B, checkpointing with compile,
 #                                medium/large, then decode, precision and train-step benches
 #   scripts/gpu_check.sh --cpu [1|2]   the same rows at a tiny size on the CPU (micro presets, seq 64)
-#   scripts/gpu_check.sh --plan [--cpu] [1|2]   print the call's budget, then its rows (name, limit,
-#                                command), without running them (it writes only the persistence A/B's
-#                                DeepSpeed file, which its rows name)
+#   scripts/gpu_check.sh --plan [--cpu] [1|2]   print the call's budget and the device's sum, then its
+#                                rows (name, limit, estimated seconds on a cold H200, command) and what
+#                                the estimates leave of the budget, without running them (it writes only
+#                                the persistence A/B's DeepSpeed file, which its rows name)
 #
 # Every row is its own process under `timeout -k`, given at most what is left of the call's budget
 # (GPU_CHECK_BUDGET_S, counted from the script's start, the wheels' install included). A row that would
@@ -39,9 +41,11 @@ done
 started=$(date +%s)
 out="${OUT:-gpu_check}"
 work="${GPU_CHECK_WORK:-${TMPDIR:-/tmp}/gpu_check_work}"
-# the device call's timeout_s is the budget plus SPARE_S: the env file, the last archive, the transfers
-SPARE_S=20
-budget="${GPU_CHECK_BUDGET_S:-$([ "$cpu" = 1 ] && echo 1800 || { [ "$call" = 1 ] && echo 280 || echo 300; })}"
+# the device call's timeout_s is the budget plus SPARE_S: the env file, the last archive, the transfers.
+# DEVICE_S in all, START_S of it the machine's start: START_S + 3 x (BUDGET_S + SPARE_S) <= DEVICE_S leaves
+# a rerun of either call (tests/launch/test_gpu_check.py)
+DEVICE_S=900 START_S=150 SPARE_S=20 BUDGET_S=225
+budget="${GPU_CHECK_BUDGET_S:-$([ "$cpu" = 1 ] && echo 1800 || echo "$BUDGET_S")}"
 min_left="${GPU_CHECK_MIN_LEFT_S:-20}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # the rows share one compile cache: a later row reuses the kernels an earlier one compiled
@@ -52,12 +56,14 @@ if [ "$cpu" = 1 ]; then
   export CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=1 TRITON_INTERPRET=1
   grt_small=micro-grt dense_small=micro-dense grt_medium=micro-grt grt_large=micro-grt
   seq=64 mbs=2 perf_steps=6 log_every=3 smoke_steps=4 resume_steps=6 eval_batches=1  # 2 logged windows a perf row
-  limit_train=240 limit_big=240 limit_compiled=400 limit_other=240
+  limit_train=240 limit_big=240 limit_compiled=400 limit_other=240 limit_first=240
   decode=(--prompt-len 16 --new-tokens 16) bench_d=64 bench_heads=4 precision=(micro-grt 20)
 else
   grt_small=grt-small dense_small=dense-small grt_medium=grt-medium grt_large=grt-large
   seq=1024 mbs=16 perf_steps=40 log_every=10 smoke_steps=20 resume_steps=30 eval_batches=4
-  limit_train=60 limit_big=90 limit_compiled=100 limit_other=60
+  # limit_first: a call's first training row pays the cold start (CUDA context, cuBLAS, the gate's Triton
+  # kernel, the loss chunk's inductor compile: ~35 s on top of a row's ~20 s)
+  limit_train=60 limit_big=90 limit_compiled=100 limit_other=60 limit_first=120
   decode=() bench_d=768 bench_heads=12 precision=(tiny-grt 100)
 fi
 data="$work/data/manifest.json"
@@ -67,7 +73,9 @@ tokenizer=examples/tokenizers/gutenberg-50257.model  # GPT-2's vocabulary size: 
 empty() { mkdir -p "$1" && find "$1" -mindepth 1 -delete; }
 
 if [ "$plan" = 0 ]; then
-  empty "$out" && empty "$work" && mkdir -p "$work/logs" || exit 1
+  # the compile caches stay: a rerun, or call 2 after call 1 on the same machine, reuses their kernels
+  empty "$out" && mkdir -p "$work" && find "$work" -mindepth 1 -maxdepth 1 ! -name cache -exec rm -rf {} + \
+    && mkdir -p "$work/logs" || exit 1
   : > "$out/results.tsv"; : > "$out/log.txt"; : > "$out/bench.txt"; : > "$out/summary.md"
   . scripts/gpu_env.sh
   gpu_env_install || exit 1
@@ -75,6 +83,9 @@ if [ "$plan" = 0 ]; then
 else
   mkdir -p "$work"
   printf '# call %s: budget %s s, timeout_s %s\n' "$call" "$budget" "$((budget + SPARE_S))"
+  call_s=$((budget + SPARE_S))
+  [ "$cpu" = 0 ] && printf '# device: start %s + call 1 %s + call 2 %s + a rerun of either %s = %s s of %s\n' \
+    "$START_S" "$call_s" "$call_s" "$call_s" "$((START_S + 3 * call_s))" "$DEVICE_S"
 fi
 # the ZeRO-3 persistence A/B's other arm: DeepSpeed's default threshold of 1e5 elements
 python3 - "$work/zero3-persist1e5.json" <<'EOF'
@@ -99,6 +110,29 @@ publish() {
 
 wanted() { [[ $1 =~ ${GPU_CHECK_ROWS:-.} ]]; }
 
+# estimate NAME: seconds the row takes on a warm H200 (guesses from the CPU rehearsal and the last GPU
+# figures, none measured yet): a row's start 10-15 s; `row` adds the cold start, ~35 s to the call's first
+# training row (CUDA, Triton, inductor) and ~25 s to its first compiled row (the loop step's compile)
+cold_compile=1 planned_s=0 first_cut=""
+estimate() {
+  local s
+  case "$1" in
+    data) s=15 ;;
+    perf-*-compiled | ckpt-*-compiled) s=35 ;;
+    perf-* | persist-*) s=20 ;;
+    smoke-train | smoke-resume) s=30 ;;
+    smoke-*) s=12 ;;
+    bench-loss) s=60 ;;
+    syncs-*) s=25 ;;
+    medium-*) s=35 ;;
+    large-*) s=50 ;;
+    bench-decode) s=30 ;;
+    bench-precision) s=70 ;;
+    *) s=45 ;;
+  esac
+  echo "$s"
+}
+
 # row NAME LIMIT_S COMMAND...: run it under `timeout` (at most what is left of the budget), then record
 # it. A training row's tokens/s and MFU are over its logged windows after the first (warm-up and compile).
 # With gate=1 (the data row, the first training row) a failure ends the call.
@@ -107,7 +141,15 @@ row() {
   shift 2
   wanted "$name" || return 0
   if [ "$plan" = 1 ]; then
-    printf '%s\t%s\t%s\n' "$name" "$limit" "$(printf '%q ' "$@")"
+    local est
+    if [ "$cpu" = 1 ]; then est=-; else
+      est=$(estimate "$name")
+      [ "${gate:-0}" = 1 ] && [ "$name" != data ] && est=$((est + 35))
+      [[ $name == *-compiled ]] && [ "$cold_compile" = 1 ] && { est=$((est + 25)); cold_compile=0; }
+      planned_s=$((planned_s + est))
+      (( planned_s > budget )) && [ -z "$first_cut" ] && first_cut=$name
+    fi
+    printf '%s\t%s\t%s\t%s\n' "$name" "$limit" "$est" "$(printf '%q ' "$@")"
     return 0
   fi
   left=$(( budget - ($(date +%s) - started) ))
@@ -160,6 +202,7 @@ train() {
   local name=$1 limit=$2 preset=$3 stage=$4 steps=$5 run=$6 gate=0
   shift 6
   wanted "$name" && { gate=$first_train; first_train=0; }
+  [ "$gate" = 1 ] && (( limit < limit_first )) && limit=$limit_first
   row "$name" "$limit" grt train --preset "$preset" --data "$data" --out "$work/$run" --steps "$steps" \
     --micro-batch-size "$mbs" --ds-config "ds_configs/zero$stage.json" --set "train.log_every=$log_every" \
     --set train.precision=bf16 "$@"
@@ -198,18 +241,18 @@ syncs() {
 gate=1 row data "$limit_other" grt data prepare -i examples/data/tinyshakespeare.txt --txt-mode paragraph \
   -t "$tokenizer" -o "$work/data" --seq-len "$seq" --shard-size-mb 1 --val-fraction 0.05 -q
 if [ "$call" = 1 ]; then
-  for compile in false true; do
-    for stage in 2 3; do
-      for preset in "$grt_small" "$dense_small"; do
-        perf "perf-$preset-z$stage-$([ $compile = true ] && echo compiled || echo eager)" "$preset" "$stage" "$compile" off
-      done
+  # ZeRO-2 eager, then compiled, then ZeRO-3 compiled and eager: the last pair is the first the budget cuts
+  for how in 2-false 2-true 3-true 3-false; do
+    stage=${how%-*} compile=${how#*-}
+    for preset in "$grt_small" "$dense_small"; do
+      perf "perf-$preset-z$stage-$([ "$compile" = true ] && echo compiled || echo eager)" "$preset" "$stage" "$compile" off
     done
   done
 else
   # in the order of what a row tells that no other does: the rows at the end are the first the budget cuts
   smoke
-  row bench-loss "$limit_other" grt bench loss  # its flags are its own (pretrain/tools/bench.py)
   syncs syncs-z2 2
+  row bench-loss "$limit_other" grt bench loss  # its flags are its own (pretrain/tools/bench.py)
   syncs syncs-z3 3
   # the ZeRO-3 knob with the depth changing every step: every parameter resident (the trainer's setting
   # on one GPU, perf-*-z3 rows of call 1) against DeepSpeed's 1e5
@@ -224,13 +267,20 @@ else
   limit_train=$limit_big perf "large-$grt_large-z3-auto" "$grt_large" 3 false auto
   row bench-decode "$limit_other" grt bench decode --model "$work/export" --dense-preset "$dense_small" \
     --batch-sizes 1 ${decode[@]+"${decode[@]}"} --json "$work/decode.json"
-  row bench-precision "$limit_other" grt bench precision --preset "${precision[0]}" --train-steps "${precision[1]}" \
+  row bench-precision "$limit_compiled" grt bench precision --preset "${precision[0]}" --train-steps "${precision[1]}" \
     --seq-len 64
   row bench-train-step "$limit_compiled" grt bench train-step --layout 1+1x10+1 --d-model "$bench_d" --n-heads "$bench_heads" \
     --seq-len "$seq" --batch "$mbs" --vocab 50257 --steps 10 --warmup 3 --dtype bf16 --compile
 fi
 
-[ "$plan" = 1 ] && exit 0
+if [ "$plan" = 1 ]; then
+  [ "$cpu" = 1 ] && exit 0
+  printf '# estimated %s s of work for the budget of %s s (a cold machine; estimates, not measurements)' \
+    "$planned_s" "$budget"
+  if [ -n "$first_cut" ]; then printf ': from %s on, rows are expected to be skipped (budget)\n' "$first_cut"
+  else printf ': every row is expected to run\n'; fi
+  exit 0
+fi
 echo
 cat "$out/summary.md"
 if grep -q $'\tFAIL' "$out/results.tsv"; then
