@@ -50,10 +50,11 @@ def _fused_addmm_ok(device: torch.device) -> bool:
     if device not in _addmm_takes_fp32_acc:
         if torch.compiler.is_compiling():
             return False
-        try:
-            one = torch.ones(1, 1, device=device, dtype=torch.bfloat16)
-            torch.addmm(torch.zeros(1, 1, device=device), one, one, out_dtype=torch.float32)
-            _addmm_takes_fp32_acc[device] = True
+        try:  # 0.25 + 16 ones: an fp32 acc read as fp32 (a bf16 one would be an error or misread)
+            ones = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
+            acc = torch.full((16, 16), 0.25, device=device)
+            out = torch.addmm(acc, ones, ones, out_dtype=torch.float32)
+            _addmm_takes_fp32_acc[device] = bool((out == 16.25).all())  # one host read per process
         except RuntimeError:
             _addmm_takes_fp32_acc[device] = False
     return _addmm_takes_fp32_acc[device]
