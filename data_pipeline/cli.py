@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     j = sub.add_parser("join", help="join the parts of a `prepare --part` run into one manifest.json")
     j.add_argument("out", help="the --out folder of the parts")
     j.add_argument("--parts", type=int, default=None, help="how many parts (default: from the part folders)")
+    j.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing manifest.json that describes other shards (refused without it)",
+    )
 
     s = sub.add_parser("inspect", help="print a manifest's summary; --verify checks every shard")
     s.add_argument("manifest", help="manifest.json or the directory holding it")
@@ -177,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "join":
             from .parts import join
 
-            m = join(args.out, args.parts)
+            m = join(args.out, args.parts, overwrite=args.overwrite)
             print(f"join: {m.path}: " + ", ".join(f"{s}: {len(v)} shards" for s, v in m.splits.items()))
             return 0
         if args.cmd == "inspect":

@@ -4,6 +4,7 @@ then renamed into place, so a crash, a full disk or a kill leaves the old file o
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -72,6 +73,28 @@ def output_path(is_dir: bool) -> Callable[[str], str]:
         return text
 
     return parse
+
+
+class FolderLock:
+    """The lock of an output folder while a command writes it (`grt data prepare`, `join`): an
+    advisory `flock` on the folder itself (no file of its own: a refused command leaves the folder
+    byte for byte as it was). A second writer is refused in one line, not merged into the first."""
+
+    def __init__(self, path: str | os.PathLike[str], command: str) -> None:
+        self.fd: int | None = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.release()
+            raise ValueError(
+                f"{command}: the output folder {str(path)!r} is being written by another grt data command (it holds "
+                "the folder's lock): wait for it to end, or choose another folder"
+            ) from None
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # the lock goes with the descriptor
+            self.fd = None
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:

@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .files import atomic_write_text
+from .files import FolderLock, atomic_write_text
 from .manifest import MANIFEST_NAME, Manifest, manifest_dict
 
 _PART_DIR = re.compile(r"^part-(\d{5})-of-(\d{5})$")
@@ -138,9 +138,11 @@ def _check_parts(count: int, parts: list[Manifest]) -> None:
                     raise ValueError(f"part {i}/{count}: shard {e.url} is {state}")
 
 
-def join(out_dir: str, count: int | None = None) -> Manifest:
+def join(out_dir: str, count: int | None = None, overwrite: bool = False) -> Manifest:
     """Write ``out_dir/manifest.json`` over the shards of parts 0..N-1 (N from `count` or the
-    part folders found); refuses, writing nothing, when a part is missing, failed or differs."""
+    part folders found); refuses, writing nothing, when a part is missing, failed or differs, when
+    another command writes the folder (its lock), or when a manifest there says something else and
+    `overwrite` is not given (the shards it describes would be orphaned)."""
     count, parts = _load_parts(out_dir, count)
     _check_parts(count, parts)
     splits: dict[str, list[dict[str, Any]]] = {}
@@ -163,5 +165,27 @@ def join(out_dir: str, count: int | None = None) -> Manifest:
         options={**options, "parts": count},
     )
     path = os.path.join(out_dir, MANIFEST_NAME)
-    atomic_write_text(path, json.dumps(doc, indent=1) + "\n")
+    text = json.dumps(doc, indent=1) + "\n"
+    lock = FolderLock(out_dir, "join")
+    try:
+        if not overwrite and _differs(path, text):
+            raise ValueError(
+                f"{path} exists and describes other shards than these parts: replacing it would orphan them (and a "
+                "run trained on it could no longer resume); pass --overwrite to replace it, or remove it first"
+            )
+        atomic_write_text(path, text)
+    finally:
+        lock.release()
     return Manifest.load(path)
+
+
+def _differs(path: str, text: str) -> bool:
+    """Whether a manifest is at `path` with another text than `text` (a join of the same parts
+    writes the same text: joining again replaces nothing)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read() != text
+    except FileNotFoundError:
+        return False
+    except (OSError, UnicodeDecodeError):
+        return True

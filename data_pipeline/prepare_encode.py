@@ -166,8 +166,10 @@ class _EncodedHere:
 
 def _pool_worker(model_path: str) -> None:
     """A pool process: Ctrl-C (SIGINT, sent to the terminal's whole process group) is the main
-    process's to handle (it undoes the run and ends the pool), not a traceback per worker."""
+    process's to handle (it undoes the run and ends the pool), not a traceback per worker; SIGTERM
+    (the pool's own end, or a scheduler's to the group) ends it, whatever handler it was forked with."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _init_worker(model_path)
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import signal
 
-from .files import is_temp
+from .files import FolderLock, is_temp
 from .manifest import MANIFEST_NAME
 from .shards import write_shard_atomic
 from .tokenizer import Tokenizer
@@ -37,19 +38,25 @@ class OutputDir:
         self.created: list[str] = []  # folders this run made, outermost first
         self.aside: list[tuple[str, str]] = []  # (name, hidden name it was renamed to), in order
         self.written: list[str] = []  # names this run wrote (temporaries included)
+        self.lock: FolderLock | None = None  # held from `open` to `commit` or `rollback`
 
     def _join(self, name: str) -> str:
         return os.path.join(self.path, name)
 
     def open(self) -> None:
-        """Make the folder and its missing parents."""
+        """Make the folder and its missing parents, and take its lock (refused while another command
+        writes it: a ValueError)."""
         missing, d = [], os.path.abspath(self.path)
         while not os.path.exists(d):
             missing.append(d)
             d = os.path.dirname(d)
         for d in reversed(missing):
-            os.mkdir(d)
+            try:
+                os.mkdir(d)
+            except FileExistsError:  # another command made it first: its lock says whose it is
+                continue
             self.created.append(d)
+        self.lock = FolderLock(self.path, "prepare")
 
     def _set_aside(self, name: str) -> None:
         if not os.path.lexists(self._join(name)):
@@ -93,9 +100,24 @@ class OutputDir:
             stale_shard = _SHARD_RE.match(f) is not None and f not in keep
             if stale_shard or _SHARD_TMP_RE.match(f) or _ASIDE_RE.match(f) or is_temp(f):
                 os.unlink(self._join(f))
+        self._release()
+
+    def _release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
     def rollback(self) -> list[str]:
-        """Undo the run: the folder as it was before `open`. Returns what could not be undone."""
+        """Undo the run: the folder as it was before `open` (a second signal waits until it is).
+        Returns what could not be undone."""
+        stops = {signal.SIGINT, signal.SIGTERM}
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+        try:
+            return self._undo()
+        finally:
+            self._release()
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+    def _undo(self) -> list[str]:
         problems = []
         for name in reversed(self.written):
             try:

@@ -2,9 +2,9 @@
 `run_command`, which takes each command through it (docs/gpu.md says why) and is every
 command's error boundary (docs/reliability.md, "One error boundary per command"): a
 file-system refusal (a full disk, a read-only or missing parent, a path of the wrong kind)
-is one line naming the path, exit 2; Ctrl-C (SIGINT) is one line naming the signal, exit 130,
-after the command undid what it wrote (`Interrupted`); a `ConfigError` a command let through
-is its one line, exit 2. GRT_DEBUG=1 prints the traceback first."""
+is one line naming the path, exit 2; Ctrl-C (SIGINT) and SIGTERM are one line naming the signal,
+exit 128 + its number (130, 143), after the command undid what it wrote (`Interrupted`); a
+`ConfigError` a command let through is its one line, exit 2. GRT_DEBUG=1 prints the traceback first."""
 
 from __future__ import annotations
 
@@ -77,8 +77,8 @@ def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
 
 @contextmanager
 def _boundary(prog: str, said: list[BaseException]) -> Iterator[None]:
-    """While the command runs: SIGINT raises `Interrupted` (where Python's own handler is in
-    place, in the main thread: a command's own handler, such as training's, is kept), and a
+    """While the command runs: SIGINT and SIGTERM raise `Interrupted` (where Python's own handler
+    is in place, in the main thread: a command's own handler, such as training's, replaces it), and a
     thread's error of `boundary_line` (TensorBoard's writer on a full disk) is its one line, not
     a traceback; `said` collects those (a library that raises it again in the command is not
     said twice)."""
@@ -94,17 +94,22 @@ def _boundary(prog: str, said: list[BaseException]) -> Iterator[None]:
         _say(prog, handled[0], err)
 
     threading.excepthook = thread_error
-    own_sigint = threading.current_thread() is threading.main_thread() and (
-        signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    )
-    if own_sigint:
-        signal.signal(signal.SIGINT, _raise_interrupted)
+    main = threading.current_thread() is threading.main_thread()
+    # an ignored signal (inherited from a `nohup` or a background job) stays ignored
+    own = {
+        sig: previous
+        for sig, previous in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL))
+        if main and signal.getsignal(sig) is previous
+    }
+    for sig in own:
+        signal.signal(sig, _raise_interrupted)
     try:
         yield
     finally:
         threading.excepthook = previous_hook
-        if own_sigint:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig, previous in own.items():
+            if signal.getsignal(sig) is _raise_interrupted:  # not replaced by the command's own
+                signal.signal(sig, previous)
 
 
 def _say(prog: str, line: str, err: BaseException) -> None:
@@ -117,7 +122,7 @@ def boundary_line(err: BaseException) -> tuple[str, int] | None:
     """The one line and exit code of an error the boundary handles, None for any other."""
     if isinstance(err, KeyboardInterrupt):
         name = err.signal_name if isinstance(err, Interrupted) else "SIGINT"
-        return f"interrupted by {name}", 130
+        return f"interrupted by {name}", 128 + signal.Signals[name].value
     if isinstance(err, ConfigError):
         return f"error: {err}", 2
     problem = file_system_problem(err)
