@@ -11,6 +11,8 @@
     grt bench precision   the loop state under bf16, and bf16 training's losses (pretrain.tools.bench_numerics)
     grt bench loss        time and peak memory of the training loss at GPT-2's vocabulary: the plain
                           loss, the chunked loss before and after padding, compiled (pretrain.tools.bench_numerics)
+    grt bench budget      a step's time on one GPU by part, predicted from the model's FLOPs and bytes,
+                          before and after issue 47 (pretrain.tools.bench_budget)
 
 On CPU the absolute figures are this machine's; the ratios are what carry over.
 """
@@ -66,8 +68,9 @@ DELEGATED = {
     "decode": ("pretrain.tools.bench_decode", "decode latency and memory per KV-cache strategy"),
     "precision": ("pretrain.tools.bench_numerics", "the loop state under bf16, and bf16 training's losses"),
     "loss": ("pretrain.tools.bench_numerics", "time and peak memory of the training loss, per implementation"),
+    "budget": ("pretrain.tools.bench_budget", "a step's time on one GPU by part, predicted, before and after"),
 }
-SUBCOMMANDS = ("data", "train-step", "memory", "zero", "decode", "precision", "loss")
+SUBCOMMANDS = ("data", "train-step", "memory", "zero", "decode", "precision", "loss", "budget")
 
 
 def _dispatch(argv: list[str]) -> int:
