@@ -116,7 +116,10 @@ class AttentionContext:
         return self._cache["sdpa"]
 
     def varlen(self) -> tuple[torch.Tensor, int]:
-        """cu_seqlens over the flattened batch: one segment per (row, document)."""
+        """cu_seqlens over the flattened batch: one segment per (row, document), and a bound on the
+        longest segment: the row length (a segment never crosses a row), which flash-attn accepts
+        as max_seqlen, instead of the exact maximum that a host read of the device would give.
+        `nonzero` still waits for the device once (the count of segments sizes cu_seqlens)."""
         if "varlen" not in self._cache:
             d = self._docs()
             b, t = d.shape
@@ -124,7 +127,7 @@ class AttentionContext:
             starts[:, 1:] = d[:, 1:] != d[:, :-1]
             idx = torch.nonzero(starts.flatten(), as_tuple=False).flatten()
             cu = torch.cat([idx, idx.new_tensor([b * t])]).to(torch.int32)
-            self._cache["varlen"] = (cu, int((cu[1:] - cu[:-1]).max()))
+            self._cache["varlen"] = (cu, t)
         return self._cache["varlen"]
 
 

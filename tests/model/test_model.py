@@ -238,6 +238,20 @@ def test_sdpa_equals_naive_attention_with_and_without_document_masks():
         )
 
 
+def test_the_varlen_segments_need_one_device_wait_not_two(monkeypatch):
+    """flash-attn's packed-document path: cu_seqlens (one segment per row and document) and the
+    row length as the longest segment's bound, with no host read of the device for it (`int()` of
+    the maximum was a second sync per forward)."""
+    doc_ids = torch.tensor([[0, 0, 1, 1, 1, 2], [3, 3, 3, 3, 4, 4]])
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "__int__", lambda t: reads.append(t) or 0)
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(t) or 0)
+    cu, max_len = AttentionContext(doc_ids=doc_ids).varlen()
+    monkeypatch.undo()
+    assert reads == [] and max_len == 6
+    assert cu.tolist() == [0, 2, 5, 6, 10, 12] and cu.dtype == torch.int32
+
+
 def test_document_mask_isolates_packed_documents():
     model = build_model(small_cfg()).eval()
     idx = tokens(1, 24)
