@@ -31,6 +31,7 @@ DEPTH_SAMPLING = ("uniform", "fixed", "poisson", "loguniform")
 CHECKPOINT_MODES = ("off", "selective", "loop_step", "block")
 AUTO = "auto"
 PRECISIONS = ("auto", "bf16", "fp32")
+OPTIMIZERS = ("adamw", "muon")  # TrainConfig.optimizer
 
 
 @dataclass
@@ -51,6 +52,11 @@ class TrainConfig:
     weight_decay: float = 0.1
     betas: tuple = (0.9, 0.95)
     grad_clip: float = 1.0
+    optimizer: str = "adamw"  # adamw; muon: DeepSpeed's Muon for the hidden matrices, AdamW (lr, betas) for the rest
+    muon_lr: float = 0.02  # muon: the matrices' peak learning rate (the schedule scales it as it scales lr)
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0  # muon: the matrices' decoupled decay, times muon_lr per step (DeepSpeed's default)
+    async_save: bool = False  # checkpoint files written by a background thread while training goes on
     seed: int = 1234
     depth_sampling: str = "uniform"  # uniform: r ~ U{1..R}; fixed: R; poisson: Huginn's heavy tail;
     # loguniform: floor(exp(U[0, log(R+1)))), depth extrapolation
@@ -235,6 +241,16 @@ def train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
         (
             _finite(t.grad_clip) and t.grad_clip >= 0,
             f"train.grad_clip={t.grad_clip}: must be >= 0 (the largest gradient norm; 0 = no clipping)",
+        ),
+        (t.optimizer in OPTIMIZERS, f"train.optimizer={t.optimizer!r}: accepted values are {', '.join(OPTIMIZERS)}"),
+        (_finite(t.muon_lr) and t.muon_lr > 0, f"train.muon_lr={t.muon_lr}: must be > 0"),
+        (
+            _finite(t.muon_momentum) and 0 <= t.muon_momentum < 1,
+            f"train.muon_momentum={t.muon_momentum}: must be in [0, 1)",
+        ),
+        (
+            _finite(t.muon_weight_decay) and t.muon_weight_decay >= 0,
+            f"train.muon_weight_decay={t.muon_weight_decay}: must be >= 0",
         ),
         (0 <= t.seed < 2**63, f"train.seed={t.seed}: must be in [0, 2**63)"),
         (

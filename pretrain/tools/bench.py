@@ -13,6 +13,8 @@
                           loss, the chunked loss before and after padding, compiled (pretrain.tools.bench_numerics)
     grt bench budget      a step's time on one GPU by part, predicted from the model's FLOPs and bytes,
                           before and after issue 47 (pretrain.tools.bench_budget)
+    grt bench save        the stall per checkpoint save, synchronous against train.async_save
+                          (pretrain.tools.bench_save)
 
 On CPU the absolute figures are this machine's; the ratios are what carry over.
 """
@@ -69,8 +71,9 @@ DELEGATED = {
     "precision": ("pretrain.tools.bench_numerics", "the loop state under bf16, and bf16 training's losses"),
     "loss": ("pretrain.tools.bench_numerics", "time and peak memory of the training loss, per implementation"),
     "budget": ("pretrain.tools.bench_budget", "a step's time on one GPU by part, predicted, before and after"),
+    "save": ("pretrain.tools.bench_save", "the stall per checkpoint save, synchronous against train.async_save"),
 }
-SUBCOMMANDS = ("data", "train-step", "memory", "zero", "decode", "precision", "loss", "budget")
+SUBCOMMANDS = ("data", "train-step", "memory", "zero", "decode", "precision", "loss", "save", "budget")
 
 
 def _dispatch(argv: list[str]) -> int:

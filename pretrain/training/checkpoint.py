@@ -19,7 +19,9 @@ import os
 import random
 import shutil
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +42,7 @@ from pretrain.runs.checkpoint_files import (
     tag_for,
 )
 from pretrain.training import deepspeed_internals, universal
+from pretrain.training.async_save import BackgroundWrites
 
 if TYPE_CHECKING:
     import deepspeed
@@ -122,7 +125,34 @@ def _remove_debris(root: Path, tag: str) -> None:
             p.unlink(missing_ok=True)
 
 
-def save(
+@dataclass
+class PendingSave:
+    """A checkpoint whose files a background thread writes (train.async_save): complete once
+    `finish_save` has seen every rank's writes end."""
+
+    tag: str
+    writes: BackgroundWrites | None  # None: written already (a synchronous save)
+    marker: dict[str, Any]  # what rank 0 writes beside the files before COMPLETE (`_complete`)
+
+
+def save(engine: deepspeed.DeepSpeedEngine, root: Path, step: int, **how: Any) -> str:
+    """Write checkpoint `step` on every rank (collective); rank 0 also writes `run_files`
+    ({file name: text}, e.g. the W&B run id) beside config.json, before COMPLETE; `fit_state` joins
+    each rank's state file (what the fit loop carries across a resume: the loss-spike history). On a write
+    failure on any rank (full disk, read-only or missing directory, I/O error) every rank raises
+    CheckpointError, the half-written directory is removed and `latest` still names the
+    previous complete checkpoint. `how`: the keyword arguments of `_write`."""
+    pending = _write(engine, root, step, background=False, **how)
+    return finish_save(pending, root, how["rank"])
+
+
+def start_save(engine: deepspeed.DeepSpeedEngine, root: Path, step: int, **how: Any) -> PendingSave:
+    """`save`, its files taken as host copies that a thread writes (train.async_save, async_save.py)
+    while training goes on; `finish_save` waits for them and marks the checkpoint complete."""
+    return _write(engine, root, step, background=True, **how)
+
+
+def _write(
     engine: deepspeed.DeepSpeedEngine,
     root: Path,
     step: int,
@@ -132,15 +162,10 @@ def save(
     loader_state: dict[str, Any],
     keep: int,
     rank: int,
+    background: bool,
     run_files: Mapping[str, str] | None = None,
     fit_state: Mapping[str, Any] | None = None,
-) -> str:
-    """Write checkpoint `step` on every rank (collective); rank 0 also writes `run_files`
-    ({file name: text}, e.g. the W&B run id) beside config.json, before COMPLETE; `fit_state` joins
-    each rank's state file (what the fit loop carries across a resume: the loss-spike history). On a write
-    failure on any rank (full disk, read-only or missing directory, I/O error) every rank raises
-    CheckpointError, the half-written directory is removed and `latest` still names the
-    previous complete checkpoint."""
+) -> PendingSave:
     tag = tag_for(step)
     path = root / tag
     error: BaseException | None = None
@@ -159,19 +184,41 @@ def save(
             f"{error_text(error, 'it failed on another rank')}; the previous checkpoint "
             f"({find_latest(root)}) is intact"
         ) from error
-    # 2. DeepSpeed's files and this rank's state
+    # 2. DeepSpeed's files and this rank's state (or their host copies, for the thread to write)
+    writes = BackgroundWrites(engine.checkpoint_engine, _fault("enospc", step, rank)) if background else None
+    state = {**(fit_state or {}), "rng": rng_state(), "loader": loader_state, "step": step}
     try:
-        if _fault("enospc", step, rank):
+        if _fault("enospc", step, rank) and writes is None:
             deepspeed_internals.inject_enospc(engine)
-        with deepspeed_internals.RecordWriteErrors(engine) as writes:
+        with _checkpoint_engine(engine, writes), deepspeed_internals.RecordWriteErrors(engine) as recorded:
             engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
-        if writes.errors:
-            raise writes.errors[0]
-        state_path = path / f"rank{rank}_state.pt"
-        with atomic_path(state_path) as tmp:
-            torch.save({**(fit_state or {}), "rng": rng_state(), "loader": loader_state, "step": step}, tmp)
+        if recorded.errors:
+            raise recorded.errors[0]
+        if writes is not None:
+            writes.add(path / f"rank{rank}_state.pt", state)
+            writes.start()
+        else:
+            with atomic_path(path / f"rank{rank}_state.pt") as tmp:
+                torch.save(state, tmp)
     except Exception as err:  # torch.save reports a full disk as RuntimeError, not OSError
         error = err
+    _agree_written(error, root, path, rank)
+    marker = {"config_json": config_json, "run_files": run_files, "tokenizer_path": tokenizer_path, "keep": keep}
+    return PendingSave(tag, writes, marker)
+
+
+@contextmanager
+def _checkpoint_engine(engine: deepspeed.DeepSpeedEngine, writes: BackgroundWrites | None) -> Iterator[None]:
+    """DeepSpeed's checkpoint engine is `writes` for the save (None: its own)."""
+    own = engine.checkpoint_engine
+    engine.checkpoint_engine = writes or own
+    try:
+        yield
+    finally:
+        engine.checkpoint_engine = own
+
+
+def _agree_written(error: BaseException | None, root: Path, path: Path, rank: int) -> None:
     if not all_agree(error is None):
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
@@ -180,9 +227,37 @@ def save(
             f"{error_text(error, 'its own files were written, a write failed on another rank')}); "
             f"removed it; the previous checkpoint ({find_latest(root)}) is intact"
         ) from error
+
+
+def writes_ended(pending: PendingSave) -> bool:
+    """Whether every rank's background writes of `pending` have ended (collective)."""
+    return all_agree(pending.writes is None or pending.writes.done())
+
+
+def finish_save(pending: PendingSave, root: Path, rank: int) -> str:
+    """Wait for this rank's background writes of `pending`; when every rank's succeeded, mark it
+    complete (collective), else every rank raises CheckpointError as `save` does."""
+    if pending.writes is not None:
+        _agree_written(pending.writes.wait(), root, root / pending.tag, rank)
+    _complete(root, pending.tag, step_of(pending.tag), rank, **pending.marker)
+    return pending.tag
+
+
+def _complete(
+    root: Path,
+    tag: str,
+    step: int,
+    rank: int,
+    *,
+    config_json: str,
+    run_files: Mapping[str, str] | None,
+    tokenizer_path: str | None,
+    keep: int,
+) -> None:
+    """3. rank 0 marks checkpoint `tag` complete, every rank's files being written (collective)."""
+    error: BaseException | None = None
     if _fault("kill", step, rank):
         os.kill(os.getpid(), 9)
-    # 3. rank 0 marks it complete
     if rank == 0:
         try:
             (root / tag / "config.json").write_text(config_json)
@@ -199,13 +274,12 @@ def save(
             _remove_debris(root, tag)
         except OSError as err:
             error = err
-            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(root / tag, ignore_errors=True)
     if not all_agree(error is None):
         raise CheckpointError(
-            f"could not finish checkpoint {path}: {error_text(error, 'rank 0 failed')}; "
+            f"could not finish checkpoint {root / tag}: {error_text(error, 'rank 0 failed')}; "
             f"the previous checkpoint ({find_latest(root)}) is intact"
         )
-    return tag
 
 
 def load(engine: deepspeed.DeepSpeedEngine, root: Path, tag: str, rank: int, world: int) -> dict[str, Any]:

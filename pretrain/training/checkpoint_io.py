@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from data_pipeline.files import atomic_write_text
-from pretrain.runs.checkpoint_files import DATA_SKIPS, find_latest, ranks_that_wrote
-from pretrain.training import checkpoint, universal
+from pretrain.runs.checkpoint_files import DATA_SKIPS, find_latest, ranks_that_wrote, read_config, tag_for
+from pretrain.training import checkpoint, muon, universal
 from pretrain.training.health import TrainingStopped
 from pretrain.training.start import StartPlan, check_fallback, say
 
@@ -44,6 +44,7 @@ class RunCheckpoints:
         self.plan, self.rank, self.world = plan, rank, world
         self.out, self.root = Path(plan.cfg.out), plan.root
         self.rollbacks: dict[str, int] = {}  # rollbacks to each checkpoint tag
+        self.pending: checkpoint.PendingSave | None = None  # train.async_save: being written
 
     def latest(self) -> str | None:
         return find_latest(self.root)
@@ -56,6 +57,8 @@ class RunCheckpoints:
         notes: dict[str, tuple[str, ...]] = {}
 
         def precheck(tag: str) -> None:
+            saved = read_config(self.root / tag).get("train", {})
+            muon.check_resume(saved, self.plan.cfg.train, tag, universal.needs_universal(self.root / tag, self.world))
             notes[tag] = check_fallback(self.plan, tag)
 
         def passed_over(tag: str, why: str) -> None:
@@ -113,22 +116,45 @@ class RunCheckpoints:
         loader_state: dict[str, Any],
         fit_state: dict[str, Any],
         run_files: Mapping[str, str] | None,
+        wait: bool = True,
     ) -> str:
+        """Checkpoint `step`, complete when this returns; with train.async_save and not `wait`, its
+        files are written in the background and it is completed by `settle` (a previous one still
+        being written is completed first)."""
+        background = self.plan.cfg.train.async_save
+        self.settle(engine, wait=True)
+        how = {
+            "config_json": config_json,
+            "tokenizer_path": self.plan.data.tokenizer_path,
+            "loader_state": loader_state,
+            "keep": self.plan.cfg.train.keep_checkpoints,
+            "rank": self.rank,
+            "run_files": run_files,
+            "fit_state": fit_state,
+        }
         try:
-            return checkpoint.save(
-                engine,
-                self.root,
-                step,
-                config_json=config_json,
-                tokenizer_path=self.plan.data.tokenizer_path,
-                loader_state=loader_state,
-                keep=self.plan.cfg.train.keep_checkpoints,
-                rank=self.rank,
-                run_files=run_files,
-                fit_state=fit_state,
-            )
+            if not background:
+                return checkpoint.save(engine, self.root, step, **how)
+            self.pending = checkpoint.start_save(engine, self.root, step, **how)
         except checkpoint.CheckpointError as err:  # every rank agreed on it: stop cleanly, nothing half-written is used
             raise TrainingStopped(str(err)) from err
+        if wait:
+            self.settle(engine, wait=True)
+        return self.pending.tag if self.pending is not None else tag_for(step)
+
+    def settle(self, engine: DeepSpeedEngine, wait: bool = False) -> str | None:
+        """Complete the checkpoint being written in the background once every rank's writes have
+        ended (`wait`: after waiting for them); the tag it completed, else None (collective)."""
+        pending = self.pending
+        if pending is None or not (wait or checkpoint.writes_ended(pending)):
+            return None
+        self.pending = None
+        try:
+            tag = checkpoint.finish_save(pending, self.root, self.rank)
+        except checkpoint.CheckpointError as err:
+            raise TrainingStopped(str(err)) from err
+        log.info("checkpoint %s complete (written in the background)", self.root / tag)
+        return tag
 
     def data_skips(self) -> dict[str, Any]:
         """<out>/data_skips.json: per checkpoint tag, where a resume from it takes the data (a rollback's)."""
@@ -140,6 +166,7 @@ class RunCheckpoints:
         complete checkpoint continues the data there (the window since the checkpoint, spike included,
         skipped), then load that checkpoint (model, optimizer, step, spike history, RNG) in this
         process. Too many rollbacks to one checkpoint (train.max_bad_steps) stop the run."""
+        self.settle(engine, wait=True)
         tag = self.latest()
         assert tag is not None  # bad_batches raises SpikeRollback only when there is one
         self.rollbacks[tag] = self.rollbacks.get(tag, 0) + 1

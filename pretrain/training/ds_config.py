@@ -240,15 +240,18 @@ def build_ds_config(base: dict[str, Any], train: TrainConfig, world_size: int, u
     }
     optimizer = ds.get("optimizer") or {}
     kind = optimizer.get("type", AUTO)
-    if kind != AUTO and str(kind).lower() not in ADAMW_TYPES:
-        _agree("optimizer.type", kind, "AdamW", "the trainer's optimizer")
+    if train.optimizer == "muon":
+        ds["optimizer"] = _muon_optimizer(ds, adam, train)
+    elif kind != AUTO and str(kind).lower() not in ADAMW_TYPES:
+        _agree("optimizer.type", kind, "AdamW", "the trainer's optimizer (train.optimizer)")
     params = dict(optimizer.get("params") or {})
     if params.get("adam_w_mode") is False:
         _agree("optimizer.params.adam_w_mode", False, True, "the trainer's optimizer (AdamW)")
     for key, owner in (("lr", "train.lr"), ("betas", "train.betas"), ("weight_decay", "train.weight_decay")):
         _agree(f"optimizer.params.{key}", params.get(key, AUTO), adam[key], owner)
-    # eps and DeepSpeed's optimizer switches are not in the run config: the file's, else ours
-    ds["optimizer"] = {"type": "AdamW", "params": {**adam, **{k: v for k, v in params.items() if v != AUTO}}}
+    if train.optimizer != "muon":
+        # eps and DeepSpeed's optimizer switches are not in the run config: the file's, else ours
+        ds["optimizer"] = {"type": "AdamW", "params": {**adam, **{k: v for k, v in params.items() if v != AUTO}}}
 
     schedule = {  # a resumed run with more steps keeps its started horizon (train.schedule_steps)
         "total_num_steps": horizon(train),
@@ -284,6 +287,37 @@ def build_ds_config(base: dict[str, Any], train: TrainConfig, world_size: int, u
             schedule[key] = value
     ds["scheduler"] = {"type": SCHEDULER_TYPE, "params": schedule}
     return _drop_auto(ds)
+
+
+def _muon_optimizer(ds: dict[str, Any], adam: dict[str, Any], train: TrainConfig) -> dict[str, Any]:
+    """The "optimizer" section of train.optimizer=muon: DeepSpeed's "Muon" (its auxiliary AdamW,
+    torch's, at train.lr for the embeddings, norms, biases, gains; engine.py's groups give each its
+    weight decay), or a refusal where the file or the run config has what DeepSpeed's Muon cannot do."""
+    optimizer = ds.get("optimizer") or {}
+    kind = optimizer.get("type", AUTO)
+    if kind != AUTO and str(kind).lower() != "muon":
+        _agree("optimizer.type", kind, "Muon", "train.optimizer (muon)")
+    params = dict(optimizer.get("params") or {})
+    muon = {"muon_lr": train.muon_lr, "adam_lr": train.lr, "momentum": train.muon_momentum}
+    owners = {"muon_lr": "train.muon_lr", "adam_lr": "train.lr", "momentum": "train.muon_momentum"}
+    for key, ours in muon.items():
+        _agree(f"optimizer.params.{key}", params.get(key, AUTO), ours, owners[key])
+    if train.grad_clip > 0:
+        raise ConfigError(
+            f"train.optimizer=muon with train.grad_clip={train.grad_clip}: DeepSpeed's Muon clips the "
+            "orthogonalised update of every matrix, not the gradient, so a clip of the gradient's size scales "
+            "Muon's step down by the whole model's update norm; set train.grad_clip=0"
+        )
+    zero = ds.get("zero_optimization") or {}
+    if zero_stage(ds) == 3:  # ZeRO-3 gathers each whole matrix for Muon itself, in place of the reduce-scatter
+        if zero.get("reduce_scatter", AUTO) not in (AUTO, False):
+            raise ConfigError(
+                f"DeepSpeed config zero_optimization.reduce_scatter={json.dumps(zero['reduce_scatter'])}: DeepSpeed's "
+                "Muon under ZeRO-3 cannot reduce-scatter; remove it or set it to false, or train.optimizer=adamw"
+            )
+        ds["zero_optimization"] = {**zero, "reduce_scatter": False}
+    merged = {**{k: v for k, v in adam.items() if k != "fused"}, **muon}
+    return {"type": "Muon", "params": {**merged, **{k: v for k, v in params.items() if v != AUTO}}}
 
 
 def _check_wsd_scheduler(scheduler: dict[str, Any], schedule: dict[str, Any], owner: dict[str, str]) -> None:

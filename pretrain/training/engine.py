@@ -13,10 +13,11 @@ import torch
 
 from pretrain.model import build_model
 from pretrain.model.flops import count_params
-from pretrain.runs.run_config import RunConfig, tokens_per_step
+from pretrain.runs.run_config import RunConfig, TrainConfig, tokens_per_step
 from pretrain.training import deepspeed_internals
 from pretrain.training.auto_checkpointing import checkpointing_mode
 from pretrain.training.ds_config import build_ds_config, load_ds_json, zero_stage
+from pretrain.training.muon import muon_names, tagged
 from pretrain.training.parallelize import checkpoint_and_compile
 from pretrain.training.schedule import client_scheduler
 
@@ -24,14 +25,22 @@ if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: torch.nn.Module, train: TrainConfig) -> list[dict]:
     """Weight decay on matrices only (not on norms, biases, or the gate's biases). Under ZeRO-3's
-    `zero.Init` a parameter is its flat partition (`p.dim()` 1): its shape is `ds_shape`."""
+    `zero.Init` a parameter is its flat partition (`p.dim()` 1): its shape is `ds_shape`.
+    train.optimizer=muon: Muon's matrices (muon.py) in a third group of their own, with
+    train.muon_weight_decay (DeepSpeed's Muon gives each group its half's lr: muon_lr or lr)."""
+    muon = muon_names(model) if train.optimizer == "muon" else set()
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
-    for _, p in model.named_parameters():
-        (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    matrices: list[torch.nn.Parameter] = []
+    for name, p in model.named_parameters():
+        (matrices if name in muon else decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if muon:
+        groups = [{**g, "name": name} for g, name in zip(groups, ("decay", "no_decay")) if g["params"]]
+        groups.append({"params": matrices, "weight_decay": train.muon_weight_decay, "name": "matrices"})
+    return groups
 
 
 def build_engine(
@@ -54,13 +63,14 @@ def build_engine(
         model = build_model(cfg.model)
     t, seq_len = cfg.train, seq_len or cfg.model.max_seq_len
     phase("engine")
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        model_parameters=param_groups(model, t.weight_decay),
-        config=ds,
-        # wsd's; cosine: None, DeepSpeed's from `ds`
-        lr_scheduler=client_scheduler(t, tokens_per_step(t, world_size, seq_len)),
-    )
+    with tagged(model, enabled=t.optimizer == "muon"):
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            model_parameters=param_groups(model, t),
+            config=ds,
+            # wsd's; cosine: None, DeepSpeed's from `ds`
+            lr_scheduler=client_scheduler(t, tokens_per_step(t, world_size, seq_len)),
+        )
     mode = checkpointing_mode(cfg, ds, device, seq_len, count_params(model)["params"], world_size)
     checkpoint_and_compile(model, mode, cfg.train.compile)
     deepspeed_internals.check_engine(engine)

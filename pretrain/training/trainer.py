@@ -220,6 +220,7 @@ class Trainer:
             if log_now:  # a collective when timed: the slow-rank check
                 grad_norm = self.stepper.check_grad_norm(self.step)
                 self.log.step(self.step, loss, depth, scalars, seconds, grad_norm, self.bad.skipped_total)
+                self.checkpoints.settle(self.engine)  # a collective: a background save's writes ended?
             elif save_now:
                 self.stepper.check_grad_norm(self.step)
             record = {
@@ -247,11 +248,14 @@ class Trainer:
                 )
                 self.back_to_training()
             self.writer.step_record(self.step, record)  # with every scalar written at the step
-            if save_now:  # a collective
-                log.info("saved checkpoint %s", self.plan.root / self.save())
+            if save_now:  # a collective; train.async_save: written in the background but at the end or a stop
+                tag = self.save(wait=self.step == t.steps or stop_requested)
+                done = self.checkpoints.pending is None
+                log.info("%s checkpoint %s", "saved" if done else "writing", self.plan.root / tag)
             if stop_requested:
                 log.info("stop signal received: checkpoint saved at step %d, exiting cleanly", self.step)
                 break
+        self.checkpoints.settle(self.engine, wait=True)
         return self.summary(loss, last_val, stop_requested)
 
     def back_to_training(self) -> None:
@@ -269,7 +273,7 @@ class Trainer:
         self.writer.rewind(self.step)
         self.throughput.reset()
 
-    def save(self) -> str:
+    def save(self, wait: bool = True) -> str:
         return self.checkpoints.save(
             self.engine,
             self.step,
@@ -277,6 +281,7 @@ class Trainer:
             loader_state=self.data.loader.state_dict(),
             fit_state={"loss_history": self.spikes.history, "tokens": self.data.trained.state()},
             run_files=self.wandb.files() if self.wandb is not None else None,
+            wait=wait,
         )
 
     def summary(self, loss: float, last_val: dict[int, float], stop_requested: bool) -> dict[str, Any]:
