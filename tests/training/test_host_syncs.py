@@ -92,3 +92,34 @@ def test_deepspeeds_mark_of_a_non_finite_norm_stops_the_run():
                 StepRunner.check_grad_norm(runner, 5)
         else:
             assert StepRunner.check_grad_norm(runner, 5) == pytest.approx(0.7)
+
+
+def test_a_micro_batch_goes_to_cuda_from_pinned_memory(monkeypatch):
+    """On CUDA each tensor is pinned, then copied with non_blocking (queued, no wait for the stream);
+    on the CPU nothing is pinned (there is no pinned memory without an accelerator). The copies are
+    recorded, not run: this machine has no CUDA."""
+    import torch
+
+    from pretrain.training.step import move
+
+    done = []
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t: getattr(t, "pinned", False))
+
+    def pin(t):
+        done.append("pin")
+        out = t.clone()
+        out.pinned = True
+        return out
+
+    def to(t, device, non_blocking=False):
+        done.append(("to", torch.device(device).type, getattr(t, "pinned", False), non_blocking))
+        return t
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    batch = {k: torch.zeros(2, 8, dtype=torch.long) for k in ("input_ids", "targets", "doc_ids")}
+    move(batch, torch.device("cuda", 0), doc_mask=True)
+    assert done == ["pin", ("to", "cuda", True, True)] * 3, done
+    done.clear()
+    move(batch, torch.device("cpu"), doc_mask=False)
+    assert done == [("to", "cpu", False, True)] * 2, done
