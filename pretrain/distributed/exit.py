@@ -21,6 +21,7 @@ from pretrain.distributed.discovery import RendezvousError
 from pretrain.errors import ConfigError, Interrupted, file_system_problem
 
 DEBUG_ENV = "GRT_DEBUG"  # GRT_DEBUG=1: the boundary prints the traceback before its one line
+VERDICTS_ENV = "GRT_RANK_VERDICTS"  # a folder where each rank's exit code is left (`grt launch` reads them)
 
 
 def _group_exists() -> bool:
@@ -39,7 +40,10 @@ def exit_process(code: int) -> int:
     (waiting at most EXIT_GRACE_S), finalize MPI, flush, and end the process here with
     `code`. At interpreter exit the group's communication threads are still joinable, and
     C++ destroys them ("terminate called without an active exception", exit -6), which
-    hides the real exit code from the launcher. Without a process group: returns `code`."""
+    hides the real exit code from the launcher. Without a process group: returns `code`. Under
+    `grt launch` (VERDICTS_ENV set), the rank's code is left in its file first: the launch ends with
+    the ranks' verdict, not with the exit code of the launcher between them (torchrun says 1)."""
+    leave_verdict(code)
     if not _group_exists():
         return code
     import torch.distributed as dist
@@ -59,6 +63,16 @@ def exit_process(code: int) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def leave_verdict(code: int) -> None:
+    folder, rank = os.environ.get(VERDICTS_ENV), os.environ.get("RANK")
+    if folder and rank is not None and rank.isdigit():
+        try:
+            with open(os.path.join(folder, f"rank{rank}"), "w") as fh:
+                fh.write(f"{code}\n")
+        except OSError:  # the launch's folder gone: its verdict falls back to the launcher's code
+            pass
 
 
 def _exit_code(err: BaseException) -> int:
