@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from .shard_reader import ShardReader
+from .shard_reader import Identity, ShardReader
 from .shards import DTYPES, ShardError
 
 Batch = dict[str, torch.Tensor]
@@ -42,8 +42,10 @@ class EpochPlan:
         sep_id: int,
         vocab_size: int | None,
         skip_corrupt: bool,
+        identities: Sequence[Identity] = (),
     ) -> None:
         self.urls, self.sequences, self.epoch, self.seed = list(urls), list(sequences), epoch, seed
+        self.identities = list(identities)  # each shard's size and first member's sha256: checked when read
         self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
         self.batch_size, self.batches, self.start_batch = batch_size, batches, start_batch
         self.shuffle_buffer, self.shuffle_shards, self.skip_corrupt = shuffle_buffer, shuffle_shards, skip_corrupt
@@ -84,7 +86,7 @@ class EpochPlan:
     def batches_for_worker(self, j: int, report: dict[str, Any]) -> Iterator[Batch]:
         """Worker j's batches in order: for each shuffle block its samples are read at once
         (sorted by stream position), then handed out batch by batch."""
-        reader = ShardReader(self.sequences, self.seq_len + 1, self.ext, self.vocab_size)
+        reader = ShardReader(self.sequences, self.seq_len + 1, self.ext, self.vocab_size, identities=self.identities)
         rounds = self.worker_batches(j)
         try:
             loaded: dict[int, bytes] = {}

@@ -156,6 +156,7 @@ class TokenBatchLoader:
         return EpochPlan(
             urls=[s.url for s in self.shards],
             sequences=[s.sequences for s in self.shards],
+            identities=[(s.bytes, s.head_sha256) for s in self.shards],
             epoch=self.epoch,
             seed=self.seed,
             rank=self.rank,

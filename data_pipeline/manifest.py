@@ -30,14 +30,17 @@ class ShardEntry:
     tokens: int  # training tokens = sequences * seq_len
     bytes: int = 0
     sha256: str = ""
+    head_sha256: str = ""  # of the first member (its header and sample 0): the shard's identity, checked when read
 
     def to_dict(self) -> dict[str, Any]:
+        head = {"head_sha256": self.head_sha256} if self.head_sha256 else {}
         return {
             "name": self.name,
             "sequences": self.sequences,
             "tokens": self.tokens,
             "bytes": self.bytes,
             "sha256": self.sha256,
+            **head,
         }
 
 
@@ -180,6 +183,7 @@ class Manifest:
                     tokens=int(e.get("tokens", int(e["sequences"]) * seq_len)),
                     bytes=int(e.get("bytes", 0)),
                     sha256=e.get("sha256", ""),
+                    head_sha256=e.get("head_sha256", ""),
                 )
                 for e in entries
             ]

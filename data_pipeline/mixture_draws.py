@@ -230,7 +230,10 @@ class MixturePlan:
         sequences = [e.sequences for e in self.shards[s]]
         block = self.epoch_plan(s, 0).block
         max_open = min(64, 2 + block // max(1, min(sequences)))
-        return ShardReader(sequences, self.seq_len + 1, self.ext, self.vocab_size, max_open=max_open)
+        identities = [(e.bytes, e.head_sha256) for e in self.shards[s]]
+        return ShardReader(
+            sequences, self.seq_len + 1, self.ext, self.vocab_size, max_open=max_open, identities=identities
+        )
 
     def block_order(self, s: int, epoch: int, block: int) -> np.ndarray:
         """Stream positions of source s's shuffle block `block` in its epoch `epoch`, in global

@@ -290,6 +290,9 @@ def prepare(
         if problems:
             print(f"prepare: could not restore {out_dir!r}: {'; '.join(problems)}", file=sys.stderr, flush=True)
         raise
+    except BaseException:  # a kill's stand-in (a bare KeyboardInterrupt): nothing undone, the lock let go
+        out.unlock()
+        raise
     out.commit(keep={e["name"] for entries in splits.values() for e in entries})
     if progress:
         elapsed = time.time() - t_start

@@ -4,6 +4,7 @@ order) and each split's token stream packed into shards (`Packer`)."""
 from __future__ import annotations
 
 import collections
+import hashlib
 import multiprocessing as mp
 import signal
 import sys
@@ -17,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .prepare_output import OutputDir
-from .shards import DTYPES, build_shard
+from .shards import DTYPES, build_shard, member_size
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -143,8 +144,18 @@ class Packer:
         name = stem + ".tar"
         data = build_shard(stem, samples, self.ext)
         sha = self.out.put_shard(name, data)
+        head = hashlib.sha256(
+            data[: member_size(T + 1, self.ext)]
+        ).hexdigest()  # what a reader checks (shard_reader.py)
         self.entries.append(
-            {"name": name, "sequences": int(n), "tokens": int(n * T), "bytes": len(data), "sha256": sha}
+            {
+                "name": name,
+                "sequences": int(n),
+                "tokens": int(n * T),
+                "bytes": len(data),
+                "sha256": sha,
+                "head_sha256": head,
+            }
         )
 
 

@@ -100,9 +100,9 @@ class OutputDir:
             stale_shard = _SHARD_RE.match(f) is not None and f not in keep
             if stale_shard or _SHARD_TMP_RE.match(f) or _ASIDE_RE.match(f) or is_temp(f):
                 os.unlink(self._join(f))
-        self._release()
+        self.unlock()
 
-    def _release(self) -> None:
+    def unlock(self) -> None:
         if self.lock is not None:
             self.lock.release()
 
@@ -114,7 +114,7 @@ class OutputDir:
         try:
             return self._undo()
         finally:
-            self._release()
+            self.unlock()
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def _undo(self) -> list[str]:

@@ -1,18 +1,30 @@
 """Reading one shard's samples by their index: seeking in a local file of fixed-size members,
 ranged requests to a shard behind a URL (data_pipeline/remote.py), else streaming through
-webdataset; every member is checked as `iter_shard` checks it."""
+webdataset; every member is checked as `iter_shard` checks it.
+
+A shard is checked against the manifest's identity of it (`Identity`: its size and the sha256 of
+its first member) once per shard and reader (a loader worker): a local file when first opened (a
+stat and one member read), a shard behind a URL by the size its server reports and, when the reader
+fetches member 0, its hash (no byte read twice). A manifest of before `head_sha256` has its sizes
+checked only. `check_shard` does the same for one shard on its own (`grt train --dry-run`)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tarfile
 from collections.abc import Generator, Sequence
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import numpy as np
 
 from .remote import RandomAccess, RangedReader, is_ranged
-from .shards import DTYPES, MEMBER_NAME, MissingShardError, ShardError, iter_shard, member_size
+from .shards import DTYPES, MEMBER_NAME, ForeignShardError, MissingShardError, ShardError, iter_shard, member_size
+
+if TYPE_CHECKING:
+    from .manifest import Manifest, ShardEntry
+
+Identity = tuple[int, str]  # a shard's bytes and head_sha256 in the manifest (0, "": not recorded)
 
 
 def _is_local(url: str) -> bool:
@@ -25,8 +37,16 @@ class ShardReader:
     reused while the indices grow). Every member is checked as `iter_shard` checks it."""
 
     def __init__(
-        self, sequences: Sequence[int], sample_tokens: int, ext: str, vocab_size: int | None, max_open: int = 1
+        self,
+        sequences: Sequence[int],
+        sample_tokens: int,
+        ext: str,
+        vocab_size: int | None,
+        max_open: int = 1,
+        identities: Sequence[Identity] = (),
     ) -> None:
+        self.identities = identities  # per shard, as `sequences` (empty: none checked)
+        self.checked: set[int] = set()  # shards whose identity this reader has checked
         self.sequences, self.sample_tokens, self.ext, self.vocab_size = sequences, sample_tokens, ext, vocab_size
         self.nbytes = sample_tokens * DTYPES[ext].itemsize
         self.stride = member_size(sample_tokens, ext)
@@ -43,11 +63,25 @@ class ShardReader:
         """The payloads of samples `indices` (increasing) of shard number `shard`; ShardError."""
         if is_ranged(url):  # behind a URL: only these members, by ranged requests
             fetched = self.ranged.fetch(url, self.sequences[shard] * self.stride + 1024, self.stride, indices)
+            if self.identities and shard not in self.checked:
+                self._check_fetched(shard, url, fetched, indices[0] == 0)
             return [self._member(fetched, url, i) for i in indices]
         fh = self._local(shard, url)
         if fh is None:
             return self._streamed(shard, url, indices)
         return [self._member(fh, url, i) for i in indices]
+
+    def _check_fetched(self, shard: int, url: str, fetched: RandomAccess, has_first: bool) -> None:
+        """A shard behind a URL: its size as its server reports it; its first member's hash when
+        this fetch holds it (checked: then this shard is not checked again by this reader)."""
+        size, head = self.identities[shard]
+        first = None
+        if has_first:
+            fetched.seek(0)
+            first = fetched.read(self.stride)
+        check_identity(url, self.ranged.sizes.get(url), first, size, head)
+        if first is not None or not head:
+            self.checked.add(shard)
 
     def _local(self, shard: int, url: str) -> IO[bytes] | None:
         """The open file of shard `shard` when it is read by seeking, None when it is streamed;
@@ -71,6 +105,11 @@ class ShardReader:
             fh = open(url, "rb")  # noqa: SIM115 (kept open while the worker reads this shard, closed by _close_file)
         except OSError as exc:  # gone since it was first opened, or unreadable
             raise MissingShardError(url, f"{type(exc).__name__}: {exc}") from None
+        if first_open and self.identities and shard not in self.checked:
+            size, head = self.identities[shard]
+            check_identity(url, os.path.getsize(url), fh.read(self.stride) if head else None, size, head)
+            fh.seek(0)
+            self.checked.add(shard)
         if first_open:
             self.seekable[shard] = self._fixed_layout(fh)
             if not self.seekable[shard]:  # written by another tar writer (e.g. extended headers): streamed instead
@@ -143,3 +182,62 @@ class ShardReader:
         self._close_stream()
         self._close_file()
         self.ranged.close()
+
+
+def check_identity(url: str, size: int | None, first: bytes | None, listed_size: int, listed_head: str) -> None:
+    """ForeignShardError when the shard's `size` or the sha256 of its `first` member (None: not
+    read) is not what the manifest lists (0 and "": not listed)."""
+    if listed_size and size is not None and size != listed_size:
+        raise ForeignShardError(
+            url, f"{size} bytes, the manifest lists {listed_size} (rewritten since, or another prepare's)"
+        )
+    if listed_head and first is not None:
+        got = hashlib.sha256(first).hexdigest()
+        if got != listed_head:
+            raise ForeignShardError(
+                url,
+                f"its first sample has sha256 {got[:16]}..., the manifest lists {listed_head[:16]}... (rewritten "
+                "since, or made with another tokenizer): prepare the data again, or use the manifest written with it",
+            )
+
+
+def check_shard(url: str, sequences: int, sample_tokens: int, ext: str, identity: Identity) -> None:
+    """One shard exists (a local file) or answers (a URL: one ranged request of its first member),
+    and is the one the manifest lists (`check_identity`); a `pipe:` or `file:` shard is taken as it is."""
+    stride = member_size(sample_tokens, ext)
+    size, head = identity
+    if is_ranged(url):
+        ranged = RangedReader()
+        try:
+            first = ranged.fetch(url, sequences * stride + 1024, stride, [0])
+            first.seek(0)
+            check_identity(url, ranged.sizes.get(url), first.read(stride), size, head)
+        finally:
+            ranged.close()
+    elif _is_local(url):
+        if not os.path.isfile(url):
+            raise MissingShardError(url, "no such file")
+        with open(url, "rb") as fh:
+            check_identity(url, os.path.getsize(url), fh.read(stride), size, head)
+
+
+def check_manifest_shards(manifest: Manifest, splits: Sequence[str], threads: int = 16) -> int:
+    """Every shard of `splits` in `manifest` exists or answers and is the one listed (`check_shard`,
+    a few at a time: URLs answer in parallel). Returns how many were checked; ShardError for the first
+    bad one, in manifest order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    entries = [e for split in splits if split in manifest.splits for e in manifest.splits[split]]
+
+    def check(e: ShardEntry) -> ShardError | None:
+        try:
+            check_shard(e.url, e.sequences, manifest.sample_tokens, manifest.ext, (e.bytes, e.head_sha256))
+        except ShardError as err:
+            return err
+        return None
+
+    with ThreadPoolExecutor(max(1, min(threads, len(entries)))) as pool:
+        for problem in pool.map(check, entries):
+            if problem is not None:
+                raise problem
+    return len(entries)

@@ -40,6 +40,15 @@ class MissingShardError(ShardError, FileNotFoundError):
         self.url, self.reason = url, reason
 
 
+class ForeignShardError(ShardError):
+    """A shard whose size or first member is not what the manifest lists: rewritten since, or made
+    with another tokenizer (data_pipeline/shard_reader.py checks it once per shard and reader)."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        RuntimeError.__init__(self, f"shard {url!r} is not the one the manifest lists: {reason}")
+        self.url, self.reason = url, reason
+
+
 class UnreachableShardError(ShardError):
     """A shard behind a URL that could not be fetched: access denied, or still failing when the
     retries' time ran out."""

@@ -385,6 +385,20 @@ def check_files(plan: StartPlan) -> tuple[str, list[str]]:
     raise checkpoint.none_loadable(root, problems)
 
 
+def check_shards(plan: StartPlan) -> int:
+    """`grt train --dry-run`: every shard the run reads (train and validation, every source) exists
+    or answers, and is the one its manifest lists (its size and first member); one line refuses the
+    first that is not. Returns how many were checked."""
+    from data_pipeline.shard_reader import check_manifest_shards
+    from data_pipeline.shards import ShardError
+
+    splits = ("train", "val") if plan.cfg.train.eval_every else ("train",)
+    try:
+        return sum(check_manifest_shards(source.manifest, splits) for source in with_split(plan.data, "train"))
+    except ShardError as err:
+        raise ConfigError(f"data={plan.cfg.data!r}: {err}") from None
+
+
 def say(message: str) -> None:
     """One line on stderr, from rank 0 only: what a start passes over or changes."""
     if discover().rank == 0:

@@ -59,7 +59,7 @@ from pretrain.training.metrics import MetricsWriter, Throughput, peak_flops
 from pretrain.training.profiling import RunProfiler, profiles
 from pretrain.training.run_data import RunData
 from pretrain.training.run_dir import RunDir
-from pretrain.training.start import StartPlan, check_files, plan_start, say
+from pretrain.training.start import StartPlan, check_files, check_shards, plan_start, say
 from pretrain.training.step import StepRunner
 from pretrain.training.step_log import StartPhases, StepLog, log_start
 from pretrain.training.step_timer import LossSpikes, SlowRanks, StepTimer
@@ -317,6 +317,7 @@ def dry_run(cfg: RunConfig, resume: bool = False) -> tuple[str, RunConfig]:
         return plan.nothing_to_do, plan.cfg
     tasks = TaskEval.build(plan.cfg, plan.data.tokenizer_path)
     deepspeed_internals.check()
+    check_shards(plan)  # every shard there (or answering) and the one its manifest lists
     tag = None
     if plan.resume is not None:
         tag, lines = check_files(plan)

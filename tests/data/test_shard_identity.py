@@ -1,0 +1,104 @@
+"""Shards are checked against the manifest's identity when read (issue 49, docs/reliability.md
+"Nothing clobbered"): a shard of the same size made with another tokenizer (or rewritten since) is
+refused by the loader, naming it, with the check made once per shard and reader; `grt train
+--dry-run` checks that every shard exists or answers and is the one listed.
+
+Real shards of the bundled text from two tokenizers of the same vocabulary size (vocab 512, seq 64).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from commands import data_commands, error_lines, grt_in_process, manifest_of
+from faults import train_args
+
+from data_pipeline import shard_reader
+from data_pipeline.loader import TokenBatchLoader
+from data_pipeline.shards import ShardError
+
+REPO = Path(__file__).resolve().parents[2]
+TEXT = REPO / "examples" / "data" / "tinyshakespeare.txt"
+
+
+@pytest.fixture(scope="module")
+def other(tmp_path_factory) -> Path:
+    """Shards of the bundled text made with another tokenizer of the same vocabulary (trained on the
+    text's second half): the same shard sizes, other tokens."""
+    root = tmp_path_factory.mktemp("other")
+    half = root / "half.txt"
+    text = TEXT.read_text()
+    half.write_text(text[len(text) // 2 :])
+    tokenizer, prepare = data_commands(TEXT, root)
+    tokenizer[tokenizer.index("-i") + 1] = str(half)
+    for args in (tokenizer, prepare):
+        res = subprocess.run([sys.executable, "-m", "pretrain.cli", *args], cwd=REPO, capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+    return manifest_of(root)
+
+
+def swapped(shards: Path, other: Path, tmp_path: Path, name: str = "train-000001.tar") -> tuple[Path, Path]:
+    """A copy of `shards`' folder whose shard `name` is the other tokenizer's of that name (same size)."""
+    copy = tmp_path / "shards"
+    shutil.copytree(shards.parent, copy)
+    assert (copy / name).stat().st_size == (other.parent / name).stat().st_size
+    shutil.copy(other.parent / name, copy / name)
+    return copy / "manifest.json", copy / name
+
+
+def test_a_shard_of_another_tokenizer_is_refused_when_read(shards, other, tmp_path):
+    """Before: it trained silently on the other tokenizer's ids."""
+    manifest, bad = swapped(shards, other, tmp_path)
+    loader = TokenBatchLoader(str(manifest), micro_batch_size=4, shuffle_buffer=0)
+    with pytest.raises(ShardError, match="is not the one the manifest lists") as info:
+        for _ in loader:
+            pass
+    assert str(bad) in str(info.value) and "another tokenizer" in str(info.value)
+
+
+def test_a_shard_of_another_size_is_refused_when_read(shards, tmp_path):
+    copy = tmp_path / "shards"
+    shutil.copytree(shards.parent, copy)
+    with open(copy / "train-000000.tar", "ab") as fh:
+        fh.write(b"\0" * 512)  # a longer file: another prepare's, or appended to
+    loader = TokenBatchLoader(str(copy / "manifest.json"), micro_batch_size=4, shuffle_buffer=0)
+    with pytest.raises(ShardError, match="bytes, the manifest lists"):
+        for _ in loader:
+            pass
+
+
+def test_the_identity_is_checked_once_per_shard_and_reader(shards, monkeypatch):
+    """Cheap: one check (a stat and one member read) per shard a reader (a worker's epoch) opens,
+    however often it opens it again (one file open at a time, shuffle blocks across shards)."""
+    calls: list[str] = []
+    real = shard_reader.check_identity
+    monkeypatch.setattr(shard_reader, "check_identity", lambda url, *a: (calls.append(url), real(url, *a))[1])
+    loader = TokenBatchLoader(str(shards), micro_batch_size=4, shuffle_buffer=64)
+    n = len(json.loads(shards.read_text())["splits"]["train"])
+    it = iter(loader)
+    for _ in range(loader.batches_per_epoch):
+        next(it)
+    assert sorted(calls) == sorted(set(calls)) and len(calls) == n, (len(calls), n)
+
+
+@pytest.mark.parametrize("fault", ["missing", "another tokenizer's"])
+def test_a_dry_run_checks_every_shard(shards, other, tmp_path, capsys, fault):
+    """Before: --dry-run said "would train" over a missing last shard and over another tokenizer's."""
+    manifest, bad = swapped(shards, other, tmp_path)
+    if fault == "missing":
+        shutil.copy(shards.parent / bad.name, bad)
+        bad = bad.with_name(sorted(p.name for p in bad.parent.glob("train-*.tar"))[-1])
+        os.unlink(bad)
+    rc, err = grt_in_process([*train_args(manifest, tmp_path / "run", 2), "--dry-run"], capsys)
+    said = error_lines(err, "[WARNING]")
+    assert rc == 2 and len(said) == 1, err
+    assert said[0].startswith("grt train: error: ") and str(bad) in said[0], said
+    assert not (tmp_path / "run").exists()
+    rc, err = grt_in_process([*train_args(shards, tmp_path / "run", 2), "--dry-run"], capsys)
+    assert rc == 0 and "would train" in err, err
