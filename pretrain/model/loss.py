@@ -6,9 +6,9 @@ of tokens, and each chunk's gradients (of the hidden states and of the head's we
 computed right away, so the [tokens x vocabulary] logits, their fp32 copy and their gradient
 never exist at once (at GPT-2's vocabulary and 16 x 1024 tokens, 3.3 GB each in fp32). Same
 FLOPs as the plain loss (no recompute). A chunk is a multiple of 256 tokens (the matmuls' tiles),
-the chunks of a call equal: on CUDA as large as a quarter of the memory free at the first call
-(after the engine, with the forward's activations live; one chunk on a large card), elsewhere
-256 MiB of fp32 logits. The weight's gradient is summed over chunks in fp32 inside the matmul
+the chunks of a call equal: on CUDA its buffers (8 bytes a logit) within a quarter of the memory
+free at the first call (after the engine, with the forward's activations live; one chunk on a
+large card), elsewhere 256 MiB of fp32 logits. The weight's gradient is summed over chunks in fp32 inside the matmul
 (`addmm_fp32`: bf16 products, fp32 accumulation, no product rounded to bf16, no cast-and-add).
 
 The matmuls run on the whole (padded) weight, 50,304 rows for GPT-2's 50,257: an aligned width
@@ -42,7 +42,8 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 IGNORE_INDEX = -100  # a target that is not scored
 CHUNK_BYTES = 256 * 2**20  # one chunk's fp32 logits, off CUDA (and the memory plan's least)
 CHUNK_MULTIPLE = 256  # tokens: whole tiles of the matmuls
-FREE_SHARE = 0.25  # of the free CUDA memory, for one chunk's fp32 logits (and its gradient, temporaries)
+FREE_SHARE = 0.25  # of the free CUDA memory, for one chunk's buffers
+CUDA_LOGIT_BYTES = 8  # a chunk's buffers per logit on CUDA: its bf16 product, fp32 value and bf16 gradient
 LOSS_IMPLS = ("auto", "cce", "compiled", "eager")
 
 ChunkFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor | None]]
@@ -62,6 +63,11 @@ def chunk_tokens(vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(CHUNK_MULTIPLE, chunk_bytes // (4 * vocab) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
 
 
+def cuda_chunk_tokens(width: int, free_bytes: int) -> int:
+    """The most tokens a CUDA chunk may have with `free_bytes` free: its buffers within FREE_SHARE."""
+    return chunk_tokens(width, int(FREE_SHARE * free_bytes) * 4 // CUDA_LOGIT_BYTES)
+
+
 _cuda_chunks: dict[tuple[torch.device, int, int], int] = {}  # (device, tokens, width) -> chunk, decided once
 
 
@@ -73,7 +79,7 @@ def loss_chunk(tokens: int, width: int, device: torch.device) -> int:
     if device.type == "cuda" and key not in _cuda_chunks and not torch.compiler.is_compiling():
         free, _ = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # the allocator's cache
-        _cuda_chunks[key] = chunk_tokens(width, int(FREE_SHARE * free))
+        _cuda_chunks[key] = cuda_chunk_tokens(width, free)
     most = _cuda_chunks.get(key) or chunk_tokens(width)
     count = max(1, -(-tokens // most))
     per = max(1, -(-tokens // count))

@@ -35,7 +35,7 @@ import torch
 from pretrain.config import ModelConfig
 from pretrain.model import build_model
 from pretrain.model.flops import count_params
-from pretrain.model.loss import CHUNK_BYTES, FREE_SHARE, chunk_tokens
+from pretrain.model.loss import CHUNK_BYTES, cuda_chunk_tokens
 from pretrain.presets import get_preset
 from pretrain.tools.bench_support import whole_number
 
@@ -118,7 +118,7 @@ def loss_bytes(cfg: ModelConfig, tokens: int, gpu: Gpu, when: str) -> float:
         chunk = max(1, CHUNK_BYTES // (4 * vp))  # the old chunk: 256 MiB of fp32 logits, any count of tokens
     else:
         free = (gpu.memory_gb - ENGINE_GB) * 1e9
-        chunk = min(tokens, chunk_tokens(vp, int(FREE_SHARE * free)))
+        chunk = min(tokens, cuda_chunk_tokens(vp, int(free)))
     chunks = -(-tokens // chunk)
     sum_over_chunks = chunks * 12 * vp * d if when == "before" else (chunks - 1) * 8 * vp * d
     return logits + sum_over_chunks + 6 * vp * d

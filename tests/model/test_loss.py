@@ -143,7 +143,8 @@ def test_no_gradient_is_computed_without_grad_mode():
 
 def test_chunks_are_whole_tiles_sized_by_the_free_cuda_memory(monkeypatch):
     """Chunks of a multiple of 256 tokens, equal but the last: off CUDA 256 MiB of fp32 logits (1,280
-    tokens at GPT-2's padded width); on CUDA a quarter of the memory free at the first call, read once
+    tokens at GPT-2's padded width); on CUDA within a quarter of the memory free at the first call
+    (8 bytes a logit: its bf16 product, fp32 value and bf16 gradient), read once
     (the CUDA calls stubbed: the sizing is arithmetic on what they return)."""
     from pretrain.model import loss
 
@@ -162,10 +163,10 @@ def test_chunks_are_whole_tiles_sized_by_the_free_cuda_memory(monkeypatch):
     monkeypatch.setattr(loss, "_cuda_chunks", {})
     free_bytes = 100 * 2**30  # an H200 after the engine: one chunk
     assert loss.loss_chunk(16384, 50304, torch.device("cuda", 0)) == 16384
-    free_bytes = 3 * 2**30  # 4 GiB with the cache: 5,336 tokens at most -> 4 equal chunks
-    assert loss.loss_chunk(16384, 50304, torch.device("cuda", 1)) == 4096
+    free_bytes = 3 * 2**30  # 4 GiB with the cache: 1 GiB at 8 bytes a logit, 2,668 tokens -> 7 chunks
+    assert loss.loss_chunk(16384, 50304, torch.device("cuda", 1)) == 2560
     free_bytes = 0  # read once per device and size: later calls keep the first answer
-    assert loss.loss_chunk(16384, 50304, torch.device("cuda", 1)) == 4096
+    assert loss.loss_chunk(16384, 50304, torch.device("cuda", 1)) == 2560
     assert len(reads) == 2
 
 
