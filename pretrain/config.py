@@ -36,6 +36,8 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn", "naive")
 STATE_DTYPES = ("fp32", "weights")
 CORE_KV = ("step", "anchor")  # where a GRT core block's keys and values come from (ModelConfig.core_kv)
 ANCHOR_MODES = ("prelude", "zeros", "embeddings", "previous")
+PROJ_INITS = ("random", "residual")  # how W_proj starts (ModelConfig.proj_init)
+NOISE_SCALES = ("absolute", "relative")  # what eps_x's std is measured against (ModelConfig.state_noise_scale)
 # where the vocabulary's padding is decided (ModelConfig.pad_vocab_multiple's default): every preset and
 # built model pads to it; a config saved with another multiple (1: a checkpoint from before) keeps its own
 VOCAB_PAD_MULTIPLE = 64
@@ -148,11 +150,17 @@ class ModelConfig:
     mlp_ratio: int = 4
     # GRT switches (the paper's ablation components)
     state_noise_std: float = 0.1  # eps_x added to the state before the projection (training only)
+    # "absolute": eps_x ~ N(0, std^2), the paper's; "relative": std times each token's state RMS, so that the
+    # noise does not drown a small-norm state (a fresh model's prelude output has RMS ~0.03: docs/model.md)
+    state_noise_scale: str = "absolute"
     reinject_anchor: bool = True  # project [s + eps_x ; e] (False: the core reads s + eps_x)
     gate: bool = True  # False: s_r = o_r
     gate_noise_std: float = 0.1  # eps_g added to the gate logits (training only)
     gate_bias_init: float = 4.0  # sigmoid(4) ~ 0.982: the loop starts by barely writing
     gate_tau: float = 1.0
+    # "random": W_proj ~ N(0, init_std^2), the paper's; "residual": its state half the identity and its anchor
+    # half zero, so that a loop step starts as a gated residual update of the state (docs/model.md)
+    proj_init: str = "random"
     exit_norm: bool = True  # LayerNorm on the loop's final state (the "one more d vector")
     state_dtype: str = "fp32"  # the GRT's loop state s: fp32 whatever the weights' dtype (under bf16 the gate's
     # ~2% writes would be rounded to bf16's 0.4% spacing), or the weights' (docs/model.md)
@@ -196,6 +204,12 @@ class ModelConfig:
             raise ConfigError(f"state_dtype={self.state_dtype!r}: accepted values are {', '.join(STATE_DTYPES)}")
         if self.core_kv not in CORE_KV:
             raise ConfigError(f"core_kv={self.core_kv!r}: accepted values are {', '.join(CORE_KV)}")
+        if self.proj_init not in PROJ_INITS:
+            raise ConfigError(f"proj_init={self.proj_init!r}: accepted values are {', '.join(PROJ_INITS)}")
+        if self.state_noise_scale not in NOISE_SCALES:
+            raise ConfigError(
+                f"state_noise_scale={self.state_noise_scale!r}: accepted values are {', '.join(NOISE_SCALES)}"
+            )
         for key in ("d_model", "n_heads", "vocab_size", "pad_vocab_multiple", "max_seq_len", "mlp_ratio"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from data_pipeline.files import atomic_savefig
+from pretrain.infer.loop_health import loop_health
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -125,12 +126,24 @@ def _half_line(h: dict[str, Any]) -> str:
     return f"{100 * h['share']:.1f}% ({at}; gain {h['gain']:.4f} of {h['full_gain']:.4f})"
 
 
+def loop_verdict(res: dict[str, Any]) -> str:
+    """The loop's health (pretrain.infer.loop_health), as training's validation states it, with the
+    warning of a loop that is not used."""
+    by_depth = {int(k): v for k, v in res["loss_by_depth"].items() if int(k) <= res["trained_loops"]}
+    health = loop_health(by_depth, res["gate_mean_by_step"])
+    if health is None:
+        return "no loop"
+    return health.line() + ("" if health.used else f". {health.warning()}")
+
+
 def markdown(res: dict[str, Any], files: dict[str, str], title: str) -> str:
     R = res["trained_loops"]
     L = [
         f"# {title}",
         "",
         f"Layout `{res['layout']}`, R = {R}; {res['tokens']:,} validation tokens.",
+        "",
+        f"**Loop health**: {loop_verdict(res)}",
         "",
         "## Early exit: loss by exit depth, against compute",
         "",

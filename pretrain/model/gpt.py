@@ -58,6 +58,14 @@ class LoopTrace:
     decoded: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
 
 
+class IdentityLinear(Linear):
+    """A square linear that starts as the identity (ModelConfig.proj_init='residual': W_proj's state
+    half), set in reset_parameters so that ZeRO-3's partitioned construction starts it alike."""
+
+    def reset_parameters(self) -> None:
+        nn.init.eye_(self.weight)
+
+
 class AnchorTerms(NamedTuple):
     proj: torch.Tensor | None  # W_proj's anchor half applied to e
     gate: torch.Tensor | None  # the gate MLP's first layer, anchor half, applied to LN(e)
@@ -72,7 +80,9 @@ class AnchorProjection(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d = cfg.d_model
-        self.proj = Linear(d, d, bias=False, std=cfg.init_std) if cfg.reinject_anchor else None
+        # proj_init='residual': the anchor half starts at zero (the step reads its state alone)
+        anchor_std = 0.0 if cfg.proj_init == "residual" else cfg.init_std
+        self.proj = Linear(d, d, bias=False, std=anchor_std) if cfg.reinject_anchor else None
         if cfg.gate:
             self.gate_norm = layer_norm(cfg)
             self.gate_fc = Linear(d, d, bias=False, std=cfg.init_std)
@@ -97,8 +107,10 @@ class LoopStep(nn.Module):
         super().__init__()
         d, layout = cfg.d_model, cfg.parsed_layout
         self.state_noise_std, self.gate_noise_std, self.gate_tau = cfg.state_noise_std, cfg.gate_noise_std, cfg.gate_tau
+        self.relative_noise = cfg.state_noise_scale == "relative"
         self.anchor = AnchorProjection(cfg)
-        self.proj_state = Linear(d, d, bias=False, std=cfg.init_std) if cfg.reinject_anchor else None
+        state_half = IdentityLinear if cfg.proj_init == "residual" else Linear
+        self.proj_state = state_half(d, d, bias=False, std=cfg.init_std) if cfg.reinject_anchor else None
         # core_kv='anchor' (CART's context-anchored keys): every core block attends to keys and values of
         # the anchor e, computed once per forward (`anchor_terms`), with queries from the step's own input
         self.anchored_kv = cfg.core_kv == "anchor"
@@ -158,7 +170,10 @@ class LoopStep(nn.Module):
         dtype = self.weight_dtype()
         x = s
         if self.training and self.state_noise_std > 0:
-            x = x + self.state_noise_std * torch.randn_like(x)
+            noise = self.state_noise_std * torch.randn_like(x)
+            if self.relative_noise:  # per token, against the state's RMS (no gradient through the scale)
+                noise = noise * s.detach().float().pow(2).mean(-1, keepdim=True).sqrt().to(s.dtype)
+            x = x + noise
         x = self.project(x.to(dtype), terms)
         for i, block in enumerate(self.core):
             x = block(x, ctx, terms.kv[i]) if terms.kv is not None else block(x, ctx)

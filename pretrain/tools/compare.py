@@ -166,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (min = lr / 10, warmup 5%%)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument(
+        "--seeds",
+        type=lambda text: [int(x) for x in text.split(",") if x.strip()],
+        metavar="S1,S2,...",
+        help="train the comparison once per seed (<out>/seed-<s>/), then one table of mean ± spread per method "
+        "and the paper's orderings against the seed spread (<out>/seeds.md; pretrain/tools/compare_seeds.py)",
+    )
+    p.add_argument(
         "--match",
         choices=("none", "flops", "params"),
         default="none",
@@ -198,8 +205,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    started = time.time()
     args = build_parser().parse_args(argv)
+    if not args.seeds:
+        return compare(args, argv)[0]
+    import copy
+
+    from pretrain.tools.compare_seeds import orderings_table, seed_table
+
+    per_seed: dict[int, list[dict]] = {}
+    for seed in args.seeds:
+        one = copy.copy(args)
+        one.seed, one.out = seed, str(Path(args.out) / f"seed-{seed}")
+        print(f"\n== seed {seed}: {one.out}", flush=True)
+        rc, per_seed[seed] = compare(one, argv)
+        if rc or args.dry_run:
+            return rc
+    command = "grt compare " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = (
+        f"{len(args.seeds)} seeds ({', '.join(map(str, args.seeds))}), mean ± standard deviation; command: `{command}`"
+        f"\n\n{seed_table(per_seed)}\n\n{orderings_table(per_seed)}\n"
+    )
+    print("\n" + text)
+    atomic_write_text(Path(args.out) / f"seeds{f'-{args.tag}' if args.tag else ''}.md", text)
+    return 0
+
+
+def compare(args: argparse.Namespace, argv: list[str] | None) -> tuple[int, list[dict]]:
+    """One comparison (one seed): (exit code, the table's rows)."""
+    started = time.time()
     out = Path(args.out)
     suffix = f"-{args.tag}" if args.tag else ""
     try:
@@ -219,10 +252,10 @@ def main(argv: list[str] | None = None) -> int:
             checks = [dry_run(run["cfg"], resume=True)[0] for run in runs]
     except (ConfigError, ValueError, OSError) as err:
         print(f"grt compare: error: {err}", file=sys.stderr)
-        return 2
+        return 2, []
     except RuntimeError as err:  # the step timing or the start-up probe failed
         print(f"grt compare: {err}", file=sys.stderr)
-        return 3
+        return 3, []
     from data_pipeline.manifest import Manifest
 
     seq_len = Manifest.load(args.data).seq_len
@@ -237,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.dry_run:
         print("\n".join(f"{run['label']}: {check}" for run, check in zip(runs, checks)))
-        return 0
+        return 0, []
     out.mkdir(parents=True, exist_ok=True)
     todo = []
     for run in runs:
@@ -249,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                 "or choose another --out",
                 file=sys.stderr,
             )
-            return 2
+            return 2, []
         if args.retrain or not (run_dir / "summary.json").is_file():
             if args.retrain and run_dir.exists():
                 import shutil
@@ -260,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         walls = train_all(todo, args, out)
     except RuntimeError as err:
         print(f"grt compare: {err}", file=sys.stderr)
-        return 3
+        return 3, []
     rows = [collect(run, seq_len, walls.get(run["label"]), args.exit_depth_factor) for run in runs]
     text = table(rows)
     print()
@@ -294,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, ext in (("comparison", "md"), ("comparison", "json"), ("loss_curves", "png"))
     )
     print(f"\nwrote {written}")
-    return 0
+    return 0, rows
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ def collect(run: dict, seq_len: int, wall_s: float | None, exit_factor: int = 1)
         "depth_sampling": cfg.train.depth_sampling if r else "-",
         "val_loss": by_depth.get(r, by_depth.get(0)) if by_depth else None,
         "val_loss_by_depth": by_depth,
+        "loop": summary.get("loop"),  # the loop's health at the last validation (pretrain/infer/loop_health.py)
         "exit_curve": evals.get("exit_curve"),
         "extrapolation": evals.get("extrapolation"),
         "adaptive_exit": evals.get("adaptive_exit"),
@@ -79,11 +80,19 @@ def _at_steps(result: dict | None) -> str:
     return "-" if not result else f"{result['loss']:.3f} @ {result['mean_steps']:.2f}"
 
 
+def _loop_cell(loop: dict | None) -> str:
+    """The loop's health: gain from depth 0 to R, the mean gate at step 1, the verdict."""
+    if not loop:
+        return "-"
+    gate = f", gate@1 {loop['gate_mean_by_step'][0]:.3f}" if loop.get("gate_mean_by_step") else ""
+    return f"{loop['gain']:+.3f}{gate}{'' if loop['used'] else ' (unused)'}"
+
+
 def table(rows: list[dict]) -> str:
     rules = " / ".join(adaptive_label(*a) for a in ADAPTIVE_EXITS)
     beyond = " / ".join(f"{f}R" for f in EXTRAPOLATION_FACTORS)
     head = (
-        "| method | label | layout | params | fwd MFLOPs/tok | train MFLOPs/tok | val loss | "
+        "| method | label | layout | params | fwd MFLOPs/tok | train MFLOPs/tok | val loss | loop gain (nats) | "
         "early exit (val loss at r = 0, 1, ..., R; beyond R when evaluated) | "
         f"past R: val loss at {beyond} | adaptive exit {rules} (val loss @ mean steps) | "
         "learned exit (Ouro) | tokens/s | peak mem MB |"
@@ -117,7 +126,8 @@ def table(rows: list[dict]) -> str:
         )
         lines.append(
             f"| {r['method']} | {r['label']} | {layout} | {r['params']:,} | {r['flops_per_token'] / 1e6:.2f} | "
-            f"{r['train_flops_per_token'] / 1e6:.2f} | {_fmt(r['val_loss'], '.3f')} | {exits} | {beyond} | "
+            f"{r['train_flops_per_token'] / 1e6:.2f} | {_fmt(r['val_loss'], '.3f')} | {_loop_cell(r.get('loop'))} | "
+            f"{exits} | {beyond} | "
             f"{adaptive} | {_at_steps(r.get('learned_exit'))} | "
             f"{_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(r['peak_memory_mb'], ',.0f')} |"
         )

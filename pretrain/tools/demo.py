@@ -96,6 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("[4/4] early-exit evaluation on the held-out documents")
     entropy = unigram_entropy(manifest)
     by_depth = summary["val_loss_by_depth"]
+    loop = summary.get("loop") or {}
+    gates = loop.get("gate_mean_by_step") or []
     lines = [
         "",
         "=" * 64,
@@ -104,8 +106,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"checkpoint         {summary['checkpoint']}",
         f"final train loss   {summary['final_loss']:.3f}",
         f"unigram entropy    {entropy:.3f} nats/token (a model that ignores context)",
-        "validation loss by exit depth (0 = prelude straight to coda):",
-        *(f"   depth {d:>2}: {v:.3f}" for d, v in by_depth.items()),
+        "validation loss by exit depth (0 = prelude straight to coda), mean gate of each loop step",
+        "(1 keeps the state, 0 overwrites it with the core's output):",
+        *(
+            f"   depth {d:>2}: {v:.3f}" + (f"   gate {gates[d - 1]:.3f}" if 0 < d <= len(gates) else "")
+            for d, v in by_depth.items()
+        ),
+        f"loop gain          {loop.get('gain', 0.0):.3f} nats from depth 0 to {max(by_depth)}: the loop "
+        + ("is used" if loop.get("used") else "is NOT used (see the warning above)"),
         "=" * 64,
     ]
     print("\n".join(lines))

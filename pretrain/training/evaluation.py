@@ -12,6 +12,7 @@ import torch
 
 from data_pipeline.epoch_plan import Batch
 from pretrain.distributed import all_reduce, comm_device
+from pretrain.infer.loop_health import LoopHealth, loop_health
 from pretrain.training.metrics import MetricsWriter
 from pretrain.training.step import move
 from pretrain.training.task_eval import TaskEval
@@ -24,21 +25,35 @@ log = logging.getLogger("grt.train")
 
 @torch.no_grad()
 def evaluate_depths(
-    model: torch.nn.Module, batches: Iterable[Batch], depths: list[int], device: torch.device, doc_mask: bool = False
-) -> dict[int, float]:
-    """Mean loss at each depth over the given batches, averaged over ranks (sum / count)."""
+    model: torch.nn.Module,
+    batches: Iterable[Batch],
+    depths: list[int],
+    device: torch.device,
+    doc_mask: bool = False,
+    gate_steps: int = 0,
+) -> tuple[dict[int, float], list[float]]:
+    """Mean loss at each depth over the given batches, averaged over ranks (sum / count); with
+    gate_steps = R, also the mean gate at loop steps 1..R of the deepest forward ([] without a gate)."""
     was_training = model.training
     model.eval()
-    totals = torch.zeros(len(depths) + 1, dtype=torch.float64, device=device)  # loss sums, then the count
+    # loss sums, the mean gate's sums per loop step, then the count: one all-reduce
+    totals = torch.zeros(len(depths) + gate_steps + 1, dtype=torch.float64, device=device)
+    gated = False
     for batch in batches:
         idx, targets, doc_ids = move(batch, device, doc_mask)
         for i, r in enumerate(depths):
-            totals[i] += model(idx, targets, n_loops=r, doc_ids=doc_ids, return_logits=False).loss.double()
+            want_gates = gate_steps > 0 and r == depths[-1]
+            out = model(idx, targets, n_loops=r, doc_ids=doc_ids, return_logits=False, return_gates=want_gates)
+            totals[i] += out.loss.double()
+            if want_gates and len(out.gates) == gate_steps:
+                gated = True
+                totals[len(depths) : len(depths) + gate_steps] += torch.stack([g.double().mean() for g in out.gates])
         totals[-1] += 1
     values = all_reduce(totals.to(comm_device())).tolist()
     model.train(was_training)
     n = max(values[-1], 1.0)
-    return {r: values[i] / n for i, r in enumerate(depths)}
+    gates = [v / n for v in values[len(depths) : len(depths) + gate_steps]] if gated else []
+    return {r: values[i] / n for i, r in enumerate(depths)}, gates
 
 
 class Validation:
@@ -54,28 +69,49 @@ class Validation:
         doc_mask: bool,
         writer: MetricsWriter,
         device: torch.device,
+        warmup_steps: int = 0,
     ) -> None:
         self.batches, self.weights, self.max_r, self.every = batches, weights, max_loops, every
         self.doc_mask, self.writer, self.device = doc_mask, writer, device
+        self.warmup_steps, self.warned = warmup_steps, False
+        self.health: LoopHealth | None = None  # the loop's, at the last validation
 
     def due(self, step: int, last: int) -> bool:
         return step % self.every == 0 or step == last
 
-    def run(self, model: torch.nn.Module, step: int, tokens_seen: int, record: dict[str, Any]) -> dict[int, float]:
+    def run(
+        self,
+        model: torch.nn.Module,
+        step: int,
+        tokens_seen: int,
+        record: dict[str, Any],
+        grad_norms: dict[str, float] | None = None,
+    ) -> dict[int, float]:
         """The loss at every exit depth: of each source (val/<source>/...) and, for a mixture, their
         mean under the mixture's weights (val/loss...), in TensorBoard and in the step's `record`
-        (metrics.jsonl, under "val"). Returns the latter."""
+        (metrics.jsonl, under "val"); a looped model's health (`check_loop`). Returns the latter.
+        grad_norms: the last logging step's grad_norm/<block> scalars."""
         max_r = self.max_r
         depths = list(range(max_r + 1))
-        per_source = {n: evaluate_depths(model, b, depths, self.device, self.doc_mask) for n, b in self.batches.items()}
+        scored = {
+            n: evaluate_depths(model, b, depths, self.device, self.doc_mask, max_r) for n, b in self.batches.items()
+        }
+        per_source = {n: losses for n, (losses, _) in scored.items()}
         total = sum(self.weights[name] for name in per_source)
         by_depth = {k: sum(self.weights[n] * v[k] for n, v in per_source.items()) / total for k in depths}
+        gated = all(g for _, g in scored.values())  # a model without a gate (dense, baselines): none
+        gates = (
+            [sum(self.weights[n] * g[i] for n, (_, g) in scored.items()) / total for i in range(max_r)] if gated else []
+        )
         full = by_depth[max_r]
         values = {"val/loss": full, **{f"val/loss_depth_{k}": v for k, v in by_depth.items()}}
         for name, losses in per_source.items():
             if name:
                 values[f"val/{name}/loss"] = losses[max_r]
                 values.update({f"val/{name}/loss_depth_{k}": v for k, v in losses.items()})
+        self.health = loop_health(by_depth, gates, grad_norms)
+        if self.health is not None:
+            values.update(self.health.scalars())
         self.writer.scalars(step, values, tokens=tokens_seen)  # each also against tokens (by_tokens/)
         record["val"] = values
         for name, losses in [*((n, v) for n, v in per_source.items() if n), ("", by_depth)]:
@@ -86,7 +122,18 @@ class Validation:
                 losses[max_r],
                 " ".join(f"{k}:{v:.3f}" for k, v in losses.items()),
             )
+        if self.health is not None:
+            self.check_loop(self.health, step, record)
         return by_depth
+
+    def check_loop(self, health: LoopHealth, step: int, record: dict[str, Any]) -> None:
+        """The loop's health line and record at every validation; after warm-up, one warning the
+        first time the loop adds less than MIN_LOOP_GAIN."""
+        record["loop"] = health.record()
+        log.info("validation at step %d: %s", step, health.line())
+        if not health.used and step > self.warmup_steps and not self.warned:
+            self.warned = True
+            log.warning("step %d: %s", step, health.warning())
 
 
 def score_tasks(

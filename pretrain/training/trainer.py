@@ -141,7 +141,7 @@ class Trainer:
         if val is not None:
             weights = self.data.weights
             self.validation = Validation(
-                val, weights, cfg.model.max_loops, t.eval_every, t.doc_mask, self.writer, self.device
+                val, weights, cfg.model.max_loops, t.eval_every, t.doc_mask, self.writer, self.device, t.warmup_steps
             )
         self.nan_faults = NanFaults(self.engine, NanInjection())
         self.delays = DelayInjection(self.engine, self.rank)
@@ -191,6 +191,7 @@ class Trainer:
         assert self.heartbeat is not None  # build() started it
         batches = self.delays.batches(warn_on_skipped_shards(self.data.loader, self.rank))
         last_val: dict[int, float] = {}
+        grad_norms: dict[str, float] = {}  # the last logging step's, for the loop's health at validation
         loss, stop_requested = float("nan"), False  # (a finished run resumed never gets here: train())
         self.engine.train()
         self.throughput.reset()
@@ -220,6 +221,7 @@ class Trainer:
             if log_now:  # a collective when timed: the slow-rank check
                 grad_norm = self.stepper.check_grad_norm(self.step)
                 self.log.step(self.step, loss, depth, scalars, seconds, grad_norm, self.bad.skipped_total)
+                grad_norms = {k: float(v) for k, v in scalars.items() if k.startswith("grad_norm/")}
                 self.checkpoints.settle(self.engine)  # a collective: a background save's writes ended?
             elif save_now:
                 self.stepper.check_grad_norm(self.step)
@@ -233,7 +235,7 @@ class Trainer:
                 record["loss_spike"] = True
                 self.writer.scalars(self.step, {"train/loss_spike": 1.0}, tokens=self.data.trained.total)
             if self.validation is not None and self.validation.due(self.step, t.steps):  # a collective
-                last_val = self.validation.run(self.engine, self.step, self.data.trained.total, record)
+                last_val = self.validation.run(self.engine, self.step, self.data.trained.total, record, grad_norms)
                 self.back_to_training()
             if self.tasks is not None and self.tasks.due(self.step, t.steps):  # collectives
                 score_tasks(
@@ -288,11 +290,13 @@ class Trainer:
         """Rank 0's summary.json (the others: {})."""
         if self.rank != 0:
             return {}
+        health = self.validation.health if self.validation is not None else None
         summary = {
             "out": str(self.out),
             "steps": self.step,
             "final_loss": loss,
             "val_loss_by_depth": last_val,
+            "loop": health.record() if health is not None else None,
             "checkpoint": str(self.plan.root / (self.checkpoints.latest() or "")),
             "tensorboard": str(self.out / "tb"),
             "skipped_microbatches": self.bad.skipped_total,

@@ -175,6 +175,32 @@ def test_tensorboard_holds_the_training_scalars(two_rank_run):
 
 
 @pytest.mark.slow
+def test_every_validation_states_the_loops_health(two_rank_run):
+    """The loop's health at each validation (pretrain/infer/loop_health.py): one line in train.log, a
+    record in metrics.jsonl, loop/ scalars in TensorBoard, and in summary.json."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    records = {r["step"]: r for r in read_records(two_rank_run / "metrics.jsonl")}
+    for step in (10, 20, 30):
+        loop = records[step]["loop"]
+        val = records[step]["val"]
+        assert loop["gain"] == pytest.approx(val["val/loss_depth_0"] - val["val/loss_depth_3"])
+        assert loop["gain_depth_1"] == pytest.approx(val["val/loss_depth_0"] - val["val/loss_depth_1"])
+        assert len(loop["gate_mean_by_step"]) == 3 and all(0 < g < 1 for g in loop["gate_mean_by_step"])
+        assert 0 < loop["core_grad_share"] < 1
+        assert loop["used"] == (loop["gain"] >= 0.05)
+    log_text = (two_rank_run / "train.log").read_text()
+    assert log_text.count("loop gain") == 3, log_text[-2000:]
+    events = EventAccumulator(str(two_rank_run / "tb"))
+    events.Reload()
+    assert {"loop/gain", "loop/gain_depth_1", "loop/gate_mean_step_3", "loop/core_grad_share"} <= set(
+        events.Tags()["scalars"]
+    )
+    summary = json.loads((two_rank_run / "summary.json").read_text())
+    assert summary["loop"] == records[30]["loop"]
+
+
+@pytest.mark.slow
 def test_compiled_loop_step_is_not_recompiled_per_depth(shards, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
