@@ -244,6 +244,12 @@ def check_tag(
             "trained with; resume with the started values (docs/reliability.md), or start a new run "
             "with another --out"
         )
+    if "seed" in old_t and old_t["seed"] != cfg.train.seed:  # the loader's order, depths and noise streams
+        raise ConfigError(
+            f"resume: train.seed {old_t['seed']} -> {cfg.train.seed} would apply only in part ({where}'s data order "
+            "and random streams go on from the old seed, the depths would follow the new one); resume with "
+            f"train.seed={old_t['seed']}, or start a new run with another --out"
+        )
     world = world_size or discover().world_size
     saved_world = ranks_that_wrote(step_dir) or world
     batch_note = keep_global_batch(cfg, old_t, saved_world, world, where)

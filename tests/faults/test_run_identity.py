@@ -216,3 +216,11 @@ def test_a_flag_and_a_set_that_agree_are_one_value(shards, run, capsys):
     rc, printed, err = run_main(capsys, *args, *same, "--print-config")
     assert rc == 0, err
     assert json.loads(printed)["out"] == str(run) and json.loads(printed)["train"]["steps"] == STEPS + 2
+
+
+def test_a_seed_changed_on_resume_is_refused(run, capsys):
+    """Before: applied in part (the depths followed the new seed, the restored streams the old)."""
+    before = tree(run)
+    rc, _, err = run_main(capsys, "--out", str(run), "--resume", "--steps", "6", "--set", "train.seed=7", "--dry-run")
+    refused(rc, err, "train.seed", "-> 7", "only in part")
+    assert tree(run) == before
