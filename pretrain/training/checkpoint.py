@@ -2,7 +2,10 @@
 
 The layout of `<out>/checkpoints/` and how a complete one is found: pretrain/runs/checkpoint_files.py.
 A kill at any moment leaves either the previous `latest` or the new one, never a
-half-written checkpoint that is loaded. Old checkpoints are pruned to the last K.
+half-written checkpoint that is loaded. Old checkpoints are pruned to the last K. A save writes
+its files (`save`), or with train.async_save takes host copies that a thread writes while training
+goes on (`start_save`, async_save.py); either way rank 0 marks it COMPLETE only once every rank's
+writes have succeeded (`finish_save`).
 
 A resume tries the complete checkpoints newest first (`resume_candidates`) and loads the
 first one that every rank can read (`load_agreed`): each file of a tag is read through
