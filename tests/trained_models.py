@@ -159,15 +159,16 @@ def write_export(model, out: Path, tokenizer: Path | None = None, run_config: di
 
 @functools.cache
 def torch_trained_grt(steps: int = 250, seed: int = 0):
-    """micro-grt trained in plain PyTorch on the demo shards (uniform depth sampling as the
-    trainer does); fast enough for the analysis tests, and long enough that the loop lowers
-    the loss visibly (250 steps: by 0.017; 150 gave 0.008). Returns (model, manifest path)."""
+    """micro-grt trained in plain PyTorch on the demo shards (pretrain/tools/loop_start.py's
+    `train_briefly`: AdamW, warm-up then cosine, uniform depth sampling as the trainer does); fast
+    enough for the analysis tests, and long enough that the loop lowers the loss visibly.
+    Returns (model, manifest path)."""
     import torch
 
-    from data_pipeline.loader import TokenBatchLoader
     from data_pipeline.manifest import Manifest
     from pretrain.model import build_model
     from pretrain.presets import get_preset
+    from pretrain.tools.loop_start import loader, train_briefly
 
     manifest = data()
     m = Manifest.load(str(manifest))
@@ -176,19 +177,7 @@ def torch_trained_grt(steps: int = 250, seed: int = 0):
     torch.manual_seed(seed)
     cfg = get_preset("micro-grt").replace(vocab_size=m.vocab_size, max_seq_len=m.seq_len)
     model = build_model(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
-    loader = TokenBatchLoader(str(manifest), split="train", micro_batch_size=16, seed=seed)
-    gen = torch.Generator().manual_seed(seed)
-    model.train()
-    for step, batch in enumerate(loader):
-        if step >= steps:
-            break
-        r = int(torch.randint(1, cfg.max_loops + 1, (1,), generator=gen))
-        loss = model(batch["input_ids"], batch["targets"], n_loops=r).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+    train_briefly(model, loader(str(manifest), "train", 16, seed), steps, lr=3e-3, warmup=25, seed=seed)
     torch.set_num_threads(threads)
     return model.eval(), manifest
 

@@ -149,7 +149,9 @@ def test_gate_forcing_and_anchor_replacement_on_a_trained_grt(trained):
     trained_loss, prelude_only = loss(), loss(r=0)
     assert trained_loss < prelude_only - 0.01  # the loop helps: the analysis has something to show
     assert loss(gate_override=1.0) == pytest.approx(prelude_only, abs=1e-6)  # gate 1 keeps s_0 = e
-    assert loss(gate_override=0.0) > trained_loss + 1.0  # the raw core output alone is far worse
+    # the raw core output alone is far worse (+0.48 here: the tiny start's gate at 0.5 trains a core whose output
+    # is a usable state; from the paper's +4 start, where the core's output stays garbage, it was > 1)
+    assert loss(gate_override=0.0) > trained_loss + 0.3
     assert loss(anchor="zeros") > trained_loss + 0.005
     assert loss(anchor="embeddings") > trained_loss + 0.002
 
@@ -173,6 +175,11 @@ def test_analyze_command_writes_the_report(trained, tmp_path, capsys):
     assert len(res["cka"]) == 4 and res["cka"][2][2] == 1.0
     assert sum(b["vocab_tokens"] for b in res["buckets"].values()) <= model.cfg.vocab_size
     report = (out / "report.md").read_text()
+    # the loop's verdict at the top, as training's validation states it (pretrain/infer/loop_health.py)
+    gain = res["loss_by_depth"]["0"] - res["loss_by_depth"]["3"]
+    verdict = report.split("## Early exit")[0]
+    assert f"**Loop health**: loop gain {gain:+.3f} nats (depth 0 -> 3)" in verdict
+    assert ("loop used" in verdict) == (gain >= 0.05) and ("not being used" in verdict) == (gain < 0.05)
     for section in ("Gate forcing", "Anchor replacement", "Linear CKA", "token bucket", "anchor half"):
         assert section in report
     for png in ("loss_by_depth.png", "cka.png", "buckets.png", "gates.png"):
