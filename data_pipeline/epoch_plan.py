@@ -213,6 +213,9 @@ def produced(plan: WorkerPlan, num_workers: int, pin_memory: bool, prefetch_fact
         prefetch_factor=prefetch_factor,
         persistent_workers=False,
         worker_init_fn=_ignore_stop_signals,
+        # its workers' base seed from a generator of its own: drawn from the global stream, it took one
+        # draw of the trainer's noise stream per loader start, one more on a resume than without one
+        generator=torch.Generator(),
     )
     return iter(loader)
 
