@@ -48,6 +48,17 @@ def _env_number(name: str, default: float, minimum: float) -> float:
     return value
 
 
+def ranged_settings() -> tuple[float, float, float]:
+    """The environment's settings of ranged reads (connections, timeout, retry time): ValueError, one
+    line naming the variable, for a value that is not one. Checked at the door (the start plan, the
+    loader's construction), not first inside a loader worker."""
+    return (
+        _env_number("GRT_SHARD_CONNECTIONS", 4, 1),
+        _env_number("GRT_SHARD_TIMEOUT_S", 30.0, 0.01),
+        _env_number("GRT_SHARD_RETRY_S", 300.0, 0.0),
+    )
+
+
 class _Retry(Exception):
     """A failure worth another attempt (connection dropped or refused, timeout, 5xx, short body)."""
 
@@ -84,9 +95,8 @@ class RangedReader:
     """One loader worker's ranged reads (made lazily: its connections and threads appear on first use)."""
 
     def __init__(self) -> None:
-        self.connections = int(_env_number("GRT_SHARD_CONNECTIONS", 4, 1))
-        self.timeout = _env_number("GRT_SHARD_TIMEOUT_S", 30.0, 0.01)
-        self.retry_s = _env_number("GRT_SHARD_RETRY_S", 300.0, 0.0)
+        connections, self.timeout, self.retry_s = ranged_settings()
+        self.connections = int(connections)
         self.pool: ThreadPoolExecutor | None = None
         self.http: Any = None  # urllib3.PoolManager
         self.filesystems: dict[str, Any] = {}  # fsspec protocol -> filesystem

@@ -24,6 +24,7 @@ import torch
 
 from data_pipeline.batches import TokenCount, plan_stages, with_split
 from data_pipeline.mixture import MixtureError
+from data_pipeline.remote import ranged_settings
 from pretrain.config import ConfigError
 from pretrain.distributed import discover
 from pretrain.errors import UnreadableCheckpoint
@@ -139,6 +140,10 @@ def plan_start(given: RunConfig, resume: bool, world: int | None = None, use_cud
     notes: list[str] = []
     resolve(cfg, data, notes)
     check_available(cfg)  # train.wandb=true without the wandb package
+    try:
+        ranged_settings()  # GRT_SHARD_* are read in the loader's workers: checked here
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     world = world or discover().world_size
     apply_token_budget(cfg, world, data.seq_len)  # the steps a resume is checked with
     requested = copy.deepcopy(cfg)

@@ -1,7 +1,8 @@
 """Shards are checked against the manifest's identity when read (issue 49, docs/reliability.md
 "Nothing clobbered"): a shard of the same size made with another tokenizer (or rewritten since) is
 refused by the loader, naming it, with the check made once per shard and reader; `grt train
---dry-run` checks that every shard exists or answers and is the one listed.
+--dry-run` checks that every shard exists or answers and is the one listed; the environment the
+loader's workers read (GRT_SHARD_*) is checked at the start.
 
 Real shards of the bundled text from two tokenizers of the same vocabulary size (vocab 512, seq 64).
 """
@@ -102,3 +103,13 @@ def test_a_dry_run_checks_every_shard(shards, other, tmp_path, capsys, fault):
     assert not (tmp_path / "run").exists()
     rc, err = grt_in_process([*train_args(shards, tmp_path / "run", 2), "--dry-run"], capsys)
     assert rc == 0 and "would train" in err, err
+
+
+@pytest.mark.parametrize("name, value", [("GRT_SHARD_TIMEOUT_S", "soon"), ("GRT_SHARD_CONNECTIONS", "0")])
+def test_the_loaders_environment_is_checked_at_the_start(shards, tmp_path, capsys, monkeypatch, name, value):
+    """Before: read first inside a loader worker, so --dry-run passed and training failed there."""
+    monkeypatch.setenv(name, value)
+    rc, err = grt_in_process([*train_args(shards, tmp_path / "run", 2), "--dry-run"], capsys)
+    said = error_lines(err, "[WARNING]")
+    assert rc == 2 and len(said) == 1 and f"{name}={value!r}" in said[0], err
+    assert not (tmp_path / "run").exists()
