@@ -151,8 +151,15 @@ class EpochPlan:
                         report["new"] = report.get("new", 0) + 1
                 for _, i in wants:
                     moved[i] += self.sequences[shard]
-                    if moved[i] > 2 * self.total:
-                        raise RuntimeError(f"every shard of the split is unreadable ({sorted(bad)})")
+                    if (
+                        moved[i] > 2 * self.total
+                    ):  # a data error of one line, as one bad shard's (not a bug's traceback)
+                        raise ShardError(
+                            sorted(bad)[0],
+                            f"it and every other shard of the split ({len(bad)} of {len(self.urls)}) are unreadable: "
+                            "train.skip_corrupt_shards has nothing left to read; check the data "
+                            "(grt data inspect --verify)",
+                        )
                     retry[i] = (positions[i] + moved[i]) % self.total
             todo = retry
         return [out[i] for i in range(len(positions))]

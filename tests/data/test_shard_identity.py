@@ -113,3 +113,15 @@ def test_the_loaders_environment_is_checked_at_the_start(shards, tmp_path, capsy
     said = error_lines(err, "[WARNING]")
     assert rc == 2 and len(said) == 1 and f"{name}={value!r}" in said[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_skipping_corrupt_shards_when_every_shard_is_corrupt_is_one_data_error(shards, tmp_path):
+    """Before: a RuntimeError listing every shard (a traceback in training, not the data error's line)."""
+    copy = tmp_path / "shards"
+    shutil.copytree(shards.parent, copy)
+    for shard in copy.glob("train-*.tar"):
+        shard.write_bytes(b"\0" * 1000)
+    loader = TokenBatchLoader(str(copy / "manifest.json"), micro_batch_size=4, shuffle_buffer=0, skip_corrupt=True)
+    with pytest.warns(RuntimeWarning, match="skipping"), pytest.raises(ShardError) as info:
+        next(iter(loader))
+    assert "every other shard of the split" in str(info.value) and len(str(info.value)) < 400, info.value
