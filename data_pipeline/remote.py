@@ -173,6 +173,12 @@ class RangedReader:
             raise ShardError(url, f"bytes {start}-{end - 1} are past its end (HTTP 416): shorter than listed")
         if status >= 500 or status == 429:
             raise _Retry(f"HTTP {status}")
+        if 300 <= status < 400 and resp.headers.get("Location"):  # not the shard's fault: where it is
+            raise UnreachableShardError(
+                url,
+                f"HTTP {status}: the server redirects it to {resp.headers['Location']}; list that URL in the "
+                "manifest (ranged reads do not follow redirects: each would cost a round trip per read)",
+            )
         if status == 200:
             raise UnreachableShardError(url, "the server ignored the Range header (HTTP 200): it cannot serve ranges")
         raise UnreachableShardError(url, f"HTTP {status}")

@@ -125,3 +125,34 @@ def test_skipping_corrupt_shards_when_every_shard_is_corrupt_is_one_data_error(s
     with pytest.warns(RuntimeWarning, match="skipping"), pytest.raises(ShardError) as info:
         next(iter(loader))
     assert "every other shard of the split" in str(info.value) and len(str(info.value)) < 400, info.value
+
+
+def test_a_redirected_shard_url_is_said_as_a_redirect(tmp_path):
+    """Before: "cannot read shard ...: HTTP 302", which read as the shard's fault; now the line says
+    where the server sends it and what to list instead."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from data_pipeline.remote import RangedReader
+    from data_pipeline.shards import UnreachableShardError
+
+    class Moved(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(302)
+            self.send_header("Location", "http://127.0.0.1/elsewhere/train-000000.tar")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Moved)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    reader = RangedReader()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/train-000000.tar"
+        with pytest.raises(UnreachableShardError, match="redirects it to http://127.0.0.1/elsewhere/"):
+            reader.fetch(url, 4096, 1024, [0])
+    finally:
+        reader.close()
+        server.shutdown()
