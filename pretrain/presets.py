@@ -25,7 +25,8 @@ TINY = dict(bias=False, vocab_size=4096, max_seq_len=256)
 # the start in which a small GRT uses its loop, measured (docs/comparison.md, "A start in which a small GRT
 # uses its loop"): the gate at 0.5 instead of the paper's 0.98 (from +4 it closes at CPU budgets) and the
 # state noise relative to the state's RMS (the paper's absolute 0.1 drowns a fresh model's ~0.03 state)
-LOOP_START = dict(gate_bias_init=0.0, state_noise_scale="relative")
+LOOP_START = dict(gate_bias_init=0.0, state_noise_scale="relative", proj_init="random")
+PAPER_START = {key: getattr(ModelConfig, key) for key in LOOP_START}  # ModelConfig's defaults: the paper's
 TINY_GRT = {**TINY, **LOOP_START}
 
 

@@ -29,10 +29,10 @@ import torch
 from pretrain.infer.loop_health import LoopHealth, loop_health
 from pretrain.model import build_model
 from pretrain.model.gpt import GPT
-from pretrain.presets import get_preset
+from pretrain.presets import PAPER_START, get_preset
 from pretrain.training.depth import sample_depth
 
-PAPER = {"gate_bias_init": 4.0, "proj_init": "random", "state_noise_scale": "absolute"}
+PAPER = PAPER_START
 # name -> (model switches, depth distribution)
 STARTS: dict[str, tuple[dict[str, Any], str]] = {
     "paper (gate +4, random W_proj, absolute noise)": (PAPER, "uniform"),
