@@ -70,7 +70,7 @@ def test_every_sink_has_the_same_record_of_each_logged_step_after_a_rollback(man
     # the start's phases, in order: each said as it begins (the checks only when done: a refusal in
     # them is one line), then with its duration
     said = [m.group(0) for m in re.finditer(r"start: .*", log)]
-    want = [
+    want = [rf"start: run directory {re.escape(str(out))}: a fresh start"] + [
         line
         for name in PHASES
         for line in ([] if name == "checks" else [rf"start: {name} \.\.\."]) + [rf"start: {name} done in \d+\.\d\d s"]

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from commands import error_lines
 from multiproc import run_ranks
 from trained_models import (  # noqa: F401 (fixtures: manifest, single_thread)
     ENV,
@@ -218,7 +219,7 @@ def test_unknown_task_and_missing_task_file_are_refused_before_training(manifest
     missing = _train(*train_args(manifest, tmp_path / "b", eval_dir, zero3))  # no lambada_openai.jsonl
     expected = ("train.eval_tasks='piqa,nope': unknown nope", f"{eval_dir / 'lambada_openai.jsonl'} not found")
     for proc, what in zip((unknown, missing), expected):
-        lines = proc.stderr.strip().splitlines()
+        lines = error_lines(proc.stderr)  # the start's progress line aside (tests/commands.py)
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert len(lines) == 1 and lines[0].startswith("grt train: error: ") and what in lines[0], lines
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
