@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from data_pipeline.manifest import Manifest
 from pretrain.infer.loop_health import LoopHealth, loop_health
 from pretrain.model import build_model
 from pretrain.model.gpt import GPT
@@ -115,7 +116,8 @@ def measure(model: GPT, val: list[dict[str, torch.Tensor]]) -> LoopHealth:
     return health
 
 
-def loader(manifest: str, split: str, batch_size: int, seed: int) -> Iterator[dict[str, torch.Tensor]]:
+def loader(manifest: str | Manifest, split: str, batch_size: int, seed: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Batches of `split` (a Manifest object: loaded, and its tokenizer hashed, once by the caller)."""
     from data_pipeline.loader import TokenBatchLoader
 
     return iter(TokenBatchLoader(manifest, split=split, micro_batch_size=batch_size, loop=split == "train", seed=seed))
@@ -126,14 +128,12 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.manual_seed(job["seed"])
     switches, depth = STARTS[job["start"]]
-    from data_pipeline.manifest import Manifest
-
     manifest = Manifest.load(job["data"])
     cfg = get_preset(job["preset"]).replace(vocab_size=manifest.vocab_size, max_seq_len=manifest.seq_len, **switches)
     model = build_model(cfg)
-    batches = loader(job["data"], "train", job["batch"], job["seed"])
+    batches = loader(manifest, "train", job["batch"], job["seed"])
     train_briefly(model, batches, job["steps"], job["lr"], job["warmup"], job["seed"], depth)
-    val = [b for _, b in zip(range(job["val_batches"]), loader(job["data"], "val", 32, 0))]
+    val = [b for _, b in zip(range(job["val_batches"]), loader(manifest, "val", 32, 0))]
     health = measure(model, val)
     return {**job, **health.record(), "by_depth": health.by_depth}
 
