@@ -206,6 +206,8 @@ class ModelConfig:
             raise ConfigError(f"core_kv={self.core_kv!r}: accepted values are {', '.join(CORE_KV)}")
         if self.proj_init not in PROJ_INITS:
             raise ConfigError(f"proj_init={self.proj_init!r}: accepted values are {', '.join(PROJ_INITS)}")
+        if self.proj_init == "residual" and not self.reinject_anchor:
+            raise ConfigError("proj_init='residual' starts W_proj, which reinject_anchor=false leaves out: set one")
         if self.state_noise_scale not in NOISE_SCALES:
             raise ConfigError(
                 f"state_noise_scale={self.state_noise_scale!r}: accepted values are {', '.join(NOISE_SCALES)}"

@@ -70,3 +70,8 @@ def test_an_unknown_start_is_refused_naming_the_setting(key, value):
 def test_the_papers_presets_keep_the_papers_start(name):
     cfg = PRESETS[name]
     assert (cfg.proj_init, cfg.state_noise_scale, cfg.gate_bias_init) == ("random", "absolute", 4.0)
+
+
+def test_a_residual_start_without_a_projection_is_refused():
+    with pytest.raises(ConfigError, match="proj_init='residual' starts W_proj, which reinject_anchor=false"):
+        get_preset("micro-grt").replace(proj_init="residual", reinject_anchor=False)
