@@ -9,7 +9,7 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
-        "deepspeed>=0.19.8,<0.20",  # the tested range (pretrain/training/deepspeed_internals.py)
+        "deepspeed>=0.19.8,<0.20",  # the tested range (pretrain/training/engine/deepspeed_internals.py)
         "numpy",
         "sentencepiece",
         "webdataset",
@@ -29,7 +29,7 @@ setup(
         "s3": ["fsspec", "s3fs"],
         "gcs": ["fsspec", "gcsfs"],
         "lm-eval": ["lm-eval>=0.4.13,<0.5", "accelerate"],  # accelerate: the harness' own `--model hf`
-        # train.wandb=true (pretrain/training/wandb_run.py); 0.31 tested (tests/training/test_wandb.py)
+        # train.wandb=true (pretrain/training/report/wandb_sink.py); 0.31 tested (tests/training/test_wandb.py)
         "wandb": ["wandb>=0.31,<0.32"],
         # literal lists (tests/launch/test_launcher_docker.py reads them with ast.literal_eval):
         # keep dev's pins equal to the above

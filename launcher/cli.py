@@ -203,8 +203,8 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
     here and every rank gets the same file through --config-json.  Paths in it are made
     absolute so that every node reads the same files whatever its working directory.
     Returns (config dict, whether --resume or --branch-from was given: a decay branch's ranks each
-    make its checkpoint, pretrain/training/branch.py).  local_world_size > 0: the ranks run on
-    this host, so their start is planned here, once, before any rank starts (start.py: the data,
+    make its checkpoint, pretrain/training/start/branch.py).  local_world_size > 0: the ranks run on
+    this host, so their start is planned here, once, before any rank starts (start/plan.py: the data,
     the checkpoint to resume, the budget, every refusal); the config is the plan's.
     """
     from pretrain.config import ConfigError
@@ -212,7 +212,7 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
     from pretrain.runs.run_config import resolve
     from pretrain.train import build_parser as train_parser
     from pretrain.train import config_from_args
-    from pretrain.training.ds_config import resolve_ds_path
+    from pretrain.training.engine.ds_config import resolve_ds_path
 
     try:
         targs = train_parser().parse_args(list(train_args))
@@ -222,7 +222,7 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
         cfg = config_from_args(targs)
         resume = bool(targs.resume or cfg.branch_from)
         if local_world_size and cfg.data:
-            from pretrain.training.start import plan_start, say
+            from pretrain.training.start.plan import plan_start, say
 
             plan = plan_start(cfg, resume, local_world_size)
             if plan.nothing_to_do:  # a finished run: no rank is started, nothing is written (exit 0)
@@ -254,8 +254,8 @@ def checked_ds_config(config: dict[str, Any], world_size: int, use_cuda: bool) -
     checkpointing mode it allows, so that a refusal is one line, not one per rank)."""
     from pretrain.config import ConfigError
     from pretrain.runs.run_config import RunConfig
-    from pretrain.training.ds_config import merged_ds_config, zero_stage
-    from pretrain.training.parallelize import check_checkpointing
+    from pretrain.training.engine.ds_config import merged_ds_config, zero_stage
+    from pretrain.training.engine.parallelize import check_checkpointing
 
     try:
         cfg = RunConfig.from_dict(config)

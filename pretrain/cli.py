@@ -16,15 +16,15 @@ COMMANDS = {
     "presets": ("pretrain.presets", "print the model presets"),
     "train": ("pretrain.train", "train a model with DeepSpeed"),
     "export": ("pretrain.infer.export", "consolidate a checkpoint into a standalone directory"),
-    "eval": ("pretrain.infer.evaluate", "evaluate a model at every exit depth"),
-    "analyze": ("pretrain.infer.analyze", "the paper's analyses of a trained GRT"),
+    "eval": ("pretrain.infer.evaluation.evaluate", "evaluate a model at every exit depth"),
+    "analyze": ("pretrain.infer.analyze.analysis", "the paper's analyses of a trained GRT"),
     "generate": ("pretrain.infer.generate", "sample text with a KV cache"),
-    "lm-eval": ("pretrain.infer.lm_eval_model", "lm-evaluation-harness with the grt model registered"),
-    "compare": ("pretrain.tools.compare", "train several methods at equal FLOPs and tabulate"),
+    "lm-eval": ("pretrain.infer.evaluation.lm_eval_model", "lm-evaluation-harness with the grt model registered"),
+    "compare": ("pretrain.tools.compare.cli", "train several methods at equal FLOPs and tabulate"),
     "demo": ("pretrain.tools.demo", "the main job: tokenizer, shards, training, evaluation"),
     "data": ("data_pipeline.cli", "tokenizer training and shard preparation"),
     "launch": ("launcher.cli", "start a run locally, with deepspeed, Slurm or MPI"),
-    "bench": ("pretrain.tools.bench", "benchmarks (data, train-step, memory, zero, decode, precision, loss)"),
+    "bench": ("pretrain.tools.bench.cli", "benchmarks (data, train-step, memory, zero, decode, precision, loss)"),
 }
 
 

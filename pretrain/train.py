@@ -30,7 +30,7 @@ from pretrain.runs.checkpoint_files import check_not_a_checkpoint  # noqa: E402
 from pretrain.runs.data_spec import absolute, data_paths, load_manifest, with_data_paths  # noqa: E402
 from pretrain.runs.run_config import RunConfig, apply_overrides, choose_model, is_model_override  # noqa: E402
 from pretrain.runs.settings_rules import mark_given  # noqa: E402
-from pretrain.training import branch  # noqa: E402
+from pretrain.training.start import branch  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,7 +171,7 @@ def _same_value(key: str, a: Any, b: Any) -> bool:
     if key == "data":
         return with_data_paths(a, absolute) == with_data_paths(b, absolute)
     if key == "ds_config":
-        from pretrain.training.ds_config import resolve_ds_path
+        from pretrain.training.engine.ds_config import resolve_ds_path
 
         return os.path.abspath(resolve_ds_path(a)) == os.path.abspath(resolve_ds_path(b))
     return bool(a == b)
@@ -269,7 +269,7 @@ def callers_paths(cfg: RunConfig, keys: set[str]) -> None:
     (ds_configs/zero3.json, found from any directory) and a URL stay as they are; so does --out,
     which only this command and its ranks (started in this directory) use, and so does a path of
     a saved config (a --resume's base): where it was relative to is not known here."""
-    from pretrain.training.ds_config import shipped_ds_file
+    from pretrain.training.engine.ds_config import shipped_ds_file
 
     if "data" in keys and cfg.data:
         cfg.data = with_data_paths(cfg.data, absolute)
@@ -285,8 +285,8 @@ def resolved_configs(cfg: RunConfig, resume: bool) -> tuple[RunConfig, dict[str,
     (said in one line)."""
     import torch
 
-    from pretrain.training.ds_config import merged_ds_config
-    from pretrain.training.start import plan_start, say
+    from pretrain.training.engine.ds_config import merged_ds_config
+    from pretrain.training.start.plan import plan_start, say
 
     if cfg.data and all(os.path.isfile(p) for p in data_paths(cfg.data)):
         plan = plan_start(cfg, resume or bool(cfg.branch_from))
@@ -301,7 +301,7 @@ def printed_document(cfg: RunConfig, args: argparse.Namespace) -> str:
     """What --print-config, --print-ds-config and --dry-run print: the config.json or ds_config.json the
     run would write; a dry run first runs the trainer's checks and says what would train."""
     if not args.dry_run:
-        from pretrain.training.ds_config import ds_config_json
+        from pretrain.training.engine.ds_config import ds_config_json
 
         resolved, ds = resolved_configs(cfg, args.resume)
         return resolved.to_json() if args.print_config else ds_config_json(ds)

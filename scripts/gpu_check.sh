@@ -252,7 +252,7 @@ else
   # in the order of what a row tells that no other does: the rows at the end are the first the budget cuts
   smoke
   syncs syncs-z2 2
-  row bench-loss "$limit_other" grt bench loss  # its flags are its own (pretrain/tools/bench.py)
+  row bench-loss "$limit_other" grt bench loss  # its flags are its own (pretrain/tools/bench/cli.py)
   syncs syncs-z3 3
   # the ZeRO-3 knob with the depth changing every step: every parameter resident (the trainer's setting
   # on one GPU, perf-*-z3 rows of call 1) against DeepSpeed's 1e5

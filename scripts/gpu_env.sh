@@ -5,7 +5,7 @@
 
 # What the GPU machine lacks, one version each (tests/launch/test_gpu_wheels.py installs them into an
 # environment that has only what the machine has). DeepSpeed needs nothing built: its optimizer here is
-# torch's fused AdamW (pretrain/training/ds_config.py). typing_extensions: pydantic 2.13 needs >= 4.14.1,
+# torch's fused AdamW (pretrain/training/engine/ds_config.py). typing_extensions: pydantic 2.13 needs >= 4.14.1,
 # newer than the machine's may be.
 GPU_WHEELS="deepspeed==0.19.8 hjson==3.1.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0
 typing-inspection==0.4.2 typing-extensions==4.15.0 webdataset==1.0.2 braceexpand==0.1.7 zstandard==0.25.0"

@@ -22,7 +22,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pretrain.training.metrics import MetricsWriter  # noqa: E402
+from pretrain.training.report.metrics import MetricsWriter  # noqa: E402
 
 WARMUP_STEPS = 2
 TENSOR_SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")

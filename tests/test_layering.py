@@ -150,6 +150,67 @@ def test_the_folders_import_one_way():
     assert not cycles, f"folder circles {cycles}:\n" + "\n".join(shown)
 
 
+# The rooms of each folder that has sub-packages, lowest first (README.md, "The tree"): a room
+# imports only rooms before it. A new module or sub-package takes its place here.
+ROOMS = {
+    "pretrain.training": (
+        "depth",  # how many loop steps a step runs
+        "failures",  # who failed, stop signals
+        "faults",  # the tests' fault injections
+        "engine",  # DeepSpeed config, engine, internals, optimizer, LR schedule, compile, checkpointing
+        "report",  # metrics, step log, timing, profiler, W&B
+        "checkpoint",  # checkpoint files: complete or invisible, other world sizes, background saves
+        "start",  # the start's plan: resume and branch rules, run directory, lock
+        "data",  # the run's data
+        "step",  # one optimizer step: controls, bad batches, spikes
+        "evaluation",  # validation and tasks during training
+        "run_checkpoints",  # the run's loads, saves and rollbacks
+        "trainer",  # the loop
+    ),
+    "pretrain.infer": (
+        "adaptive",
+        "kv_cache",
+        "load",
+        "exit_depths",
+        "loop_health",
+        "generate",
+        "evaluation",
+        "analyze",
+        "export",
+    ),
+    "pretrain.tools": ("bench", "compare", "loop_start", "demo"),
+}
+MAX_TOP_MODULES = 10
+
+
+def test_the_rooms_of_a_folder_import_in_order():
+    """Inside pretrain/training, pretrain/infer and pretrain/tools, every module and sub-package is a
+    room of ROOMS, at most MAX_TOP_MODULES modules stand at the top, and a room imports only rooms
+    listed before it."""
+    modules = _modules(REPO)
+    for folder, order in ROOMS.items():
+        top = REPO.joinpath(*folder.split("."))
+        rooms = {p.stem for p in top.glob("*.py") if p.name != "__init__.py"} | {
+            p.name for p in top.iterdir() if (p / "__init__.py").is_file()
+        }
+        assert rooms == set(order), (
+            f"{folder}: rooms not in ROOMS: {sorted(rooms - set(order))}; gone: {sorted(set(order) - rooms)}"
+        )
+        n_top = len([p for p in top.glob("*.py") if p.name != "__init__.py"])
+        assert n_top <= MAX_TOP_MODULES, f"{folder}: {n_top} modules at its top (at most {MAX_TOP_MODULES})"
+        rank = {room: i for i, room in enumerate(order)}
+        upward = []
+        for m, p in modules.items():
+            if not m.startswith(folder + "."):
+                continue
+            room = m[len(folder) + 1 :].split(".")[0]
+            for t, _, line in _imports(m, p, modules):
+                if t.startswith(folder + ".") and (other := t[len(folder) + 1 :].split(".")[0]) != room:
+                    if rank[other] > rank[room]:
+                        upward.append(f"{p.relative_to(REPO)}:{line} imports {t} ({room} is below {other})")
+        assert not upward, f"{folder}: rooms importing upward:\n" + "\n".join(upward)
+
+
 def test_no_module_imports_another_modules_private_names():
     modules = _modules(REPO)
     found = [
@@ -178,3 +239,26 @@ def test_the_checks_see_what_they_refuse(tmp_path):
         "a._other",
         "pretrain.a._hidden",
     ]
+
+
+def test_the_readme_tree_names_every_module():
+    """README.md's tree has a row per folder of pretrain/ that holds code, and each module is named
+    in its folder's row (or has a row of its own): the tree is where a new engineer finds a file."""
+    rows = {}
+    for line in (REPO / "README.md").read_text().split("\n## The tree", 1)[1].split("\n## ", 1)[0].splitlines():
+        if line.startswith("| `"):
+            path, _, text = line[3:].partition("` |")
+            rows[path.rstrip("/")] = text
+    missing = []
+    for path in sorted((REPO / "pretrain").rglob("*.py")):
+        rel = path.relative_to(REPO)
+        if path.name == "__init__.py" or "hf_remote" in rel.parts:
+            continue
+        folder = rel.parent.as_posix()
+        if (
+            rel.as_posix() not in rows
+            and f"`{path.name}`" not in rows.get(folder, "")
+            and rel.as_posix() not in "".join(rows.values())
+        ):
+            missing.append(rel.as_posix())
+    assert not missing, "modules README.md's tree does not name: " + ", ".join(missing)

@@ -17,7 +17,7 @@ import torch
 from pretrain.distributed import exit_process, init_distributed
 from pretrain.presets import get_preset
 from pretrain.runs.run_config import RunConfig
-from pretrain.training.engine import build_engine
+from pretrain.training.engine.build import build_engine
 
 SEQ, BATCH = 128, 8
 

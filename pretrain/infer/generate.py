@@ -257,7 +257,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pretrain.infer.eval_parts import check_depths
+    from pretrain.infer.exit_depths import check_depths
     from pretrain.infer.load import load_model, pick_device, pick_dtype
 
     args = build_parser().parse_args(argv)

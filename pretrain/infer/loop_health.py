@@ -88,7 +88,7 @@ def loop_health(
     by_depth: dict[int, float], gate_means: list[float] | None = None, grad_norms: dict[str, float] | None = None
 ) -> LoopHealth | None:
     """The loop's health from the validation loss by depth (None for a model without a loop);
-    grad_norms: a logging step's `grad_norm/<block>` scalars (pretrain.training.metrics.norms)."""
+    grad_norms: a logging step's `grad_norm/<block>` scalars (pretrain.training.report.metrics.norms)."""
     if len(by_depth) < 2 or 0 not in by_depth:
         return None
     share = None

@@ -14,7 +14,7 @@ empty prelude returns its input, so without a prelude the anchor e is the embedd
 without a coda the exit norm, final norm and head follow the loop's last state. The
 number of loop steps is an argument of `forward` (0 = prelude straight to coda), so
 training can sample it and evaluation can exit early. Activation checkpointing and
-compilation are applied from outside (`pretrain.training.parallelize`); `LoopStep` is
+compilation are applied from outside (`pretrain.training.engine.parallelize`); `LoopStep` is
 the recompute/compile unit.
 """
 

@@ -1,5 +1,5 @@
 """A run's checkpoints as files: finding the complete ones and reading what they say, without
-DeepSpeed or a process group (pretrain/training/checkpoint.py writes and loads them).
+DeepSpeed or a process group (pretrain/training/checkpoint/store.py writes and loads them).
 
 Layout of `<out>/checkpoints/`:
     step00001000/            DeepSpeed's files (model, ZeRO partitions, optimizer, scheduler)
@@ -8,7 +8,7 @@ Layout of `<out>/checkpoints/`:
         COMPLETE             written by rank 0 only after every rank has finished writing
     latest                   the tag of the newest COMPLETE checkpoint, replaced atomically
 and beside it `<out>/data_skips.json` (DATA_SKIPS): per tag, where a resume from it takes the data
-(a loss-spike rollback's record, pretrain/training/checkpoint_io.py).
+(a loss-spike rollback's record, pretrain/training/run_checkpoints.py).
 """
 
 from __future__ import annotations

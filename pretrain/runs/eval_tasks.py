@@ -1,5 +1,5 @@
 """The zero-shot tasks a run and `grt eval` name, and the exit depths they are scored at: each
-task's file and how its JSON lines become items (scored by pretrain/infer/zero_shot.py), and
+task's file and how its JSON lines become items (scored by pretrain/infer/evaluation/zero_shot.py), and
 the checks of train.eval_tasks and train.eval_tasks_depths that `RunConfig.validate` makes."""
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from data_pipeline.mixture import DataMixture
 
 DEPTH_SAMPLING = ("uniform", "fixed", "poisson", "loguniform")
-# train.activation_checkpointing (pretrain/training/parallelize.py): explicit modes, cheapest
+# train.activation_checkpointing (pretrain/training/engine/parallelize.py): explicit modes, cheapest
 # recompute first; `auto` picks one for the run
 CHECKPOINT_MODES = ("off", "selective", "loop_step", "block")
 AUTO = "auto"
@@ -65,7 +65,7 @@ class TrainConfig:
     poisson_mean: float = 32.0  # rbar of the heavy-tail Poisson (capped at the layout's R x 4)
     poisson_sigma: float = 0.5
     activation_checkpointing: str = AUTO  # auto: off, selective or loop_step by the device memory left;
-    # or one of those, or block (pretrain/training/parallelize.py)
+    # or one of those, or block (pretrain/training/engine/parallelize.py)
     doc_mask: bool = False  # attend only within a packed document
     precision: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     num_workers: int = 0
@@ -77,7 +77,7 @@ class TrainConfig:
     eval_every: int = 500
     eval_batches: int = 20
     eval_tasks_every: int = 0  # score the zero-shot tasks every this many steps (0 = off), at eval_tasks_depths
-    eval_tasks: str = "all"  # comma-separated task names (pretrain/infer/zero_shot.py), or all
+    eval_tasks: str = "all"  # comma-separated task names (pretrain/infer/evaluation/zero_shot.py), or all
     eval_tasks_depths: str = ""  # exit depths, comma-separated; "" = 1, R/2, R
     eval_tasks_limit: int = 200  # items per task (0 = every item)
     eval_dir: str = ""  # the task files' directory ("" = grt eval's default)
@@ -88,7 +88,7 @@ class TrainConfig:
     dist_timeout_s: float = 600.0
     peak_tflops: float = 0.0  # device peak for MFU; 0 = look up the device
     compile: bool = False
-    zero3_pin_core: bool = True  # keep the looped core gathered under ZeRO-3 (pretrain/training/deepspeed_internals.py)
+    zero3_pin_core: bool = True  # keep the looped core gathered under ZeRO-3 (pretrain/training/engine/deepspeed_internals.py)
     allow_data_change: bool = False  # resume although the shard list changed since the checkpoint
     allow_batch_change: bool = False  # resume with another global batch (micro-batch x grad_accum x ranks)
     # watching a run (docs/training.md, "Watching a run")
@@ -122,7 +122,7 @@ class RunConfig:
     ds_config: str = "ds_configs/zero3.json"
     out: str = "runs/default"
     branch_from: str = ""  # a decay branch: the checkpoint (tag directory) it starts from (--branch-from,
-    # pretrain/training/branch.py); "" = none
+    # pretrain/training/start/branch.py); "" = none
 
     def validate(self) -> None:
         """Every value checked once, before anything starts: the first meaningless one is a

@@ -20,7 +20,7 @@ warms up over the whole run and never decays, and is said so with the way out
 train.tokens) is said in one line by the start too.
 
 Rules run at one of two places: "config" rules at `RunConfig.validate` (the config alone),
-"start" rules at `plan_start` (pretrain/training/start.py), which knows the world size and
+"start" rules at `plan_start` (pretrain/training/start/plan.py), which knows the world size and
 the tokens per step, so `grt train`, `--dry-run` and `grt launch` refuse alike. This module
 imports nothing of the run config (run_config.py imports it): a rule reads the config by name.
 """

@@ -1,23 +1,23 @@
 """The training loop on the DeepSpeed engine: the Trainer is its wiring (`build`) and its loop (`fit`).
 
-The start is planned first, once (start.py: a frozen `StartPlan` of what to resume, the data,
+The start is planned first, once (start/plan.py: a frozen `StartPlan` of what to resume, the data,
 the budget and every refusal), then `build` makes each component in plain sight, in the order
 the start needs: the process group, the run directory's lock, the engine, the checkpoint loaded
 on every rank, and only then anything written into --out (run_dir.py). Each concern is a
-component in its own file: the data (run_data.py), the step (step.py, with its bad micro-batches
-in bad_batches.py), logging (step_log.py), evaluation (evaluation.py), checkpoint I/O and
-rollbacks (checkpoint_io.py). No component sets another's state, and the run config is the
+component in its own file: the data (data.py), the step (step/optimizer_step.py, with its bad micro-batches
+in bad_batches.py), logging (step_log.py), evaluation (evaluation/validation.py), checkpoint I/O and
+rollbacks (run_checkpoints.py). No component sets another's state, and the run config is the
 plan's from start to end.
 
 Design choices that keep a looped model correct under ZeRO (docs/zero3.md):
 - the loop depth is a pure function of (seed, step): identical on every rank;
 - activation checkpointing is torch's non-reentrant checkpoint (parallelize.py; `auto` is
-  resolved in auto_checkpointing.py);
+  resolved in engine/activation_checkpointing.py);
 - every training depth is >= 1, so every parameter of the GRT takes part in every step;
 - one all-reduce per micro-batch carries the loss, a non-finite flag, the stop signal and
-  the previous step's gradient-norm check (step_controls.py), so that every rank skips, stops
+  the previous step's gradient-norm check (step/controls.py), so that every rank skips, stops
   and saves together; the host reads them once per optimizer step outside logging steps
-  (step.py, docs/performance.md).
+  (step/optimizer_step.py, docs/performance.md).
 `fit` calls the collectives in the same order on every rank: each step's micro-batch
 all-reduces (and DeepSpeed's own), then on a logging step the slow-rank gather, on an
 evaluation step validation's all-reduce and the tasks', on a saving step the save's.
@@ -37,34 +37,34 @@ import torch
 from pretrain.config import ConfigError
 from pretrain.distributed import comm_device, discover, gather_text, init_distributed
 from pretrain.runs.run_config import RunConfig, profile_window
-from pretrain.training import branch, deepspeed_internals
-from pretrain.training.bad_batches import BadBatches, SpikeRollback
-from pretrain.training.checkpoint_io import RunCheckpoints
+from pretrain.training.data import RunData, warn_on_skipped_shards
 from pretrain.training.depth import depth_for_step
-from pretrain.training.ds_config import ds_config_json, zero_stage
-from pretrain.training.engine import build_engine
-from pretrain.training.evaluation import Validation, score_tasks
-from pretrain.training.fit_hooks import DelayInjection, NanFaults, warn_on_skipped_shards
-from pretrain.training.health import (
+from pretrain.training.engine import deepspeed_internals
+from pretrain.training.engine.build import build_engine
+from pretrain.training.engine.ds_config import ds_config_json, zero_stage
+from pretrain.training.evaluation.tasks import TaskEval, eval_dir
+from pretrain.training.evaluation.validation import Validation, score_tasks
+from pretrain.training.failures import (
     Heartbeat,
-    NanInjection,
     RankFailure,
     StopSignal,
     TrainingStopped,
     explain_failure,
     one_line,
-    rss_mb,
 )
-from pretrain.training.metrics import MetricsWriter, Throughput, peak_flops
-from pretrain.training.profiling import RunProfiler, profiles
-from pretrain.training.run_data import RunData
-from pretrain.training.run_dir import RunDir
-from pretrain.training.start import StartPlan, check_files, check_shards, plan_start, say
-from pretrain.training.step import StepRunner
-from pretrain.training.step_log import StartPhases, StepLog, log_start
-from pretrain.training.step_timer import LossSpikes, SlowRanks, StepTimer
-from pretrain.training.task_eval import TaskEval, eval_dir
-from pretrain.training.wandb_run import WandbRun
+from pretrain.training.faults import DelayInjection, NanFaults, NanInjection
+from pretrain.training.report.metrics import MetricsWriter, Throughput, peak_flops, rss_mb
+from pretrain.training.report.profiling import RunProfiler, profiles
+from pretrain.training.report.step_log import StartPhases, StepLog, log_start
+from pretrain.training.report.step_timing import SlowRanks, StepTimer
+from pretrain.training.report.wandb_sink import WandbRun
+from pretrain.training.run_checkpoints import RunCheckpoints
+from pretrain.training.start import branch
+from pretrain.training.start.plan import StartPlan, check_files, check_shards, plan_start, say
+from pretrain.training.start.run_dir import RunDir
+from pretrain.training.step.bad_batches import BadBatches, SpikeRollback
+from pretrain.training.step.loss_spikes import LossSpikes
+from pretrain.training.step.optimizer_step import StepRunner
 
 log = logging.getLogger("grt.train")
 
@@ -180,7 +180,6 @@ class Trainer:
             throughput=self.throughput,
             profiler=self.profiler,
             slow_ranks=slow_ranks,
-            data=self.data,
             zero3=zero_stage(ds) == 3,
         )
         phases.done()
@@ -220,7 +219,17 @@ class Trainer:
             )
             if log_now:  # a collective when timed: the slow-rank check
                 grad_norm = self.stepper.check_grad_norm(self.step)
-                self.log.step(self.step, loss, depth, scalars, seconds, grad_norm, self.bad.skipped_total)
+                self.log.step(
+                    self.step,
+                    loss,
+                    depth,
+                    scalars,
+                    seconds,
+                    grad_norm,
+                    self.bad.skipped_total,
+                    tokens_seen=self.data.trained.total,
+                    data_scalars=self.data.draw_scalars(),
+                )
                 grad_norms = {k: float(v) for k, v in scalars.items() if k.startswith("grad_norm/")}
                 self.checkpoints.settle(self.engine)  # a collective: a background save's writes ended?
             elif save_now:
@@ -266,7 +275,7 @@ class Trainer:
 
     def roll_back(self) -> None:
         """train.loss_spike_action=rollback, on every rank: back to the last complete checkpoint, the
-        data going on where it is (checkpoint_io.py); the writer drops what the steps after it wrote."""
+        data going on where it is (run_checkpoints.py); the writer drops what the steps after it wrote."""
         self.bad.forget_step()
         loaded = self.checkpoints.roll_back(self.engine, self.step + 1, self.data.loader.state_dict())
         self.step = loaded.step

@@ -4,7 +4,7 @@ A variant's object answers, torch-free, every question that other modules used t
 testing the variant's name: which settings its config takes and how they are checked, how it
 is named in tables, its training recipe, how its random perturbations are switched off, its
 forward FLOPs per token and the activations it keeps for the backward (the terms; the sums
-are done once in pretrain/model/flops.py and pretrain/training/parallelize.py), and whether
+are done once in pretrain/model/flops.py and pretrain/training/engine/parallelize.py), and whether
 per-token adaptive exit applies to it. Its torch module is the class decorated with
 `@builds(name)` (pretrain/model/gpt.py), which pretrain.model.build_model builds.
 """
@@ -105,7 +105,7 @@ class Variant:
         """The same model with every random perturbation of training off (gradient checks)."""
         return cfg.replace(state_noise_std=0.0, gate_noise_std=0.0, extra={**cfg.extra, **self.noise_extra})
 
-    # -- the work of a training step (sums: pretrain/model/flops.py, pretrain/training/parallelize.py)
+    # -- the work of a training step (sums: pretrain/model/flops.py, pretrain/training/engine/parallelize.py)
     def step_shares(self, cfg: ModelSpec, steps: int) -> list[float]:
         """The share of the tokens each of `steps` loop steps runs the core on."""
         return [1.0] * steps

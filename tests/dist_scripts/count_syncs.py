@@ -22,7 +22,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from pretrain.training.metrics import MetricsWriter  # noqa: E402
+from pretrain.training.report.metrics import MetricsWriter  # noqa: E402
 
 SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
 counts = {"project": 0, "deepspeed": 0, "data": 0}

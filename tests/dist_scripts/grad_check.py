@@ -28,8 +28,8 @@ from pretrain.model import build_model  # noqa: E402
 from pretrain.model.baselines import noise_off  # noqa: E402
 from pretrain.presets import get_preset  # noqa: E402
 from pretrain.runs.run_config import RunConfig  # noqa: E402
-from pretrain.training import deepspeed_internals  # noqa: E402
-from pretrain.training.engine import build_engine  # noqa: E402
+from pretrain.training.engine import deepspeed_internals  # noqa: E402
+from pretrain.training.engine.build import build_engine  # noqa: E402
 
 stage, presets, out_path = int(sys.argv[1]), sys.argv[2].split(","), Path(sys.argv[3])
 depths = [int(d) for d in (sys.argv[4] if len(sys.argv) > 4 else "3,1,0,2").split(",")]

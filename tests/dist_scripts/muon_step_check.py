@@ -26,8 +26,8 @@ from pretrain.model import build_model  # noqa: E402
 from pretrain.model.baselines import noise_off  # noqa: E402
 from pretrain.presets import get_preset  # noqa: E402
 from pretrain.runs.run_config import RunConfig  # noqa: E402
-from pretrain.training.engine import build_engine  # noqa: E402
-from pretrain.training.muon import muon_names  # noqa: E402
+from pretrain.training.engine.build import build_engine  # noqa: E402
+from pretrain.training.engine.muon import muon_names  # noqa: E402
 
 stages, out_path = [int(s) for s in sys.argv[1].split(",")], Path(sys.argv[2])
 GA, B, T, DEPTH, STEPS = 2, 2, 16, 2, 4

@@ -1,4 +1,4 @@
-"""train.async_save (pretrain/training/async_save.py): the reliability tests of test_reliability.py
+"""train.async_save (pretrain/training/checkpoint/async_save.py): the reliability tests of test_reliability.py
 that concern checkpoints, run again with the files written in the background: a SIGKILL between
 the writes and COMPLETE (and at a random moment), pre-emption by SIGTERM and SIGUSR1, a write that
 fails with ENOSPC on one rank, a real full disk. Each asserts what it asserts for the synchronous
@@ -48,7 +48,7 @@ def test_the_files_are_host_copies_taken_at_the_save():
     save takes them, a view compactly, one view shown by two tensors once."""
     import torch
 
-    from pretrain.training.async_save import host_copy
+    from pretrain.training.checkpoint.async_save import host_copy
 
     flat = torch.arange(6.0, requires_grad=True)
     view = flat[2:4]

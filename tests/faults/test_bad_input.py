@@ -512,7 +512,7 @@ def one_rank_corrupt(bad, tmp_path_factory) -> tuple[Path, Path, int]:
     that reads it."""
     from data_pipeline.shards import ShardError, member_size
     from pretrain.distributed import Dist
-    from pretrain.infer.scoring import val_batches
+    from pretrain.infer.evaluation.scoring import val_batches
 
     raw = json.loads(bad["manifest"].read_text())
     entry = raw["splits"]["val"][0]
@@ -679,7 +679,7 @@ def test_multi_rank_eval_refuses_a_manifest_that_only_some_ranks_see(bad, monkey
     ranks agree first (ranks_with); here the agreement answers as on a job where they differ."""
     from pretrain.config import ConfigError
     from pretrain.distributed import Dist
-    from pretrain.infer import eval_parts, evaluate
+    from pretrain.infer.evaluation import evaluate, loss_by_depth
 
     monkeypatch.setattr(evaluate, "ranks_with", lambda flag: 1)  # of 2: neither every rank nor none found it
     agreements = []
@@ -691,7 +691,7 @@ def test_multi_rank_eval_refuses_a_manifest_that_only_some_ranks_see(bad, monkey
     assert agreements == ["checked"]  # a rank that failed before (loading) is met first
     # a rank that has it meets the ranks without it at a second agreement, which names them
     monkeypatch.setattr(evaluate, "evaluate_task", lambda *a, **k: pytest.fail("scored past the disagreement"))
-    monkeypatch.setattr(eval_parts, "lm_sums", lambda *a, **k: pytest.fail("scored past the disagreement"))
+    monkeypatch.setattr(loss_by_depth, "lm_sums", lambda *a, **k: pytest.fail("scored past the disagreement"))
     args = evaluate.build_parser().parse_args([str(bad["run"]), "--data", str(bad["manifest"])])
     agreements.clear()
 

@@ -125,7 +125,7 @@ def test_a_second_train_on_a_run_directory_in_use_is_refused_naming_the_holder(s
         finally:
             os.kill(holder.pids[0], signal.SIGCONT)
         holder.kill()
-    from pretrain.training.run_lock import refuse_if_in_use
+    from pretrain.training.start.run_lock import refuse_if_in_use
 
     refuse_if_in_use(run)  # a killed holder leaves no lock behind
 
@@ -134,7 +134,7 @@ def test_a_run_lock_refused_leaves_the_lock_file_as_it_was(tmp_path, monkeypatch
     """In-process: a second holder is refused naming the first; a holder that never commits
     restores the lock file (or removes the one, and the --out, it created)."""
     from pretrain.config import ConfigError
-    from pretrain.training.run_lock import RunDirInUse, RunLock, lock_path, refuse_if_in_use
+    from pretrain.training.start.run_lock import RunDirInUse, RunLock, lock_path, refuse_if_in_use
 
     out = tmp_path / "new"
     first = RunLock.acquire(out)
@@ -143,7 +143,7 @@ def test_a_run_lock_refused_leaves_the_lock_file_as_it_was(tmp_path, monkeypatch
     with pytest.raises(RunDirInUse, match=f"pid {os.getpid()}"):
         refuse_if_in_use(out)
     other = subprocess.run(  # another process: flock is per open file, so a second process is the real test
-        [sys.executable, "-c", f"from pretrain.training.run_lock import RunLock; RunLock.acquire({str(out)!r})"],
+        [sys.executable, "-c", f"from pretrain.training.start.run_lock import RunLock; RunLock.acquire({str(out)!r})"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -262,7 +262,7 @@ def test_the_launchers_resume_check_passes_over_a_cut_off_config_json(base_run, 
     from pretrain.config import ConfigError
     from pretrain.runs.checkpoint_files import find_latest
     from pretrain.runs.run_config import RunConfig
-    from pretrain.training.resume import check_resume
+    from pretrain.training.start.resume_check import check_resume
 
     run = copy_run(base_run, tmp_path)
     root = run / "checkpoints"

@@ -219,7 +219,7 @@ def test_impossible_deepspeed_value_is_refused_by_the_launcher_once(manifest, tm
 @pytest.mark.parametrize("ds", DS_GOOD, ids=[json.dumps(d) for d in DS_GOOD])
 def test_possible_deepspeed_values_are_accepted(ds):
     from pretrain.runs.run_config import TrainConfig
-    from pretrain.training.ds_config import build_ds_config, zero_stage
+    from pretrain.training.engine.ds_config import build_ds_config, zero_stage
 
     merged = build_ds_config(ds, TrainConfig(), world_size=1, use_cuda=False)
     assert zero_stage(merged) in (0, 1, 2, 3)
@@ -414,8 +414,8 @@ def test_sums_over_nothing_raise_instead_of_a_number():
     naming what was scored (before: loss 0, perplexity 1, accuracy 0)."""
     from pretrain.config import ConfigError
     from pretrain.distributed import Dist
-    from pretrain.infer.eval_parts import loss_table
-    from pretrain.infer.zero_shot import evaluate_task
+    from pretrain.infer.evaluation.loss_by_depth import loss_table
+    from pretrain.infer.evaluation.zero_shot import evaluate_task
 
     TRIED["nothing scored"] += 2
     with pytest.raises(ConfigError, match="data='m.json' split 'val': no token was scored"):

@@ -211,7 +211,7 @@ def test_only_complete_checkpoints_are_ever_chosen(tmp_path):
     (root / "latest").write_text("garbage")
     assert find_latest(root) == "step00000008"
 
-    from pretrain.training.checkpoint import _remove_debris
+    from pretrain.training.checkpoint.store import _remove_debris
 
     (root / "step00000016").mkdir()
     (root / "step00000016" / ".COMPLETE.tmp4241").write_text("16\n")  # from a kill before a rewrite
@@ -230,7 +230,7 @@ def test_heartbeat_names_the_failed_rank(monkeypatch):
     import torch.distributed as dist
     from faults import free_port
 
-    from pretrain.training.health import Heartbeat
+    from pretrain.training.failures import Heartbeat
 
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)

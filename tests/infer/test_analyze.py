@@ -10,9 +10,9 @@ from commands import grt_in_process
 from trained_models import single_thread, small_model, torch_trained_grt, write_export  # noqa: F401
 
 from pretrain.distributed import Dist
-from pretrain.infer.analyze import collect
-from pretrain.infer.analyze import main as analyze_main
-from pretrain.infer.analyze_measures import (
+from pretrain.infer.analyze.analysis import collect
+from pretrain.infer.analyze.analysis import main as analyze_main
+from pretrain.infer.analyze.measures import (
     BUCKETS,
     cka_matrix,
     frequency_buckets,
@@ -21,7 +21,7 @@ from pretrain.infer.analyze_measures import (
     linear_cka,
     variance_share,
 )
-from pretrain.infer.scoring import lm_sums, val_batches
+from pretrain.infer.evaluation.scoring import lm_sums, val_batches
 from pretrain.model.layers import AttentionContext
 
 CPU = torch.device("cpu")
@@ -105,8 +105,8 @@ def test_bucket_losses_by_hand():
 
 
 def test_cka_against_dense_layers_by_hand():
-    from pretrain.infer.analyze import dense_layer_states
-    from pretrain.infer.analyze_measures import cross_cka
+    from pretrain.infer.analyze.analysis import dense_layer_states
+    from pretrain.infer.analyze.measures import cross_cka
 
     grt, dense = small_model(), small_model("3", variant="dense", seed=1)
     idx = torch.randint(1, 64, (2, 16), generator=torch.Generator().manual_seed(4))

@@ -13,7 +13,11 @@ from pretrain.config import ConfigError
 from pretrain.model.flops import flops_per_token
 from pretrain.presets import get_preset
 from pretrain.runs.run_config import RunConfig
-from pretrain.tools import compare, compare_eval, compare_runs, compare_sizing, compare_table
+from pretrain.tools.compare import cli as compare
+from pretrain.tools.compare import final_eval as compare_eval
+from pretrain.tools.compare import runs as compare_runs
+from pretrain.tools.compare import sizing as compare_sizing
+from pretrain.tools.compare import table as compare_table
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -254,7 +258,7 @@ def test_time_budget_plan_counts_what_the_final_evals_run(grt_run, tmp_path, mon
     import shutil
     from collections import Counter
 
-    from pretrain.infer.scoring import val_batches
+    from pretrain.infer.evaluation.scoring import val_batches
     from pretrain.model import GPT
 
     run = tmp_path / "run"
@@ -334,8 +338,8 @@ def test_step_timing_uses_the_real_engine_at_each_recipe_depth():
 
 def test_final_evals_extrapolate_and_exit_adaptively_on_the_trainers_batches(grt_run):
     from pretrain.distributed import Dist
+    from pretrain.infer.evaluation.scoring import adaptive_sums, lm_sums, val_batches
     from pretrain.infer.load import load_model, pick_device
-    from pretrain.infer.scoring import adaptive_sums, lm_sums, val_batches
 
     cfg = RunConfig.load(grt_run / "config.json")
     evals = compare_eval.final_evals(cfg, exit_factor=2)

@@ -1,9 +1,9 @@
-"""`grt compare --seeds`' aggregation (pretrain/tools/compare_seeds.py): the mean ± sd per method
+"""`grt compare --seeds`' aggregation (pretrain/tools/compare/seeds.py): the mean ± sd per method
 and the verdict of each of the paper's orderings against the seed spread."""
 
 from __future__ import annotations
 
-from pretrain.tools.compare_seeds import ordering_verdict, orderings_table, seed_table
+from pretrain.tools.compare.seeds import ordering_verdict, orderings_table, seed_table
 
 
 def row(label: str, loss: float, gain: float | None = None) -> dict:

@@ -13,9 +13,9 @@ from trained_models import ENV, EVAL_BATCHES, dense_run, grt, grt_run, manifest,
 
 from pretrain.config import ConfigError
 from pretrain.distributed import Dist
+from pretrain.infer.evaluation.scoring import lm_sums, val_batches
 from pretrain.infer.export import main as export_main
 from pretrain.infer.load import load_model, resolve_checkpoint
-from pretrain.infer.scoring import lm_sums, val_batches
 from pretrain.model.weights import TIED_KEY
 
 

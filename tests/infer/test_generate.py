@@ -17,8 +17,8 @@ from pretrain.infer.kv_cache import (
     compile_for_decode,
     is_compiled,
 )
-from pretrain.tools.bench_decode import PAPER_MEMORY_RATIOS, bench_one, paper_memory_ratios
-from pretrain.tools.bench_decode import main as bench_main
+from pretrain.tools.bench.decode import PAPER_MEMORY_RATIOS, bench_one, paper_memory_ratios
+from pretrain.tools.bench.decode import main as bench_main
 
 
 def lively(**kw):
@@ -269,7 +269,7 @@ def test_zero_shot_scoring_through_the_kv_cache():
     strategies change them (they are approximations past the prompt)."""
     from trained_models import CharTokenizer
 
-    from pretrain.infer.zero_shot import encode_request, score_requests, score_requests_cached
+    from pretrain.infer.evaluation.zero_shot import encode_request, score_requests, score_requests_cached
 
     model, tok = lively(), CharTokenizer()
     enc = [encode_request(tok, "The cat sat", " on the mat", 64), encode_request(tok, "Hello", " world!", 64)]
@@ -284,7 +284,7 @@ def test_zero_shot_scoring_through_the_kv_cache():
 
 def test_loss_through_the_kv_cache():
     """`grt eval --kv-cache` on held-out text: full = one forward; average/last/first differ."""
-    from pretrain.infer.scoring import lm_sums, lm_sums_cached
+    from pretrain.infer.evaluation.scoring import lm_sums, lm_sums_cached
 
     model = lively()
     g = torch.Generator().manual_seed(7)

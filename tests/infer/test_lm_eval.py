@@ -18,9 +18,9 @@ from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
+from pretrain.infer.evaluation.lm_eval_model import GRTLM  # noqa: E402
+from pretrain.infer.evaluation.zero_shot import encode_request, evaluate_task, score_requests  # noqa: E402
 from pretrain.infer.generate import generate  # noqa: E402
-from pretrain.infer.lm_eval_model import GRTLM  # noqa: E402
-from pretrain.infer.zero_shot import encode_request, evaluate_task, score_requests  # noqa: E402
 from pretrain.runs.eval_tasks import TASKS, load_task  # noqa: E402
 
 EVAL = SHARED / "data" / "eval"

@@ -11,12 +11,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from trained_models import manifest, single_thread, small_model, write_export  # noqa: F401 (fixtures)
 
 from pretrain.config import ConfigError
-from pretrain.infer.analyze import main as analyze_main
-from pretrain.infer.analyze_measures import exit_flops, half_compute_share, half_cosines
-from pretrain.infer.eval_parts import check_depths, default_depths
-from pretrain.infer.eval_report import format_table
-from pretrain.infer.evaluate import main as eval_main
-from pretrain.infer.scoring import exit_logits
+from pretrain.infer.analyze.analysis import main as analyze_main
+from pretrain.infer.analyze.measures import exit_flops, half_compute_share, half_cosines
+from pretrain.infer.evaluation.evaluate import main as eval_main
+from pretrain.infer.evaluation.report import format_table
+from pretrain.infer.evaluation.scoring import exit_logits
+from pretrain.infer.exit_depths import check_depths, default_depths
 from pretrain.model.layers import AttentionContext
 
 

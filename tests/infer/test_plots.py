@@ -4,8 +4,8 @@ steps ticked at whole numbers, and the training curve smoothed without lag on a 
 
 import pytest
 
-from pretrain.infer import analyze_report
-from pretrain.tools import compare_plot
+from pretrain.infer.analyze import report as analyze_report
+from pretrain.tools.compare import plot as compare_plot
 
 
 @pytest.fixture

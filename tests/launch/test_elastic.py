@@ -34,7 +34,7 @@ from multiproc import free_port  # noqa: E402
 from launcher.builders import elastic_run_id  # noqa: E402
 from launcher.cli import build_plan, main  # noqa: E402
 from launcher.parser import DEFAULT_RESTARTS  # noqa: E402
-from pretrain.training.metrics import MetricsWriter  # noqa: E402
+from pretrain.training.report.metrics import MetricsWriter  # noqa: E402
 
 TRAIN = ["--preset", "grt-small", "--data", "data/shards/manifest.json", "--out", "runs/grt-small"]
 RUN_DIR = os.path.abspath("runs/grt-small")

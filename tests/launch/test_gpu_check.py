@@ -119,7 +119,7 @@ def test_the_plan_puts_data_then_the_eight_perf_rows_in_call_1(tmp_path):
 DRY_RUNS = r"""
 import contextlib, io, json, sys
 from pretrain.train import main as train
-from pretrain.tools.compare import main as compare
+from pretrain.tools.compare.cli import main as compare
 results = []
 for name, command in json.load(sys.stdin):
     out, err = io.StringIO(), io.StringIO()

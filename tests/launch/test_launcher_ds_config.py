@@ -1,5 +1,5 @@
 """DeepSpeed files written for other trainers, merged with the run config by the one rule of
-pretrain/training/ds_config.py: "auto" is filled from the run config, a value that disagrees
+pretrain/training/engine/ds_config.py: "auto" is filled from the run config, a value that disagrees
 is refused with one line naming both values. The files are the ones users bring: the Hugging
 Face trainer's ZeRO-3 example and a Megatron-DeepSpeed / GPT-NeoX style file."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from pretrain.config import ConfigError
 from pretrain.runs.run_config import TrainConfig
-from pretrain.training.ds_config import build_ds_config, load_ds_json, resolve_ds_path
+from pretrain.training.engine.ds_config import build_ds_config, load_ds_json, resolve_ds_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -1,4 +1,4 @@
-"""The optimizer the merged DeepSpeed config gives (pretrain/training/ds_config.py): torch's fused
+"""The optimizer the merged DeepSpeed config gives (pretrain/training/engine/ds_config.py): torch's fused
 AdamW on CUDA as on the CPU, chosen by DeepSpeed itself under ZeRO-2 and ZeRO-3 with nothing built
 (DeepSpeed's FusedAdam, the CUDA default before, compiles an extension on first use), and the
 same update as FusedAdam's kernel (deepspeed/ops/csrc/adam/multi_tensor_adam.cu, AdamW mode)."""
@@ -13,7 +13,7 @@ import torch
 from multiproc import REPO
 
 from pretrain.runs.run_config import TrainConfig
-from pretrain.training.ds_config import build_ds_config, load_ds_json
+from pretrain.training.engine.ds_config import build_ds_config, load_ds_json
 
 # Builds a real engine per ZeRO stage from the config merged for CUDA (bf16, as the GPU runs it),
 # with every DeepSpeed op build refused, and steps it; prints the optimizer DeepSpeed chose.
@@ -33,8 +33,8 @@ OpBuilder.load = refuse
 from pretrain.distributed import exit_process, init_distributed
 from pretrain.presets import get_preset
 from pretrain.runs.run_config import RunConfig
-from pretrain.training.ds_config import build_ds_config, load_ds_json
-from pretrain.training.engine import build_engine
+from pretrain.training.engine.ds_config import build_ds_config, load_ds_json
+from pretrain.training.engine.build import build_engine
 
 init_distributed(timeout_s=120)
 chosen = {}

@@ -101,7 +101,7 @@ def test_data_commands_write_where_the_caller_said(dirs, data, monkeypatch, caps
 def test_train_print_config_and_dry_run_from_another_directory(dirs, data, monkeypatch, capsys):
     """The default DeepSpeed file is found from any directory, the caller's own one by its relative
     path; the printed config (what config.json will say) names files that any directory finds."""
-    from pretrain.training.ds_config import resolve_ds_path
+    from pretrain.training.engine.ds_config import resolve_ds_path
 
     work, other = dirs
     monkeypatch.chdir(other)

@@ -8,8 +8,8 @@ import pytest
 from multiproc import REPO, grt
 
 from pretrain.cli import dispatch
-from pretrain.tools.bench import SUBCOMMANDS
-from pretrain.tools.bench import main as bench_main
+from pretrain.tools.bench.cli import SUBCOMMANDS
+from pretrain.tools.bench.cli import main as bench_main
 
 
 def test_bench_help_lists_every_subcommand():
@@ -56,12 +56,12 @@ def test_bad_bench_flags_are_refused_at_the_door_in_one_line(args, message, caps
 
 
 def test_the_bench_modules_import_nothing_private_and_no_circle():
-    """bench.py dispatches to bench_numerics, bench_decode, bench_train and bench_zero; what they share
-    is in bench_support."""
-    for name in ("bench_numerics", "bench_decode", "bench_train", "bench_zero", "bench_support"):
-        tree = ast.parse((REPO / "pretrain" / "tools" / f"{name}.py").read_text())
+    """bench/cli.py dispatches to numerics, decode, train_step, zero and save; what they share is in
+    bench/support.py."""
+    for name in ("numerics", "decode", "train_step", "zero", "save", "support"):
+        tree = ast.parse((REPO / "pretrain" / "tools" / "bench" / f"{name}.py").read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        assert "pretrain.tools.bench" not in imported, name
+        assert "pretrain.tools.bench.cli" not in imported, name
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names]
         assert not [n for n in names if n.startswith("_") and n != "annotations"], (name, names)
 

@@ -16,7 +16,7 @@ from pretrain.config import ModelConfig
 from pretrain.model import build_model
 from pretrain.presets import get_preset
 from pretrain.runs.run_config import CHECKPOINT_MODES
-from pretrain.training.parallelize import (
+from pretrain.training.engine.parallelize import (
     AUTO_MODES,
     activation_bytes,
     apply_activation_checkpointing,
@@ -150,7 +150,7 @@ def test_auto_leaves_room_for_what_the_first_step_allocates():
     """`auto` reads the free memory before the first step: it takes off the full bf16
     gradients under ZeRO-0/1 (ZeRO-2 partitions them) and, under ZeRO-3 with more than one
     rank, the live-parameter budget and the prefetch bucket (at most the model each)."""
-    from pretrain.training.auto_checkpointing import allocated_later
+    from pretrain.training.engine.activation_checkpointing import allocated_later
 
     n, z3 = 10**8, {"stage": 3, "stage3_max_live_parameters": 6 * 10**7, "stage3_prefetch_bucket_size": 5 * 10**7}
     assert allocated_later({"zero_optimization": {"stage": 1}}, n, 8, 2) == 2 * n
@@ -191,7 +191,7 @@ def test_selective_checkpointing_gradients_under_zero2_equal_the_reference(tmp_p
 def test_zero3_refuses_selective_checkpointing_and_auto_never_picks_it(shards, tmp_path):
     from multiproc import grt
 
-    from pretrain.training.parallelize import modes_for_stage
+    from pretrain.training.engine.parallelize import modes_for_stage
 
     r = grt(
         "train",
@@ -239,7 +239,7 @@ def test_selective_checkpointing_is_still_wrong_with_deepspeeds_zero3_linear(mon
 def test_selective_checkpointing_under_compile_gives_the_eager_gradients():
     """Compiled around the checkpoint (`checkpoint_and_compile`), selective checkpointing's list of kept
     ops applies inside the compiled graph, and the gradients are the uncompiled, unchecked model's."""
-    from pretrain.training.parallelize import checkpoint_and_compile
+    from pretrain.training.engine.parallelize import checkpoint_and_compile
 
     cfg = ModelConfig(
         layout="1+1x3+1", d_model=32, n_heads=2, vocab_size=97, max_seq_len=16, state_noise_std=0, gate_noise_std=0

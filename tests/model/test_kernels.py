@@ -142,7 +142,7 @@ def test_a_compiled_loop_step_traces_the_eager_gate_and_eager_runs_the_kernel():
 import torch
 from pretrain.config import ModelConfig
 from pretrain.model import build_model
-from pretrain.training.parallelize import apply_compile
+from pretrain.training.engine.parallelize import apply_compile
 import pretrain.kernels.gate as gate
 from torch._dynamo.utils import counters
 calls = []

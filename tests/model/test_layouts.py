@@ -19,8 +19,8 @@ from pretrain.infer.generate import generate
 from pretrain.infer.kv_cache import STRATEGIES, CachedDecoder, cache_slots
 from pretrain.model.flops import flops_per_token
 from pretrain.presets import PRESETS
-from pretrain.tools.compare_sizing import match
-from pretrain.tools.compare_table import describe_method
+from pretrain.tools.compare.sizing import match
+from pretrain.tools.compare.table import describe_method
 
 R = 3
 # one small layout per placement, 8 blocks deep (the middle one is the tests' usual 1+2x3+1)

@@ -12,7 +12,7 @@ from pretrain.model.flops import count_params, flops_per_token
 from pretrain.model.layers import AttentionContext, attention
 from pretrain.presets import ADVERTISED_PARAMS, PRESETS, describe
 from pretrain.presets import main as presets_main
-from pretrain.training.parallelize import apply_activation_checkpointing
+from pretrain.training.engine.parallelize import apply_activation_checkpointing
 
 
 def small_cfg(**kw):

@@ -10,11 +10,11 @@ from multiproc import grt
 
 from pretrain.config import ConfigError, ModelConfig
 from pretrain.infer.adaptive import adaptive_forward
-from pretrain.infer.analyze import collect
+from pretrain.infer.analyze.analysis import collect
 from pretrain.infer.generate import generate
 from pretrain.model import build_model
 from pretrain.presets import get_preset
-from pretrain.tools.bench_numerics import state_errors
+from pretrain.tools.bench.numerics import state_errors
 
 VARIANTS = ["micro-grt", "micro-dense", "micro-huginn", "micro-rrt", "micro-ouro", "micro-mor"]
 

@@ -1,11 +1,11 @@
-"""`grt bench budget`: the step budget this tree predicts (pretrain/tools/bench_budget.py), its rows
+"""`grt bench budget`: the step budget this tree predicts (pretrain/tools/bench/budget.py), its rows
 computed from the model's own FLOP counts and loss chunks, and what issue 47 changed in it."""
 
 import pytest
 
 from pretrain.model.flops import train_flops_per_token
 from pretrain.presets import get_preset
-from pretrain.tools.bench_budget import EFFICIENCY, GPUS, budget_table, format_budget, loss_bytes, main, step_budget
+from pretrain.tools.bench.budget import EFFICIENCY, GPUS, budget_table, format_budget, loss_bytes, main, step_budget
 
 
 def test_the_matmul_rows_are_the_models_training_flops():

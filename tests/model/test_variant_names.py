@@ -11,7 +11,7 @@ from pretrain.variants import REGISTRY
 PACKAGES = ("pretrain", "launcher", "data_pipeline")
 # comparisons with a string that is a variant's name but names something else
 NOT_VARIANT_NAMES = {
-    ("pretrain/tools/bench_decode.py", "r['strategy'] == 'dense'"): "the strategy label of a model without a loop",
+    ("pretrain/tools/bench/decode.py", "r['strategy'] == 'dense'"): "the strategy label of a model without a loop",
 }
 
 

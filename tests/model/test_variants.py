@@ -17,9 +17,9 @@ from pretrain.model.flops import flops_per_token, train_flops_per_token
 from pretrain.model.gpt import MODEL_CLASSES
 from pretrain.model.layers import Linear
 from pretrain.runs.run_config import CHECKPOINT_MODES, RunConfig
-from pretrain.tools import compare
+from pretrain.tools.compare import cli as compare
 from pretrain.train import build_parser, config_from_args
-from pretrain.training.parallelize import activation_bytes, apply_activation_checkpointing
+from pretrain.training.engine.parallelize import activation_bytes, apply_activation_checkpointing
 from pretrain.variants import REGISTRY, get_variant
 from pretrain.variants.grt import GRT
 

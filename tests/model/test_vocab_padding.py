@@ -8,9 +8,9 @@ import torch
 from trained_models import write_export
 
 from pretrain.config import VOCAB_PAD_MULTIPLE, ModelConfig
+from pretrain.infer.evaluation.scoring import lm_sums
 from pretrain.infer.generate import generate
 from pretrain.infer.load import load_model
-from pretrain.infer.scoring import lm_sums
 from pretrain.model import build_model
 from pretrain.model.layers import AttentionContext
 from pretrain.model.loss import lm_loss

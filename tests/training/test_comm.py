@@ -167,7 +167,9 @@ def test_every_collective_is_on_the_comm_device(manifest, tmp_path):  # noqa: F8
 def test_loaders_choose_the_gpu_and_bf16(monkeypatch, tmp_path, manifest):  # noqa: F811 (fixture)
     """On a CUDA machine with bf16, `grt eval`, `generate` and `analyze` load the model onto the
     GPU in bf16 unless told otherwise; the decode benchmark runs in bf16 there too."""
-    from pretrain.infer import analyze, evaluate, generate, load
+    from pretrain.infer import generate, load
+    from pretrain.infer.analyze import analysis as analyze
+    from pretrain.infer.evaluation import evaluate
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)

@@ -12,7 +12,7 @@ import pytest
 from multiproc import REPO
 
 from pretrain.runs.run_config import TrainConfig
-from pretrain.training.ds_config import build_ds_config, load_ds_json
+from pretrain.training.engine.ds_config import build_ds_config, load_ds_json
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -52,7 +52,7 @@ def test_the_device_side_clip_scales_as_deepspeeds_and_reads_nothing(monkeypatch
     import torch
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from pretrain.training import deepspeed_internals
+    from pretrain.training.engine import deepspeed_internals
 
     monkeypatch.setattr(DeepSpeedZeroOptimizer, "unscale_and_clip_grads", DeepSpeedZeroOptimizer.unscale_and_clip_grads)
     deepspeed_internals.install_device_clip()
@@ -78,8 +78,8 @@ def test_deepspeeds_mark_of_a_non_finite_norm_stops_the_run():
 
     import torch
 
-    from pretrain.training.health import TrainingStopped
-    from pretrain.training.step import StepRunner
+    from pretrain.training.failures import TrainingStopped
+    from pretrain.training.step.optimizer_step import StepRunner
 
     for norm, bad in ((-1.0, True), (float("nan"), True), (0.7, False)):
         engine = SimpleNamespace(get_global_grad_norm=lambda n=norm: n)
@@ -100,7 +100,7 @@ def test_a_micro_batch_goes_to_cuda_from_pinned_memory(monkeypatch):
     recorded, not run: this machine has no CUDA."""
     import torch
 
-    from pretrain.training.step import move
+    from pretrain.training.step.optimizer_step import move
 
     done = []
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda t: getattr(t, "pinned", False))

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from pretrain.infer.loop_health import MIN_LOOP_GAIN, loop_health
-from pretrain.training.evaluation import Validation
+from pretrain.training.evaluation.validation import Validation
 
 USED = {0: 4.60, 1: 4.40, 2: 4.30, 3: 4.25}
 UNUSED = {0: 4.471, 1: 4.471, 2: 4.470, 3: 4.468}  # the demo's dead loop before the residual start

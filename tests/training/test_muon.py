@@ -1,4 +1,4 @@
-"""train.optimizer=muon (pretrain/training/muon.py, ds_config.py, engine.py): which parameters Muon
+"""train.optimizer=muon (pretrain/training/engine/muon.py, ds_config.py, engine/build.py): which parameters Muon
 updates, the DeepSpeed config it merges to and its refusals, the engine's step against a
 single-process reference under ZeRO-1/2/3 on 1 and 2 ranks, and an exact resume (Muon's momentum
 saved), and the refusal of one on another world size (DeepSpeed cannot convert Muon's state)."""
@@ -16,8 +16,8 @@ from pretrain.config import ConfigError
 from pretrain.model import build_model
 from pretrain.presets import get_preset
 from pretrain.runs.run_config import RunConfig, TrainConfig
-from pretrain.training.ds_config import build_ds_config, load_ds_json
-from pretrain.training.muon import muon_names
+from pretrain.training.engine.ds_config import build_ds_config, load_ds_json
+from pretrain.training.engine.muon import muon_names
 
 MUON = ("train.optimizer=muon", "train.grad_clip=0")
 

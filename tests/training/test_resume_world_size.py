@@ -16,7 +16,7 @@ from faults import build_data, per_step, records, run_job, train_args
 
 from pretrain.errors import ConfigError
 from pretrain.runs.run_config import RunConfig
-from pretrain.training.resume import keep_global_batch
+from pretrain.training.start.resume_check import keep_global_batch
 
 STEPS, STOP = 12, 6
 NO_NOISE = ("model.state_noise_std=0", "model.gate_noise_std=0", f"train.schedule_steps={STEPS}")

@@ -146,7 +146,7 @@ def test_a_mixture_given_in_another_order_is_refused_naming_both_orders(shards, 
     from pretrain.config import ConfigError
     from pretrain.runs.data_spec import load_manifest
     from pretrain.runs.run_config import RunConfig
-    from pretrain.training.start import check_data_order
+    from pretrain.training.start.plan import check_data_order
 
     saved, now = f"a=0.5:{shards},b=0.5:{shards}", f"b=0.5:{shards},a=0.5:{shards}"
     tag = tmp_path / "checkpoints" / "step00000001"

@@ -1,5 +1,5 @@
-"""The learning-rate schedules (pretrain/training/schedule.py) and decay branches
-(pretrain/training/branch.py, docs/training.md "Schedules: cosine and warmup-stable-decay").
+"""The learning-rate schedules (pretrain/training/engine/lr_schedule.py) and decay branches
+(pretrain/training/start/branch.py, docs/training.md "Schedules: cosine and warmup-stable-decay").
 
 The curve of each schedule from the module, checked against DeepSpeed's WarmupCosineLR for
 cosine; the wsd scheduler's state through a save and load; the DeepSpeed JSON's scheduler rules
@@ -44,8 +44,8 @@ def test_cosine_is_deepspeeds_warmup_cosine_lr(warmup, steps, horizon):
     import torch
     from deepspeed.runtime.lr_schedules import WarmupCosineLR
 
-    from pretrain.training.ds_config import build_ds_config
-    from pretrain.training.schedule import Schedule
+    from pretrain.training.engine.ds_config import build_ds_config
+    from pretrain.training.engine.lr_schedule import Schedule
 
     t = train_config(warmup_steps=warmup, steps=steps, schedule_steps=horizon)
     ds = build_ds_config({}, t, world_size=1, use_cuda=False)
@@ -64,7 +64,7 @@ def test_cosine_is_deepspeeds_warmup_cosine_lr(warmup, steps, horizon):
 def test_wsd_warms_up_stays_then_decays_to_min_lr(shape):
     """wsd: cosine's warmup, lr exactly until the last decay_steps = ceil(decay_tokens / tokens per
     step) steps, then linear or 1 - sqrt to min_lr at the last step, min_lr after."""
-    from pretrain.training.schedule import Schedule, decay_steps
+    from pretrain.training.engine.lr_schedule import Schedule, decay_steps
 
     t = train_config(schedule="wsd", decay_tokens=7.5 * TOKENS_PER_STEP, decay_shape=shape)
     s = Schedule.of(t, TOKENS_PER_STEP)
@@ -85,7 +85,7 @@ def test_wsd_warms_up_stays_then_decays_to_min_lr(shape):
 
 
 def test_wsd_without_decay_stays_at_lr_and_a_long_decay_caps_the_warmup():
-    from pretrain.training.schedule import Schedule
+    from pretrain.training.engine.lr_schedule import Schedule
 
     stable = Schedule.of(train_config(schedule="wsd"), TOKENS_PER_STEP)
     assert all(stable.lr_after(n) == LR for n in range(11, 1000, 7))
@@ -101,7 +101,7 @@ def test_wsd_scheduler_continues_the_same_sequence_after_a_state_round_trip():
 
     import torch
 
-    from pretrain.training.schedule import client_scheduler
+    from pretrain.training.engine.lr_schedule import client_scheduler
 
     t = train_config(schedule="wsd", decay_tokens=5 * TOKENS_PER_STEP, decay_shape="sqrt")
     build = client_scheduler(t, TOKENS_PER_STEP)
@@ -136,7 +136,7 @@ def test_the_resume_rule_moves_a_wsd_decay_only_where_the_lr_at_the_checkpoint_s
     """resume.keep_wsd_lr: a stable stretch may get a longer run or a decay at its new end; a decay
     that has begun keeps its horizon when the run gets longer; a change that would move the learning
     rate at the checkpoint is refused in one line naming both rates."""
-    from pretrain.training.resume import keep_wsd_lr
+    from pretrain.training.start.resume_check import keep_wsd_lr
 
     tps = TOKENS_PER_STEP
     stable = train_config(schedule="wsd")  # 30 steps, no decay
@@ -170,7 +170,7 @@ def one_line_error(call) -> str:
 
 
 def test_wsd_gives_deepspeed_no_scheduler_section_and_refuses_another_type():
-    from pretrain.training.ds_config import build_ds_config
+    from pretrain.training.engine.ds_config import build_ds_config
 
     t = train_config(schedule="wsd", decay_tokens=1000)
     assert "scheduler" not in build_ds_config({}, t, 1, False)
@@ -223,7 +223,7 @@ def losses(run: Path) -> dict[int, float]:
 
 def run_schedule(run: Path):
     from pretrain.runs.run_config import RunConfig
-    from pretrain.training.schedule import Schedule
+    from pretrain.training.engine.lr_schedule import Schedule
 
     return Schedule.of(RunConfig.load(run / "config.json").train, TOKENS_PER_STEP)
 

@@ -17,7 +17,7 @@ from faults import train_args
 from trained_models import manifest  # noqa: F401 (fixture)
 from wandb_files import REPO, offline_env, wandb_history
 
-from pretrain.training.metrics import BY_TOKENS
+from pretrain.training.report.metrics import BY_TOKENS
 
 STEPS, LOGGED = 26, list(range(2, 27, 2))
 FIELDS = {

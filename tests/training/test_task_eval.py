@@ -1,4 +1,4 @@
-"""Zero-shot tasks during training (train.eval_tasks_every, pretrain/training/task_eval.py): the
+"""Zero-shot tasks during training (train.eval_tasks_every, pretrain/training/evaluation/tasks.py): the
 numbers a run logs equal `grt eval` on its checkpoint; every rank runs the same forwards; bad
 settings and missing task files are refused in one line before training."""
 
@@ -21,9 +21,9 @@ from trained_models import (  # noqa: F401 (fixtures: manifest, single_thread)
 
 from pretrain.config import ConfigError
 from pretrain.distributed import Dist
-from pretrain.infer import zero_shot
-from pretrain.infer.evaluate import main as eval_main
-from pretrain.infer.zero_shot import evaluate_task
+from pretrain.infer.evaluation import zero_shot
+from pretrain.infer.evaluation.evaluate import main as eval_main
+from pretrain.infer.evaluation.zero_shot import evaluate_task
 from pretrain.presets import get_preset
 from pretrain.runs.eval_tasks import Item, default_depths, task_depths
 from pretrain.runs.run_config import RunConfig, TrainConfig
@@ -228,7 +228,7 @@ def test_unknown_task_and_missing_task_file_are_refused_before_training(manifest
 def test_report_writes_the_scalars_the_records_and_one_line(tmp_path):
     """TensorBoard's tags, one record per evaluation step in tasks.jsonl (an evaluation step
     written again after a resume or rollback drops the records from it on), one log line."""
-    from pretrain.training.task_eval import TaskEval, TaskScores
+    from pretrain.training.evaluation.tasks import TaskEval, TaskScores
 
     class Writer:
         def __init__(self):

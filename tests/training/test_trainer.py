@@ -340,7 +340,7 @@ def test_mfu_sums_the_executed_flops_of_each_step_at_its_own_depth(preset, monke
     FLOPs per token at that step's depth) / time / peak, never the last step's depth for all."""
     from pretrain.model.flops import flops_per_token
     from pretrain.presets import get_preset
-    from pretrain.training import metrics
+    from pretrain.training.report import metrics
 
     cfg, seq, tokens, peak = get_preset(preset), 64, 4096, 1e12
     asked = []
@@ -377,7 +377,7 @@ def test_deepspeed_internals_missing_name_is_one_line_naming_the_version(monkeyp
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
     from pretrain.config import ConfigError
-    from pretrain.training import deepspeed_internals
+    from pretrain.training.engine import deepspeed_internals
 
     deepspeed_internals.check()  # the installed DeepSpeed has every name
     monkeypatch.delattr(PartitionedParameterCoordinator, "_invalidate_trace")
@@ -392,7 +392,7 @@ def test_tested_deepspeed_range_is_pinned_in_setup_and_holds_the_installed_versi
     import deepspeed
     from packaging.specifiers import SpecifierSet
 
-    from pretrain.training.deepspeed_internals import TESTED
+    from pretrain.training.engine.deepspeed_internals import TESTED
 
     assert f'"{TESTED}"' in (REPO / "setup.py").read_text()
     assert deepspeed.__version__ in SpecifierSet(TESTED.removeprefix("deepspeed"))
@@ -439,7 +439,7 @@ def test_tensorboard_holds_throughput_tokens_norms_and_the_deepspeed_config(two_
 def test_deprecated_collective_warnings_are_hidden_and_others_shown():
     import warnings
 
-    from pretrain.training.deepspeed_internals import quiet_deprecated_collectives
+    from pretrain.training.engine.deepspeed_internals import quiet_deprecated_collectives
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -483,7 +483,7 @@ def test_zero3_on_one_rank_keeps_every_parameter_gathered_unless_the_file_says()
     stage3_param_persistence_threshold to the trainer, which keeps every parameter resident;
     with more ranks DeepSpeed's default applies; a value in the file (or "auto") wins."""
     from pretrain.runs.run_config import TrainConfig
-    from pretrain.training.ds_config import ALL_PERSISTENT, build_ds_config, load_ds_json
+    from pretrain.training.engine.ds_config import ALL_PERSISTENT, build_ds_config, load_ds_json
 
     shipped, t = load_ds_json("ds_configs/zero3.json"), TrainConfig(micro_batch_size=2)
     assert "stage3_param_persistence_threshold" not in shipped["zero_optimization"]

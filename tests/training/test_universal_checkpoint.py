@@ -1,7 +1,7 @@
 """Resuming on another number of ranks through DeepSpeed's universal checkpoints
-(pretrain/training/universal.py), with the real engine on CPU ranks.
+(pretrain/training/checkpoint/universal.py), with the real engine on CPU ranks.
 
-For ZeRO-1, 2 and 3: a micro GRT trained 3 steps on 2 ranks is saved (checkpoint.save: our
+For ZeRO-1, 2 and 3: a micro GRT trained 3 steps on 2 ranks is saved (store.save: our
 files beside DeepSpeed's), converted and loaded on 1 rank. The weights, Adam moments, optimizer
 step counts, param groups and lr scheduler after the load equal a full-state dump taken at the
 save, and one more step gives the 2-rank run's loss and state. Under ZeRO-3 the 1-rank run then
@@ -53,9 +53,9 @@ def _worker(argv: list[str]) -> int:
     from pretrain.presets import get_preset
     from pretrain.runs import checkpoint_files
     from pretrain.runs.run_config import RunConfig
-    from pretrain.training import checkpoint, universal
-    from pretrain.training.ds_config import build_ds_config, load_ds_json
-    from pretrain.training.engine import build_engine
+    from pretrain.training.checkpoint import store, universal
+    from pretrain.training.engine.build import build_engine
+    from pretrain.training.engine.ds_config import build_ds_config, load_ds_json
 
     mode, stages, base = argv[0], [int(s) for s in argv[1].split(",")], Path(argv[2])
     info = init_distributed(timeout_s=120)
@@ -106,7 +106,7 @@ def _worker(argv: list[str]) -> int:
             return state
 
         def save(engine, step):
-            return checkpoint.save(
+            return store.save(
                 engine, root, step, config_json="{}", tokenizer_path=None, loader_state={}, keep=3, rank=rank
             )
 
@@ -199,7 +199,7 @@ def resumed(trained) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_resume_on_another_world_size(resumed, stage):
-    from pretrain.training import universal
+    from pretrain.training.checkpoint import universal
 
     out = resumed / f"zero{stage}"
     step_dir = out / "checkpoints" / "step00000003"
@@ -259,13 +259,13 @@ def test_conversion_is_atomic_and_reused(checkpoint_copy):
     with it and leaves only its temporary; with a copy that lacks its marker beside it, neither
     is used: the next conversion starts over and completes. A complete copy is then reused, and
     stale once its source is rewritten."""
-    from pretrain.training import universal
+    from pretrain.training.checkpoint import universal
 
     step_dir = checkpoint_copy
     final = universal.universal_dir(step_dir)
     assert universal.saved_world_size(step_dir) == 2 and universal.needs_universal(step_dir, 1)
     assert not universal.needs_universal(step_dir, 2) and not universal.is_converted(step_dir)
-    code = f"import sys; sys.path.insert(0, {str(REPO)!r}); from pretrain.training import universal; "
+    code = f"import sys; sys.path.insert(0, {str(REPO)!r}); from pretrain.training.checkpoint import universal; "
     code += f"universal.convert(__import__('pathlib').Path({str(step_dir)!r}))"
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
     log = step_dir / universal.LOG_FILE
@@ -308,7 +308,7 @@ def test_conversion_is_atomic_and_reused(checkpoint_copy):
 @pytest.mark.slow
 def test_failed_conversion_is_one_line_naming_the_checkpoint(checkpoint_copy):
     from pretrain.config import ConfigError
-    from pretrain.training import universal
+    from pretrain.training.checkpoint import universal
 
     step_dir = checkpoint_copy
     part = step_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -326,7 +326,7 @@ def test_config_and_refusals(tmp_path):
     """The DeepSpeed config switch; what convert and load refuse before any work."""
     from types import SimpleNamespace
 
-    from pretrain.training import universal
+    from pretrain.training.checkpoint import universal
 
     ds = {"zero_optimization": {"stage": 3}, "checkpoint": {"tag_validation": "Warn"}}
     got = universal.with_universal_load(ds)

@@ -21,8 +21,8 @@ from wandb_files import REPO, offline_env, wandb_history
 
 from pretrain.config import ConfigError
 from pretrain.runs.run_config import RunConfig
-from pretrain.training.metrics import MetricsWriter
-from pretrain.training.wandb_run import WANDB_FILE, WandbRun, check_available, saved_id
+from pretrain.training.report.metrics import MetricsWriter
+from pretrain.training.report.wandb_sink import WANDB_FILE, WandbRun, check_available, saved_id
 
 
 # -- units: no trainer -----------------------------------------------------------------------
@@ -186,7 +186,7 @@ OFFLINE_SCRIPT = """
 import json, sys
 from pathlib import Path
 from pretrain.runs.run_config import RunConfig
-from pretrain.training.wandb_run import WandbRun
+from pretrain.training.report.wandb_sink import WandbRun
 out, tag, first = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 cfg = RunConfig()
 cfg.train.wandb = True

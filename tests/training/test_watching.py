@@ -205,7 +205,7 @@ def test_memory_snapshots_on_demand_and_on_out_of_memory(tmp_path, monkeypatch):
 
     import torch
 
-    from pretrain.training.profiling import SNAPSHOT_TRIGGER, RunProfiler
+    from pretrain.training.report.profiling import SNAPSHOT_TRIGGER, RunProfiler
 
     calls = []
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(("record", kw)))
@@ -239,11 +239,11 @@ def test_a_slow_rank_is_measured_against_the_others_and_the_wait_shows_as_waitin
     both, their mean, read 1.7x); the fast rank's wait for it is "waiting", out of "other"."""
     import logging
 
-    from pretrain.training import step_timer
+    from pretrain.training.report import step_timing
 
     times = [0.1, 0.5]
-    monkeypatch.setattr(step_timer, "gather_floats", lambda own: list(times))
-    slow = step_timer.SlowRanks(0, ["a", "b"], factor=1.5, windows=2)
+    monkeypatch.setattr(step_timing, "gather_floats", lambda own: list(times))
+    slow = step_timing.SlowRanks(0, ["a", "b"], factor=1.5, windows=2)
     seconds = {"data": 0.02, "forward": 0.08, "backward": 0.3, "optimizer": 0.05, "other": 0.45, "step": 0.9}
     with caplog.at_level(logging.WARNING, logger="grt.train"):
         for step in (1, 2, 3):
@@ -252,18 +252,18 @@ def test_a_slow_rank_is_measured_against_the_others_and_the_wait_shows_as_waitin
     assert warning.startswith("slow rank: rank 1 on b took 0.500 s of its own time per step at step 2, 5.0x")
     assert "the median of the other ranks' 0.100 s" in warning
     assert breakdown["waiting"] == pytest.approx(0.4) and breakdown["other"] == pytest.approx(0.05)
-    assert sum(breakdown[k] for k in step_timer.BREAKDOWN) == pytest.approx(seconds["step"])
+    assert sum(breakdown[k] for k in step_timing.BREAKDOWN) == pytest.approx(seconds["step"])
     assert scalars["ranks/slowest"] == 1.0 and scalars["ranks/own_time_max_s"] == 0.5
-    shares = step_timer.breakdown_scalars(breakdown)
+    shares = step_timing.breakdown_scalars(breakdown)
     assert shares["time/waiting_s"] == pytest.approx(0.4) and shares["time/waiting_share"] == pytest.approx(0.4 / 0.9)
     # the slow rank waits for no one; its wait is never more than its "other"
-    slow_rank = step_timer.SlowRanks(1, ["a", "b"], factor=1.5, windows=2)
+    slow_rank = step_timing.SlowRanks(1, ["a", "b"], factor=1.5, windows=2)
     own = {**seconds, "data": 0.1, "forward": 0.4}
     assert slow_rank.observe(own, 1)[0]["waiting"] == 0.0
     times[:] = [0.1, 5.0]
     assert slow.observe(seconds, 4)[0]["waiting"] == seconds["other"]
     # one rank: its own yardstick, never slow, never waiting
     times[:] = [0.1]  # its own
-    alone = step_timer.SlowRanks(0, ["a"], factor=1.5, windows=1)
+    alone = step_timing.SlowRanks(0, ["a"], factor=1.5, windows=1)
     breakdown, _ = alone.observe(seconds, 1)
     assert breakdown["waiting"] == 0.0 and not alone.named

@@ -1,0 +1,134 @@
+"""`grt compare`'s results: each finished run's summary, metrics and TensorBoard curves collected
+into one row (with the final checkpoint's early-exit, extrapolation and adaptive-exit evaluations),
+and the rows as the Markdown table of comparison.md."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pretrain.config import ModelConfig
+from pretrain.model.flops import flops_per_token, train_flops_per_token
+from pretrain.runs.run_config import RunConfig, tokens_per_step
+from pretrain.tools.compare.final_eval import ADAPTIVE_EXITS, EXTRAPOLATION_FACTORS, adaptive_label, final_evals
+from pretrain.tools.compare.sizing import model_params
+from pretrain.variants import get_variant
+
+
+def describe_method(cfg: ModelConfig) -> str:
+    return get_variant(cfg.variant).describe(cfg)
+
+
+def _tb_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        return {}
+    events = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def collect(run: dict, seq_len: int, wall_s: float | None, exit_factor: int = 1) -> dict:
+    cfg: RunConfig = run["cfg"]
+    out = Path(cfg.out)
+    summary = json.loads((out / "summary.json").read_text())
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    tb = _tb_scalars(out)
+    tps = [v for _, v in tb.get("perf/tokens_per_s", [])][1:] or [v for _, v in tb.get("perf/tokens_per_s", [])]
+    peak = [v for _, v in tb.get("memory/peak_bytes", [])]
+    by_depth = {int(k): v for k, v in summary.get("val_loss_by_depth", {}).items()}
+    r = cfg.model.max_loops
+    evals = final_evals(cfg, exit_factor) if r else {}
+    step_tokens = tokens_per_step(cfg.train, max(1, run.get("nproc", 1)), seq_len)
+    train_flops = [train_flops_per_token(cfg.model, seq_len, rec.get("depth", r)) for rec in records]
+    return {
+        "label": run["label"],
+        "method": describe_method(cfg.model),
+        "variant": cfg.model.variant,
+        "layout": cfg.model.layout,
+        "loops": r,
+        "matched_from": run.get("matched_from"),
+        "d_model": cfg.model.d_model,
+        "params": model_params(cfg.model),
+        "flops_per_token": flops_per_token(cfg.model, seq_len),
+        "train_flops_per_token": sum(train_flops) / max(1, len(train_flops)),
+        "depth_sampling": cfg.train.depth_sampling if r else "-",
+        "val_loss": by_depth.get(r, by_depth.get(0)) if by_depth else None,
+        "val_loss_by_depth": by_depth,
+        "loop": summary.get("loop"),  # the loop's health at the last validation (pretrain/infer/loop_health.py)
+        "exit_curve": evals.get("exit_curve"),
+        "extrapolation": evals.get("extrapolation"),
+        "adaptive_exit": evals.get("adaptive_exit"),
+        "learned_exit": evals.get("learned_exit"),
+        "val_curve": [(s, v) for s, v in tb.get("val/loss", [])],
+        "train_curve": [(rec["step"], rec["loss"]) for rec in records],
+        "tokens_per_step": step_tokens,
+        "steps": summary.get("steps"),
+        "tokens": summary.get("steps", 0) * step_tokens,
+        "tokens_per_s": sorted(tps)[len(tps) // 2] if tps else None,  # median: windows with an eval are slow
+        "peak_memory_mb": max(peak) / 2**20 if peak else None,
+        "wall_s": wall_s,
+    }
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _at_steps(result: dict | None) -> str:
+    return "-" if not result else f"{result['loss']:.3f} @ {result['mean_steps']:.2f}"
+
+
+def _loop_cell(loop: dict | None) -> str:
+    """The loop's health: gain from depth 0 to R, the mean gate at step 1, the verdict."""
+    if not loop:
+        return "-"
+    gate = f", gate@1 {loop['gate_mean_by_step'][0]:.3f}" if loop.get("gate_mean_by_step") else ""
+    return f"{loop['gain']:+.3f}{gate}{'' if loop['used'] else ' (unused)'}"
+
+
+def table(rows: list[dict]) -> str:
+    rules = " / ".join(adaptive_label(*a) for a in ADAPTIVE_EXITS)
+    beyond = " / ".join(f"{f}R" for f in EXTRAPOLATION_FACTORS)
+    head = (
+        "| method | label | layout | params | fwd MFLOPs/tok | train MFLOPs/tok | val loss | loop gain (nats) | "
+        "early exit (val loss at r = 0, 1, ..., R; beyond R when evaluated) | "
+        f"past R: val loss at {beyond} | adaptive exit {rules} (val loss @ mean steps) | "
+        "learned exit (Ouro) | tokens/s | peak mem MB |"
+    )
+    lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
+    for r in rows:
+        exits = (
+            " / ".join(f"{v:.3f}" for _, v in sorted(r["val_loss_by_depth"].items())) if r["val_loss_by_depth"] else "-"
+        )
+        if r.get("exit_curve"):
+            trained = r["loops"]
+            curve = sorted(r["exit_curve"].items())
+            exits = (
+                " / ".join(f"{v:.3f}" for d, v in curve if d <= trained)
+                + " (beyond R: "
+                + " / ".join(f"{v:.3f}" for d, v in curve if d > trained)
+                + ")"
+            )
+        if not get_variant(r["variant"]).looped:  # no loop: no exit curve
+            exits = "-"
+        layout = r["layout"] + (
+            f" (from {r['matched_from']})" if r.get("matched_from") and r["matched_from"] != r["layout"] else ""
+        )
+        beyond = (
+            " / ".join(f"{v:.3f}" for _, v in sorted(r["extrapolation"].items())) if r.get("extrapolation") else "-"
+        )
+        adaptive = (
+            " / ".join(_at_steps(r["adaptive_exit"].get(adaptive_label(*a))) for a in ADAPTIVE_EXITS)
+            if r.get("adaptive_exit")
+            else "-"
+        )
+        lines.append(
+            f"| {r['method']} | {r['label']} | {layout} | {r['params']:,} | {r['flops_per_token'] / 1e6:.2f} | "
+            f"{r['train_flops_per_token'] / 1e6:.2f} | {_fmt(r['val_loss'], '.3f')} | {_loop_cell(r.get('loop'))} | "
+            f"{exits} | {beyond} | "
+            f"{adaptive} | {_at_steps(r.get('learned_exit'))} | "
+            f"{_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(r['peak_memory_mb'], ',.0f')} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,152 @@
+"""Evaluation during training: the validation loss at every exit depth (of each source and, for a
+mixture, their mean under its weights), and the zero-shot tasks (evaluation/tasks.py). Both are
+collectives: every rank runs them at the same steps."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from data_pipeline.epoch_plan import Batch
+from pretrain.distributed import all_reduce, comm_device
+from pretrain.infer.loop_health import LoopHealth, loop_health
+from pretrain.training.evaluation.tasks import TaskEval
+from pretrain.training.report.metrics import MetricsWriter
+from pretrain.training.step.optimizer_step import move
+
+if TYPE_CHECKING:
+    from pretrain.model.gpt import GPT
+
+log = logging.getLogger("grt.train")
+
+
+@torch.no_grad()
+def evaluate_depths(
+    model: torch.nn.Module,
+    batches: Iterable[Batch],
+    depths: list[int],
+    device: torch.device,
+    doc_mask: bool = False,
+    gate_steps: int = 0,
+) -> tuple[dict[int, float], list[float]]:
+    """Mean loss at each depth over the given batches, averaged over ranks (sum / count); with
+    gate_steps = R, also the mean gate at loop steps 1..R of the deepest forward ([] without a gate)."""
+    was_training = model.training
+    model.eval()
+    # loss sums, the mean gate's sums per loop step, then the count: one all-reduce
+    totals = torch.zeros(len(depths) + gate_steps + 1, dtype=torch.float64, device=device)
+    gated = False
+    for batch in batches:
+        idx, targets, doc_ids = move(batch, device, doc_mask)
+        for i, r in enumerate(depths):
+            want_gates = gate_steps > 0 and r == depths[-1]
+            out = model(idx, targets, n_loops=r, doc_ids=doc_ids, return_logits=False, return_gates=want_gates)
+            totals[i] += out.loss.double()
+            if want_gates and len(out.gates) == gate_steps:
+                gated = True
+                totals[len(depths) : len(depths) + gate_steps] += torch.stack([g.double().mean() for g in out.gates])
+        totals[-1] += 1
+    values = all_reduce(totals.to(comm_device())).tolist()
+    model.train(was_training)
+    n = max(values[-1], 1.0)
+    gates = [v / n for v in values[len(depths) : len(depths) + gate_steps]] if gated else []
+    return {r: values[i] / n for i, r in enumerate(depths)}, gates
+
+
+class Validation:
+    """The validation batches of each source ("" for a run on one manifest), scored every
+    train.eval_every steps and at the last."""
+
+    def __init__(
+        self,
+        batches: dict[str, list[Batch]],
+        weights: dict[str, float],
+        max_loops: int,
+        every: int,
+        doc_mask: bool,
+        writer: MetricsWriter,
+        device: torch.device,
+        warmup_steps: int = 0,
+    ) -> None:
+        self.batches, self.weights, self.max_r, self.every = batches, weights, max_loops, every
+        self.doc_mask, self.writer, self.device = doc_mask, writer, device
+        self.warmup_steps, self.warned = warmup_steps, False
+        self.health: LoopHealth | None = None  # the loop's, at the last validation
+
+    def due(self, step: int, last: int) -> bool:
+        return step % self.every == 0 or step == last
+
+    def run(
+        self,
+        model: torch.nn.Module,
+        step: int,
+        tokens_seen: int,
+        record: dict[str, Any],
+        grad_norms: dict[str, float] | None = None,
+    ) -> dict[int, float]:
+        """The loss at every exit depth: of each source (val/<source>/...) and, for a mixture, their
+        mean under the mixture's weights (val/loss...), in TensorBoard and in the step's `record`
+        (metrics.jsonl, under "val"); a looped model's health (`check_loop`). Returns the latter.
+        grad_norms: the last logging step's grad_norm/<block> scalars."""
+        max_r = self.max_r
+        depths = list(range(max_r + 1))
+        scored = {
+            n: evaluate_depths(model, b, depths, self.device, self.doc_mask, max_r) for n, b in self.batches.items()
+        }
+        per_source = {n: losses for n, (losses, _) in scored.items()}
+        total = sum(self.weights[name] for name in per_source)
+        by_depth = {k: sum(self.weights[n] * v[k] for n, v in per_source.items()) / total for k in depths}
+        gated = all(g for _, g in scored.values())  # a model without a gate (dense, baselines): none
+        gates = (
+            [sum(self.weights[n] * g[i] for n, (_, g) in scored.items()) / total for i in range(max_r)] if gated else []
+        )
+        full = by_depth[max_r]
+        values = {"val/loss": full, **{f"val/loss_depth_{k}": v for k, v in by_depth.items()}}
+        for name, losses in per_source.items():
+            if name:
+                values[f"val/{name}/loss"] = losses[max_r]
+                values.update({f"val/{name}/loss_depth_{k}": v for k, v in losses.items()})
+        self.health = loop_health(by_depth, gates, grad_norms)
+        if self.health is not None:
+            values.update(self.health.scalars())
+        self.writer.scalars(step, values, tokens=tokens_seen)  # each also against tokens (by_tokens/)
+        record["val"] = values
+        for name, losses in [*((n, v) for n, v in per_source.items() if n), ("", by_depth)]:
+            log.info(
+                "validation at step %d%s: loss %.4f at full depth; by exit depth: %s",
+                step,
+                f", source {name}" if name else (" (the mixture's weighted mean)" if len(per_source) > 1 else ""),
+                losses[max_r],
+                " ".join(f"{k}:{v:.3f}" for k, v in losses.items()),
+            )
+        if self.health is not None:
+            self.check_loop(self.health, step, record)
+        return by_depth
+
+    def check_loop(self, health: LoopHealth, step: int, record: dict[str, Any]) -> None:
+        """The loop's health line and record at every validation; after warm-up, one warning the
+        first time the loop adds less than MIN_LOOP_GAIN."""
+        record["loop"] = health.record()
+        log.info("validation at step %d: %s", step, health.line())
+        if not health.used and step > self.warmup_steps and not self.warned:
+            self.warned = True
+            log.warning("step %d: %s", step, health.warning())
+
+
+def score_tasks(
+    tasks: TaskEval,
+    model: GPT,
+    step: int,
+    tokens_seen: int,
+    rank: int,
+    world: int,
+    device: torch.device,
+    writer: MetricsWriter,
+) -> None:
+    """The zero-shot tasks at this step (train.eval_tasks_every, evaluation/tasks.py), on every rank:
+    TensorBoard tasks/<task>/<metric>_depth_<d>, <out>/tasks.jsonl, one log line with the cost."""
+    scores = tasks.score(model, step, rank, world, device)
+    log.info("%s", tasks.report(scores, tokens_seen, writer, writer.out, rank))
