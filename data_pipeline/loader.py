@@ -145,9 +145,6 @@ class TokenBatchLoader:
     def __len__(self) -> int:
         return self.batches_per_epoch
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.batch_in_epoch = int(epoch), 0
-
     def draw(self) -> None:
         """One manifest draws from no other source (batches.TrainBatches: a mixture's draw)."""
         return None

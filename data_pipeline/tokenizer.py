@@ -71,9 +71,6 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text, out_type=int)
 
-    def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
-        return self.sp.encode(list(texts), out_type=int, num_threads=num_threads)
-
     def decode(self, ids: Iterable[int]) -> str:
         return self.sp.decode([int(i) for i in ids])
 

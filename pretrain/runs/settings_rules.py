@@ -318,8 +318,3 @@ def start_notes(cfg: Any) -> list[str]:
             f"train.warmup_steps={max(1, horizon(t) // 10)} (say) for a warmup and a decay"
         ]
     return []
-
-
-def rule_table() -> list[str]:
-    """The rules as Markdown rows (setting | what it needs to take effect | where it is checked), for the docs."""
-    return [f"| `{r.setting}` | {r.needs} | {'the config' if r.at == 'config' else 'the start'} |" for r in RULES]

@@ -256,26 +256,28 @@ def test_resume_refused_when_no_checkpoint_loads_changes_nothing(shards, base_ru
 
 
 def test_the_launchers_resume_check_passes_over_a_cut_off_config_json(base_run, tmp_path, capsys):
-    """`grt launch` checks a resume with resume.check_resume (in-process here): a cut-off
+    """`grt launch` checks a resume with the start's plan (plan_start, in-process here): a cut-off
     config.json of the newest checkpoint is passed over in one line, as the resume does;
     all cut off: one line (ConfigError)."""
     from pretrain.config import ConfigError
-    from pretrain.runs.checkpoint_files import find_latest
     from pretrain.runs.run_config import RunConfig
-    from pretrain.training.start.resume_check import check_resume
+    from pretrain.training.start.plan import plan_start
 
     run = copy_run(base_run, tmp_path)
     root = run / "checkpoints"
     cfg = RunConfig.load(run / "config.json")
     cfg.out, cfg.train.steps = str(run), STEPS + 2
     cut(root / "step00000006" / "config.json")
-    assert check_resume(cfg, root, find_latest(root), 1).train.schedule_steps == STEPS
-    said = capsys.readouterr().err.splitlines()
+    plan = plan_start(cfg, resume=True, world=1)
+    assert plan.resume is not None and plan.resume.tag == "step00000004"
+    assert plan.cfg.train.schedule_steps == STEPS
+    said = plan.resume_lines(plan.resume.tag, [], plan.resume.notes)  # what grt launch says
     assert len(said) == 2 and "step00000006 cannot be read" in said[0] and "step00000004" in said[0], said
     for tag in ("step00000004", "step00000002"):
         cut(root / tag / "config.json")
+    capsys.readouterr()
     with pytest.raises(ConfigError, match="no complete checkpoint in .* can be read"):
-        check_resume(cfg, root, find_latest(root), 1)
+        plan_start(cfg, resume=True, world=1)
     assert capsys.readouterr().err == ""
 
 

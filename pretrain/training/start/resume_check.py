@@ -1,6 +1,6 @@
 """What makes a run itself: its tokenizer, its model, its schedule and batch size.
 
-The tokenizer must be the checkpoint's (pretrain/runs/identity.py). `check_resume` compares a run
+The tokenizer must be the checkpoint's (pretrain/runs/identity.py). `check_tag` compares a run
 config with the checkpoint it continues, before any process group exists and before the
 run directory's config.json is rewritten, so a refused resume changes nothing.
 
@@ -28,8 +28,8 @@ The resume rule (docs/reliability.md, "Resuming with changed settings"):
 Every change that is applied is said in one line on stderr.
 
 A checkpoint whose own files cannot be read (its config.json cut off, its tokenizer
-unreadable) is not a refusal: `check_tag` raises UnreadableCheckpoint, and `check_resume`
-checks the previous complete checkpoint instead, as the trainer's resume loads it.
+unreadable) is not a refusal: `check_tag` raises UnreadableCheckpoint, and the start's plan
+(plan.py) checks the previous complete checkpoint instead, as the trainer's resume loads it.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from pretrain.config import ConfigError
 from pretrain.errors import UnreadableCheckpoint
-from pretrain.runs.checkpoint_files import ranks_that_wrote, read_config, resume_candidates, step_of
+from pretrain.runs.checkpoint_files import ranks_that_wrote, read_config, step_of
 from pretrain.runs.data_spec import load_manifest, with_data_paths
 from pretrain.runs.identity import check_same_tokenizer
 from pretrain.runs.run_config import (
@@ -100,49 +100,11 @@ def _path_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return [f"{k} {old[k]!r} -> {new[k]!r}" for k in sorted(old) if named_file(k, old[k]) != named_file(k, new[k])]
 
 
-def check_resume(
-    cfg: RunConfig,
-    ckpt_root: Path,
-    tag: str | None,
-    world_size: int | None = None,
-    manifest: Manifest | DataMixture | None = None,
-) -> RunConfig:
-    """Check `cfg` (resolved against the data) against checkpoint `tag` (None: a fresh start,
-    nothing to check) for a run of `world_size` ranks (default: this process's launch);
-    refuse by the rule above (ConfigError), or return cfg with the started schedule kept.
-    When `tag` cannot be read, the previous complete checkpoint is checked instead (one line
-    says so), as the resume would load it; none readable: ConfigError.
-    `manifest`: cfg.data's, when the caller has loaded it already."""
-    if tag is None:
-        return cfg
-    tags = [tag, *(t for t in resume_candidates(ckpt_root) if t < tag)]
-    passed: list[UnreadableCheckpoint] = []
-    notes: list[str] = []
-    for candidate in tags:
-        try:
-            cfg = check_tag(cfg, ckpt_root, candidate, world_size, manifest, notes=notes)
-        except UnreadableCheckpoint as err:
-            passed.append(err)
-            continue
-        if _is_rank0():  # said once the outcome is known: a refusal is one line
-            lines = [f"{err}; resuming from the older complete checkpoint {candidate}" for err in passed] + notes
-            for line in lines:
-                print(f"grt train: {line}", file=sys.stderr, flush=True)
-        return cfg
-    raise none_readable(ckpt_root, [f"{err.tag}: {err.problem}" for err in passed])
-
-
 def none_readable(ckpt_root: Path, problems: list[str]) -> ConfigError:
     return ConfigError(
         f"--resume: no complete checkpoint in {ckpt_root} can be read ({'; '.join(problems)}); nothing was "
         "changed: repair or remove them, or choose another --out"
     )
-
-
-def _is_rank0() -> bool:
-    from pretrain.distributed import discover
-
-    return discover().rank == 0
 
 
 # DeepSpeed's checkpoint layouts by ZeRO stage: stages 1 and 2 write the same files
@@ -184,7 +146,9 @@ def check_tag(
     manifest: Manifest | DataMixture | None = None,
     notes: list[str] | None = None,
 ) -> RunConfig:
-    """`check_resume` against checkpoint `tag` only: UnreadableCheckpoint when its config or
+    """Check `cfg` (resolved against the data) against checkpoint `tag` for a run of `world_size`
+    ranks (default: this process's launch): refuse by the rule above (ConfigError), or return cfg
+    with the started schedule kept; UnreadableCheckpoint when the tag's config or
     tokenizer cannot be read (nothing printed, cfg untouched). `notes`: where the line of
     applied changes goes (rank 0) instead of stderr, for a caller that says it once the
     resume is sure."""
