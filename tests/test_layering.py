@@ -154,8 +154,10 @@ def test_the_folders_import_one_way():
 # imports only rooms before it. A new module or sub-package takes its place here.
 ROOMS = {
     "pretrain.training": (
+        "callbacks",  # the fit loop's hook points, for the concerns that run no collective
         "depth",  # how many loop steps a step runs
         "failures",  # who failed, stop signals
+        "run_context",  # what each component of a run is built from
         "faults",  # the tests' fault injections
         "engine",  # DeepSpeed config, engine, internals, optimizer, LR schedule, compile, checkpointing
         "report",  # metrics, step log, timing, profiler, W&B

@@ -17,6 +17,8 @@ from types import FrameType
 
 import torch.distributed as dist
 
+from pretrain.training.callbacks import Callback
+
 log = logging.getLogger("grt.train")
 
 
@@ -28,7 +30,7 @@ class RankFailure(TrainingStopped):
     """A rank died, hung or failed: every surviving rank stops with a message naming it."""
 
 
-class Heartbeat:
+class Heartbeat(Callback):
     """Who failed, when a collective breaks (docs/reliability.md).
 
     A daemon thread on every rank bumps a counter and publishes this rank's step in the
@@ -65,7 +67,7 @@ class Heartbeat:
             return
         threading.Thread(target=self._run, name="grt-heartbeat", daemon=True).start()
 
-    def at_step(self, step: int) -> None:
+    def on_step_begin(self, step: int) -> None:
         """The step this rank is training now (published with its next beat)."""
         self.step = step
 

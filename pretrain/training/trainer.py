@@ -4,10 +4,13 @@ The start is planned first, once (start/plan.py: a frozen `StartPlan` of what to
 the budget and every refusal), then `build` makes each component in plain sight, in the order
 the start needs: the process group, the run directory's lock, the engine, the checkpoint loaded
 on every rank, and only then anything written into --out (run_dir.py). Each concern is a
-component in its own file: the data (data.py), the step (step/optimizer_step.py, with its bad micro-batches
-in bad_batches.py), logging (step_log.py), evaluation (evaluation/validation.py), checkpoint I/O and
-rollbacks (run_checkpoints.py). No component sets another's state, and the run config is the
-plan's from start to end.
+component in its own file, built one way: `X.build(run, ...)` from the `RunContext` (run_context.py)
+and the components it works with: the data (data.py), the step (step/optimizer_step.py, with its bad
+micro-batches in bad_batches.py), evaluation (evaluation/validation.py), checkpoint I/O and rollbacks
+(run_checkpoints.py). The concerns that run no collective (throughput, the step log, loss spikes,
+the profiler, W&B, the heartbeat) are callbacks (callbacks.py): `fit` calls their hooks, and a new
+one is one entry in the list `build` makes. No component sets another's state, and the run config
+is the plan's from start to end.
 
 Design choices that keep a looped model correct under ZeRO (docs/zero3.md):
 - the loop depth is a pure function of (seed, step): identical on every rank;
@@ -27,7 +30,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -35,8 +37,9 @@ from typing import Any
 import torch
 
 from pretrain.config import ConfigError
-from pretrain.distributed import comm_device, discover, gather_text, init_distributed
-from pretrain.runs.run_config import RunConfig, profile_window
+from pretrain.distributed import comm_device, discover, init_distributed
+from pretrain.runs.run_config import RunConfig
+from pretrain.training.callbacks import Callback
 from pretrain.training.data import RunData, warn_on_skipped_shards
 from pretrain.training.depth import depth_for_step
 from pretrain.training.engine import deepspeed_internals
@@ -54,15 +57,16 @@ from pretrain.training.failures import (
 )
 from pretrain.training.faults import DelayInjection, NanFaults, NanInjection
 from pretrain.training.report.metrics import MetricsWriter, Throughput, peak_flops, rss_mb
-from pretrain.training.report.profiling import RunProfiler, profiles
+from pretrain.training.report.profiling import RunProfiler
 from pretrain.training.report.step_log import StartPhases, StepLog, log_start
-from pretrain.training.report.step_timing import SlowRanks, StepTimer
+from pretrain.training.report.step_timing import DataStarved, SlowRanks
 from pretrain.training.report.wandb_sink import WandbRun
 from pretrain.training.run_checkpoints import RunCheckpoints
+from pretrain.training.run_context import RunContext
 from pretrain.training.start import branch
 from pretrain.training.start.plan import StartPlan, check_files, check_shards, plan_start, say
 from pretrain.training.start.run_dir import RunDir
-from pretrain.training.step.bad_batches import BadBatches, SpikeRollback
+from pretrain.training.step.bad_batches import SpikeRollback
 from pretrain.training.step.loss_spikes import LossSpikes
 from pretrain.training.step.optimizer_step import StepRunner
 
@@ -80,37 +84,35 @@ class Trainer:
         self.step = 0  # the steps trained: the loop's, set by the load and a rollback
 
     def build(self) -> None:
-        """The components, in the order the start needs (module doc); collectives: the process
-        group, the heartbeat's store, the lock's agreement, the engine, the load, the hosts' gather."""
+        """The components, in the order the start needs (module doc), each built from the run
+        (`RunContext`) and the components it works with; collectives: the process group, the
+        heartbeat's store, the lock's agreement, the engine, the load, the hosts' gather."""
         plan, cfg, t, closing = self.plan, self.cfg, self.cfg.train, self.closing
         self.phases = phases = StartPhases(say=discover().rank == 0)  # the start's progress, on rank 0
         phases.begin("checks", announce=False)  # a refusal in them is one line
         self.tasks = TaskEval.build(cfg, plan.data.tokenizer_path)  # task files read once; None: off
         deepspeed_internals.check()
         deepspeed_internals.install_device_clip()  # ZeRO-1/2's clip without a host read
-        self.stop = StopSignal()  # before the slow start-up: a signal during it stops after the first step
+        stop = StopSignal()  # before the slow start-up: a signal during it stops after the first step
         phases.begin("process group")
         info = init_distributed(timeout_s=t.dist_timeout_s)
-        self.rank, self.world = info.rank, info.world_size
-        assert self.world == plan.world, (self.world, plan.world)  # the plan's launch is this one
-        comm = comm_device()  # the device of every collective's tensors (distributed.comm_device)
-        self.heartbeat = Heartbeat(self.rank, self.world)
+        self.rank, world = info.rank, info.world_size
+        assert world == plan.world, (world, plan.world)  # the plan's launch is this one
+        self.heartbeat = Heartbeat(self.rank, world)
         closing.callback(self.heartbeat.close)
         run_dir = RunDir(self.out, self.rank, closing)
         phases.to_log()  # the log is set up: the phases go to it (train.log on rank 0)
-        self.spikes = LossSpikes(t.loss_spike_threshold, say=self.rank == 0)  # its history: the checkpoint's
         run_dir.take_lock()
         deepspeed_internals.quiet_deprecated_collectives()
-        self.device = torch.device(f"cuda:{info.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        device = torch.device(f"cuda:{info.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         torch.manual_seed(t.seed + self.rank)
-        self.engine, ds = build_engine(cfg, self.world, self.device, plan.data.seq_len, plan.ds, phases.begin)
-        peak, peak_note = peak_flops(self.device, t.peak_tflops)
-        log_start(cfg, self.engine, ds, self.world, plan.tokens_per_step, peak_note)
+        self.engine, ds = build_engine(cfg, world, device, plan.data.seq_len, plan.ds, phases.begin)
+        log_start(cfg, self.engine, ds, world, plan.tokens_per_step, peak_flops(device, t.peak_tflops)[1])
         phases.begin("data")
-        self.data = RunData(plan, self.rank, self.world)
-        self.checkpoints = RunCheckpoints(plan, self.rank, self.world)
+        self.data = RunData(plan, self.rank, world)
+        self.checkpoints = RunCheckpoints(plan, self.rank, world)
         if plan.resume is not None:  # written on another world size: DeepSpeed's universal conversion
             phases.begin("checkpoint conversion and load" if plan.resume.universal else "checkpoint load")
         loaded = self.checkpoints.load(self.engine) if plan.resume is not None else None
@@ -118,145 +120,108 @@ class Trainer:
             self.step = loaded.step
             self.data.continue_from(loaded.loader)
             self.data.restore_count(loaded.tokens, loaded.step, loaded.loader)
-            self.spikes.restore(loaded.loss_history)
         self.config_json = cfg.to_json()
         run_dir.commit(self.config_json, ds)
         if loaded is not None:
             log.info("resumed from %s at step %d", plan.root / loaded.tag, self.step)
+        self.run = run = RunContext(
+            cfg=cfg,
+            rank=self.rank,
+            world=world,
+            device=device,
+            comm=comm_device(),
+            engine=self.engine,
+            ds=ds,
+            seq_len=plan.data.seq_len,
+            tokens_per_step=plan.tokens_per_step,
+            root=plan.root,
+            start_step=self.step,
+            stop=stop,
+            closing=closing,
+        )
         if t.eval_every:
             phases.begin("validation data")
         val = self.data.validation_batches() if t.eval_every else None
         phases.begin("logs (TensorBoard, W&B)")
-        self.writer = MetricsWriter(self.out, self.rank, resume_step=self.step, world=self.world)
+        self.writer = MetricsWriter(self.out, self.rank, resume_step=self.step, world=world)
         closing.callback(self.writer.close)
-        resumed_from = plan.root / loaded.tag if loaded is not None else None
-        self.wandb = WandbRun.open(self.out, cfg, resumed_from) if self.rank == 0 else None
-        if self.wandb is not None:
-            self.writer.add_sink(self.wandb.log, self.wandb.rewind)  # W&B follows a rollback
-            closing.callback(self.wandb.finish)  # close(): before the writer closes
+        wandb = WandbRun.build(run, self.writer, plan.root / loaded.tag if loaded is not None else None)
         self.writer.text("config", self.config_json)
         self.writer.text("deepspeed_config", ds_config_json(ds))
-        self.throughput = Throughput(cfg.model, plan.data.seq_len, peak * self.world)
-        self.validation = None
-        if val is not None:
-            weights = self.data.weights
-            self.validation = Validation(
-                val, weights, cfg.model.max_loops, t.eval_every, t.doc_mask, self.writer, self.device, t.warmup_steps
-            )
+        self.validation = Validation.build(run, val, self.data.weights, self.writer)
         self.nan_faults = NanFaults(self.engine, NanInjection())
         self.delays = DelayInjection(self.engine, self.rank)
-        # what shows where the time goes (docs/training.md, "Watching a run")
-        self.timer = StepTimer(self.device, t.time_breakdown)
-        slow_ranks = SlowRanks(
-            self.rank, gather_text(socket.gethostname(), 64), t.slow_rank_factor, t.slow_rank_windows
-        )
-        self.bad = BadBatches(t, self.rank, self.world, self.out, self.step)
-        window = profile_window(t.profile) if profiles(t.profile_ranks, self.rank) else None
-        self.profiler = RunProfiler(window, self.out, self.rank, self.engine.module, t.memory_history)
-        closing.callback(self.profiler.stop)
-        self.stepper = StepRunner(
-            self.engine,
-            t,
-            rank=self.rank,
-            world=self.world,
-            device=self.device,
-            comm=comm,
-            root=plan.root,
-            loader=self.data.loader,
-            count=self.data.trained,
-            seq_len=plan.data.seq_len,
-            stop=self.stop,
-            spikes=self.spikes,
-            bad=self.bad,
-            timer=self.timer,
-            profiler=self.profiler,
-        )
-        self.log = StepLog(
-            cfg,
-            self.engine,
-            rank=self.rank,
-            device=self.device,
-            writer=self.writer,
-            throughput=self.throughput,
-            profiler=self.profiler,
-            slow_ranks=slow_ranks,
-            zero3=zero_stage(ds) == 3,
-        )
+        self.spikes = LossSpikes.build(run, self.writer, self.data.trained)
+        if loaded is not None:
+            self.spikes.restore(loaded.loss_history)  # a resume judges as the run would have
+        self.profiler = RunProfiler.build(run)
+        self.stepper = StepRunner.build(run, self.data, self.spikes, self.profiler)
+        self.slow_ranks = SlowRanks.build(run)  # a collective: every rank's host
+        # the concerns that run no collective, their hooks called in this order (callbacks.py): a new one goes here
+        self.callbacks: list[Callback] = [self.heartbeat, Throughput.build(run), self.spikes, self.profiler]
+        self.callbacks += [DataStarved.build(run), StepLog.build(run, self.writer)]
+        if wandb is not None:  # rank 0, train.wandb
+            self.callbacks.append(wandb)
         phases.done()
 
     # -- the loop ------------------------------------------------------------------------
     def fit(self) -> dict:
-        t, max_r, tokens_per_step = self.cfg.train, self.cfg.model.max_loops, self.plan.tokens_per_step
-        assert self.heartbeat is not None  # build() started it
+        t = self.cfg.train
         batches = self.delays.batches(warn_on_skipped_shards(self.data.loader, self.rank))
         last_val: dict[int, float] = {}
         grad_norms: dict[str, float] = {}  # the last logging step's, for the loop's health at validation
         loss, stop_requested = float("nan"), False  # (a finished run resumed never gets here: train())
         self.engine.train()
-        self.throughput.reset()
+        for callback in self.callbacks:
+            callback.on_fit_start(self.step)
         if t.compile:  # torch.compile compiles at the first step: the start's last phase
             self.phases.begin("compile (the first step)")
         while self.step < t.steps:
-            depth = depth_for_step(t, max_r, self.step)
+            depth = depth_for_step(t, self.cfg.model.max_loops, self.step)
             log_now = (self.step + 1) % t.log_every == 0 or self.step + 1 == t.steps
-            self.heartbeat.at_step(self.step)
-            self.timer.start(log_now)
+            for callback in self.callbacks:
+                callback.on_step_begin(self.step)
             try:  # collectives: one all-reduce per micro-batch, and DeepSpeed's
                 with self.nan_faults.at_step(self.step), self.profiler.on_out_of_memory():
-                    loss, stop_requested, scalars = self.stepper.run(batches, depth, log_now, self.step)
+                    result = self.stepper.run(batches, depth, log_now, self.step)
             except SpikeRollback:
                 self.roll_back()
                 continue
-            seconds = self.timer.finish()
-            self.profiler.step()
+            loss, stop_requested = result.loss, result.stop_requested
             self.step += 1
             self.phases.done()  # the first step's: nothing after it
-            self.throughput.add(tokens_per_step, depth)
             save_now = (
                 (t.save_every and self.step % t.save_every == 0)
                 or (t.save_final and self.step == t.steps)
                 or stop_requested
             )
-            if log_now:  # a collective when timed: the slow-rank check
-                grad_norm = self.stepper.check_grad_norm(self.step)
-                self.log.step(
-                    self.step,
-                    loss,
-                    depth,
-                    scalars,
-                    seconds,
-                    grad_norm,
-                    self.bad.skipped_total,
-                    tokens_seen=self.data.trained.total,
-                    data_scalars=self.data.draw_scalars(),
-                )
-                grad_norms = {k: float(v) for k, v in scalars.items() if k.startswith("grad_norm/")}
-                self.checkpoints.settle(self.engine)  # a collective: a background save's writes ended?
-            elif save_now:
-                self.stepper.check_grad_norm(self.step)
             record = {
                 "loss": loss,
                 "depth": depth,
                 "rss_mb": round(rss_mb(), 1),
                 "data_digest": self.stepper.take_digest(),
             }
-            if self.spikes.check(self.step, loss):
-                record["loss_spike"] = True
-                self.writer.scalars(self.step, {"train/loss_spike": 1.0}, tokens=self.data.trained.total)
+            for callback in self.callbacks:
+                callback.on_step_end(self.step, record)
+            if log_now:  # the slow-rank gather: a collective (a timed step's), so here and not in a callback
+                values = {
+                    **result.values,
+                    **self.data.draw_scalars(),
+                    **self.slow_ranks.scalars(self.step, result.seconds),
+                }
+                for callback in self.callbacks:
+                    values.update(callback.log_values(self.step))
+                for callback in self.callbacks:
+                    callback.on_log(self.step, values)
+                grad_norms = {k: v for k, v in values.items() if k.startswith("grad_norm/")}
+                self.checkpoints.settle(self.engine)  # a collective: a background save's writes ended?
+            elif save_now:
+                self.stepper.check_grad_norm(self.step)
             if self.validation is not None and self.validation.due(self.step, t.steps):  # a collective
                 last_val = self.validation.run(self.engine, self.step, self.data.trained.total, record, grad_norms)
                 self.back_to_training()
             if self.tasks is not None and self.tasks.due(self.step, t.steps):  # collectives
-                score_tasks(
-                    self.tasks,
-                    self.engine.module,
-                    self.step,
-                    self.data.trained.total,
-                    self.rank,
-                    self.world,
-                    self.device,
-                    self.writer,
-                )
+                score_tasks(self.tasks, self.run, self.step, self.data.trained.total, self.writer)
                 self.back_to_training()
             self.writer.step_record(self.step, record)  # with every scalar written at the step
             if save_now:  # a collective; train.async_save: written in the background but at the end or a stop
@@ -271,27 +236,32 @@ class Trainer:
 
     def back_to_training(self) -> None:
         self.engine.train()
-        self.throughput.reset()  # evaluation time is not training throughput
+        for callback in self.callbacks:
+            callback.on_validation(self.step)
 
     def roll_back(self) -> None:
         """train.loss_spike_action=rollback, on every rank: back to the last complete checkpoint, the
         data going on where it is (run_checkpoints.py); the writer drops what the steps after it wrote."""
-        self.bad.forget_step()
+        self.stepper.bad.forget_step()
         loaded = self.checkpoints.roll_back(self.engine, self.step + 1, self.data.loader.state_dict())
         self.step = loaded.step
         self.data.restore_count(loaded.tokens, loaded.step, {})  # the checkpoint's: the window since is not trained
         self.spikes.restore(loaded.loss_history)
         self.writer.rewind(self.step)
-        self.throughput.reset()
+        for callback in self.callbacks:
+            callback.on_rollback(self.step)
 
     def save(self, wait: bool = True) -> str:
+        run_files: dict[str, str] = {}  # rank 0 writes them into the checkpoint (W&B: the run a resume continues)
+        for callback in self.callbacks:
+            callback.on_save(self.step, run_files)
         return self.checkpoints.save(
             self.engine,
             self.step,
             config_json=self.config_json,
             loader_state=self.data.loader.state_dict(),
             fit_state={"loss_history": self.spikes.history, "tokens": self.data.trained.state()},
-            run_files=self.wandb.files() if self.wandb is not None else None,
+            run_files=run_files,
             wait=wait,
         )
 
@@ -308,7 +278,7 @@ class Trainer:
             "loop": health.record() if health is not None else None,
             "checkpoint": str(self.plan.root / (self.checkpoints.latest() or "")),
             "tensorboard": str(self.out / "tb"),
-            "skipped_microbatches": self.bad.skipped_total,
+            "skipped_microbatches": self.stepper.bad.skipped_total,
             "stopped_by_signal": stop_requested,
             **self.data.summary(),
         }

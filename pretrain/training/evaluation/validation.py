@@ -18,7 +18,7 @@ from pretrain.training.report.metrics import MetricsWriter
 from pretrain.training.step.optimizer_step import move
 
 if TYPE_CHECKING:
-    from pretrain.model.gpt import GPT
+    from pretrain.training.run_context import RunContext
 
 log = logging.getLogger("grt.train")
 
@@ -75,6 +75,18 @@ class Validation:
         self.doc_mask, self.writer, self.device = doc_mask, writer, device
         self.warmup_steps, self.warned = warmup_steps, False
         self.health: LoopHealth | None = None  # the loop's, at the last validation
+
+    @classmethod
+    def build(
+        cls, run: RunContext, batches: dict[str, list[Batch]] | None, weights: dict[str, float], writer: MetricsWriter
+    ) -> Validation | None:
+        """None without validation batches (train.eval_every=0, or no source with a validation split)."""
+        t = run.cfg.train
+        if batches is None:
+            return None
+        return cls(
+            batches, weights, run.cfg.model.max_loops, t.eval_every, t.doc_mask, writer, run.device, t.warmup_steps
+        )
 
     def due(self, step: int, last: int) -> bool:
         return step % self.every == 0 or step == last
@@ -136,17 +148,8 @@ class Validation:
             log.warning("step %d: %s", step, health.warning())
 
 
-def score_tasks(
-    tasks: TaskEval,
-    model: GPT,
-    step: int,
-    tokens_seen: int,
-    rank: int,
-    world: int,
-    device: torch.device,
-    writer: MetricsWriter,
-) -> None:
+def score_tasks(tasks: TaskEval, run: RunContext, step: int, tokens_seen: int, writer: MetricsWriter) -> None:
     """The zero-shot tasks at this step (train.eval_tasks_every, evaluation/tasks.py), on every rank:
     TensorBoard tasks/<task>/<metric>_depth_<d>, <out>/tasks.jsonl, one log line with the cost."""
-    scores = tasks.score(model, step, rank, world, device)
-    log.info("%s", tasks.report(scores, tokens_seen, writer, writer.out, rank))
+    scores = tasks.score(run.engine.module, step, run.rank, run.world, run.device)
+    log.info("%s", tasks.report(scores, tokens_seen, writer, writer.out, run.rank))

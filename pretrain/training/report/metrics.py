@@ -18,12 +18,14 @@ import torch
 from data_pipeline.files import atomic_write_bytes, atomic_write_text
 from pretrain.distributed import all_reduce, comm_device
 from pretrain.model.flops import flops_per_token
+from pretrain.training.callbacks import Callback
 from pretrain.training.engine.deepspeed_internals import local_shares
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
     from pretrain.config import ModelConfig
+    from pretrain.training.run_context import RunContext
 
 # bf16 dense peak FLOP/s by device name (substring match)
 GPU_PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 125e12, "L40S": 362e12, "V100": 125e12}
@@ -65,20 +67,44 @@ def memory_scalars(device: torch.device) -> dict[str, int]:
     return values
 
 
-class Throughput:
+class Throughput(Callback):
     """Tokens, executed FLOPs and wall time of the steps since the last read. MFU is the
     executed FLOPs summed over the window's steps, each at its own sampled depth and by the
-    model variant's own formula (`flops_per_token`), over the window's time."""
+    model variant's own formula (`flops_per_token`), over the window's time. As a callback: each
+    step trained adds `tokens_per_step`, each logging step reads, and the time that is not
+    training's (the start, evaluation, a rollback) starts a new window."""
 
     def __init__(
         self,
         model_cfg: ModelConfig,
         seq_len: int,
         peak_flops_all_ranks: float,
+        tokens_per_step: int = 0,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.cfg, self.seq_len, self.peak, self.clock = model_cfg, seq_len, peak_flops_all_ranks, clock
+        self.tokens_per_step = tokens_per_step
         self.flops_per_token: dict[int, int] = {}  # depth -> executed forward FLOPs per token
+        self.reset()
+
+    @classmethod
+    def build(cls, run: RunContext) -> Throughput:
+        peak, _ = peak_flops(run.device, run.cfg.train.peak_tflops)
+        return cls(run.cfg.model, run.seq_len, peak * run.world, run.tokens_per_step)
+
+    def on_fit_start(self, step: int) -> None:
+        self.reset()
+
+    def on_step_end(self, step: int, record: dict[str, Any]) -> None:
+        self.add(self.tokens_per_step, record["depth"])
+
+    def log_values(self, step: int) -> dict[str, float]:
+        return self.read()
+
+    def on_validation(self, step: int) -> None:
+        self.reset()
+
+    def on_rollback(self, step: int) -> None:
         self.reset()
 
     def reset(self) -> None:
@@ -140,19 +166,6 @@ def norms(model: torch.nn.Module, world: int) -> dict[str, float]:
         "train/param_norm": math.sqrt(values[0]),
         **{f"grad_norm/{b}": math.sqrt(v) for b, v in zip(BLOCKS, values[1:])},
     }
-
-
-def human_count(n: float) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return f"{n:.0f}"
-
-
-def human_duration(seconds: float) -> str:
-    minutes, s = divmod(int(seconds), 60)
-    h, m = divmod(minutes, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
 class MetricsWriter:
@@ -382,6 +395,4 @@ def rss_mb() -> float:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except OSError:
-        import resource
-
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

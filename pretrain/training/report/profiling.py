@@ -20,13 +20,19 @@ https://pytorch.org/memory_viz), and an out-of-memory error writes
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
+
+from pretrain.runs.run_config import profile_window
+from pretrain.training.callbacks import Callback
+
+if TYPE_CHECKING:
+    from pretrain.training.run_context import RunContext
 
 log = logging.getLogger("grt.train")
 
@@ -91,8 +97,9 @@ class ModelLabels:
         self.handles = []
 
 
-class RunProfiler:
-    """The profiler window of one rank (or nothing), and its memory snapshots."""
+class RunProfiler(Callback):
+    """The profiler window of one rank (or nothing), and its memory snapshots: the window moves on
+    with each step trained, a snapshot is taken on a logging step when asked."""
 
     def __init__(
         self, window: tuple[int, int, int] | None, out: Path, rank: int, model: nn.Module, memory_history: bool
@@ -124,6 +131,20 @@ class RunProfiler:
             self.dir.mkdir(parents=True, exist_ok=True)
             torch.cuda.memory._record_memory_history(max_entries=100_000)
         self.trigger_seen = 0.0
+
+    @classmethod
+    def build(cls, run: RunContext) -> RunProfiler:
+        t = run.cfg.train
+        window = profile_window(t.profile) if profiles(t.profile_ranks, run.rank) else None
+        profiler = cls(window, run.out, run.rank, run.engine.module, t.memory_history)
+        run.closing.callback(profiler.stop)
+        return profiler
+
+    def on_step_end(self, step: int, record: dict[str, Any]) -> None:
+        self.step()
+
+    def on_log(self, step: int, values: Mapping[str, float]) -> None:
+        self.snapshot_if_asked(step)
 
     def range(self, name: str) -> Any:
         """A profiler range while the window is open, else nothing (a shared null context)."""

@@ -1,37 +1,52 @@
 """What a run says about its steps: the start's phases and lines (the model, the optimizer), and on
 each logging step one dict of values that every sink is written from (TensorBoard, against steps
-and tokens, W&B, the step's JSON line: `MetricsWriter.scalars`) and the log line, with the checks
-that watch the step's time (data-starved, slow ranks: docs/training.md, "Watching a run")."""
+and tokens, W&B, the step's JSON line: `MetricsWriter.scalars`) and the log line (`StepLog`, a
+callback: the values are the step's own, the slow ranks' and every callback's)."""
 
 from __future__ import annotations
 
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pretrain.model.flops import count_params
 from pretrain.runs.run_config import RunConfig
+from pretrain.training.callbacks import Callback
 from pretrain.training.engine import deepspeed_internals
 from pretrain.training.engine.ds_config import zero_stage
 from pretrain.training.engine.parallelize import compile_stats
-from pretrain.training.report.metrics import MetricsWriter, Throughput, human_count, human_duration, memory_scalars
-from pretrain.training.report.profiling import RunProfiler
-from pretrain.training.report.step_timing import BREAKDOWN, SlowRanks, breakdown_scalars
+from pretrain.training.report.metrics import MetricsWriter, memory_scalars
+from pretrain.training.report.step_timing import BREAKDOWN
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
 
+    from pretrain.training.run_context import RunContext
+
 log = logging.getLogger("grt.train")
+
+
+def human_count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def human_duration(seconds: float) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    h, m = divmod(minutes, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
 SHORT = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "waiting": "wait", "other": "other"}
 
 
-def time_shares(values: dict[str, float]) -> str:
+def time_shares(values: Mapping[str, float]) -> str:
     """' | time data/fwd/bwd/opt/wait/other 2/38/45/10/0/5%' of a timed step's values (its time/*_share
     scalars), '' of an untimed one."""
     if "time/step_s" not in values:
@@ -40,7 +55,7 @@ def time_shares(values: dict[str, float]) -> str:
     return f" | time {'/'.join(SHORT[k] for k in BREAKDOWN)} {shares}%"
 
 
-def step_line(step: int, steps: int, values: dict[str, float]) -> str:
+def step_line(step: int, steps: int, values: Mapping[str, float]) -> str:
     """A logging step's log line, from the values every sink gets."""
     eta = (steps - step) * values["perf/step_time_s"]
     return (
@@ -118,84 +133,29 @@ def log_start(
     )
 
 
-class StepLog:
-    """A logging step's TensorBoard scalars, metrics and log line (rank 0 writes TensorBoard)."""
+class StepLog(Callback):
+    """A logging step's values into every sink (`MetricsWriter.scalars`; rank 0 writes TensorBoard),
+    with the run's state it adds to them (memory, the ZeRO-3 counters, compile's graphs), and its
+    log line."""
 
-    def __init__(
-        self,
-        cfg: RunConfig,
-        engine: DeepSpeedEngine,
-        *,
-        rank: int,
-        device: torch.device,
-        writer: MetricsWriter,
-        throughput: Throughput,
-        profiler: RunProfiler,
-        slow_ranks: SlowRanks,
-        zero3: bool,
-    ) -> None:
-        self.cfg, self.engine, self.rank, self.device = cfg, engine, rank, device
-        self.writer, self.throughput, self.profiler, self.slow_ranks = writer, throughput, profiler, slow_ranks
-        self.zero3 = zero3  # the zero3/* series: only where they mean something
-        self.data_starved_said = False
+    def __init__(self, writer: MetricsWriter, device: torch.device, steps: int, zero3: bool, compiled: bool) -> None:
+        self.writer, self.device, self.steps = writer, device, steps
+        self.zero3, self.compiled = zero3, compiled  # their series: only where they mean something
 
-    def step(
-        self,
-        step: int,
-        loss: float,
-        depth: int,
-        scalars: dict,
-        seconds: dict[str, float],
-        grad_norm: float,
-        skipped: int,
-        tokens_seen: int,
-        data_scalars: dict[str, float],
-    ) -> None:
-        """Step `step` (just trained); `seconds`: its time per span (StepTimer, {} with
-        train.time_breakdown off), gathered over the ranks (a collective); `tokens_seen`: the run's one
-        count of tokens trained (a batch change, a skip, a rollback), `data_scalars` the mixture's draw."""
-        t = self.cfg.train
-        self.profiler.snapshot_if_asked(step)
-        if seconds:
-            seconds, ranks = self.check_timing(step, seconds)
-            scalars = {**scalars, **breakdown_scalars(seconds), **ranks}
-        values = {
-            "train/loss": loss,
-            "train/lr": self.engine.get_lr()[0],
-            "train/grad_norm": grad_norm,
-            "train/depth": depth,
-            "train/skipped_microbatches": skipped,
-            "train/tokens_seen": tokens_seen,
-            **self.throughput.read(),
-            **memory_scalars(self.device),
-            **data_scalars,
-            **scalars,
-        }
+    @classmethod
+    def build(cls, run: RunContext, writer: MetricsWriter) -> StepLog:
+        t = run.cfg.train
+        return cls(writer, run.device, t.steps, zero3=zero_stage(run.ds) == 3, compiled=t.compile)
+
+    def log_values(self, step: int) -> dict[str, float]:
+        values: dict[str, float] = {**memory_scalars(self.device)}
         if self.zero3:
             values["zero3/trace_invalidations"] = deepspeed_internals.COUNTERS.trace_invalidations
             values["zero3/param_gathers"] = deepspeed_internals.COUNTERS.gathers
-        if t.compile:
+        if self.compiled:
             values["compile/unique_graphs"] = compile_stats()["unique_graphs"]
-        self.writer.scalars(step, values, tokens=tokens_seen)
-        log.info("%s", step_line(step, t.steps, values))
+        return values
 
-    def check_timing(self, step: int, seconds: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
-        """The slow-rank check on this logged step (every rank: a collective): the step's breakdown
-        with its waiting, and the ranks' scalars; and one line the first time this rank waits for
-        data more than train.data_starved_share of a step."""
-        t = self.cfg.train
-        share = seconds["data"] / seconds["step"] if seconds["step"] > 0 else 0.0
-        if share > t.data_starved_share and not self.data_starved_said:
-            self.data_starved_said = True
-            log.warning(
-                "data-starved: rank %d waited for data %.0f%% of step %d (%.3f of %.3f s; train.data_starved_share="
-                "%g): more loader workers (train.num_workers=%d) or faster storage",
-                self.rank,
-                100 * share,
-                step,
-                seconds["data"],
-                seconds["step"],
-                t.data_starved_share,
-                t.num_workers,
-            )
-        return self.slow_ranks.observe(seconds, step)
+    def on_log(self, step: int, values: Mapping[str, float]) -> None:
+        self.writer.scalars(step, values, tokens=int(values["train/tokens_seen"]))
+        log.info("%s", step_line(step, self.steps, values))

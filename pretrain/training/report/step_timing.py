@@ -18,20 +18,27 @@ median of the OTHER ranks (with two ranks: the other one; the median of all woul
 mean, and a rank five times slower would read 1.7x), and a rank above `slow_rank_factor` times
 that on `slow_rank_windows` logging steps in a row is named, with its host, in one warning line.
 The time a rank waited for the slowest one at that collective (the slowest own time less its
-own, at most its "other") is "waiting" in the breakdown, out of "other".
+own, at most its "other") is "waiting" in the breakdown, out of "other". A rank that waits for
+data more than train.data_starved_share of a timed step says so once (`DataStarved`).
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
-from pretrain.distributed import gather_floats
+from pretrain.distributed import gather_floats, gather_text
+from pretrain.training.callbacks import Callback
+
+if TYPE_CHECKING:
+    from pretrain.training.run_context import RunContext
 
 log = logging.getLogger("grt.train")
 
@@ -115,6 +122,20 @@ class SlowRanks:
         self.streak = [0] * len(hosts)  # logging steps in a row each rank was above the factor
         self.named: set[int] = set()  # warned about, until it is no longer slow
 
+    @classmethod
+    def build(cls, run: RunContext) -> SlowRanks:
+        """Every rank's host, gathered once (a collective)."""
+        t = run.cfg.train
+        return cls(run.rank, gather_text(socket.gethostname(), 64), t.slow_rank_factor, t.slow_rank_windows)
+
+    def scalars(self, step: int, seconds: dict[str, float]) -> dict[str, float]:
+        """A logging step's time/* and ranks/* scalars from its `StepTimer.finish()`: a collective
+        on every rank at the same logging steps; an untimed step ({}) gathers nothing."""
+        if not seconds:
+            return {}
+        breakdown, ranks = self.observe(seconds, step)
+        return {**breakdown_scalars(breakdown), **ranks}
+
     def observe(self, seconds: dict[str, float], step: int) -> tuple[dict[str, float], dict[str, float]]:
         """Every rank calls it on the same logging step (a collective) with its `StepTimer.finish()`;
         returns the step's breakdown with "waiting" split off "other", and the ranks' scalars."""
@@ -149,3 +170,35 @@ class SlowRanks:
             "ranks/slowest": float(max(range(len(times)), key=times.__getitem__)),
         }
         return breakdown, scalars
+
+
+class DataStarved(Callback):
+    """One line the first time this rank waits for data more than train.data_starved_share of a
+    timed logging step (its time/* values)."""
+
+    def __init__(self, rank: int, share: float, num_workers: int) -> None:
+        self.rank, self.share, self.num_workers = rank, share, num_workers
+        self.said = False
+
+    @classmethod
+    def build(cls, run: RunContext) -> DataStarved:
+        return cls(run.rank, run.cfg.train.data_starved_share, run.cfg.train.num_workers)
+
+    def on_log(self, step: int, values: Mapping[str, float]) -> None:
+        if self.said or "time/step_s" not in values:
+            return
+        data, total = values["time/data_s"], values["time/step_s"]
+        share = data / total if total > 0 else 0.0
+        if share > self.share:
+            self.said = True
+            log.warning(
+                "data-starved: rank %d waited for data %.0f%% of step %d (%.3f of %.3f s; train.data_starved_share="
+                "%g): more loader workers (train.num_workers=%d) or faster storage",
+                self.rank,
+                100 * share,
+                step,
+                data,
+                total,
+                self.share,
+                self.num_workers,
+            )

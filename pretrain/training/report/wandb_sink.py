@@ -32,9 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 from pretrain.errors import ConfigError
 from pretrain.runs.checkpoint_files import TAG_RE
+from pretrain.training.callbacks import Callback
 
 if TYPE_CHECKING:
     from pretrain.runs.run_config import RunConfig
+    from pretrain.training.report.metrics import MetricsWriter
+    from pretrain.training.run_context import RunContext
 
 log = logging.getLogger("grt.train")
 
@@ -90,14 +93,24 @@ def saved_id(tag_dir: Path | None) -> str | None:
     return run_id if isinstance(run_id, str) and run_id else None
 
 
-class WandbRun:
+class WandbRun(Callback):
     """One W&B run of a training run (rank 0): `log` is the MetricsWriter sink, `files` goes
-    into every checkpoint, `finish` at the end."""
+    into every checkpoint (`on_save`), `finish` at the end."""
 
     def __init__(self, run: Any, project: str, entity: str, reopen: Callable[..., Any] | None = None) -> None:
         self.run, self.project, self.entity = run, project, entity
         self.reopen = reopen  # wandb.init with the run's own arguments, plus those given (`rewind`)
         self.failed = False  # a log call failed: W&B is off for the rest of the run
+
+    @classmethod
+    def build(cls, run: RunContext, writer: MetricsWriter, resumed_from: Path | None) -> WandbRun | None:
+        """`open` on rank 0 (None elsewhere, or with train.wandb off), as a sink of `writer` that
+        follows its rewinds (a rollback), finished when the run closes (before the writer)."""
+        opened = cls.open(run.out, run.cfg, resumed_from) if run.rank == 0 else None
+        if opened is not None:
+            writer.add_sink(opened.log, opened.rewind)
+            run.closing.callback(opened.finish)
+        return opened
 
     @classmethod
     def open(cls, out: Path, cfg: RunConfig, resumed_from: Path | None) -> WandbRun | None:
@@ -176,6 +189,9 @@ class WandbRun:
     def files(self) -> dict[str, str]:
         """{file name: text} to write into every checkpoint: the id a resume continues."""
         return {WANDB_FILE: json.dumps({"id": self.id, "project": self.project, "entity": self.entity}) + "\n"}
+
+    def on_save(self, step: int, files: dict[str, str]) -> None:
+        files.update(self.files())
 
     def finish(self) -> None:
         """Close the run (uploads what is left; offline: closes the local files). Never raises,

@@ -7,21 +7,39 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+from typing import TYPE_CHECKING, Any
+
+from pretrain.training.callbacks import Callback
+
+if TYPE_CHECKING:
+    from data_pipeline.batches import TokenCount
+    from pretrain.training.report.metrics import MetricsWriter
+    from pretrain.training.run_context import RunContext
 
 log = logging.getLogger("grt.train")
 
 
-class LossSpikes:
+class LossSpikes(Callback):
     """A running robust statistic of the step losses: a loss above the median of the last `window`
     steps plus `threshold` robust standard deviations (1.4826 x their median absolute deviation,
     the standard deviation for normal losses) is a spike. A step's spike is said in one line and
     flagged in TensorBoard (`train/loss_spike`); with train.loss_spike_action=skip the fit loop
     also drops each micro-batch above the limit (`limit`, fixed for the step). It judges after
     `min_history` steps; the history is saved in every checkpoint (`history`), so a resume
-    judges as the run would have; a spike does not enter it."""
+    judges as the run would have; a spike does not enter it. As a callback it judges each step
+    trained, and flags a spike in the step's record and scalars (against `count`, the tokens trained)."""
 
-    def __init__(self, threshold: float, say: bool, window: int = 100, min_history: int = 20) -> None:
-        self.threshold, self.say, self.window, self.min_history = threshold, say, window, min_history
+    def __init__(
+        self,
+        threshold: float,
+        writer: MetricsWriter,
+        count: TokenCount,
+        say: bool,
+        window: int = 100,
+        min_history: int = 20,
+    ) -> None:
+        self.threshold, self.writer, self.count, self.say = threshold, writer, count, say
+        self.window, self.min_history = window, min_history
         self.history: list[float] = []
         self._statistic: tuple[list[float], tuple[float, float, float]] | None = None  # (of which history, it)
 
@@ -38,6 +56,15 @@ class LossSpikes:
             value = (median + self.threshold * max(spread, 1e-6 * abs(median)), median, spread)
         self._statistic = (self.history, value)
         return value
+
+    @classmethod
+    def build(cls, run: RunContext, writer: MetricsWriter, count: TokenCount) -> LossSpikes:
+        return cls(run.cfg.train.loss_spike_threshold, writer, count, say=run.rank == 0)
+
+    def on_step_end(self, step: int, record: dict[str, Any]) -> None:
+        if self.check(step, record["loss"]):
+            record["loss_spike"] = True
+            self.writer.scalars(step, {"train/loss_spike": 1.0}, tokens=self.count.total)
 
     def limit(self) -> float:
         return self.statistic()[0]

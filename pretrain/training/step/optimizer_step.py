@@ -7,7 +7,8 @@ of the micro-batch that completes the step if they are all good, before its back
 sync per step outside logging steps, whatever grad_accum is (docs/performance.md). The
 micro-batches before it run their backward unread, under `GradientMask`: a dropped one's
 gradients are zeroed on the device, so it adds nothing. A step that dropped one (bad_batches.py)
-reads again for its replacements.
+reads again for its replacements. A logging step also returns the step's own values (loss, lr,
+gradient norm, depth, skips, tokens, norms, gate means), and a timed one its seconds per span.
 """
 
 from __future__ import annotations
@@ -18,25 +19,21 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from data_pipeline.batches import TokenCount, round_tokens
+from data_pipeline.batches import round_tokens
 from data_pipeline.loader import DIGEST_MOD, sample_digest
 from pretrain.distributed import all_reduce
 from pretrain.runs.checkpoint_files import find_latest
-from pretrain.runs.run_config import TrainConfig
-from pretrain.training.failures import StopSignal, TrainingStopped
+from pretrain.training.failures import TrainingStopped
 from pretrain.training.report.metrics import norms
-from pretrain.training.report.profiling import RunProfiler
 from pretrain.training.report.step_timing import StepTimer
 from pretrain.training.step.bad_batches import BadBatches
 from pretrain.training.step.controls import GradientMask, MicroBatchControls, StepTally
-from pretrain.training.step.loss_spikes import LossSpikes
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
-    from deepspeed import DeepSpeedEngine
-
-    from data_pipeline.batches import TrainBatches
+    from pretrain.training.data import RunData
+    from pretrain.training.report.profiling import RunProfiler
+    from pretrain.training.run_context import RunContext
+    from pretrain.training.step.loss_spikes import LossSpikes
 
 Batch = dict[str, torch.Tensor]
 
@@ -58,46 +55,45 @@ def move(batch: Batch, device: torch.device, doc_mask: bool) -> tuple[torch.Tens
 class StepResult(NamedTuple):
     loss: float  # mean over the step's good micro-batches and the ranks
     stop_requested: bool  # a rank received SIGTERM/SIGUSR1
-    scalars: dict[str, float]  # logging steps: norms and gate means
+    values: dict[str, float]  # logging steps: the step's own values (`step_values`)
+    seconds: dict[str, float]  # a timed logging step's seconds per span (StepTimer.finish), else {}
 
 
 class StepRunner:
-    """The step of a run: its engine, the loader it reads positions from, the timer and profiler
-    spans around each part, the spike limit and the bad micro-batches' accounting."""
+    """The step of a run: its engine, the data it reads (positions, the tokens trained), the timer
+    and profiler spans around each part, the spike limit and the bad micro-batches' accounting."""
 
     def __init__(
         self,
-        engine: DeepSpeedEngine,
-        t: TrainConfig,
-        *,
-        rank: int,
-        world: int,
-        device: torch.device,
-        comm: torch.device,
-        root: Path,
-        loader: TrainBatches,
-        count: TokenCount,
-        seq_len: int,
-        stop: StopSignal,
+        run: RunContext,
+        data: RunData,
         spikes: LossSpikes,
+        profiler: RunProfiler,
         bad: BadBatches,
         timer: StepTimer,
-        profiler: RunProfiler,
     ) -> None:
-        self.engine, self.t, self.rank, self.world = engine, t, rank, world
-        self.device, self.comm, self.root, self.loader = device, comm, root, loader
-        self.count, self.seq_len = count, seq_len  # the tokens trained: each kept micro-batch's round's
-        self.stop, self.spikes, self.bad, self.timer, self.profiler = stop, spikes, bad, timer, profiler
+        self.engine, self.t, self.rank, self.world = run.engine, run.cfg.train, run.rank, run.world
+        self.device, self.comm, self.root, self.seq_len = run.device, run.comm, run.root, run.seq_len
+        self.loader, self.count = data.loader, data.trained  # the tokens trained: each kept micro-batch's round's
+        self.stop, self.spikes, self.profiler, self.bad, self.timer = run.stop, spikes, profiler, bad, timer
         # the control vector's device-side inputs: set without a sync, read with the step's one sync
-        self.stop_flag = torch.zeros((), dtype=torch.float64, device=comm)
-        self.grad_norm_bad = torch.zeros((), dtype=torch.float64, device=comm)
+        self.stop_flag = torch.zeros((), dtype=torch.float64, device=run.comm)
+        self.grad_norm_bad = torch.zeros((), dtype=torch.float64, device=run.comm)
         self.grad_norm: torch.Tensor | None = None
-        self.grad_mask = GradientMask(engine.module) if t.grad_accum > 1 else None
+        self.grad_mask = GradientMask(run.engine.module) if self.t.grad_accum > 1 else None
         self.digest = 0  # of the samples this rank read since the last step record (loader.sample_digest)
 
+    @classmethod
+    def build(cls, run: RunContext, data: RunData, spikes: LossSpikes, profiler: RunProfiler) -> StepRunner:
+        """With its bad micro-batches' record (from the start step on) and its timer (train.time_breakdown)."""
+        t = run.cfg.train
+        bad = BadBatches(t, run.rank, run.world, run.out, run.start_step)
+        return cls(run, data, spikes, profiler, bad, StepTimer(run.device, t.time_breakdown))
+
     def run(self, batches: Iterator[Batch], depth: int, log_now: bool, step: int) -> StepResult:
-        """Train step `step` + 1 (the steps before it done) at loop depth `depth`."""
+        """Train step `step` + 1 (the steps before it done) at loop depth `depth`; timed when `log_now`."""
         grad_accum = self.t.grad_accum
+        self.timer.start(log_now)
         tally, scalars = StepTally(), {}
         unread: list[torch.Tensor] = []  # the control vectors of the micro-batches run since the last read
         rounds: list[tuple[int, int, dict[str, int]]] = []  # the loader's (epoch, batch in epoch) after each; tokens
@@ -126,7 +122,10 @@ class StepRunner:
                 self.engine.step()
         self.record_grad_norm()
         self.bad.end_step(step + 1)
-        return StepResult(tally.loss_sum / grad_accum, tally.stop_requested, {k: float(v) for k, v in scalars.items()})
+        seconds = self.timer.finish()
+        mean_loss = tally.loss_sum / grad_accum
+        values = self.step_values(step + 1, mean_loss, depth, scalars) if log_now else {}
+        return StepResult(mean_loss, tally.stop_requested, values, seconds)
 
     def forward(self, batch: Batch, depth: int, log_now: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The micro-batch's loss, and its gates on logging steps."""
@@ -187,6 +186,20 @@ class StepRunner:
         """Norms and gate means (those on the device), taken before engine.step() clears the gradients."""
         gate_means = {f"gate/mean_step_{i}": g.detach().float().mean() for i, g in enumerate(gates, 1)}
         return {**norms(self.engine.module, self.world), **gate_means}
+
+    def step_values(
+        self, step: int, loss: float, depth: int, scalars: dict[str, float | torch.Tensor]
+    ) -> dict[str, float]:
+        """Logging step `step`'s own values; reading the gradient norm stops the run on a bad one."""
+        return {
+            "train/loss": loss,
+            "train/lr": self.engine.get_lr()[0],
+            "train/grad_norm": self.check_grad_norm(step),
+            "train/depth": depth,
+            "train/skipped_microbatches": self.bad.skipped_total,
+            "train/tokens_seen": self.count.total,
+            **{k: float(v) for k, v in scalars.items()},
+        }
 
     def record_grad_norm(self) -> None:
         """The step's gradient norm, kept on the device: the next step's control vector checks
