@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
+from pretrain.say import one_line
+
 from .shards import MissingShardError, ShardError, UnreachableShardError
 
 RANGED_SCHEMES = ("http://", "https://", "s3://", "gs://")
@@ -155,10 +157,10 @@ class RangedReader:
             if _is_untrusted_certificate(exc):  # another attempt cannot help
                 raise UnreachableShardError(
                     url,
-                    f"its TLS certificate is not trusted ({_one_line(exc)}): put the CA's certificate in a "
+                    f"its TLS certificate is not trusted ({one_line(exc)}): put the CA's certificate in a "
                     "bundle file named by SSL_CERT_FILE",
                 ) from None
-            raise _Retry(f"{type(exc).__name__}: {exc}") from None
+            raise _Retry(one_line(exc)) from None
         status = resp.status
         if status == 206:
             total = resp.headers.get("Content-Range", "").rpartition("/")[2]
@@ -191,13 +193,13 @@ class RangedReader:
                 self.sizes[url] = int(fs.size(path))
             return bytes(fs.cat_file(path, start=start, end=end))
         except FileNotFoundError as exc:
-            raise MissingShardError(url, f"{type(exc).__name__}: {exc}") from None
+            raise MissingShardError(url, one_line(exc)) from None
         except PermissionError as exc:
             raise UnreachableShardError(url, f"access denied ({exc}); check the credentials") from None
         except Exception as exc:  # the clients' connection, timeout and 5xx errors have no common base
             if _is_credentials_error(exc):
-                raise UnreachableShardError(url, f"{type(exc).__name__}: {exc}") from None
-            raise _Retry(f"{type(exc).__name__}: {exc}") from None
+                raise UnreachableShardError(url, one_line(exc)) from None
+            raise _Retry(one_line(exc)) from None
 
     def _filesystem(self, protocol: str) -> Any:
         if protocol not in self.filesystems:
@@ -249,7 +251,3 @@ def _is_untrusted_certificate(exc: BaseException) -> bool:
         nested = [a for a in getattr(seen, "args", ()) if isinstance(a, BaseException)]
         seen = getattr(seen, "reason", None) or (nested[0] if nested else None) or seen.__cause__ or seen.__context__
     return "CERTIFICATE_VERIFY_FAILED" in str(exc)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())

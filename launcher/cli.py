@@ -209,10 +209,10 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
     """
     from pretrain.config import ConfigError
     from pretrain.runs.data_spec import absolute, data_paths, load_manifest, with_data_paths
+    from pretrain.runs.ds_file import resolve_ds_path
     from pretrain.runs.run_config import resolve
     from pretrain.train import build_parser as train_parser
     from pretrain.train import config_from_args
-    from pretrain.training.engine.ds_config import resolve_ds_path
 
     try:
         targs = train_parser().parse_args(list(train_args))
@@ -222,7 +222,8 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
         cfg = config_from_args(targs)
         resume = bool(targs.resume or cfg.branch_from)
         if local_world_size and cfg.data:
-            from pretrain.training.start.plan import plan_start, say
+            from pretrain.say import say
+            from pretrain.training.start.plan import plan_start
 
             plan = plan_start(cfg, resume, local_world_size)
             if plan.nothing_to_do:  # a finished run: no rank is started, nothing is written (exit 0)

@@ -13,8 +13,6 @@ import contextlib
 import json
 import os
 import sys
-import time
-from pathlib import Path
 from typing import Any
 
 if __name__ == "__main__" and not __package__:
@@ -22,15 +20,12 @@ if __name__ == "__main__" and not __package__:
     # keep the package's own directory off sys.path (its modules would shadow top-level names)
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from pretrain.config import ConfigError, ModelConfig  # noqa: E402
+from pretrain.config import ConfigError  # noqa: E402
 from pretrain.distributed import discover, run_command  # noqa: E402
-from pretrain.presets import PRESETS, get_preset  # noqa: E402
-from pretrain.runs import checkpoint_files  # noqa: E402
-from pretrain.runs.checkpoint_files import check_not_a_checkpoint  # noqa: E402
-from pretrain.runs.data_spec import absolute, data_paths, load_manifest, with_data_paths  # noqa: E402
-from pretrain.runs.run_config import RunConfig, apply_overrides, choose_model, is_model_override  # noqa: E402
-from pretrain.runs.settings_rules import mark_given  # noqa: E402
-from pretrain.training.start import branch  # noqa: E402
+from pretrain.presets import PRESETS  # noqa: E402
+from pretrain.runs.command_line import CommandLine, run_config  # noqa: E402
+from pretrain.runs.data_spec import data_paths, load_manifest  # noqa: E402
+from pretrain.runs.run_config import RunConfig  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,30 +106,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def base_config(args: argparse.Namespace, source: Path | None) -> RunConfig:
-    """The run config the command line's settings go onto: --config-json's; for a run continued from
-    what it saved, the config it saved (one mechanism, `branch.saved_config`): a decay branch's source
-    checkpoint's, a --resume's run directory's `config.json` (the run as it last started; refused
-    where its checkpoints are there without it); else the defaults (a --resume of a directory that
-    never started is a fresh start). A saved config's relative `out` is the run it was saved in."""
-    if args.out:
-        check_not_a_checkpoint(Path(args.out))  # before any saved config is read as a run's
-    if args.config_json:
-        return branch.saved_where(RunConfig.load(args.config_json), Path(args.config_json))
-    if source is not None:
-        return branch.base_config(source, args.out)
-    if args.resume and args.out:
-        run = Path(args.out)
-        if (run / "config.json").is_file():
-            return branch.saved_config(run, "--resume")
-        if checkpoint_files.tag_dirs(run / "checkpoints") and not (args.model_config or args.preset):
-            raise ConfigError(
-                f"--resume: {run / 'config.json'} is missing: {run} holds checkpoints but not the run's settings; "
-                f"restore it, or resume with a checkpoint's own (--config-json {run}/checkpoints/<tag>/config.json)"
-            )
-    return RunConfig()
-
-
 # the flags that set a run config key: a --set of the same key must agree (one setting, one value)
 FLAG_KEYS = (
     ("--out", "out"),
@@ -146,8 +117,14 @@ FLAG_KEYS = (
 )
 
 
-def flag_values(args: argparse.Namespace) -> dict[str, tuple[str, Any]]:
-    """The run config keys the command line's flags set: key -> (flag, value)."""
+def command_line(args: argparse.Namespace) -> CommandLine:
+    """What the command line sets, read once: two flags that name one thing differently refused."""
+    if args.preset and args.model_config:
+        raise ConfigError("give --preset or --model-config, not both")
+    if args.ds_config and args.deepspeed and args.ds_config != args.deepspeed:
+        raise ConfigError(
+            f"--deepspeed {args.deepspeed} and --ds-config {args.ds_config} name different DeepSpeed files; give one"
+        )
     values = {
         "out": args.out,
         "data": ",".join(args.data) if args.data else None,  # the run config's one string (data_pipeline/mixture.py)
@@ -156,126 +133,24 @@ def flag_values(args: argparse.Namespace) -> dict[str, tuple[str, Any]]:
         "train.micro_batch_size": args.micro_batch_size,
         "train.grad_accum": args.grad_accum,
     }
-    return {key: (flag, values[key]) for flag, key in FLAG_KEYS if values[key] not in (None, "")}
-
-
-def _setting(cfg: RunConfig, key: str) -> Any:
-    section, _, name = key.rpartition(".")
-    return getattr(cfg.train if section == "train" else cfg, name)
-
-
-def _same_value(key: str, a: Any, b: Any) -> bool:
-    """Two values of one setting name the same thing: paths by the files they name."""
-    if key == "out":
-        return os.path.abspath(a) == os.path.abspath(b)
-    if key == "data":
-        return with_data_paths(a, absolute) == with_data_paths(b, absolute)
-    if key == "ds_config":
-        from pretrain.training.engine.ds_config import resolve_ds_path
-
-        return os.path.abspath(resolve_ds_path(a)) == os.path.abspath(resolve_ds_path(b))
-    return bool(a == b)
-
-
-def set_flags(cfg: RunConfig, flags: dict[str, tuple[str, Any]], overrides: list[str]) -> None:
-    """The flags' values into `cfg`, then the --sets; a --set of a flag's key that names another value
-    is refused (before, the --set won without a word: `--set out=B` beside `--out A` trained in B)."""
-    for key, (_, value) in flags.items():
-        section, _, name = key.rpartition(".")
-        setattr(cfg.train if section == "train" else cfg, name, value)
-    apply_overrides(cfg, overrides)
-    for item in overrides:
-        key = item.split("=", 1)[0]
-        if key in flags:
-            flag, value = flags[key]
-            if not _same_value(key, value, _setting(cfg, key)):
-                raise ConfigError(
-                    f"{flag} {value} and --set {item} disagree: one setting has one value; give one of them"
-                )
-            section, _, name = key.rpartition(".")
-            setattr(cfg.train if section == "train" else cfg, name, value)
-
-
-ONE_START_KEYS = ("allow_data_change", "allow_batch_change")  # a consent given for the start that gives it
-
-
-def continued(cfg: RunConfig, given: set[str]) -> RunConfig:
-    """A run continued from its saved config (`base_config`) with the keys `given` on the command
-    line: a consent of an earlier start (train.allow_data_change, allow_batch_change) is not carried
-    over, and a length given in steps replaces the saved budget in tokens."""
-    for key in ONE_START_KEYS:
-        if f"train.{key}" not in given:
-            setattr(cfg.train, key, False)
-    if "train.steps" in given and "train.tokens" not in given:
-        cfg.train.tokens = 0.0
-    return cfg
-
-
-def run_name(args: argparse.Namespace, cfg: RunConfig) -> str:
-    """A run without --out: its own directory, runs/<preset or variant>-<YYYYmmdd-HHMMSS>."""
-    if args.resume:
-        raise ConfigError("--resume needs --out: the run directory to continue")
-    world = discover().world_size
-    if world > 1:
-        raise ConfigError(
-            f"--out: {world} ranks started without --out would each name their own run directory; give --out "
-            "(grt launch names one for all its ranks)"
-        )
-    stem = f"runs/{args.preset or cfg.model.variant}-{time.strftime('%Y%m%d-%H%M%S')}"
-    name, n = stem, 1
-    while os.path.exists(name):
-        n += 1
-        name = f"{stem}-{n}"
-    return name
+    return CommandLine(
+        out=args.out,
+        config_json=args.config_json,
+        resume=args.resume,
+        branch_from=args.branch_from,
+        preset=args.preset,
+        model_config=args.model_config,
+        flags={key: (flag, values[key]) for flag, key in FLAG_KEYS if values[key] not in (None, "")},
+        overrides=tuple(args.overrides),
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """The run config of a `grt train` command line: its base (`base_config`), then the model
-    (--preset, --model-config, `model.*`), the flags and the `--set`s, in that order."""
-    source = branch.find_source(args.branch_from, args.out) if args.branch_from else None
-    cfg = base_config(args, source)
-    if args.preset and args.model_config:
-        raise ConfigError("give --preset or --model-config, not both")
-    overrides = args.overrides
-    if args.preset or args.model_config:
-        model = get_preset(args.preset) if args.preset else ModelConfig.load(args.model_config)
-        choose_model(cfg, model, overrides)  # the model, its overrides, then its training recipe
-        overrides = [item for item in overrides if not is_model_override(item)]
-    if args.ds_config and args.deepspeed and args.ds_config != args.deepspeed:
-        raise ConfigError(
-            f"--deepspeed {args.deepspeed} and --ds-config {args.ds_config} name different DeepSpeed files; give one"
-        )
-    flags = flag_values(args)
-    set_flags(cfg, flags, overrides)
-    given = {item.split("=", 1)[0] for item in args.overrides} | {k for k in flags if k.startswith("train.")}
-    mark_given(cfg, given)  # the flags and the --sets (settings_rules.py)
-    if source is not None or (args.resume and not args.config_json):
-        continued(cfg, given)
-    if source is not None:
-        branch.configure(cfg, source, branch.given_train_keys(args))  # wsd, its length, branch_from
-    callers_paths(cfg, {"data", "ds_config"} & (set(flags) | given))
-    if not args.out and not args.config_json and source is None:
-        cfg.out = run_name(args, cfg)  # said by the start's first line (StartPlan.start_lines)
+    """The run config of a `grt train` command line (pretrain/runs/command_line.py), checked."""
+    line = command_line(args)
+    cfg = run_config(line)
     cfg.validate()
     return cfg
-
-
-def callers_paths(cfg: RunConfig, keys: set[str]) -> None:
-    """The files this command line names (`keys`: data, ds_config) that the run reads again later,
-    resolved against the caller's working directory once, here (issue 41): the data's manifests
-    and a DeepSpeed file found there, made absolute, so that the config.json the run saves (which
-    a --resume, `grt export`'s run_config.json, `grt eval` and `grt analyze` read again, from any
-    directory) names the same files. A shipped DeepSpeed file named by its name
-    (ds_configs/zero3.json, found from any directory) and a URL stay as they are; so does --out,
-    which only this command and its ranks (started in this directory) use, and so does a path of
-    a saved config (a --resume's base): where it was relative to is not known here."""
-    from pretrain.training.engine.ds_config import shipped_ds_file
-
-    if "data" in keys and cfg.data:
-        cfg.data = with_data_paths(cfg.data, absolute)
-    # the caller's own file, which `resolve_ds_path` takes before a shipped one of that name
-    if "ds_config" in keys and os.path.exists(cfg.ds_config) and not shipped_ds_file(cfg.ds_config):
-        cfg.ds_config = absolute(cfg.ds_config)
 
 
 def resolved_configs(cfg: RunConfig, resume: bool) -> tuple[RunConfig, dict[str, Any]]:
@@ -285,8 +160,9 @@ def resolved_configs(cfg: RunConfig, resume: bool) -> tuple[RunConfig, dict[str,
     (said in one line)."""
     import torch
 
+    from pretrain.say import say
     from pretrain.training.engine.ds_config import merged_ds_config
-    from pretrain.training.start.plan import plan_start, say
+    from pretrain.training.start.plan import plan_start
 
     if cfg.data and all(os.path.isfile(p) for p in data_paths(cfg.data)):
         plan = plan_start(cfg, resume or bool(cfg.branch_from))

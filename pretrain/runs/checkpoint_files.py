@@ -8,7 +8,8 @@ Layout of `<out>/checkpoints/`:
         COMPLETE             written by rank 0 only after every rank has finished writing
     latest                   the tag of the newest COMPLETE checkpoint, replaced atomically
 and beside it `<out>/data_skips.json` (DATA_SKIPS): per tag, where a resume from it takes the data
-(a loss-spike rollback's record, pretrain/training/run_checkpoints.py).
+(a loss-spike rollback's record, pretrain/training/run_checkpoints.py); a decay branch's
+`<out>/branch.json` (BRANCH_FILE): the checkpoint it was made from (pretrain/training/start/branch.py).
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.errors import ConfigError, UnreadableCheckpoint
+from pretrain.say import one_line
 
 log = logging.getLogger(__name__)
 TAG_RE = re.compile(r"^step(\d{8})$")
 DATA_SKIPS = "data_skips.json"
+BRANCH_FILE = "branch.json"
 
 
 def tag_for(step: int) -> str:
@@ -100,6 +103,16 @@ def ranks_that_wrote(step_dir: Path) -> int:
     return len(list(step_dir.glob("rank*_state.pt")))
 
 
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A small JSON record of the run's (branch.json, data_skips.json); None where it is missing,
+    unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def read_config(step_dir: Path) -> dict[str, Any]:
     """A checkpoint's saved run config (its `config.json`) as a dict; UnreadableCheckpoint
     (one line) when it is missing, cut off or not a JSON object."""
@@ -117,4 +130,5 @@ def read_config(step_dir: Path) -> dict[str, Any]:
 
 
 def error_text(err: BaseException | None, fallback: str) -> str:
-    return " ".join(f"{type(err).__name__}: {err}".split()) if err is not None else fallback
+    """The error as one line, or `fallback` where there is none (it failed on another rank)."""
+    return one_line(err) if err is not None else fallback

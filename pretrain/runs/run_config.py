@@ -88,7 +88,7 @@ class TrainConfig:
     dist_timeout_s: float = 600.0
     peak_tflops: float = 0.0  # device peak for MFU; 0 = look up the device
     compile: bool = False
-    zero3_pin_core: bool = True  # keep the looped core gathered under ZeRO-3 (pretrain/training/engine/deepspeed_internals.py)
+    zero3_pin_core: bool = True  # keep the looped core gathered under ZeRO-3 (training/engine/deepspeed_internals.py)
     allow_data_change: bool = False  # resume although the shard list changed since the checkpoint
     allow_batch_change: bool = False  # resume with another global batch (micro-batch x grad_accum x ranks)
     # watching a run (docs/training.md, "Watching a run")
@@ -326,7 +326,8 @@ def choose_model(cfg: RunConfig, model: ModelConfig, overrides: list[str]) -> Ru
 
 
 def apply_recipe(cfg: RunConfig) -> RunConfig:
-    cfg.train = dataclasses.replace(cfg.train, **train_recipe(cfg.model))
+    recipe = train_recipe(cfg.model)
+    cfg.train = dataclasses.replace(cfg.train, **recipe)
     return cfg
 
 

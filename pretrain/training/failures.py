@@ -17,6 +17,7 @@ from types import FrameType
 
 import torch.distributed as dist
 
+from pretrain.say import one_line
 from pretrain.training.callbacks import Callback
 
 log = logging.getLogger("grt.train")
@@ -167,11 +168,6 @@ class StopSignal:
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         self.received = signal.Signals(signum).name
-
-
-def one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split()) or type(err).__name__
-    return f"{type(err).__name__}: {text}"[:1000]
 
 
 def is_comm_error(err: BaseException) -> bool:

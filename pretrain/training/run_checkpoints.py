@@ -16,10 +16,11 @@ import torch
 
 from data_pipeline.files import atomic_write_text
 from pretrain.runs.checkpoint_files import DATA_SKIPS, find_latest, ranks_that_wrote, read_config, tag_for
+from pretrain.say import say
 from pretrain.training.checkpoint import store, universal
 from pretrain.training.engine import muon
 from pretrain.training.failures import TrainingStopped
-from pretrain.training.start.plan import StartPlan, check_fallback, say
+from pretrain.training.start.plan import StartPlan, check_fallback
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

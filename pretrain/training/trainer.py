@@ -39,6 +39,7 @@ import torch
 from pretrain.config import ConfigError
 from pretrain.distributed import comm_device, discover, init_distributed
 from pretrain.runs.run_config import RunConfig
+from pretrain.say import say
 from pretrain.training.callbacks import Callback
 from pretrain.training.data import RunData, warn_on_skipped_shards
 from pretrain.training.depth import depth_for_step
@@ -64,7 +65,7 @@ from pretrain.training.report.wandb_sink import WandbRun
 from pretrain.training.run_checkpoints import RunCheckpoints
 from pretrain.training.run_context import RunContext
 from pretrain.training.start import branch
-from pretrain.training.start.plan import StartPlan, check_files, check_shards, plan_start, say
+from pretrain.training.start.plan import StartPlan, check_files, check_shards, plan_start
 from pretrain.training.start.run_dir import RunDir
 from pretrain.training.step.bad_batches import SpikeRollback
 from pretrain.training.step.loss_spikes import LossSpikes

@@ -259,11 +259,12 @@ def test_conversion_is_atomic_and_reused(checkpoint_copy):
     with it and leaves only its temporary; with a copy that lacks its marker beside it, neither
     is used: the next conversion starts over and completes. A complete copy is then reused, and
     stale once its source is rewritten."""
+    from pretrain.runs.checkpoint_files import ranks_that_wrote
     from pretrain.training.checkpoint import universal
 
     step_dir = checkpoint_copy
     final = universal.universal_dir(step_dir)
-    assert universal.saved_world_size(step_dir) == 2 and universal.needs_universal(step_dir, 1)
+    assert ranks_that_wrote(step_dir) == 2 and universal.needs_universal(step_dir, 1)
     assert not universal.needs_universal(step_dir, 2) and not universal.is_converted(step_dir)
     code = f"import sys; sys.path.insert(0, {str(REPO)!r}); from pretrain.training.checkpoint import universal; "
     code += f"universal.convert(__import__('pathlib').Path({str(step_dir)!r}))"
@@ -326,6 +327,7 @@ def test_config_and_refusals(tmp_path):
     """The DeepSpeed config switch; what convert and load refuse before any work."""
     from types import SimpleNamespace
 
+    from pretrain.runs.checkpoint_files import ranks_that_wrote
     from pretrain.training.checkpoint import universal
 
     ds = {"zero_optimization": {"stage": 3}, "checkpoint": {"tag_validation": "Warn"}}
@@ -334,7 +336,7 @@ def test_config_and_refusals(tmp_path):
     step_dir = tmp_path / "step00000001"
     step_dir.mkdir()
     (step_dir / "mp_rank_00_model_states.pt").write_bytes(b"")
-    assert universal.saved_world_size(step_dir) == 0 and not universal.needs_universal(step_dir, 4)  # ZeRO-0
+    assert ranks_that_wrote(step_dir) == 0 and not universal.needs_universal(step_dir, 4)  # ZeRO-0
     with pytest.raises(universal.ConversionError, match="not a complete checkpoint"):
         universal.convert(step_dir)
     (step_dir / "COMPLETE").write_text("1\n")

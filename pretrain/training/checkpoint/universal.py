@@ -101,6 +101,7 @@ import torch
 
 from pretrain.config import ConfigError
 from pretrain.errors import UnreadableCheckpoint
+from pretrain.runs.checkpoint_files import ranks_that_wrote
 
 if TYPE_CHECKING:
     import deepspeed
@@ -150,18 +151,13 @@ def deepspeed_files(step_dir: Path) -> list[Path]:
     return sorted(p for p in Path(step_dir).iterdir() if DS_FILE_RE.match(p.name) and p.is_file())
 
 
-def saved_world_size(step_dir: Path) -> int:
-    """The data-parallel world size that wrote the checkpoint: its number of ZeRO optimizer
-    partitions (0 for ZeRO stage 0, which writes none), read from file names alone."""
-    return sum(1 for p in Path(step_dir).iterdir() if ZERO_PARTITION_RE.match(p.name))
-
-
 def needs_universal(step_dir: Path, world_size: int) -> bool:
     """Whether resuming `step_dir` on `world_size` ranks needs the universal path: a ZeRO
-    checkpoint written by another number of ranks. Known before the engine is built, as the
-    DeepSpeed config must be (`with_universal_load`)."""
-    saved = saved_world_size(step_dir)
-    return saved > 0 and saved != world_size
+    checkpoint (its optimizer partitions: ZeRO stage 0 writes none) written by another number of
+    ranks (`ranks_that_wrote`). Known before the engine is built, as the DeepSpeed config must be
+    (`with_universal_load`)."""
+    zero = any(ZERO_PARTITION_RE.match(p.name) for p in Path(step_dir).iterdir())
+    return zero and ranks_that_wrote(step_dir) != world_size
 
 
 def with_universal_load(ds_config: dict[str, Any]) -> dict[str, Any]:

@@ -23,37 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from data_pipeline.files import atomic_write_text
-from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError, load_json_object
+from pretrain.runs.ds_file import SHIPPED_DIR, resolve_ds_path
 from pretrain.runs.run_config import RunConfig, TrainConfig
 from pretrain.training.engine.lr_schedule import horizon, warmup_num_steps
 
-SHIPPED_DIR = PROJECT_ROOT / "ds_configs"
 AUTO = "auto"
 # optimizer types that are AdamW in DeepSpeed ("Adam" is AdamW unless adam_w_mode is false)
 ADAMW_TYPES = ("adamw", "adam")
 SCHEDULER_TYPE = "WarmupCosineLR"
-
-
-def resolve_ds_path(path: str | Path) -> Path:
-    """The DeepSpeed file `path` names: as given when it exists (or is absolute), else one of
-    the shipped configs (`ds_configs/zero3.json` or `zero3.json`), whatever the working directory."""
-    p = Path(path)
-    if p.is_absolute() or p.exists():
-        return p
-    for base in (PROJECT_ROOT, SHIPPED_DIR):
-        if (base / p).is_file():
-            return base / p
-    return p
-
-
-def shipped_ds_file(path: str | Path) -> bool:
-    """Whether `path` names a shipped config by its shipped name (`ds_configs/zero3.json` from the
-    checkout, `zero3.json` from ds_configs/): a name that finds it from any directory."""
-    p = Path(path)
-    if p.is_absolute() or not p.exists():
-        return False
-    return any((base / p).is_file() and (base / p).samefile(p) for base in (PROJECT_ROOT, SHIPPED_DIR))
 
 
 def load_ds_json(path: str | Path) -> dict[str, Any]:

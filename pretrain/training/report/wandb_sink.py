@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from pretrain.errors import ConfigError
 from pretrain.runs.checkpoint_files import TAG_RE
+from pretrain.say import one_line
 from pretrain.training.callbacks import Callback
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ def check_available(cfg: RunConfig) -> None:
         wandb.login(verify=False)  # raises where no API key is configured; never prompts without a terminal
     except Exception as err:  # wandb's UsageError, or whatever its settings raise
         raise ConfigError(
-            f"train.wandb=true: not logged in to W&B ({_one_line(err)[:200]}): log in (`wandb login` or "
+            f"train.wandb=true: not logged in to W&B ({one_line(err)[:200]}): log in (`wandb login` or "
             "WANDB_API_KEY), or set WANDB_MODE=offline and `wandb sync` later"
         ) from None
 
@@ -88,7 +89,7 @@ def saved_id(tag_dir: Path | None) -> str | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as err:
-        log.warning("%s cannot be read (%s): W&B logs to a new run", path, _one_line(err))
+        log.warning("%s cannot be read (%s): W&B logs to a new run", path, one_line(err))
         return None
     return run_id if isinstance(run_id, str) and run_id else None
 
@@ -134,7 +135,7 @@ class WandbRun(Callback):
             run = reopen(id=run_id, resume="allow")
         except Exception as err:  # wandb's errors (login, network, settings) have no common base
             raise ConfigError(
-                f"train.wandb=true: W&B could not start ({_one_line(err)[:300]}); log in (`wandb login` or "
+                f"train.wandb=true: W&B could not start ({one_line(err)[:300]}); log in (`wandb login` or "
                 "WANDB_API_KEY), or set WANDB_MODE=offline and `wandb sync` later"
             ) from None
         if getattr(run, "offline", False):
@@ -162,7 +163,7 @@ class WandbRun(Callback):
             self.run.log(dict(values), step=step)
         except Exception as err:
             self.failed = True
-            log.warning("W&B logging failed at step %d (%s): training goes on without W&B", step, _one_line(err))
+            log.warning("W&B logging failed at step %d (%s): training goes on without W&B", step, one_line(err))
 
     def rewind(self, step: int) -> None:
         """Back to training step `step` (a rollback): the run is closed and opened again rewound to
@@ -179,12 +180,12 @@ class WandbRun(Callback):
                     "W&B could not rewind run %s to step %d (%s): it resumes, and ignores the steps up to its last",
                     run_id,
                     step,
-                    _one_line(err)[:300],
+                    one_line(err)[:300],
                 )
                 self.run = self.reopen(id=run_id, resume="allow")
         except Exception as err:
             self.failed = True
-            log.warning("W&B could not reopen run %s (%s): training goes on without W&B", run_id, _one_line(err))
+            log.warning("W&B could not reopen run %s (%s): training goes on without W&B", run_id, one_line(err))
 
     def files(self) -> dict[str, str]:
         """{file name: text} to write into every checkpoint: the id a resume continues."""
@@ -199,8 +200,4 @@ class WandbRun(Callback):
         try:
             self.run.finish()
         except Exception as err:
-            log.warning("W&B could not finish run %s (%s)", self.id, _one_line(err))
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(f"{type(err).__name__}: {err}".split())
+            log.warning("W&B could not finish run %s (%s)", self.id, one_line(err))

@@ -15,10 +15,12 @@ instead set the length, the decay being its last decay_tokens. Everything else i
 rule (start/resume_check.py): the model, tokenizer, lr, warmup, betas and weight decay stay, the lr at the
 checkpoint may not move, the global batch is kept.
 
-How: the start is planned against the source checkpoint first (start/plan.py: the resume rule, and
-nothing linked while it refuses); then the branch's `checkpoints/<tag>` is made of hard links to
-the source checkpoint's files (copies where the file system has none), built in a temporary
-folder and renamed into place, so it is whole or absent, and the branch trains as an ordinary
+The branch's run config (its source, schedule and length) is the command line's, read once
+(pretrain/runs/command_line.py); here, its checkpoint. How: the start is planned against the
+source checkpoint first (start/plan.py: the resume rule, and nothing linked while it refuses);
+then the branch's `checkpoints/<tag>` is made of hard links to the source checkpoint's files
+(copies where the file system has none), built in a temporary folder and renamed into place,
+so it is whole or absent, and the branch trains as an ordinary
 `--resume` of the new run directory (the trainer's load). The source run directory is only
 read: no file in it is written, renamed or removed, and pruning the branch's checkpoints removes
 the branch's links only. Nothing writes into a linked file: checkpoint.save writes each tag's
@@ -37,179 +39,23 @@ the branch's copy would change with it; `GRT_BRANCH_COPY=1` copies instead of li
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from data_pipeline.files import atomic_write_text, is_temp
 from pretrain.config import ConfigError
-from pretrain.errors import UnreadableCheckpoint
 from pretrain.runs import checkpoint_files
 from pretrain.runs.checkpoint_files import DATA_SKIPS
-from pretrain.runs.data_spec import load_manifest
-from pretrain.runs.run_config import RunConfig, tokens_per_step
-from pretrain.training.engine.lr_schedule import decay_steps
+from pretrain.runs.run_config import RunConfig
+from pretrain.say import say
 
-BRANCH_FILE = "branch.json"  # in the branch's run directory: where it branched from
 NOT_LINKED = ("wandb.json",)  # the source's W&B run id: a branch is a W&B run of its own
 COPY_ENV = "GRT_BRANCH_COPY"  # 1: copy the checkpoint's files instead of hard-linking them
-
-
-def _say(line: str) -> None:
-    from pretrain.distributed import discover
-
-    if discover().rank == 0:
-        print(f"grt train: {line}", file=sys.stderr, flush=True)
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def find_source(given: str, out: str | None) -> Path:
-    """The checkpoint (absolute tag directory) `--branch-from given` names: a tag directory, a
-    `checkpoints/` folder or a run directory (their newest complete checkpoint). Where `out`
-    already is a branch of that run (its branch.json; a restart), the tag it was made from.
-    ConfigError (one line) when there is none."""
-    if not out:
-        raise ConfigError("--branch-from needs --out: the branch's own, new run directory")
-    p = Path(given).resolve()
-    if checkpoint_files.TAG_RE.match(p.name) and p.is_dir():
-        if not (p / "COMPLETE").is_file():
-            raise ConfigError(f"--branch-from {given}: not a complete checkpoint (no COMPLETE marker)")
-        tag_dir: Path | None = p
-        root = p.parent
-    else:
-        root = p if p.name == "checkpoints" else p / "checkpoints"
-        if not root.is_dir():
-            raise ConfigError(
-                f"--branch-from {given}: no run directory, checkpoints folder or checkpoint "
-                "(a run directory holds checkpoints/stepNNNNNNNN)"
-            )
-        tag_dir = None
-    recorded = _read_json(Path(out) / BRANCH_FILE)
-    if recorded is not None and Path(recorded.get("source_run", "")) == root.parent:
-        made_from = Path(recorded.get("checkpoint", ""))
-        if tag_dir is not None and tag_dir != made_from:
-            raise ConfigError(
-                f"--out {out} is a branch of {made_from} ({BRANCH_FILE}), not of {tag_dir}: resume it with "
-                f"--branch-from {made_from}, or choose another --out"
-            )
-        return made_from
-    if tag_dir is not None:
-        return tag_dir
-    latest = checkpoint_files.find_latest(root)
-    if latest is None:
-        raise ConfigError(f"--branch-from {given}: {root} holds no complete checkpoint")
-    return root / latest
-
-
-def saved_where(cfg: RunConfig, path: Path) -> RunConfig:
-    """A run config read from the file `path`: where that is a run's own config.json (its run
-    directory's, or one of its checkpoints'), a relative `out` in it names that run directory (it
-    was relative to the directory the run was started from, not to this command's). A relative
-    DeepSpeed file in any saved config is a shipped one by its name (the run made the caller's own
-    absolute, pretrain/train.py callers_paths): that file, whatever this directory holds of that name."""
-    from pretrain.training.engine.ds_config import PROJECT_ROOT, SHIPPED_DIR
-
-    folder = Path(os.path.abspath(path)).parent
-    run = folder.parent.parent if checkpoint_files.TAG_RE.match(folder.name) else folder
-    if cfg.out and not os.path.isabs(cfg.out) and (run / "checkpoints").is_dir():
-        cfg.out = str(run)
-    names = [base / cfg.ds_config for base in (PROJECT_ROOT, SHIPPED_DIR) if not os.path.isabs(cfg.ds_config)]
-    shipped = next((p for p in names if p.is_file()), None)
-    if shipped is not None and not (os.path.exists(cfg.ds_config) and os.path.samefile(cfg.ds_config, shipped)):
-        cfg.ds_config = str(shipped)
-    return cfg
-
-
-def saved_config(folder: Path, where: str) -> RunConfig:
-    """The run config a run saved in `folder` (a checkpoint's, or a run directory's `config.json`):
-    the base of a run continued from it (a branch, a resume: pretrain/train.py base_config);
-    `where` names it in the one line that refuses an unreadable one."""
-    try:
-        cfg = RunConfig.from_dict(checkpoint_files.read_config(folder))
-    except UnreadableCheckpoint as err:
-        raise ConfigError(f"{where}: {folder / 'config.json'}: {err.problem}") from None
-    return saved_where(cfg, folder / "config.json")
-
-
-def source_config(source: Path) -> RunConfig:
-    """The run config the checkpoint was trained with: a branch's starting point."""
-    return saved_config(source, f"--branch-from {source}")
-
-
-def base_config(source: Path, out: str) -> RunConfig:
-    """A branch's starting run config: the source checkpoint's, or where the source has pruned it
-    since the branch was made, the branch's copy of it."""
-    for tag_dir in (source, Path(out) / "checkpoints" / source.name):
-        if (tag_dir / "COMPLETE").is_file():
-            return source_config(tag_dir)
-    raise ConfigError(f"--branch-from {source}: no complete checkpoint there")
-
-
-def given_train_keys(args: argparse.Namespace) -> set[str]:
-    """The train keys the command line sets itself (flags and --set), e.g. {"steps", "decay_tokens"}."""
-    keys = {k.split("=", 1)[0].removeprefix("train.") for k in args.overrides if k.startswith("train.")}
-    return keys | ({"steps"} if args.steps is not None else set())
-
-
-def configure(cfg: RunConfig, source: Path, given: set[str]) -> RunConfig:
-    """Make `cfg` (the source's config with the command line's changes) the branch's: wsd, its
-    horizon its own length, that length (unless given) the checkpoint's step + the decay's steps."""
-    out, run = Path(cfg.out).resolve(), source.parent.parent
-    if out == run or run in out.parents:
-        raise ConfigError(
-            f"--out {cfg.out}: a branch needs a new run directory, not {run} or a folder inside it "
-            "(the source run's files stay untouched)"
-        )
-    if "schedule" in given and cfg.train.schedule != "wsd":
-        raise ConfigError(f"train.schedule={cfg.train.schedule!r}: a decay branch trains the wsd schedule's decay")
-    t = cfg.train
-    t.schedule = "wsd"
-    cfg.branch_from = str(source)
-    if "schedule_steps" not in given:
-        t.schedule_steps = 0  # the decay ends at the branch's own last step
-    if given & {"steps", "tokens"}:
-        return cfg
-    if t.decay_tokens <= 0:
-        raise ConfigError(
-            f"--branch-from {source}: a decay branch needs its decay: --set train.decay_tokens=N (tokens), "
-            "or its length (--steps, train.tokens)"
-        )
-    if t.allow_batch_change:
-        raise ConfigError(
-            "--branch-from with train.allow_batch_change: the decay's steps follow the global batch, which the "
-            "ranks set; give the branch's length (--steps)"
-        )
-    per_step = _tokens_per_step(source, Path(cfg.out), load_manifest(cfg.data).seq_len)
-    t.steps = checkpoint_files.step_of(source.name) + decay_steps(t.decay_tokens, per_step)
-    t.tokens = 0.0  # the length is train.steps (said by the resume's line, with the decay, once the start is sure)
-    return cfg
-
-
-def _tokens_per_step(source: Path, out: Path, seq_len: int) -> int:
-    """The tokens per optimizer step of the source checkpoint's global batch (a resume keeps it): read
-    from it, or, where the source has pruned it since, from the branch's own copy or newest checkpoint."""
-    root = out / "checkpoints"
-    newest = checkpoint_files.find_latest(root)
-    for tag_dir in (source, root / source.name, *([root / newest] if newest else [])):
-        if (tag_dir / "COMPLETE").is_file():
-            return tokens_per_step(
-                source_config(tag_dir).train, checkpoint_files.ranks_that_wrote(tag_dir) or 1, seq_len
-            )
-    raise ConfigError(f"--branch-from {source}: no complete checkpoint there")
 
 
 def _tag_dir(cfg: RunConfig) -> tuple[Path, Path]:
@@ -228,7 +74,7 @@ def _made(cfg: RunConfig) -> bool:
     others = checkpoint_files.tag_dirs(root)
     if not others:
         return False
-    recorded = _read_json(Path(cfg.out) / BRANCH_FILE) or {}
+    recorded = checkpoint_files.read_json(Path(cfg.out) / checkpoint_files.BRANCH_FILE) or {}
     if recorded.get("checkpoint") == str(source):
         return True
     raise ConfigError(
@@ -319,7 +165,7 @@ def prepare(cfg: RunConfig) -> list[Path]:
             created.append(latest)
         created += _carry_data_skip(cfg, source)
         atomic_write_text(
-            out / BRANCH_FILE,
+            out / checkpoint_files.BRANCH_FILE,
             json.dumps(
                 {
                     "source_run": str(source.parent.parent),
@@ -336,21 +182,21 @@ def prepare(cfg: RunConfig) -> list[Path]:
             )
             + "\n",
         )
-        created.append(out / BRANCH_FILE)
+        created.append(out / checkpoint_files.BRANCH_FILE)
     except OSError as err:
         _remove(created)
         raise ConfigError(
             f"--branch-from {source}: could not make {mine} ({type(err).__name__}: {err}); nothing was left in --out"
         ) from None
     if "copies" in how and os.environ.get(COPY_ENV) != "1":
-        _say(f"warning: {mine}: the file system refused hard links to {source}'s files: copied them instead")
+        say(f"warning: {mine}: the file system refused hard links to {source}'s files: copied them instead")
     return created
 
 
 def _carry_data_skip(cfg: RunConfig, source: Path) -> list[Path]:
     """Where the source's rollback recorded that a resume from this tag skips data
     (data_skips.json), the branch does the same."""
-    skip = (_read_json(source.parent.parent / DATA_SKIPS) or {}).get(source.name)
+    skip = (checkpoint_files.read_json(source.parent.parent / DATA_SKIPS) or {}).get(source.name)
     path = Path(cfg.out) / DATA_SKIPS
     if skip is None or path.exists():
         return []

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,10 +37,10 @@ from pretrain.runs.run_config import (
 )
 from pretrain.runs.run_config import tokens_per_step as step_tokens
 from pretrain.runs.settings_rules import RunShape, check_settings, start_notes
+from pretrain.say import one_line
 from pretrain.training.checkpoint import store, universal
 from pretrain.training.engine.ds_config import build_ds_config, load_ds_json, zero_stage
 from pretrain.training.engine.parallelize import check_checkpointing
-from pretrain.training.failures import one_line
 from pretrain.training.report.wandb_sink import check_available
 from pretrain.training.start import branch, run_lock
 from pretrain.training.start.resume_check import check_tag, none_readable
@@ -403,9 +402,3 @@ def check_shards(plan: StartPlan) -> int:
         return sum(check_manifest_shards(source.manifest, splits) for source in with_split(plan.data, "train"))
     except ShardError as err:
         raise ConfigError(f"data={plan.cfg.data!r}: {err}") from None
-
-
-def say(message: str) -> None:
-    """One line on stderr, from rank 0 only: what a start passes over or changes."""
-    if discover().rank == 0:
-        print(f"grt train: {message}", file=sys.stderr, flush=True)
