@@ -158,7 +158,6 @@ ROOMS = {
         "depth",  # how many loop steps a step runs
         "failures",  # who failed, stop signals
         "run_context",  # what each component of a run is built from
-        "faults",  # the tests' fault injections
         "engine",  # DeepSpeed config, engine, internals, optimizer, LR schedule, compile, checkpointing
         "report",  # metrics, step log, timing, profiler, W&B
         "checkpoint",  # checkpoint files: complete or invisible, other world sizes, background saves
@@ -167,6 +166,7 @@ ROOMS = {
         "step",  # one optimizer step: controls, bad batches, spikes
         "evaluation",  # validation and tasks during training
         "run_checkpoints",  # the run's loads, saves and rollbacks
+        "faults",  # the tests' fault injections, installed in the rooms below
         "trainer",  # the loop
     ),
     "pretrain.infer": (

@@ -1,4 +1,4 @@
-"""Run health: who failed, stop signals, failure explanations, fault injection, memory.
+"""Run health: who failed, stop signals, failure explanations, memory.
 
 Everything here is set up once at start-up; nothing in the training loop reads the
 environment or the rendezvous store (the heartbeat publishes from its own thread).

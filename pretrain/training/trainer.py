@@ -56,7 +56,7 @@ from pretrain.training.failures import (
     explain_failure,
     one_line,
 )
-from pretrain.training.faults import DelayInjection, NanFaults, NanInjection
+from pretrain.training.faults import Faults
 from pretrain.training.report.metrics import MetricsWriter, Throughput, peak_flops, rss_mb
 from pretrain.training.report.profiling import RunProfiler
 from pretrain.training.report.step_log import StartPhases, StepLog, log_start
@@ -150,8 +150,6 @@ class Trainer:
         self.writer.text("config", self.config_json)
         self.writer.text("deepspeed_config", ds_config_json(ds))
         self.validation = Validation.build(run, val, self.data.weights, self.writer)
-        self.nan_faults = NanFaults(self.engine, NanInjection())
-        self.delays = DelayInjection(self.engine, self.rank)
         self.spikes = LossSpikes.build(run, self.writer, self.data.trained)
         if loaded is not None:
             self.spikes.restore(loaded.loss_history)  # a resume judges as the run would have
@@ -168,7 +166,7 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------
     def fit(self) -> dict:
         t = self.cfg.train
-        batches = self.delays.batches(warn_on_skipped_shards(self.data.loader, self.rank))
+        batches = warn_on_skipped_shards(self.data.loader, self.rank)
         last_val: dict[int, float] = {}
         grad_norms: dict[str, float] = {}  # the last logging step's, for the loop's health at validation
         loss, stop_requested = float("nan"), False  # (a finished run resumed never gets here: train())
@@ -183,7 +181,7 @@ class Trainer:
             for callback in self.callbacks:
                 callback.on_step_begin(self.step)
             try:  # collectives: one all-reduce per micro-batch, and DeepSpeed's
-                with self.nan_faults.at_step(self.step), self.profiler.on_out_of_memory():
+                with self.profiler.on_out_of_memory():
                     result = self.stepper.run(batches, depth, log_now, self.step)
             except SpikeRollback:
                 self.roll_back()
@@ -328,6 +326,8 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
 
     A failure on one rank (an exception, or a peer that died or hung) stops every rank
     with RankFailure naming the rank that failed (see health.Heartbeat)."""
+    faults = Faults.from_environment()  # the tests' injections (faults.py); a real run has none
+    faults.install_at_start()
     plan = plan_start(cfg, resume or bool(cfg.branch_from))
     for line in plan.start_lines():
         say(line)
@@ -338,6 +338,7 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
         trainer = Trainer(plan)
         try:
             trainer.build()
+            faults.install_in(trainer)
             return trainer.fit()
         except (ConfigError, TrainingStopped) as err:
             if trainer.heartbeat is not None and not isinstance(err, RankFailure):

@@ -134,6 +134,7 @@ def test_a_run_lock_refused_leaves_the_lock_file_as_it_was(tmp_path, monkeypatch
     """In-process: a second holder is refused naming the first; a holder that never commits
     restores the lock file (or removes the one, and the --out, it created)."""
     from pretrain.config import ConfigError
+    from pretrain.training.faults import Faults
     from pretrain.training.start.run_lock import RunDirInUse, RunLock, lock_path, refuse_if_in_use
 
     out = tmp_path / "new"
@@ -162,7 +163,7 @@ def test_a_run_lock_refused_leaves_the_lock_file_as_it_was(tmp_path, monkeypatch
     third.commit()
     third.release()
     assert json.loads(lock_path(out).read_text())["pid"] == os.getpid()
-    monkeypatch.setenv("GRT_INJECT_LOCK_FAULT", "enolck")
+    Faults.from_environment({"GRT_INJECT_LOCK_FAULT": "enolck"}).install_at_start(monkeypatch.setattr)
     with pytest.raises(ConfigError, match="refuses file locks"):
         refuse_if_in_use(out)
 

@@ -19,9 +19,8 @@ synchronously (the stall stays) through an async-I/O extension that needs buildi
 from __future__ import annotations
 
 import copy
-import errno
-import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,13 +65,13 @@ class BackgroundWrites:
     takes a host copy and queues it; everything else is the engine's own), then written by a thread
     (`start`); `wait` gives the first error."""
 
-    def __init__(self, ds_checkpoint_engine: Any, fail_with_enospc: bool = False) -> None:
+    def __init__(self, ds_checkpoint_engine: Any) -> None:
         self.files: list[tuple[Path, Any]] = []
         self.error: BaseException | None = None
         self._own = ds_checkpoint_engine
         self._pinned = torch.cuda.is_available()
         self._thread: threading.Thread | None = None
-        self._fail = fail_with_enospc  # fault injection (GRT_INJECT_CKPT_FAULT=enospc): the write fails
+        self.write_file: Callable[[Any, Path], None] = torch.save  # or a test's fault (faults.py)
 
     def __getattr__(self, name: str) -> Any:  # makedirs, load, create, commit, ...: DeepSpeed's engine's
         return getattr(self._own, name)
@@ -97,10 +96,7 @@ class BackgroundWrites:
         try:
             for path, state in self.files:
                 with atomic_path(path) as tmp:
-                    if self._fail:
-                        tmp.write_bytes(b"\0" * 100)  # a partly written file, as a full disk leaves it
-                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
-                    torch.save(state, tmp)
+                    self.write_file(state, tmp)
         except Exception as err:  # torch.save reports a full disk as RuntimeError
             self.error = err
         finally:

@@ -18,7 +18,6 @@ DeepSpeed would leave the ranks in different collectives; it is read-checked fir
 from __future__ import annotations
 
 import logging
-import os
 import random
 import shutil
 import zipfile
@@ -105,18 +104,15 @@ def verify(root: Path, tag: str, rank: int = 0, world: int = 1) -> str | None:
     return None
 
 
-def _fault(kind: str, step: int, rank: int) -> bool:
-    """Fault injection for the reliability tests: GRT_INJECT_CKPT_FAULT=<kind>@<step>[@<rank>]
-    (rank 0 by default). kind `kill`: the rank SIGKILLs itself after every rank has written
-    its files and before COMPLETE; `enospc`: DeepSpeed's file writes fail with ENOSPC."""
-    spec = os.environ.get("GRT_INJECT_CKPT_FAULT", "")
-    parts = spec.split("@")
-    return (
-        len(parts) >= 2
-        and parts[0] == kind
-        and int(parts[1]) == step
-        and int(parts[2] if len(parts) > 2 else 0) == rank
-    )
+def _no_fault(*_: Any) -> None:
+    """A save's fault seam while no test has installed a fault."""
+
+
+# The two points of a save where the tests' faults act (faults.py installs them; nothing here reads
+# the environment): as this rank's files are about to be written (the engine, step, rank, and the
+# background writes, None for a synchronous save), and once every rank's are written, before COMPLETE.
+on_writing: Callable[[deepspeed.DeepSpeedEngine, int, int, BackgroundWrites | None], None] = _no_fault
+on_completing: Callable[[int, int], None] = _no_fault
 
 
 def _remove_debris(root: Path, tag: str) -> None:
@@ -189,11 +185,10 @@ def _write(
             f"({find_latest(root)}) is intact"
         ) from error
     # 2. DeepSpeed's files and this rank's state (or their host copies, for the thread to write)
-    writes = BackgroundWrites(engine.checkpoint_engine, _fault("enospc", step, rank)) if background else None
+    writes = BackgroundWrites(engine.checkpoint_engine) if background else None
     state = {**(fit_state or {}), "rng": rng_state(), "loader": loader_state, "step": step}
     try:
-        if _fault("enospc", step, rank) and writes is None:
-            deepspeed_internals.inject_enospc(engine)
+        on_writing(engine, step, rank, writes)
         with _checkpoint_engine(engine, writes), deepspeed_internals.RecordWriteErrors(engine) as recorded:
             engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
         if recorded.errors:
@@ -260,8 +255,7 @@ def _complete(
 ) -> None:
     """3. rank 0 marks checkpoint `tag` complete, every rank's files being written (collective)."""
     error: BaseException | None = None
-    if _fault("kill", step, rank):
-        os.kill(os.getpid(), 9)
+    on_completing(step, rank)
     if rank == 0:
         try:
             (root / tag / "config.json").write_text(config_json)

@@ -29,12 +29,10 @@ pins the tested range). What is patched, and why:
 
 from __future__ import annotations
 
-import errno
-import os
 import warnings
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, NoReturn
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -251,16 +249,10 @@ def hold_pinned(engine: deepspeed.DeepSpeedEngine) -> None:
         p.ds_active_sub_modules.add(_PIN_ID)
 
 
-def inject_enospc(engine: deepspeed.DeepSpeedEngine) -> None:
-    """Fault injection (GRT_INJECT_CKPT_FAULT=enospc@...): DeepSpeed's file writes fail as on a full disk."""
-    ckpt_engine = engine.checkpoint_engine
-
-    def failing_save(state_dict: object, path: str | os.PathLike[str]) -> NoReturn:
-        with open(path, "wb") as f:
-            f.write(b"\0" * 100)  # a partly written file, as a full disk leaves it
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-
-    ckpt_engine.save = failing_save
+def write_files_with(engine: deepspeed.DeepSpeedEngine, save: Callable[[Any, str], None]) -> None:
+    """DeepSpeed's checkpoint file writes of `engine` go through `save(state_dict, path)` from now on:
+    the seam of the tests' write faults (faults.py)."""
+    engine.checkpoint_engine.save = save
 
 
 class RecordWriteErrors:

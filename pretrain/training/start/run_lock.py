@@ -37,7 +37,6 @@ from pretrain.config import ConfigError
 
 LOCK_NAME = "train.lock"
 OVERRIDE_ENV = "GRT_ALLOW_UNLOCKED_OUT"
-FAULT_ENV = "GRT_INJECT_LOCK_FAULT"  # tests: `enolck` makes every flock fail as on a mount without locks
 UNSUPPORTED = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP})
 _BUSY = frozenset({errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES})
 
@@ -71,10 +70,8 @@ def unlocked_allowed() -> bool:
     return os.environ.get(OVERRIDE_ENV) == "1"
 
 
-def _flock(fd: int, op: int) -> None:
-    if os.environ.get(FAULT_ENV) == "enolck":
-        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
-    fcntl.flock(fd, op)
+# every flock on a lock file: fcntl's, or a test's fault in its place (faults.py: a mount without locks)
+flock = fcntl.flock
 
 
 def _holder(path: Path) -> str:
@@ -123,14 +120,14 @@ def refuse_if_in_use(out: str | Path) -> None:
         return  # no lock file (no run has started here), or one acquire() will explain
     try:
         try:
-            _flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as err:
             if err.errno in _BUSY:
                 raise _in_use(out) from None
             if err.errno in UNSUPPORTED and unlocked_allowed():
                 return
             raise _unsupported(out, err) from None
-        _flock(fd, fcntl.LOCK_UN)
+        flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
 
@@ -168,7 +165,7 @@ class RunLock:
             except OSError as err:
                 raise ConfigError(f"--out {out}: cannot open the lock file {path} ({err.strerror})") from None
             try:
-                _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
                 os.close(fd)
                 if err.errno in _BUSY:  # (a file created here a moment ago is the winner's: it stays)
