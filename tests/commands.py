@@ -36,11 +36,14 @@ def train_command(
     ds_config: str,
     sets: Iterable[str] = (),
     *extra: str,
+    grad_accum: int | None = None,
 ) -> list[str]:
     """`grt train` arguments: `preset` on `data` into `out` (None: no --out, a named run) for `steps`
-    steps, each of `sets` as a `--set`, then `extra` as they are."""
+    steps (`grad_accum` micro-batches each; None: the preset's), each of `sets` as a `--set`, then
+    `extra` as they are."""
     args = ["train", "--preset", preset, "--data", str(data), *(["--out", str(out)] if out is not None else [])]
-    args += ["--steps", str(steps), "--micro-batch-size", str(micro_batch_size), "--ds-config", ds_config]
+    args += ["--steps", str(steps), "--micro-batch-size", str(micro_batch_size)]
+    args += [*(["--grad-accum", str(grad_accum)] if grad_accum is not None else []), "--ds-config", ds_config]
     for s in sets:
         args += ["--set", s]
     return [*args, *extra]

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from commands import train_command
 from multiproc import REPO, run_ranks
 
 from pretrain.config import ConfigError
@@ -245,38 +246,17 @@ def test_zero_gradients_equal_single_process_reference(tmp_path, stage):
 
 
 def train_args(manifest, out, variant, *extra):
-    return [
-        "-m",
-        "pretrain.cli",
-        "train",
-        "--preset",
-        f"micro-{variant}",
-        "--data",
-        str(manifest),
-        "--out",
-        str(out),
-        "--steps",
-        "12",
-        "--micro-batch-size",
-        "8",
-        "--grad-accum",
-        "1",
-        "--ds-config",
-        str(REPO / "ds_configs" / "zero3.json"),
-        "--set",
+    sets = (
         "train.log_every=1",
-        "--set",
         "train.save_every=6",
-        "--set",
         "train.eval_every=12",
-        "--set",
         "train.eval_batches=2",
-        "--set",
         "train.warmup_steps=2",
-        "--set",
         "train.lr=1e-2",
-        *extra,
-    ]
+    )
+    zero3 = str(REPO / "ds_configs" / "zero3.json")
+    command = train_command(f"micro-{variant}", manifest, out, 12, 8, zero3, sets, *extra, grad_accum=1)
+    return ["-m", "pretrain.cli", *command]
 
 
 def records(path):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from commands import error_lines
+from commands import error_lines, train_command
 from multiproc import run_ranks
 from trained_models import (  # noqa: F401 (fixtures: manifest, single_thread)
     ENV,
@@ -97,38 +97,16 @@ def test_every_rank_runs_the_same_forwards_and_the_sums_are_one_process(monkeypa
 
 
 def train_args(data, out, eval_dir, ds_config, *extra):
-    return [
-        "-m",
-        "pretrain.cli",
-        "train",
-        "--preset",
-        "micro-grt",
-        "--data",
-        str(data),
-        "--out",
-        str(out),
-        "--steps",
-        "4",
-        "--micro-batch-size",
-        "4",
-        "--ds-config",
-        str(ds_config),
-        "--set",
+    sets = (
         "train.eval_every=0",
-        "--set",
         "train.log_every=2",
-        "--set",
         "train.warmup_steps=1",
-        "--set",
         "train.eval_tasks_every=2",
-        "--set",
         "train.eval_tasks=piqa,lambada",
-        "--set",
         "train.eval_tasks_limit=5",
-        "--set",
         f"train.eval_dir={eval_dir}",
-        *extra,
-    ]
+    )
+    return ["-m", "pretrain.cli", *train_command("micro-grt", data, out, 4, 4, str(ds_config), sets, *extra)]
 
 
 @pytest.mark.slow

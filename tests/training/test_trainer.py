@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from commands import train_command
 from multiproc import REPO, grt, run_ranks
 
 from pretrain.presets import PRESETS
@@ -65,40 +66,18 @@ def test_zero_gradients_equal_single_process_reference(tmp_path, stage, world, p
 
 
 def train_args(manifest, out, steps=30, *extra):
-    return [
-        "-m",
-        "pretrain.cli",
-        "train",
-        "--preset",
-        "micro-grt",
-        "--data",
-        str(manifest),
-        "--out",
-        str(out),
-        "--steps",
-        str(steps),
-        "--micro-batch-size",
-        "4",
-        "--grad-accum",
-        "2",
-        "--ds-config",
-        str(REPO / "ds_configs" / "zero3.json"),
-        "--set",
+    sets = (
         "train.log_every=1",
-        "--set",
         "train.save_every=10",
-        "--set",
         "train.eval_every=10",
-        "--set",
         "train.eval_batches=2",
-        "--set",
         "train.warmup_steps=3",
-        "--set",
         "train.lr=3e-3",
-        "--set",
         "train.activation_checkpointing=loop_step",
-        *extra,
-    ]
+    )
+    zero3 = str(REPO / "ds_configs" / "zero3.json")
+    command = train_command("micro-grt", manifest, out, steps, 4, zero3, sets, *extra, grad_accum=2)
+    return ["-m", "pretrain.cli", *command]
 
 
 def read_records(path):

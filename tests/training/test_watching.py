@@ -9,6 +9,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from commands import train_command
 from multiproc import REPO, run_ranks
 from trained_models import manifest  # noqa: F401 (fixture)
 
@@ -27,13 +28,9 @@ LABELS = {
 
 
 def _train(out, data, *settings, env=None, world=2, steps=6, extra=()):
-    args = [
-        *("-m", "pretrain.cli", "train", "--preset", "micro-grt", "--data", str(data), "--out", str(out)),
-        *("--steps", str(steps), "--micro-batch-size", "2", "--ds-config", "ds_configs/zero2.json"),
-        *("--set", "train.eval_every=0", "--set", "train.save_final=false", "--set", "train.log_every=1"),
-        *[arg for setting in settings for arg in ("--set", setting)],
-        *extra,
-    ]
+    sets = ("train.eval_every=0", "train.save_final=false", "train.log_every=1", *settings)
+    command = train_command("micro-grt", data, out, steps, 2, "ds_configs/zero2.json", sets, *extra)
+    args = ["-m", "pretrain.cli", *command]
     procs = run_ranks(args, world=world, env={"PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", **(env or {})})
     for rank, proc in enumerate(procs):
         assert proc.returncode == 0, f"rank {rank}:\n{proc.stdout[-3000:]}"
