@@ -6,7 +6,6 @@ callback: the values are the step's own, the slow ranks' and every callback's)."
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -15,6 +14,7 @@ import torch
 
 from pretrain.model.flops import count_params
 from pretrain.runs.run_config import RunConfig
+from pretrain.say import say
 from pretrain.training.callbacks import Callback
 from pretrain.training.engine import deepspeed_internals
 from pretrain.training.engine.ds_config import zero_stage
@@ -70,7 +70,7 @@ def step_line(step: int, steps: int, values: Mapping[str, float]) -> str:
 class StartPhases:
     """The start's progress on rank 0 (`say`): one line as each phase begins, one with its duration
     when it is done (`begin` ends the phase before it; `done` the last). Until the run's log is set
-    up (`to_log`) the lines go to stderr as the start's other lines do (`grt train: ...`)."""
+    up (`to_log`) the lines go to stderr as the start's other lines do (pretrain/say.py)."""
 
     def __init__(self, say: bool, clock: Callable[[], float] = time.perf_counter) -> None:
         self.say, self.clock = say, clock
@@ -86,7 +86,7 @@ class StartPhases:
         if self.logging:
             log.info("%s", message)
         else:
-            print(f"grt train: {message}", file=sys.stderr, flush=True)
+            say(message)
 
     def begin(self, name: str, announce: bool = True) -> None:
         """`announce=False`: the phase is said only when done (the checks: a refusal in them stays one line)."""

@@ -195,8 +195,8 @@ def _resumed(
     size, tokenizer and data order) and given its budget's steps from what it trained: ConfigError
     to refuse, UnreadableCheckpoint when the tag's own files cannot be read. With the line of its
     changes, and the steps and tokens it trained."""
-    notes: list[str] = []
-    cfg = check_tag(copy.deepcopy(requested), root, tag, world, manifest=data, notes=notes)
+    changes = check_tag(requested, root, tag, world, manifest=data)
+    cfg, notes = changes.applied(requested), [changes.line] if changes.line else []
     state = check_data_order(cfg, data, root, tag)
     step, per_step = int(state.get("step", 0)), step_tokens(cfg.train, world, data.seq_len)
     trained = step, TokenCount.saved(state.get("tokens"), state.get("loader", {}), step, per_step, data.seq_len).total

@@ -25,7 +25,8 @@ The resume rule (docs/reliability.md, "Resuming with changed settings"):
   does; a change that would move the learning rate at the checkpoint is refused, naming both
   values;
 - any other key takes its new value (the out dir and branch_from included).
-Every change that is applied is said in one line on stderr.
+`check_tag` changes nothing: it returns the settings the resume keeps and the one line that
+says every change (`ResumeChanges`), which the start's plan applies once and says once it is sure.
 
 A checkpoint whose own files cannot be read (its config.json cut off, its tokenizer
 unreadable) is not a refusal: `check_tag` raises UnreadableCheckpoint, and the start's plan
@@ -34,12 +35,13 @@ unreadable) is not a refusal: `check_tag` raises UnreadableCheckpoint, and the s
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
 import os
 import re
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -138,23 +140,39 @@ def _check_same_checkpoint_format(step_dir: Path, cfg: RunConfig, where: str) ->
         )
 
 
+@dataclass(frozen=True)
+class ResumeChanges:
+    """What a resume from a checkpoint changes in the run config asked for: the train settings it
+    keeps from the checkpoint (the started schedule's horizon, the global batch's grad_accum),
+    applied once by the caller (`applied`), and the line that says every change (rank 0's; ""
+    when there is none), said by the caller once the resume is sure."""
+
+    train: dict[str, Any]
+    line: str
+
+    def applied(self, cfg: RunConfig) -> RunConfig:
+        """A copy of `cfg` (the config asked for) with the settings the resume keeps."""
+        resumed = copy.deepcopy(cfg)
+        for key, value in self.train.items():
+            setattr(resumed.train, key, value)
+        return resumed
+
+
 def check_tag(
-    cfg: RunConfig,
+    asked: RunConfig,
     ckpt_root: Path,
     tag: str,
     world_size: int | None = None,
     manifest: Manifest | DataMixture | None = None,
-    notes: list[str] | None = None,
-) -> RunConfig:
-    """Check `cfg` (resolved against the data) against checkpoint `tag` for a run of `world_size`
-    ranks (default: this process's launch): refuse by the rule above (ConfigError), or return cfg
-    with the started schedule kept; UnreadableCheckpoint when the tag's config or
-    tokenizer cannot be read (nothing printed, cfg untouched). `notes`: where the line of
-    applied changes goes (rank 0) instead of stderr, for a caller that says it once the
-    resume is sure."""
+) -> ResumeChanges:
+    """Check `asked` (resolved against the data) against checkpoint `tag` for a run of `world_size`
+    ranks (default: this process's launch): refuse by the rule above (ConfigError), or return what
+    the resume changes (the started schedule and global batch kept); UnreadableCheckpoint when the
+    tag's config or tokenizer cannot be read. `asked` itself is not changed."""
     from data_pipeline.tokenizer import file_sha256
     from pretrain.distributed import discover
 
+    cfg = copy.deepcopy(asked)  # the settings kept are set on a copy, compared with `asked` at the end
     step_dir = ckpt_root / tag
     # through RunConfig: keys added since the checkpoint was written take their defaults
     saved_cfg = RunConfig.from_dict(read_config(step_dir))
@@ -230,21 +248,19 @@ def check_tag(
     )
     if cfg.train.tokens:  # the steps follow the budget from the tokens trained: its own line says them (start/plan.py)
         applied = [change for change in applied if not change.startswith("train.steps ")]
-    if applied and discover().rank == 0:
-        if wsd:
-            note = schedule_note
-        else:
-            note = (
-                f" (the learning-rate schedule keeps its {old_horizon}-step horizon)"
-                if new_t["steps"] != old_t["steps"]
-                else ""
-            )
-        line = f"resuming {where} with changes: {'; '.join(applied)}{note}{batch_note}"
-        if notes is None:
-            print(f"grt train: {line}", file=sys.stderr, flush=True)
-        else:
-            notes.append(line)
-    return cfg
+    kept = {f.name: getattr(cfg.train, f.name) for f in dataclasses.fields(cfg.train)}
+    kept = {key: value for key, value in kept.items() if getattr(asked.train, key) != value}
+    if not applied or discover().rank != 0:
+        return ResumeChanges(kept, "")
+    if wsd:
+        note = schedule_note
+    else:
+        note = (
+            f" (the learning-rate schedule keeps its {old_horizon}-step horizon)"
+            if new_t["steps"] != old_t["steps"]
+            else ""
+        )
+    return ResumeChanges(kept, f"resuming {where} with changes: {'; '.join(applied)}{note}{batch_note}")
 
 
 def keep_wsd_lr(
