@@ -29,11 +29,11 @@ import fcntl
 import json
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 
 from pretrain.config import ConfigError
+from pretrain.say import say
 
 LOCK_NAME = "train.lock"
 OVERRIDE_ENV = "GRT_ALLOW_UNLOCKED_OUT"
@@ -100,11 +100,9 @@ def _unsupported(out: Path, err: OSError) -> ConfigError:
 
 
 def _warn_unlocked(out: Path, err: OSError) -> None:
-    print(
-        f"grt train: warning: {out}: file locks are not supported here ({os.strerror(err.errno or 0)}); "
-        f"training without the run-directory lock ({OVERRIDE_ENV}=1)",
-        file=sys.stderr,
-        flush=True,
+    say(
+        f"warning: {out}: file locks are not supported here ({os.strerror(err.errno or 0)}); "
+        f"training without the run-directory lock ({OVERRIDE_ENV}=1)"
     )
 
 
