@@ -208,7 +208,7 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
     the checkpoint to resume, the budget, every refusal); the config is the plan's.
     """
     from pretrain.config import ConfigError
-    from pretrain.runs.data_spec import absolute, data_paths, load_manifest, with_data_paths
+    from pretrain.runs.data_spec import absolute
     from pretrain.runs.ds_file import resolve_ds_path
     from pretrain.runs.run_config import resolve
     from pretrain.train import build_parser as train_parser
@@ -234,15 +234,15 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
                 for line in plan.resume_lines(plan.resume.tag, [], plan.resume.notes):
                     say(line)
             cfg = plan.cfg
-        elif cfg.data and all(os.path.isfile(p) for p in data_paths(cfg.data)):
+        elif cfg.data and all(os.path.isfile(p) for p in cfg.data_spec.paths):
             # the checks that need the data (vocabulary and context follow the tokenizer);
             # skipped when the manifest is only visible from the cluster's nodes
             notes: list[str] = []
-            cfg = resolve(cfg, load_manifest(cfg.data), notes)
+            cfg = resolve(cfg, cfg.data_spec.load(), notes)
             for line in notes:
                 print(f"grt launch: {line}", file=sys.stderr)
         config = cfg.to_dict()
-        config["data"] = with_data_paths(config["data"], absolute) if config["data"] else ""
+        config["data"] = cfg.data_spec.with_paths(absolute) if cfg.data else ""
     except ConfigError as e:
         raise LaunchError(f"run config: {e}") from e
     config["out"] = absolute(config["out"]) if config["out"] else ""

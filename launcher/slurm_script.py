@@ -33,9 +33,9 @@ def container_binds(r: Resolved) -> list[str]:
     paths = {os.getcwd(), os.path.abspath(r.run_dir)}
     if r.config is not None:
         from data_pipeline.manifest import Manifest, is_url
-        from pretrain.runs.data_spec import data_paths
+        from pretrain.runs.data_spec import parse_data
 
-        manifests = data_paths(r.config["data"])  # one, or a mixture's sources'
+        manifests = parse_data(r.config["data"]).paths  # one, or a mixture's sources'
         paths |= {os.path.dirname(p) for p in [*manifests, r.config["ds_config"]] if "://" not in p}
         for path in manifests:
             try:

@@ -24,7 +24,6 @@ from pretrain.config import ConfigError  # noqa: E402
 from pretrain.distributed import discover, run_command  # noqa: E402
 from pretrain.presets import PRESETS  # noqa: E402
 from pretrain.runs.command_line import CommandLine, run_config  # noqa: E402
-from pretrain.runs.data_spec import data_paths, load_manifest  # noqa: E402
 from pretrain.runs.run_config import RunConfig  # noqa: E402
 
 
@@ -164,7 +163,7 @@ def resolved_configs(cfg: RunConfig, resume: bool) -> tuple[RunConfig, dict[str,
     from pretrain.training.engine.ds_config import merged_ds_config
     from pretrain.training.start.plan import plan_start
 
-    if cfg.data and all(os.path.isfile(p) for p in data_paths(cfg.data)):
+    if cfg.data and all(os.path.isfile(p) for p in cfg.data_spec.paths):
         plan = plan_start(cfg, resume or bool(cfg.branch_from))
         for line in plan.start_lines():  # what the start changes: the vocabulary, a budget's steps
             say(line)
@@ -200,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                 document = printed_document(cfg, args)
             sys.stdout.write(document)
             return 0
-        load_manifest(cfg.data)  # a missing, foreign or malformed manifest: one line before anything starts
+        cfg.data_spec.load()  # a missing, foreign or malformed manifest: one line before anything starts
     except ConfigError as err:
         print(f"grt train: error: {err}", file=sys.stderr)
         return 2

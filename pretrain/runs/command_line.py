@@ -18,7 +18,7 @@ from pretrain.config import ConfigError, ModelConfig
 from pretrain.errors import UnreadableCheckpoint
 from pretrain.presets import get_preset
 from pretrain.runs import checkpoint_files
-from pretrain.runs.data_spec import absolute, load_manifest, with_data_paths
+from pretrain.runs.data_spec import absolute, parse_data
 from pretrain.runs.ds_file import resolve_ds_path, shipped_ds_file, shipped_ds_path
 from pretrain.runs.run_config import RunConfig, apply_overrides, choose_model, is_model_override, tokens_per_step
 from pretrain.runs.settings_rules import decay_steps, given_keys, mark_given
@@ -237,7 +237,7 @@ def branch(cfg: RunConfig, source: Path) -> RunConfig:
             "--branch-from with train.allow_batch_change: the decay's steps follow the global batch, which the "
             "ranks set; give the branch's length (--steps)"
         )
-    per_step = _tokens_per_step(source, Path(cfg.out), load_manifest(cfg.data).seq_len)
+    per_step = _tokens_per_step(source, Path(cfg.out), cfg.data_spec.load().seq_len)
     t.steps = checkpoint_files.step_of(source.name) + decay_steps(t.decay_tokens, per_step)
     t.tokens = 0.0  # the length is train.steps (said by the resume's line, with the decay, once the start is sure)
     return cfg
@@ -265,7 +265,7 @@ def callers_file(key: str, value: Any) -> Any:
     which only this command and its ranks (started in this directory) use, and so does a path of
     a saved config (a --resume's base): where it was relative to is not known here."""
     if key == "data" and value:
-        return with_data_paths(value, absolute)
+        return parse_data(value).with_paths(absolute)
     # the caller's own file, which `resolve_ds_path` takes before a shipped one of that name
     if key == "ds_config" and os.path.exists(value) and not shipped_ds_file(value):
         return absolute(value)

@@ -3,7 +3,9 @@ its manifest paths, and the run's data loaded from it."""
 
 from __future__ import annotations
 
+import functools
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,36 +18,62 @@ if TYPE_CHECKING:
     from data_pipeline.mixture import DataMixture, SourceSpec
 
 
-def load_manifest(data: str) -> Manifest | DataMixture:
-    """The run's data: the manifest at `data`, or the mixture it writes (data_pipeline/mixture.py);
-    a missing, foreign or malformed manifest, or sources that do not go together, is a
-    ConfigError naming it."""
-    from data_pipeline.manifest import Manifest
-    from data_pipeline.mixture import DataMixture, MixtureError, parse_sources
+@dataclass(frozen=True)
+class DataSpec:
+    """A run's `data` string parsed: one manifest path (`sources` None) or a mixture's sources. The
+    string is what a run saves (config.json); this is what every reader of it uses."""
 
-    try:
-        sources = parse_sources(data)
-        if sources is not None:
-            return DataMixture.load(data, sources)
-    except MixtureError as err:
-        raise ConfigError(str(err)) from None
-    if not Path(data).is_file():
-        raise ConfigError(f"data={data!r}: no such manifest (write one with `grt data prepare`)")
-    try:
-        return Manifest.load(data)
-    except (ValueError, KeyError) as err:
-        raise ConfigError(f"data={data!r}: {err}") from None
+    text: str
+    sources: tuple[SourceSpec, ...] | None
+
+    @property
+    def paths(self) -> list[str]:
+        """The manifest paths it names (one, or a mixture's sources'), for the launcher."""
+        return [self.text] if self.sources is None else [s.path for s in self.sources]
+
+    def with_paths(self, change: Callable[[str], str]) -> str:
+        """The data string with each manifest path replaced by `change(path)` (e.g. made absolute)."""
+        if self.sources is None:
+            return change(self.text)
+        return ",".join(f"{s.name}={_weight_text(s.weight)}:{change(s.path)}" for s in self.sources)
+
+    def load(self) -> Manifest | DataMixture:
+        """The run's data: the manifest, or the mixture it writes (data_pipeline/mixture.py); a
+        missing, foreign or malformed manifest, or sources that do not go together, is a
+        ConfigError naming it."""
+        from data_pipeline.manifest import Manifest
+        from data_pipeline.mixture import DataMixture, MixtureError
+
+        if self.sources is not None:
+            try:
+                return DataMixture.load(self.text, list(self.sources))
+            except MixtureError as err:
+                raise ConfigError(str(err)) from None
+        data = self.text
+        if not Path(data).is_file():
+            raise ConfigError(f"data={data!r}: no such manifest (write one with `grt data prepare`)")
+        try:
+            return Manifest.load(data)
+        except (ValueError, KeyError) as err:
+            raise ConfigError(f"data={data!r}: {err}") from None
 
 
-def data_sources(data: str) -> list[SourceSpec] | None:
-    """A mixture's sources (None: `data` is one manifest path); a mixture string that does not
-    parse is a ConfigError naming what is wrong."""
+@functools.lru_cache(maxsize=64)
+def parse_data(data: str) -> DataSpec:
+    """`data` parsed, once per string (a run config reads it as `data_spec`); a mixture string that
+    does not parse is a ConfigError naming what is wrong."""
     from data_pipeline.mixture import MixtureError, parse_sources
 
     try:
-        return parse_sources(data)
+        sources = parse_sources(data)
     except MixtureError as err:
         raise ConfigError(str(err)) from None
+    return DataSpec(data, None if sources is None else tuple(sources))
+
+
+def load_manifest(data: str) -> Manifest | DataMixture:
+    """The data a `data` string names, loaded (DataSpec.load)."""
+    return parse_data(data).load()
 
 
 def data_stages(text: str, names: list[str]) -> None:
@@ -58,24 +86,10 @@ def data_stages(text: str, names: list[str]) -> None:
         raise ConfigError(str(err)) from None
 
 
-def data_paths(data: str) -> list[str]:
-    """The manifest paths a run's `data` names (one, or a mixture's sources'), for the launcher."""
-    sources = data_sources(data)
-    return [data] if sources is None else [s.path for s in sources]
-
-
 def absolute(path: str) -> str:
     """A path made absolute against the working directory, so that every process reads the same file
     whatever its own (a URL as it is)."""
     return path if os.path.isabs(path) or "://" in path else os.path.abspath(path)
-
-
-def with_data_paths(data: str, change: Callable[[str], str]) -> str:
-    """`data` with each manifest path it names replaced by `change(path)` (e.g. made absolute)."""
-    sources = data_sources(data)
-    if sources is None:
-        return change(data)
-    return ",".join(f"{s.name}={_weight_text(s.weight)}:{change(s.path)}" for s in sources)
 
 
 def _weight_text(weight: float) -> str:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pretrain.config import ConfigError, ModelConfig, check_keys, coerce, load_json_object
 from pretrain.presets import get_preset
-from pretrain.runs.data_spec import data_sources, data_stages, load_manifest
+from pretrain.runs.data_spec import DataSpec, data_stages, parse_data
 from pretrain.runs.eval_tasks import task_depths, task_names
 from pretrain.runs.settings_rules import check_settings, given_keys, profile_refusal, profile_window
 from pretrain.variants import get_variant
@@ -132,12 +132,17 @@ class RunConfig:
         for ok, message in (*train_checks(self.train), *self._top_checks()):
             if not ok:
                 raise ConfigError(message)
-        sources = data_sources(self.data)  # a mixture that does not parse: one line now
+        sources = self.data_spec.sources  # a mixture that does not parse: one line now
         if sources is not None:
             data_stages(self.train.data_stages, [s.name for s in sources])  # stages that do not parse, too
         task_names(self.train.eval_tasks)
         task_depths(self.train.eval_tasks_depths, self.model)  # against the model's layout
         check_settings(self)
+
+    @property
+    def data_spec(self) -> DataSpec:
+        """`data` parsed, once per value (parse_data): what every reader of the run's data uses."""
+        return parse_data(self.data)
 
     def _top_checks(self) -> list[tuple[bool, str]]:
         return [
@@ -372,7 +377,7 @@ def resolve(
     """Checks that need the data: the model's vocabulary and context follow the tokenizer's.
     (The splits' sizes against the batch are the trainer's, which knows the ranks.) A vocabulary
     changed is said in one line, into `notes`; one the command line set itself is refused."""
-    manifest = manifest or load_manifest(cfg.data)
+    manifest = manifest or cfg.data_spec.load()
     old, new = cfg.model.vocab_size, manifest.vocab_size
     if old != new:
         if "model.vocab_size" in given_keys(cfg):

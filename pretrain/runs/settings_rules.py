@@ -275,10 +275,10 @@ def _profile_ranks_exist(cfg: Any, shape: RunShape | None) -> str | None:
 
 @rule("train.data_stages", "stages that start before the run's last step", at="start")
 def _stages_fit(cfg: Any, shape: RunShape | None) -> str | None:
-    from data_pipeline.mixture import parse_sources, parse_stages
+    from data_pipeline.mixture import parse_stages
 
     t = cfg.train
-    sources = parse_sources(cfg.data) if t.data_stages and shape is not None else None
+    sources = cfg.data_spec.sources if t.data_stages and shape is not None else None
     if sources is None or shape is None:
         return None  # stages of one manifest: refused by plan_stages
     last = (t.steps - 1) * shape.tokens_per_step  # the tokens read before the last step

@@ -57,7 +57,7 @@ from pretrain.infer.analyze.report import markdown, plots
 from pretrain.infer.evaluation.scoring import Batch, check_batches, jsonable, lm_sums, val_batches
 from pretrain.model import GPT, LoopStep
 from pretrain.model.layers import AttentionContext
-from pretrain.runs.data_spec import data_sources
+from pretrain.runs.data_spec import parse_data
 
 if TYPE_CHECKING:
     from data_pipeline.tokenizer import Tokenizer
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = load_model(args.model, tokenizer=args.tokenizer, weights=False)
         check_models(plan.model, load_model(args.dense, weights=False).model if args.dense else None, args.dense)
         manifest = args.data or plan.run_config.get("data")
-        if manifest and data_sources(manifest) is not None:
+        if manifest and parse_data(manifest).sources is not None:
             raise ConfigError(
                 f"data={manifest!r} is a mixture: the analyses read one manifest, pass --data <manifest.json>"
             )

@@ -41,7 +41,7 @@ from pretrain.infer.evaluation.scoring import jsonable
 from pretrain.infer.evaluation.zero_shot import evaluate_task
 from pretrain.infer.exit_depths import check_depths, default_depths, depth_unit
 from pretrain.infer.kv_cache import STRATEGIES
-from pretrain.runs.data_spec import data_paths
+from pretrain.runs.data_spec import parse_data
 from pretrain.runs.eval_tasks import TASKS, load_task, parse_depths
 
 
@@ -185,7 +185,7 @@ def evaluate(args: argparse.Namespace, parts: list[str], dist: Dist) -> dict[str
     say = (lambda *a: None) if args.quiet or dist.rank else (lambda *a: print(*a, file=sys.stderr, flush=True))
     if "val" in parts:
         manifest: str | None = args.data or loaded.run_config.get("data")
-        found = bool(manifest and all(Path(p).is_file() for p in data_paths(manifest)))
+        found = bool(manifest and all(Path(p).is_file() for p in parse_data(manifest).paths))
         if dist.world > 1:
             # every collective here follows a check_ranks(): a rank that failed earlier (loading
             # the model) waits in check_ranks, and any other collective would pair with it wrongly

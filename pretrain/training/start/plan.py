@@ -28,7 +28,7 @@ from pretrain.config import ConfigError
 from pretrain.distributed import discover
 from pretrain.errors import UnreadableCheckpoint
 from pretrain.runs import checkpoint_files
-from pretrain.runs.data_spec import data_sources, load_manifest
+from pretrain.runs.data_spec import parse_data
 from pretrain.runs.run_config import (
     RunConfig,
     apply_token_budget,
@@ -136,7 +136,7 @@ def plan_start(given: RunConfig, resume: bool, world: int | None = None, use_cud
     """The plan of a run of `given` on `world` ranks (default: this launch's), resuming (`resume`,
     or a decay branch) from the newest complete checkpoint in --out; ConfigError refuses it."""
     cfg = copy.deepcopy(given)
-    data = load_manifest(cfg.data)  # loaded once: the loaders share it (the tokenizer hashed once)
+    data = cfg.data_spec.load()  # loaded once: the loaders share it (the tokenizer hashed once)
     notes: list[str] = []
     resolve(cfg, data, notes)
     check_available(cfg)  # train.wandb=true without the wandb package
@@ -302,10 +302,10 @@ def _refuse_reordered_sources(cfg: RunConfig, root: Path, tag: str) -> None:
     """A mixture given with the checkpoint's sources in another order: refused naming both orders (a
     mixture draws its sources in the order given, so the data order would change; data_pipeline/mixture.py)."""
     try:
-        saved = data_sources(str(checkpoint_files.read_config(root / tag).get("data", "")))
+        saved = parse_data(str(checkpoint_files.read_config(root / tag).get("data", ""))).sources
     except (ConfigError, UnreadableCheckpoint):
         return
-    now = data_sources(cfg.data)
+    now = cfg.data_spec.sources
     if saved is None or now is None:
         return
     old, new = [s.name for s in saved], [s.name for s in now]

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 from pretrain.config import ConfigError
 from pretrain.errors import UnreadableCheckpoint
 from pretrain.runs.checkpoint_files import ranks_that_wrote, read_config, step_of
-from pretrain.runs.data_spec import load_manifest, with_data_paths
+from pretrain.runs.data_spec import parse_data
 from pretrain.runs.identity import check_same_tokenizer
 from pretrain.runs.run_config import (
     RunConfig,
@@ -93,7 +93,7 @@ def named_file(key: str, value: Any) -> Any:
     if key == "ds_config":
         return _real(str(resolve_ds_path(value)))
     if key == "data":
-        return with_data_paths(value, _real)
+        return parse_data(value).with_paths(_real)
     return _real(value)  # out, branch_from
 
 
@@ -178,7 +178,7 @@ def check_tag(
     saved_cfg = RunConfig.from_dict(read_config(step_dir))
     saved = _as_json(saved_cfg)
     where = f"checkpoint {tag}"
-    manifest = manifest or load_manifest(cfg.data)
+    manifest = manifest or cfg.data_spec.load()
     saved_tok = step_dir / "tokenizer.model"
     try:
         saved_sha = file_sha256(str(saved_tok)) if saved_tok.is_file() else None
