@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,46 @@ def resume_candidates(root: Path) -> list[str]:
     then each older complete one (the fallbacks when a newer one cannot be read)."""
     newest = find_latest(root)
     return [] if newest is None else [t for t in reversed(complete_tags(root)) if t <= newest]
+
+
+class Fallback:
+    """A resume's walk over complete checkpoints, newest first (`resume_candidates`): iterating
+    yields the newest tag not passed over yet, until the caller uses one; one that cannot be used is
+    `pass_over`ed to the previous one, what made it unusable kept in order (`passed`) for the
+    resume's lines and for the refusal when none is left (`none_left`)."""
+
+    def __init__(self, root: Path, tags: Iterable[str]) -> None:
+        self.root = root
+        self.remaining = list(tags)  # newest first: the tag in use, then its fallbacks
+        self.passed: dict[str, str] = {}  # each tag passed over: what made it unusable
+
+    def __iter__(self) -> Iterator[str]:
+        while self.remaining:
+            tag = self.remaining[0]
+            yield tag
+            if self.remaining[:1] == [tag]:
+                raise RuntimeError(f"checkpoint {tag} was neither used nor passed over")
+
+    def agree(self, tag: str) -> None:
+        """The ranks agreed on `tag`: this rank's newer ones are not tried (another rank lacks them)."""
+        self.remaining = [t for t in self.remaining if step_of(t) <= step_of(tag)]
+
+    def pass_over(self, tag: str, problem: str) -> None:
+        self.passed[tag] = problem
+        self.remaining = [t for t in self.remaining if t != tag]
+
+    def unloadable(self) -> list[str]:
+        """The resume's line of each tag passed over by the load (the ranks' read of its files)."""
+        return [f"checkpoint {tag} cannot be loaded ({problem})" for tag, problem in self.passed.items()]
+
+    def none_left(self, verb: str, problems: list[str] | None = None) -> ConfigError:
+        """The refusal when no tag can be used (`verb`: "read", "loaded"), naming what made each
+        unusable, or `problems` where none was tried."""
+        tried = [f"{tag}: {problem}" for tag, problem in self.passed.items()] or problems or []
+        return ConfigError(
+            f"--resume: no complete checkpoint in {self.root} can be {verb} ({'; '.join(tried)}); nothing was "
+            "changed: repair or remove them, or choose another --out"
+        )
 
 
 def _is_checkpoints_folder(d: Path) -> bool:

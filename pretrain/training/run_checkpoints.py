@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from data_pipeline.files import atomic_write_text
-from pretrain.runs.checkpoint_files import DATA_SKIPS, find_latest, ranks_that_wrote, read_config, tag_for
+from pretrain.runs.checkpoint_files import DATA_SKIPS, Fallback, find_latest, ranks_that_wrote, read_config, tag_for
 from pretrain.say import say
 from pretrain.training.checkpoint import store, universal
 from pretrain.training.engine import muon
@@ -55,7 +55,6 @@ class RunCheckpoints:
         """The planned checkpoint or, where it cannot be loaded on every rank, an older complete one
         (checked as the plan's: `start.check_fallback`); says what the resume passed over and changes."""
         assert self.plan.resume is not None
-        passed: list[str] = []
         notes: dict[str, tuple[str, ...]] = {}
 
         def precheck(tag: str) -> None:
@@ -63,18 +62,8 @@ class RunCheckpoints:
             muon.check_resume(saved, self.plan.cfg.train, tag, universal.needs_universal(self.root / tag, self.world))
             notes[tag] = check_fallback(self.plan, tag)
 
-        def passed_over(tag: str, why: str) -> None:
-            passed.append(f"checkpoint {tag} cannot be loaded ({why})")
-
-        tag, state = store.load_agreed(
-            engine,
-            self.root,
-            list(self.plan.resume.candidates),
-            self.rank,
-            self.world,
-            precheck=precheck,
-            note=passed_over,
-        )
+        fallback = Fallback(self.root, self.plan.resume.candidates)
+        tag, state = store.load_agreed(engine, fallback, self.rank, self.world, precheck=precheck)
         step, position = state["step"], state["loader"]
         skip = self.data_skips().get(tag)
         if skip is not None:  # rolled back to: the data continues where the rollback did, the window before skipped
@@ -105,7 +94,7 @@ class RunCheckpoints:
                 how,
                 state["loader"].get("position", 0),
             )
-        for line in self.plan.resume_lines(tag, passed, notes.get(tag, ())):
+        for line in self.plan.resume_lines(tag, fallback.unloadable(), notes.get(tag, ())):
             say(line)
         return Loaded(tag, step, position, list(state.get("loss_history", [])), state.get("tokens"))
 

@@ -222,6 +222,37 @@ def test_only_complete_checkpoints_are_ever_chosen(tmp_path):
     assert [p.name for p in (root / "step00000016").iterdir()] == ["COMPLETE"]
 
 
+def test_the_fallback_walks_newest_first_keeping_why_each_was_passed_over(tmp_path):
+    """Fallback (the plan's and the load's walk): each tag in turn, newest first; one passed over
+    leaves its problem, in order; a tag neither used nor passed over is an error, not a loop; the
+    ranks' agreement on an older tag drops this rank's newer ones untried."""
+    from pretrain.runs.checkpoint_files import Fallback
+
+    tags = ["step00000012", "step00000008", "step00000004"]
+    fallback = Fallback(tmp_path, tags)
+    tried = []
+    for tag in fallback:
+        tried.append(tag)
+        if tag == "step00000004":
+            break
+        fallback.pass_over(tag, f"{tag} is cut off")
+    assert tried == tags and fallback.remaining == ["step00000004"]
+    assert fallback.unloadable() == [
+        "checkpoint step00000012 cannot be loaded (step00000012 is cut off)",
+        "checkpoint step00000008 cannot be loaded (step00000008 is cut off)",
+    ]
+    with pytest.raises(RuntimeError, match="neither used nor passed over"):
+        for _ in Fallback(tmp_path, tags):
+            pass
+    agreed = Fallback(tmp_path, tags)
+    agreed.agree("step00000008")
+    assert agreed.remaining == tags[1:] and not agreed.passed
+    none = Fallback(tmp_path, [])
+    assert str(none.none_left("loaded", ["none is complete on every rank"])).startswith(
+        f"--resume: no complete checkpoint in {tmp_path} can be loaded (none is complete on every rank)"
+    )
+
+
 def test_heartbeat_names_the_failed_rank(monkeypatch):
     """The diagnosis logic against a real TCP store: a silent rank, a rank with its own
     error, a rank that only saw a failed collective, and a rank that lags."""

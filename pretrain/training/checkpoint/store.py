@@ -7,7 +7,7 @@ its files (`save`), or with train.async_save takes host copies that a thread wri
 goes on (`start_save`, async_save.py); either way rank 0 marks it COMPLETE only once every rank's
 writes have succeeded (`finish_save`).
 
-A resume tries the complete checkpoints newest first (`resume_candidates`) and loads the
+A resume tries the complete checkpoints newest first (`resume_candidates`, `Fallback`) and loads the
 first one that every rank can read (`load_agreed`): each file of a tag is read through
 once before the load (`verify`: the zip structure and CRC of every `*.pt`, split over the
 ranks), the ranks agree on the outcome, and a tag that fails anywhere is passed over by
@@ -24,6 +24,7 @@ import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ from pretrain.distributed import RankFailed, all_agree, all_reduce, check_ranks,
 from pretrain.errors import UnreadableCheckpoint
 from pretrain.runs.checkpoint_files import (
     TAG_RE,
+    Fallback,
     complete_tags,
     error_text,
     find_latest,
@@ -328,46 +330,33 @@ def convert_for_world(root: Path, tag: str, rank: int, world: int) -> None:
             raise UnreadableCheckpoint(tag, why) from None
 
 
-def none_loadable(root: Path, problems: list[str]) -> ConfigError:
-    return ConfigError(
-        f"--resume: no complete checkpoint in {root} can be loaded ({'; '.join(problems)}); nothing was changed: "
-        "repair or remove them, or choose another --out"
-    )
-
-
 def load_agreed(
     engine: deepspeed.DeepSpeedEngine,
-    root: Path,
-    tags: list[str],
+    fallback: Fallback,
     rank: int,
     world: int,
     precheck: Callable[[str], None] | None = None,
-    note: Callable[[str, str], None] | None = None,
 ) -> tuple[str, dict[str, Any]]:
-    """Load the newest of `tags` (complete checkpoints, newest first) that every rank can
-    read (collective); returns (its tag, this rank's saved state).
+    """Load the newest of `fallback`'s tags (complete checkpoints, newest first) that every rank
+    can read (collective); returns (its tag, this rank's saved state).
 
     Each round the ranks agree on one tag (the oldest of their proposals: a tag another rank
     does not see is never loaded), each runs `precheck(tag)` (raises ConfigError to refuse the
     resume, UnreadableCheckpoint to pass over the tag) and reads its share of the tag's files
     (`verify`), and the ranks agree on the outcome (`check_ranks`): every rank loads the tag,
-    or every rank passes over it (`note(tag, why)`) to the previous one, or every rank raises
-    ConfigError (a refusal, or no tag left), with nothing loaded and nothing written."""
-    remaining = list(tags)
-    passed: dict[str, str] = {}
-    while True:
-        proposal = torch.tensor(
-            [float(step_of(remaining[0]) if remaining else -1)], dtype=torch.float64, device=comm_device()
-        )
+    or every rank passes over it (kept in `fallback.passed`) to the previous one, or every rank
+    raises ConfigError (a refusal, or no tag left), with nothing loaded and nothing written."""
+    root = fallback.root
+    for newest in chain(fallback, [None]):  # None: this rank has none left, and proposes none
+        proposal = torch.tensor([float(step_of(newest) if newest else -1)], dtype=torch.float64, device=comm_device())
         agreed = int(all_reduce(proposal, op="min").item())
         if agreed < 0:
-            tried = [f"{t}: {why}" for t, why in passed.items()]
-            raise none_loadable(root, tried or ["none is complete on every rank"])
+            raise fallback.none_left("loaded", ["none is complete on every rank"])
         tag = tag_for(agreed)
-        remaining = [t for t in remaining if step_of(t) <= agreed]
+        fallback.agree(tag)
         error, code = None, 1
         try:
-            if not remaining or remaining[0] != tag:
+            if fallback.remaining[:1] != [tag]:
                 raise UnreadableCheckpoint(tag, f"it is not a complete checkpoint in {root} as rank {rank} sees it")
             if precheck is not None:
                 precheck(tag)
@@ -391,7 +380,5 @@ def load_agreed(
                 why = err.problem
             else:
                 return tag, load(engine, root, tag, rank, world)
-        passed[tag] = why
-        if note is not None:
-            note(tag, why)
-        remaining = [t for t in remaining if t != tag]
+        fallback.pass_over(tag, why)
+    raise AssertionError("unreachable: the last proposal (none) is agreed on by every rank")

@@ -43,7 +43,7 @@ from pretrain.training.engine.ds_config import build_ds_config, load_ds_json, ze
 from pretrain.training.engine.parallelize import check_checkpointing
 from pretrain.training.report.wandb_sink import check_available
 from pretrain.training.start import branch, run_lock
-from pretrain.training.start.resume_check import check_tag, none_readable
+from pretrain.training.start.resume_check import check_tag
 from pretrain.training.start.run_dir import check_run_paths
 
 if TYPE_CHECKING:
@@ -251,17 +251,17 @@ def _choose_checkpoint(
             f"{root} holds only {_count(incomplete, 'interrupted save')} ({', '.join(incomplete)}), this job's own "
             "under torchrun's elastic agent (a restart after a failure in its first save): starting from step 0"
         )
-    problems, passed = [], []
-    for i, tag in enumerate(candidates):
+    fallback = checkpoint_files.Fallback(root, candidates)
+    for tag in fallback:
         try:
             cfg, notes, trained = _resumed(requested, data, root, tag, world)
         except UnreadableCheckpoint as err:
-            problems.append(f"{tag}: {err.problem}")
-            passed.append(str(err))
+            fallback.pass_over(tag, err.problem)
             continue
-        return cfg, _resume(root, tag, world, candidates[i:], passed, notes, trained), note
-    if problems:
-        raise none_readable(root, problems)
+        passed = [str(UnreadableCheckpoint(t, problem)) for t, problem in fallback.passed.items()]
+        return cfg, _resume(root, tag, world, fallback.remaining, passed, notes, trained), note
+    if fallback.passed:
+        raise fallback.none_left("read")
     return copy.deepcopy(requested), None, note
 
 
@@ -375,19 +375,17 @@ def check_files(plan: StartPlan) -> tuple[str, list[str]]:
     checkpoint): the tag a resume would load, and the lines its resume would say."""
     assert plan.resume is not None
     root = plan.branch_source.parent if plan.branch_source is not None else plan.root
-    problems: list[str] = []
-    passed: list[str] = []
-    for tag in plan.resume.candidates:
+    fallback = checkpoint_files.Fallback(root, plan.resume.candidates)
+    for tag in fallback:
         try:
             notes = check_fallback(plan, tag)
             problem = store.verify(root, tag)
         except UnreadableCheckpoint as err:
             problem = err.problem
         if problem is None:
-            return tag, plan.resume_lines(tag, passed, notes)
-        problems.append(f"{tag}: {problem}")
-        passed.append(f"checkpoint {tag} cannot be loaded ({problem})")
-    raise store.none_loadable(root, problems)
+            return tag, plan.resume_lines(tag, fallback.unloadable(), notes)
+        fallback.pass_over(tag, problem)
+    raise fallback.none_left("loaded")
 
 
 def check_shards(plan: StartPlan) -> int:

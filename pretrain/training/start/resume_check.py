@@ -102,13 +102,6 @@ def _path_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return [f"{k} {old[k]!r} -> {new[k]!r}" for k in sorted(old) if named_file(k, old[k]) != named_file(k, new[k])]
 
 
-def none_readable(ckpt_root: Path, problems: list[str]) -> ConfigError:
-    return ConfigError(
-        f"--resume: no complete checkpoint in {ckpt_root} can be read ({'; '.join(problems)}); nothing was "
-        "changed: repair or remove them, or choose another --out"
-    )
-
-
 # DeepSpeed's checkpoint layouts by ZeRO stage: stages 1 and 2 write the same files
 CHECKPOINT_FORMAT = {0: "ZeRO-0", 1: "ZeRO-1/2", 2: "ZeRO-1/2", 3: "ZeRO-3"}
 
