@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import socket
@@ -215,15 +216,24 @@ def _from_ompi(env: Mapping[str, str]) -> DistInfo:
     return DistInfo(rank, local_rank, world, local_world, node_rank, addr, _port(env), "mpi")
 
 
-def _from_mpi4py(env: Mapping[str, str]) -> DistInfo:
-    """PMI/PMIx-only environments (MPICH, Intel MPI, srun --mpi=pmix): ask MPI itself."""
+@functools.cache
+def _mpi_identity() -> tuple[int, int, int, int, str]:
+    """(rank, world, local rank, local world, rank 0's host) from MPI, asked once per process: the
+    questions are collectives of every rank, so a later discover() on one rank alone (rank 0's
+    start line, pretrain/say.py) must not ask again (it waited for the other ranks forever)."""
     from mpi4py import MPI  # noqa: WPS433 (optional dependency)
 
     comm = MPI.COMM_WORLD
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    rank, world = comm.Get_rank(), comm.Get_size()
-    local_rank, local_world = local.Get_rank(), local.Get_size()
-    addr = env.get("MASTER_ADDR") or comm.bcast(socket.gethostname() if rank == 0 else None, root=0)
+    rank = comm.Get_rank()
+    host = comm.bcast(socket.gethostname() if rank == 0 else None, root=0)
+    return rank, comm.Get_size(), local.Get_rank(), local.Get_size(), host
+
+
+def _from_mpi4py(env: Mapping[str, str]) -> DistInfo:
+    """PMI/PMIx-only environments (MPICH, Intel MPI, srun --mpi=pmix): ask MPI itself."""
+    rank, world, local_rank, local_world, host = _mpi_identity()
+    addr = env.get("MASTER_ADDR") or host
     return DistInfo(rank, local_rank, world, local_world, rank // max(1, local_world), addr, _port(env), "mpi")
 
 
