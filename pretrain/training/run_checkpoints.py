@@ -38,7 +38,7 @@ class Loaded:
     step: int
     loader: dict[str, Any]  # the data's position to go on from
     loss_history: list[float]  # the loss-spike statistic's (empty for a checkpoint from before it)
-    tokens: dict[str, int] | None  # the tokens trained by source (run_data.RunData.trained); None: saved before them
+    tokens: dict[str, int] | None  # the tokens trained by source (data.RunData.trained); None: saved before them
 
 
 class RunCheckpoints:
