@@ -381,3 +381,12 @@ def test_ouro_learned_exit_ends_are_its_fixed_depths():
         result = compare_eval.learned_exit(model, batches, torch.device("cpu"), doc_mask=False)
         ref = model(idx, idx.roll(-1, 1), n_loops=depth).loss.item()
         assert result["mean_steps"] == depth and result["loss"] == pytest.approx(ref, rel=1e-5)
+
+
+def test_a_run_stopped_by_a_signal_is_resumed_not_taken_as_finished(tmp_path):
+    """A SIGTERM'd `grt train` writes summary.json too; `grt compare` run again must finish it."""
+    assert not compare_runs.finished(tmp_path)
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 216, "stopped_by_signal": True}))
+    assert not compare_runs.finished(tmp_path)
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 245, "stopped_by_signal": False}))
+    assert compare_runs.finished(tmp_path)

@@ -16,7 +16,7 @@ the heavy-tail Poisson, RRT, Ouro and MoR the full depth R.
 
 Writes <out>/<label>/ (the run: config.json, metrics.jsonl, summary.json, tb/),
 <out>/comparison.json, <out>/comparison.md (the table) and <out>/loss_curves.png.
-Runs that already finished (summary.json present) are not trained again, so the table
+Runs that already finished (summary.json written, not by a stop on a signal) are not trained again, so the table
 and plot can be rebuilt with the same command; an interrupted run is resumed.
 
 `--time-budget S` sizes the tokens by measurement instead of --tokens, so that the whole
@@ -52,7 +52,7 @@ from pretrain.runs.run_config import (
     resolve,
 )
 from pretrain.tools.compare.plot import plot
-from pretrain.tools.compare.runs import train_all
+from pretrain.tools.compare.runs import finished, train_all
 from pretrain.tools.compare.sizing import match, model_params, run_tokens_per_step, sized_tokens
 from pretrain.tools.compare.table import collect, table
 
@@ -283,7 +283,7 @@ def compare(args: argparse.Namespace, argv: list[str] | None) -> tuple[int, list
                 file=sys.stderr,
             )
             return 2, []
-        if args.retrain or not (run_dir / "summary.json").is_file():
+        if args.retrain or not finished(run_dir):
             if args.retrain and run_dir.exists():
                 import shutil
 

@@ -78,6 +78,15 @@ def _lock(run_dir: Path) -> Path:
     return lock
 
 
+def finished(run_dir: Path) -> bool:
+    """Whether a run trained to its end: its summary.json is written, and not by a stop on a signal
+    (a SIGTERM'd run writes one too, and is resumed rather than taken as done)."""
+    try:
+        return not json.loads((run_dir / "summary.json").read_text()).get("stopped_by_signal", False)
+    except (FileNotFoundError, ValueError):
+        return False
+
+
 PROGRESS_EVERY_S = 30.0  # how often train_all says where each running run is
 
 
