@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import os
 import random
+import re
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +60,9 @@ def ranged_settings() -> tuple[float, float, float]:
         _env_number("GRT_SHARD_TIMEOUT_S", 30.0, 0.01),
         _env_number("GRT_SHARD_RETRY_S", 300.0, 0.0),
     )
+
+
+_CONTENT_RANGE = re.compile(r"bytes (?P<first>\d+)-(?P<last>\d+)/(?P<total>\d+|\*)")
 
 
 class _Retry(Exception):
@@ -163,10 +167,18 @@ class RangedReader:
             raise _Retry(one_line(exc)) from None
         status = resp.status
         if status == 206:
-            total = resp.headers.get("Content-Range", "").rpartition("/")[2]
+            data = bytes(resp.data)
+            sent = _CONTENT_RANGE.fullmatch(resp.headers.get("Content-Range", "").strip())
+            if sent is None:
+                return data  # no range said: _get checks the length against the request
+            first, last, total = int(sent["first"]), int(sent["last"]), sent["total"]
             if total.isdigit():
                 self.sizes[url] = int(total)
-            return bytes(resp.data)
+                if int(total) < end:  # the object itself is shorter: the shard's fault
+                    return data
+            if len(data) < last - first + 1:  # the body ended before the range it announced: the transfer's
+                raise _Retry(f"the body was cut short: {len(data)} of the {last - first + 1} bytes announced")
+            return data
         if status == 404:
             raise MissingShardError(url, "HTTP 404 Not Found")
         if status in (401, 403):

@@ -4,8 +4,9 @@ webdataset; every member is checked as `iter_shard` checks it.
 
 A shard is checked against the manifest's identity of it (`Identity`: its size and the sha256 of
 its first member) once per shard and reader (a loader worker): a local file when first opened (a
-stat and one member read), a shard behind a URL by the size its server reports and, when the reader
-fetches member 0, its hash (no byte read twice). A manifest of before `head_sha256` has its sizes
+stat and one member read), a shard behind a URL by the size its server reports and its first
+member's hash (fetched with the reader's first request of the shard: one member more, when that
+request does not hold it already). A manifest of before `head_sha256` has its sizes
 checked only. `check_shard` does the same for one shard on its own (`grt train --dry-run`)."""
 
 from __future__ import annotations
@@ -62,26 +63,28 @@ class ShardReader:
     def read(self, shard: int, url: str, indices: list[int]) -> list[bytes]:
         """The payloads of samples `indices` (increasing) of shard number `shard`; ShardError."""
         if is_ranged(url):  # behind a URL: only these members, by ranged requests
-            fetched = self.ranged.fetch(url, self.sequences[shard] * self.stride + 1024, self.stride, indices)
-            if self.identities and shard not in self.checked:
-                self._check_fetched(shard, url, fetched, indices[0] == 0)
+            check = bool(self.identities) and shard not in self.checked
+            # the first member too, once per shard and reader, for its hash
+            wanted = [0, *indices] if check and self.identities[shard][1] and indices[0] != 0 else indices
+            fetched = self.ranged.fetch(url, self.sequences[shard] * self.stride + 1024, self.stride, wanted)
+            if check:
+                self._check_fetched(shard, url, fetched)
             return [self._member(fetched, url, i) for i in indices]
         fh = self._local(shard, url)
         if fh is None:
             return self._streamed(shard, url, indices)
         return [self._member(fh, url, i) for i in indices]
 
-    def _check_fetched(self, shard: int, url: str, fetched: RandomAccess, has_first: bool) -> None:
-        """A shard behind a URL: its size as its server reports it; its first member's hash when
-        this fetch holds it (checked: then this shard is not checked again by this reader)."""
+    def _check_fetched(self, shard: int, url: str, fetched: RandomAccess) -> None:
+        """A shard behind a URL: its size as its server reports it and its first member's hash (the
+        fetch holds member 0 when the manifest has the hash)."""
         size, head = self.identities[shard]
         first = None
-        if has_first:
+        if head:
             fetched.seek(0)
             first = fetched.read(self.stride)
         check_identity(url, self.ranged.sizes.get(url), first, size, head)
-        if first is not None or not head:
-            self.checked.add(shard)
+        self.checked.add(shard)
 
     def _local(self, shard: int, url: str) -> IO[bytes] | None:
         """The open file of shard `shard` when it is read by seeking, None when it is streamed;

@@ -25,6 +25,11 @@ class UnreadableCheckpoint(ConfigError):
         self.tag, self.problem = tag, problem
 
 
+class Stopped(RuntimeError):
+    """A command that stopped on purpose with its last good state intact (a run's last checkpoint):
+    the error boundary says `stopped: <message>` in one line, exit 3 (docs/reliability.md)."""
+
+
 class Interrupted(KeyboardInterrupt):
     """A signal that a command's error boundary (`run_command`) turned into an exception
     (SIGINT: Ctrl-C): a command undoes what it wrote, as for a refusal; exit 130. A bare

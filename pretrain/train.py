@@ -203,16 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"grt train: error: {err}", file=sys.stderr)
         return 2
-    from pretrain.training.trainer import TrainingStopped, train
+    from pretrain.training.trainer import train
 
-    try:
+    try:  # a stop with the last checkpoint intact (TrainingStopped) is the error boundary's: exit 3
         summary = train(cfg, resume=args.resume)
     except ConfigError as err:
         print(f"grt train: error: {err}", file=sys.stderr)
         return 2
-    except TrainingStopped as err:
-        print(f"grt train: stopped: {err}", file=sys.stderr)
-        return 3
     if summary:
         print(json.dumps(summary, indent=2))
     return 0

@@ -4,7 +4,9 @@ command's error boundary (docs/reliability.md, "One error boundary per command")
 file-system refusal (a full disk, a read-only or missing parent, a path of the wrong kind)
 is one line naming the path, exit 2; Ctrl-C (SIGINT) and SIGTERM are one line naming the signal,
 exit 128 + its number (130, 143), after the command undid what it wrote (`Interrupted`); a
-`ConfigError` a command let through is its one line, exit 2. GRT_DEBUG=1 prints the traceback first."""
+`ConfigError` a command let through is its one line, exit 2; `Stopped` (a run stopped with its last
+checkpoint intact: a bad-step limit, a failed save, a full disk mid-run) is `stopped: ...`, exit 3.
+GRT_DEBUG=1 prints the traceback first."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from contextlib import contextmanager
 from types import FrameType
 
 from pretrain.distributed.discovery import RendezvousError
-from pretrain.errors import ConfigError, Interrupted, file_system_problem
+from pretrain.errors import ConfigError, Interrupted, Stopped, file_system_problem
 
 DEBUG_ENV = "GRT_DEBUG"  # GRT_DEBUG=1: the boundary prints the traceback before its one line
 VERDICTS_ENV = "GRT_RANK_VERDICTS"  # a folder where each rank's exit code is left (`grt launch` reads them)
@@ -90,22 +92,21 @@ def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
 
 
 @contextmanager
-def _boundary(prog: str, said: list[BaseException]) -> Iterator[None]:
+def _boundary(threads: list[BaseException]) -> Iterator[None]:
     """While the command runs: SIGINT and SIGTERM raise `Interrupted` (where Python's own handler
     is in place, in the main thread: a command's own handler, such as training's, replaces it), and a
-    thread's error of `boundary_line` (TensorBoard's writer on a full disk) is its one line, not
-    a traceback; `said` collects those (a library that raises it again in the command is not
-    said twice)."""
+    thread's error of `boundary_line` (TensorBoard's writer on a full disk) is kept in `threads`, not
+    printed as a traceback: run_command says its one line at the end when the command itself ended
+    well; a command that failed said its own line (often the same error raised again, or training
+    stopping on it), and one line is what a failure says."""
     previous_hook = threading.excepthook
 
     def thread_error(args: threading.ExceptHookArgs) -> None:
         err = args.exc_value
-        handled = boundary_line(err) if err is not None else None
-        if err is None or handled is None:
+        if err is None or boundary_line(err) is None:
             previous_hook(args)
             return
-        said.append(err)
-        _say(prog, handled[0], err)
+        threads.append(err)
 
     threading.excepthook = thread_error
     main = threading.current_thread() is threading.main_thread()
@@ -139,6 +140,8 @@ def boundary_line(err: BaseException) -> tuple[str, int] | None:
         return f"interrupted by {name}", 128 + signal.Signals[name].value
     if isinstance(err, ConfigError):
         return f"error: {err}", 2
+    if isinstance(err, Stopped):
+        return f"stopped: {err}", 3
     problem = file_system_problem(err)
     return (f"error: {problem}", 2) if problem is not None else None
 
@@ -152,9 +155,9 @@ def run_command(
     (and a RendezvousError that a command does not catch itself) become one line, `prog:
     ...`, and their exit code, in-process callers included; any other exception is let
     through without a process group (a bug's traceback), and is exit 1 with one."""
-    said: list[BaseException] = []  # a thread's errors said already
+    threads: list[BaseException] = []  # the threads' errors of boundary_line
     try:
-        with _boundary(prog, said):
+        with _boundary(threads):
             code = main(argv) or 0
     except RendezvousError as err:  # a command that lets it through (the probe): still one line, exit 2
         print(f"error: {err}", file=sys.stderr)
@@ -162,11 +165,14 @@ def run_command(
     except BaseException as err:  # noqa: BLE001 - the process ends here with its exit code
         handled = None if isinstance(err, SystemExit) else boundary_line(err)
         if handled is not None:
-            if not any(err is seen for seen in said):
-                _say(prog, handled[0], err)
+            _say(prog, handled[0], err)
             code = handled[1]
         elif not _group_exists():
             raise
         else:
             code = _exit_code(err)
+    if code == 0 and threads:  # the command ended well but a thread of it did not: that is its failure
+        for err in threads:
+            line, code = boundary_line(err) or ("", 0)  # (kept only when it has a line)
+            _say(prog, line, err)
     return exit_process(code)

@@ -17,14 +17,16 @@ from types import FrameType
 
 import torch.distributed as dist
 
+from pretrain.errors import Stopped
 from pretrain.say import one_line
 from pretrain.training.callbacks import Callback
 
 log = logging.getLogger("grt.train")
 
 
-class TrainingStopped(RuntimeError):
-    """The run stopped on purpose (too many bad steps); the last good checkpoint is intact."""
+class TrainingStopped(Stopped):
+    """The run stopped on purpose (too many bad steps, a failed save, a full disk mid-run); the last
+    good checkpoint is intact: exit 3 (the error boundary's)."""
 
 
 class RankFailure(TrainingStopped):

@@ -38,6 +38,7 @@ import torch
 
 from pretrain.config import ConfigError
 from pretrain.distributed import comm_device, discover, init_distributed
+from pretrain.errors import file_system_problem
 from pretrain.runs.run_config import RunConfig
 from pretrain.say import say
 from pretrain.training.callbacks import Callback
@@ -284,8 +285,15 @@ class Trainer:
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
 
-    def close(self) -> None:
-        self.closing.close()
+    def close(self, after_failure: bool = False) -> None:
+        """Close what build() opened. After a failure, what closing raises (TensorBoard's writer
+        raising its thread's full disk again) is logged: the run's own error is the one reported."""
+        try:
+            self.closing.close()
+        except Exception as err:
+            if not after_failure:
+                raise
+            log.warning("while closing after the failure: %s", one_line(err))
 
 
 def dry_run(cfg: RunConfig, resume: bool = False) -> tuple[str, RunConfig]:
@@ -336,18 +344,30 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
         return {}
     with branch.prepared(plan.cfg):
         trainer = Trainer(plan)
+        fitting = False
         try:
             trainer.build()
             faults.install_in(trainer)
-            return trainer.fit()
+            fitting = True
+            summary = trainer.fit()
+            trainer.close()  # its last writes (TensorBoard's flush) are the run's: their failure is mid-run too
+            return summary
         except (ConfigError, TrainingStopped) as err:
             if trainer.heartbeat is not None and not isinstance(err, RankFailure):
                 trainer.heartbeat.mark_failed(one_line(err))
             raise
         except Exception as err:
+            problem = file_system_problem(err) if fitting else None
+            if problem is not None:  # mid-run (a full disk at the run's files): stopped, not bad input (exit 3)
+                latest = trainer.checkpoints.latest()
+                kept = f"the last checkpoint ({latest}) is intact" if latest else "no checkpoint saved yet"
+                stopped = TrainingStopped(f"{problem} at step {trainer.step}; {kept}")
+                if trainer.heartbeat is not None:
+                    trainer.heartbeat.mark_failed(one_line(stopped))
+                raise stopped from err
             explained = explain_failure(err, trainer.heartbeat)
             if explained is err:
                 raise
             raise explained from err
         finally:
-            trainer.close()
+            trainer.close(after_failure=True)  # (a no-op after the close above)

@@ -1,5 +1,6 @@
 """Real servers for the remote-shard tests, on 127.0.0.1 only: Debian's nginx (HTTP) and moto's
-S3 server mode, each logging the body bytes of every response it sends."""
+S3 server mode, each logging the body bytes of every response it sends, and Python's own HTTP server
+of ranges for what nginx will not do (a body cut short)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -148,3 +151,39 @@ class MotoS3:
             self.proc.terminate()
             self.proc.wait(timeout=30)
         self.proc = None
+
+
+class RangeServer:
+    """Python's HTTP/1.0 server of the files under `root` by ranges (206, Content-Range, no
+    Content-Length: the body ends when the connection closes), whose first `cuts` answers close
+    halfway through the body, as a dropped connection or a proxy would."""
+
+    def __init__(self, root: Path, cuts: int = 0) -> None:
+        import http.server
+
+        outer = self
+        self.cuts = cuts
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                data = (root / self.path.lstrip("/")).read_bytes()
+                first, last = (int(v) for v in self.headers["Range"].removeprefix("bytes=").split("-"))
+                body = data[first : last + 1]
+                self.send_response(206)
+                self.send_header("Content-Range", f"bytes {first}-{first + len(body) - 1}/{len(data)}")
+                self.end_headers()
+                if outer.cuts > 0:
+                    outer.cuts -= 1
+                    body = body[: len(body) // 2]
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer((HOST, 0), Handler)
+        self.url = f"http://{HOST}:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

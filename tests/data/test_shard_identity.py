@@ -156,3 +156,33 @@ def test_a_redirected_shard_url_is_said_as_a_redirect(tmp_path):
     finally:
         reader.close()
         server.shutdown()
+
+
+def test_a_url_shard_of_another_tokenizer_is_refused_by_a_reader_that_starts_past_member_0(shards, other, tmp_path):
+    """Every reader checks the hash of a shard behind a URL, whatever member it reads first (before:
+    only the reader whose first read held member 0; the others checked the size alone, the same here)."""
+    from servers import RangeServer
+
+    from data_pipeline.manifest import Manifest
+
+    manifest, bad = swapped(shards, other, tmp_path)
+    listed = Manifest.load(str(manifest))
+    entries = listed.shards("train")
+    reader = shard_reader.ShardReader(
+        [e.sequences for e in entries],
+        listed.sample_tokens,
+        listed.ext,
+        listed.vocab_size,
+        identities=[(e.bytes, e.head_sha256) for e in entries],
+    )
+    server = RangeServer(bad.parent)
+    try:
+        shard = [Path(e.url).name for e in entries].index(bad.name)
+        url = f"{server.url}/{bad.name}"
+        with pytest.raises(ShardError, match="is not the one the manifest lists") as info:
+            reader.read(shard, url, [3, 4])
+        assert url in str(info.value)
+        good = [Path(e.url).name for e in entries].index("train-000000.tar")
+        assert len(reader.read(good, f"{server.url}/train-000000.tar", [3, 4])) == 2  # the listed shard reads
+    finally:
+        server.stop()

@@ -162,6 +162,25 @@ def test_a_threads_full_disk_is_one_line_said_once(small_fs, capsys):
     one_line("disk full: TensorBoard's thread", rc, capsys.readouterr().err, 2, f"{small_fs / 'tb'}/events.out")
 
 
+def test_a_threads_full_disk_in_a_command_that_ends_well_is_its_failure(small_fs, capsys):
+    """The command returns 0 but a thread of it could not write: one line, the thread's code (2)."""
+    import threading
+
+    from pretrain.distributed import run_command
+
+    fill(small_fs, 0)
+
+    def command(argv):
+        writer = threading.Thread(target=(small_fs / "out.txt").write_bytes, args=(b"x" * 2 * PAGE,))
+        writer.start()
+        writer.join()
+        return 0
+
+    capsys.readouterr()
+    rc = run_command(command, [], prog="grt test")
+    one_line("disk full: a thread of a command that ends well", rc, capsys.readouterr().err, 2, str(small_fs / "out.txt"))
+
+
 # ------------------------------------------------------------ wrong kind: refused before the engine
 WRONG_KIND = {
     "tb is a file": ("tb", "file"),
@@ -266,6 +285,40 @@ def test_a_full_disk_on_rank_0_stops_both_ranks_without_a_hang(manifest, small_f
     assert not os.path.lexists(out), os.listdir(out)
     TRIED["disk full: train, 2 ranks"] += 1
     HANDLED["disk full: train, 2 ranks"] += 1
+
+
+@pytest.mark.slow
+def test_a_full_disk_mid_run_stops_the_run_exit_3_naming_the_file(manifest, tmp_path):
+    """The disk fills while the loop runs (the run's own files: metrics, train.log, TensorBoard): the
+    run stopped with its last checkpoint as it was, exit 3 as for a checkpoint write that fails, not
+    the start's "bad input" 2 (before: exit 2)."""
+    where = tmp_path / "fs"
+    mount_tmpfs(where, "16m")
+    try:
+        out = where / "run"
+        sets = [*TRAIN_SETS, "train.eval_every=0", "train.save_every=0", "train.save_final=false"]
+        args = train_command("micro-grt", manifest, out, 5000, 4, "ds_configs/zero2.json", sets)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pretrain.cli", *map(str, args)],
+            cwd=REPO,
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.time() + 180
+        while not (out / "metrics.jsonl").is_file() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        with open(where / "filler", "wb", buffering=0) as filler:  # every page, while the run writes too
+            with pytest.raises(OSError, match="No space left"):
+                while True:
+                    filler.write(b"\0" * PAGE)
+        _, stderr = proc.communicate(timeout=180)
+        line = one_line("disk full: train, mid-run", proc.returncode, stderr, 3, "No space left on device", str(out))
+        assert line.startswith("grt train: stopped: ") and "no checkpoint saved yet" in line, line
+    finally:
+        subprocess.run(["umount", "-l", str(where)])
 
 
 def test_a_full_disk_during_a_resume_is_one_line_and_keeps_the_checkpoint(run2, manifest, small_fs):
