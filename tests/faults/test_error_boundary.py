@@ -178,7 +178,8 @@ def test_a_threads_full_disk_in_a_command_that_ends_well_is_its_failure(small_fs
 
     capsys.readouterr()
     rc = run_command(command, [], prog="grt test")
-    one_line("disk full: a thread of a command that ends well", rc, capsys.readouterr().err, 2, str(small_fs / "out.txt"))
+    err = capsys.readouterr().err
+    one_line("disk full: a thread of a command that ends well", rc, err, 2, str(small_fs / "out.txt"))
 
 
 # ------------------------------------------------------------ wrong kind: refused before the engine
