@@ -130,6 +130,9 @@ SWITCHES: list[tuple[str, str, Callable[[Any], bool]]] = [
     ("train.eval_tasks_limit", "train.eval_tasks_every > 0", lambda t: t.eval_tasks_every > 0),
     ("train.eval_dir", "train.eval_tasks_every > 0", lambda t: t.eval_tasks_every > 0),
     ("train.loss_spike_action", "train.loss_spike_threshold > 0", lambda t: t.loss_spike_threshold > 0),
+    ("train.muon_lr", "train.optimizer=muon", lambda t: t.optimizer == "muon"),
+    ("train.muon_momentum", "train.optimizer=muon", lambda t: t.optimizer == "muon"),
+    ("train.muon_weight_decay", "train.optimizer=muon", lambda t: t.optimizer == "muon"),
 ]
 
 

@@ -69,6 +69,9 @@ CONFIG_CASES = [
         ["--set", "train.loss_spike_action=skip", "--set", "train.loss_spike_threshold=0"],
         ["train.loss_spike_action='skip'"],
     ),
+    ("no effect", ["--set", "train.muon_lr=0.05"], ["train.muon_lr=0.05", "train.optimizer=muon"]),
+    ("no effect", ["--set", "train.muon_momentum=0.9"], ["train.muon_momentum=0.9", "train.optimizer=muon"]),
+    ("no effect", ["--set", "train.muon_weight_decay=0.1"], ["train.muon_weight_decay=0.1", "train.optimizer=muon"]),
     # numbers larger than a run can hold
     ("too large", ["--set", "train.tokens=1e300"], ["train.tokens=1e+300", "at most"]),
     ("too large", ["--set", "train.decay_tokens=1e300", "--set", "train.schedule=wsd"], ["train.decay_tokens="]),
@@ -102,6 +105,7 @@ def test_settings_that_take_effect_stay_accepted():
         ["--set", "train.wandb=true", "--set", "train.wandb_project=proj"],
         ["--set", "train.profile=1,1,1", "--set", "train.profile_ranks=0"],
         ["--set", "train.eval_tasks_every=10", "--set", "train.eval_tasks_limit=5"],
+        ["--set", "train.optimizer=muon", "--set", "train.muon_lr=0.05", "--set", "train.muon_weight_decay=0.1"],
         ["--steps", str(2**40)],
     ):
         config_from_args(build_parser().parse_args([*base, *argv]))
