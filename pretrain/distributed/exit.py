@@ -172,7 +172,7 @@ def run_command(
         else:
             code = _exit_code(err)
     if code == 0 and threads:  # the command ended well but a thread of it did not: that is its failure
-        for err in threads:
-            line, code = boundary_line(err) or ("", 0)  # (kept only when it has a line)
-            _say(prog, line, err)
+        for failed in threads:
+            line, code = boundary_line(failed) or ("", 0)  # (kept only when it has a line)
+            _say(prog, line, failed)
     return exit_process(code)

@@ -15,10 +15,9 @@ import numpy as np
 import torch
 
 from data_pipeline.files import atomic_write_text
-from pretrain.runs.checkpoint_files import DATA_SKIPS, Fallback, find_latest, ranks_that_wrote, read_config, tag_for
+from pretrain.runs.checkpoint_files import DATA_SKIPS, Fallback, find_latest, ranks_that_wrote, tag_for
 from pretrain.say import say
 from pretrain.training.checkpoint import store, universal
-from pretrain.training.engine import muon
 from pretrain.training.failures import TrainingStopped
 from pretrain.training.start.plan import StartPlan, check_fallback
 
@@ -58,8 +57,6 @@ class RunCheckpoints:
         notes: dict[str, tuple[str, ...]] = {}
 
         def precheck(tag: str) -> None:
-            saved = read_config(self.root / tag).get("train", {})
-            muon.check_resume(saved, self.plan.cfg.train, tag, universal.needs_universal(self.root / tag, self.world))
             notes[tag] = check_fallback(self.plan, tag)
 
         fallback = Fallback(self.root, self.plan.resume.candidates)

@@ -170,20 +170,28 @@ def test_a_muon_run_resumes_exactly(data, reference, tmp_path, stage):
 
 
 @pytest.mark.slow
-def test_a_muon_run_on_another_world_size_and_a_changed_optimizer_are_refused(data, tmp_path):
+def test_a_muon_run_on_another_world_size_and_a_changed_optimizer_are_refused(data, tmp_path, capsys):
     """DeepSpeed's universal checkpoint carries Adam's state only (its converter fails on Muon's
     with KeyError: 'exp_avg'): a resume on another number of ranks is refused in one line, as is
-    a resume that changes the optimizer; nothing is loaded or written."""
+    a resume that changes the optimizer, both by the start's resume check (a real `grt train` and
+    `--dry-run` alike: before any engine); nothing is loaded or written."""
+    from commands import grt_in_process
+
+    ZERO2 = "ds_configs/zero2.json"
     out = tmp_path / "run"
-    train(data, out, 2, STOP, "ds_configs/zero2.json")
-    for world, sets, words in (
-        (1, MUON, "carries Adam's state (exp_avg, exp_avg_sq), not Muon's momentum"),
-        (2, ("train.optimizer=adamw",), "train.optimizer 'muon' -> 'adamw'"),
-    ):
-        args = train_args(data, out, STEPS, *sets, *NO_NOISE, resume=True, ds_config="ds_configs/zero2.json")
-        rcs, job = run_job(args, out.parent / f"logs-refused-{world}", world=world, timeout=300)
-        assert rcs == [2] * world, job.output()
-        assert words in job.output(0), job.output(0)
+    train(data, out, 2, STOP, ZERO2)
+    args = train_args(data, out, STEPS, *MUON, *NO_NOISE, resume=True, ds_config=ZERO2)
+    rcs, job = run_job(args, out.parent / "logs-refused", world=1, timeout=300)
+    assert rcs == [2], job.output()
+    assert "written by 2 rank(s), this run has 1" in job.output(0), job.output(0)
+    assert "carries Adam's state (exp_avg, exp_avg_sq), not Muon's momentum" in job.output(0), job.output(0)
+    args = train_args(
+        data, out, STEPS, "train.optimizer=adamw", *NO_NOISE, resume=True, ds_config="ds_configs/zero2.json"
+    )
+    rc, err = grt_in_process([*args, "--dry-run"], capsys)
+    assert rc == 2 and "train.optimizer 'muon' -> 'adamw'" in err and "would change the schedule or optimizer" in err, (
+        err
+    )
     ckpts = out / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step")) == [f"step{STOP:08d}"]
     assert not (ckpts / f"step{STOP:08d}" / "universal").exists()  # no conversion was tried

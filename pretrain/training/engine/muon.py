@@ -21,9 +21,6 @@ from typing import Any
 
 import torch
 
-from pretrain.config import ConfigError
-from pretrain.runs.run_config import TrainConfig
-
 
 def muon_names(model: torch.nn.Module) -> set[str]:
     """The names (as `model.named_parameters()` gives them) of the matrices Muon updates."""
@@ -64,29 +61,3 @@ def tagged(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
     finally:
         deepspeed.set_optimizer_flags = deepspeed_tags
 
-
-OPTIMIZER_KEYS = ("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay")
-
-
-def check_resume(saved: dict[str, Any], train: TrainConfig, tag: str, other_world: bool) -> None:
-    """Refuse (ConfigError) a resume from checkpoint `tag` (its run config's `train` section:
-    `saved`) with other optimizer settings (the state it restores is its optimizer's), or of a Muon
-    run through DeepSpeed's universal checkpoint (`other_world`: written by another number of ranks
-    under ZeRO), which carries only Adam's state."""
-    default = TrainConfig()
-    changed = [
-        f"train.{key} {saved.get(key, getattr(default, key))!r} -> {getattr(train, key)!r}"
-        for key in OPTIMIZER_KEYS
-        if saved.get(key, getattr(default, key)) != getattr(train, key)
-    ]
-    if changed:
-        raise ConfigError(
-            f"--resume: checkpoint {tag} was trained with other optimizer settings ({', '.join(changed)}); resume "
-            "with the checkpoint's, or start a new run with another --out"
-        )
-    if train.optimizer == "muon" and other_world:
-        raise ConfigError(
-            f"--resume: checkpoint {tag} of a train.optimizer=muon run was written by another number of ranks: "
-            "DeepSpeed's universal checkpoint (ds_to_universal) carries Adam's state (exp_avg, exp_avg_sq), not "
-            "Muon's momentum; resume on the number of ranks that wrote it"
-        )

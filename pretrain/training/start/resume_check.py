@@ -6,10 +6,11 @@ run directory's config.json is rewritten, so a refused resume changes nothing.
 
 The resume rule (docs/reliability.md, "Resuming with changed settings"):
 - the tokenizer and every model key must be the checkpoint's (no override);
-- the learning-rate schedule (train.schedule, lr, min_lr, warmup_steps, schedule_steps) and
-  the optimizer settings the checkpoint restores (betas, weight_decay) must be the
-  checkpoint's: a change is refused (cosine -> wsd and wsd -> cosine included), except as below
-  for a wsd run;
+- the learning-rate schedule (train.schedule, lr, min_lr, warmup_steps, schedule_steps),
+  the optimizer and the settings the checkpoint restores (betas, weight_decay, muon_*) must be
+  the checkpoint's: a change is refused (cosine -> wsd and wsd -> cosine included), except as
+  below for a wsd run; a Muon run resumes on the number of ranks that wrote it (DeepSpeed's
+  universal checkpoint, for another, carries Adam's state, not Muon's momentum);
 - the global batch (micro_batch_size x grad_accum x ranks) is kept on any number of ranks:
   grad_accum follows from it (`keep_global_batch`); a world size and micro-batch size that
   cannot split it is refused, naming the sizes that can, unless train.allow_batch_change;
@@ -56,13 +57,17 @@ from pretrain.runs.run_config import (
     global_batch,
     tokens_per_step,
 )
+from pretrain.training.checkpoint.universal import needs_universal
 from pretrain.training.engine.lr_schedule import Schedule
 
 if TYPE_CHECKING:
     from data_pipeline.manifest import Manifest
     from data_pipeline.mixture import DataMixture
 
-REFUSED_TRAIN_KEYS = ("lr", "min_lr", "warmup_steps", "schedule_steps", "betas", "weight_decay")
+REFUSED_TRAIN_KEYS = (
+    *("lr", "min_lr", "warmup_steps", "schedule_steps", "betas", "weight_decay"),
+    *("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay"),  # the state it restores is its optimizer's
+)
 # a wsd run: schedule_steps may change (with train.steps, decay_tokens, decay_shape), checked by `keep_wsd_lr`
 WSD_REFUSED_KEYS = tuple(k for k in REFUSED_TRAIN_KEYS if k != "schedule_steps")
 
@@ -226,6 +231,12 @@ def check_tag(
             f"train.seed={old_t['seed']}, or start a new run with another --out"
         )
     world = world_size or discover().world_size
+    if cfg.train.optimizer == "muon" and needs_universal(step_dir, world):
+        raise ConfigError(
+            f"resume: {where} of a train.optimizer=muon run was written by {ranks_that_wrote(step_dir)} rank(s), "
+            f"this run has {world}: DeepSpeed's universal checkpoint (ds_to_universal) carries Adam's state "
+            "(exp_avg, exp_avg_sq), not Muon's momentum; resume on the number of ranks that wrote it"
+        )
     saved_world = ranks_that_wrote(step_dir) or world
     batch_note = keep_global_batch(cfg, old_t, saved_world, world, where)
     schedule_note = ""
