@@ -1,14 +1,27 @@
 #!/usr/bin/env bash
-# The test command: installs what the tests need, runs the lint, format and type checks
-# (scripts/lint.sh), then the whole suite
-# on every core (slow multi-process tests included; `-m "not slow"` runs the quick ones alone).
+# The test command: installs what the tests need, runs the lint and format checks, then the whole
+# suite on every core (slow multi-process tests included; `-m "not slow"` runs the quick ones alone)
+# with the type checks beside it (scripts/lint.sh), and fails if either does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-bash scripts/lint.sh
+bash scripts/lint.sh style
+# mypy (about a minute of one core) runs beside the suite, whose processes spend much of their time
+# waiting (on ranks, timeouts, signals, servers); its report is printed after the suite's
+types_log="$(mktemp)"
+bash scripts/lint.sh types > "$types_log" 2>&1 &
+types=$!
 python3 scripts/clean_shm.py
 # one pytest-xdist worker per core (GRT_TEST_WORKERS overrides; 0: none); a module is one unit of
 # work, the cluster modules one together (tests/conftest.py)
 workers="${GRT_TEST_WORKERS:-$(nproc)}"
 # -rfEs: every failure, error and skip (with its reason) in the summary; the 30 slowest
-python3 -m pytest -q -rfEs --durations=30 -n "$workers" --dist loadgroup tests "$@"
+rc=0
+python3 -m pytest -q -rfEs --durations=30 -n "$workers" --dist loadgroup tests "$@" || rc=$?
+types_rc=0
+wait "$types" || types_rc=$?
+echo "== type checks (scripts/lint.sh types): exit $types_rc"
+cat "$types_log"
+rm -f "$types_log"
+[ "$rc" = 0 ] && exit "$types_rc"
+exit "$rc"

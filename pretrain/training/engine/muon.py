@@ -60,4 +60,3 @@ def tagged(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
         yield
     finally:
         deepspeed.set_optimizer_flags = deepspeed_tags
-
