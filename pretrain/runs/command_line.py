@@ -20,8 +20,9 @@ from pretrain.presets import get_preset
 from pretrain.runs import checkpoint_files
 from pretrain.runs.data_spec import absolute, parse_data
 from pretrain.runs.ds_file import resolve_ds_path, shipped_ds_file, shipped_ds_path
-from pretrain.runs.run_config import RunConfig, apply_overrides, choose_model, is_model_override, tokens_per_step
+from pretrain.runs.run_config import RunConfig, apply_overrides, choose_model, is_model_override
 from pretrain.runs.settings_rules import decay_steps, given_keys, mark_given
+from pretrain.runs.train_config import tokens_per_step
 
 ONE_START_KEYS = ("allow_data_change", "allow_batch_change")  # a consent given for the start that gives it
 CALLERS_FILES = {"data", "ds_config"}  # the settings whose files the caller names (`callers_file`)

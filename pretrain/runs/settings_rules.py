@@ -1,7 +1,8 @@
 """One rule for settings (issue #40; docs/reliability.md, "Settings that cannot take effect").
 
 Each setting states, in the table below, what it needs to take effect: a schedule, a feature
-switch, a range that must fit the run. The config's check refuses, in one line naming the
+switch (declared with its field, train_config.py `option`, and registered here by `switch_rule`),
+a range that must fit the run. The config's check refuses, in one line naming the
 setting, its value and the way out,
 
 - a setting that cannot take effect (train.decay_tokens under the cosine schedule, a
@@ -22,7 +23,8 @@ train.tokens) is said in one line by the start too.
 Rules run at one of two places: "config" rules at `RunConfig.validate` (the config alone),
 "start" rules at `plan_start` (pretrain/training/start/plan.py), which knows the world size and
 the tokens per step, so `grt train`, `--dry-run` and `grt launch` refuse alike. This module
-imports nothing of the run config (run_config.py imports it): a rule reads the config by name.
+imports nothing of the run config (run_config.py and train_config.py import it): a rule reads the
+config by name.
 """
 
 from __future__ import annotations
@@ -120,23 +122,9 @@ def decay_steps(decay_tokens: float, tokens_per_step: int) -> int:
 
 
 # -- switches: a setting given on the command line needs its feature switched on --------------
-SWITCHES: list[tuple[str, str, Callable[[Any], bool]]] = [
-    ("train.decay_shape", "train.schedule=wsd", lambda t: t.schedule == "wsd"),
-    ("train.wandb_project", "train.wandb=true", lambda t: t.wandb),
-    ("train.wandb_entity", "train.wandb=true", lambda t: t.wandb),
-    ("train.profile_ranks", "train.profile='wait,warmup,active'", lambda t: bool(t.profile)),
-    ("train.eval_tasks", "train.eval_tasks_every > 0", lambda t: t.eval_tasks_every > 0),
-    ("train.eval_tasks_depths", "train.eval_tasks_every > 0", lambda t: t.eval_tasks_every > 0),
-    ("train.eval_tasks_limit", "train.eval_tasks_every > 0", lambda t: t.eval_tasks_every > 0),
-    ("train.eval_dir", "train.eval_tasks_every > 0", lambda t: t.eval_tasks_every > 0),
-    ("train.loss_spike_action", "train.loss_spike_threshold > 0", lambda t: t.loss_spike_threshold > 0),
-    ("train.muon_lr", "train.optimizer=muon", lambda t: t.optimizer == "muon"),
-    ("train.muon_momentum", "train.optimizer=muon", lambda t: t.optimizer == "muon"),
-    ("train.muon_weight_decay", "train.optimizer=muon", lambda t: t.optimizer == "muon"),
-]
-
-
-def _switch_rule(key: str, needs: str, on: Callable[[Any], bool]) -> None:
+def switch_rule(key: str, needs: str, on: Callable[[Any], bool]) -> None:
+    """`key` ("train.wandb_project") given on the command line while `on(cfg.train)` is false is
+    refused, naming `needs` ("train.wandb=true"). Declared with the field (run_config.py `option`)."""
     name = key.removeprefix("train.")
 
     @rule(key, needs)
@@ -145,10 +133,6 @@ def _switch_rule(key: str, needs: str, on: Callable[[Any], bool]) -> None:
             return None
         value = getattr(cfg.train, name)
         return f"{key}={value!r} needs {needs} to take effect; set that too, or leave {key} out"
-
-
-for _key, _needs, _on in SWITCHES:
-    _switch_rule(_key, _needs, _on)
 
 
 @rule("train.decay_tokens", "train.schedule=wsd")

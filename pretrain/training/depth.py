@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from pretrain.runs.run_config import TrainConfig
+    from pretrain.runs.train_config import TrainConfig
 
 
 def sample_depth(

@@ -218,7 +218,7 @@ def test_impossible_deepspeed_value_is_refused_by_the_launcher_once(manifest, tm
 
 @pytest.mark.parametrize("ds", DS_GOOD, ids=[json.dumps(d) for d in DS_GOOD])
 def test_possible_deepspeed_values_are_accepted(ds):
-    from pretrain.runs.run_config import TrainConfig
+    from pretrain.runs.train_config import TrainConfig
     from pretrain.training.engine.ds_config import build_ds_config, zero_stage
 
     merged = build_ds_config(ds, TrainConfig(), world_size=1, use_cuda=False)

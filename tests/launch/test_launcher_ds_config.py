@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from pretrain.config import ConfigError
-from pretrain.runs.run_config import TrainConfig
+from pretrain.runs.train_config import TrainConfig
 from pretrain.training.engine.ds_config import build_ds_config, load_ds_json, resolve_ds_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from multiproc import REPO
 
-from pretrain.runs.run_config import TrainConfig
+from pretrain.runs.train_config import TrainConfig
 from pretrain.training.engine.ds_config import build_ds_config, load_ds_json
 
 # Builds a real engine per ZeRO stage from the config merged for CUDA (bf16, as the GPU runs it),

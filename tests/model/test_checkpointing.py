@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 from pretrain.config import ModelConfig
 from pretrain.model import build_model
 from pretrain.presets import get_preset
-from pretrain.runs.run_config import CHECKPOINT_MODES
+from pretrain.runs.train_config import CHECKPOINT_MODES
 from pretrain.training.engine.parallelize import (
     AUTO_MODES,
     activation_bytes,

@@ -16,7 +16,8 @@ from pretrain.model import GPT, LoopStep, build_model
 from pretrain.model.flops import flops_per_token, train_flops_per_token
 from pretrain.model.gpt import MODEL_CLASSES
 from pretrain.model.layers import Linear
-from pretrain.runs.run_config import CHECKPOINT_MODES, RunConfig
+from pretrain.runs.run_config import RunConfig
+from pretrain.runs.train_config import CHECKPOINT_MODES
 from pretrain.tools.compare import cli as compare
 from pretrain.train import build_parser, config_from_args
 from pretrain.training.engine.parallelize import activation_bytes, apply_activation_checkpointing

@@ -11,7 +11,7 @@ import sys
 import pytest
 from multiproc import REPO
 
-from pretrain.runs.run_config import TrainConfig
+from pretrain.runs.train_config import TrainConfig
 from pretrain.training.engine.ds_config import build_ds_config, load_ds_json
 
 pytestmark = pytest.mark.filterwarnings("ignore")

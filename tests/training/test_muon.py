@@ -15,7 +15,8 @@ from multiproc import REPO, run_ranks
 from pretrain.config import ConfigError
 from pretrain.model import build_model
 from pretrain.presets import get_preset
-from pretrain.runs.run_config import RunConfig, TrainConfig
+from pretrain.runs.run_config import RunConfig
+from pretrain.runs.train_config import TrainConfig
 from pretrain.training.engine.ds_config import build_ds_config, load_ds_json
 from pretrain.training.engine.muon import muon_names
 

@@ -32,7 +32,7 @@ TOKENS_PER_STEP = MICRO_BATCH * SEQ_LEN
 
 # -------------------------------------------------------------------------- the curves
 def train_config(**kw):
-    from pretrain.runs.run_config import TrainConfig
+    from pretrain.runs.train_config import TrainConfig
 
     return TrainConfig(**{"steps": 30, "warmup_steps": 10, "lr": LR, "min_lr": MIN_LR, **kw})
 

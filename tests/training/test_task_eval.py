@@ -26,7 +26,8 @@ from pretrain.infer.evaluation.evaluate import main as eval_main
 from pretrain.infer.evaluation.zero_shot import evaluate_task
 from pretrain.presets import get_preset
 from pretrain.runs.eval_tasks import Item, default_depths, task_depths
-from pretrain.runs.run_config import RunConfig, TrainConfig
+from pretrain.runs.run_config import RunConfig
+from pretrain.runs.train_config import TrainConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 CPU = torch.device("cpu")

@@ -30,7 +30,7 @@ def test_sampled_depth_is_a_function_of_seed_and_step():
 
 
 def test_max_train_depth_sets_the_sampled_range():
-    from pretrain.runs.run_config import TrainConfig
+    from pretrain.runs.train_config import TrainConfig
     from pretrain.training.depth import depth_for_step
 
     t = TrainConfig(depth_sampling="loguniform", max_train_depth=24)
@@ -461,7 +461,7 @@ def test_zero3_on_one_rank_keeps_every_parameter_gathered_unless_the_file_says()
     """One rank: a ZeRO-3 partition is the whole parameter, so the shipped zero3.json leaves
     stage3_param_persistence_threshold to the trainer, which keeps every parameter resident;
     with more ranks DeepSpeed's default applies; a value in the file (or "auto") wins."""
-    from pretrain.runs.run_config import TrainConfig
+    from pretrain.runs.train_config import TrainConfig
     from pretrain.training.engine.ds_config import ALL_PERSISTENT, build_ds_config, load_ds_json
 
     shipped, t = load_ds_json("ds_configs/zero3.json"), TrainConfig(micro_batch_size=2)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pretrain.config import ConfigError
-from pretrain.runs.run_config import AUTO, CHECKPOINT_MODES
+from pretrain.runs.train_config import AUTO, CHECKPOINT_MODES
 from pretrain.tools.bench.support import GPT2_VOCAB, positive_number, whole_number
 from pretrain.tools.bench.train_step import bench_memory, bench_train_step, memory_probe
 from pretrain.tools.bench.zero import bench_zero

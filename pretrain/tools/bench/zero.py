@@ -20,7 +20,7 @@ import torch
 from pretrain import PROJECT_ROOT
 from pretrain.config import ModelConfig
 from pretrain.model import build_model
-from pretrain.runs.run_config import AUTO
+from pretrain.runs.train_config import AUTO
 from pretrain.tools.bench.support import make_bench_data, train_command
 from pretrain.tools.bench.train_step import train_step_fn
 from pretrain.training.engine.parallelize import modes_for_stage

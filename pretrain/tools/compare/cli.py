@@ -42,15 +42,8 @@ from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError, ModelConfig, load_json_object
 from pretrain.model.flops import flops_per_token
 from pretrain.presets import PRESETS, get_preset
-from pretrain.runs.run_config import (
-    RunConfig,
-    apply_overrides,
-    apply_recipe,
-    budget_steps,
-    choose_model,
-    is_model_override,
-    resolve,
-)
+from pretrain.runs.run_config import RunConfig, apply_overrides, apply_recipe, choose_model, is_model_override, resolve
+from pretrain.runs.train_config import budget_steps
 from pretrain.tools.compare.plot import plot
 from pretrain.tools.compare.runs import finished, train_all
 from pretrain.tools.compare.sizing import match, model_params, run_tokens_per_step, sized_tokens

@@ -21,7 +21,8 @@ from pathlib import Path
 from data_pipeline.files import atomic_write_text
 from pretrain.config import Layout, ModelConfig
 from pretrain.model.flops import flops_per_token
-from pretrain.runs.run_config import RunConfig, TrainConfig, tokens_per_step
+from pretrain.runs.run_config import RunConfig
+from pretrain.runs.train_config import TrainConfig, tokens_per_step
 from pretrain.tools.compare.final_eval import final_eval_work
 from pretrain.tools.compare.runs import start_run
 from pretrain.training.depth import depth_for_step

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from pretrain.config import ModelConfig
 from pretrain.model.flops import flops_per_token, train_flops_per_token
-from pretrain.runs.run_config import RunConfig, tokens_per_step
+from pretrain.runs.run_config import RunConfig
+from pretrain.runs.train_config import tokens_per_step
 from pretrain.tools.compare.final_eval import ADAPTIVE_EXITS, EXTRAPOLATION_FACTORS, adaptive_label, final_evals
 from pretrain.tools.compare.sizing import model_params
 from pretrain.variants import get_variant

@@ -12,7 +12,8 @@ import logging
 import torch
 
 from pretrain.distributed import all_reduce, comm_device
-from pretrain.runs.run_config import AUTO, RunConfig
+from pretrain.runs.run_config import RunConfig
+from pretrain.runs.train_config import AUTO
 from pretrain.training.depth import max_depth
 from pretrain.training.engine.ds_config import zero_stage
 from pretrain.training.engine.parallelize import (

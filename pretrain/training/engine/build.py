@@ -13,7 +13,8 @@ import torch
 
 from pretrain.model import build_model
 from pretrain.model.flops import count_params
-from pretrain.runs.run_config import RunConfig, TrainConfig, tokens_per_step
+from pretrain.runs.run_config import RunConfig
+from pretrain.runs.train_config import TrainConfig, tokens_per_step
 from pretrain.training.engine import deepspeed_internals
 from pretrain.training.engine.activation_checkpointing import checkpointing_mode
 from pretrain.training.engine.ds_config import build_ds_config, load_ds_json, zero_stage

@@ -32,10 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pretrain.runs.run_config import TrainConfig
-
 # one home: the settings rules (pretrain/runs/) check the same schedule
 from pretrain.runs.settings_rules import decay_steps, horizon, warmup_num_steps
+from pretrain.runs.train_config import TrainConfig
 
 __all__ = ["Schedule", "WarmupStableDecayLR", "client_scheduler", "decay_steps", "horizon", "warmup_num_steps"]
 

@@ -18,7 +18,7 @@ from pretrain.config import ConfigError, ModelConfig
 from pretrain.model.gpt import GPT
 from pretrain.model.layers import Block
 from pretrain.model.loss import chunk_tokens
-from pretrain.runs.run_config import AUTO, CHECKPOINT_MODES
+from pretrain.runs.train_config import AUTO, CHECKPOINT_MODES
 from pretrain.variants import get_variant
 
 # `auto` (of CHECKPOINT_MODES, the run config's accepted values) picks one of AUTO_MODES for the run

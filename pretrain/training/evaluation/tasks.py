@@ -34,7 +34,8 @@ from pretrain.runs.eval_tasks import TASKS, Item, load_task, task_depths, task_n
 if TYPE_CHECKING:
     from data_pipeline.tokenizer import Tokenizer
     from pretrain.model import GPT
-    from pretrain.runs.run_config import RunConfig, TrainConfig
+    from pretrain.runs.run_config import RunConfig
+    from pretrain.runs.train_config import TrainConfig
     from pretrain.training.report.metrics import MetricsWriter
 
 RECORDS = "tasks.jsonl"  # <out>/tasks.jsonl: one record per evaluation, the full-precision numbers

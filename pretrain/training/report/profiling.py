@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from pretrain.runs.run_config import profile_window
+from pretrain.runs.settings_rules import profile_window
 from pretrain.training.callbacks import Callback
 
 if TYPE_CHECKING:

@@ -29,14 +29,10 @@ from pretrain.distributed import discover
 from pretrain.errors import UnreadableCheckpoint
 from pretrain.runs import checkpoint_files
 from pretrain.runs.data_spec import parse_data
-from pretrain.runs.run_config import (
-    RunConfig,
-    apply_token_budget,
-    global_batch,
-    resolve,
-)
-from pretrain.runs.run_config import tokens_per_step as step_tokens
+from pretrain.runs.run_config import RunConfig, apply_token_budget, resolve
 from pretrain.runs.settings_rules import RunShape, check_settings, start_notes
+from pretrain.runs.train_config import global_batch
+from pretrain.runs.train_config import tokens_per_step as step_tokens
 from pretrain.say import one_line
 from pretrain.training.checkpoint import store, universal
 from pretrain.training.engine.ds_config import build_ds_config, load_ds_json, zero_stage

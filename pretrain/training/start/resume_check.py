@@ -51,12 +51,8 @@ from pretrain.errors import UnreadableCheckpoint
 from pretrain.runs.checkpoint_files import ranks_that_wrote, read_config, step_of
 from pretrain.runs.data_spec import parse_data
 from pretrain.runs.identity import check_same_tokenizer
-from pretrain.runs.run_config import (
-    RunConfig,
-    TrainConfig,
-    global_batch,
-    tokens_per_step,
-)
+from pretrain.runs.run_config import RunConfig
+from pretrain.runs.train_config import TrainConfig, global_batch, kept_on_resume, tokens_per_step
 from pretrain.training.checkpoint.universal import needs_universal
 from pretrain.training.engine.lr_schedule import Schedule
 
@@ -64,10 +60,7 @@ if TYPE_CHECKING:
     from data_pipeline.manifest import Manifest
     from data_pipeline.mixture import DataMixture
 
-REFUSED_TRAIN_KEYS = (
-    *("lr", "min_lr", "warmup_steps", "schedule_steps", "betas", "weight_decay"),
-    *("optimizer", "muon_lr", "muon_momentum", "muon_weight_decay"),  # the state it restores is its optimizer's
-)
+REFUSED_TRAIN_KEYS = kept_on_resume()  # the fields declared `resume=KEPT` (run_config.py)
 # a wsd run: schedule_steps may change (with train.steps, decay_tokens, decay_shape), checked by `keep_wsd_lr`
 WSD_REFUSED_KEYS = tuple(k for k in REFUSED_TRAIN_KEYS if k != "schedule_steps")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.runs.checkpoint_files import find_latest
-from pretrain.runs.run_config import TrainConfig
+from pretrain.runs.train_config import TrainConfig
 from pretrain.training.failures import TrainingStopped
 from pretrain.training.report.metrics import trim_records
 

@@ -1,0 +1,284 @@
+"""A run's training settings: `TrainConfig`, each field with what it needs to take effect and what a
+resume may do with it (`option`), and the checks of its values. A training option is its field here
+and the code that uses it (README, "Where does a change go"); the run config (`RunConfig`, overrides,
+resolution) is run_config.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pretrain.runs.settings_rules import profile_refusal, profile_window, switch_rule
+
+DEPTH_SAMPLING = ("uniform", "fixed", "poisson", "loguniform")
+# train.activation_checkpointing (pretrain/training/engine/parallelize.py): explicit modes, cheapest
+# recompute first; `auto` picks one for the run
+CHECKPOINT_MODES = ("off", "selective", "loop_step", "block")
+AUTO = "auto"
+PRECISIONS = ("auto", "bf16", "fp32")
+OPTIMIZERS = ("adamw", "muon")  # TrainConfig.optimizer
+
+# What a setting needs to take effect, and what a resume may do with it, live with its field: a
+# training option is its field here and the code that uses it (README, "Where does a change go").
+Switch = tuple[str, Callable[["TrainConfig"], bool]]  # (what it needs, in words; whether the run has it)
+WSD: Switch = ("train.schedule=wsd", lambda t: t.schedule == "wsd")
+MUON: Switch = ("train.optimizer=muon", lambda t: t.optimizer == "muon")
+WANDB: Switch = ("train.wandb=true", lambda t: t.wandb)
+TASKS: Switch = ("train.eval_tasks_every > 0", lambda t: t.eval_tasks_every > 0)
+KEPT = "kept"  # resume: the checkpoint's value or a refusal (the state it restores was made with it)
+
+
+def option(default: Any, needs: Switch | None = None, resume: str = "") -> Any:
+    """A TrainConfig field whose value given on the command line needs `needs` to take effect (else
+    refused, settings_rules.switch_rule), and which a resume keeps (`resume=KEPT`, resume_check.py)."""
+    return field(default=default, metadata={"needs": needs, "resume": resume})
+
+
+def kept_on_resume() -> tuple[str, ...]:
+    """The train keys a resume may not change (pretrain/training/start/resume_check.py)."""
+    return tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("resume") == KEPT)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20000
+    tokens: float = 0.0  # the run's length in training tokens (e.g. 3e9): steps = ceil(tokens / tokens per step);
+    # 0 = train.steps
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = option(6e-4, resume=KEPT)
+    min_lr: float = option(6e-5, resume=KEPT)
+    warmup_steps: int = option(2000, resume=KEPT)
+    schedule_steps: int = option(
+        0, resume=KEPT
+    )  # learning-rate schedule horizon; 0 = steps (a resume with new steps keeps the old)
+    schedule: str = "cosine"  # cosine: warmup then cosine to min_lr over the horizon; wsd: warmup-stable-decay
+    decay_tokens: float = 0.0  # wsd: the decay phase, the run's last this many tokens (0: no decay, stable to the
+    # end: a run to branch decays from, docs/training.md)
+    decay_shape: str = option("linear", WSD)  # wsd: linear or sqrt (1 - sqrt) from lr to min_lr
+    weight_decay: float = option(0.1, resume=KEPT)
+    betas: tuple = option((0.9, 0.95), resume=KEPT)
+    grad_clip: float = 1.0
+    optimizer: str = option(
+        "adamw", resume=KEPT
+    )  # adamw; muon: DeepSpeed's Muon for the hidden matrices, AdamW (lr, betas) for the rest
+    muon_lr: float = option(
+        0.02, MUON, resume=KEPT
+    )  # muon: the matrices' peak learning rate (the schedule scales it as it scales lr)
+    muon_momentum: float = option(0.95, MUON, resume=KEPT)
+    muon_weight_decay: float = option(
+        0.0, MUON, resume=KEPT
+    )  # muon: the matrices' decoupled decay, times muon_lr per step (DeepSpeed's default)
+    async_save: bool = False  # checkpoint files written by a background thread while training goes on
+    seed: int = 1234
+    depth_sampling: str = "uniform"  # uniform: r ~ U{1..R}; fixed: R; poisson: Huginn's heavy tail;
+    # loguniform: floor(exp(U[0, log(R+1)))), depth extrapolation
+    max_train_depth: int = 0  # the R of the sampling above (0 = the layout's R); e.g. 32 with
+    # loguniform keeps the loss flat past R (docs/evaluation.md)
+    poisson_mean: float = 32.0  # rbar of the heavy-tail Poisson (capped at the layout's R x 4)
+    poisson_sigma: float = 0.5
+    activation_checkpointing: str = AUTO  # auto: off, selective or loop_step by the device memory left;
+    # or one of those, or block (pretrain/training/engine/parallelize.py)
+    doc_mask: bool = False  # attend only within a packed document
+    precision: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    num_workers: int = 0
+    shuffle_buffer: int = 1000
+    data_stages: str = ""  # a mixture's weights from a token count on: "2e9:web=0.2,books=0.8;3e9:web=0,books=1"
+    max_repeats: float = 0.0  # a mixture source's train split is read at most this many times (0 = no cap)
+    skip_corrupt_shards: bool = False
+    log_every: int = 10
+    eval_every: int = 500
+    eval_batches: int = 20
+    eval_tasks_every: int = 0  # score the zero-shot tasks every this many steps (0 = off), at eval_tasks_depths
+    eval_tasks: str = option(
+        "all", TASKS
+    )  # comma-separated task names (pretrain/infer/evaluation/zero_shot.py), or all
+    eval_tasks_depths: str = option("", TASKS)  # exit depths, comma-separated; "" = 1, R/2, R
+    eval_tasks_limit: int = option(200, TASKS)  # items per task (0 = every item)
+    eval_dir: str = option("", TASKS)  # the task files' directory ("" = grt eval's default)
+    save_every: int = 1000
+    save_final: bool = True  # a checkpoint at the last step (false: benchmarks, whose runs are thrown away)
+    keep_checkpoints: int = 3
+    max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
+    dist_timeout_s: float = 600.0
+    peak_tflops: float = 0.0  # device peak for MFU; 0 = look up the device
+    compile: bool = False
+    zero3_pin_core: bool = True  # keep the looped core gathered under ZeRO-3 (training/engine/deepspeed_internals.py)
+    allow_data_change: bool = False  # resume although the shard list changed since the checkpoint
+    allow_batch_change: bool = False  # resume with another global batch (micro-batch x grad_accum x ranks)
+    # watching a run (docs/training.md, "Watching a run")
+    profile: str = ""  # torch profiler window "wait,warmup,active" steps (e.g. "10,2,3"), traced once; "" = off
+    profile_ranks: str = option(
+        "0", ("train.profile='wait,warmup,active'", lambda t: bool(t.profile))
+    )  # the ranks that trace: comma-separated ranks, or "all"
+    time_breakdown: bool = True  # on logging steps: the step's time per span (data, forward, backward, optimizer)
+    memory_history: bool = False  # CUDA: record the allocator's history, for memory snapshots on demand and on OOM
+    data_starved_share: float = 0.2  # warn when waiting for data takes more than this share of a logged step
+    slow_rank_factor: float = 1.5  # a rank whose local step time exceeds the median's by this factor is slow...
+    slow_rank_windows: int = 3  # ...on this many logging steps in a row: named in one warning line
+    loss_spike_threshold: float = 6.0  # a step loss this many robust standard deviations above the running median
+    # of the last 100 steps is a spike: logged (one line, train/loss_spike); 0 = off
+    loss_spike_action: str = option(
+        "log", ("train.loss_spike_threshold > 0", lambda t: t.loss_spike_threshold > 0)
+    )  # log; skip: a micro-batch whose loss is above that limit is dropped on every
+    # rank and replaced by the next (listed in <out>/spikes.jsonl); rollback: back to the last complete checkpoint,
+    # the data since it skipped (recorded in <out>/data_skips.json, which a resume follows)
+    wandb: bool = False  # also log to Weights & Biases (the [wandb] extra; WANDB_MODE=offline works without network)
+    wandb_project: str = option("grt", WANDB)
+    wandb_entity: str = option("", WANDB)  # "" = the W&B default entity
+
+
+for _f in dataclasses.fields(TrainConfig):
+    if _f.metadata.get("needs"):
+        switch_rule(f"train.{_f.name}", *_f.metadata["needs"])
+
+SPIKE_ACTIONS = ("log", "skip", "rollback")  # what a loss spike does (TrainConfig.loss_spike_action)
+SCHEDULES = ("cosine", "wsd")  # TrainConfig.schedule
+DECAY_SHAPES = ("linear", "sqrt")  # TrainConfig.decay_shape
+
+
+def _finite(x: Any) -> bool:
+    """A real number (not a bool, not NaN or infinite)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _betas_ok(betas: Any) -> bool:
+    return isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in betas)
+
+
+def train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
+    """(ok, the one line that refuses it) for every `train.*` value that can be meaningless
+    (docs/reliability.md, "Values checked at the door"). Types are checked before, on parse."""
+    return [
+        (
+            t.depth_sampling in DEPTH_SAMPLING,
+            f"train.depth_sampling={t.depth_sampling!r}: accepted values are {', '.join(DEPTH_SAMPLING)}",
+        ),
+        (
+            t.precision in PRECISIONS,
+            f"train.precision={t.precision!r}: accepted values are {', '.join(PRECISIONS)}",
+        ),
+        (
+            t.activation_checkpointing in (AUTO, *CHECKPOINT_MODES),
+            f"train.activation_checkpointing={t.activation_checkpointing!r}: accepted values are "
+            f"{', '.join((AUTO, *CHECKPOINT_MODES))}",
+        ),
+        (t.steps >= 1, f"train.steps={t.steps}: must be >= 1"),
+        (
+            _finite(t.tokens) and t.tokens >= 0,
+            f"train.tokens={t.tokens}: must be >= 0 (training tokens, e.g. 3e9; 0 = train.steps)",
+        ),
+        (t.schedule in SCHEDULES, f"train.schedule={t.schedule!r}: accepted values are {', '.join(SCHEDULES)}"),
+        (
+            t.decay_shape in DECAY_SHAPES,
+            f"train.decay_shape={t.decay_shape!r}: accepted values are {', '.join(DECAY_SHAPES)}",
+        ),
+        (
+            _finite(t.decay_tokens) and t.decay_tokens >= 0,
+            f"train.decay_tokens={t.decay_tokens}: must be >= 0 (tokens of the wsd decay phase; 0 = no decay)",
+        ),
+        (
+            _finite(t.max_repeats) and t.max_repeats >= 0,
+            f"train.max_repeats={t.max_repeats}: must be >= 0 (passes over a source's train split; 0 = no cap)",
+        ),
+        (t.eval_tasks_every >= 0, f"train.eval_tasks_every={t.eval_tasks_every}: must be >= 0 (0 = off)"),
+        (t.eval_tasks_limit >= 0, f"train.eval_tasks_limit={t.eval_tasks_limit}: must be >= 0 (0 = every item)"),
+        (t.max_train_depth >= 0, f"train.max_train_depth={t.max_train_depth}: must be >= 0 (0 = the layout's R)"),
+        (t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size}: must be >= 1"),
+        (t.grad_accum >= 1, f"train.grad_accum={t.grad_accum}: must be >= 1"),
+        (0 <= t.warmup_steps, f"train.warmup_steps={t.warmup_steps}: must be >= 0"),
+        (0 <= t.schedule_steps, f"train.schedule_steps={t.schedule_steps}: must be >= 0 (0 = train.steps)"),
+        (
+            _finite(t.lr) and _finite(t.min_lr) and t.lr > 0 and 0 <= t.min_lr <= t.lr,
+            f"train.lr={t.lr}, train.min_lr={t.min_lr}: need 0 <= min_lr <= lr, lr > 0 (finite numbers)",
+        ),
+        (_finite(t.weight_decay) and t.weight_decay >= 0, f"train.weight_decay={t.weight_decay}: must be >= 0"),
+        (
+            _betas_ok(t.betas),
+            f"train.betas={t.betas!r}: two numbers in [0, 1), e.g. train.betas=0.9,0.95",
+        ),
+        (
+            _finite(t.grad_clip) and t.grad_clip >= 0,
+            f"train.grad_clip={t.grad_clip}: must be >= 0 (the largest gradient norm; 0 = no clipping)",
+        ),
+        (t.optimizer in OPTIMIZERS, f"train.optimizer={t.optimizer!r}: accepted values are {', '.join(OPTIMIZERS)}"),
+        (_finite(t.muon_lr) and t.muon_lr > 0, f"train.muon_lr={t.muon_lr}: must be > 0"),
+        (
+            _finite(t.muon_momentum) and 0 <= t.muon_momentum < 1,
+            f"train.muon_momentum={t.muon_momentum}: must be in [0, 1)",
+        ),
+        (
+            _finite(t.muon_weight_decay) and t.muon_weight_decay >= 0,
+            f"train.muon_weight_decay={t.muon_weight_decay}: must be >= 0",
+        ),
+        (0 <= t.seed < 2**63, f"train.seed={t.seed}: must be in [0, 2**63)"),
+        (
+            _finite(t.poisson_mean) and t.poisson_mean > 0,
+            f"train.poisson_mean={t.poisson_mean}: must be > 0 (the mean depth of poisson sampling)",
+        ),
+        (_finite(t.poisson_sigma) and t.poisson_sigma >= 0, f"train.poisson_sigma={t.poisson_sigma}: must be >= 0"),
+        (t.num_workers >= 0, f"train.num_workers={t.num_workers}: must be >= 0 (0 = load in the training process)"),
+        (t.shuffle_buffer >= 0, f"train.shuffle_buffer={t.shuffle_buffer}: must be >= 0 (0 = no shuffle buffer)"),
+        (t.log_every >= 1, f"train.log_every={t.log_every}: must be >= 1"),
+        (t.eval_every >= 0, f"train.eval_every={t.eval_every}: must be >= 0 (0 = off)"),
+        (
+            t.eval_batches >= 1,
+            f"train.eval_batches={t.eval_batches}: must be >= 1 (turn evaluation off with eval_every=0)",
+        ),
+        (t.save_every >= 0, f"train.save_every={t.save_every}: must be >= 0 (0 = off)"),
+        (t.keep_checkpoints >= 1, f"train.keep_checkpoints={t.keep_checkpoints}: must be >= 1"),
+        (
+            t.max_bad_steps >= 1,
+            f"train.max_bad_steps={t.max_bad_steps}: must be >= 1 (consecutive non-finite micro-batches "
+            "before the run stops)",
+        ),
+        (
+            _finite(t.dist_timeout_s) and t.dist_timeout_s > 0,
+            f"train.dist_timeout_s={t.dist_timeout_s}: must be > 0 (seconds a collective may wait)",
+        ),
+        (
+            _finite(t.peak_tflops) and t.peak_tflops >= 0,
+            f"train.peak_tflops={t.peak_tflops}: must be >= 0 (0 = look the device up)",
+        ),
+        (profile_window(t.profile) is not None or t.profile == "", profile_refusal(t.profile)),
+        (
+            t.profile_ranks == "all" or all(r.strip().isdigit() for r in t.profile_ranks.split(",")),
+            f"train.profile_ranks={t.profile_ranks!r}: comma-separated ranks (e.g. 0,8) or 'all'",
+        ),
+        (
+            _finite(t.data_starved_share) and 0 < t.data_starved_share <= 1,
+            f"train.data_starved_share={t.data_starved_share}: must be in (0, 1] (a share of the step's time)",
+        ),
+        (
+            _finite(t.slow_rank_factor) and t.slow_rank_factor > 1,
+            f"train.slow_rank_factor={t.slow_rank_factor}: must be > 1 (times the median rank's step time)",
+        ),
+        (t.slow_rank_windows >= 1, f"train.slow_rank_windows={t.slow_rank_windows}: must be >= 1 (logging steps)"),
+        (
+            t.loss_spike_action in SPIKE_ACTIONS,
+            f"train.loss_spike_action={t.loss_spike_action!r}: accepted values are {', '.join(SPIKE_ACTIONS)}",
+        ),
+        (
+            _finite(t.loss_spike_threshold) and t.loss_spike_threshold >= 0,
+            f"train.loss_spike_threshold={t.loss_spike_threshold}: must be >= 0 (robust standard deviations; 0 = off)",
+        ),
+    ]
+
+
+def global_batch(train: TrainConfig, world: int) -> int:
+    """The sequences of one optimizer step: every rank's micro-batches of it."""
+    return train.micro_batch_size * train.grad_accum * world
+
+
+def tokens_per_step(train: TrainConfig, world: int, seq_len: int) -> int:
+    """The training tokens of one optimizer step: its global batch of `seq_len`-token samples."""
+    return global_batch(train, world) * seq_len
+
+
+def budget_steps(tokens: float, per_step: int) -> int:
+    """The steps a budget of `tokens` training tokens gives at `per_step` tokens a step (at least one)."""
+    return max(1, math.ceil(tokens / per_step))
