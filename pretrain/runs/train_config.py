@@ -29,6 +29,8 @@ WSD: Switch = ("train.schedule=wsd", lambda t: t.schedule == "wsd")
 MUON: Switch = ("train.optimizer=muon", lambda t: t.optimizer == "muon")
 WANDB: Switch = ("train.wandb=true", lambda t: t.wandb)
 TASKS: Switch = ("train.eval_tasks_every > 0", lambda t: t.eval_tasks_every > 0)
+PROFILE: Switch = ("train.profile='wait,warmup,active'", lambda t: bool(t.profile))
+SPIKES: Switch = ("train.loss_spike_threshold > 0", lambda t: t.loss_spike_threshold > 0)
 KEPT = "kept"  # resume: the checkpoint's value or a refusal (the state it restores was made with it)
 
 
@@ -53,9 +55,8 @@ class TrainConfig:
     lr: float = option(6e-4, resume=KEPT)
     min_lr: float = option(6e-5, resume=KEPT)
     warmup_steps: int = option(2000, resume=KEPT)
-    schedule_steps: int = option(
-        0, resume=KEPT
-    )  # learning-rate schedule horizon; 0 = steps (a resume with new steps keeps the old)
+    # learning-rate schedule horizon; 0 = steps (a resume with new steps keeps the old)
+    schedule_steps: int = option(0, resume=KEPT)
     schedule: str = "cosine"  # cosine: warmup then cosine to min_lr over the horizon; wsd: warmup-stable-decay
     decay_tokens: float = 0.0  # wsd: the decay phase, the run's last this many tokens (0: no decay, stable to the
     # end: a run to branch decays from, docs/training.md)
@@ -63,16 +64,13 @@ class TrainConfig:
     weight_decay: float = option(0.1, resume=KEPT)
     betas: tuple = option((0.9, 0.95), resume=KEPT)
     grad_clip: float = 1.0
-    optimizer: str = option(
-        "adamw", resume=KEPT
-    )  # adamw; muon: DeepSpeed's Muon for the hidden matrices, AdamW (lr, betas) for the rest
-    muon_lr: float = option(
-        0.02, MUON, resume=KEPT
-    )  # muon: the matrices' peak learning rate (the schedule scales it as it scales lr)
+    # adamw; muon: DeepSpeed's Muon for the hidden matrices, AdamW (lr, betas) for the rest
+    optimizer: str = option("adamw", resume=KEPT)
+    # muon: the matrices' peak learning rate (the schedule scales it as it scales lr)
+    muon_lr: float = option(0.02, MUON, resume=KEPT)
     muon_momentum: float = option(0.95, MUON, resume=KEPT)
-    muon_weight_decay: float = option(
-        0.0, MUON, resume=KEPT
-    )  # muon: the matrices' decoupled decay, times muon_lr per step (DeepSpeed's default)
+    # muon: the matrices' decoupled decay, times muon_lr per step (DeepSpeed's default)
+    muon_weight_decay: float = option(0.0, MUON, resume=KEPT)
     async_save: bool = False  # checkpoint files written by a background thread while training goes on
     seed: int = 1234
     depth_sampling: str = "uniform"  # uniform: r ~ U{1..R}; fixed: R; poisson: Huginn's heavy tail;
@@ -94,9 +92,8 @@ class TrainConfig:
     eval_every: int = 500
     eval_batches: int = 20
     eval_tasks_every: int = 0  # score the zero-shot tasks every this many steps (0 = off), at eval_tasks_depths
-    eval_tasks: str = option(
-        "all", TASKS
-    )  # comma-separated task names (pretrain/infer/evaluation/zero_shot.py), or all
+    # comma-separated task names (pretrain/infer/evaluation/zero_shot.py), or all
+    eval_tasks: str = option("all", TASKS)
     eval_tasks_depths: str = option("", TASKS)  # exit depths, comma-separated; "" = 1, R/2, R
     eval_tasks_limit: int = option(200, TASKS)  # items per task (0 = every item)
     eval_dir: str = option("", TASKS)  # the task files' directory ("" = grt eval's default)
@@ -112,9 +109,7 @@ class TrainConfig:
     allow_batch_change: bool = False  # resume with another global batch (micro-batch x grad_accum x ranks)
     # watching a run (docs/training.md, "Watching a run")
     profile: str = ""  # torch profiler window "wait,warmup,active" steps (e.g. "10,2,3"), traced once; "" = off
-    profile_ranks: str = option(
-        "0", ("train.profile='wait,warmup,active'", lambda t: bool(t.profile))
-    )  # the ranks that trace: comma-separated ranks, or "all"
+    profile_ranks: str = option("0", PROFILE)  # the ranks that trace: comma-separated ranks, or "all"
     time_breakdown: bool = True  # on logging steps: the step's time per span (data, forward, backward, optimizer)
     memory_history: bool = False  # CUDA: record the allocator's history, for memory snapshots on demand and on OOM
     data_starved_share: float = 0.2  # warn when waiting for data takes more than this share of a logged step
@@ -122,11 +117,10 @@ class TrainConfig:
     slow_rank_windows: int = 3  # ...on this many logging steps in a row: named in one warning line
     loss_spike_threshold: float = 6.0  # a step loss this many robust standard deviations above the running median
     # of the last 100 steps is a spike: logged (one line, train/loss_spike); 0 = off
-    loss_spike_action: str = option(
-        "log", ("train.loss_spike_threshold > 0", lambda t: t.loss_spike_threshold > 0)
-    )  # log; skip: a micro-batch whose loss is above that limit is dropped on every
-    # rank and replaced by the next (listed in <out>/spikes.jsonl); rollback: back to the last complete checkpoint,
-    # the data since it skipped (recorded in <out>/data_skips.json, which a resume follows)
+    # log; skip: a micro-batch whose loss is above that limit is dropped on every rank and replaced by the next
+    # (listed in <out>/spikes.jsonl); rollback: back to the last complete checkpoint, the data since it skipped
+    # (recorded in <out>/data_skips.json, which a resume follows)
+    loss_spike_action: str = option("log", SPIKES)
     wandb: bool = False  # also log to Weights & Biases (the [wandb] extra; WANDB_MODE=offline works without network)
     wandb_project: str = option("grt", WANDB)
     wandb_entity: str = option("", WANDB)  # "" = the W&B default entity
