@@ -1,7 +1,11 @@
 import os
+import shutil
 from pathlib import Path
 
 import pytest
+import shared_artifacts
+
+ARTIFACTS = pytest.StashKey[str]()  # the controller's shared folder (shared_artifacts.py)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("GRT_SHARED_DIR", REPO.parent / "shared"))
@@ -11,11 +15,21 @@ DEMO_TEXT = REPO / "examples" / "data" / "tinyshakespeare.txt"
 def pytest_configure(config) -> None:
     """A pytest-xdist worker per core (scripts/test.sh): each one computes with one thread. torch's
     default of a thread per core puts two workers' threads on each core, where OpenMP's waits spin:
-    a micro model's training ran 4.5x slower so (301 s against 68 s for 300 steps, two workers busy)."""
+    a micro model's training ran 4.5x slower so (301 s against 68 s for 300 steps, two workers busy).
+    The controller makes the folder of what the workers share (tests/shared_artifacts.py)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
         torch.set_num_threads(1)
+    elif not os.environ.get(shared_artifacts.ROOT_ENV):
+        config.stash[ARTIFACTS] = shared_artifacts.make_root()
+
+
+def pytest_unconfigure(config) -> None:
+    root = config.stash.get(ARTIFACTS, None)
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)
+        os.environ.pop(shared_artifacts.ROOT_ENV, None)
 
 
 @pytest.fixture(scope="session")
@@ -28,28 +42,8 @@ def demo_text() -> Path:
     return DEMO_TEXT
 
 
-def shared_dir(tmp_path_factory) -> Path:
-    """A folder every pytest-xdist worker of this run sees (the run's base temp folder; the
-    workers' own are below it); without xdist, this process's base temp folder."""
-    base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-
-
-def made_once(root: Path, name: str, make) -> Path:
-    """<root>/<name>, made by make(path) by the first worker to ask, under a file lock: the
-    others wait for it instead of making their own."""
-    from filelock import FileLock
-
-    path, done = root / name, root / f"{name}.done"
-    with FileLock(str(root / f"{name}.lock")):
-        if not done.exists():
-            make(path)
-            done.touch()
-    return path
-
-
 @pytest.fixture(scope="session")
-def shards(tmp_path_factory, demo_text) -> Path:
+def shards(demo_text) -> Path:
     """A tokenizer (vocab 512) and seq-64 shards of the bundled text with a validation
     split, made once per test run with the real `grt data` commands."""
     from commands import data_commands, manifest_of
@@ -60,7 +54,7 @@ def shards(tmp_path_factory, demo_text) -> Path:
             r = grt(*args)
             assert r.returncode == 0, r.stderr
 
-    return manifest_of(made_once(shared_dir(tmp_path_factory), "data", make))
+    return manifest_of(shared_artifacts.made_once("shards", make))
 
 
 # Modules whose tests must not run beside each other's (one xdist worker runs them in turn):

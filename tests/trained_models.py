@@ -7,18 +7,17 @@ Import the fixtures into a test module: `from trained_models import grt_run, den
 
 from __future__ import annotations
 
-import atexit
 import functools
 import json
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 from commands import data_commands, manifest_of, train_command
+from shared_artifacts import made_once
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_TEXT = REPO / "examples" / "data" / "tinyshakespeare.txt"
@@ -40,31 +39,30 @@ def grt(*args: str, cwd: Path = REPO, timeout: int = 600) -> subprocess.Complete
 
 
 @functools.cache
-def _root() -> Path:
-    root = Path(tempfile.mkdtemp(prefix="grt-eval-tests-"))
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
-    return root
-
-
-@functools.cache
 def data() -> Path:
     """Tokenizer (vocab 512) and shards (seq 64, 5% validation) from the demo text."""
-    root = _root() / "data"
-    root.mkdir()
-    for args in data_commands(DEMO_TEXT, root, 512, 0.2):
-        grt(*args)
-    return manifest_of(root)
+
+    def make(root: Path) -> None:
+        root.mkdir()
+        for args in data_commands(DEMO_TEXT, root, 512, 0.2):
+            grt(*args)
+
+    return manifest_of(made_once("eval-data", make))
 
 
 @functools.cache
 def train(preset: str, steps: int, lr: float = 3e-3, eval_batches: int = EVAL_BATCHES) -> Path:
-    out = _root() / f"{preset}-{steps}"
-    # the warmup as the schedule runs it (at most the run: a longer explicit one is refused, settings_rules.py)
-    sets = [f"train.warmup_steps={min(10, steps)}", f"train.lr={lr}", f"train.eval_every={steps}"]
-    sets += [f"train.eval_batches={eval_batches}", "train.log_every=50"]
-    grt(*train_command(preset, data(), out, steps, 8, "ds_configs/zero3.json", sets))
-    assert (out / "summary.json").is_file()
-    return out
+    """`preset` trained `steps` steps on `data()`: made once per test run, shared by its workers (read
+    it, do not write into it)."""
+
+    def make(out: Path) -> None:
+        # the warmup as the schedule runs it (at most the run: a longer explicit one is refused, settings_rules.py)
+        sets = [f"train.warmup_steps={min(10, steps)}", f"train.lr={lr}", f"train.eval_every={steps}"]
+        sets += [f"train.eval_batches={eval_batches}", "train.log_every=50"]
+        grt(*train_command(preset, data(), out, steps, 8, "ds_configs/zero3.json", sets))
+        assert (out / "summary.json").is_file()
+
+    return made_once(f"{preset}-{steps}-lr{lr:g}-eval{eval_batches}", make)
 
 
 def summary(run: Path) -> dict:
