@@ -6,8 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 bash scripts/lint.sh style
-# mypy (about a minute of one core) runs beside the suite, whose processes spend much of their time
-# waiting (on ranks, timeouts, signals, servers); its report is printed after the suite's
+# mypy (about a minute of one core, without its cache) runs beside the suite: run before it, the other
+# core would idle for that minute; its report is printed after the suite's
 types_log="$(mktemp)"
 bash scripts/lint.sh types > "$types_log" 2>&1 &
 types=$!
