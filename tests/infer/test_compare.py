@@ -336,19 +336,25 @@ def test_step_timing_uses_the_real_engine_at_each_recipe_depth():
     assert len(timed) == 1 and set(timed[0]) == {1, 2, 3} and all(t > 0 for t in timed[0].values())
 
 
-def test_final_evals_extrapolate_and_exit_adaptively_on_the_trainers_batches(grt_run):
+def test_final_evals_extrapolate_and_exit_adaptively_on_the_trainers_batches(grt_run, tmp_path):
+    import shutil
+
     from pretrain.distributed import Dist
     from pretrain.infer.evaluation.scoring import adaptive_sums, lm_sums, val_batches
     from pretrain.infer.load import load_model, pick_device
 
-    cfg = RunConfig.load(grt_run / "config.json")
+    # a copy: final_evals writes its cache into the run, and grt_run is shared by every xdist worker
+    run = tmp_path / "run"
+    shutil.copytree(grt_run, run)
+    cfg = RunConfig.load(run / "config.json")
+    cfg.out = str(run)
     evals = compare_eval.final_evals(cfg, exit_factor=2)
-    by_depth = json.loads((grt_run / "summary.json").read_text())["val_loss_by_depth"]
+    by_depth = json.loads((run / "summary.json").read_text())["val_loss_by_depth"]
     for depth in range(4):  # the trainer's own validation batches: its losses at r = 0..R again
         assert evals["exit_curve"][depth] == pytest.approx(by_depth[str(depth)], abs=1e-4)
     # the same batches scored here, each setting on its own
     t, device = cfg.train, pick_device()
-    model = load_model(grt_run, device=device).model
+    model = load_model(run, device=device).model
     batches = lambda: val_batches(cfg.data, t.micro_batch_size, Dist(), t.eval_batches, t.seed)  # noqa: E731
     nll, tokens = lm_sums(model, batches(), [12], device, t.doc_mask)[0].tolist()
     assert evals["extrapolation"] == {
@@ -365,7 +371,7 @@ def test_final_evals_extrapolate_and_exit_adaptively_on_the_trainers_batches(grt
         }
         assert 1 <= result["mean_steps"] <= 3
     assert compare_eval.final_evals(cfg, exit_factor=2) == evals  # cached in the run directory, same keys
-    assert (grt_run / "final_eval.json").is_file()
+    assert (run / "final_eval.json").is_file()
 
 
 def test_ouro_learned_exit_ends_are_its_fixed_depths():
