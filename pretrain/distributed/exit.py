@@ -92,10 +92,11 @@ def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
 
 
 @contextmanager
-def _boundary(threads: list[BaseException]) -> Iterator[None]:
+def _boundary(threads: list[tuple[BaseException, tuple[str, int]]]) -> Iterator[None]:
     """While the command runs: SIGINT and SIGTERM raise `Interrupted` (where Python's own handler
     is in place, in the main thread: a command's own handler, such as training's, replaces it), and a
-    thread's error of `boundary_line` (TensorBoard's writer on a full disk) is kept in `threads`, not
+    thread's error of `boundary_line` (TensorBoard's writer on a full disk) is kept in `threads` with
+    its line and code, not
     printed as a traceback: run_command says its one line at the end when the command itself ended
     well; a command that failed said its own line (often the same error raised again, or training
     stopping on it), and one line is what a failure says."""
@@ -103,10 +104,11 @@ def _boundary(threads: list[BaseException]) -> Iterator[None]:
 
     def thread_error(args: threading.ExceptHookArgs) -> None:
         err = args.exc_value
-        if err is None or boundary_line(err) is None:
+        handled = boundary_line(err) if err is not None else None
+        if err is None or handled is None:
             previous_hook(args)
             return
-        threads.append(err)
+        threads.append((err, handled))
 
     threading.excepthook = thread_error
     main = threading.current_thread() is threading.main_thread()
@@ -155,7 +157,7 @@ def run_command(
     (and a RendezvousError that a command does not catch itself) become one line, `prog:
     ...`, and their exit code, in-process callers included; any other exception is let
     through without a process group (a bug's traceback), and is exit 1 with one."""
-    threads: list[BaseException] = []  # the threads' errors of boundary_line
+    threads: list[tuple[BaseException, tuple[str, int]]] = []  # the threads' errors of boundary_line
     try:
         with _boundary(threads):
             code = main(argv) or 0
@@ -172,7 +174,7 @@ def run_command(
         else:
             code = _exit_code(err)
     if code == 0 and threads:  # the command ended well but a thread of it did not: that is its failure
-        for failed in threads:
-            line, code = boundary_line(failed) or ("", 0)  # (kept only when it has a line)
+        for failed, (line, _) in threads:
             _say(prog, line, failed)
+        code = threads[0][1][1]
     return exit_process(code)

@@ -124,7 +124,7 @@ def decay_steps(decay_tokens: float, tokens_per_step: int) -> int:
 # -- switches: a setting given on the command line needs its feature switched on --------------
 def switch_rule(key: str, needs: str, on: Callable[[Any], bool]) -> None:
     """`key` ("train.wandb_project") given on the command line while `on(cfg.train)` is false is
-    refused, naming `needs` ("train.wandb=true"). Declared with the field (run_config.py `option`)."""
+    refused, naming `needs` ("train.wandb=true"). Declared with the field (train_config.py `option`)."""
     name = key.removeprefix("train.")
 
     @rule(key, needs)

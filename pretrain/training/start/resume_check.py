@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from data_pipeline.manifest import Manifest
     from data_pipeline.mixture import DataMixture
 
-REFUSED_TRAIN_KEYS = kept_on_resume()  # the fields declared `resume=KEPT` (run_config.py)
+REFUSED_TRAIN_KEYS = kept_on_resume()  # the fields declared `resume=KEPT` (train_config.py)
 # a wsd run: schedule_steps may change (with train.steps, decay_tokens, decay_shape), checked by `keep_wsd_lr`
 WSD_REFUSED_KEYS = tuple(k for k in REFUSED_TRAIN_KEYS if k != "schedule_steps")
 
@@ -224,13 +224,13 @@ def check_tag(
             f"train.seed={old_t['seed']}, or start a new run with another --out"
         )
     world = world_size or discover().world_size
+    saved_world = ranks_that_wrote(step_dir) or world
     if cfg.train.optimizer == "muon" and needs_universal(step_dir, world):
         raise ConfigError(
-            f"resume: {where} of a train.optimizer=muon run was written by {ranks_that_wrote(step_dir)} rank(s), "
+            f"resume: {where} of a train.optimizer=muon run was written by {saved_world} rank(s), "
             f"this run has {world}: DeepSpeed's universal checkpoint (ds_to_universal) carries Adam's state "
             "(exp_avg, exp_avg_sq), not Muon's momentum; resume on the number of ranks that wrote it"
         )
-    saved_world = ranks_that_wrote(step_dir) or world
     batch_note = keep_global_batch(cfg, old_t, saved_world, world, where)
     schedule_note = ""
     if wsd:
