@@ -36,6 +36,7 @@ setup(
         "dev": [
             "pytest",
             "pytest-xdist>=3.6",  # scripts/test.sh runs the suite on every core (--dist loadgroup)
+            "filelock",  # what the xdist workers share is made once, under a lock (tests/shared_artifacts.py)
             "transformers>=5.24,<5.25",
             "mpi4py",
             "triton",
