@@ -18,6 +18,7 @@ This file is also the rank script: python tests/training/test_universal_checkpoi
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -299,6 +300,11 @@ def test_conversion_is_atomic_and_reused(checkpoint_copy):
     assert universal.convert(step_dir) == final
     reuse_s = time.monotonic() - t0
     assert (marker.stat().st_mtime_ns, marker.stat().st_ino) == before and reuse_s < 1.0
+    # a copy by another version of our converter (before Muon's momentum) is stale too
+    made = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**made, "converter": made["converter"] - 1}))
+    assert not universal.is_converted(step_dir)
+    marker.write_text(json.dumps(made))
     # a rewritten source file (a resumed run writing the tag again) makes it stale: not used, redone
     # by the next conversion (as the copy without its marker was: moved aside, replaced)
     os.utime(step_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt", ns=(time.time_ns(), time.time_ns()))

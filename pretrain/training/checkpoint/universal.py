@@ -13,6 +13,7 @@ Layout (beside checkpoint/store.py's):
                                          global_steps/samples, skipped_steps, client state ("step")
             zero/optimizer_state.pt      the optimizer's param groups (lr, betas, weight_decay, ...)
             zero/<param>/fp32.pt ...     each parameter's fp32 weight, exp_avg, exp_avg_sq, step
+                                         (a Muon matrix: momentum_buffer, muon_universal.py)
             SOURCE.json                  what it was made from: written last, before the rename
         .universal.tmp<pid>/             a conversion in progress (never loaded; removed by the next one)
         universal.log                    the last conversion's output
@@ -37,7 +38,8 @@ How the trainer uses it (every rank runs the same code):
 Measured on 2 CPU cores (micro GRT, 50 k parameters): a conversion takes 3-6 s, nearly all of it
 the converter's start (importing DeepSpeed); a reused copy 0.3 ms.
 What DeepSpeed restores: weights, Adam moments and step count, param groups (with `load`'s
-repairs), the lr scheduler, global_steps/global_samples/skipped_steps, client state. What it does
+repairs), the lr scheduler, global_steps/global_samples/skipped_steps, client state; Muon's
+momentum is carried by muon_universal.py (the converter runs its `convert_main`). What it does
 not (the caller's): our rank<r>_state.pt (RNG, data-loader position), which exists only for the
 saved world's ranks (`checkpoint.load` refuses another world size: its file for a new rank is
 missing), and frozen parameters (refused, below). Gradient-accumulation micro-step counters
@@ -102,6 +104,7 @@ import torch
 from pretrain.config import ConfigError
 from pretrain.errors import UnreadableCheckpoint
 from pretrain.runs.checkpoint_files import ranks_that_wrote
+from pretrain.training.checkpoint.muon_universal import has_momentum, muon_names, restore
 
 if TYPE_CHECKING:
     import deepspeed
@@ -110,12 +113,14 @@ UNIVERSAL_TAG = "universal"  # the tag (a folder inside the step directory) `eng
 SOURCE_FILE = "SOURCE.json"
 LOG_FILE = "universal.log"
 STAGING_PREFIX = f".{UNIVERSAL_TAG}.tmp"
+CONVERTER = 2  # what the copy holds: 2 adds Muon's momentum (a copy made by another is redone)
 # DeepSpeed's own files: model states (ZeRO-3: one per rank) and ZeRO optimizer partitions
 DS_FILE_RE = re.compile(r"^[^.].*_(model|optim)_states\.pt$")
 ZERO_PARTITION_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
 
 # The converter, run as `python -c CHILD <parent pid> <ds_to_universal arguments>`: it dies with its
 # parent (PR_SET_PDEATHSIG survives exec; a parent gone before the prctl is caught by getppid).
+# ds_to_universal, with Muon's momentum carried through it (muon_universal.py).
 CHILD = """\
 import ctypes, os, signal, sys
 parent = int(sys.argv.pop(1))
@@ -123,8 +128,8 @@ if sys.platform.startswith("linux"):
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 if os.getppid() != parent:
     sys.exit("ds_to_universal: the converting process is gone")
-from deepspeed.checkpoint import ds_to_universal
-ds_to_universal.main(ds_to_universal.parse_arguments())
+from pretrain.training.checkpoint.muon_universal import convert_main
+convert_main()
 """
 
 
@@ -169,15 +174,15 @@ def with_universal_load(ds_config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fingerprint(step_dir: Path) -> dict[str, Any]:
-    """What a copy is made from: DeepSpeed's version and each source file's size and mtime
-    (a rewritten tag, or a DeepSpeed upgrade, makes an existing copy stale)."""
+    """What a copy is made from: DeepSpeed's version, our converter's and each source file's size and
+    mtime (a rewritten tag, or an upgrade of either, makes an existing copy stale)."""
     import deepspeed
 
     files = {}
     for p in deepspeed_files(step_dir):
         st = p.stat()
         files[p.name] = [st.st_size, st.st_mtime_ns]
-    return {"deepspeed": deepspeed.__version__, "files": files}
+    return {"deepspeed": deepspeed.__version__, "converter": CONVERTER, "files": files}
 
 
 def is_converted(step_dir: Path) -> bool:
@@ -312,14 +317,21 @@ def load(engine: deepspeed.DeepSpeedEngine, step_dir: Path) -> dict[str, Any]:
         raise ConversionError(
             step_dir, f"it was saved with {len(saved)} optimizer param groups, the engine has {len(base.param_groups)}"
         )
+    muon = muon_names(engine)
+    if not has_momentum(universal_dir(step_dir) / "zero", muon):
+        raise ConversionError(step_dir, "its copy holds no Muon momentum for this train.optimizer=muon engine")
     path, client = engine.load_checkpoint(
         str(step_dir), tag=UNIVERSAL_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
     )
     if path is None:
         raise ConversionError(step_dir, "DeepSpeed could not load it")
-    for group, was in zip(base.param_groups, saved):
-        group.update({key: value for key, value in was.items() if key != "params"})
+    for group, was in zip(base.param_groups, saved):  # each group's own keys only
+        params = group["params"]
+        group.clear()
+        group.update({**was, "params": params})
     for state in base.state.values():
         if isinstance(state.get("step"), torch.Tensor):
             state["step"] = state["step"].clone()
+    if muon:
+        restore(engine, universal_dir(step_dir) / "zero")
     return dict(client or {})

@@ -9,8 +9,7 @@ The resume rule (docs/reliability.md, "Resuming with changed settings"):
 - the learning-rate schedule (train.schedule, lr, min_lr, warmup_steps, schedule_steps),
   the optimizer and the settings the checkpoint restores (betas, weight_decay, muon_*) must be
   the checkpoint's: a change is refused (cosine -> wsd and wsd -> cosine included), except as
-  below for a wsd run; a Muon run resumes on the number of ranks that wrote it (DeepSpeed's
-  universal checkpoint, for another, carries Adam's state, not Muon's momentum);
+  below for a wsd run;
 - the global batch (micro_batch_size x grad_accum x ranks) is kept on any number of ranks:
   grad_accum follows from it (`keep_global_batch`); a world size and micro-batch size that
   cannot split it is refused, naming the sizes that can, unless train.allow_batch_change;
@@ -53,7 +52,6 @@ from pretrain.runs.data_spec import parse_data
 from pretrain.runs.identity import check_same_tokenizer
 from pretrain.runs.run_config import RunConfig
 from pretrain.runs.train_config import TrainConfig, global_batch, kept_on_resume, tokens_per_step
-from pretrain.training.checkpoint.universal import needs_universal
 from pretrain.training.engine.lr_schedule import Schedule
 
 if TYPE_CHECKING:
@@ -225,12 +223,6 @@ def check_tag(
         )
     world = world_size or discover().world_size
     saved_world = ranks_that_wrote(step_dir) or world
-    if cfg.train.optimizer == "muon" and needs_universal(step_dir, world):
-        raise ConfigError(
-            f"resume: {where} of a train.optimizer=muon run was written by {saved_world} rank(s), "
-            f"this run has {world}: DeepSpeed's universal checkpoint (ds_to_universal) carries Adam's state "
-            "(exp_avg, exp_avg_sq), not Muon's momentum; resume on the number of ranks that wrote it"
-        )
     batch_note = keep_global_batch(cfg, old_t, saved_world, world, where)
     schedule_note = ""
     if wsd:
