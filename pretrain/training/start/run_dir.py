@@ -65,13 +65,21 @@ def log_to_file(held: logging.handlers.MemoryHandler, path: Path) -> None:
 
 
 class RunLog(logging.FileHandler):
-    """train.log: a line that cannot be written (a full disk) stops the run through the command's
-    error boundary (one line naming the file), not the logging module's report and traceback."""
+    """train.log: the first line that cannot be written (a full disk) stops the run through the
+    command's error boundary (one line naming the file), not the logging module's report and
+    traceback. The lines logged while the run stops are dropped where they cannot be written:
+    raised, the log's error would take the place of the stop being reported (seen: the warning
+    of `Trainer.close` after the failure turned exit 3 into 2)."""
+
+    failed = False
 
     def handleError(self, record: logging.LogRecord) -> None:
         err = sys.exc_info()[1]
         if isinstance(err, OSError):
-            raise err
+            if not self.failed:
+                self.failed = True
+                raise err
+            return
         super().handleError(record)
 
 
