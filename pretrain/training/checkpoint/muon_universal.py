@@ -22,6 +22,7 @@ universal load reads exp_avg.pt and exp_avg_sq.pt of every parameter. So:
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -48,14 +49,20 @@ def _tensor(saved: Any) -> torch.Tensor:
     return saved[PARAM] if isinstance(saved, dict) else saved
 
 
-def _param_shapes(source: Path, rank: int) -> list[dict[str, Any]]:
-    """The saved model's parameter shapes by group (ZeRO-3: one model-states file per rank)."""
-    files = sorted(source.glob(f"zero_pp_rank_{rank}_mp_rank_*_model_states.pt")) or sorted(
-        source.glob("mp_rank_*_model_states.pt")
-    )
+def _model_states(source: Path, rank: int) -> Path:
+    """The model-states file that lists rank `rank`'s parameter shapes: ZeRO-3's own one, ZeRO-1/2's
+    one for all ranks."""
+    files = sorted(source.glob(f"zero_pp_rank_{rank}_mp_rank_*_model_states.pt"))
+    files = files or sorted(source.glob("mp_rank_*_model_states.pt"))
     if not files:
         raise ValueError(f"no model-states file in {source}")
-    return list(torch.load(files[0], map_location="cpu", weights_only=False)["param_shapes"])
+    return files[0]
+
+
+@functools.cache  # ZeRO-1/2's one file holds the weights too: read once, not once per rank
+def _param_shapes(model_states: Path) -> list[dict[str, Any]]:
+    """The saved model's parameter shapes by group."""
+    return list(torch.load(model_states, map_location="cpu", weights_only=False)["param_shapes"])
 
 
 def _aside_zero12(optim: dict[str, Any], shapes: list[dict[str, Any]], aside: Path) -> set[str]:
@@ -112,7 +119,7 @@ def prepare(source: Path, aside: Path) -> tuple[bool, set[str]]:
         states = (optim["optimizer_state_dict"] if stage3 else optim["base_optimizer_state"])["state"]
         if not any(_is_muon(state) for state in states.values()):
             continue
-        shapes = _param_shapes(source, int(match.group(1)))
+        shapes = _param_shapes(_model_states(source, int(match.group(1))))
         if stage3:
             names |= _carry_zero3(optim, shapes)
         else:
