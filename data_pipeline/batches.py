@@ -99,13 +99,16 @@ def open_train_batches(
     skip_corrupt: bool,
     stages: list[Stage],
     max_repeats: float,
+    pin_memory: bool = False,
 ) -> TrainBatches:
-    """The training stream: one manifest's train split, or a mixture's draws from its sources."""
+    """The training stream: one manifest's train split, or a mixture's draws from its sources
+    (`pin_memory`: the loader workers' batches in pinned host memory)."""
     common: dict[str, Any] = dict(
         micro_batch_size=micro_batch_size,
         rank=rank,
         world_size=world_size,
         num_workers=num_workers,
+        pin_memory=pin_memory,
         seed=seed,
         global_batch=global_batch,
         shuffle_buffer=shuffle_buffer,

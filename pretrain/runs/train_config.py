@@ -20,6 +20,7 @@ DEPTH_SAMPLING = ("uniform", "fixed", "poisson", "loguniform")
 CHECKPOINT_MODES = ("off", "selective", "loop_step", "block")
 AUTO = "auto"
 PRECISIONS = ("auto", "bf16", "fp32")
+AUTO_WORKERS, CUDA_WORKERS = -1, 2  # train.num_workers=-1: CUDA_WORKERS on CUDA, 0 on the CPU
 OPTIMIZERS = ("adamw", "muon")  # TrainConfig.optimizer
 
 # What a setting needs to take effect, and what a resume may do with it, live with its field: a
@@ -83,7 +84,7 @@ class TrainConfig:
     # or one of those, or block (pretrain/training/engine/parallelize.py)
     doc_mask: bool = False  # attend only within a packed document
     precision: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
-    num_workers: int = 0
+    num_workers: int = -1  # loader processes per rank; -1 (auto): `loader_workers`
     shuffle_buffer: int = 1000
     data_stages: str = ""  # a mixture's weights from a token count on: "2e9:web=0.2,books=0.8;3e9:web=0,books=1"
     max_repeats: float = 0.0  # a mixture source's train split is read at most this many times (0 = no cap)
@@ -215,7 +216,10 @@ def train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
             f"train.poisson_mean={t.poisson_mean}: must be > 0 (the mean depth of poisson sampling)",
         ),
         (_finite(t.poisson_sigma) and t.poisson_sigma >= 0, f"train.poisson_sigma={t.poisson_sigma}: must be >= 0"),
-        (t.num_workers >= 0, f"train.num_workers={t.num_workers}: must be >= 0 (0 = load in the training process)"),
+        (
+            t.num_workers >= AUTO_WORKERS,
+            f"train.num_workers={t.num_workers}: must be >= 0 (0 = load in the training process), or -1 (auto)",
+        ),
         (t.shuffle_buffer >= 0, f"train.shuffle_buffer={t.shuffle_buffer}: must be >= 0 (0 = no shuffle buffer)"),
         (t.log_every >= 1, f"train.log_every={t.log_every}: must be >= 1"),
         (t.eval_every >= 0, f"train.eval_every={t.eval_every}: must be >= 0 (0 = off)"),
@@ -261,6 +265,15 @@ def train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
             f"train.loss_spike_threshold={t.loss_spike_threshold}: must be >= 0 (robust standard deviations; 0 = off)",
         ),
     ]
+
+
+def loader_workers(num_workers: int, cuda: bool) -> int:
+    """The loader processes of train.num_workers on this device: auto (-1) is 2 on CUDA, where the
+    data's reading and its pinned copy then leave the step's critical path (docs/gpu.md), and 0 on
+    the CPU, whose cores train; a count given is kept."""
+    if num_workers != AUTO_WORKERS:
+        return num_workers
+    return CUDA_WORKERS if cuda else 0
 
 
 def global_batch(train: TrainConfig, world: int) -> int:

@@ -33,7 +33,8 @@ class RunData:
             micro_batch_size=t.micro_batch_size,
             rank=rank,
             world_size=world,
-            num_workers=t.num_workers,
+            num_workers=t.num_workers,  # resolved by the plan (train_config.loader_workers)
+            pin_memory=torch.cuda.is_available(),  # the workers' batches pinned: the step's copy is asynchronous
             seed=t.seed,
             global_batch=plan.global_batch,
             shuffle_buffer=t.shuffle_buffer,

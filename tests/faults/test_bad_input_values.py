@@ -69,7 +69,7 @@ TRAIN_BAD = {
     "seed": ["-1"],
     "poisson_mean": ["0", "-2", "nan"],
     "poisson_sigma": ["-0.1", "inf"],
-    "num_workers": ["-1"],
+    "num_workers": ["-2"],  # -1 is auto
     "shuffle_buffer": ["-1"],
     "log_every": ["0", "-1"],
     "eval_every": ["-1"],
@@ -96,6 +96,7 @@ TRAIN_GOOD = [
     "train.min_lr=0",
     "train.poisson_sigma=0",
     "train.num_workers=0",
+    "train.num_workers=-1",
     "train.shuffle_buffer=0",
     "train.eval_every=0",
     "train.save_every=0",
