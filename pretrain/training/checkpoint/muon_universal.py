@@ -6,13 +6,14 @@ A Muon group's optimizer state, as DeepSpeed 0.19.8 saves it, is `{"momentum_buf
   this rank, padded), like Adam's exp_avg;
 - ZeRO-1/2: the whole of every parameter the rank's partition touches, one after another, in the
   partition's order (Newton-Schulz needs whole matrices; a parameter split between two ranks is
-  whole, and the same, on both).
+  whole, and the same, on both); with the optimizer offloaded to the CPU, the fp32 partition's
+  layout, like ZeRO-3's.
 `ds_to_universal` reads exp_avg and exp_avg_sq of every group (KeyError on Muon's), and ZeRO-3's
 universal load reads exp_avg.pt and exp_avg_sq.pt of every parameter. So:
 - `prepare` (in the converter's process, on its staging copy of the source) gives a Muon group
-  Adam's two keys before ds_to_universal runs: ZeRO-3: exp_avg is the momentum itself (the same
-  layout: DeepSpeed's own extraction and merge carry it), ZeRO-1/2: zeros, each parameter's whole
-  momentum written aside; exp_avg_sq is zeros;
+  Adam's two keys before ds_to_universal runs: in the partition's layout, exp_avg is the momentum
+  itself (DeepSpeed's own extraction and merge carry it); in ZeRO-1/2's whole-matrix layout, zeros,
+  each parameter's whole momentum written aside; exp_avg_sq is zeros;
 - `finish` then writes each Muon parameter's `zero/<name>/momentum_buffer.pt` in the copy, in the
   format of its fp32.pt, and leaves zeros in its exp_avg.pt and exp_avg_sq.pt (read, then dropped);
 - `restore` (every rank, after the engine's load) gives each Muon group of the loading engine its
@@ -23,6 +24,7 @@ universal load reads exp_avg.pt and exp_avg_sq.pt of every parameter. So:
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import re
 import shutil
@@ -76,16 +78,18 @@ def _aside_zero12(optim: dict[str, Any], shapes: list[dict[str, Any]], aside: Pa
         momentum = state.pop(MOMENTUM).reshape(-1)
         mapping = optim["param_slice_mappings"][group]
         ordered = sorted(mapping, key=lambda name: mapping[name].start)  # the partition's order
-        offset = 0
-        for name in ordered:
-            numel = int(torch.Size(shapes[group][name]).numel())
+        numels = [int(torch.Size(shapes[group][name]).numel()) for name in ordered]
+        flat, whole = optim["single_partition_of_fp32_groups"][group], sum(numels)
+        names.update(ordered)
+        if momentum.numel() != whole and momentum.numel() == flat.numel():
+            # CPU offload keeps the momentum as the fp32 partition (its own layout): carried as exp_avg
+            state.update(exp_avg=momentum, exp_avg_sq=torch.zeros_like(momentum))
+            continue
+        if momentum.numel() != whole:
+            raise ValueError(f"Muon momentum of group {group} holds {momentum.numel()} values, its parameters {whole}")
+        for name, start, numel in zip(ordered, itertools.accumulate([0, *numels]), numels):
             if not (aside / f"{name}.pt").exists():  # one rank's copy: a shared parameter's are the same
-                torch.save(momentum[offset : offset + numel].clone(), aside / f"{name}.pt")
-            names.add(name)
-            offset += numel
-        if offset != momentum.numel():
-            raise ValueError(f"Muon momentum of group {group} holds {momentum.numel()} values, its parameters {offset}")
-        flat = optim["single_partition_of_fp32_groups"][group]
+                torch.save(momentum[start : start + numel].clone(), aside / f"{name}.pt")
         state.update({key: torch.zeros_like(flat, dtype=torch.float32) for key in ADAM_KEYS})
     return names
 
@@ -102,13 +106,12 @@ def _carry_zero3(optim: dict[str, Any], shapes: list[dict[str, Any]]) -> set[str
     return names
 
 
-def prepare(source: Path, aside: Path) -> tuple[bool, set[str]]:
+def prepare(source: Path, aside: Path) -> set[str]:
     """Rewrite the converter's source (a folder of links to the checkpoint's files) so that
     ds_to_universal reads a Muon checkpoint: each optimizer file holding Muon's momentum is replaced
-    by a rewritten copy (the link, not its target). Returns (ZeRO-3, the Muon parameters' names);
-    no names for a checkpoint without Muon's state."""
+    by a rewritten copy (the link, not its target). Returns the Muon parameters' names (none for a
+    checkpoint without Muon's state)."""
     names: set[str] = set()
-    stage3 = False
     for path in sorted(source.iterdir()):
         match = OPTIM_RE.match(path.name)
         if not match:
@@ -127,15 +130,16 @@ def prepare(source: Path, aside: Path) -> tuple[bool, set[str]]:
             names |= _aside_zero12(optim, shapes, aside)
         path.unlink()
         torch.save(saved, path)
-    return stage3, names
+    return names
 
 
-def finish(output: Path, aside: Path, stage3: bool, names: set[str]) -> None:
+def finish(output: Path, aside: Path, names: set[str]) -> None:
     """Write each Muon parameter's momentum_buffer.pt into the converted copy `output` (see the
-    module docstring); its exp_avg.pt and exp_avg_sq.pt are left as zeros."""
+    module docstring): its whole momentum set aside, or the exp_avg that carried it; its exp_avg.pt
+    and exp_avg_sq.pt are left as zeros."""
     for name in sorted(names):
         folder = output / "zero" / name
-        if stage3:
+        if not (aside / f"{name}.pt").exists():
             os.replace(folder / "exp_avg.pt", folder / f"{MOMENTUM}.pt")
             shutil.copyfile(folder / "exp_avg_sq.pt", folder / "exp_avg.pt")
             continue
@@ -153,9 +157,9 @@ def convert_main() -> None:
     args = ds_to_universal.parse_arguments()
     source, output = Path(args.input_folder), Path(args.output_folder)
     aside = source.parent / "muon_momentum"
-    stage3, names = prepare(source, aside)
+    names = prepare(source, aside)
     ds_to_universal.main(args)
-    finish(output, aside, stage3, names)
+    finish(output, aside, names)
 
 
 def muon_names(engine: deepspeed.DeepSpeedEngine) -> list[str]:
@@ -191,6 +195,9 @@ def restore(engine: deepspeed.DeepSpeedEngine, zero_dir: Path) -> None:
         if not group.get("use_muon"):
             continue
         flat = group["params"][0]
+        if zero.cpu_offload:  # the fp32 partition's layout, as DeepSpeed's load made it
+            base.state[flat] = {MOMENTUM: base.state[flat][MOMENTUM]}
+            continue
         files = [zero_dir / zero.param_names[p] / f"{MOMENTUM}.pt" for p in zero.params_in_partition[index]]
         whole = [_tensor(torch.load(f, map_location="cpu", weights_only=False)) for f in files]
         base.state[flat] = {MOMENTUM: torch.cat([m.reshape(-1) for m in whole]).to(flat.device, torch.float32)}
