@@ -15,6 +15,7 @@ import torch
 from data_pipeline.batches import TokenCount, open_train_batches, sources_of, with_split
 from data_pipeline.epoch_plan import Batch
 from data_pipeline.loader import TokenBatchLoader
+from pretrain.runs.train_config import loader_workers
 from pretrain.training.start.plan import allow_data_change
 
 if TYPE_CHECKING:
@@ -25,16 +26,16 @@ log = logging.getLogger("grt.train")
 
 
 class RunData:
-    def __init__(self, plan: StartPlan, rank: int, world: int) -> None:
+    def __init__(self, plan: StartPlan, rank: int, world: int, device: torch.device) -> None:
         self.plan, self.rank, self.world = plan, rank, world
-        t = plan.cfg.train
+        t, cuda = plan.cfg.train, device.type == "cuda"  # the rank's compute device
         self.loader = open_train_batches(
             plan.data,
             micro_batch_size=t.micro_batch_size,
             rank=rank,
             world_size=world,
-            num_workers=t.num_workers,  # resolved by the plan (train_config.loader_workers)
-            pin_memory=torch.cuda.is_available(),  # the workers' batches pinned: the step's copy is asynchronous
+            num_workers=loader_workers(t.num_workers, cuda),
+            pin_memory=cuda,  # the workers' batches pinned: the step's copy is asynchronous
             seed=t.seed,
             global_batch=plan.global_batch,
             shuffle_buffer=t.shuffle_buffer,

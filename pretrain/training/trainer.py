@@ -113,7 +113,7 @@ class Trainer:
         self.engine, ds = build_engine(cfg, world, device, plan.data.seq_len, plan.ds, phases.begin)
         log_start(cfg, self.engine, ds, world, plan.tokens_per_step, peak_flops(device, t.peak_tflops)[1])
         phases.begin("data")
-        self.data = RunData(plan, self.rank, world)
+        self.data = RunData(plan, self.rank, world, device)
         self.checkpoints = RunCheckpoints(plan, self.rank, world)
         if plan.resume is not None:  # written on another world size: DeepSpeed's universal conversion
             phases.begin("checkpoint conversion and load" if plan.resume.universal else "checkpoint load")

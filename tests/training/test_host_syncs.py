@@ -125,11 +125,11 @@ def test_a_micro_batch_goes_to_cuda_from_pinned_memory(monkeypatch):
     assert done == [("to", "cpu", False, True)] * 2, done
 
 
-def test_the_training_data_comes_from_pinned_loader_workers_on_cuda_by_default(shards, tmp_path, monkeypatch):
-    """train.num_workers=-1 (the default): the plan gives each rank 2 loader processes on CUDA and
-    none on the CPU (a count given stays), and the run's loader pins their batches on CUDA, which
-    `move` then copies as they are (test above). The data's reading and its pinned copy leave the
-    step's critical path (docs/gpu.md)."""
+def test_the_training_data_comes_from_pinned_loader_workers_on_cuda_by_default(shards, tmp_path):
+    """train.num_workers=-1 (the default, kept so in the run's config.json): a rank's loader has 2
+    worker processes on CUDA and none on the CPU (a count given stays), and pins their batches on
+    CUDA, which `move` then copies as they are (test above). The data's reading and its pinned copy
+    leave the step's critical path (docs/gpu.md)."""
     import torch
 
     from pretrain.presets import get_preset
@@ -138,12 +138,14 @@ def test_the_training_data_comes_from_pinned_loader_workers_on_cuda_by_default(s
     from pretrain.training.start.plan import plan_start
 
     cfg = RunConfig(data=str(shards), out=str(tmp_path / "run"), model=get_preset("micro-grt"))
-    assert cfg.train.num_workers == -1
-    on_cuda = plan_start(cfg, False, world=1, use_cuda=True)
-    assert on_cuda.cfg.train.num_workers == 2
-    assert plan_start(cfg, False, world=1, use_cuda=False).cfg.train.num_workers == 0
+    plan = plan_start(cfg, False, world=1, use_cuda=True)
+    assert plan.cfg.train.num_workers == -1
+
+    def loader(device: str, plan=plan):
+        made = RunData(plan, rank=0, world=1, device=torch.device(device)).loader
+        return made.num_workers, made.pin_memory
+
+    assert loader("cuda") == (2, True) and loader("cpu") == (0, False)
     cfg.train.num_workers = 1
-    assert plan_start(cfg, False, world=1, use_cuda=True).cfg.train.num_workers == 1
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    loader = RunData(on_cuda, rank=0, world=1).loader
-    assert (loader.num_workers, loader.pin_memory) == (2, True)
+    given = plan_start(cfg, False, world=1, use_cuda=True)
+    assert loader("cuda", given) == (1, True) and loader("cpu", given) == (1, False)

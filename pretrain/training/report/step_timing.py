@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pretrain.distributed import gather_floats, gather_text
+from pretrain.runs.train_config import loader_workers
 from pretrain.training.callbacks import Callback
 
 if TYPE_CHECKING:
@@ -182,7 +183,8 @@ class DataStarved(Callback):
 
     @classmethod
     def build(cls, run: RunContext) -> DataStarved:
-        return cls(run.rank, run.cfg.train.data_starved_share, run.cfg.train.num_workers)
+        workers = loader_workers(run.cfg.train.num_workers, run.device.type == "cuda")  # as RunData's loader
+        return cls(run.rank, run.cfg.train.data_starved_share, workers)
 
     def on_log(self, step: int, values: Mapping[str, float]) -> None:
         if self.said or "time/step_s" not in values:

@@ -31,7 +31,7 @@ from pretrain.runs import checkpoint_files
 from pretrain.runs.data_spec import parse_data
 from pretrain.runs.run_config import RunConfig, apply_token_budget, resolve
 from pretrain.runs.settings_rules import RunShape, check_settings, start_notes
-from pretrain.runs.train_config import global_batch, loader_workers
+from pretrain.runs.train_config import global_batch
 from pretrain.runs.train_config import tokens_per_step as step_tokens
 from pretrain.say import one_line
 from pretrain.training.checkpoint import store, universal
@@ -163,7 +163,6 @@ def plan_start(given: RunConfig, resume: bool, world: int | None = None, use_cud
     start_step = checkpoint_files.step_of(chosen.tag) if chosen is not None else 0
     check_settings(cfg, RunShape(world, step_tokens(t, world, data.seq_len), start_step))  # what must fit the run
     cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
-    t.num_workers = loader_workers(t.num_workers, cuda)  # what the run trains with (its config.json)
     ds = build_ds_config(load_ds_json(cfg.ds_config), t, world, cuda)
     if chosen is not None and chosen.universal:
         ds = universal.with_universal_load(ds)  # read when the engine is built
