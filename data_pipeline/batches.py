@@ -41,6 +41,8 @@ class TrainBatches(Protocol):
     batch_in_epoch: int
     skipped_shards: int
     bad_shards: list[str]
+    num_workers: int  # its loader processes on this rank (0: read in the training process)
+    pin_memory: bool  # their batches in pinned host memory
 
     def __iter__(self) -> Iterator[Batch]: ...
 

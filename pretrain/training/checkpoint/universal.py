@@ -223,6 +223,8 @@ def _run_converter(step_dir: Path, source: Path, output: Path, workers: int, tim
     # on the CPU, whatever the node has: the copy is made from files, and the trainer's GPU stays its own
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     env["PYTHONUNBUFFERED"] = "1"
+    # it imports this package (muon_universal): found as this process found it, installed or not
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[3]), env.get("PYTHONPATH")]))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
