@@ -176,5 +176,5 @@ def run_command(
     if code == 0 and threads:  # the command ended well but a thread of it did not: that is its failure
         for failed, (line, _) in threads:
             _say(prog, line, failed)
-        code = threads[0][1][1]
+        _, (_, code) = threads[0]  # the first thread's code
     return exit_process(code)

@@ -27,6 +27,8 @@ from pretrain.say import one_line
 
 log = logging.getLogger(__name__)
 TAG_RE = re.compile(r"^step(\d{8})$")
+# DeepSpeed's ZeRO optimizer partitions of a checkpoint, one per rank that wrote it (group 1: the rank)
+ZERO_PARTITION_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
 DATA_SKIPS = "data_skips.json"
 BRANCH_FILE = "branch.json"
 

@@ -26,12 +26,13 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from pretrain.runs.checkpoint_files import ZERO_PARTITION_RE
 
 if TYPE_CHECKING:
     import deepspeed
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 MOMENTUM = "momentum_buffer"
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 PARAM = "param"  # deepspeed.checkpoint.constants.PARAM: the tensor in a universal file's dict
-OPTIM_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
 
 
 def _is_muon(state: dict[str, Any]) -> bool:
@@ -113,7 +113,7 @@ def prepare(source: Path, aside: Path) -> set[str]:
     checkpoint without Muon's state)."""
     names: set[str] = set()
     for path in sorted(source.iterdir()):
-        match = OPTIM_RE.match(path.name)
+        match = ZERO_PARTITION_RE.match(path.name)
         if not match:
             continue
         saved = torch.load(path, map_location="cpu", weights_only=False)
@@ -149,12 +149,16 @@ def finish(output: Path, aside: Path, names: set[str]) -> None:
         torch.save({**like, PARAM: momentum} if isinstance(like, dict) else momentum, folder / f"{MOMENTUM}.pt")
 
 
-def convert_main() -> None:
-    """The converter's process: ds_to_universal, with `prepare` before and `finish` after (its
-    arguments from sys.argv, as ds_to_universal's own)."""
+def convert_main(carry_muon: bool) -> None:
+    """The converter's process: ds_to_universal (its arguments from sys.argv, as its own), for a
+    Muon run's checkpoint with `prepare` before and `finish` after (an AdamW one's optimizer
+    partitions are read by ds_to_universal alone, once)."""
     from deepspeed.checkpoint import ds_to_universal
 
     args = ds_to_universal.parse_arguments()
+    if not carry_muon:
+        ds_to_universal.main(args)
+        return
     source, output = Path(args.input_folder), Path(args.output_folder)
     aside = source.parent / "muon_momentum"
     names = prepare(source, aside)

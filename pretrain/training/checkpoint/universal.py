@@ -103,7 +103,7 @@ import torch
 
 from pretrain.config import ConfigError
 from pretrain.errors import UnreadableCheckpoint
-from pretrain.runs.checkpoint_files import ranks_that_wrote
+from pretrain.runs.checkpoint_files import ZERO_PARTITION_RE, ranks_that_wrote, read_config
 from pretrain.training.checkpoint.muon_universal import has_momentum, muon_names, restore
 
 if TYPE_CHECKING:
@@ -116,20 +116,19 @@ STAGING_PREFIX = f".{UNIVERSAL_TAG}.tmp"
 CONVERTER = 2  # what the copy holds: 2 adds Muon's momentum (a copy made by another is redone)
 # DeepSpeed's own files: model states (ZeRO-3: one per rank) and ZeRO optimizer partitions
 DS_FILE_RE = re.compile(r"^[^.].*_(model|optim)_states\.pt$")
-ZERO_PARTITION_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
 
-# The converter, run as `python -c CHILD <parent pid> <ds_to_universal arguments>`: it dies with its
-# parent (PR_SET_PDEATHSIG survives exec; a parent gone before the prctl is caught by getppid).
-# ds_to_universal, with Muon's momentum carried through it (muon_universal.py).
+# The converter, run as `python -c CHILD <parent pid> <optimizer> <ds_to_universal arguments>`: it dies
+# with its parent (PR_SET_PDEATHSIG survives exec; a parent gone before the prctl is caught by getppid).
+# ds_to_universal, with a Muon run's momentum carried through it (muon_universal.py).
 CHILD = """\
 import ctypes, os, signal, sys
-parent = int(sys.argv.pop(1))
+parent, optimizer = int(sys.argv.pop(1)), sys.argv.pop(1)
 if sys.platform.startswith("linux"):
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 if os.getppid() != parent:
     sys.exit("ds_to_universal: the converting process is gone")
 from pretrain.training.checkpoint.muon_universal import convert_main
-convert_main()
+convert_main(carry_muon=optimizer == "muon")
 """
 
 
@@ -217,14 +216,16 @@ def _run_converter(step_dir: Path, source: Path, output: Path, workers: int, tim
     """ds_to_universal from `source` into `output`, as a child process (see CHILD), its output in
     <step_dir>/universal.log; ConversionError when it fails or runs past `timeout_s`."""
     log_path = step_dir / LOG_FILE
-    cmd = [sys.executable, "-c", CHILD, str(os.getpid())]
+    try:  # what the checkpoint was trained with: Muon's state needs carrying (its config.json)
+        optimizer = str(read_config(step_dir).get("train", {}).get("optimizer", "adamw"))
+    except UnreadableCheckpoint as err:
+        raise ConversionError(step_dir, err.problem) from None
+    cmd = [sys.executable, "-c", CHILD, str(os.getpid()), optimizer]
     cmd += ["--input_folder", str(source), "--output_folder", str(output)]
     cmd += ["--num_extract_workers", str(workers), "--num_merge_workers", str(workers), "--inject_missing_state"]
     # on the CPU, whatever the node has: the copy is made from files, and the trainer's GPU stays its own
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     env["PYTHONUNBUFFERED"] = "1"
-    # it imports this package (muon_universal): found as this process found it, installed or not
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[3]), env.get("PYTHONPATH")]))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
