@@ -208,9 +208,7 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
     the checkpoint to resume, the budget, every refusal); the config is the plan's.
     """
     from pretrain.config import ConfigError
-    from pretrain.runs.data_spec import absolute
-    from pretrain.runs.ds_file import resolve_ds_path
-    from pretrain.runs.run_config import resolve
+    from pretrain.runs.run_config import absolute, resolve, resolve_ds_path
     from pretrain.train import build_parser as train_parser
     from pretrain.train import config_from_args
 

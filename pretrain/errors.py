@@ -16,15 +16,6 @@ class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the key and what is accepted."""
 
 
-class UnreadableCheckpoint(ConfigError):
-    """A complete checkpoint whose files cannot be read (cut off, corrupt, missing): a resume
-    passes over it to the previous complete one; anywhere else it is a one-line error."""
-
-    def __init__(self, tag: str, problem: str) -> None:
-        super().__init__(f"checkpoint {tag} cannot be read: {problem}")
-        self.tag, self.problem = tag, problem
-
-
 class Stopped(RuntimeError):
     """A command that stopped on purpose with its last good state intact (a run's last checkpoint):
     the error boundary says `stopped: <message>` in one line, exit 3 (docs/reliability.md)."""

@@ -28,7 +28,7 @@ import torch
 from pretrain.config import ConfigError, ModelConfig
 from pretrain.model import GPT, build_model
 from pretrain.model.weights import TIED_KEY
-from pretrain.runs.checkpoint_files import TAG_RE, find_latest, read_config
+from pretrain.runs.checkpoint_files import named_checkpoint, newest_checkpoint, read_config
 
 if TYPE_CHECKING:
     from data_pipeline.manifest import Manifest
@@ -129,21 +129,9 @@ def is_export_dir(path: Path) -> bool:
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A run dir, a checkpoints dir or a step dir -> the step dir of a COMPLETE checkpoint."""
-    p = Path(path)
-    if TAG_RE.match(p.name) and p.is_dir():
-        if not (p / "COMPLETE").is_file():
-            raise ConfigError(f"{p} is not a complete checkpoint (no COMPLETE marker): it was interrupted while saving")
-        return p
-    for root in (p, p / "checkpoints"):
-        if root.is_dir() and ((root / "latest").is_file() or any(TAG_RE.match(c.name) for c in root.iterdir())):
-            tag = find_latest(root)
-            if tag is None:
-                raise ConfigError(f"{root} holds no complete checkpoint")
-            return root / tag
-    raise ConfigError(
-        f"{path}: neither an exported model (config.json + {WEIGHTS}) nor a checkpoint "
-        "(<out>, <out>/checkpoints or <out>/checkpoints/stepNNNNNNNN)"
-    )
+    accepted = f"neither an exported model (config.json + {WEIGHTS}) nor a checkpoint"
+    root, tag_dir = named_checkpoint(path, "", accepted)
+    return tag_dir or newest_checkpoint(root, "")
 
 
 def consolidate(step_dir: Path) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from pretrain.errors import ConfigError, UnreadableCheckpoint
+from pretrain.errors import ConfigError
 from pretrain.say import one_line
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,15 @@ TAG_RE = re.compile(r"^step(\d{8})$")
 ZERO_PARTITION_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
 DATA_SKIPS = "data_skips.json"
 BRANCH_FILE = "branch.json"
+
+
+class UnreadableCheckpoint(ConfigError):
+    """A complete checkpoint whose files cannot be read (cut off, corrupt, missing): a resume
+    passes over it to the previous complete one; anywhere else it is a one-line error."""
+
+    def __init__(self, tag: str, problem: str) -> None:
+        super().__init__(f"checkpoint {tag} cannot be read: {problem}")
+        self.tag, self.problem = tag, problem
 
 
 def tag_for(step: int) -> str:
@@ -67,6 +76,55 @@ def tag_dirs(root: Path) -> list[str]:
     if not root.is_dir():
         return []
     return sorted(p.name for p in root.iterdir() if TAG_RE.match(p.name) and p.is_dir())
+
+
+def named_checkpoint(given: str | Path, what: str, accepted: str) -> tuple[Path, Path | None]:
+    """What a path given for a checkpoint names: a complete checkpoint (its tag directory) -> its
+    checkpoints folder and it; a run's checkpoints folder or its run directory -> that folder and
+    None (its newest complete checkpoint is meant: `newest_checkpoint`). Read alike by --branch-from
+    and the commands that load a model (`grt eval`, `export`, `generate`). A ConfigError of one line,
+    `what` (the flag, or "") and `given` first, where it names none: an interrupted checkpoint, or
+    `accepted` (what the caller takes) saying what would be."""
+    p = Path(given).resolve()
+    if TAG_RE.match(p.name) and p.is_dir():
+        if not (p / "COMPLETE").is_file():
+            raise ConfigError(
+                f"{what}{given}: not a complete checkpoint (no COMPLETE marker): it was interrupted while saving"
+            )
+        return p.parent, p
+    for root in (p, p / "checkpoints"):
+        if root.is_dir() and (root.name == "checkpoints" or (root / "latest").is_file() or tag_dirs(root)):
+            return root, None
+    raise ConfigError(f"{what}{given}: {accepted} (<out>, <out>/checkpoints or <out>/checkpoints/stepNNNNNNNN)")
+
+
+def newest_checkpoint(root: Path, what: str) -> Path:
+    """The tag directory of the newest complete checkpoint in `root`; a ConfigError naming `what`
+    (the flag, or "") and the folder where there is none."""
+    latest = find_latest(root)
+    if latest is None:
+        raise ConfigError(f"{what}{root} holds no complete checkpoint")
+    return root / latest
+
+
+def branch_source(given: str, out: str | None) -> Path:
+    """The checkpoint (absolute tag directory) `--branch-from given` names (`named_checkpoint`).
+    Where `out` already is a branch of that run (its BRANCH_FILE; a restart), the tag it was made
+    from. ConfigError (one line) when there is none."""
+    if not out:
+        raise ConfigError("--branch-from needs --out: the branch's own, new run directory")
+    accepted = "no run directory, checkpoints folder or checkpoint"
+    root, tag_dir = named_checkpoint(given, "--branch-from ", accepted)
+    recorded = read_json(Path(out) / BRANCH_FILE)
+    if recorded is not None and Path(recorded.get("source_run", "")) == root.parent:
+        made_from = Path(recorded.get("checkpoint", ""))
+        if tag_dir is not None and tag_dir != made_from:
+            raise ConfigError(
+                f"--out {out} is a branch of {made_from} ({BRANCH_FILE}), not of {tag_dir}: "
+                f"resume it with --branch-from {made_from}, or choose another --out"
+            )
+        return made_from
+    return tag_dir or newest_checkpoint(root, "--branch-from ")
 
 
 def resume_candidates(root: Path) -> list[str]:

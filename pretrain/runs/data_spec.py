@@ -4,7 +4,6 @@ its manifest paths, and the run's data loaded from it."""
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -84,12 +83,6 @@ def data_stages(text: str, names: list[str]) -> None:
         parse_stages(text, names)
     except MixtureError as err:
         raise ConfigError(str(err)) from None
-
-
-def absolute(path: str) -> str:
-    """A path made absolute against the working directory, so that every process reads the same file
-    whatever its own (a URL as it is)."""
-    return path if os.path.isabs(path) or "://" in path else os.path.abspath(path)
 
 
 def _weight_text(weight: float) -> str:

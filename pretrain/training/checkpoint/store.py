@@ -34,10 +34,10 @@ import torch
 from data_pipeline.files import atomic_path, atomic_write_text, is_temp
 from pretrain.config import ConfigError
 from pretrain.distributed import RankFailed, all_agree, all_reduce, check_ranks, comm_device
-from pretrain.errors import UnreadableCheckpoint
 from pretrain.runs.checkpoint_files import (
     TAG_RE,
     Fallback,
+    UnreadableCheckpoint,
     complete_tags,
     error_text,
     find_latest,

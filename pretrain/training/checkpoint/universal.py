@@ -102,8 +102,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pretrain.config import ConfigError
-from pretrain.errors import UnreadableCheckpoint
-from pretrain.runs.checkpoint_files import ZERO_PARTITION_RE, ranks_that_wrote, read_config
+from pretrain.runs.checkpoint_files import ZERO_PARTITION_RE, UnreadableCheckpoint, ranks_that_wrote, read_config
 from pretrain.training.checkpoint.muon_universal import has_momentum, muon_names, restore
 
 if TYPE_CHECKING:

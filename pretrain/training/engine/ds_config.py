@@ -24,8 +24,7 @@ from typing import Any
 
 from data_pipeline.files import atomic_write_text
 from pretrain.config import ConfigError, load_json_object
-from pretrain.runs.ds_file import SHIPPED_DIR, resolve_ds_path
-from pretrain.runs.run_config import RunConfig
+from pretrain.runs.run_config import SHIPPED_DIR, RunConfig, resolve_ds_path
 from pretrain.runs.train_config import TrainConfig
 from pretrain.training.engine.lr_schedule import horizon, warmup_num_steps
 

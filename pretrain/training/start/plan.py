@@ -26,8 +26,8 @@ from data_pipeline.mixture import MixtureError
 from data_pipeline.remote import ranged_settings
 from pretrain.config import ConfigError
 from pretrain.distributed import discover
-from pretrain.errors import UnreadableCheckpoint
 from pretrain.runs import checkpoint_files
+from pretrain.runs.checkpoint_files import UnreadableCheckpoint
 from pretrain.runs.data_spec import parse_data
 from pretrain.runs.run_config import RunConfig, apply_token_budget, resolve
 from pretrain.runs.settings_rules import RunShape, check_settings, start_notes
