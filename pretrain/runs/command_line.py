@@ -81,9 +81,7 @@ def run_config(line: CommandLine) -> RunConfig:
         continued(cfg, line.given)
     if base.source is None and not line.out and not line.config_json:
         cfg.out = new_run_dir(line.preset or cfg.model.variant, line.resume)  # said by the start's first line
-    if base.source is not None:
-        branch(cfg, base)
-    return cfg
+    return branch(cfg, base)
 
 
 def base_config(line: CommandLine) -> Base:
@@ -131,8 +129,10 @@ def continued(cfg: RunConfig, given: frozenset[str]) -> RunConfig:
 def branch(cfg: RunConfig, base: Base) -> RunConfig:
     """Make `cfg` (the source's config with the command line's changes) a decay branch's: wsd, its
     horizon its own length, that length (unless given) the checkpoint's step + the decay's steps
-    (of the checkpoint's global batch of the data's sequences)."""
-    source = base.source or Path()
+    (of the checkpoint's global batch of the data's sequences). Any other run's as it is."""
+    source = base.source
+    if source is None:
+        return cfg
     given = {key.removeprefix("train.") for key in given_keys(cfg)}
     out, run = Path(cfg.out).resolve(), source.parent.parent
     if out == run or run in out.parents:
