@@ -29,6 +29,32 @@ def _add_input_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress display")
 
 
+def _add_chains_args(c: argparse.ArgumentParser) -> None:
+    c.add_argument("--out", "-o", required=True, help="output directory for the tokenizer, shards and manifest.json")
+    c.add_argument("--train-samples", type=int, default=20000, help="training samples (default 20000)")
+    c.add_argument("--val-samples", type=int, default=2000, help="validation samples (default 2000)")
+    c.add_argument("--min-hops", type=int, default=1, help="fewest lookups a chain needs (default 1)")
+    c.add_argument("--max-hops", type=int, default=4, help="most lookups a chain needs (default 4)")
+    c.add_argument("--val-max-hops", type=int, default=None, help="validation: most lookups (default --max-hops)")
+    c.add_argument("--chains-per-sample", type=int, default=4, help="chains a sample (default 4)")
+    c.add_argument("--num-vars", type=int, default=32, help="variable names v0.. (default 32)")
+    c.add_argument("--num-values", type=int, default=10, help="values 0.. (default 10)")
+    c.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the longest sample)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the samples (default 0)")
+    c.add_argument("--quiet", "-q", action="store_true", help="no summary line")
+
+
+def _chains(args: argparse.Namespace) -> None:
+    from dataclasses import replace
+
+    from .chains import ChainTask
+    from .chains_write import write_chains
+
+    task = ChainTask(args.num_vars, args.num_values, args.min_hops, args.max_hops, args.chains_per_sample, args.seed)
+    val_task = replace(task, max_hops=args.max_hops if args.val_max_hops is None else args.val_max_hops)
+    write_chains(args.out, task, args.train_samples, args.val_samples, args.seq_len, val_task, progress=not args.quiet)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grt data", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -81,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="replace an existing manifest.json that describes other shards (refused without it)",
     )
+
+    c = sub.add_parser("chains", help="write the chains task (answers need k lookups) as shards + manifest.json")
+    _add_chains_args(c)
 
     s = sub.add_parser("inspect", help="print a manifest's summary; --verify checks every shard")
     s.add_argument("manifest", help="manifest.json or the directory holding it")
@@ -184,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
 
             m = join(args.out, args.parts, overwrite=args.overwrite)
             print(f"join: {m.path}: " + ", ".join(f"{s}: {len(v)} shards" for s, v in m.splits.items()))
+            return 0
+        if args.cmd == "chains":
+            _chains(args)
             return 0
         if args.cmd == "inspect":
             return _inspect(args)
