@@ -35,6 +35,7 @@ from pretrain import PROJECT_ROOT
 from pretrain.config import ConfigError, OnceParser
 from pretrain.distributed import Dist, RankFailed, check_ranks, is_main, join_launch, ranks_with, run_command
 from pretrain.infer.adaptive import CRITERIA, check_criterion, parse_thresholds
+from pretrain.infer.evaluation.chains_score import chains_part, format_chains
 from pretrain.infer.evaluation.loss_by_depth import held_out, text_eval
 from pretrain.infer.evaluation.report import format_table, plot_depths
 from pretrain.infer.evaluation.scoring import jsonable
@@ -52,6 +53,7 @@ def default_eval_dir() -> Path:
 
 # -- the command --------------------------------------------------------------------------------------
 ALL_PARTS = ("val", "wikitext2", "lambada", "hellaswag", "piqa", "arc_easy", "arc_challenge", "winogrande")
+NAMED_PARTS = ("chains",)  # scored when named only: 'all' does not need a `grt data chains` data set
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
         "layers run of a dense model, 1..N (default N, the whole model)",
     )
     p.add_argument("--allow-beyond-trained", action="store_true", help="allow depths above the trained R")
-    p.add_argument("--tasks", default="all", help=f"comma list of {', '.join(ALL_PARTS)}; or 'all' (default)")
+    p.add_argument(
+        "--tasks",
+        default="all",
+        help=f"comma list of {', '.join(ALL_PARTS + NAMED_PARTS)}; or 'all' (default; all but chains)",
+    )
     p.add_argument("--data", help="manifest.json for the held-out split (default: the run config's data)")
     p.add_argument("--split", help="the manifest's split to score (default: val; the error lists the splits there are)")
     p.add_argument("--max-batches", type=int, help="held-out split: at most this many batches per rank")
@@ -132,9 +138,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     `check_ranks`, which the others reach at their next sum (or at the end): every rank then
     raises RankFailed naming the failing rank and its error, and no partial table is printed."""
     parts = list(ALL_PARTS) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
-    unknown = [t for t in parts if t not in ALL_PARTS]
+    unknown = [t for t in parts if t not in ALL_PARTS + NAMED_PARTS]
     if unknown:
-        raise ConfigError(f"--tasks: unknown {unknown}; accepted: {', '.join(ALL_PARTS)}, all")
+        raise ConfigError(f"--tasks: unknown {unknown}; accepted: {', '.join(ALL_PARTS + NAMED_PARTS)}, all")
     check_args(args, parts)
     dist = join_launch()
     if dist.world == 1:
@@ -230,6 +236,11 @@ def evaluate(args: argparse.Namespace, parts: list[str], dist: Dist) -> dict[str
         )
         results["wikitext2_file"] = str(path)
         timings["wikitext2"] = time.time() - t0
+    if "chains" in parts:
+        assert tok is not None  # chains is not val
+        t0 = time.time()
+        results["chains"] = chains_part(args, loaded, model, tok, depths, device, dist)
+        timings["chains"] = time.time() - t0
     for task in [p for p in parts if p in TASKS]:
         assert tok is not None  # a task is not val
         path = eval_dir / TASKS[task].file
@@ -262,7 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         return err.code
     if not is_main():
         return 0
-    print(format_table(results))
+    if set(results) & {"val", "wikitext2", "tasks"}:
+        print(format_table(results))
+    if "chains" in results:
+        print(format_chains(results))
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(args.json_out), json.dumps(jsonable(results), indent=2) + "\n")  # complete or absent
