@@ -1,0 +1,105 @@
+"""The chains task (data_pipeline/chains.py) and `grt data chains`: every answer needs the number
+of lookups its chain says and can be recovered from the tokens alone, and the task is written as
+real SentencePiece + WebDataset shards + manifest that training and evaluation read as any data."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from data_pipeline.chains import ASK, EQ, PAD, SEP, ChainTask, padded, sample, score_positions, symbols
+from data_pipeline.cli import main as data_main
+from data_pipeline.manifest import Manifest
+from data_pipeline.shards import DTYPES, iter_shard
+from data_pipeline.tokenizer import Tokenizer
+
+
+def test_a_sample_is_shuffled_chains_whose_queries_need_k_lookups():
+    task = ChainTask(num_vars=24, num_values=7, min_hops=2, max_hops=5, chains_per_sample=4)
+    rng = random.Random(0)
+    seen_k, unresolved = set(), 0
+    for _ in range(300):
+        s = sample(task, rng)
+        assert s.tokens[0] == SEP and len(s.tokens) <= task.max_length
+        statements = s.tokens[1 : s.tokens.index(ASK)]
+        names = statements[0::4]
+        assert len(names) == len(set(names)) == sum(k for _, k in s.answers)  # distinct, one per hop
+        assert set(statements[1::4]) == {EQ}
+        # (position, k) as made; the value parsed back is the token there
+        parsed = score_positions(padded(s.tokens, task.max_length))
+        assert [(p, k) for p, _, k in parsed] == s.answers
+        assert all(s.tokens[p] == str(v) for p, v, _ in parsed)
+        seen_k.update(k for _, k in s.answers)
+        # shuffled: some statement reads a variable that is defined only after it
+        defined: set[str] = set()
+        for i in range(0, len(statements), 4):
+            unresolved += statements[i + 2].startswith("v") and statements[i + 2] not in defined
+            defined.add(statements[i])
+    assert seen_k == {2, 3, 4, 5}
+    assert unresolved > 100
+
+
+def test_score_positions_refuses_tokens_that_are_not_the_task():
+    tokens = [SEP, "v1", EQ, "3", ";", "v2", EQ, "v1", ";", ASK, "v2", EQ, "3", ";"]
+    assert score_positions(tokens) == [(12, 3, 2)]
+    with pytest.raises(ValueError, match="answers '4', but its chain holds '3'"):
+        score_positions(tokens[:12] + ["4", ";"])
+    with pytest.raises(ValueError, match="which no statement before it defines"):
+        score_positions([SEP, *tokens[9:]])
+    # a separator starts a new sample: the statements before it do not count
+    with pytest.raises(ValueError, match="no statement before it defines"):
+        score_positions(tokens[:9] + [SEP] + tokens[9:])
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--seq-len", "20"], "seq_len 20 is too short for a sample of up to 85 tokens"),
+        (["--chains-per-sample", "9"], "num_vars (32) must be >= chains_per_sample x max_hops (9 x 4)"),
+        (["--val-max-hops", "9"], "num_vars (32) must be >= chains_per_sample x val_max_hops (4 x 9)"),
+        (["--min-hops", "3", "--max-hops", "2"], "max_hops (2) must be >= min_hops (3)"),
+    ],
+)
+def test_bad_settings_are_refused_in_one_line_before_anything_is_written(tmp_path, capsys, flags, message):
+    out = tmp_path / "out"
+    assert data_main(["chains", "-o", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not out.exists()
+
+
+def test_grt_data_chains_writes_shards_a_tokenizer_and_a_manifest(tmp_path):
+    out = tmp_path / "chains"
+    flags = ["--train-samples", "300", "--val-samples", "200", "--max-hops", "3", "--val-max-hops", "5", "-q"]
+    assert data_main(["chains", "-o", str(out), "--seed", "7", *flags]) == 0
+    m = Manifest.load(str(out))
+    task = ChainTask(max_hops=3, seed=7)
+    assert m.seq_len == replace(task, max_hops=5).max_length  # the longest sample of either split
+    assert (m.sequences("train"), m.sequences("val")) == (300, 200)
+    tok = Tokenizer(m.tokenizer_path)
+    assert tok.sep_id == m.sep_id and tok.sep_piece == SEP
+    pieces = [tok.sp.id_to_piece(i) for i in range(tok.vocab_size)]
+    assert pieces == ["<unk>", *symbols(task)]  # one piece per symbol, nothing else
+    ks: dict[str, set[int]] = {}
+    for split in ("train", "val"):
+        ks[split] = set()
+        for s in m.shards(split):
+            for _, data in iter_shard(s.url, s.sequences, m.seq_len + 1, m.ext, vocab_size=m.vocab_size):
+                ids = np.frombuffer(data, DTYPES[m.ext]).tolist()
+                assert ids[0] == ids[-1] == m.sep_id  # a sample, then the next one's separator
+                text = [pieces[i] for i in ids]
+                body = "".join(t for t in text[1:-1] if t != PAD)
+                assert tok.encode(body) == [i for i in ids[1:-1] if pieces[i] != PAD]  # the text encodes back
+                parsed = score_positions(text)
+                assert len(parsed) == task.chains_per_sample
+                ks[split].update(k for _, _, k in parsed)
+    assert ks == {"train": {1, 2, 3}, "val": {1, 2, 3, 4, 5}}
+    # the same flags give the same bytes; another seed other samples
+    again, other = tmp_path / "again", tmp_path / "other"
+    assert data_main(["chains", "-o", str(again), "--seed", "7", *flags]) == 0
+    assert data_main(["chains", "-o", str(other), "--seed", "8", *flags]) == 0
+    assert Manifest.load(str(again)).fingerprint("train") == m.fingerprint("train")
+    assert Manifest.load(str(other)).fingerprint("train") != m.fingerprint("train")
