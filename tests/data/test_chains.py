@@ -20,7 +20,8 @@ from data_pipeline.tokenizer import Tokenizer
 def test_a_sample_is_shuffled_chains_whose_queries_need_k_lookups():
     task = ChainTask(num_vars=24, num_values=7, min_hops=2, max_hops=5, chains_per_sample=4)
     rng = random.Random(0)
-    seen_k, unresolved = set(), 0
+    seen_k: set[int] = set()
+    unresolved = 0
     for _ in range(300):
         s = sample(task, rng)
         assert s.tokens[0] == SEP and len(s.tokens) <= task.max_length
