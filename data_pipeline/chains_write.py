@@ -22,7 +22,7 @@ import numpy as np
 
 from pretrain.errors import Interrupted
 
-from .chains import ChainTask, padded, sample, symbols
+from .chains import END, ChainTask, padded, sample, symbols
 from .files import check_output_path
 from .manifest import MANIFEST_NAME, Manifest, manifest_dict
 from .prepare_encode import Packer
@@ -37,9 +37,10 @@ def tokenizer_model(task: ChainTask) -> bytes:
     import sentencepiece as spm
 
     sep, *pieces = symbols(task)
+    text = END.join(pieces)  # each symbol followed by ';', as in the task: one way to split it
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(["".join(pieces)]),
+        sentence_iterator=iter([text]),
         model_writer=buf,
         model_type="bpe",
         vocab_size=len(pieces) + 2,
@@ -59,7 +60,7 @@ def tokenizer_model(task: ChainTask) -> bytes:
     model = buf.getvalue()
     sp = spm.SentencePieceProcessor(model_proto=model)
     got = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
-    if got != ["<unk>", sep, *pieces] or sp.encode("".join(pieces), out_type=str) != pieces:
+    if got != ["<unk>", sep, *pieces] or sp.encode(text, out_type=str) != [t for p in pieces for t in (p, END)][:-1]:
         raise ValueError(f"SentencePiece made a tokenizer with other pieces than the task's: {got}")
     return model
 

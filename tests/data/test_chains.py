@@ -74,10 +74,11 @@ def test_bad_settings_are_refused_in_one_line_before_anything_is_written(tmp_pat
 
 def test_grt_data_chains_writes_shards_a_tokenizer_and_a_manifest(tmp_path):
     out = tmp_path / "chains"
-    flags = ["--train-samples", "300", "--val-samples", "200", "--max-hops", "3", "--val-max-hops", "5", "-q"]
+    flags = ["--train-samples", "300", "--val-samples", "200", "--max-hops", "3", "--val-max-hops", "5"]
+    flags += ["--num-values", "12", "-q"]  # values 10 and 11 beside 1: the text still splits one way
     assert data_main(["chains", "-o", str(out), "--seed", "7", *flags]) == 0
     m = Manifest.load(str(out))
-    task = ChainTask(max_hops=3, seed=7)
+    task = ChainTask(num_values=12, max_hops=3, seed=7)
     assert m.seq_len == replace(task, max_hops=5).max_length  # the longest sample of either split
     assert (m.sequences("train"), m.sequences("val")) == (300, 200)
     tok = Tokenizer(m.tokenizer_path)
