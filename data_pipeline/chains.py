@@ -4,9 +4,10 @@ A sample holds several independent chains. A chain of k hops is a root statement
 and k - 1 copies ``vB = vA ;``, ``vC = vB ;`` ..., so the value of its last variable takes k
 lookups. The statements of all chains are shuffled together (a statement cannot be resolved when
 it is read: its source may come later), variables are distinct within a sample, and one query
-per chain follows, in random order: ``? vC = 7 ;``. The answer token (``7``) is predicted from the
-``=`` before it. Pure Python: `sample` makes samples, `score_positions` parses a token list (as read
-back from shards) to recover each query's answer and k, so evaluation needs no side metadata.
+per chain follows (one per variable with ``queries="all"``), in random order: ``? vC = 7 ;``.
+The answer token (``7``) is predicted from the ``=`` before it. Pure Python: `sample` makes
+samples, `score_positions` parses a token list (as read back from shards) to recover each
+query's answer and k, so evaluation needs no side metadata.
 `data_pipeline/chains_write.py` writes the task as shards (`grt data chains`).
 
 Symbols are written without spaces (``v3=7;v5=v3;?v5=7;``): the tokenizer has one piece per
@@ -23,13 +24,15 @@ from dataclasses import dataclass
 SEP = "<|endoftext|>"  # the tokenizer's control symbol: starts every sample
 EQ, END, ASK, PAD = "=", ";", "?", "."
 _PUNCT = (EQ, END, ASK, PAD)
+QUERIES = ("last", "all")
 
 
 @dataclass(frozen=True)
 class ChainTask:
     """The task's settings: ``num_vars`` variables v0.., ``num_values`` values 0.., chains of
     ``min_hops``..``max_hops`` lookups (k drawn uniformly per chain), ``chains_per_sample``
-    chains a sample."""
+    chains a sample; ``queries``: ``last`` asks each chain's last variable (k lookups), ``all``
+    asks every variable of each chain (1..k lookups: more answers a sample)."""
 
     num_vars: int = 32
     num_values: int = 10
@@ -37,6 +40,7 @@ class ChainTask:
     max_hops: int = 4
     chains_per_sample: int = 4
     seed: int = 0
+    queries: str = "last"
 
     def check(self, max_hops: str = "max_hops") -> None:
         """Refuse settings no sample can be made with (a ValueError naming the setting, the
@@ -46,6 +50,7 @@ class ChainTask:
             (self.min_hops >= 1, f"min_hops must be >= 1, got {self.min_hops}"),
             (self.max_hops >= self.min_hops, f"{max_hops} ({self.max_hops}) must be >= min_hops ({self.min_hops})"),
             (self.chains_per_sample >= 1, f"chains_per_sample must be >= 1, got {self.chains_per_sample}"),
+            (self.queries in QUERIES, f"queries must be one of {', '.join(QUERIES)}, got {self.queries!r}"),
             (
                 self.num_vars >= self.chains_per_sample * self.max_hops,
                 f"num_vars ({self.num_vars}) must be >= chains_per_sample x {max_hops} "
@@ -59,7 +64,8 @@ class ChainTask:
     @property
     def max_length(self) -> int:
         """Tokens of the longest sample: the separator, 4 per hop, 5 per query."""
-        return 1 + self.chains_per_sample * (4 * self.max_hops + 5)
+        asked = self.max_hops if self.queries == "all" else 1
+        return 1 + self.chains_per_sample * (4 * self.max_hops + 5 * asked)
 
 
 def variables(task: ChainTask) -> list[str]:
@@ -94,7 +100,8 @@ def sample(task: ChainTask, rng: random.Random) -> ChainSample:
         value = str(rng.randrange(task.num_values))
         statements.append([chain[0], EQ, value, END])
         statements += [[chain[j], EQ, chain[j - 1], END] for j in range(1, k)]
-        queries.append(([ASK, chain[-1], EQ, value, END], k))
+        asked = range(1, k + 1) if task.queries == "all" else [k]
+        queries += [([ASK, chain[j - 1], EQ, value, END], j) for j in asked]
     rng.shuffle(statements)
     rng.shuffle(queries)
     tokens = [SEP] + [t for s in statements for t in s]

@@ -39,6 +39,12 @@ def _add_chains_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--chains-per-sample", type=int, default=4, help="chains a sample (default 4)")
     c.add_argument("--num-vars", type=int, default=32, help="variable names v0.. (default 32)")
     c.add_argument("--num-values", type=int, default=10, help="values 0.. (default 10)")
+    c.add_argument(
+        "--queries",
+        choices=("last", "all"),
+        default="last",
+        help="last: one query per chain, its last variable (k lookups; default); all: one per variable (1..k)",
+    )
     c.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the longest sample)")
     c.add_argument("--seed", type=int, default=0, help="seed of the samples (default 0)")
     c.add_argument("--quiet", "-q", action="store_true", help="no summary line")
@@ -50,7 +56,9 @@ def _chains(args: argparse.Namespace) -> None:
     from .chains import ChainTask
     from .chains_write import write_chains
 
-    task = ChainTask(args.num_vars, args.num_values, args.min_hops, args.max_hops, args.chains_per_sample, args.seed)
+    task = ChainTask(
+        args.num_vars, args.num_values, args.min_hops, args.max_hops, args.chains_per_sample, args.seed, args.queries
+    )
     val_task = replace(task, max_hops=args.max_hops if args.val_max_hops is None else args.val_max_hops)
     write_chains(args.out, task, args.train_samples, args.val_samples, args.seq_len, val_task, progress=not args.quiet)
 

@@ -43,6 +43,18 @@ def test_a_sample_is_shuffled_chains_whose_queries_need_k_lookups():
     assert unresolved > 100
 
 
+def test_queries_all_asks_every_variable_of_each_chain():
+    task = ChainTask(min_hops=1, max_hops=4, queries="all")
+    rng = random.Random(1)
+    for _ in range(100):
+        s = sample(task, rng)
+        assert len(s.tokens) <= task.max_length
+        first = s.tokens.index(ASK)
+        asked = s.tokens[first + 1 :: 5]
+        assert sorted(asked) == sorted(s.tokens[1:first:4])  # every defined variable asked once
+        assert [(p, k) for p, _, k in score_positions(s.tokens)] == s.answers
+
+
 def test_score_positions_refuses_tokens_that_are_not_the_task():
     tokens = [SEP, "v1", EQ, "3", ";", "v2", EQ, "v1", ";", ASK, "v2", EQ, "3", ";"]
     assert score_positions(tokens) == [(12, 3, 2)]
