@@ -101,6 +101,9 @@ class TrainConfig:
     save_every: int = 1000
     save_final: bool = True  # a checkpoint at the last step (false: benchmarks, whose runs are thrown away)
     keep_checkpoints: int = 3
+    # grt export's copy (with hf/) of every Nth step's checkpoint, in <checkpoint>/export, written by a
+    # child process while training goes on, pruned with its checkpoint; a multiple of save_every (0 = off)
+    export_every: int = 0
     max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
     dist_timeout_s: float = 600.0
     peak_tflops: float = 0.0  # device peak for MFU; 0 = look up the device
@@ -229,6 +232,11 @@ def train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
         ),
         (t.save_every >= 0, f"train.save_every={t.save_every}: must be >= 0 (0 = off)"),
         (t.keep_checkpoints >= 1, f"train.keep_checkpoints={t.keep_checkpoints}: must be >= 1"),
+        (
+            t.export_every == 0 or (t.export_every > 0 and t.save_every > 0 and t.export_every % t.save_every == 0),
+            f"train.export_every={t.export_every}: must be 0 (off) or a multiple of train.save_every={t.save_every} "
+            "(an export is written from a checkpoint)",
+        ),
         (
             t.max_bad_steps >= 1,
             f"train.max_bad_steps={t.max_bad_steps}: must be >= 1 (consecutive non-finite micro-batches "

@@ -42,6 +42,7 @@ from pretrain.errors import file_system_problem
 from pretrain.runs.run_config import RunConfig
 from pretrain.say import say
 from pretrain.training.callbacks import Callback
+from pretrain.training.checkpoint.export_during import ExportDuring
 from pretrain.training.data import RunData, warn_on_skipped_shards
 from pretrain.training.depth import depth_for_step
 from pretrain.training.engine import deepspeed_internals
@@ -160,6 +161,9 @@ class Trainer:
         # the concerns that run no collective, their hooks called in this order (callbacks.py): a new one goes here
         self.callbacks: list[Callback] = [self.heartbeat, Throughput.build(run), self.spikes, self.profiler]
         self.callbacks += [DataStarved.build(run), StepLog.build(run, self.writer)]
+        exports = ExportDuring.build(run)  # rank 0, train.export_every
+        if exports is not None:
+            self.callbacks.append(exports)
         if wandb is not None:  # rank 0, train.wandb
             self.callbacks.append(wandb)
         phases.done()
