@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from pretrain.kernels import probe
+
 try:
     import triton
     import triton.language as tl
@@ -101,8 +103,36 @@ class FusedGateUpdate(torch.autograd.Function):
         return dlogits, ds, do
 
 
+def _applies(device: torch.device) -> bool:
+    return triton is not None and (device.type == "cuda" or INTERPRET)
+
+
+def _trial(device: torch.device) -> None:
+    """Forward and backward on the model's dtypes (fp32 logits and state, bf16 core output): the
+    kernel's compile, Triton's launcher build (a C compiler, Python's headers) and both launches."""
+    logits, s = (torch.randn(4, 8, device=device, requires_grad=True) for _ in range(2))
+    o = torch.randn(4, 8, device=device, dtype=torch.bfloat16, requires_grad=True)
+    out, _ = _apply(logits, s, o)
+    out.float().sum().backward()
+
+
+_apply = FusedGateUpdate.apply  # the trial's own reference: a count of the model's calls does not see it
+
+
+probe.register(
+    "gate",
+    probe.FusedPath(
+        "the fused gate kernel (Triton)",
+        "each loop step's gate update runs as the eager formula: about five element-wise kernels and three "
+        "saved tensors instead of one kernel (a few % of a grt-small step)",
+        _applies,
+        _trial,
+    ),
+)
+
+
 def fused_available(t: torch.Tensor) -> bool:
-    return triton is not None and (t.is_cuda or INTERPRET)
+    return _applies(t.device) and probe.works("gate", t.device)
 
 
 def fused_path(s: torch.Tensor) -> bool:

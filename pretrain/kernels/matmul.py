@@ -18,13 +18,19 @@ from typing import Any
 
 import torch
 
+from pretrain.kernels import probe
+
 _HAS_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads() and "dtype" in torch.ops.aten.addmm.overloads()
-_addmm_takes_fp32_acc: dict[torch.device, bool] = {}  # per device: whether addmm.dtype accepts an fp32 self
 
 
 def tensor_core_fp32(*tensors: torch.Tensor) -> bool:
-    """Whether the tensor-core path runs on these operands: CUDA, all bf16, a torch with out_dtype."""
-    return _HAS_OUT_DTYPE and all(t.is_cuda and t.dtype == torch.bfloat16 for t in tensors)
+    """Whether the tensor-core path runs on these operands: CUDA, all bf16, a torch with out_dtype
+    whose `mm` form passed its trial on this device (kernels/probe.py)."""
+    return _HAS_OUT_DTYPE and all(map(_bf16_on_cuda, tensors)) and probe.works("mm-fp32", tensors[0].device)
+
+
+def _bf16_on_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda and t.dtype == torch.bfloat16
 
 
 def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -38,26 +44,53 @@ def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
     """acc + a @ b, acc fp32: on CUDA the sum is the GEMM's epilogue (one pass over acc, no bf16
     product, no separate cast-and-add) where this torch's addmm accepts an fp32 acc."""
     if tensor_core_fp32(a, b):
-        if _fused_addmm_ok(acc.device):
+        if probe.works("addmm-fp32", acc.device):
             return torch.addmm(acc, a, b, out_dtype=torch.float32)
         return acc + torch.mm(a, b, out_dtype=torch.float32)
     return torch.addmm(acc, a.float(), b.float())
 
 
-def _fused_addmm_ok(device: torch.device) -> bool:
-    """torch 2.8-2.10's addmm.dtype wants acc in the inputs' dtype; later ones take fp32 (the
-    out dtype). Tried once per device on a tiny product, outside any compiled graph."""
-    if device not in _addmm_takes_fp32_acc:
-        if torch.compiler.is_compiling():
-            return False
-        try:  # 0.25 + 16 ones: an fp32 acc read as fp32 (a bf16 one would be an error or misread)
-            ones = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
-            acc = torch.full((16, 16), 0.25, device=device)
-            out = torch.addmm(acc, ones, ones, out_dtype=torch.float32)
-            _addmm_takes_fp32_acc[device] = bool((out == 16.25).all())  # one host read per process
-        except RuntimeError:
-            _addmm_takes_fp32_acc[device] = False
-    return _addmm_takes_fp32_acc[device]
+def _ones(device: torch.device) -> torch.Tensor:
+    return torch.ones(16, 16, device=device, dtype=torch.bfloat16)
+
+
+def _trial_mm(device: torch.device) -> None:
+    out = torch.mm(_ones(device), _ones(device), out_dtype=torch.float32)
+    if out.dtype != torch.float32 or not bool((out == 16).all()):  # one host read, at start-up
+        raise RuntimeError(f"mm with out_dtype=float32 gave {out.dtype} values other than 16")
+
+
+def _trial_addmm(device: torch.device) -> None:
+    """torch 2.8-2.10's addmm.dtype wants acc in the inputs' dtype; later ones take fp32 (the out
+    dtype). 0.25 + 16 ones: an fp32 acc read as fp32 (a bf16 one would be an error or misread)."""
+    out = torch.addmm(torch.full((16, 16), 0.25, device=device), _ones(device), _ones(device), out_dtype=torch.float32)
+    if not bool((out == 16.25).all()):
+        raise RuntimeError("addmm with an fp32 acc and out_dtype=float32 misread the acc")
+
+
+def _applies(device: torch.device) -> bool:
+    return _HAS_OUT_DTYPE and device.type == "cuda"
+
+
+probe.register(
+    "mm-fp32",
+    probe.FusedPath(
+        "the bf16 GEMM with an fp32 result (torch.mm out_dtype)",
+        "the gate's logits and the loss's head gradient run as fp32 GEMMs of upcast copies (same numbers; "
+        "fp32 GEMMs are about 15x slower than bf16 tensor cores on an H100/H200)",
+        _applies,
+        _trial_mm,
+    ),
+)
+probe.register(
+    "addmm-fp32",
+    probe.FusedPath(
+        "the fp32-accumulating addmm (torch.addmm out_dtype with an fp32 acc)",
+        "the sum into an fp32 gradient takes one more pass over it (a GEMM with an fp32 result, then an add)",
+        _applies,
+        _trial_addmm,
+    ),
+)
 
 
 def _split(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pretrain.config import ModelConfig
+from pretrain.kernels import probe
 from pretrain.kernels.matmul import fp32_linear
 from pretrain.model.loss import linear_cross_entropy
 
@@ -142,8 +143,33 @@ def _log_backend_once(name: str, why: str) -> None:
         log.info("attention backend: %s (%s)", name, why)
 
 
+def _flash_applies(device: torch.device) -> bool:
+    return flash_attn_func is not None and device.type == "cuda"
+
+
+def _flash_trial(device: torch.device) -> None:
+    """Forward and backward of flash-attn's kernel at the model's dtype (a wheel built for another
+    torch, CUDA or GPU fails here, not in the first step)."""
+    q, k, v = (torch.randn(1, 128, 2, 64, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    flash_attn_func(q, k, v, causal=True).float().sum().backward()
+
+
+probe.register(
+    "flash-attn",
+    probe.FusedPath(
+        "flash-attn's attention",
+        "attention runs on torch's scaled_dot_product_attention: its own flash kernel without document "
+        "masks; with train.doc_mask=true a [B, 1, T, T] mask and SDPA's memory-efficient kernel instead",
+        _flash_applies,
+        _flash_trial,
+    ),
+)
+
+
 def resolve_backend(requested: str, q: torch.Tensor) -> str:
-    flash_ok = flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    flash_ok = (
+        _flash_applies(q.device) and q.dtype in (torch.float16, torch.bfloat16) and probe.works("flash-attn", q.device)
+    )
     if requested == "auto":
         name = "flash_attn" if flash_ok else "sdpa"
         _log_backend_once(
@@ -152,7 +178,7 @@ def resolve_backend(requested: str, q: torch.Tensor) -> str:
         return name
     if requested == "flash_attn" and not flash_ok:
         raise RuntimeError(
-            "attention='flash_attn' needs the flash-attn package and CUDA fp16/bf16 tensors; "
+            "attention='flash_attn' needs the flash-attn package (passing its trial) and CUDA fp16/bf16 tensors; "
             "use attention='auto' to fall back to scaled_dot_product_attention"
         )
     _log_backend_once(requested, "requested in the model config")

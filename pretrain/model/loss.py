@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from pretrain.kernels import probe
 from pretrain.kernels.matmul import addmm_fp32, mm_fp32
 
 try:  # optional: Apple's cut-cross-entropy (CUDA, Triton)
@@ -119,12 +121,41 @@ def compiled_chunk_loss() -> ChunkFn:
 
 
 def compile_available(device: torch.device) -> bool:
-    """Whether torch.compile can build the chunk here: Triton on CUDA, a C++ compiler on the CPU."""
+    """Whether torch.compile can build the chunk here: Triton on CUDA, a C++ compiler on the CPU
+    (the static check), and a tiny compiled chunk built and ran on this device (`_trial_compile`)."""
+    return _compile_applies(device) and probe.works("loss-compiled", device)
+
+
+def _compile_applies(device: torch.device) -> bool:
     if device.type == "cuda":
         from torch.utils._triton import has_triton
 
         return has_triton()
     return shutil.which(os.environ.get("CXX", "g++")) is not None
+
+
+def _trial_compile(device: torch.device) -> None:
+    """`chunk_loss` compiled on 256 tokens: inductor's code generation and build (Triton's launcher on
+    CUDA: a C compiler and Python's headers). A copy of its code: the real chunk's compile cache and
+    shape history stay as they were, so the first batch still compiles the static shape."""
+    copy = types.FunctionType(chunk_loss.__code__.replace(), chunk_loss.__globals__, "chunk_loss_trial")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    h = torch.randn(CHUNK_MULTIPLE, 64, device=device, dtype=dtype)
+    w = torch.randn(128, 64, device=device, dtype=dtype)
+    targets = torch.randint(0, 100, (CHUNK_MULTIPLE,), device=device)
+    torch.compile(copy)(h, w, targets, 100, True)
+
+
+probe.register(
+    "loss-compiled",
+    probe.FusedPath(
+        "the compiled loss chunk (torch.compile)",
+        "the loss runs each chunk op by op (impl 'eager'): the same numbers, about twice the loss's "
+        "element-wise passes over the [chunk x vocabulary] logits",
+        lambda device: device.type == "cuda" and cce_linear_cross_entropy is None and _compile_applies(device),
+        _trial_compile,
+    ),
+)
 
 
 def resolve_impl(impl: str, h: torch.Tensor, weight: torch.Tensor) -> str:

@@ -215,3 +215,109 @@ print("ok")
         [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+# The fused gate's trial where Triton's launcher cannot be built: on a GPU Triton compiles a C launcher
+# at a kernel's first launch (a C compiler, Python's headers); interpreted here, so the trial runs that
+# build itself (triton.runtime.build, the call the NVIDIA driver makes) before the kernel
+GATE_BUILD = r"""
+import dataclasses, json, logging, os, sys, sysconfig, tempfile, torch
+import triton.runtime.build as build
+from pretrain.kernels import gate, probe
+
+said = []
+class Said(logging.Handler):
+    def emit(self, record):
+        said.append(record.getMessage())
+logging.getLogger("pretrain.kernels.probe").addHandler(Said())
+fused = []
+apply = gate.FusedGateUpdate.apply
+gate.FusedGateUpdate.apply = lambda *a: fused.append(1) or apply(*a)
+
+LAUNCHER = '''#include <Python.h>
+static struct PyModuleDef m = {PyModuleDef_HEAD_INIT, "grt_probe_launcher", NULL, -1, NULL};
+PyMODINIT_FUNC PyInit_grt_probe_launcher(void) { return PyModule_Create(&m); }
+'''
+
+def trial(device):
+    build.compile_module_from_src(LAUNCHER, "grt_probe_launcher")
+    gate._trial(device)
+
+probe.register("gate", dataclasses.replace(probe.PATHS["gate"], trial=trial))
+paths = sysconfig.get_paths
+results = {}
+for case in ("builds", "no compiler", "no headers"):
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # no launcher built before
+    os.environ.pop("CC", None)
+    sysconfig.get_paths = paths
+    build._find_compiler.cache_clear()
+    if case == "no compiler":
+        os.environ["CC"] = "/nonexistent/cc"
+    if case == "no headers":
+        sysconfig.get_paths = lambda *a, **k: {**paths(*a, **k), "include": "/nonexistent/include"}
+    probe._works.clear()
+    said.clear(), fused.clear()
+    x = [torch.randn(2, 5, 8) for _ in range(3)]
+    outs = [gate.gate_update(*x)[0] for _ in range(3)]
+    verdicts = probe.probe_fused_paths(torch.device("cpu"))
+    ref = gate.gate_update_reference(*x)[0]
+    results[case] = {"said": list(said), "fused": len(fused), "verdicts": verdicts,
+                     "close": all(torch.allclose(o, ref, rtol=1e-6, atol=1e-6) for o in outs)}
+print(json.dumps(results))
+"""
+
+
+def test_the_fused_gate_falls_back_with_one_warning_when_its_launcher_cannot_be_built(tmp_path):
+    """Three machines: one that builds the launcher (the kernel runs, 3 fused calls, no warning), one
+    without a C compiler, one without Python's headers (gcc fails on Python.h): there the path is off
+    after one warning naming what is missing and the cost, every call runs the eager formula with
+    the same numbers, and the start-up probe tries nothing again."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run(
+        [sys.executable, "-c", GATE_BUILD], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads(r.stdout.strip().splitlines()[-1])
+    assert results["builds"] == {"said": [], "fused": 3, "verdicts": {"gate": True}, "close": True}, results
+    for case, what in (
+        ("no compiler", "missing: a C compiler (CC='/nonexistent/cc' does not exist)"),
+        ("no headers", "missing: Python's headers (no Python.h in /nonexistent/include"),
+    ):
+        got = results[case]
+        assert got["fused"] == 0 and got["close"] and got["verdicts"] == {"gate": False}, (case, got)
+        assert len(got["said"]) == 1, (case, got["said"])
+        assert "the fused gate kernel (Triton) is off on cpu" in got["said"][0] and what in got["said"][0], got
+        assert "eager formula" in got["said"][0], got
+
+
+def test_flash_attn_that_fails_its_trial_is_off_with_one_warning_and_sdpa_runs(monkeypatch, caplog):
+    """flash-attn installed but without a kernel for the GPU (a wheel built for another arch, torch or
+    CUDA): its trial fails, `auto` takes SDPA from the first call with one warning, and asking for
+    flash_attn by name is refused in one line. A flash-attn that works is taken."""
+    import logging
+
+    import torch
+    import torch.nn.functional as F
+
+    import pretrain.model.layers as layers
+    from pretrain.kernels import probe
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(layers, "_flash_applies", lambda device: True)  # as if on CUDA with the package
+    monkeypatch.setattr(layers, "flash_attn_func", broken)
+    monkeypatch.setattr(probe, "_works", {})
+    q, k, v = (torch.randn(2, 2, 16, 8, dtype=torch.bfloat16) for _ in range(3))
+    with caplog.at_level(logging.WARNING, logger="pretrain.kernels.probe"):
+        outs = [layers.attention(q, k, v, layers.AttentionContext(), "auto") for _ in range(3)]
+        with pytest.raises(RuntimeError, match="attention='flash_attn' needs the flash-attn package"):
+            layers.resolve_backend("flash_attn", q)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 1 and "flash-attn's attention is off on cpu" in said[0], said
+    assert "missing: a kernel built for this GPU" in said[0] and "scaled_dot_product_attention" in said[0], said
+    assert all(torch.equal(o, F.scaled_dot_product_attention(q, k, v, is_causal=True)) for o in outs)
+
+    monkeypatch.setattr(layers, "flash_attn_func", lambda q, k, v, **kw: q)  # a flash-attn that runs
+    monkeypatch.setattr(probe, "_works", {})
+    assert layers.resolve_backend("auto", q) == "flash_attn"

@@ -3,6 +3,8 @@ loss on materialised logits (the reference: logits, then F.cross_entropy in fp32
 and gradients of the hidden states and of the weight, chunked or not, eager and compiled, with
 and without padded vocab rows, with unscored targets, and in bf16."""
 
+import logging
+
 import pytest
 import torch
 
@@ -196,3 +198,27 @@ def test_the_weight_gradient_is_summed_inside_the_matmul():
     h32, w32 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     lm_loss((h32 @ w32.t())[None], targets[None]).backward()
     assert torch.allclose(w.grad, w32.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_a_compiled_loss_chunk_that_cannot_be_built_is_off_with_one_warning(monkeypatch, caplog):
+    """The compiled chunk's trial (kernels/probe.py) on a machine whose C++ compiler is missing: the
+    real inductor build fails, the path is off with one warning that names the compiler and the
+    cost, `compiled` is refused in one line and the loss runs eagerly. Without the trial the first
+    training step would fail there instead."""
+    import torch._inductor.config as inductor
+
+    from pretrain.kernels import probe
+
+    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent-c++",))
+    monkeypatch.setattr(inductor, "fx_graph_cache", False)  # a cached graph would need no build
+    monkeypatch.setattr(probe, "_works", {})
+    h, w, targets = torch.randn(300, 16), torch.randn(40, 16), torch.randint(0, 40, (300,))
+    with caplog.at_level(logging.WARNING, logger="pretrain.kernels.probe"):
+        assert not compile_available(torch.device("cpu")) and not compile_available(torch.device("cpu"))
+        with pytest.raises(RuntimeError, match="loss impl 'compiled': torch.compile cannot build code on cpu"):
+            resolve_impl("compiled", h, w)
+        loss = linear_cross_entropy(h, w, targets, 40)
+    (said,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "the compiled loss chunk (torch.compile) is off on cpu" in said, said
+    assert "missing: a C++ compiler" in said and "impl 'eager'" in said, said
+    assert torch.allclose(loss, lm_loss((h @ w.t())[None], targets[None]), rtol=1e-5)

@@ -115,3 +115,30 @@ def test_on_cuda_the_gemm_gives_the_fp32_matmuls_numbers_eager_and_compiled():
     y = compiled(xc, wc, bc)
     y.backward(g)
     _assert_same_numbers((y.detach(), xc.grad, wc.grad, bc.grad), ref)
+
+
+def test_a_gemm_form_without_a_kernel_here_is_off_with_one_warning_and_the_upcast_matmul_runs(monkeypatch, caplog):
+    """The fp32-result GEMM's trials (kernels/probe.py) where torch has no kernel for them: the CPU,
+    told that its bf16 tensors are tensor-core operands, is such a device (the dispatcher has no CPU
+    kernel for `mm.dtype` or `addmm.dtype`). Each form's trial fails, the path is off with one
+    warning naming the missing kernel and the cost, and the gate's logits come from the upcast
+    matmul: the same numbers. Without the `mm` trial, `fp32_linear` raises here."""
+    import logging
+
+    import pretrain.kernels.matmul as matmul
+    from pretrain.kernels import probe
+
+    monkeypatch.setattr(matmul, "_bf16_on_cuda", lambda t: t.dtype == torch.bfloat16)
+    monkeypatch.setattr(probe, "_works", {})
+    x, w, b, _ = _operands()
+    with caplog.at_level(logging.WARNING, logger="pretrain.kernels.probe"):
+        ys = [fp32_linear(x, w, b) for _ in range(3)]
+        assert not probe.works("addmm-fp32", torch.device("cpu"))
+        assert probe.probe_fused_paths(torch.device("cpu")) == {}  # neither applies off CUDA: nothing tried again
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 2, said
+    assert "the bf16 GEMM with an fp32 result (torch.mm out_dtype) is off on cpu" in said[0], said
+    assert "missing: a kernel of this op for this device" in said[0] and "fp32 GEMMs" in said[0], said
+    assert "the fp32-accumulating addmm" in said[1] and "one more pass" in said[1], said
+    ref = F.linear(x.float(), w.float(), b.float())
+    assert all(torch.allclose(y, ref, rtol=1e-6, atol=1e-6) for y in ys)

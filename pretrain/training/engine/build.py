@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pretrain.kernels.probe import probe_fused_paths
 from pretrain.model import build_model
 from pretrain.model.flops import count_params
 from pretrain.runs.run_config import RunConfig
@@ -74,6 +75,7 @@ def build_engine(
         )
     mode = checkpointing_mode(cfg, ds, device, seq_len, count_params(model)["params"], world_size)
     checkpoint_and_compile(model, mode, cfg.train.compile)
+    probe_fused_paths(device)  # each fused path tried once here, before the first step (kernels/probe.py)
     deepspeed_internals.check_engine(engine)
     if zero_stage(ds) == 3:
         deepspeed_internals.install_counters()
