@@ -31,7 +31,6 @@ left in `model.last_aux` after each forward.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, cast
@@ -75,14 +74,14 @@ class LoopedBaseline(GPT):
             raise ValueError(f"anchor={anchor!r}: variant {self.cfg.variant!r} supports only the prelude anchor")
 
     def plain_loop(
-        self, s: torch.Tensor, e: torch.Tensor, ctx: AttentionContext, n: int, trace: LoopTrace, untracked: int = 0
+        self, s: torch.Tensor, e: torch.Tensor, ctx: AttentionContext, n: int, trace: LoopTrace
     ) -> torch.Tensor:
-        """n loop steps from state s with anchor e, the first `untracked` of them without autograd;
-        s_0..s_n into trace.states when asked for."""
+        """n loop steps from state s with anchor e, in training all but the last k of them without
+        autograd (truncated backprop, `step_autograd`); s_0..s_n into trace.states when asked for."""
         if trace.states is not None:
             trace.states.append(s)
         for i in range(n):
-            with torch.no_grad() if i < untracked else contextlib.nullcontext():
+            with self.step_autograd(i, n):
                 s, _ = self.loop_step(s, e, ctx, i)
             if trace.states is not None:
                 trace.states.append(s)
@@ -128,9 +127,7 @@ class HuginnGPT(LoopedBaseline):
     def loop_forward(
         self, e: torch.Tensor, ctx: AttentionContext, n: int, trace: LoopTrace, **_options: Any
     ) -> torch.Tensor:
-        # truncated backprop: in training only the last k steps are differentiated
-        k = int(self.cfg.xget("backprop_steps"))
-        s = self.plain_loop(self.initial_state(e), e, ctx, n, trace, untracked=n - k if self.training else 0)
+        s = self.plain_loop(self.initial_state(e), e, ctx, n, trace)  # truncated backprop: the last k steps
         if self.training and n == 0:
             s = s + 0.0 * self._touch_loop(e)
         return s

@@ -33,6 +33,7 @@ from pretrain.config import ANCHOR_MODES, ConfigError, ModelConfig
 from pretrain.kernels.gate import gate_update
 from pretrain.model.layers import KV, AttentionContext, Block, Embedding, FP32Linear, Linear, LMHead, layer_norm
 from pretrain.model.loss import lm_loss
+from pretrain.variants import get_variant
 
 
 class ModelOutput(NamedTuple):
@@ -341,12 +342,19 @@ class GPT(nn.Module):
         loop = cast(LoopStep, self.loop)  # the GRT's LoopStep (build_loop); the baselines run their own loops
         terms = loop.anchor_terms(fixed) if fixed is not None and n > 0 else None
         for r in range(n):
-            s, g = self.loop_step(s, s if fixed is None else fixed, ctx, r, terms, gate_override)
+            with self.step_autograd(r, n):
+                s, g = self.loop_step(s, s if fixed is None else fixed, ctx, r, terms, gate_override)
             if states is not None:
                 states.append(s)
             if gates is not None and g is not None:
                 gates.append(g)
         return s
+
+    def step_autograd(self, r: int, n: int) -> torch.autograd.grad_mode.set_grad_enabled:
+        """Truncated backprop: in training, loop step r of n runs without autograd unless it is one of the
+        last k (extra.backprop_steps, the variant's `no_grad_steps`): activations kept grow with k, not n."""
+        untracked = get_variant(self.cfg.variant).no_grad_steps(self.cfg, n) if self.training else 0
+        return torch.set_grad_enabled(torch.is_grad_enabled() and r >= untracked)
 
     def final_hidden(self, s: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """A state through the exit norm, the coda and the final norm: [B, T, d]. An fp32 loop

@@ -295,13 +295,24 @@ def profile_refusal(text: str) -> str:
     )
 
 
+NOTES: list[Callable[[Any], list[str]]] = []  # more lines of start_notes, declared by their settings' modules
+
+
+def note(lines: Callable[[Any], list[str]]) -> Callable[[Any], list[str]]:
+    """Declare lines the start says of a default derived from the run (depth_settings.py's Poisson mean)."""
+    NOTES.append(lines)
+    return lines
+
+
 def start_notes(cfg: Any) -> list[str]:
     """The lines a start says of defaults that do not fit and are kept (the module docstring)."""
     t = cfg.train
+    derived = [line for lines in NOTES for line in lines(cfg)]
     if not given(cfg, "train.warmup_steps") and t.warmup_steps >= horizon(t):
         return [
             f"train.warmup_steps={t.warmup_steps} (the default) is not shorter than the schedule's {horizon(t)} "
             "steps: the learning rate warms up over the whole run and never decays; set --set "
-            f"train.warmup_steps={max(1, horizon(t) // 10)} (say) for a warmup and a decay"
+            f"train.warmup_steps={max(1, horizon(t) // 10)} (say) for a warmup and a decay",
+            *derived,
         ]
-    return []
+    return derived

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pretrain.runs.depth_settings import DEPTH_SCHEDULES
 from pretrain.runs.settings_rules import profile_refusal, profile_window, switch_rule
 
 DEPTH_SAMPLING = ("uniform", "fixed", "poisson", "loguniform")
@@ -32,6 +33,7 @@ WANDB: Switch = ("train.wandb=true", lambda t: t.wandb)
 TASKS: Switch = ("train.eval_tasks_every > 0", lambda t: t.eval_tasks_every > 0)
 PROFILE: Switch = ("train.profile='wait,warmup,active'", lambda t: bool(t.profile))
 SPIKES: Switch = ("train.loss_spike_threshold > 0", lambda t: t.loss_spike_threshold > 0)
+GROW: Switch = ("train.depth_schedule=grow", lambda t: t.depth_schedule == "grow")
 KEPT = "kept"  # resume: the checkpoint's value or a refusal (the state it restores was made with it)
 
 
@@ -78,8 +80,12 @@ class TrainConfig:
     # loguniform: floor(exp(U[0, log(R+1)))), depth extrapolation
     max_train_depth: int = 0  # the R of the sampling above (0 = the layout's R); e.g. 32 with
     # loguniform keeps the loss flat past R (docs/evaluation.md)
-    poisson_mean: float = 32.0  # rbar of the heavy-tail Poisson (capped at the layout's R x 4)
+    # rbar of the heavy-tail Poisson, a mean depth rbar + 1; 0 = the deepest depth trained - 1 (it follows R).
+    # Every draw is capped at that depth (pretrain/runs/depth_settings.py)
+    poisson_mean: float = 0.0
     poisson_sigma: float = 0.5
+    depth_schedule: str = "constant"  # grow: the deepest depth drawn rises from 1 to R over depth_warmup
+    depth_warmup: float = option(0.25, GROW)  # grow: the share of the schedule's horizon over which it rises
     activation_checkpointing: str = AUTO  # auto: off, selective or loop_step by the device memory left;
     # or one of those, or block (pretrain/training/engine/parallelize.py)
     doc_mask: bool = False  # attend only within a packed document
@@ -215,8 +221,16 @@ def train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
         ),
         (0 <= t.seed < 2**63, f"train.seed={t.seed}: must be in [0, 2**63)"),
         (
-            _finite(t.poisson_mean) and t.poisson_mean > 0,
-            f"train.poisson_mean={t.poisson_mean}: must be > 0 (the mean depth of poisson sampling)",
+            _finite(t.poisson_mean) and t.poisson_mean >= 0,
+            f"train.poisson_mean={t.poisson_mean}: must be > 0 (the Poisson's mean; 0 = from the model's R)",
+        ),
+        (
+            t.depth_schedule in DEPTH_SCHEDULES,
+            f"train.depth_schedule={t.depth_schedule!r}: accepted values are {', '.join(DEPTH_SCHEDULES)}",
+        ),
+        (
+            _finite(t.depth_warmup) and 0 < t.depth_warmup <= 1,
+            f"train.depth_warmup={t.depth_warmup}: must be in (0, 1] (a share of the schedule's horizon)",
         ),
         (_finite(t.poisson_sigma) and t.poisson_sigma >= 0, f"train.poisson_sigma={t.poisson_sigma}: must be >= 0"),
         (

@@ -1,5 +1,7 @@
 """How many loop steps each training step runs. A pure function of (seed, step), so every
-rank draws the same depth without communicating (ranks that disagree hang ZeRO)."""
+rank draws the same depth without communicating (ranks that disagree hang ZeRO). What the
+settings mean for the model (the deepest depth, the Poisson's mean from R, the grow schedule) is
+pretrain/runs/depth_settings.py's, which the config's checks share."""
 
 from __future__ import annotations
 
@@ -8,13 +10,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pretrain.runs.depth_settings import deepest_trained, poisson_rbar, scheduled_cap
+
 if TYPE_CHECKING:
     from pretrain.runs.train_config import TrainConfig
 
 
 def sample_depth(
-    mode: str, max_loops: int, seed: int, step: int, poisson_mean: float = 32.0, poisson_sigma: float = 0.5
+    mode: str, max_loops: int, seed: int, step: int, poisson_mean: float = 0.0, poisson_sigma: float = 0.5
 ) -> int:
+    """A depth in 1..max_loops. poisson_mean: the Poisson's rbar (0: max_loops - 1, `poisson_rbar`)."""
     if max_loops < 1:
         return 0
     rng = np.random.default_rng([seed, step, 0x6A7E])
@@ -24,9 +29,10 @@ def sample_depth(
         return int(rng.integers(1, max_loops + 1))
     if mode == "loguniform":  # r = floor(exp(U[0, log(max + 1)))): every depth up to max seen, short ones most
         return int(min(math.exp(rng.uniform(0.0, math.log(max_loops + 1))), max_loops))
-    if mode == "poisson":  # Huginn: r ~ Poisson(exp(tau)) + 1, tau ~ N(log rbar - sigma^2/2, sigma)
-        tau = rng.normal(math.log(poisson_mean) - poisson_sigma**2 / 2, poisson_sigma)
-        return int(min(rng.poisson(math.exp(tau)) + 1, 4 * poisson_mean))
+    if mode == "poisson":  # Huginn: r ~ Poisson(exp(tau)) + 1, tau ~ N(log rbar - sigma^2/2, sigma), capped
+        rbar = poisson_rbar(poisson_mean, max_loops)
+        tau = rng.normal(math.log(rbar) - poisson_sigma**2 / 2, poisson_sigma)
+        return int(min(rng.poisson(math.exp(tau)) + 1, max_loops))
     raise ValueError(f"depth_sampling={mode!r}: accepted values are uniform, fixed, poisson, loguniform")
 
 
@@ -35,20 +41,10 @@ def depth_for_step(train: TrainConfig, max_loops: int, step: int) -> int:
     `max_loops`: the layout's R, 0 for a dense model)."""
     if max_loops < 1:
         return 0
-    return sample_depth(
-        train.depth_sampling,
-        train.max_train_depth or max_loops,
-        train.seed,
-        step,
-        train.poisson_mean,
-        train.poisson_sigma,
-    )
+    cap = scheduled_cap(train, deepest_trained(train, max_loops), step)
+    return sample_depth(train.depth_sampling, cap, train.seed, step, train.poisson_mean, train.poisson_sigma)
 
 
 def max_depth(train: TrainConfig, max_loops: int) -> int:
     """The deepest loop depth `depth_for_step` can draw under a run's settings."""
-    if max_loops < 1:
-        return 0
-    if train.depth_sampling == "poisson":
-        return int(4 * train.poisson_mean)
-    return train.max_train_depth or max_loops
+    return deepest_trained(train, max_loops)

@@ -128,8 +128,10 @@ class Variant:
         )
 
     def no_grad_steps(self, cfg: ModelSpec, depth: int) -> int:
-        """Loop steps of a training forward at `depth` that run without autograd (kept nothing)."""
-        return 0
+        """Loop steps of a training forward at `depth` that run without autograd (kept nothing): truncated
+        backprop, all but the last k = extra.backprop_steps, for the variants that take it (0: none)."""
+        k = int(self.setting(cfg, "backprop_steps")) if "backprop_steps" in self.extra else 0
+        return max(0, depth - k) if k else 0
 
     def training_decodes(self, steps: int) -> int:
         """Decodes (exit norm, coda, final norm, head) of a training forward of `steps` loop steps."""

@@ -28,6 +28,9 @@ class GRT(Variant):
     name = "grt"
     label = "GRT"
     anchored_kv = True
+    # truncated backprop (Huginn's setting, pretrain/variants/huginn.py): training differentiates only the
+    # last k loop steps, the earlier ones run without autograd (Variant.no_grad_steps); 0 = every step
+    extra = {"backprop_steps": 0}
 
     def describe(self, cfg: ModelSpec) -> str:
         """GRT with all of its components (naming where the loop sits unless it is the middle:

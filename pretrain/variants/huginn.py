@@ -35,9 +35,6 @@ class Huginn(Baseline):
     def step_extra_flops(self, cfg: ModelSpec) -> float:
         return projection_and_gate_flops(cfg)  # the adapter Linear(2d -> d)
 
-    def no_grad_steps(self, cfg: ModelSpec, depth: int) -> int:
-        return max(0, depth - int(self.setting(cfg, "backprop_steps")))
-
     def block_extra_bytes(self, cfg: ModelSpec, dtype_bytes: int) -> tuple[int, int]:
         extra_norms = 2 * cfg.d_model * dtype_bytes  # the sandwich's two extra norms keep their inputs
         return extra_norms, extra_norms

@@ -2,7 +2,8 @@
 single-process reference on the same global batch, over several depths in a row.
 
 usage: grad_check.py STAGE PRESET[,PRESET...] OUT_JSON [DEPTHS [CHECKPOINTING]]   (run as W ranks; writes a report from
-rank 0: {"steps": [...], "trace_invalidations": N} for one preset, {preset: {...}} for several).
+rank 0: {"steps": [...], "trace_invalidations": N} for one preset, {preset: {...}} for several). A preset may
+name extra settings of its model: micro-grt:backprop_steps=1.
 Every random perturbation is off (baselines.noise_off). "trace_invalidations" counts the times
 ZeRO-3 threw away its recorded module order after the first step. "unused_with_nonzero_grad"
 lists the parameters a depth does not reach (the loop at depth 0, per-step LoRA adapters and
@@ -68,7 +69,10 @@ class Report(TypedDict):
 
 def check(preset: str) -> Report:
     cfg = RunConfig(data="unused", ds_config=ds_config_path())
-    cfg.model = noise_off(get_preset(preset).replace(max_seq_len=T))
+    name, _, extra = preset.partition(":")  # micro-grt:backprop_steps=1
+    model = get_preset(name)
+    settings = {k: int(v) for k, v in (item.split("=") for item in extra.split("+") if item)}
+    cfg.model = noise_off(model.replace(extra={**model.extra, **settings}, max_seq_len=T))
     cfg.train.micro_batch_size, cfg.train.grad_accum = B, GA
     cfg.train.activation_checkpointing = checkpointing
     cfg.train.lr, cfg.train.warmup_steps, cfg.train.steps = 1e-2, 0, 100

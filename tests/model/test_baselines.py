@@ -53,8 +53,10 @@ def test_baseline_settings_are_checked():
         micro("ouro", gate=True)
     with pytest.raises(ConfigError, match="reinject_anchor must be True"):
         micro("huginn", reinject_anchor=False)
-    with pytest.raises(ConfigError, match="takes no extra settings"):
+    with pytest.raises(ConfigError, match=r"extra key\(s\) lora_rank for variant='grt'; accepted keys: backprop_steps"):
         get_preset("micro-grt").replace(extra={"lora_rank": 2})
+    with pytest.raises(ConfigError, match="takes no extra settings"):
+        get_preset("micro-dense").replace(extra={"backprop_steps": 2})
 
 
 def test_ladder_presets_switch_one_component_at_a_time():
