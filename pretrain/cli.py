@@ -24,6 +24,7 @@ COMMANDS = {
     "demo": ("pretrain.tools.demo", "the main job: tokenizer, shards, training, evaluation"),
     "data": ("data_pipeline.cli", "tokenizer training and shard preparation"),
     "launch": ("launcher.cli", "start a run locally, with deepspeed, Slurm or MPI"),
+    "hangs": ("pretrain.distributed.hangs", "which rank a hang dump (<out>/hangs/<time>) names, and where"),
     "bench": ("pretrain.tools.bench.cli", "benchmarks (data, train-step, memory, zero, decode, precision, loss)"),
 }
 
@@ -57,7 +58,10 @@ def dispatch(argv: list[str] | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     """The `grt` entry point (also `python -m pretrain.cli`)."""
     from pretrain.distributed import run_command
+    from pretrain.runs.trusted_files import forbid_code_in_files
 
+    if argv is None:  # the process's own command line: nothing it or its children read from a file runs
+        forbid_code_in_files()
     argv = list(sys.argv[1:] if argv is None else argv)
     return run_command(dispatch, argv, prog=prog_of(argv))
 

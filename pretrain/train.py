@@ -216,4 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from pretrain.runs.trusted_files import forbid_code_in_files
+
+    forbid_code_in_files()  # a rank's process: nothing it or DeepSpeed reads from a file runs
     sys.exit(run_command(main, prog="grt train"))

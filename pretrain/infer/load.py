@@ -29,6 +29,7 @@ from pretrain.config import ConfigError, ModelConfig
 from pretrain.model import GPT, build_model
 from pretrain.model.weights import TIED_KEY
 from pretrain.runs.checkpoint_files import named_checkpoint, newest_checkpoint, read_config
+from pretrain.runs.trusted_files import read_through_all, weights_only_loads
 
 if TYPE_CHECKING:
     from data_pipeline.manifest import Manifest
@@ -135,12 +136,19 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def consolidate(step_dir: Path) -> dict[str, torch.Tensor]:
-    """fp32 state dict of a DeepSpeed checkpoint (ZeRO stage 0-3), on CPU, without a process group."""
+    """fp32 state dict of a DeepSpeed checkpoint (ZeRO stage 0-3), on CPU, without a process group.
+    Its files are read through first and loaded weights-only (nothing in them runs; one line
+    refuses one that holds more), and the checkpoint read is said in one line."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    from pretrain.distributed import is_main
+
+    read_through_all(step_dir)
+    if is_main():
+        print(f"grt: loading checkpoint {step_dir}", file=sys.stderr, flush=True)
     # its progress bars only where someone watches: in a log or a pipe they are lines of noise
     quiet = contextlib.nullcontext() if sys.stderr.isatty() else contextlib.redirect_stderr(io.StringIO())
-    with quiet, contextlib.redirect_stdout(sys.stderr):  # its "Processing zero checkpoint" lines: not the output
+    with quiet, contextlib.redirect_stdout(sys.stderr), weights_only_loads():  # its lines: not the output
         state = get_fp32_state_dict_from_zero_checkpoint(str(step_dir.parent), tag=step_dir.name)
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 

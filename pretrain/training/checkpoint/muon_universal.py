@@ -26,13 +26,16 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import pickle
 import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pretrain.runs.checkpoint_files import ZERO_PARTITION_RE
+from pretrain.runs.trusted_files import forbid_code_in_files, refused_content, weights_only_loads
 
 if TYPE_CHECKING:
     import deepspeed
@@ -64,7 +67,7 @@ def _model_states(source: Path, rank: int) -> Path:
 @functools.cache  # ZeRO-1/2's one file holds the weights too: read once, not once per rank
 def _param_shapes(model_states: Path) -> list[dict[str, Any]]:
     """The saved model's parameter shapes by group."""
-    return list(torch.load(model_states, map_location="cpu", weights_only=False)["param_shapes"])
+    return list(torch.load(model_states, map_location="cpu", weights_only=True)["param_shapes"])
 
 
 def _aside_zero12(optim: dict[str, Any], shapes: list[dict[str, Any]], aside: Path) -> set[str]:
@@ -116,7 +119,7 @@ def prepare(source: Path, aside: Path) -> set[str]:
         match = ZERO_PARTITION_RE.match(path.name)
         if not match:
             continue
-        saved = torch.load(path, map_location="cpu", weights_only=False)
+        saved = torch.load(path, map_location="cpu", weights_only=True)
         optim = saved["optimizer_state_dict"]
         stage3 = "fp32_flat_groups" in optim
         states = (optim["optimizer_state_dict"] if stage3 else optim["base_optimizer_state"])["state"]
@@ -143,9 +146,9 @@ def finish(output: Path, aside: Path, names: set[str]) -> None:
             os.replace(folder / "exp_avg.pt", folder / f"{MOMENTUM}.pt")
             shutil.copyfile(folder / "exp_avg_sq.pt", folder / "exp_avg.pt")
             continue
-        like = torch.load(folder / "fp32.pt", map_location="cpu", weights_only=False)
+        like = torch.load(folder / "fp32.pt", map_location="cpu", weights_only=True)
         weight = _tensor(like)
-        momentum = torch.load(aside / f"{name}.pt", map_location="cpu", weights_only=False).view(weight.shape)
+        momentum = torch.load(aside / f"{name}.pt", map_location="cpu", weights_only=True).view(weight.shape)
         torch.save({**like, PARAM: momentum} if isinstance(like, dict) else momentum, folder / f"{MOMENTUM}.pt")
 
 
@@ -155,15 +158,23 @@ def convert_main(carry_muon: bool) -> None:
     partitions are read by ds_to_universal alone, once)."""
     from deepspeed.checkpoint import ds_to_universal
 
+    forbid_code_in_files()  # its pool workers too: nothing read from the checkpoint runs
     args = ds_to_universal.parse_arguments()
-    if not carry_muon:
-        ds_to_universal.main(args)
-        return
-    source, output = Path(args.input_folder), Path(args.output_folder)
-    aside = source.parent / "muon_momentum"
-    names = prepare(source, aside)
-    ds_to_universal.main(args)
-    finish(output, aside, names)
+    try:
+        with weights_only_loads():
+            if not carry_muon:
+                ds_to_universal.main(args)
+                return
+            source, output = Path(args.input_folder), Path(args.output_folder)
+            aside = source.parent / "muon_momentum"
+            names = prepare(source, aside)
+            ds_to_universal.main(args)
+            finish(output, aside, names)
+    except pickle.UnpicklingError as err:  # its last line is the parent's word for the failure
+        refused = refused_content(err)
+        if refused is None:
+            raise
+        sys.exit(f"ds_to_universal: a file of {args.input_folder} holds {refused}: refused, nothing of it was run")
 
 
 def muon_names(engine: deepspeed.DeepSpeedEngine) -> list[str]:
@@ -203,5 +214,5 @@ def restore(engine: deepspeed.DeepSpeedEngine, zero_dir: Path) -> None:
             base.state[flat] = {MOMENTUM: base.state[flat][MOMENTUM]}
             continue
         files = [zero_dir / zero.param_names[p] / f"{MOMENTUM}.pt" for p in zero.params_in_partition[index]]
-        whole = [_tensor(torch.load(f, map_location="cpu", weights_only=False)) for f in files]
+        whole = [_tensor(torch.load(f, map_location="cpu", weights_only=True)) for f in files]
         base.state[flat] = {MOMENTUM: torch.cat([m.reshape(-1) for m in whole]).to(flat.device, torch.float32)}

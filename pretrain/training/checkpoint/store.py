@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import random
 import shutil
-import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from pretrain.runs.checkpoint_files import (
     step_of,
     tag_for,
 )
+from pretrain.runs.trusted_files import load_weights_only, read_through, state_files, weights_only_loads
 from pretrain.training.checkpoint import universal
 from pretrain.training.checkpoint.async_save import BackgroundWrites
 from pretrain.training.engine import deepspeed_internals
@@ -79,30 +79,21 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def verify(root: Path, tag: str, rank: int = 0, world: int = 1) -> str | None:
-    """Read through this rank's share (every world-th, by name) of the tag's `*.pt` files: the
-    problem of the first that is not a whole zip archive of intact members (torch.save's
-    format; a truncated file has lost its central directory, a corrupt one fails its CRC,
-    which torch.load does not check), or None. Split over the ranks, the tag is read once.
-    A file in torch's legacy pickle format is taken as it is (it has no checksums)."""
+    """Read through this rank's share (every world-th, by name) of the tag's `*.pt` files
+    (`read_through`: intact, and data only: nothing in them runs when they are loaded): the
+    problem of the first that is not, or None. Split over the ranks, the tag is read once."""
     path = root / tag
     try:
-        files = sorted(p.name for p in path.iterdir() if p.name.endswith(".pt") and not is_temp(p.name))
+        files = state_files(path)
     except OSError as err:
         return f"cannot list {path} ({error_text(err, '')})"
     if not files:
         return f"{path} holds no model or optimizer state (*.pt)"
     for name in files[rank::world]:
         try:
-            with open(path / name, "rb") as fh:
-                head = fh.read(2)
-            if head == b"\x80\x02" and not zipfile.is_zipfile(path / name):
-                continue  # torch's legacy (pickle) format: nothing to check it against
-            with zipfile.ZipFile(path / name) as archive:
-                bad = archive.testzip()
-        except (OSError, zipfile.BadZipFile, EOFError, ValueError, RuntimeError) as err:
-            return f"{name} is cut off or corrupt ({error_text(err, '')})"
-        if bad is not None:
-            return f"{name} is corrupt (CRC mismatch in {bad})"
+            read_through(path / name, tag)
+        except UnreadableCheckpoint as err:
+            return err.problem
     return None
 
 
@@ -293,13 +284,16 @@ def load(engine: deepspeed.DeepSpeedEngine, root: Path, tag: str, rank: int, wor
     state_path = step_dir / f"rank{rank if same_world else 0}_state.pt"
     if not state_path.is_file():
         raise CheckpointError(f"{state_path} is missing")
-    if engine.load_universal_checkpoint():
-        universal.load(engine, step_dir)
-    else:
-        path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
-        if path is None:
-            raise CheckpointError(f"DeepSpeed could not load checkpoint {root / tag}")
-    state = torch.load(state_path, weights_only=False)
+    with weights_only_loads():  # DeepSpeed's torch.load too (verify has read every file through first)
+        if engine.load_universal_checkpoint():
+            universal.load(engine, step_dir)
+        else:
+            path, _ = engine.load_checkpoint(
+                str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
+            if path is None:
+                raise CheckpointError(f"DeepSpeed could not load checkpoint {root / tag}")
+    state = load_weights_only(state_path, tag)
     if same_world:
         set_rng_state(state["rng"])
     state["rng_restored"] = same_world

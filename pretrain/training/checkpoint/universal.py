@@ -103,6 +103,7 @@ import torch
 
 from pretrain.config import ConfigError
 from pretrain.runs.checkpoint_files import ZERO_PARTITION_RE, UnreadableCheckpoint, ranks_that_wrote, read_config
+from pretrain.runs.trusted_files import load_weights_only, read_through_all
 from pretrain.training.checkpoint.muon_universal import has_momentum, muon_names, restore
 
 if TYPE_CHECKING:
@@ -262,6 +263,10 @@ def convert(step_dir: Path, workers: int = 1, timeout_s: float | None = None) ->
         return final
     if not (step_dir / "COMPLETE").is_file():
         raise ConversionError(step_dir, "it is not a complete checkpoint (no COMPLETE)")
+    try:  # intact and data only: the converter's loads are weights-only too (convert_main)
+        read_through_all(step_dir)
+    except UnreadableCheckpoint as err:
+        raise ConversionError(step_dir, err.problem) from None
     staging = step_dir / f"{STAGING_PREFIX}{os.getpid()}"
     try:
         fingerprint = _fingerprint(step_dir)
@@ -291,7 +296,7 @@ def convert(step_dir: Path, workers: int = 1, timeout_s: float | None = None) ->
 def saved_param_groups(step_dir: Path) -> list[dict[str, Any]]:
     """The optimizer's param groups as saved (lr, betas, eps, weight_decay, ... of each group),
     from the copy's zero/optimizer_state.pt."""
-    state = torch.load(universal_dir(step_dir) / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False)
+    state = load_weights_only(universal_dir(step_dir) / "zero" / "optimizer_state.pt", step_dir.name)
     return list(state["param_groups"])
 
 

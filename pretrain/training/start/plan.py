@@ -33,7 +33,7 @@ from pretrain.runs.run_config import RunConfig, apply_token_budget, resolve
 from pretrain.runs.settings_rules import RunShape, check_settings, start_notes
 from pretrain.runs.train_config import global_batch
 from pretrain.runs.train_config import tokens_per_step as step_tokens
-from pretrain.say import one_line
+from pretrain.runs.trusted_files import load_weights_only
 from pretrain.training.checkpoint import store, universal
 from pretrain.training.engine.ds_config import build_ds_config, load_ds_json, zero_stage
 from pretrain.training.engine.parallelize import check_checkpointing
@@ -278,11 +278,11 @@ def check_data_order(cfg: RunConfig, data: Manifest | DataMixture, root: Path, t
     state_path = root / tag / "rank0_state.pt"
     if not state_path.is_file():
         raise UnreadableCheckpoint(tag, "rank0_state.pt is missing")
+    state = load_weights_only(state_path, tag)  # data only: nothing in it runs
     try:
-        state = torch.load(state_path, weights_only=False)
         saved = state.get("loader", {}).get("fingerprint")
-    except Exception as err:  # torch reports a cut-off or corrupt file as RuntimeError, pickle errors, EOFError
-        raise UnreadableCheckpoint(tag, f"rank0_state.pt is cut off or corrupt ({one_line(err)[:300]})") from None
+    except AttributeError:
+        raise UnreadableCheckpoint(tag, "rank0_state.pt holds no state of a rank") from None
     now = data.fingerprint("train")
     if saved is not None and saved != now and not allow_data_change(cfg):
         _refuse_reordered_sources(cfg, root, tag)

@@ -1,0 +1,141 @@
+"""Files from elsewhere run nothing and write nowhere outside their folder (issue 58, docs/reliability.md
+"What the project trusts and what it refuses").
+
+A payload is planted in a copy of a trained run (micro-dense, ZeRO-3, the session's): a pickle whose
+`__reduce__` would touch a marker file. Every command that reads a checkpoint must refuse it in one
+line naming the file and the type, exit non-zero, and leave no marker. Commands run in this process
+(`grt_in_process`: cheap), one as its own `grt` process (the entry point's switch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from commands import error_lines, grt_in_process
+from trained_models import REPO, dense_run, grt_run, manifest  # noqa: F401 (fixtures)
+
+STEP = "step00000006"  # dense_run's checkpoint
+
+
+class Payload:
+    """Pickled as a call of os.system: loading it with a full unpickler runs `touch marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def plant(run: Path, name: str, marker: Path) -> Path:
+    """The payload added to file `name` of `run`'s newest checkpoint (a copy); returns that file."""
+    import torch
+
+    path = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip() / name
+    state = torch.load(path, weights_only=False)  # the test's own trained file
+    state["note"] = Payload(marker)
+    torch.save(state, path)
+    return path
+
+
+def planted_copy(trained: Path, tmp_path: Path, name: str = "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+    """A copy of a trained run, its file `name` holding the payload: (run, marker, file)."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run, ignore=shutil.ignore_patterns("train.lock", "tb"))
+    marker = tmp_path / "MARKER"
+    return run, marker, plant(run, name, marker)
+
+
+@pytest.fixture
+def planted(dense_run, tmp_path):  # noqa: F811
+    """A copy of the trained dense run, its DeepSpeed model states holding the payload."""
+    return planted_copy(dense_run, tmp_path)
+
+
+def refused(rc: int, err: str, path: Path) -> None:
+    lines = [line for line in error_lines(err) if "error" in line]
+    assert rc != 0 and len(lines) == 1, (rc, err[-3000:])
+    assert f"{path} holds the type posix.system" in lines[0] and "nothing of it was run" in lines[0], lines
+
+
+def grt_process(*args: str) -> tuple[int, str]:
+    """`grt ARGS` as its own process (a training command ends its process: not in pytest's), with a
+    caller's opposite switch set (TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD), which the entry point overrides."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pretrain.cli", *args], env=env, capture_output=True, text=True, timeout=300
+    )
+    return proc.returncode, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["eval", "@run", "--tasks", "val", "--data", "@manifest", "--device", "cpu"],
+        ["generate", "@run", "--prompt", "To be", "--max-new-tokens", "2", "--device", "cpu"],
+        ["export", "--checkpoint", "@run", "--out", "@tmp/export", "--no-hf"],
+        ["train", "--out", "@run", "--resume", "--steps", "8"],
+        ["train", "--out", "@run", "--resume", "--steps", "8", "--dry-run"],
+    ],
+    ids=["eval", "generate", "export", "resume", "dry-run"],
+)
+def test_a_planted_checkpoint_runs_nothing(planted, manifest, tmp_path, capsys, command):  # noqa: F811
+    run, marker, path = planted
+    subs = {"@run": str(run), "@manifest": str(manifest), "@tmp": str(tmp_path)}
+    argv = [next((a.replace(k, v) for k, v in subs.items() if k in a), a) for a in command]
+    rc, err = grt_process(*argv) if argv[0] == "train" else grt_in_process(argv, capsys)
+    assert not marker.exists()
+    refused(rc, err, path)
+
+
+def test_a_planted_checkpoint_runs_nothing_in_analyze(grt_run, manifest, tmp_path, capsys):  # noqa: F811
+    """grt analyze takes a looped model only: the trained GRT's copy."""
+    run, marker, path = planted_copy(grt_run, tmp_path)
+    argv = ["analyze", str(run), "--data", str(manifest), "--out", str(tmp_path / "analysis"), "--device", "cpu"]
+    rc, err = grt_in_process(argv, capsys)
+    assert not marker.exists()
+    refused(rc, err, path)
+
+
+def test_a_planted_rank_state_runs_nothing_in_a_branch(dense_run, tmp_path):  # noqa: F811
+    """The project's own file (rank0_state.pt), read by --branch-from's plan."""
+    run, marker, path = planted_copy(dense_run, tmp_path, "rank0_state.pt")
+    saved = json.loads((path.parent / "config.json").read_text())
+    saved["train"]["schedule"] = "wsd"  # a source a branch may decay
+    (path.parent / "config.json").write_text(json.dumps(saved))
+    rc, err = grt_process(
+        "train", "--branch-from", str(run), "--out", str(tmp_path / "branch"), "--set", "train.decay_tokens=512"
+    )
+    assert not marker.exists()
+    refused(rc, err, path)
+
+
+def test_deepspeeds_own_loaders_are_weights_only(planted, monkeypatch):
+    """DeepSpeed's zero_to_fp32 and the universal conversion (ds_to_universal, a child process) call
+    torch.load with weights_only=False themselves: inside the project's loads they are weights-only
+    even where the read-through check is bypassed."""
+    import pickle
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from pretrain.runs.trusted_files import weights_only_loads
+    from pretrain.training.checkpoint import universal
+
+    run, marker, path = planted
+    step_dir = run / "checkpoints" / STEP
+    with weights_only_loads(), pytest.raises(pickle.UnpicklingError, match="posix.system"):
+        get_fp32_state_dict_from_zero_checkpoint(str(step_dir.parent), tag=STEP)
+    assert not marker.exists()
+    with pytest.raises(universal.ConversionError, match=f"{path} holds the type posix.system"):
+        universal.convert(step_dir)
+    monkeypatch.setattr(universal, "read_through_all", lambda _: None)  # the converter alone
+    with pytest.raises(universal.ConversionError, match="ds_to_universal failed.*posix.system"):
+        universal.convert(step_dir)
+    assert not marker.exists()
