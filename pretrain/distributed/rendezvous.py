@@ -288,6 +288,10 @@ def init_distributed(timeout_s: float = 600) -> DistInfo:
     if not dist.is_initialized():
         import deepspeed
 
+        if "TORCH_FR_BUFFER_SIZE" not in os.environ and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:
+            # torch's flight recorder (read as the group starts): a hang dump's last collectives
+            # (pretrain/training/report/forensics.py); torchtitan's default size; the user's, 0 = off
+            os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
         deepspeed.init_distributed(
             dist_backend="nccl" if use_cuda else "gloo",
             auto_mpi_discovery=False,

@@ -12,7 +12,9 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from types import FrameType
 
 import torch.distributed as dist
@@ -51,6 +53,8 @@ class Heartbeat(Callback):
         self.prefix = "grt/"  # the store is this worker group's own (distributed._round_store under torchrun)
         self.step, self.beats = 0, 0
         self.store: dist.TCPStore | None = None
+        # hang forensics: asks every live rank for a dump, returns its folder (report/hang_watch.py)
+        self.ask_dump: Callable[[str], Path] | None = None
         self._stop = threading.Event()
         if world < 2:
             return
@@ -194,10 +198,15 @@ def explain_failure(err: Exception, heartbeat: Heartbeat | None) -> Exception:
         return TrainingStopped(f"data error: {own}") if isinstance(err, ShardError) else err
     comm = is_comm_error(err)
     heartbeat.mark_failed(own, comm=comm)
+    # a failed collective: every live rank writes what it was doing, before the diagnosis's wait (which
+    # also keeps rank 0's store up while the others read the request)
+    dumped = heartbeat.ask_dump(f"a collective failed: {own[:300]}") if comm and heartbeat.ask_dump else None
     others = heartbeat.diagnose()
     if comm and others:  # a collective failed here: the cause is elsewhere
         message = f"rank {heartbeat.rank} stopping: " + "; ".join(others) + f" [this rank saw {own[:300]}]"
     else:
         message = f"rank {heartbeat.rank} failed: {own}" + (f"; also: {'; '.join(others)}" if others else "")
+    if dumped is not None:
+        message += f"; each live rank's stacks and last collectives: {dumped} (grt hangs {dumped})"
     log.error("%s", message, exc_info=err)
     return RankFailure(message)

@@ -59,6 +59,7 @@ from pretrain.training.failures import (
     one_line,
 )
 from pretrain.training.faults import Faults
+from pretrain.training.report.hang_watch import HangWatch
 from pretrain.training.report.metrics import MetricsWriter, Throughput, peak_flops, rss_mb
 from pretrain.training.report.profiling import RunProfiler
 from pretrain.training.report.step_log import StartPhases, StepLog, log_start
@@ -161,6 +162,7 @@ class Trainer:
         # the concerns that run no collective, their hooks called in this order (callbacks.py): a new one goes here
         self.callbacks: list[Callback] = [self.heartbeat, Throughput.build(run), self.spikes, self.profiler]
         self.callbacks += [DataStarved.build(run), StepLog.build(run, self.writer)]
+        self.callbacks.append(HangWatch.build(run, self.heartbeat))  # hang forensics: <out>/hangs/
         exports = ExportDuring.build(run)  # rank 0, train.export_every
         if exports is not None:
             self.callbacks.append(exports)
