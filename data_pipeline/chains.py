@@ -32,7 +32,10 @@ class ChainTask:
     """The task's settings: ``num_vars`` variables v0.., ``num_values`` values 0.., chains of
     ``min_hops``..``max_hops`` lookups (k drawn uniformly per chain), ``chains_per_sample``
     chains a sample; ``queries``: ``last`` asks each chain's last variable (k lookups), ``all``
-    asks every variable of each chain (1..k lookups: more answers a sample)."""
+    asks every variable of each chain (1..k lookups: more answers a sample);
+    ``queries_per_sample``: ask only this many of those, drawn at random (0: all). With several
+    queries a sample, a later one can be answered by elimination (the root value not answered
+    yet) rather than by lookups; one query a sample, the other chains distractors, leaves none."""
 
     num_vars: int = 32
     num_values: int = 10
@@ -41,6 +44,7 @@ class ChainTask:
     chains_per_sample: int = 4
     seed: int = 0
     queries: str = "last"
+    queries_per_sample: int = 0
 
     def check(self, max_hops: str = "max_hops") -> None:
         """Refuse settings no sample can be made with (a ValueError naming the setting, the
@@ -51,6 +55,7 @@ class ChainTask:
             (self.max_hops >= self.min_hops, f"{max_hops} ({self.max_hops}) must be >= min_hops ({self.min_hops})"),
             (self.chains_per_sample >= 1, f"chains_per_sample must be >= 1, got {self.chains_per_sample}"),
             (self.queries in QUERIES, f"queries must be one of {', '.join(QUERIES)}, got {self.queries!r}"),
+            (self.queries_per_sample >= 0, f"queries_per_sample must be >= 0, got {self.queries_per_sample}"),
             (
                 self.num_vars >= self.chains_per_sample * self.max_hops,
                 f"num_vars ({self.num_vars}) must be >= chains_per_sample x {max_hops} "
@@ -64,8 +69,10 @@ class ChainTask:
     @property
     def max_length(self) -> int:
         """Tokens of the longest sample: the separator, 4 per hop, 5 per query."""
-        asked = self.max_hops if self.queries == "all" else 1
-        return 1 + self.chains_per_sample * (4 * self.max_hops + 5 * asked)
+        asked = self.chains_per_sample * (self.max_hops if self.queries == "all" else 1)
+        if self.queries_per_sample:
+            asked = min(asked, self.queries_per_sample)
+        return 1 + self.chains_per_sample * 4 * self.max_hops + 5 * asked
 
 
 def variables(task: ChainTask) -> list[str]:
@@ -104,6 +111,8 @@ def sample(task: ChainTask, rng: random.Random) -> ChainSample:
         queries += [([ASK, chain[j - 1], EQ, value, END], j) for j in asked]
     rng.shuffle(statements)
     rng.shuffle(queries)
+    if task.queries_per_sample:
+        queries = queries[: task.queries_per_sample]
     tokens = [SEP] + [t for s in statements for t in s]
     answers = []
     for query, k in queries:

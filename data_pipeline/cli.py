@@ -45,6 +45,13 @@ def _add_chains_args(c: argparse.ArgumentParser) -> None:
         default="last",
         help="last: one query per chain, its last variable (k lookups; default); all: one per variable (1..k)",
     )
+    c.add_argument(
+        "--queries-per-sample",
+        type=int,
+        default=0,
+        help="ask only this many queries a sample, drawn at random (default 0: all; 1 leaves no answer "
+        "to find by elimination)",
+    )
     c.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the longest sample)")
     c.add_argument("--seed", type=int, default=0, help="seed of the samples (default 0)")
     c.add_argument("--quiet", "-q", action="store_true", help="no summary line")
@@ -57,7 +64,14 @@ def _chains(args: argparse.Namespace) -> None:
     from .chains_write import write_chains
 
     task = ChainTask(
-        args.num_vars, args.num_values, args.min_hops, args.max_hops, args.chains_per_sample, args.seed, args.queries
+        args.num_vars,
+        args.num_values,
+        args.min_hops,
+        args.max_hops,
+        args.chains_per_sample,
+        args.seed,
+        args.queries,
+        args.queries_per_sample,
     )
     val_task = replace(task, max_hops=args.max_hops if args.val_max_hops is None else args.val_max_hops)
     write_chains(args.out, task, args.train_samples, args.val_samples, args.seq_len, val_task, progress=not args.quiet)

@@ -55,6 +55,19 @@ def test_queries_all_asks_every_variable_of_each_chain():
         assert [(p, k) for p, _, k in score_positions(s.tokens)] == s.answers
 
 
+def test_queries_per_sample_asks_a_random_few_the_other_chains_distractors():
+    task = ChainTask(min_hops=1, max_hops=3, chains_per_sample=4, queries_per_sample=1)
+    rng = random.Random(2)
+    ks = []
+    for _ in range(300):
+        s = sample(task, rng)
+        assert len(s.tokens) <= task.max_length == 1 + 4 * 4 * 3 + 5
+        assert s.tokens.count(ASK) == len(s.answers) == 1
+        assert [(p, k) for p, _, k in score_positions(s.tokens)] == s.answers
+        ks.append(s.answers[0][1])
+    assert {k: ks.count(k) > 60 for k in (1, 2, 3)} == {1: True, 2: True, 3: True}  # k still uniform
+
+
 def test_score_positions_refuses_tokens_that_are_not_the_task():
     tokens = [SEP, "v1", EQ, "3", ";", "v2", EQ, "v1", ";", ASK, "v2", EQ, "3", ";"]
     assert score_positions(tokens) == [(12, 3, 2)]
