@@ -10,6 +10,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,8 +19,50 @@ FORMAT = "grt-token-shards"
 VERSION = 1
 
 
+# What a shard's name in a manifest may be: a path, or a URL of a scheme this project reads by ranges
+# (data_pipeline/remote.py). Any other scheme is refused, webdataset's `pipe:` (a shell command) first
+# of all: a file's words never run. There is no switch that lets a manifest run a command.
+SHARD_SCHEMES = ("http://", "https://", "s3://", "gs://")
+_SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+class RefusedEntry(ValueError):
+    """A path or URL in a file that this project does not follow: one line naming the file and the entry."""
+
+
 def is_url(name: str) -> bool:
-    return "://" in name or name.startswith("pipe:")
+    return _SCHEME_RE.match(name) is not None
+
+
+def inside(base: str, name: str, what: str) -> str:
+    """`name` (a path from a file in folder `base`) resolved against `base`: an absolute one as it is
+    (the file's author chose it), a relative one only where it stays inside `base` (lexically: `..`
+    that climbs out is refused). ValueError naming `what` (the file and the entry) otherwise."""
+    if os.path.isabs(name):
+        return name
+    resolved = os.path.normpath(os.path.join(base, name))
+    if os.path.commonpath([resolved, os.path.normpath(base)]) != os.path.normpath(base):
+        raise RefusedEntry(
+            f"{what} {name!r} leaves the folder {base!r}: a relative path in it stays inside its folder "
+            "(write an absolute path to name a file elsewhere)"
+        )
+    return resolved
+
+
+def shard_location(base: str, name: Any, what: str) -> str:
+    """What the loader opens for shard `name` of a manifest in folder `base` (`inside`, or a URL of
+    SHARD_SCHEMES); ValueError naming `what` (the manifest and the entry) for anything else."""
+    if not isinstance(name, str) or not name:
+        raise RefusedEntry(f"{what} has name {name!r}: expected a path or URL")
+    if is_url(name):
+        if not name.startswith(SHARD_SCHEMES):
+            scheme = name.split(":", 1)[0]
+            raise RefusedEntry(
+                f"{what} {name!r} names a {scheme}: shard; a shard is a path or a {', '.join(SHARD_SCHEMES)} "
+                "URL, and a command in a file is never run"
+            )
+        return name
+    return inside(base, name, what)
 
 
 @dataclass
@@ -135,6 +178,8 @@ class Manifest:
             raise ValueError(f"manifest {path!r} has version {version!r}, this code reads <= {VERSION}")
         try:
             manifest = cls._from_raw(path, raw)
+        except RefusedEntry:
+            raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a field missing or of the wrong type
             raise ValueError(f"manifest {path!r} is malformed ({type(exc).__name__}: {exc})") from None
         manifest._check_values()
@@ -142,8 +187,8 @@ class Manifest:
 
     def _check_values(self) -> None:
         """Values checked at the door, each refused in one line naming the file: the sample
-        layout, and the tokenizer (it exists; its vocabulary is the manifest's). A tokenizer file
-        that is not a SentencePiece model is left to the sha256 check of `verify_tokenizer`."""
+        layout, and the tokenizer (it exists, it is the file the manifest records, by its sha256;
+        its vocabulary is the manifest's)."""
         if self.seq_len < 1:
             raise ValueError(f"manifest {self.path!r} has seq_len {self.seq_len}; it must be >= 1")
         if self.ext not in _DTYPE_EXTS:
@@ -157,6 +202,7 @@ class Manifest:
                 f"manifest {self.path!r} names tokenizer {self.tokenizer_path!r}, which does not exist "
                 f"(copy the tokenizer there or edit the manifest's tokenizer.path)"
             )
+        self.verify_tokenizer()  # the file itself, read: not the hash it records (a dry run checks what a run does)
         pieces = _tokenizer_pieces(self.tokenizer_path)
         if pieces is not None and pieces != self.vocab_size:
             raise ValueError(
@@ -167,25 +213,20 @@ class Manifest:
     @classmethod
     def _from_raw(cls, path: str, raw: dict[str, Any]) -> Manifest:
         base = os.path.dirname(os.path.abspath(path))
-
-        def resolve(name: str) -> str:
-            if is_url(name) or os.path.isabs(name):
-                return name
-            return os.path.join(base, name)
-
+        entry = f"manifest {os.path.abspath(path)!r}:"
         seq_len = int(raw["seq_len"])
         splits = {
             split: [
                 ShardEntry(
                     name=e["name"],
-                    url=resolve(e["name"]),
+                    url=shard_location(base, e["name"], f"{entry} {split} shard {i}"),
                     sequences=int(e["sequences"]),
                     tokens=int(e.get("tokens", int(e["sequences"]) * seq_len)),
                     bytes=int(e.get("bytes", 0)),
                     sha256=e.get("sha256", ""),
                     head_sha256=e.get("head_sha256", ""),
                 )
-                for e in entries
+                for i, e in enumerate(entries)
             ]
             for split, entries in raw["splits"].items()
         }
@@ -197,7 +238,7 @@ class Manifest:
             sep_id=int(raw["sep_id"]),
             ext=raw["dtype_ext"],
             tokenizer_sha256=tok["sha256"],
-            tokenizer_path=os.path.abspath(resolve(tok["path"])),
+            tokenizer_path=_tokenizer_location(base, tok["path"], f"{entry} tokenizer.path"),
             splits=splits,
             sep_piece=raw.get("sep_piece", ""),
             sources=raw.get("sources", []),
@@ -208,6 +249,13 @@ class Manifest:
 
 
 _DTYPE_EXTS = ("u16", "u32")
+
+
+def _tokenizer_location(base: str, name: Any, what: str) -> str:
+    """A manifest's tokenizer file: a path (`inside` its folder where relative), never a URL."""
+    if not isinstance(name, str) or not name or is_url(name):
+        raise RefusedEntry(f"{what} is {name!r}: expected the path of the tokenizer.model file")
+    return os.path.abspath(inside(base, name, what))
 
 
 @functools.lru_cache(maxsize=64)

@@ -496,17 +496,22 @@ def test_swapped_tokenizer_next_to_the_shards_is_refused(shards, tmp_path, corpu
         TokenBatchLoader(d)
 
 
-def test_pipe_urls_stream_through_webdataset(shards, tmp_path):
+def test_a_command_in_a_manifest_is_refused(shards, tmp_path):
+    """webdataset runs a `pipe:` shard name as a shell command: one from a manifest is refused when
+    the manifest is read, naming it and the entry, and nothing runs (no switch allows it)."""
+    from data_pipeline.manifest import RefusedEntry
+
     d = _copy_dir(os.path.dirname(shards.path), tmp_path / "p")
     raw = json.load(open(os.path.join(d, "manifest.json")))
-    for e in raw["splits"]["train"]:
-        e["name"] = "pipe:cat " + os.path.join(d, e["name"])
+    marker = tmp_path / "MARKER"
+    raw["splits"]["train"][1]["name"] = f"pipe:touch {marker}; cat " + os.path.join(
+        d, raw["splits"]["train"][1]["name"]
+    )
     with open(os.path.join(d, "manifest.json"), "w") as fh:
         json.dump(raw, fh)
-    kw = dict(micro_batch_size=4, seed=5, shuffle_buffer=16, loop=False)
-    via_pipe = [b["input_ids"] for b in TokenBatchLoader(d, **kw)]
-    local = [b["input_ids"] for b in TokenBatchLoader(shards.path, **kw)]
-    assert len(via_pipe) == len(local) and all(torch.equal(a, b) for a, b in zip(via_pipe, local))
+    with pytest.raises(RefusedEntry, match=r"manifest .*: train shard 1 'pipe:touch .* names a pipe: shard"):
+        list(TokenBatchLoader(d, micro_batch_size=4, loop=False))
+    assert not marker.exists()
 
 
 # -- prepare: reproducible, atomic ---------------------------------------------------------

@@ -139,3 +139,60 @@ def test_deepspeeds_own_loaders_are_weights_only(planted, monkeypatch):
     with pytest.raises(universal.ConversionError, match="ds_to_universal failed.*posix.system"):
         universal.convert(step_dir)
     assert not marker.exists()
+
+
+# -- a manifest: its shard names are paths or URLs, its relative paths stay in its folder ----------
+def edited_manifest(manifest: Path, dest: Path, edit) -> Path:
+    """A copy of the shards' folder, its manifest.json changed by `edit(raw)`."""
+    shutil.copytree(manifest.parent, dest)
+    raw = json.loads((dest / "manifest.json").read_text())
+    edit(raw)
+    (dest / "manifest.json").write_text(json.dumps(raw))
+    return dest / "manifest.json"
+
+
+def name_shard(index: int, name: str):
+    def edit(raw: dict) -> None:
+        raw["splits"]["train"][index]["name"] = name
+
+    return edit
+
+
+def name_tokenizer(path: str):
+    def edit(raw: dict) -> None:
+        raw["tokenizer"]["path"] = path
+
+    return edit
+
+
+def test_a_command_in_a_manifest_runs_nowhere(manifest, tmp_path, capsys):  # noqa: F811
+    """`pipe:` (webdataset's shell command) in `grt data inspect --verify` and a 2-step `grt train`."""
+    marker = tmp_path / "MARKER"
+    edited = edited_manifest(manifest, tmp_path / "shards", name_shard(1, f"pipe:touch {marker}; cat x"))
+    want = f"manifest '{edited}': train shard 1 'pipe:touch {marker}; cat x' names a pipe: shard"
+    rc, err = grt_in_process(["data", "inspect", str(edited), "--verify"], capsys)
+    assert rc == 2 and len(error_lines(err)) == 1 and want in err, err
+    rc, err = grt_process("train", "--preset", "micro-dense", "--data", str(edited), "--out", str(tmp_path / "run"))
+    assert rc == 2 and want in error_lines(err)[-1], err[-3000:]
+    assert not marker.exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "edit, want",
+    [
+        (name_shard(0, "../outside/train-000000.tar"), "train shard 0 '../outside/train-000000.tar' leaves the folder"),
+        (name_shard(0, "sub/../../x.tar"), "train shard 0 'sub/../../x.tar' leaves the folder"),
+        (name_shard(2, "ftp://host/x.tar"), "train shard 2 'ftp://host/x.tar' names a ftp: shard"),
+        (name_tokenizer("../../../../etc/passwd"), "tokenizer.path '../../../../etc/passwd' leaves the folder"),
+        (name_tokenizer("/etc/passwd"), "tokenizer '/etc/passwd' has sha256"),  # absolute: read and hashed
+        (name_tokenizer("https://host/tok.model"), "tokenizer.path is 'https://host/tok.model'"),
+    ],
+    ids=["up", "through", "scheme", "tokenizer-up", "tokenizer-elsewhere", "tokenizer-url"],
+)
+def test_a_manifests_paths_stay_in_its_folder(manifest, tmp_path, capsys, edit, want):  # noqa: F811
+    """Refused in one line by every reader of a manifest (`grt data inspect`, `grt eval`'s --data, a
+    run's plan: Manifest.load), before anything is read from the path; the tokenizer file itself is
+    hashed against the manifest's record."""
+    edited = edited_manifest(manifest, tmp_path / "shards", edit)
+    rc, err = grt_in_process(["data", "inspect", str(edited), "--verify"], capsys)
+    assert rc == 2 and len(error_lines(err)) == 1 and want in err, err
