@@ -63,10 +63,24 @@ def find_latest(root: Path) -> str | None:
     """The newest complete checkpoint: `latest` if it points at one, else the newest COMPLETE tag."""
     marker = root / "latest"
     if marker.is_file():
-        tag = marker.read_text().strip()
-        if (root / tag / "COMPLETE").is_file():
+        try:
+            tag = marker.read_text(errors="replace").strip()
+        except OSError:
+            tag = ""
+        if TAG_RE.match(tag) is None:  # a path (../other_run/...) is not followed out of the folder
+            log.warning(
+                "checkpoint marker %s names %r, which is not a checkpoint of %s (stepNNNNNNNN); using the newest "
+                "complete one there",
+                marker,
+                tag[:200],
+                root,
+            )
+        elif (root / tag / "COMPLETE").is_file():
             return tag
-        log.warning("checkpoint marker %s names %r, which is not complete; using the newest complete one", marker, tag)
+        else:
+            log.warning(
+                "checkpoint marker %s names %r, which is not complete; using the newest complete one", marker, tag
+            )
     tags = complete_tags(root)
     return tags[-1] if tags else None
 
@@ -117,7 +131,12 @@ def branch_source(given: str, out: str | None) -> Path:
     root, tag_dir = named_checkpoint(given, "--branch-from ", accepted)
     recorded = read_json(Path(out) / BRANCH_FILE)
     if recorded is not None and Path(recorded.get("source_run", "")) == root.parent:
-        made_from = Path(recorded.get("checkpoint", ""))
+        made_from = Path(str(recorded.get("checkpoint", "")))
+        if made_from.parent != root or TAG_RE.match(made_from.name) is None:  # the record is not followed out
+            raise ConfigError(
+                f"--out {out}: its {BRANCH_FILE} names checkpoint {str(made_from)[:300]!r}, which is not a checkpoint "
+                f"of {root}, the run it records as the source: repair or remove {Path(out) / BRANCH_FILE}"
+            )
         if tag_dir is not None and tag_dir != made_from:
             raise ConfigError(
                 f"--out {out} is a branch of {made_from} ({BRANCH_FILE}), not of {tag_dir}: "

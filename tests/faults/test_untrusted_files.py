@@ -196,3 +196,46 @@ def test_a_manifests_paths_stay_in_its_folder(manifest, tmp_path, capsys, edit, 
     edited = edited_manifest(manifest, tmp_path / "shards", edit)
     rc, err = grt_in_process(["data", "inspect", str(edited), "--verify"], capsys)
     assert rc == 2 and len(error_lines(err)) == 1 and want in err, err
+
+
+# -- a run's markers and records stay in its folder -------------------------------------------------
+def test_latest_is_not_followed_out_of_its_folder(dense_run, tmp_path, capsys, caplog):  # noqa: F811
+    """`checkpoints/latest` naming another run's checkpoint (holding a payload): the command loads
+    this run's own newest checkpoint, and says which."""
+    other, marker, _ = planted_copy(dense_run, tmp_path / "other")
+    run = tmp_path / "run"
+    shutil.copytree(dense_run, run, ignore=shutil.ignore_patterns("train.lock", "tb"))
+    (run / "checkpoints" / "latest").write_text(f"../../other/run/checkpoints/{STEP}\n")
+    rc, err = grt_in_process(["export", "--checkpoint", str(run), "--out", str(tmp_path / "export"), "--no-hf"], capsys)
+    assert rc == 0 and not marker.exists(), err
+    assert f"grt: loading checkpoint {run / 'checkpoints' / STEP}\n" in err
+    assert f"names '../../other/run/checkpoints/{STEP}', which is not a checkpoint of" in caplog.text
+
+
+def test_a_branch_record_is_not_followed_out_of_its_source(dense_run, tmp_path):  # noqa: F811
+    """A branch's branch.json naming a checkpoint outside the run it records as its source: refused."""
+    out = tmp_path / "branch"
+    out.mkdir()
+    elsewhere = tmp_path / "elsewhere" / "checkpoints" / STEP
+    record = {"source_run": str(dense_run.resolve()), "checkpoint": str(elsewhere)}
+    (out / "branch.json").write_text(json.dumps(record))
+    rc, err = grt_process(
+        "train", "--branch-from", str(dense_run), "--out", str(out), "--set", "train.decay_tokens=512"
+    )
+    assert rc == 2 and "branch.json names checkpoint" in error_lines(err)[-1], err[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["branch.json"]
+
+
+def test_a_log_linked_out_of_the_run_is_not_written(dense_run, tmp_path):  # noqa: F811
+    """On --resume (and its --dry-run), a train.log that is a symbolic link out of the run directory:
+    refused in one line, the file it names untouched."""
+    run = tmp_path / "run"
+    shutil.copytree(dense_run, run, ignore=shutil.ignore_patterns("train.lock", "tb"))
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not the run's\n")
+    (run / "train.log").unlink()
+    (run / "train.log").symlink_to(outside)
+    for extra in (["--dry-run"], []):
+        rc, err = grt_process("train", "--out", str(run), "--resume", "--steps", "8", *extra)
+        assert rc == 2 and "train.log is a symbolic link to" in error_lines(err)[-1], err[-3000:]
+    assert outside.read_text() == "not the run's\n"

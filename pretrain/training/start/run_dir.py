@@ -156,7 +156,25 @@ def check_run_paths(out: Path) -> None:
             flag = "--out " if path == out else ""
             need = "a folder" if folder else "a file"
             raise ConfigError(f"{flag}{path} is {path_kind(str(path))}; the run needs {need} there")
+    check_links_stay_inside(out)
     try:
         check_output_path(str(out), "--out", is_dir=True)  # under a file, or in a folder this process may not write
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def check_links_stay_inside(out: Path) -> None:
+    """Refuse a run directory where a file the run writes or appends to (train.log, metrics.jsonl,
+    config.json, any record at its top, checkpoints/latest) is a symbolic link that leaves it: a
+    run directory from elsewhere would have the run write over a file outside it. A folder may be a
+    link (checkpoints on another disk: the user's choice of storage)."""
+    if not out.is_dir():
+        return
+    top = os.path.realpath(out)
+    files = [p for p in out.iterdir() if not p.is_dir()] + [out / "checkpoints" / "latest"]
+    for path in files:
+        if path.is_symlink() and os.path.commonpath([top, os.path.realpath(path)]) != top:
+            raise ConfigError(
+                f"--out {out}: {path.name} is a symbolic link to {os.path.realpath(path)}, outside the run directory; "
+                "a run writes its logs and records only inside it: remove the link, or choose another --out"
+            )
