@@ -12,6 +12,7 @@ import signal
 import socket
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -54,7 +55,7 @@ class Heartbeat(Callback):
         self.step, self.beats = 0, 0
         self.store: dist.TCPStore | None = None
         # hang forensics: asks every live rank for a dump, returns its folder (report/hang_watch.py)
-        self.ask_dump: Callable[[str], Path] | None = None
+        self.ask_dump: Callable[[str, str], Path] | None = None
         self._stop = threading.Event()
         if world < 2:
             return
@@ -200,7 +201,9 @@ def explain_failure(err: Exception, heartbeat: Heartbeat | None) -> Exception:
     heartbeat.mark_failed(own, comm=comm)
     # a failed collective: every live rank writes what it was doing, before the diagnosis's wait (which
     # also keeps rank 0's store up while the others read the request)
-    dumped = heartbeat.ask_dump(f"a collective failed: {own[:300]}") if comm and heartbeat.ask_dump else None
+    dumped = None
+    if comm and heartbeat.ask_dump is not None:
+        dumped = heartbeat.ask_dump(f"a collective failed: {own[:300]}", "".join(traceback.format_exception(err)))
     others = heartbeat.diagnose()
     if comm and others:  # a collective failed here: the cause is elsewhere
         message = f"rank {heartbeat.rank} stopping: " + "; ".join(others) + f" [this rank saw {own[:300]}]"

@@ -67,6 +67,7 @@ def test_sigusr2_then_a_frozen_rank_leave_folders_that_name_it(data, tmp_path):
     assert f"(grt hangs {hang})" in next(ln for ln in log0.splitlines() if "grt train: stopped:" in ln), log0[-3000:]
     assert "grt train: stopped: rank 0 stopping: rank 1" in log0
     assert (hang / "rank0.json").is_file() and not (hang / "rank1.json").exists()  # the frozen rank wrote nothing
+    assert "--- the failed collective's traceback" in (hang / "rank0.txt").read_text()  # where it was called
     report = "\n".join(analyze(hang))
     assert "behind: rank(s) 1: no dump" in report, report
     assert "rank(s) 0 wait in gloo:" in report, report

@@ -91,8 +91,9 @@ def collective_lines(fr: dict[str, Any] | None, last: int = 20) -> list[str]:
     return lines
 
 
-def dump(folder: Path, rank: int, world: int, reason: str) -> Path:
-    """Write this rank's files into `folder` (module doc); each complete or absent."""
+def dump(folder: Path, rank: int, world: int, reason: str, detail: str = "") -> Path:
+    """Write this rank's files into `folder` (module doc); each complete or absent. `detail`: the
+    failed collective's traceback (where the main thread called it), when one failed here."""
     folder.mkdir(parents=True, exist_ok=True)
     fr, raw = flight_recorder()
     head = {
@@ -115,6 +116,11 @@ def dump(folder: Path, rank: int, world: int, reason: str) -> Path:
         "",
         "--- Python stacks of every thread ---",
         stacks,
+        *(
+            ["--- the failed collective's traceback (the main thread's, before it was caught) ---", detail]
+            if detail
+            else []
+        ),
     ]
     if raw is not None:
         with atomic_path(folder / f"{FR_PREFIX}{rank}") as tmp:
@@ -163,7 +169,7 @@ class Watcher:
         except Exception:
             return ""
 
-    def request(self, reason: str) -> Path:
+    def request(self, reason: str, detail: str = "") -> Path:
         """Ask every rank for a dump (joining one asked for within JOIN_S) and write this rank's."""
         name = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         if self.store is not None:
@@ -176,15 +182,15 @@ class Watcher:
                 name = old.partition(" ")[2] or name
             except Exception:  # the store is gone (rank 0's host): this rank's own folder
                 pass
-        return self._dump(name, reason)
+        return self._dump(name, reason, detail)
 
-    def _dump(self, name: str, reason: str) -> Path:
+    def _dump(self, name: str, reason: str, detail: str = "") -> Path:
         with self._lock:
             folder = self.hangs / name
             if name not in self.done:
                 self.done.add(name)
                 try:
-                    dump(folder, self.rank, self.world, reason)
+                    dump(folder, self.rank, self.world, reason, detail)
                     log.warning(
                         "hang forensics: rank %d wrote its stacks and last collectives into %s", self.rank, folder
                     )
