@@ -239,3 +239,65 @@ def test_a_log_linked_out_of_the_run_is_not_written(dense_run, tmp_path):  # noq
         rc, err = grt_process("train", "--out", str(run), "--resume", "--steps", "8", *extra)
         assert rc == 2 and "train.log is a symbolic link to" in error_lines(err)[-1], err[-3000:]
     assert outside.read_text() == "not the run's\n"
+
+
+# -- a full disk during a save names the disk --------------------------------------------------------
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 200 KiB tmpfs (needs root: skipped elsewhere), unmounted after."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_every_save_names_a_full_disk(full_disk):
+    """torch.save says "enforce fail at inline_container.cc" on a full disk: the rank's state file, the
+    background writes (train.async_save) and DeepSpeed's own writes (RecordWriteErrors) each say
+    ENOSPC, naming the file (pretrain/errors.py's one line)."""
+    import errno
+    from types import SimpleNamespace
+
+    import torch
+
+    from pretrain.errors import file_system_problem
+    from pretrain.training.checkpoint.async_save import BackgroundWrites
+    from pretrain.training.engine.deepspeed_internals import RecordWriteErrors, save_file
+
+    state = {"w": torch.zeros(200_000)}
+    errors = []
+    with pytest.raises(OSError) as info:
+        save_file(state, full_disk / "rank0_state.pt")
+    errors.append(info.value)
+    (full_disk / "rank0_state.pt").unlink()
+    writes = BackgroundWrites(SimpleNamespace())
+    writes.add(full_disk / "background.pt", state)
+    writes.start()
+    errors.append(writes.wait())
+    engine = SimpleNamespace(checkpoint_engine=SimpleNamespace(save=lambda sd, path: torch.save(sd, path)))
+    with RecordWriteErrors(engine) as recorded:
+        engine.checkpoint_engine.save(state, str(full_disk / "optim_states.pt"))
+    errors.append(recorded.errors[0])
+    for err, name in zip(errors, ["rank0_state.pt", "background.pt", "optim_states.pt"]):
+        assert isinstance(err, OSError) and err.errno == errno.ENOSPC, repr(err)
+        assert file_system_problem(err).startswith(f"{full_disk / name}: No space left on device"), err
+
+
+def test_a_synchronous_save_on_a_full_disk_names_it(manifest, tmp_path):  # noqa: F811
+    """A real run whose checkpoints folder is full: one line naming the disk, exit 3."""
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(out / "checkpoints")]).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        rc, err = grt_process(
+            *("train", "--preset", "micro-dense", "--data", str(manifest), "--out", str(out), "--steps", "2"),
+            *("--micro-batch-size", "8", "--set", "train.save_every=2", "--set", "train.eval_every=0"),
+        )
+    finally:
+        subprocess.run(["umount", "-l", str(out / "checkpoints")], capture_output=True)
+    line = error_lines(err)[-1]
+    assert rc == 3 and line.startswith("grt train: stopped: could not write checkpoint"), err[-3000:]
+    assert f"No space left on device: the file system of {out / 'checkpoints' / 'step00000002'}" in line, line

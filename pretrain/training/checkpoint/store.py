@@ -97,6 +97,12 @@ def verify(root: Path, tag: str, rank: int = 0, world: int = 1) -> str | None:
     return None
 
 
+def _previous(root: Path) -> str:
+    """What a failed save leaves: the previous complete checkpoint, intact, if there is one."""
+    latest = find_latest(root)
+    return f"the previous checkpoint ({latest}) is intact" if latest else "no checkpoint was complete before it"
+
+
 def _no_fault(*_: Any) -> None:
     """A save's fault seam while no test has installed a fault."""
 
@@ -174,8 +180,7 @@ def _write(
     if not all_agree(error is None):
         raise CheckpointError(
             f"could not create checkpoint directory {path}: "
-            f"{error_text(error, 'it failed on another rank')}; the previous checkpoint "
-            f"({find_latest(root)}) is intact"
+            f"{error_text(error, 'it failed on another rank')}; {_previous(root)}"
         ) from error
     # 2. DeepSpeed's files and this rank's state (or their host copies, for the thread to write)
     writes = BackgroundWrites(engine.checkpoint_engine) if background else None
@@ -191,7 +196,7 @@ def _write(
             writes.start()
         else:
             with atomic_path(path / f"rank{rank}_state.pt") as tmp:
-                torch.save(state, tmp)
+                deepspeed_internals.save_file(state, tmp)
     except Exception as err:  # torch.save reports a full disk as RuntimeError, not OSError
         error = err
     _agree_written(error, root, path, rank)
@@ -217,7 +222,7 @@ def _agree_written(error: BaseException | None, root: Path, path: Path, rank: in
         raise CheckpointError(
             f"could not write checkpoint {path} (rank {rank}: "
             f"{error_text(error, 'its own files were written, a write failed on another rank')}); "
-            f"removed it; the previous checkpoint ({find_latest(root)}) is intact"
+            f"removed it; {_previous(root)}"
         ) from error
 
 
@@ -268,8 +273,7 @@ def _complete(
             shutil.rmtree(root / tag, ignore_errors=True)
     if not all_agree(error is None):
         raise CheckpointError(
-            f"could not finish checkpoint {root / tag}: {error_text(error, 'rank 0 failed')}; "
-            f"the previous checkpoint ({find_latest(root)}) is intact"
+            f"could not finish checkpoint {root / tag}: {error_text(error, 'rank 0 failed')}; {_previous(root)}"
         )
 
 

@@ -29,6 +29,8 @@ pins the tested range). What is patched, and why:
 
 from __future__ import annotations
 
+import errno
+import os
 import warnings
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -255,6 +257,42 @@ def write_files_with(engine: deepspeed.DeepSpeedEngine, save: Callable[[Any, str
     engine.checkpoint_engine.save = save
 
 
+FULL_BELOW = 1 << 20  # bytes left to this process on a file system where a write failed: a full disk
+
+
+def disk_full(err: BaseException, path: str | os.PathLike[str] | None) -> BaseException:
+    """What a failed write of checkpoint file `path` was: where torch.save failed on a full disk (it
+    says "enforce fail at inline_container.cc: unexpected pos", not ENOSPC), an OSError(ENOSPC)
+    naming the file and its file system's free space, so that every save, synchronous or not, says
+    which disk is full in one line (pretrain/errors.py); `err` itself otherwise. Asked at the failure,
+    before a partial file is removed."""
+    if isinstance(err, OSError) or path is None:
+        return err
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return err
+    free = (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize  # root may use the reserve
+    if free >= FULL_BELOW:
+        return err
+    why = f"{os.strerror(errno.ENOSPC)}: the file system of {folder} has {free} bytes free"
+    return OSError(errno.ENOSPC, why, os.fspath(path))
+
+
+def save_file(state: Any, path: str | os.PathLike[str]) -> None:
+    """torch.save of one checkpoint file, a full disk raised as one (`disk_full`): the rank's state
+    file (checkpoint/store.py) and train.async_save's thread (async_save.py) write through it;
+    DeepSpeed's own writes are translated by `RecordWriteErrors`."""
+    try:
+        torch.save(state, path)
+    except Exception as err:  # torch.save reports a full disk as RuntimeError
+        said = disk_full(err, path)
+        if said is err:
+            raise
+        raise said from err
+
+
 class RecordWriteErrors:
     """For one save: DeepSpeed's file writes (checkpoint_engine.save, the recovery script
     copy) record their errors instead of raising. A rank whose write fails must still join
@@ -276,7 +314,8 @@ class RecordWriteErrors:
             try:
                 return fn(*args, **kwargs)
             except Exception as err:  # torch.save reports a full disk as RuntimeError
-                self.errors.append(err)
+                path = args[1] if len(args) > 1 else kwargs.get("path")  # save(state_dict, path)
+                self.errors.append(disk_full(err, path) if isinstance(path, (str, os.PathLike)) else err)
                 return None
 
         return guarded
