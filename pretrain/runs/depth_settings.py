@@ -45,11 +45,11 @@ def _poisson_fits(cfg: Any, _: RunShape | None) -> str | None:
     if not given(cfg, "train.poisson_mean"):
         return None
     if t.poisson_mean <= 0:
-        return f"train.poisson_mean={t.poisson_mean}: must be > 0 (left out, it follows the model's R: R - 1)"
+        return f"train.poisson_mean={t.poisson_mean:g}: must be > 0 (left out, it follows the model's R: R - 1)"
     cap = deepest_trained(t, cfg.model.max_loops)
     if t.depth_sampling == "poisson" and t.poisson_mean + 1 > cap:
         return (
-            f"train.poisson_mean={t.poisson_mean}: the mean depth {t.poisson_mean + 1:g} is deeper than the "
+            f"train.poisson_mean={t.poisson_mean:g}: the mean depth {t.poisson_mean + 1:g} is deeper than the "
             f"deepest this run trains at, {cap} (train.max_train_depth, else the model's R): give at most "
             f"{max(cap - 1, 0)}, raise train.max_train_depth, or leave it out ({poisson_rbar(0, cap):g}, from R)"
         )
