@@ -94,14 +94,16 @@ def test_truncated_backprop_composes_with_activation_checkpointing(mode):
         torch.testing.assert_close(g, expected[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_backprop_steps_is_checked_and_counted_by_the_memory_estimate():
-    from pretrain.model.flops import flops_per_token
+def test_backprop_steps_is_checked_and_counted_by_the_memory_estimate_and_the_flops():
+    from pretrain.model.flops import flops_per_token, train_flops_per_token
     from pretrain.training.engine.parallelize import activation_bytes
 
     with pytest.raises(ConfigError, match="extra.backprop_steps=-1"):
         grt(-1)
     assert activation_bytes(grt(1), 512, 4, "off", 2) < activation_bytes(grt(), 512, 4, "off", 2)
     assert flops_per_token(grt(1), 32, 4) == flops_per_token(grt(), 32, 4)  # the forward runs every step
+    train = [train_flops_per_token(grt(k), 32, 4) for k in (1, 2, 0)]  # a step without autograd: its forward
+    assert train[0] < train[1] < train[2]
 
 
 @pytest.mark.slow
