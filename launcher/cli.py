@@ -56,6 +56,9 @@ def resolve(args: argparse.Namespace, train_args: list[str], environ: dict[str, 
         master_addr = socket.gethostname()  # the rendezvous: this node, by a name the other nodes resolve
     entry_module, entry_args = _entry(args.entry)
     is_train = [entry_module, *entry_args] == DEFAULT_ENTRY.split()
+    if args.preflight or args.preflight_only:  # --preflight: this launch trains, after a --preflight-only one
+        entry = _preflight_entry(args, is_train, elastic is not None)
+        entry_module, entry_args = entry if args.preflight_only else (entry_module, entry_args)
     config, ds_config, resume = None, None, False
     out = _train_out_dir(train_args)
     only_prints = {"-h", "--help", "--print-config", "--print-ds-config"} & set(train_args)
@@ -152,6 +155,37 @@ def _entry(text: str) -> tuple[str, list[str]]:
     if not words:
         raise LaunchError("--entry is empty", code=1)
     return words[0], words[1:]
+
+
+def _preflight_entry(args: argparse.Namespace, is_train: bool, elastic: bool) -> tuple[str, list[str]]:
+    """--preflight-only's entry: every rank runs launcher/preflight.py on the resolved config."""
+    from launcher.preflight import parse_limits
+    from pretrain.config import ConfigError
+
+    if not is_train or args.no_resolve:
+        raise LaunchError(
+            "--preflight checks a grt train launch on its resolved config: not with --entry or --no-resolve"
+        )
+    if args.preflight and (args.launcher == "slurm" or elastic):
+        raise LaunchError(
+            "--preflight runs the check, then training, from here: under Slurm or --elastic launch "
+            "--preflight-only first (with --wait under Slurm), then the run"
+        )
+    try:
+        parse_limits(args.preflight_limits)
+    except ConfigError as err:
+        raise LaunchError(str(err)) from None
+    return "launcher.preflight", ["--limits", args.preflight_limits] if args.preflight_limits else []
+
+
+def _preflight_first(argv: list[str]) -> int:
+    """--preflight: the check as a launch of its own (its processes end before training's start, which
+    takes the run directory's lock and the process group afresh); its verdict, 0 when it passed."""
+    own, train_args = split_argv(argv)
+    check, _ = build_plan(["--preflight-only" if a == "--preflight" else a for a in own] + ["--", *train_args])
+    check.write_files()
+    print(f"grt launch: the pre-flight check first: {check.shell_command()}", flush=True)
+    return check.execute()
 
 
 def _train_out_dir(train_args: Sequence[str]) -> str | None:
@@ -306,6 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         sys.stdout.write(plan.render())
         return 0
+    if args.preflight and (code := _preflight_first(argv)):
+        return code
     plan.write_files()
     print(f"grt launch: {plan.summary}\ngrt launch: {plan.shell_command()}", flush=True)
     return plan.execute()

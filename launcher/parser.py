@@ -143,6 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--entry", default=DEFAULT_ENTRY, help="per-rank python module and its leading arguments")
     p.add_argument(
+        "--preflight",
+        action="store_true",
+        help="first check every rank (GEMM, all-reduce in and across nodes, disk, the first shard) in a launch of "
+        "its own, then train; a rank under the limits stops the launch (launcher/preflight.py)",
+    )
+    p.add_argument("--preflight-only", action="store_true", help="the check of --preflight alone, no training")
+    p.add_argument(
+        "--preflight-limits",
+        default="",
+        help="slow=0.8 (a rank below this share of the median fails), tflops=, busbw= (GB/s), write=, read= (MB/s)",
+    )
+    p.add_argument(
         "--no-resolve",
         action="store_true",
         help="hand the train arguments to every rank as they are, instead of resolving "
