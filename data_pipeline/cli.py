@@ -120,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="prepare part I of N of the input files into OUT/part-I-of-N (slurm: this job array task's); "
         "`grt data join OUT` then writes the manifest",
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing output of another prepare (other inputs or options; refused without it)",
+    )
 
     j = sub.add_parser("join", help="join the parts of a `prepare --part` run into one manifest.json")
     j.add_argument("out", help="the --out folder of the parts")
@@ -228,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_mb=args.max_mb,
                 progress=not args.quiet,
                 part=None if args.part is None else parse_part(args.part),
+                overwrite=args.overwrite,
             )
             return 0
         if args.cmd == "join":

@@ -21,6 +21,7 @@ from typing import Any
 
 from .files import FolderLock, atomic_write_text
 from .manifest import MANIFEST_NAME, Manifest, manifest_dict
+from .prepare_output import refuse_other_output
 
 _PART_DIR = re.compile(r"^part-(\d{5})-of-(\d{5})$")
 _PART_ARG = re.compile(r"^(\d+)/(\d+)$")
@@ -168,11 +169,8 @@ def join(out_dir: str, count: int | None = None, overwrite: bool = False) -> Man
     text = json.dumps(doc, indent=1) + "\n"
     lock = FolderLock(out_dir, "join")
     try:
-        if not overwrite and _differs(path, text):
-            raise ValueError(
-                f"{path} exists and describes other shards than these parts: replacing it would orphan them (and a "
-                "run trained on it could no longer resume); pass --overwrite to replace it, or remove it first"
-            )
+        holds = "a manifest of other shards than these parts (a run trained on it could no longer resume)"
+        refuse_other_output(path, holds, not _differs(path, text), overwrite)
         atomic_write_text(path, text)
     finally:
         lock.release()

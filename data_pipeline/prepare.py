@@ -37,7 +37,7 @@ from .files import check_output_path
 from .manifest import MANIFEST_NAME, Manifest, manifest_dict
 from .parts import inputs_digest, part_dir, part_files
 from .prepare_encode import SPLITS, Chunk, Entry, Packer, stream_tokens, tokenise_and_pack
-from .prepare_output import TOKENIZER_NAME, OutputDir, tokenizer_bytes
+from .prepare_output import TOKENIZER_NAME, OutputDir, prepare_identity, tokenizer_bytes
 from .shards import ext_for_vocab, member_size
 from .sources import TXT_MODES, SourceStats, check_readable, expand_inputs, iter_file_documents
 from .tokenizer import Tokenizer, load_tokenizer
@@ -245,8 +245,10 @@ def prepare(
     max_mb: float | None = None,
     progress: bool = True,
     part: tuple[int, int] | None = None,
+    overwrite: bool = False,
 ) -> Manifest:
-    """Tokenise ``inputs`` into shards under ``out_dir``; returns the loaded manifest.
+    """Tokenise ``inputs`` into shards under ``out_dir``; returns the loaded manifest. An ``out_dir``
+    holding another prepare's output is refused unless ``overwrite`` (prepare_output.py).
 
     ``val_inputs`` go entirely to the ``val`` split; otherwise a ``val_fraction`` of the
     documents (chosen by a seeded hash of their content) does. ``max_mb`` stops after that
@@ -271,7 +273,8 @@ def prepare(
     options = replace(options, sequences_per_shard=max(1, int(shard_size_mb * 1e6) // member_size(seq_len + 1, ext)))
     n_workers = workers if workers is not None else (os.cpu_count() or 1)
 
-    out = OutputDir(out_dir)
+    identity = prepare_identity(files, {**asdict(options), **part_options}, tok.sha256)
+    out = OutputDir(out_dir, identity, overwrite)
     manifest_path = os.path.join(out_dir, MANIFEST_NAME)
     try:
         out.open()

@@ -4,9 +4,11 @@ aside and put back or cleaned up, and the tokenizer file copied next to the shar
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import signal
+from typing import Any
 
 from .files import FolderLock, is_temp
 from .manifest import MANIFEST_NAME
@@ -18,6 +20,42 @@ _SHARD_RE = re.compile(r"^(train|val)-\d{6}\.tar$")
 _SHARD_TMP_RE = re.compile(r"^(train|val)-\d{6}\.tar\.tmp$")
 # what a run set aside (`OutputDir`): `.NAME.oldN` of the pipeline's own names only
 _ASIDE_RE = re.compile(r"^\.(manifest\.json|tokenizer\.model|(train|val)-\d{6}\.tar(\.tmp)?)\.old\d+$")
+
+
+class OutputOfSomethingElse(ValueError):
+    """An existing output that a command would replace without --overwrite (`refuse_other_output`)."""
+
+
+def refuse_other_output(path: str, holds: str, same: bool, overwrite: bool) -> None:
+    """The one rule of every command that writes a folder (`grt data prepare` and `join`, `grt export`):
+    an existing output of something else (`holds`: what it is) is replaced only with --overwrite, and
+    then only once the new one is complete; the same command's own output again (a rerun) is not
+    something else. One line."""
+    if not same and not overwrite:
+        raise OutputOfSomethingElse(
+            f"{path} exists and holds {holds}; pass --overwrite to replace it (once the new one is complete), "
+            "or choose another output"
+        )
+
+
+def made_by(manifest_path: str, identity: dict[str, Any]) -> bool:
+    """Whether the manifest at `manifest_path` was written by the prepare `identity` describes
+    (`prepare_identity`: its inputs, options and tokenizer); a manifest that cannot be read was not."""
+    try:
+        with open(manifest_path, encoding="utf-8") as fh:
+            raw = json.load(fh)
+        recorded = prepare_identity(
+            [(s["path"], s["split"]) for s in raw["sources"]], raw["options"], raw["tokenizer"]["sha256"]
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return recorded == identity
+
+
+def prepare_identity(files: list[tuple[str, str]], options: dict[str, Any], tokenizer_sha256: str) -> dict[str, Any]:
+    """What makes a prepare's output its own: the input files (path, split), the options as its manifest
+    records them, the tokenizer's sha256 (JSON's types: a manifest read back compares equal)."""
+    return json.loads(json.dumps({"files": files, "options": options, "tokenizer": tokenizer_sha256}))
 
 
 class OutputDir:
@@ -33,8 +71,9 @@ class OutputDir:
     the next complete run deletes what it set aside.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, identity: dict[str, Any] | None = None, overwrite: bool = False) -> None:
         self.path = path
+        self.identity, self.overwrite = identity, overwrite  # `open` refuses another prepare's output
         self.created: list[str] = []  # folders this run made, outermost first
         self.aside: list[tuple[str, str]] = []  # (name, hidden name it was renamed to), in order
         self.written: list[str] = []  # names this run wrote (temporaries included)
@@ -45,7 +84,8 @@ class OutputDir:
 
     def open(self) -> None:
         """Make the folder and its missing parents, and take its lock (refused while another command
-        writes it: a ValueError)."""
+        writes it: a ValueError); refuse a folder that holds another prepare's output without
+        --overwrite (`refuse_other_output`; nothing is changed)."""
         missing, d = [], os.path.abspath(self.path)
         while not os.path.exists(d):
             missing.append(d)
@@ -57,6 +97,10 @@ class OutputDir:
                 continue
             self.created.append(d)
         self.lock = FolderLock(self.path, "prepare")
+        manifest = self._join(MANIFEST_NAME)
+        if self.identity is not None and os.path.lexists(manifest):
+            what = "the shards of another prepare (other inputs, options or tokenizer)"
+            refuse_other_output(self.path, what, made_by(manifest, self.identity), self.overwrite)
 
     def _set_aside(self, name: str) -> None:
         if not os.path.lexists(self._join(name)):

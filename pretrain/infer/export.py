@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from data_pipeline.files import output_path
+from data_pipeline.prepare_output import OutputOfSomethingElse, refuse_other_output
 from pretrain.config import ConfigError
 from pretrain.infer.load import (
     WEIGHTS,
@@ -51,8 +52,11 @@ def export(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a directory")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(f"{out} exists and is not empty; pass --overwrite to replace it")
+    if out.exists():  # the one rule of a command's output folder (data_pipeline/prepare_output.py)
+        try:
+            refuse_other_output(str(out), "files (another export, or anything else)", not any(out.iterdir()), overwrite)
+        except OutputOfSomethingElse as err:
+            raise ConfigError(str(err)) from None
     run_cfg = read_config(step_dir)
     cfg = ModelConfig.from_dict(run_cfg["model"])
     save_hf = _hf_writer() if hf else None  # before anything is written

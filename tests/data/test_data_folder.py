@@ -146,9 +146,10 @@ def test_a_signal_to_a_prepare_over_an_existing_folder_leaves_it_as_it_was(data,
     res = grt(*prepare_args(data, data / "in", out), "--seq-len", 64, "--shard-size-mb", 0.1, "-q")
     assert res.returncode == 0, res.stderr
     before = tree(tmp_path)
-    proc = start(
-        *prepare_args(data, data / "big.txt", out), "--seq-len", 64, "--shard-size-mb", 0.1, "--workers", 2, "-q"
-    )
+    proc = start(  # another prepare's output: replaced only with --overwrite
+        *prepare_args(data, data / "big.txt", out), "--seq-len", 64, "--shard-size-mb", 0.1, "--workers", 2, "-q",
+        "--overwrite",
+    )  # fmt: skip
     wait_for_shard(proc, out, set(os.listdir(out)))
     proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=120)

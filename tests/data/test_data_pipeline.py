@@ -77,6 +77,7 @@ def shards(tmp_path_factory, corpus, tokenizer):
         shard_size_mb=size_mb + 1e-9,
         workers=2,
         progress=False,
+        overwrite=True,  # the probe's output, replaced by design
     )
     assert len(m.shards("train")) == 5, [s.sequences for s in m.shards("train")]
     return m

@@ -140,7 +140,8 @@ def test_refused_prepare_leaves_the_file_system_as_it_was(inputs, shards, tmp_pa
     fresh.mkdir()
     for root, out in ((existing, existing / "shards"), (fresh, fresh / "a" / "b" / "shards")):
         before = tree(root)
-        check_refused(f"prepare: {kind}", grt(*prepare_argv(args, out, inputs)), want)
+        overwrite = ["--overwrite"] if root == existing else []  # even where replacing it is allowed
+        check_refused(f"prepare: {kind}", grt(*prepare_argv(args, out, inputs), *overwrite), want)
         assert tree(root) == before, f"{out} changed"
 
 
@@ -194,7 +195,14 @@ def test_prepare_refused_after_writing_shards_puts_the_old_folder_back(inputs, s
     TRIED["prepare: refused after writing"] += 1
     with pytest.raises(OSError, match="No space left"):
         prepare_mod.prepare(
-            [str(inputs["good"])], str(other_tok), str(out), seq_len=32, shard_size_mb=0.05, workers=1, progress=False
+            [str(inputs["good"])],
+            str(other_tok),
+            str(out),
+            seq_len=32,
+            shard_size_mb=0.05,
+            workers=1,
+            progress=False,
+            overwrite=True,  # another prepare's output: replaced by design
         )
     assert tree(tmp_path) == before
     HANDLED["prepare: refused after writing"] += 1
@@ -216,7 +224,9 @@ def test_prepare_killed_before_replacing_a_file_leaves_the_old_run_usable(inputs
 
     monkeypatch.setattr(shards_mod, "_write_chunks", killed)
     with pytest.raises(KeyboardInterrupt):
-        prepare_mod.prepare([str(inputs["good"])], str(inputs["tok"]), str(out), seq_len=32, workers=1, progress=False)
+        prepare_mod.prepare(
+            [str(inputs["good"])], str(inputs["tok"]), str(out), seq_len=32, workers=1, progress=False, overwrite=True
+        )
     after = tree(out)
     assert set(after) - set(before) == {"train-000000.tar.tmp"}
     assert all(after[name] == sha for name, sha in before.items())
@@ -234,7 +244,7 @@ def test_prepare_over_an_old_folder_ends_with_the_new_run_only(inputs, shards, t
     old = {e["name"] for entries in json.loads((out / "manifest.json").read_text())["splits"].values() for e in entries}
     args = ["-i", str(inputs["good"]), "--shard-size-mb", "0.05", "--val-fraction", "0.05"]
     for o in (out, tmp_path / "fresh"):
-        r = grt(*prepare_argv([], o, inputs), *args)
+        r = grt(*prepare_argv([], o, inputs), *args, "--overwrite")  # another prepare's output: replaced
         assert r.returncode == 0, r.stderr
     fresh = tree(tmp_path / "fresh")
     assert tree(out) == {**fresh, "notes.txt": hashlib.sha256(b"not ours: kept").hexdigest()}

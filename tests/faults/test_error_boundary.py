@@ -434,7 +434,7 @@ def test_a_bad_device_is_one_line(model, manifest, capsys):
 def interrupt_prepare(text: Path, tok: Path, out: Path) -> subprocess.Popen:
     """`grt data prepare` into `out`, sent SIGINT once its first new shard is complete."""
     argv = ["data", "prepare", "-i", text, "--txt-mode", "paragraph", "-t", tok, "-o", out, "--seq-len", "64"]
-    argv += ["--shard-size-mb", "0.1", "--workers", "2", "-q"]
+    argv += ["--shard-size-mb", "0.1", "--workers", "2", "-q", "--overwrite"]  # over another prepare's output
     before = set(os.listdir(out)) if out.is_dir() else set()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pretrain.cli", *map(str, argv)],

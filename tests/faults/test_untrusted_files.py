@@ -301,3 +301,36 @@ def test_a_synchronous_save_on_a_full_disk_names_it(manifest, tmp_path):  # noqa
     line = error_lines(err)[-1]
     assert rc == 3 and line.startswith("grt train: stopped: could not write checkpoint"), err[-3000:]
     assert f"No space left on device: the file system of {out / 'checkpoints' / 'step00000002'}" in line, line
+
+
+# -- one rule for outputs: another command's output is replaced only with --overwrite --------------
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_an_output_of_something_else_is_replaced_only_with_overwrite(manifest, dense_run, tmp_path, capsys):  # noqa: F811
+    """`grt data prepare` over another prepare's output (other options): refused in one line, the folder
+    as it was; the same prepare again is no other output; --overwrite replaces it. `grt export` says
+    it the same way."""
+    out = tmp_path / "shards"
+    tokenizer = manifest.parent.parent / "tok.model"
+    base = ["data", "prepare", "-i", str(REPO / "examples" / "data" / "tinyshakespeare.txt"), "-t", str(tokenizer)]
+    base += ["-o", str(out), "--max-mb", "0.05", "--workers", "1", "-q"]
+    assert grt_in_process([*base, "--seq-len", "64"], capsys)[0] == 0
+    assert grt_in_process([*base, "--seq-len", "64"], capsys)[0] == 0  # the same command again
+    before = files_of(out)
+    rc, err = grt_in_process([*base, "--seq-len", "32"], capsys)
+    want = (
+        f"{out} exists and holds the shards of another prepare (other inputs, options or tokenizer); pass --overwrite"
+    )
+    assert rc == 2 and len(error_lines(err)) == 1 and want in err, err
+    assert files_of(out) == before
+    assert grt_in_process([*base, "--seq-len", "32", "--overwrite"], capsys)[0] == 0
+    assert json.loads((out / "manifest.json").read_text())["seq_len"] == 32
+
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "notes.txt").write_text("mine\n")
+    rc, err = grt_in_process(["export", "--checkpoint", str(dense_run), "--out", str(export), "--no-hf"], capsys)
+    assert rc == 2 and f"{export} exists and holds files (another export, or anything else); pass --overwrite" in err
+    assert files_of(export) == {"notes.txt": b"mine\n"}
