@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from commands import error_lines, grt_in_process
+from test_bad_input_data import edited  # a copy of a shard folder, its manifest edited
 from trained_models import REPO, dense_run, grt_run, manifest  # noqa: F401 (fixtures)
 
 STEP = "step00000006"  # dense_run's checkpoint
@@ -142,15 +143,6 @@ def test_deepspeeds_own_loaders_are_weights_only(planted, monkeypatch):
 
 
 # -- a manifest: its shard names are paths or URLs, its relative paths stay in its folder ----------
-def edited_manifest(manifest: Path, dest: Path, edit) -> Path:
-    """A copy of the shards' folder, its manifest.json changed by `edit(raw)`."""
-    shutil.copytree(manifest.parent, dest)
-    raw = json.loads((dest / "manifest.json").read_text())
-    edit(raw)
-    (dest / "manifest.json").write_text(json.dumps(raw))
-    return dest / "manifest.json"
-
-
 def name_shard(index: int, name: str):
     def edit(raw: dict) -> None:
         raw["splits"]["train"][index]["name"] = name
@@ -168,11 +160,11 @@ def name_tokenizer(path: str):
 def test_a_command_in_a_manifest_runs_nowhere(manifest, tmp_path, capsys):  # noqa: F811
     """`pipe:` (webdataset's shell command) in `grt data inspect --verify` and a 2-step `grt train`."""
     marker = tmp_path / "MARKER"
-    edited = edited_manifest(manifest, tmp_path / "shards", name_shard(1, f"pipe:touch {marker}; cat x"))
-    want = f"manifest '{edited}': train shard 1 'pipe:touch {marker}; cat x' names a pipe: shard"
-    rc, err = grt_in_process(["data", "inspect", str(edited), "--verify"], capsys)
+    path = edited(manifest, tmp_path / "shards", name_shard(1, f"pipe:touch {marker}; cat x"))
+    want = f"manifest '{path}': train shard 1 'pipe:touch {marker}; cat x' names a pipe: shard"
+    rc, err = grt_in_process(["data", "inspect", str(path), "--verify"], capsys)
     assert rc == 2 and len(error_lines(err)) == 1 and want in err, err
-    rc, err = grt_process("train", "--preset", "micro-dense", "--data", str(edited), "--out", str(tmp_path / "run"))
+    rc, err = grt_process("train", "--preset", "micro-dense", "--data", str(path), "--out", str(tmp_path / "run"))
     assert rc == 2 and want in error_lines(err)[-1], err[-3000:]
     assert not marker.exists() and not (tmp_path / "run").exists()
 
@@ -193,8 +185,8 @@ def test_a_manifests_paths_stay_in_its_folder(manifest, tmp_path, capsys, edit, 
     """Refused in one line by every reader of a manifest (`grt data inspect`, `grt eval`'s --data, a
     run's plan: Manifest.load), before anything is read from the path; the tokenizer file itself is
     hashed against the manifest's record."""
-    edited = edited_manifest(manifest, tmp_path / "shards", edit)
-    rc, err = grt_in_process(["data", "inspect", str(edited), "--verify"], capsys)
+    path = edited(manifest, tmp_path / "shards", edit)
+    rc, err = grt_in_process(["data", "inspect", str(path), "--verify"], capsys)
     assert rc == 2 and len(error_lines(err)) == 1 and want in err, err
 
 
