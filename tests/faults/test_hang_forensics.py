@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -106,3 +107,40 @@ def test_the_reader_names_the_rank_behind_and_the_collective(tmp_path):
     (tmp_path / "rank2.json").unlink()
     report = "\n".join(analyze(tmp_path))
     assert "behind: rank(s) 2: no dump" in report and "behind in process group" not in report, report
+
+
+def test_sigusr2_and_a_loop_that_stops_moving_ask_one_rank_for_a_dump(tmp_path):
+    """One rank, no store: SIGUSR2 dumps at once, from the watcher thread; a loop whose marks stop
+    moving for stall_s (NCCL's case: its watchdog aborts before Python sees a timeout) dumps once."""
+    from pretrain.training.report.forensics import MARK, Watcher
+
+    moving = threading.Event()
+    moving.set()
+
+    def move() -> None:
+        while moving.is_set():
+            MARK.moves += 1
+            time.sleep(0.05)
+
+    mover = threading.Thread(target=move, daemon=True)
+    mover.start()
+    watcher = Watcher(tmp_path / "hangs", 0, 1, None, interval=0.05, stall_s=0.5)
+    try:
+        os.kill(os.getpid(), signal.SIGUSR2)
+        wait_for(lambda: len(folders(tmp_path)) == 1, 10, what="the SIGUSR2 dump")
+        (asked,) = folders(tmp_path)
+        wait_for(lambda: (asked / "rank0.txt").is_file(), 10, what="rank0.txt")
+        text = (asked / "rank0.txt").read_text()
+        assert "SIGUSR2" in text and "Thread MainThread" in text and "grt-hang-watch" in text
+        time.sleep(1.0)  # a loop that moves: no dump
+        assert folders(tmp_path) == [asked]
+        moving.clear()
+        wait_for(lambda: len(folders(tmp_path)) == 2, 10, what="the stall's dump")
+        (stalled,) = [f for f in folders(tmp_path) if f != asked]
+        wait_for(lambda: (stalled / "rank0.json").is_file(), 10, what="rank0.json")
+        assert "has not moved for 0.5 s" in json.loads((stalled / "rank0.json").read_text())["reason"]
+        time.sleep(1.0)
+        assert len(folders(tmp_path)) == 2  # once per stall
+    finally:
+        moving.clear()
+        watcher.close()

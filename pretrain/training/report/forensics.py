@@ -1,5 +1,6 @@
 """Hang forensics: what every live rank was doing, written into `<out>/hangs/<time>/` when a
-collective fails or times out (a rank stopped answering), or when the user sends SIGUSR2 to any rank.
+collective fails or times out (a rank stopped answering), when the user sends SIGUSR2 to any rank, or
+(with `stall_s`: under NCCL) when this rank's loop has not moved for that long.
 
 Each live rank writes `rank<R>.txt` (for a person: the step, the loop depth and the phase of the
 loop, the Python stack of every thread, its last collectives), `rank<R>.json` (the same for
@@ -52,6 +53,7 @@ class Mark:
     step: int = 0  # the training step running, or last run (1-based, as the logs count them)
     depth: int = 0  # its loop depth
     phase: str = "start"  # start, data, forward, backward, optimizer, after step, eval, save, end
+    moves: int = 0  # bumped by every mark: a loop that stopped moving is one that hangs
 
 
 MARK = Mark()
@@ -135,8 +137,12 @@ class Watcher:
     a thread answers the others' requests and SIGUSR2. `store`: the rendezvous store's client (None:
     one rank, SIGUSR2 only)."""
 
-    def __init__(self, hangs: Path, rank: int, world: int, store: Any | None, interval: float = 1.0) -> None:
+    def __init__(
+        self, hangs: Path, rank: int, world: int, store: Any | None, interval: float = 1.0, stall_s: float = 0.0
+    ) -> None:
         self.hangs, self.rank, self.world, self.store, self.interval = hangs, rank, world, store, interval
+        self.stall_s = stall_s  # > 0: a loop that has not moved for this long asks for a dump itself
+        self._moves, self._since = MARK.moves, time.monotonic()
         self.done: set[str] = set()  # the folders this rank has written into
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -171,7 +177,7 @@ class Watcher:
 
     def request(self, reason: str, detail: str = "") -> Path:
         """Ask every rank for a dump (joining one asked for within JOIN_S) and write this rank's."""
-        name = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        name = self._fresh_name()
         if self.store is not None:
             try:
                 old = self._current()
@@ -183,6 +189,15 @@ class Watcher:
             except Exception:  # the store is gone (rank 0's host): this rank's own folder
                 pass
         return self._dump(name, reason, detail)
+
+    def _fresh_name(self) -> str:
+        """The time, to the second (a folder already there that second: -2, -3, ...)."""
+        base = name = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        n = 1
+        while name in self.done or (self.hangs / name).exists():
+            n += 1
+            name = f"{base}-{n}"
+        return name
 
     def _dump(self, name: str, reason: str, detail: str = "") -> Path:
         with self._lock:
@@ -210,6 +225,16 @@ class Watcher:
             if now and now != self._seen:
                 self._seen = now
                 self._dump(now.partition(" ")[2], "another rank asked (a failed collective or SIGUSR2 there)")
+            self._check_stall()
+
+    def _check_stall(self) -> None:
+        """Under NCCL a collective that times out aborts the process from torch's watchdog, before
+        Python sees an error: the dump is asked for when the loop has not moved for `stall_s`."""
+        if MARK.moves != self._moves:
+            self._moves, self._since = MARK.moves, time.monotonic()
+        elif self.stall_s and time.monotonic() - self._since >= self.stall_s:
+            self._since = float("inf")  # once per stall
+            self.request(f"this rank's loop has not moved for {self.stall_s:g} s (step {MARK.step}, {MARK.phase})")
 
     def close(self) -> None:
         self._stop.set()

@@ -21,15 +21,19 @@ if TYPE_CHECKING:
 HANGS = "hangs"  # <out>/hangs/<time>/rank<R>.txt
 
 
+def _at(phase: str) -> None:
+    MARK.phase, MARK.moves = phase, MARK.moves + 1
+
+
 def _phase(name: str) -> Any:
     def mark(*_: Any) -> None:
-        MARK.phase = name
+        _at(name)
 
     return mark
 
 
 def _on_forward(module: torch.nn.Module, _args: Any) -> None:
-    MARK.phase = "forward" if module.training else "eval"
+    _at("forward" if module.training else "eval")
 
 
 def _after_forward(module: torch.nn.Module, _args: Any, out: Any) -> None:
@@ -44,7 +48,9 @@ class HangWatch(Callback):
 
     @classmethod
     def build(cls, run: RunContext, heartbeat: Heartbeat) -> HangWatch:
-        watcher = Watcher(run.out / HANGS, run.rank, run.world, heartbeat.store, heartbeat.interval)
+        # NCCL's watchdog aborts a rank whose collective timed out before Python sees it: the loop's stall asks
+        stall_s = 0.9 * run.cfg.train.dist_timeout_s if run.device.type == "cuda" else 0.0
+        watcher = Watcher(run.out / HANGS, run.rank, run.world, heartbeat.store, heartbeat.interval, stall_s)
         heartbeat.ask_dump = watcher.request  # a failed collective asks for one (failures.explain_failure)
         run.closing.callback(watcher.close)
         module = run.engine.module
@@ -58,13 +64,15 @@ class HangWatch(Callback):
         return cls(run)
 
     def on_step_begin(self, step: int) -> None:
-        MARK.step, MARK.depth, MARK.phase = step + 1, depth_for_step(self.train, self.max_loops, step), "data"
+        MARK.step, MARK.depth = step + 1, depth_for_step(self.train, self.max_loops, step)
+        _at("data")
 
     def on_step_end(self, step: int, record: dict[str, Any]) -> None:
-        MARK.step, MARK.phase = step, "after step (log, evaluation, save)"
+        MARK.step = step
+        _at("after step (log, evaluation, save)")
 
     def on_save(self, step: int, files: dict[str, str]) -> None:
-        MARK.phase = "save"
+        _at("save")
 
     def on_validation(self, step: int) -> None:
-        MARK.phase = "after evaluation"
+        _at("after evaluation")
