@@ -112,8 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"   depth {d:>2}: {v:.3f}" + (f"   gate {gates[d - 1]:.3f}" if 0 < d <= len(gates) else "")
             for d, v in by_depth.items()
         ),
-        f"loop gain          {loop.get('gain', 0.0):.3f} nats from depth 0 to {max(by_depth)}: the loop "
-        + ("is used" if loop.get("used") else "is NOT used (see the warning above)"),
+        f"loop steps 2..R    {loop.get('gain_after_first') or 0.0:+.3f} nats from depth 1 to {max(by_depth)} "
+        "(depth 0 is never trained): they "
+        + ("add to the first step" if loop.get("used") else "add nothing (see the warning above)"),
         "=" * 64,
     ]
     print("\n".join(lines))

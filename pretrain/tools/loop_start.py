@@ -116,6 +116,12 @@ def measure(model: GPT, val: list[dict[str, torch.Tensor]]) -> LoopHealth:
     return health
 
 
+def measure_line(record: dict[str, Any]) -> str:
+    """The loop-health line of a run's record (pretrain/infer/loop_health.py)."""
+    health = loop_health(record["by_depth"], record["gate_mean_by_step"])
+    return health.line() if health is not None else "no loop"
+
+
 def loader(manifest: str | Manifest, split: str, batch_size: int, seed: int) -> Iterator[dict[str, torch.Tensor]]:
     """Batches of `split` (a Manifest object: loaded, and its tokenizer hashed, once by the caller)."""
     from data_pipeline.loader import TokenBatchLoader
@@ -139,11 +145,12 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    """Markdown: per start, mean ± sd over seeds of the loop gain, the final validation loss, the
-    loss at depth 0, and the mean gate per loop step."""
+    """Markdown: per start, mean ± sd over seeds of what the loop's steps after the first add (L(1) -
+    L(R), pretrain/infer/loop_health.py), depth 0 (never trained) against depth 1, the final
+    validation loss, the loss at depth 0, and the mean gate per loop step."""
     lines = [
-        "| start | seeds | loop gain (depth 0 -> R) | gain at depth 1 | val loss at R | val loss at 0 "
-        "| gate mean by step |",
+        "| start | seeds | steps after the first, L(1) - L(R) | depth 0 (untrained) - depth 1 | val loss at R "
+        "| val loss at 0 | gate mean by step |",
         "|---|---|---|---|---|---|---|",
     ]
 
@@ -158,8 +165,8 @@ def table(records: list[dict[str, Any]]) -> str:
         R = max(int(k) for k in runs[0]["by_depth"])
         gates = " / ".join(f"{statistics.mean(r['gate_mean_by_step'][i] for r in runs):.3f}" for i in range(R))
         lines.append(
-            f"| {start} | {len(runs)} | {cell([r['gain'] for r in runs])} | "
-            f"{cell([r['gain_depth_1'] for r in runs])} | "
+            f"| {start} | {len(runs)} | {cell([r['by_depth']['1'] - r['by_depth'][str(R)] for r in runs])} | "
+            f"{cell([r['by_depth']['0'] - r['by_depth']['1'] for r in runs])} | "
             f"{cell([r['by_depth'][str(R)] for r in runs])} | {cell([r['by_depth']['0'] for r in runs])} | {gates} |"
         )
     return "\n".join(lines)
@@ -201,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             done.append(json.loads(json.dumps(record)))
             with store.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-            print(f"{record['start']} seed {record['seed']}: gain {record['gain']:+.3f}", flush=True)
+            print(f"{record['start']} seed {record['seed']}: {measure_line(record)}", flush=True)
     mine = [r for r in done if all(r[k] == v for k, v in settings.items())]
     command = "python -m pretrain.tools.loop_start " + " ".join(argv if argv is not None else sys.argv[1:])
     text = f"{table(mine)}\n\nCommand: `{command}`\n"

@@ -22,6 +22,7 @@ from pretrain.infer.analyze.measures import (
     variance_share,
 )
 from pretrain.infer.evaluation.scoring import lm_sums, val_batches
+from pretrain.infer.loop_health import MIN_GAIN_AFTER_FIRST
 from pretrain.model.layers import AttentionContext
 
 CPU = torch.device("cpu")
@@ -175,11 +176,13 @@ def test_analyze_command_writes_the_report(trained, tmp_path, capsys):
     assert len(res["cka"]) == 4 and res["cka"][2][2] == 1.0
     assert sum(b["vocab_tokens"] for b in res["buckets"].values()) <= model.cfg.vocab_size
     report = (out / "report.md").read_text()
-    # the loop's verdict at the top, as training's validation states it (pretrain/infer/loop_health.py)
-    gain = res["loss_by_depth"]["0"] - res["loss_by_depth"]["3"]
+    # the loop's verdict at the top, as training's validation states it (pretrain/infer/loop_health.py):
+    # from depth 1 on, depth 0 (never trained) out of it
+    later = res["loss_by_depth"]["1"] - res["loss_by_depth"]["3"]
     verdict = report.split("## Early exit")[0]
-    assert f"**Loop health**: loop gain {gain:+.3f} nats (depth 0 -> 3)" in verdict
-    assert ("loop used" in verdict) == (gain >= 0.05) and ("not being used" in verdict) == (gain < 0.05)
+    assert f"**Loop health**: steps after the first add {later:+.3f} nats (depth 1 -> 3;" in verdict
+    assert ("later loop steps used" in verdict) == (later >= MIN_GAIN_AFTER_FIRST)
+    assert ("steps after the first add nothing" in verdict) == (later < MIN_GAIN_AFTER_FIRST)
     for section in ("Gate forcing", "Anchor replacement", "Linear CKA", "token bucket", "anchor half"):
         assert section in report
     for png in ("loss_by_depth.png", "cka.png", "buckets.png", "gates.png"):

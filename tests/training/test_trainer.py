@@ -166,18 +166,18 @@ def test_every_validation_states_the_loops_health(two_rank_run):
     for step in (10, 20, 30):
         loop = records[step]["loop"]
         val = records[step]["val"]
-        assert loop["gain"] == pytest.approx(val["val/loss_depth_0"] - val["val/loss_depth_3"])
-        assert loop["gain_depth_1"] == pytest.approx(val["val/loss_depth_0"] - val["val/loss_depth_1"])
+        # from the trained depths 1..R: depth 0 is never trained
+        assert loop["gain_after_first"] == pytest.approx(val["val/loss_depth_1"] - val["val/loss_depth_3"])
+        assert loop["drop_by_step"]["2"] == pytest.approx(val["val/loss_depth_1"] - val["val/loss_depth_2"])
         assert len(loop["gate_mean_by_step"]) == 3 and all(0 < g < 1 for g in loop["gate_mean_by_step"])
         assert 0 < loop["core_grad_share"] < 1
-        assert loop["used"] == (loop["gain"] >= 0.05)
+        assert loop["used"] == (loop["gain_after_first"] >= 0.02)
     log_text = (two_rank_run / "train.log").read_text()
-    assert log_text.count("loop gain") == 3, log_text[-2000:]
+    assert log_text.count("steps after the first add") >= 3, log_text[-2000:]  # and the warning's, once
     events = EventAccumulator(str(two_rank_run / "tb"))
     events.Reload()
-    assert {"loop/gain", "loop/gain_depth_1", "loop/gate_mean_step_3", "loop/core_grad_share"} <= set(
-        events.Tags()["scalars"]
-    )
+    scalars = {"loop/gain_after_first", "loop/drop_step_2", "loop/drop_step_3", "loop/gate_mean_step_3"}
+    assert scalars | {"loop/core_grad_share"} <= set(events.Tags()["scalars"])
     summary = json.loads((two_rank_run / "summary.json").read_text())
     assert summary["loop"] == records[30]["loop"]
 

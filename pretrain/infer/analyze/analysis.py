@@ -55,6 +55,7 @@ from pretrain.infer.analyze.measures import (
 )
 from pretrain.infer.analyze.report import markdown, plots
 from pretrain.infer.evaluation.scoring import Batch, check_batches, jsonable, lm_sums, val_batches
+from pretrain.infer.loop_health import run_settings
 from pretrain.model import GPT, LoopStep
 from pretrain.model.layers import AttentionContext
 from pretrain.runs.data_spec import parse_data
@@ -359,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     res["model"] = str(args.model)
+    train = loaded.run_config.get("train", {})  # the loop verdict's trained depths and its advice
+    res["loop_settings"] = run_settings(loaded.cfg, train.get("depth_sampling"), train.get("max_train_depth", 0))
     title = f"Analysis of {loaded.cfg.name} ({loaded.cfg.layout})"
     try:
         out.mkdir(parents=True, exist_ok=True)

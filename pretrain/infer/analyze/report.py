@@ -127,13 +127,14 @@ def _half_line(h: dict[str, Any]) -> str:
 
 
 def loop_verdict(res: dict[str, Any]) -> str:
-    """The loop's health (pretrain.infer.loop_health), as training's validation states it, with the
-    warning of a loop that is not used."""
-    by_depth = {int(k): v for k, v in res["loss_by_depth"].items() if int(k) <= res["trained_loops"]}
-    health = loop_health(by_depth, res["gate_mean_by_step"])
+    """The loop's health (pretrain.infer.loop_health) on the depths the run trained at, as training's
+    validation states it, with the warning of a loop whose steps after the first add nothing (its
+    advice names what the run's settings, res["loop_settings"], do not use)."""
+    by_depth = {int(k): v for k, v in res["loss_by_depth"].items()}
+    health = loop_health(by_depth, res["gate_mean_by_step"], None, res["trained_loops"], res.get("loop_settings"))
     if health is None:
         return "no loop"
-    return health.line() + ("" if health.used else f". {health.warning()}")
+    return health.line() + (f". {health.warning()}" if health.used is False else "")
 
 
 def markdown(res: dict[str, Any], files: dict[str, str], title: str) -> str:

@@ -6,7 +6,9 @@
         --match flops --set model.d_model=64 --set model.n_heads=2
 
 A config is a preset name or a JSON file: a model config, or {"label": ..., "model":
-<preset name or model config>, "train": {...overrides}}. `--match flops` changes each
+<preset name or model config>, "train": {...overrides}}; or a control of one, `CONFIG:CONTROL`
+(`tiny-grt:dense-params`, `:dense-flops`, `:dense-train-flops`, `:r1`, `:fixed`, `:paper-start`:
+pretrain/tools/compare/controls.py), labelled CONFIG-CONTROL. `--match flops` changes each
 looped config's loop count R (a dense config's layer count) to come closest to the
 reference's forward FLOPs per token (the first config, or --reference); `--match params`
 changes the core size C (dense: the layer count) to come closest to its parameter count.
@@ -44,6 +46,7 @@ from pretrain.model.flops import flops_per_token
 from pretrain.presets import PRESETS, get_preset
 from pretrain.runs.run_config import RunConfig, apply_overrides, apply_recipe, choose_model, is_model_override, resolve
 from pretrain.runs.train_config import budget_steps
+from pretrain.tools.compare.controls import control_label, control_model, parse_control
 from pretrain.tools.compare.plot import plot
 from pretrain.tools.compare.runs import finished, train_all
 from pretrain.tools.compare.sizing import match, model_params, run_tokens_per_step, sized_tokens
@@ -72,24 +75,39 @@ def load_spec(spec: str) -> tuple[str, ModelConfig, dict]:
     return (cfg.name if cfg.name != "custom" else path.stem), cfg, {}
 
 
+def load_run(args: argparse.Namespace, spec: str, manifest: Any) -> dict[str, Any]:
+    """One run of --configs: {"label", "cfg", "train"} (and "control" for `BASE:CONTROL`, derived
+    from its base's resolved run: pretrain/tools/compare/controls.py)."""
+    control = parse_control(spec)
+    label, model, train = load_spec(control[0] if control else spec)
+    cfg = RunConfig(data=str(args.data), ds_config=args.ds_config, out=str(Path(args.out) / label))
+    choose_model(cfg, model, args.overrides)  # as `grt train --preset` does
+    resolve(cfg, manifest)  # the trainer's rule: the tokenizer's vocabulary, a context that holds the shards
+    if control is None:
+        return {"label": label, "cfg": cfg, "train": train}
+    base_label, kind = label, control[1]
+    for key, value in train.items():  # the base's recipe as it trains (its depth draws set the FLOPs)
+        apply_overrides(cfg, [f"train.{key}={json.dumps(value) if not isinstance(value, str) else value}"])
+    model, extra = control_model(cfg, kind, manifest.seq_len)
+    label = control_label(base_label, kind)
+    cfg = RunConfig(data=str(args.data), ds_config=args.ds_config, out=str(Path(args.out) / label))
+    choose_model(cfg, model, [])  # the base's model overrides are in it already
+    resolve(cfg, manifest)
+    return {"label": label, "cfg": cfg, "train": {**train, **extra}, "control": {"of": base_label, "kind": kind}}
+
+
 def build_runs(args: argparse.Namespace, tokens: float) -> list[dict]:
     from data_pipeline.manifest import Manifest
 
     manifest = Manifest.load(args.data)
     seq_len = manifest.seq_len
-    specs = [s for item in args.configs for s in item.split(",") if s.strip()]
+    specs = [s.strip() for item in args.configs for s in item.split(",") if s.strip()]
     if not specs:
         raise ConfigError("--configs: give at least one preset or JSON file")
-    loaded = [load_spec(s.strip()) for s in specs]
-    labels = [label for label, _, _ in loaded]
+    runs = [load_run(args, spec, manifest) for spec in specs]
+    labels = [run["label"] for run in runs]
     if len(set(labels)) != len(labels):
         raise ConfigError(f'--configs: labels must be unique, got {labels} (give JSON configs a "label")')
-    runs: list[dict[str, Any]] = []
-    for label, model, train in loaded:
-        cfg = RunConfig(data=str(args.data), ds_config=args.ds_config, out=str(Path(args.out) / label))
-        choose_model(cfg, model, args.overrides)  # as `grt train --preset` does
-        resolve(cfg, manifest)  # the trainer's rule: the tokenizer's vocabulary, a context that holds the shards
-        runs.append({"label": label, "cfg": cfg, "train": train})
     if args.match != "none":
         ref_label = args.reference or labels[0]
         if ref_label not in labels:
@@ -97,7 +115,7 @@ def build_runs(args: argparse.Namespace, tokens: float) -> list[dict]:
         ref = next(r for r in runs if r["label"] == ref_label)["cfg"].model
         target = flops_per_token(ref, seq_len) if args.match == "flops" else model_params(ref)
         for run in runs:
-            if run["label"] != ref_label:
+            if run["label"] != ref_label and "control" not in run:  # a control is sized by its own rule
                 before = run["cfg"].model.layout
                 run["cfg"].model = match(run["cfg"].model, target, args.match, seq_len)
                 run["matched_from"] = before
@@ -119,6 +137,17 @@ def build_runs(args: argparse.Namespace, tokens: float) -> list[dict]:
 
 
 # -- command line ------------------------------------------------------------------------------
+def seed_list(text: str) -> list[int]:
+    """--seeds: distinct whole numbers separated by commas (argparse says a refusal in one line)."""
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers separated by commas, e.g. 0,1,2") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more distinct seeds, e.g. 0,1,2")
+    return seeds
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="grt compare", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -127,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--configs",
         action="append",
         required=True,
-        help="comma-separated presets or JSON files (repeatable); the first is the reference",
+        help="comma-separated presets or JSON files, or controls of one (tiny-grt:dense-params, :dense-flops, "
+        ":dense-train-flops, :r1, :fixed, :paper-start) (repeatable); the first is the reference",
     )
     p.add_argument("--data", required=True, help="manifest.json from `grt data prepare` (every run reads it)")
     p.add_argument("--out", required=True, type=output_path(is_dir=True), help="output directory")
@@ -160,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument(
         "--seeds",
-        type=lambda text: [int(x) for x in text.split(",") if x.strip()],
+        type=seed_list,
         metavar="S1,S2,...",
         help="train the comparison once per seed (<out>/seed-<s>/), then one table of mean ± spread per method "
         "and the paper's orderings against the seed spread (<out>/seeds.md; pretrain/tools/compare/seeds.py)",

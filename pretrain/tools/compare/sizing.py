@@ -16,11 +16,12 @@ import json
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from data_pipeline.files import atomic_write_text
 from pretrain.config import Layout, ModelConfig
-from pretrain.model.flops import flops_per_token
+from pretrain.model.flops import flops_per_token, train_flops_per_token
 from pretrain.runs.run_config import RunConfig
 from pretrain.runs.train_config import TrainConfig, tokens_per_step
 from pretrain.tools.compare.final_eval import final_eval_work
@@ -49,13 +50,16 @@ def _with_layout(cfg: ModelConfig, **parts: int) -> ModelConfig:
 
 
 def match(cfg: ModelConfig, target: float, what: str, seq_len: int) -> ModelConfig:
-    """The layout change (R for looped, N for dense; C for looped under params) closest to target."""
-    if what == "flops":
-        key = "r" if cfg.parsed_layout.looped else "n"
-        measure = lambda c: flops_per_token(c, seq_len)  # noqa: E731
-    else:
-        key = "c" if cfg.parsed_layout.looped else "n"
-        measure = model_params
+    """The layout change (R for looped, N for dense; C for looped under params) closest to target:
+    forward FLOPs per token ("flops"), training FLOPs per token at depth R ("train-flops") or
+    parameters ("params")."""
+    measures: dict[str, Callable[[ModelConfig], float]] = {
+        "flops": lambda c: flops_per_token(c, seq_len),
+        "train-flops": lambda c: train_flops_per_token(c, seq_len, c.max_loops),
+        "params": model_params,
+    }
+    measure = measures[what]
+    key = ("c" if what == "params" else "r") if cfg.parsed_layout.looped else "n"
     best = min((_with_layout(cfg, **{key: v}) for v in range(1, 65)), key=lambda c: abs(measure(c) - target))
     return best
 

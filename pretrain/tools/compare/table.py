@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from pretrain.config import ModelConfig
+from pretrain.infer.loop_health import LoopHealth, loop_health, run_settings
 from pretrain.model.flops import flops_per_token, train_flops_per_token
 from pretrain.runs.run_config import RunConfig
 from pretrain.runs.train_config import tokens_per_step
@@ -58,6 +59,8 @@ def collect(run: dict, seq_len: int, wall_s: float | None, exit_factor: int = 1)
         "val_loss": by_depth.get(r, by_depth.get(0)) if by_depth else None,
         "val_loss_by_depth": by_depth,
         "loop": summary.get("loop"),  # the loop's health at the last validation (pretrain/infer/loop_health.py)
+        "loop_settings": run_settings(cfg.model, cfg.train.depth_sampling, cfg.train.max_train_depth) if r else None,
+        "control": run.get("control"),  # {"of": label, "kind": ...} for a control (pretrain/tools/compare/controls.py)
         "exit_curve": evals.get("exit_curve"),
         "extrapolation": evals.get("extrapolation"),
         "adaptive_exit": evals.get("adaptive_exit"),
@@ -81,19 +84,35 @@ def _at_steps(result: dict | None) -> str:
     return "-" if not result else f"{result['loss']:.3f} @ {result['mean_steps']:.2f}"
 
 
-def _loop_cell(loop: dict | None) -> str:
-    """The loop's health: gain from depth 0 to R, the mean gate at step 1, the verdict."""
-    if not loop:
+def row_health(row: dict) -> LoopHealth | None:
+    """A row's loop health, from its validation loss by depth on the depths its run trained at (the
+    final record's verdict, computed again so that a run saved under an older verdict reads alike)."""
+    if not row.get("loops"):
+        return None
+    gates = (row.get("loop") or {}).get("gate_mean_by_step") or []
+    return loop_health(row["val_loss_by_depth"], gates, None, row["loops"], row.get("loop_settings"))
+
+
+def _loop_cell(row: dict) -> str:
+    """The loop's health: what the steps after the first add, where the loss stops falling, the
+    mean gate at step 1, the verdict."""
+    health = row_health(row)
+    if health is None:
         return "-"
-    gate = f", gate@1 {loop['gate_mean_by_step'][0]:.3f}" if loop.get("gate_mean_by_step") else ""
-    return f"{loop['gain']:+.3f}{gate}{'' if loop['used'] else ' (unused)'}"
+    gate = f", gate@1 {health.gate_means[0]:.3f}" if health.gate_means else ""
+    if health.gain_after_first is None:
+        return ("R = 1" if health.first == health.loops == 1 else "fixed R: none trained below R") + gate
+    stop = health.stops_after
+    where = f", flat after step {stop}" if stop is not None else ", falls to R"
+    return f"{health.gain_after_first:+.3f}{where}{gate}{'' if health.used else ' (add nothing)'}"
 
 
 def table(rows: list[dict]) -> str:
     rules = " / ".join(adaptive_label(*a) for a in ADAPTIVE_EXITS)
     beyond = " / ".join(f"{f}R" for f in EXTRAPOLATION_FACTORS)
     head = (
-        "| method | label | layout | params | fwd MFLOPs/tok | train MFLOPs/tok | val loss | loop gain (nats) | "
+        "| method | label | layout | params | fwd MFLOPs/tok | train MFLOPs/tok | val loss | "
+        "loop: steps after the first, L(1) - L(R) (nats) | "
         "early exit (val loss at r = 0, 1, ..., R; beyond R when evaluated) | "
         f"past R: val loss at {beyond} | adaptive exit {rules} (val loss @ mean steps) | "
         "learned exit (Ouro) | tokens/s | peak mem MB |"
@@ -127,7 +146,7 @@ def table(rows: list[dict]) -> str:
         )
         lines.append(
             f"| {r['method']} | {r['label']} | {layout} | {r['params']:,} | {r['flops_per_token'] / 1e6:.2f} | "
-            f"{r['train_flops_per_token'] / 1e6:.2f} | {_fmt(r['val_loss'], '.3f')} | {_loop_cell(r.get('loop'))} | "
+            f"{r['train_flops_per_token'] / 1e6:.2f} | {_fmt(r['val_loss'], '.3f')} | {_loop_cell(r)} | "
             f"{exits} | {beyond} | "
             f"{adaptive} | {_at_steps(r.get('learned_exit'))} | "
             f"{_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(r['peak_memory_mb'], ',.0f')} |"

@@ -12,7 +12,7 @@ import torch
 
 from data_pipeline.epoch_plan import Batch
 from pretrain.distributed import all_reduce, comm_device
-from pretrain.infer.loop_health import LoopHealth, loop_health
+from pretrain.infer.loop_health import LoopHealth, loop_health, run_settings
 from pretrain.training.evaluation.tasks import TaskEval
 from pretrain.training.report.metrics import MetricsWriter
 from pretrain.training.step.optimizer_step import move
@@ -70,10 +70,12 @@ class Validation:
         writer: MetricsWriter,
         device: torch.device,
         warmup_steps: int = 0,
+        settings: dict[str, Any] | None = None,
     ) -> None:
         self.batches, self.weights, self.max_r, self.every = batches, weights, max_loops, every
         self.doc_mask, self.writer, self.device = doc_mask, writer, device
         self.warmup_steps, self.warned = warmup_steps, False
+        self.settings = settings  # the run's (loop_health.run_settings): the depths it trains, its start
         self.health: LoopHealth | None = None  # the loop's, at the last validation
 
     @classmethod
@@ -84,8 +86,17 @@ class Validation:
         t = run.cfg.train
         if batches is None:
             return None
+        settings = run_settings(run.cfg.model, t.depth_sampling, t.max_train_depth)
         return cls(
-            batches, weights, run.cfg.model.max_loops, t.eval_every, t.doc_mask, writer, run.device, t.warmup_steps
+            batches,
+            weights,
+            run.cfg.model.max_loops,
+            t.eval_every,
+            t.doc_mask,
+            writer,
+            run.device,
+            t.warmup_steps,
+            settings,
         )
 
     def due(self, step: int, last: int) -> bool:
@@ -121,7 +132,7 @@ class Validation:
             if name:
                 values[f"val/{name}/loss"] = losses[max_r]
                 values.update({f"val/{name}/loss_depth_{k}": v for k, v in losses.items()})
-        self.health = loop_health(by_depth, gates, grad_norms)
+        self.health = loop_health(by_depth, gates, grad_norms, max_r, self.settings)
         if self.health is not None:
             values.update(self.health.scalars())
         self.writer.scalars(step, values, tokens=tokens_seen)  # each also against tokens (by_tokens/)
@@ -140,10 +151,10 @@ class Validation:
 
     def check_loop(self, health: LoopHealth, step: int, record: dict[str, Any]) -> None:
         """The loop's health line and record at every validation; after warm-up, one warning the
-        first time the loop adds less than MIN_LOOP_GAIN."""
+        first time the loop's steps after the first add less than MIN_GAIN_AFTER_FIRST."""
         record["loop"] = health.record()
         log.info("validation at step %d: %s", step, health.line())
-        if not health.used and step > self.warmup_steps and not self.warned:
+        if health.used is False and step > self.warmup_steps and not self.warned:
             self.warned = True
             log.warning("step %d: %s", step, health.warning())
 
