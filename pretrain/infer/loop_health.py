@@ -32,7 +32,7 @@ REMEDIES: tuple[tuple[str, Any, str], ...] = (
     (
         "train.depth_sampling",
         "fixed",
-        "every step trained at depth R (tiny-grt's drops then spread over the steps: 4.58 -> 4.43 -> 4.40 -> 4.39)",
+        "every step trained at depth R; tiny-grt's drops then spread over the steps, 4.58 -> 4.43 -> 4.40 -> 4.39",
     ),
     ("model.gate_bias_init", 0.0, "the gate starts at 0.5 rather than 0.98"),
     ("model.state_noise_scale", "relative", "the state noise relative to the state's RMS"),
@@ -154,9 +154,8 @@ class LoopHealth:
         closed = self.gate_means and min(self.gate_means) > 0.95
         why = " and the gate has closed (the state passes through the loop unchanged)" if closed else ""
         return (
-            f"the loop's steps after the first add nothing: they lower the validation loss by "
-            f"{self.gain_after_first or 0.0:.3f} nats from depth {self.first} to {self.loops} "
-            f"(< {MIN_GAIN_AFTER_FIRST}){why}; "
+            f"the loop's steps after the first add nothing: the validation loss at depth {self.first} minus "
+            f"at depth {self.loops} is {self.gain_after_first or 0.0:+.3f} nats (< {MIN_GAIN_AFTER_FIRST}){why}; "
             f"{self.advice()} (docs/comparison.md, 'The loop study')"
         )
 
