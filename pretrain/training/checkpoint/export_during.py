@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from pretrain.config import ConfigError
+from pretrain.distributed.exit import VERDICTS_ENV
 from pretrain.runs.checkpoint_files import step_of, tag_dirs, tag_for
 from pretrain.training.callbacks import Callback
 from pretrain.training.run_context import RunContext
@@ -134,7 +135,8 @@ class ExportDuring(Callback):
     def _start(self, tag: str) -> None:
         step_dir = self.root / tag
         errors = tempfile.TemporaryFile()
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the reader is host-only: no CUDA context
+        env = {k: v for k, v in os.environ.items() if k != VERDICTS_ENV}  # grt launch's verdict is the rank's
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the reader is host-only: no CUDA context
         command = [sys.executable, "-m", "pretrain.cli", "export", "--checkpoint", str(step_dir)]
         command += ["--out", str(step_dir / EXPORT_DIR), "--overwrite"]
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors, env=env)
