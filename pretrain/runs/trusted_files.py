@@ -14,6 +14,7 @@ import contextlib
 import importlib
 import os
 import re
+import sys
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,15 +46,23 @@ def _saved_type(qualified: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def _allowed_types() -> list[Callable[..., Any] | tuple[Callable[..., Any], str]]:
+def _allowed_types(deepspeed: bool) -> list[Callable[..., Any] | tuple[Callable[..., Any], str]]:
     """SAVED_TYPES as torch's allowlist wants them, with numpy's numeric dtype classes (numpy.dtypes.*DType:
-    an array's element type)."""
+    an array's element type); DeepSpeed's only where `deepspeed` (importing it costs seconds and
+    prints its accelerator's line: a command that reads only this project's files does not)."""
     import numpy as np
 
     allowed: list[Callable[..., Any] | tuple[Callable[..., Any], str]]
-    allowed = [(_saved_type(real), name) for name, real in SAVED_TYPES.items()]
+    names = [name for name in SAVED_TYPES if deepspeed or not name.startswith("deepspeed.")]
+    allowed = [(_saved_type(SAVED_TYPES[name]), name) for name in names]
     dtypes = {type(np.dtype(code)) for code in "?bBhHiIlLqQefdgFDG"}
     return allowed + [(t, f"{t.__module__}.{t.__name__}") for t in dtypes]
+
+
+def _allow(deepspeed: bool) -> None:
+    import torch
+
+    torch.serialization.add_safe_globals(_allowed_types(deepspeed))
 
 
 def forbid_code_in_files() -> None:
@@ -70,9 +79,7 @@ def weights_only_loads() -> Iterator[None]:
     """Within: every torch.load is weights-only (`forbid_code_in_files`) with SAVED_TYPES allowed,
     also in a process whose entry point did not say so (a test, a library caller); the switch is
     put back after. Every load of a checkpoint, this project's and DeepSpeed's, runs inside one."""
-    import torch
-
-    torch.serialization.add_safe_globals(_allowed_types())
+    _allow("deepspeed" in sys.modules)  # DeepSpeed's own loads run where it is imported
     before = os.environ.get(WEIGHTS_ONLY_ENV)
     forbid_code_in_files()
     try:
@@ -106,15 +113,20 @@ def load_weights_only(path: Path, tag: str, *, mmap: bool = False) -> Any:
 
     import torch
 
-    try:
-        with weights_only_loads(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # torch's word on a pickle protocol it did not write
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(path))
-    except Exception as err:  # torch reports a cut-off or corrupt file as RuntimeError, pickle errors, EOFError
-        refused = refused_content(err)
-        if refused is not None:
+    for attempt in range(2):
+        try:
+            with weights_only_loads(), warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # torch's word on a pickle protocol it did not write
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(path))
+        except Exception as err:  # torch reports a cut-off or corrupt file as RuntimeError, pickle errors, EOFError
+            refused = refused_content(err)
+            if refused is None:
+                raise UnreadableCheckpoint(tag, f"{path.name} is cut off or corrupt ({one_line(err)[:300]})") from None
+            if attempt == 0 and refused.removeprefix("the type ") in SAVED_TYPES:  # DeepSpeed's: allowed, then again
+                _allow(deepspeed=True)
+                continue
             raise UnreadableCheckpoint(tag, untrusted(path, refused)) from None
-        raise UnreadableCheckpoint(tag, f"{path.name} is cut off or corrupt ({one_line(err)[:300]})") from None
+    raise AssertionError("unreachable: the second attempt returns or raises")
 
 
 def read_through(path: Path, tag: str) -> None:
