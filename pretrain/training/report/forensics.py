@@ -181,8 +181,7 @@ class Watcher:
         if self.store is not None:
             try:
                 old = self._current()
-                stamp, _, folder = old.partition(" ")
-                if not old or time.time() - float(stamp) > JOIN_S:
+                if not old or time.time() - float(old.partition(" ")[0]) > JOIN_S:
                     new = f"{time.time():.3f} {name}"
                     old = self.store.compare_set(KEY, old, new).decode()  # the winner's, if another rank raced
                 name = old.partition(" ")[2] or name
@@ -226,6 +225,8 @@ class Watcher:
                 self._seen = now
                 self._dump(now.partition(" ")[2], "another rank asked (a failed collective or SIGUSR2 there)")
             self._check_stall()
+        if self._wake is not None:
+            self._wake.close()
 
     def _check_stall(self) -> None:
         """Under NCCL a collective that times out aborts the process from torch's watchdog, before
@@ -241,3 +242,4 @@ class Watcher:
         if self._write_end is not None and threading.current_thread() is threading.main_thread():
             signal.set_wakeup_fd(-1)
             signal.signal(HANG_SIGNAL, self._old_handler)
+            self._write_end.close()  # the thread's end: closed by the thread, which it wakes
