@@ -25,6 +25,7 @@ SEP = "<|endoftext|>"  # the tokenizer's control symbol: starts every sample
 EQ, END, ASK, PAD = "=", ";", "?", "."
 _PUNCT = (EQ, END, ASK, PAD)
 QUERIES = ("last", "all")
+ORDERS = ("shuffled", "by-name")
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,11 @@ class ChainTask:
     asks every variable of each chain (1..k lookups: more answers a sample);
     ``queries_per_sample``: ask only this many of those, drawn at random (0: all). With several
     queries a sample, a later one can be answered by elimination (the root value not answered
-    yet) rather than by lookups; one query a sample, the other chains distractors, leaves none."""
+    yet) rather than by lookups; one query a sample, the other chains distractors, leaves none.
+    ``order``: ``shuffled`` (the statements in random order) or ``by-name``: every variable
+    defined, the unused ones as distractor roots, in name order (v0 first): a statement's place
+    is then its variable's, so a lookup reads a fixed position, while a chain's statements still
+    name variables defined after them."""
 
     num_vars: int = 32
     num_values: int = 10
@@ -45,6 +50,7 @@ class ChainTask:
     seed: int = 0
     queries: str = "last"
     queries_per_sample: int = 0
+    order: str = "shuffled"
 
     def check(self, max_hops: str = "max_hops") -> None:
         """Refuse settings no sample can be made with (a ValueError naming the setting, the
@@ -56,6 +62,7 @@ class ChainTask:
             (self.chains_per_sample >= 1, f"chains_per_sample must be >= 1, got {self.chains_per_sample}"),
             (self.queries in QUERIES, f"queries must be one of {', '.join(QUERIES)}, got {self.queries!r}"),
             (self.queries_per_sample >= 0, f"queries_per_sample must be >= 0, got {self.queries_per_sample}"),
+            (self.order in ORDERS, f"order must be one of {', '.join(ORDERS)}, got {self.order!r}"),
             (
                 self.num_vars >= self.chains_per_sample * self.max_hops,
                 f"num_vars ({self.num_vars}) must be >= chains_per_sample x {max_hops} "
@@ -72,7 +79,8 @@ class ChainTask:
         asked = self.chains_per_sample * (self.max_hops if self.queries == "all" else 1)
         if self.queries_per_sample:
             asked = min(asked, self.queries_per_sample)
-        return 1 + self.chains_per_sample * 4 * self.max_hops + 5 * asked
+        defined = self.num_vars if self.order == "by-name" else self.chains_per_sample * self.max_hops
+        return 1 + 4 * defined + 5 * asked
 
 
 def variables(task: ChainTask) -> list[str]:
@@ -109,7 +117,12 @@ def sample(task: ChainTask, rng: random.Random) -> ChainSample:
         statements += [[chain[j], EQ, chain[j - 1], END] for j in range(1, k)]
         asked = range(1, k + 1) if task.queries == "all" else [k]
         queries += [([ASK, chain[j - 1], EQ, value, END], j) for j in asked]
-    rng.shuffle(statements)
+    if task.order == "by-name":
+        unused = set(range(task.num_vars)) - {int(n[1:]) for n in names}
+        statements += [[f"v{i}", EQ, str(rng.randrange(task.num_values)), END] for i in unused]
+        statements.sort(key=lambda st: int(st[0][1:]))
+    else:
+        rng.shuffle(statements)
     rng.shuffle(queries)
     if task.queries_per_sample:
         queries = queries[: task.queries_per_sample]

@@ -52,6 +52,13 @@ def _add_chains_args(c: argparse.ArgumentParser) -> None:
         help="ask only this many queries a sample, drawn at random (default 0: all; 1 leaves no answer "
         "to find by elimination)",
     )
+    c.add_argument(
+        "--order",
+        choices=("shuffled", "by-name"),
+        default="shuffled",
+        help="shuffled: statements in random order (default); by-name: every variable defined, in name order "
+        "(a lookup reads a fixed position; chains still point forward)",
+    )
     c.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the longest sample)")
     c.add_argument("--seed", type=int, default=0, help="seed of the samples (default 0)")
     c.add_argument("--quiet", "-q", action="store_true", help="no summary line")
@@ -72,6 +79,7 @@ def _chains(args: argparse.Namespace) -> None:
         args.seed,
         args.queries,
         args.queries_per_sample,
+        args.order,
     )
     val_task = replace(task, max_hops=args.max_hops if args.val_max_hops is None else args.val_max_hops)
     write_chains(args.out, task, args.train_samples, args.val_samples, args.seq_len, val_task, progress=not args.quiet)

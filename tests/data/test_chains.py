@@ -68,6 +68,20 @@ def test_queries_per_sample_asks_a_random_few_the_other_chains_distractors():
     assert {k: ks.count(k) > 60 for k in (1, 2, 3)} == {1: True, 2: True, 3: True}  # k still uniform
 
 
+def test_by_name_order_defines_every_variable_in_its_place_and_chains_still_point_forward():
+    task = ChainTask(num_vars=12, min_hops=2, max_hops=4, chains_per_sample=3, queries_per_sample=1, order="by-name")
+    rng = random.Random(3)
+    forward = 0
+    for _ in range(200):
+        s = sample(task, rng)
+        assert len(s.tokens) <= task.max_length == 1 + 4 * 12 + 5
+        assert s.tokens[1 : 4 * 12 : 4] == [f"v{i}" for i in range(12)]  # vj's statement at 1 + 4j
+        assert [(p, k) for p, _, k in score_positions(s.tokens)] == s.answers
+        rhs = s.tokens[3 : 4 * 12 : 4]
+        forward += sum(r.startswith("v") and int(r[1:]) > j for j, r in enumerate(rhs))
+    assert forward > 200  # a statement often names a variable defined after it
+
+
 def test_score_positions_refuses_tokens_that_are_not_the_task():
     tokens = [SEP, "v1", EQ, "3", ";", "v2", EQ, "v1", ";", ASK, "v2", EQ, "3", ";"]
     assert score_positions(tokens) == [(12, 3, 2)]
