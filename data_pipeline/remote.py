@@ -209,29 +209,16 @@ class RangedReader:
         except PermissionError as exc:
             raise UnreachableShardError(url, f"access denied ({exc}); check the credentials") from None
         except Exception as exc:  # the clients' connection, timeout and 5xx errors have no common base
-            if _is_credentials_error(exc):
+            if is_credentials_error(exc):
                 raise UnreachableShardError(url, one_line(exc)) from None
             raise _Retry(one_line(exc)) from None
 
     def _filesystem(self, protocol: str) -> Any:
         if protocol not in self.filesystems:
-            import fsspec
-
             try:
-                make: Callable[..., Any] = fsspec.get_filesystem_class(protocol)
-            except ImportError:
-                package = _FSSPEC_PACKAGES.get(protocol, protocol)
-                raise UnreachableShardError(
-                    f"{protocol}://", f"reading {protocol}:// needs {package} (pip install {package})"
-                ) from None
-            kwargs: dict[str, Any] = {"skip_instance_cache": True}  # ours: this worker's, with our timeouts
-            if protocol == "s3":  # one attempt per call: the retries (and their time bound) are ours
-                kwargs["config_kwargs"] = {
-                    "connect_timeout": self.timeout,
-                    "read_timeout": self.timeout,
-                    "retries": {"max_attempts": 1},
-                }
-            self.filesystems[protocol] = make(**kwargs)
+                self.filesystems[protocol] = object_filesystem(protocol, self.timeout)
+            except ImportError as err:
+                raise UnreachableShardError(f"{protocol}://", f"reading {err}") from None
         return self.filesystems[protocol]
 
     def close(self) -> None:
@@ -244,7 +231,26 @@ class RangedReader:
         self.filesystems.clear()
 
 
-def _is_credentials_error(exc: BaseException) -> bool:
+def object_filesystem(protocol: str, timeout: float) -> Any:
+    """An fsspec filesystem of `protocol` ("s3", "gs") of the caller's own (no instance cache: its
+    timeouts), one attempt per call (the caller retries, bounded in time), its credentials and
+    endpoint from the environment only (boto3's chain: AWS_*, AWS_ENDPOINT_URL_S3; gcsfs's). Used by
+    the shard reads here and by a run's checkpoint mirror (pretrain/runs/checkpoint_mirror.py).
+    ImportError, one line naming the package, where its client is not installed."""
+    import fsspec
+
+    try:
+        make: Callable[..., Any] = fsspec.get_filesystem_class(protocol)
+    except ImportError:
+        package = _FSSPEC_PACKAGES.get(protocol, protocol)
+        raise ImportError(f"{protocol}:// needs {package} (pip install {package})") from None
+    kwargs: dict[str, Any] = {"skip_instance_cache": True}
+    if protocol == "s3":
+        kwargs["config_kwargs"] = {"connect_timeout": timeout, "read_timeout": timeout, "retries": {"max_attempts": 1}}
+    return make(**kwargs)
+
+
+def is_credentials_error(exc: BaseException) -> bool:
     """No or rejected credentials: another attempt cannot help."""
     name = type(exc).__name__
     return name in ("NoCredentialsError", "PartialCredentialsError") or "InvalidAccessKeyId" in str(exc)

@@ -8,6 +8,7 @@ benchmark, so every command accepts the same paths:
     <out>                                a run directory (uses <out>/checkpoints/latest)
     <out>/checkpoints                    the newest COMPLETE checkpoint
     <out>/checkpoints/stepNNNNNNNN       that checkpoint
+    s3://bucket/run[/checkpoints/stepN]  a run's checkpoint mirror (train.checkpoint_mirror), downloaded once
 
 Tied embeddings are stored once (`wte.weight`); `lm_head.weight` is re-tied on load.
 """
@@ -29,6 +30,7 @@ from pretrain.config import ConfigError, ModelConfig
 from pretrain.model import GPT, build_model
 from pretrain.model.weights import TIED_KEY
 from pretrain.runs.checkpoint_files import named_checkpoint, newest_checkpoint, read_config
+from pretrain.runs.checkpoint_mirror import is_mirror_url, local_copy
 from pretrain.runs.trusted_files import read_through_all, weights_only_loads
 
 if TYPE_CHECKING:
@@ -130,6 +132,8 @@ def is_export_dir(path: Path) -> bool:
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A run dir, a checkpoints dir or a step dir -> the step dir of a COMPLETE checkpoint."""
+    if is_mirror_url(str(path)):  # a run's checkpoint mirror: downloaded once, then read as a local one
+        return local_copy(str(path))
     accepted = f"neither an exported model (config.json + {WEIGHTS}) nor a checkpoint"
     root, tag_dir = named_checkpoint(path, "", accepted)
     return tag_dir or newest_checkpoint(root, "")
@@ -205,7 +209,7 @@ def load_model(
 ) -> LoadedModel:
     """Load an exported directory or a checkpoint (see module doc), in eval mode. weights=False: the
     model built on the meta device, its weights not read (what a command checks before loading them)."""
-    p = Path(path)
+    p = resolve_checkpoint(path) if is_mirror_url(str(path)) else Path(path)
     if not p.exists():
         raise ConfigError(f"{path}: no such file or directory")
     if is_export_dir(p):

@@ -17,7 +17,7 @@ from typing import Any
 
 from pretrain.config import ConfigError, ModelConfig
 from pretrain.presets import get_preset
-from pretrain.runs import checkpoint_files
+from pretrain.runs import checkpoint_files, checkpoint_mirror
 from pretrain.runs.run_config import (
     RunConfig,
     choose_model,
@@ -28,6 +28,7 @@ from pretrain.runs.run_config import (
 )
 from pretrain.runs.settings_rules import decay_steps, given_keys, mark_given
 from pretrain.runs.train_config import global_batch
+from pretrain.say import say
 
 ONE_START_KEYS = ("allow_data_change", "allow_batch_change")  # a consent given for the start that gives it
 
@@ -92,7 +93,10 @@ def base_config(line: CommandLine) -> Base:
     without it); else the defaults (a --resume of a directory that never started is a fresh start)."""
     if line.out:
         checkpoint_files.check_not_a_checkpoint(Path(line.out))  # before any saved config is read as a run's
-    source = checkpoint_files.branch_source(line.branch_from, line.out) if line.branch_from else None
+    branch_from = line.branch_from
+    if branch_from and checkpoint_mirror.is_mirror_url(branch_from):  # downloaded once, then a local checkpoint
+        branch_from = str(checkpoint_mirror.local_copy(branch_from, "--branch-from "))
+    source = checkpoint_files.branch_source(branch_from, line.out) if branch_from else None
     if line.config_json:
         return Base(saved_where(RunConfig.load(line.config_json), Path(line.config_json)), source)
     if source is not None:
@@ -104,6 +108,10 @@ def base_config(line: CommandLine) -> Base:
         raise ConfigError(f"--branch-from {source}: no complete checkpoint there")
     if line.resume and line.out:
         run = Path(line.out)
+        given = [o.partition("=")[2] for o in line.overrides if o.partition("=")[0] == "train.checkpoint_mirror"]
+        mirror = checkpoint_mirror.mirror_of_run(run, given[-1] if given else None)
+        if mirror:  # the local copy gone or older: the mirror's newest complete checkpoint (and config.json)
+            checkpoint_mirror.fetch_for_resume(run, mirror, say)
         if (run / "config.json").is_file():
             return Base(saved_config(run, "--resume"))
         if checkpoint_files.tag_dirs(run / "checkpoints") and not (line.model_config or line.preset):

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pretrain.runs.checkpoint_mirror import url_problem
 from pretrain.runs.depth_settings import DEPTH_SCHEDULES
 from pretrain.runs.settings_rules import profile_refusal, profile_window, switch_rule
 
@@ -110,6 +111,10 @@ class TrainConfig:
     # grt export's copy (with hf/) of every Nth step's checkpoint, in <checkpoint>/export, written by a
     # child process while training goes on, pruned with its checkpoint; a multiple of save_every (0 = off)
     export_every: int = 0
+    # s3://bucket/run (or gs://): each complete checkpoint uploaded there in the background, COMPLETE last,
+    # pruned by keep_checkpoints; a --resume whose local copy is gone or older fetches from it ("" = off;
+    # credentials from the environment only: pretrain/runs/checkpoint_mirror.py)
+    checkpoint_mirror: str = ""
     max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
     dist_timeout_s: float = 600.0
     peak_tflops: float = 0.0  # device peak for MFU; 0 = look up the device
@@ -157,7 +162,9 @@ def _betas_ok(betas: Any) -> bool:
 def train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
     """(ok, the one line that refuses it) for every `train.*` value that can be meaningless
     (docs/reliability.md, "Values checked at the door"). Types are checked before, on parse."""
+    mirror = url_problem(t.checkpoint_mirror) if t.checkpoint_mirror else None
     return [
+        (mirror is None, mirror or ""),
         (
             t.depth_sampling in DEPTH_SAMPLING,
             f"train.depth_sampling={t.depth_sampling!r}: accepted values are {', '.join(DEPTH_SAMPLING)}",

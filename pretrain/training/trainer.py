@@ -43,6 +43,7 @@ from pretrain.runs.run_config import RunConfig
 from pretrain.say import say
 from pretrain.training.callbacks import Callback
 from pretrain.training.checkpoint.export_during import ExportDuring
+from pretrain.training.checkpoint.mirror import CheckpointMirror
 from pretrain.training.data import RunData, warn_on_skipped_shards
 from pretrain.training.depth import depth_for_step
 from pretrain.training.engine import deepspeed_internals
@@ -166,6 +167,9 @@ class Trainer:
         exports = ExportDuring.build(run)  # rank 0, train.export_every
         if exports is not None:
             self.callbacks.append(exports)
+        mirror = CheckpointMirror.build(run)  # rank 0, train.checkpoint_mirror
+        if mirror is not None:
+            self.callbacks.append(mirror)
         if wandb is not None:  # rank 0, train.wandb
             self.callbacks.append(wandb)
         phases.done()

@@ -1,5 +1,7 @@
 """moto's S3 server mode on 127.0.0.1:PORT, appending `method path status body-bytes` to LOG for
-every response (moto's own request log has no byte counts). Usage:
+every response (moto's own request log has no byte counts), and answering 503 to the requests that
+LOG.faults names (one `METHOD SUBSTRING COUNT` a line: the next COUNT requests of that method whose
+path holds SUBSTRING; COUNT -1: every one), read at each request: a dropped upload. Usage:
 moto_s3_server.py PORT LOG [BUCKET PREFIX FILE...]: with a bucket, it is made and each FILE put
 at PREFIX/NAME before the port listens, so a restarted server (moto keeps its state in memory
 only) serves the same objects from its first request."""
@@ -14,7 +16,30 @@ _lock = threading.Lock()
 
 
 def counting(app, log_path):
+    faults_path = log_path + ".faults"
+
+    def dropped(environ) -> bool:
+        """Whether LOG.faults drops this request (a matching line's count taken down by one)."""
+        with _lock:
+            try:
+                lines = [line.split() for line in open(faults_path).read().splitlines() if line.strip()]
+            except FileNotFoundError:
+                return False
+            for i, (method, part, count) in enumerate(lines):
+                if method == environ["REQUEST_METHOD"] and part in environ.get("PATH_INFO", "") and count != "0":
+                    lines[i][2] = str(int(count) - 1) if count != "-1" else count
+                    with open(faults_path, "w") as fh:
+                        fh.write("".join(" ".join(f) + "\n" for f in lines))
+                    return True
+        return False
+
     def wrapped(environ, start_response):
+        if dropped(environ):
+            refusal = b"<Error><Code>ServiceUnavailable</Code><Message>dropped by the test</Message></Error>"
+            start_response("503 Service Unavailable", [("Content-Type", "application/xml")])
+            with _lock, open(log_path, "a") as fh:
+                fh.write(f"{environ['REQUEST_METHOD']} {environ.get('PATH_INFO', '')} 503 {len(refusal)}\n")
+            return [refusal]
         status = []
 
         def start(code, headers, exc_info=None):

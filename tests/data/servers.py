@@ -1,46 +1,21 @@
 """Real servers for the remote-shard tests, on 127.0.0.1 only: Debian's nginx (HTTP) and moto's
-S3 server mode, each logging the body bytes of every response it sends, and Python's own HTTP server
-of ranges for what nginx will not do (a body cut short)."""
+S3 server mode (tests/moto_s3.py, which the checkpoint mirror's tests use too), each logging the body
+bytes of every response it sends, and Python's own HTTP server of ranges for what nginx will not do
+(a body cut short)."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from moto_s3 import HOST, MotoS3, free_port, log_lines, wait_listening
 
-HOST = "127.0.0.1"  # never any other address
-MOTO_SERVER = Path(__file__).with_name("moto_s3_server.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def _wait_listening(port: int, proc: subprocess.Popen, what: str, log: Path) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}: {log.read_text() if log.exists() else ''}")
-        try:
-            with socket.create_connection((HOST, port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{what} is not listening on {HOST}:{port} after 30 s")
-
-
-def _log_lines(path: Path) -> list[list[str]]:
-    return [line.split() for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+__all__ = ["HOST", "MotoS3", "Nginx", "RangeServer", "free_port"]
 
 
 class Nginx:
@@ -78,7 +53,7 @@ class Nginx:
         conf = self.work / "nginx.conf"
         cmd = ["nginx", "-p", str(self.work), "-e", str(self.work / "error.log"), "-c", str(conf)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        _wait_listening(self.port, self.proc, "nginx", self.work / "error.log")
+        wait_listening(self.port, self.proc, "nginx", self.work / "error.log")
 
     def stop(self) -> None:
         """Fast shutdown: open connections are dropped."""
@@ -88,7 +63,7 @@ class Nginx:
         self.proc = None
 
     def requests(self) -> list[list[str]]:
-        return _log_lines(self.access_log)
+        return log_lines(self.access_log)
 
     def bytes_served(self, prefix: str = "/") -> int:
         return sum(int(r[3]) for r in self.requests() if r[1].startswith(prefix))
@@ -104,53 +79,6 @@ class Nginx:
 
     def clear_log(self) -> None:
         self.access_log.write_text("")  # nginx appends to the same open file
-
-
-class MotoS3:
-    """moto's S3 server mode on an ephemeral port, its request log giving body bytes sent; the
-    environment that s3fs/boto3 read (endpoint, dummy credentials, region) is set by `env`.
-    `seed` (bucket, key prefix, files) is put in before the port listens, at every `start`: a
-    restart (`stop`, `start`) serves the same objects on the same port."""
-
-    def __init__(self, work: Path, seed: tuple[str, str, list[Path]] | None = None) -> None:
-        pytest.importorskip("s3fs")
-        pytest.importorskip("moto.server")
-        self.port, self.log, self.work, self.seed = free_port(), work / "s3.log", work, seed
-        self.proc: subprocess.Popen | None = None
-        self.start()
-
-    def start(self) -> None:
-        args = [str(self.port), str(self.log)]
-        if self.seed is not None:
-            bucket, prefix, files = self.seed
-            args += [bucket, prefix, *map(str, files)]
-        with open(self.work / "s3.err", "a") as err:  # the child keeps its own copy of the descriptor
-            self.proc = subprocess.Popen(
-                [sys.executable, str(MOTO_SERVER), *args], stdout=subprocess.DEVNULL, stderr=err
-            )
-        _wait_listening(self.port, self.proc, "moto server", self.work / "s3.err")
-
-    @property
-    def env(self) -> dict[str, str]:
-        return {
-            "AWS_ENDPOINT_URL_S3": f"http://{HOST}:{self.port}",
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-        }
-
-    def bytes_served(self, method: str = "GET") -> int:
-        return sum(int(r[3]) for r in _log_lines(self.log) if r[0] == method)
-
-    def clear_log(self) -> None:
-        self.log.write_text("")
-
-    def stop(self) -> None:
-        """Its connections are dropped, and then refused until `start`."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=30)
-        self.proc = None
 
 
 class RangeServer:
