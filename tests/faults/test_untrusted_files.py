@@ -326,3 +326,25 @@ def test_an_output_of_something_else_is_replaced_only_with_overwrite(manifest, d
     rc, err = grt_in_process(["export", "--checkpoint", str(dense_run), "--out", str(export), "--no-hf"], capsys)
     assert rc == 2 and f"{export} exists and holds files (another export, or anything else); pass --overwrite" in err
     assert files_of(export) == {"notes.txt": b"mine\n"}
+
+
+# -- sizes checked before the engine is built ---------------------------------------------------------
+def test_a_model_no_rank_can_hold_is_refused_before_the_engine(manifest, tmp_path):  # noqa: F811
+    """`model.d_model=100000`: the start plan (and so `--dry-run`) refuses it in one line naming the
+    parameters and the memory; before, the dry run passed and the run died allocating."""
+    args = ["train", "--preset", "micro-dense", "--data", str(manifest), "--out", str(tmp_path / "run")]
+    rc, err = grt_process(*args, "--steps", "2", "--set", "model.d_model=100000", "--dry-run")
+    line = error_lines(err)[-1]
+    assert rc == 2 and "600,058,700,000 parameters) needs" in line and "GiB per rank" in line, err[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_what_a_rank_holds_follows_zero_and_precision():
+    from pretrain.training.start.memory_fit import bytes_per_rank
+
+    fp32, bf16 = {"bf16": {"enabled": False}}, {"bf16": {"enabled": True}}
+    zero = lambda stage, **kw: {"zero_optimization": {"stage": stage, **kw}}  # noqa: E731
+    assert bytes_per_rank(1000, {**fp32, **zero(0)}, 4) == 16_000  # weights 4, gradients 4, Adam 8
+    assert bytes_per_rank(1000, {**fp32, **zero(3)}, 2) == 8_000
+    assert bytes_per_rank(1000, {**bf16, **zero(1)}, 4) == 2_000 + 2_000 + 3_000  # fp32 master + moments: 12
+    assert bytes_per_rank(1000, {**bf16, **zero(2, offload_optimizer={"device": "cpu"})}, 4) == 2_000 + 500

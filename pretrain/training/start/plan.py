@@ -39,6 +39,7 @@ from pretrain.training.engine.ds_config import build_ds_config, load_ds_json, ze
 from pretrain.training.engine.parallelize import check_checkpointing
 from pretrain.training.report.wandb_sink import check_available
 from pretrain.training.start import branch, run_lock
+from pretrain.training.start.memory_fit import check_fits
 from pretrain.training.start.resume_check import check_tag
 from pretrain.training.start.run_dir import check_run_paths
 
@@ -167,6 +168,7 @@ def plan_start(given: RunConfig, resume: bool, world: int | None = None, use_cud
     if chosen is not None and chosen.universal:
         ds = universal.with_universal_load(ds)  # read when the engine is built
     check_checkpointing(t.activation_checkpointing, zero_stage(ds))
+    check_fits(cfg.model, ds, world, cuda)  # before any engine is built: one line, not an allocation traceback
     return StartPlan(
         cfg=cfg,
         requested=requested,
