@@ -200,6 +200,22 @@ def meta_model(cfg: ModelConfig) -> GPT:
         return build_model(cfg).eval()
 
 
+def read_weights(path: Path, header_only: bool = False) -> dict[str, torch.Tensor]:
+    """An export's weights (safetensors: data only, nothing in it runs); ConfigError (one line) for
+    a file cut off or not in the format. header_only: its header and size checked, nothing read
+    (what a command checks before it loads the weights)."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_file
+
+    try:
+        if header_only:
+            with safe_open(str(path), framework="pt"):
+                return {}
+        return load_file(str(path))
+    except SafetensorError as err:
+        raise ConfigError(f"{path} is cut off or not a safetensors file ({err}): export the model again") from None
+
+
 def load_model(
     path: str | Path,
     device: str | torch.device = "cpu",
@@ -213,10 +229,9 @@ def load_model(
     if not p.exists():
         raise ConfigError(f"{path}: no such file or directory")
     if is_export_dir(p):
-        from safetensors.torch import load_file
-
         cfg = ModelConfig.load(p / "config.json")
-        model = model_from_state(cfg, load_file(str(p / WEIGHTS)), dtype) if weights else meta_model(cfg)
+        state = read_weights(p / WEIGHTS, header_only=not weights)
+        model = model_from_state(cfg, state, dtype) if weights else meta_model(cfg)
         run_cfg = json.loads((p / "run_config.json").read_text()) if (p / "run_config.json").is_file() else {}
         source, where = "export", p
     else:

@@ -348,3 +348,19 @@ def test_what_a_rank_holds_follows_zero_and_precision():
     assert bytes_per_rank(1000, {**fp32, **zero(3)}, 2) == 8_000
     assert bytes_per_rank(1000, {**bf16, **zero(1)}, 4) == 2_000 + 2_000 + 3_000  # fp32 master + moments: 12
     assert bytes_per_rank(1000, {**bf16, **zero(2, offload_optimizer={"device": "cpu"})}, 4) == 2_000 + 500
+
+
+@pytest.mark.parametrize("damage", ["cut", "garbage"])
+def test_a_broken_export_is_one_line(tmp_path, capsys, damage):
+    """A `model.safetensors` cut off or not one: `grt generate` (and every command that loads a model:
+    load_model) says so in one line, before (header) and at the load; before, a traceback."""
+    from trained_models import small_model, write_export
+
+    export = write_export(small_model(), tmp_path / "export", run_config={})
+    weights = export / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "cut" else b"not safetensors")
+    argv = ["generate", str(export), "--prompt", "To be", "--tokenizer", str(REPO / "nothing.model"), "--device", "cpu"]
+    rc, err = grt_in_process(argv, capsys)
+    assert rc == 2 and len(error_lines(err)) == 1, err
+    assert f"{weights} is cut off or not a safetensors file" in err and "Traceback" not in err, err
