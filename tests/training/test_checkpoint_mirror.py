@@ -2,9 +2,10 @@
 a run's checkpoints uploaded to moto's S3 server (tests/moto_s3.py) while it trains, with faults. One
 micro-grt run of 6 steps, a checkpoint every 2 (the last 2 kept): step 2's COMPLETE is dropped by the
 server until the upload gives up (the run goes on and says so), and the run is killed while step 6's
-upload retries its COMPLETE. Then the run directory is deleted and resumed from the bucket alone: it
-takes step 4 (step 6's partial upload has no COMPLETE) and trains steps 5 and 6 to the killed run's
-losses exactly; `grt export` and the loader read a mirrored checkpoint by its URL."""
+upload retries its last file (the ZeRO optimizer partition: every other file is up, COMPLETE is not).
+Then the run directory is deleted and resumed from the bucket alone: it takes step 4 (step 6's partial
+upload has no COMPLETE) and trains steps 5 and 6 to the killed run's losses exactly; `grt export` and
+the loader read a mirrored checkpoint by its URL."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ STEPS, SAVE, KEEP, MICRO = 6, 2, 2, 8
 BUCKET = "grt-ckpt"
 URL = f"s3://{BUCKET}/run"
 SECRET = "grt-test-secret-7f3a"  # the credentials' secret: in no file of the run, local or mirrored
+LAST_FILE = "step00000006/zero_pp_rank_0_mp_rank_00_optim_states.pt"  # the last of the checkpoint's files by name
 
 
 def _grt(args: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -57,15 +59,15 @@ def killed(manifest, tmp_path_factory):  # noqa: F811
     )
     client.create_bucket(Bucket=BUCKET)
     server.drop("PUT", "step00000002/COMPLETE")  # a dropped upload: retried for 4 s, then given up
-    server.drop("PUT", "step00000006/COMPLETE")  # the last one: the run waits for it at its end, and is killed
+    server.drop("PUT", LAST_FILE)  # the last checkpoint: the run waits for its upload at its end, and is killed
     out = tmp / "run"
     sets = [f"train.save_every={SAVE}", f"train.keep_checkpoints={KEEP}", f"train.checkpoint_mirror={URL}"]
-    sets += ["train.warmup_steps=2", "train.lr=3e-3", "train.log_every=1", "train.eval_every=0"]
+    sets += ["train.warmup_steps=2", "train.lr=3e-3", "train.log_every=1", "train.eval_every=0", "train.schedule=wsd"]
     proc = _grt(train_command("micro-grt", manifest, out, STEPS, MICRO, "ds_configs/zero3.json", sets), env)
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:
-        if any(r[1].endswith("step00000006/COMPLETE") and r[2] == "503" for r in server.requests()):
-            proc.send_signal(signal.SIGKILL)  # mid-upload: step 6's files are in the bucket, its COMPLETE is not
+        if any(LAST_FILE in r[1] and r[2] == "503" for r in server.requests()):
+            proc.send_signal(signal.SIGKILL)  # mid-upload: step 6's other files are in the bucket, COMPLETE is not
             break
         time.sleep(0.05)
     _, stderr = proc.communicate(timeout=60)
@@ -110,7 +112,7 @@ def test_a_mirrored_checkpoint_is_read_by_its_url(killed, monkeypatch, capsys, t
             monkeypatch.setenv(k, v)
     from safetensors.torch import load_file
 
-    from pretrain.infer.load import consolidate
+    from pretrain.infer.load import consolidate, load_model
 
     args = ["export", "--checkpoint", f"{URL}/checkpoints/step00000004", "--out", tmp_path / "e", "--no-hf"]
     rc, err = grt_in_process(args, capsys)
@@ -118,6 +120,11 @@ def test_a_mirrored_checkpoint_is_read_by_its_url(killed, monkeypatch, capsys, t
     exported = load_file(str(tmp_path / "e" / "model.safetensors"))
     local = consolidate(killed["tmp"] / "step4-local")
     assert exported.keys() <= local.keys() and all(torch.equal(exported[k], local[k]) for k in exported)
+    loaded = load_model(f"{URL}/checkpoints/step00000004", weights=False)  # grt eval's, generate's loader
+    assert Path(loaded.path) == Path(killed["env"]["GRT_MIRROR_CACHE"]) / "s3" / BUCKET / "run/checkpoints/step00000004"
+    branch = ["train", "--branch-from", URL, "--out", tmp_path / "branch", "--steps", "8", "--dry-run"]
+    rc, err = grt_in_process(branch, capsys)  # a decay branch of the mirror's newest complete checkpoint: 4
+    assert rc == 0 and "step00000004" in err and "step00000006" not in err, err
     partial = f"{URL}/checkpoints/step00000006"
     rc, err = grt_in_process(["export", "--checkpoint", partial, "--out", tmp_path / "f"], capsys)
     lines = error_lines(err)
