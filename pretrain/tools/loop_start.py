@@ -154,9 +154,10 @@ def table(records: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
 
-    def cell(values: list[float]) -> str:
-        sd = statistics.stdev(values) if len(values) > 1 else 0.0
-        return f"{statistics.mean(values):.3f} ± {sd:.3f}"
+    def cell(values: list[float]) -> str:  # one seed: no spread to give
+        if len(values) < 2:
+            return f"{statistics.mean(values):.3f} (1 seed)"
+        return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
 
     for start in STARTS:
         runs = [r for r in records if r["start"] == start]
