@@ -148,8 +148,8 @@ def consolidate(step_dir: Path) -> dict[str, torch.Tensor]:
     from pretrain.distributed import is_main
 
     read_through_all(step_dir)
-    if is_main():
-        print(f"grt: loading checkpoint {step_dir}", file=sys.stderr, flush=True)
+    if is_main():  # a progress line (": start: ", tests/commands.py), not the command's output or error
+        print(f"grt: start: loading checkpoint {step_dir}", file=sys.stderr, flush=True)
     # its progress bars only where someone watches: in a log or a pipe they are lines of noise
     quiet = contextlib.nullcontext() if sys.stderr.isatty() else contextlib.redirect_stderr(io.StringIO())
     with quiet, contextlib.redirect_stdout(sys.stderr), weights_only_loads():  # its lines: not the output

@@ -200,7 +200,7 @@ def test_latest_is_not_followed_out_of_its_folder(dense_run, tmp_path, capsys, c
     (run / "checkpoints" / "latest").write_text(f"../../other/run/checkpoints/{STEP}\n")
     rc, err = grt_in_process(["export", "--checkpoint", str(run), "--out", str(tmp_path / "export"), "--no-hf"], capsys)
     assert rc == 0 and not marker.exists(), err
-    assert f"grt: loading checkpoint {run / 'checkpoints' / STEP}\n" in err
+    assert f"grt: start: loading checkpoint {run / 'checkpoints' / STEP}\n" in err
     assert f"names '../../other/run/checkpoints/{STEP}', which is not a checkpoint of" in caplog.text
 
 
