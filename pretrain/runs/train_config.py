@@ -166,6 +166,11 @@ def train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
     return [
         (mirror is None, mirror or ""),
         (
+            not t.checkpoint_mirror or t.save_every > 0 or t.save_final,
+            f"train.checkpoint_mirror={t.checkpoint_mirror!r}: no checkpoint to mirror (train.save_every=0 and "
+            "train.save_final=false)",
+        ),
+        (
             t.depth_sampling in DEPTH_SAMPLING,
             f"train.depth_sampling={t.depth_sampling!r}: accepted values are {', '.join(DEPTH_SAMPLING)}",
         ),
