@@ -190,6 +190,17 @@ def test_a_manifests_paths_stay_in_its_folder(manifest, tmp_path, capsys, edit, 
     assert rc == 2 and len(error_lines(err)) == 1 and want in err, err
 
 
+def test_the_dry_run_reads_the_tokenizer_file_itself(manifest, tmp_path):  # noqa: F811
+    """A manifest whose tokenizer.path names another file than the one it records: `--dry-run`
+    hashes the file (before, it printed the recorded hash and the run died after its engine)."""
+    other = tmp_path / "other.model"
+    other.write_bytes(b"not the manifest's tokenizer")
+    path = edited(manifest, tmp_path / "shards", name_tokenizer(str(other)))
+    args = ["train", "--preset", "micro-dense", "--data", str(path), "--out", str(tmp_path / "run"), "--steps", "2"]
+    rc, err = grt_process(*args, "--dry-run")
+    assert rc == 2 and f"tokenizer '{other}' has sha256" in error_lines(err)[-1], err[-3000:]
+
+
 # -- a run's markers and records stay in its folder -------------------------------------------------
 def test_latest_is_not_followed_out_of_its_folder(dense_run, tmp_path, capsys, caplog):  # noqa: F811
     """`checkpoints/latest` naming another run's checkpoint (holding a payload): the command loads
