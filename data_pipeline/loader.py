@@ -149,8 +149,8 @@ class TokenBatchLoader:
         """One manifest draws from no other source (batches.TrainBatches: a mixture's draw)."""
         return None
 
-    def _plan(self) -> EpochPlan:
-        return EpochPlan(
+    def _plan_args(self) -> dict[str, Any]:
+        return dict(
             urls=[s.url for s in self.shards],
             sequences=[s.sequences for s in self.shards],
             identities=[(s.bytes, s.head_sha256) for s in self.shards],
@@ -171,8 +171,14 @@ class TokenBatchLoader:
             skip_corrupt=self.skip_corrupt,
         )
 
+    def _plan(self) -> EpochPlan:
+        return EpochPlan(**self._plan_args())
+
     def _epoch_source(self) -> Iterator[Produced]:
-        return produced(self._plan(), self.num_workers, self.pin_memory, self.prefetch_factor)
+        """This epoch's batches from the position reached; looping, every later epoch's after them
+        from the same workers (`Epochs`): no worker restarts at an epoch's end."""
+        plan = Epochs(self._plan_args()) if self.loop else self._plan()
+        return produced(plan, self.num_workers, self.pin_memory, self.prefetch_factor)
 
     def __iter__(self) -> Iterator[Batch]:
         if not self.loop and self.batch_in_epoch >= self.batches_per_epoch:
@@ -193,8 +199,6 @@ class TokenBatchLoader:
                             self.epoch += 1
                             self.batch_in_epoch = 0
                         yield batch
-                        if self.batch_in_epoch == 0:
-                            break  # epoch finished (loop=True): start the next one
                     else:
                         if self.loop:
                             raise RuntimeError(
@@ -301,3 +305,26 @@ class TokenBatchLoader:
         if self.loop and self.batch_in_epoch >= self.batches_per_epoch:
             self.epoch += 1
             self.batch_in_epoch = 0
+
+
+class Epochs:
+    """A looping loader's batches from (epoch, start_batch) on, epoch after epoch, as one worker plan
+    (picklable): the DataLoader's workers live for the whole iteration. The DataLoader asks its
+    workers round-robin across the epochs' boundary, so in epoch e + m, m epochs on, logical worker
+    j of the first epoch plays logical worker (j - m * batches) % W: batch k of every epoch still
+    comes from the worker the order assigns it."""
+
+    def __init__(self, first: dict[str, Any]) -> None:
+        self.first, self.batches = first, int(first["batches"])
+        self.start_batch, self.num_workers = int(first["start_batch"]), int(first["num_workers"])
+
+    def batches_for_worker(self, j: int, report: dict[str, Any]) -> Iterator[Batch]:
+        m = 0
+        while True:
+            args = self.first if m == 0 else {**self.first, "epoch": self.first["epoch"] + m, "start_batch": 0}
+            epoch_report: dict[str, Any] = {}  # a bad shard is reported in each epoch, as by a new worker
+            for batch in EpochPlan(**args).batches_for_worker((j - m * self.batches) % self.num_workers, epoch_report):
+                report["new"] = report.get("new", 0) + epoch_report.pop("new", 0)
+                report["bad"] = epoch_report.get("bad", set())
+                yield batch
+            m += 1

@@ -8,6 +8,7 @@ import collections
 import gzip
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -355,6 +356,29 @@ def test_resume_mid_epoch_and_across_epoch_boundary(shards, workers):
             for key in ("input_ids", "targets", "doc_ids"):
                 assert torch.equal(b[key], seq[i][key]), (done, i, key)
         assert resumed.state_dict() == ref.state_dict()
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_loader_workers_live_across_epochs_and_give_the_in_process_order(shards, workers):
+    """A looping loader's workers start once, not at every epoch (a restart put the workers' start,
+    and their first reads, inside a training step at each epoch's end): the same worker processes
+    from the first epoch to the fourth, and the batches those made in this process, across epochs
+    whose length is not a multiple of the workers (the round-robin carries over the boundary)."""
+    kw = dict(micro_batch_size=4, rank=1, world_size=2, seed=11, shuffle_buffer=37)
+    ref = TokenBatchLoader(shards.path, num_workers=0, **kw)
+    k = ref.batches_per_epoch
+    before = {p.pid for p in multiprocessing.active_children()}
+    loader = TokenBatchLoader(shards.path, num_workers=workers, **kw)
+    it, it_ref = iter(loader), iter(ref)
+    pids = []
+    for i in range(3 * k + 2):
+        b, want = next(it), next(it_ref)
+        assert all(torch.equal(b[key], want[key]) for key in ("input_ids", "targets", "doc_ids")), i
+        if i % k == 1:  # just past each epoch's start
+            pids.append(sorted(p.pid for p in multiprocessing.active_children() if p.pid not in before))
+    assert k % workers or workers == 3, k
+    assert len(pids) == 4 and len(pids[0]) == workers and all(p == pids[0] for p in pids), pids
+    assert {**loader.state_dict(), "num_workers": 0} == ref.state_dict()
 
 
 def test_resume_with_another_layout_warns_and_keeps_the_position(shards):
