@@ -67,13 +67,13 @@ class CheckpointMirror(Callback):
         began = time.perf_counter()
         self._hand_over()  # before this save can prune one that is complete here
         self.due.append(tag_for(step))
-        self.stall_s += time.perf_counter() - began
+        self._stalled(began)
 
     def on_step_end(self, step: int, record: dict[str, Any]) -> None:
         if self.due:
             began = time.perf_counter()
             self._hand_over()
-            self.stall_s += time.perf_counter() - began
+            self._stalled(began)
         if self.ended:
             with self.lock:
                 ended, self.ended = self.ended, []
@@ -87,6 +87,10 @@ class CheckpointMirror(Callback):
             if self.queued:
                 log.info("waiting for the upload of %s to the mirror %s", ", ".join(self.queued), self.mirror.url)
             self.lock.wait_for(lambda: not self.queued)
+
+    def _stalled(self, began: float) -> None:
+        with self.lock:  # the thread reads and resets it as an upload ends
+            self.stall_s += time.perf_counter() - began
 
     # -- the handing over --------------------------------------------------------------------
     def _hand_over(self) -> None:
