@@ -40,7 +40,9 @@ class ChainTask:
     ``order``: ``shuffled`` (the statements in random order) or ``by-name``: every variable
     defined, the unused ones as distractor roots, in name order (v0 first): a statement's place
     is then its variable's, so a lookup reads a fixed position, while a chain's statements still
-    name variables defined after them."""
+    name variables defined after them. ``compact``: a key just before its value, as associative
+    recall writes it: ``vA 7 ;`` and ``vB vA ;``, queries ``? vB 7 ;`` (the answer predicted from
+    the query's variable); values are then the letters A.. so that the text still splits one way."""
 
     num_vars: int = 32
     num_values: int = 10
@@ -51,6 +53,7 @@ class ChainTask:
     queries: str = "last"
     queries_per_sample: int = 0
     order: str = "shuffled"
+    compact: bool = False
 
     def check(self, max_hops: str = "max_hops") -> None:
         """Refuse settings no sample can be made with (a ValueError naming the setting, the
@@ -63,6 +66,7 @@ class ChainTask:
             (self.queries in QUERIES, f"queries must be one of {', '.join(QUERIES)}, got {self.queries!r}"),
             (self.queries_per_sample >= 0, f"queries_per_sample must be >= 0, got {self.queries_per_sample}"),
             (self.order in ORDERS, f"order must be one of {', '.join(ORDERS)}, got {self.order!r}"),
+            (not self.compact or self.num_values <= 26, f"compact: num_values must be <= 26, got {self.num_values}"),
             (
                 self.num_vars >= self.chains_per_sample * self.max_hops,
                 f"num_vars ({self.num_vars}) must be >= chains_per_sample x {max_hops} "
@@ -75,12 +79,12 @@ class ChainTask:
 
     @property
     def max_length(self) -> int:
-        """Tokens of the longest sample: the separator, 4 per hop, 5 per query."""
+        """Tokens of the longest sample: the separator, 4 per statement, 5 per query (3 and 4 compact)."""
         asked = self.chains_per_sample * (self.max_hops if self.queries == "all" else 1)
         if self.queries_per_sample:
             asked = min(asked, self.queries_per_sample)
         defined = self.num_vars if self.order == "by-name" else self.chains_per_sample * self.max_hops
-        return 1 + 4 * defined + 5 * asked
+        return 1 + (4 - self.compact) * defined + (5 - self.compact) * asked
 
 
 def variables(task: ChainTask) -> list[str]:
@@ -88,7 +92,12 @@ def variables(task: ChainTask) -> list[str]:
 
 
 def values(task: ChainTask) -> list[str]:
-    return [str(i) for i in range(task.num_values)]
+    return [chr(65 + i) if task.compact else str(i) for i in range(task.num_values)]
+
+
+def value_index(symbol: str) -> int:
+    """A value symbol's index in `values` ("7": 7; compact "H": 7)."""
+    return int(symbol) if symbol.isdigit() else ord(symbol) - 65
 
 
 def symbols(task: ChainTask) -> list[str]:
@@ -104,6 +113,11 @@ class ChainSample:
 
 def sample(task: ChainTask, rng: random.Random) -> ChainSample:
     """One sample of `task` (see the module's docstring) drawn with ``rng``."""
+    vals = values(task)
+
+    def statement(name: str, source: str) -> list[str]:
+        return [name, source, END] if task.compact else [name, EQ, source, END]
+
     hops = [rng.randint(task.min_hops, task.max_hops) for _ in range(task.chains_per_sample)]
     names = [f"v{i}" for i in rng.sample(range(task.num_vars), sum(hops))]
     statements: list[list[str]] = []
@@ -112,14 +126,14 @@ def sample(task: ChainTask, rng: random.Random) -> ChainSample:
     for k in hops:
         chain = names[start : start + k]
         start += k
-        value = str(rng.randrange(task.num_values))
-        statements.append([chain[0], EQ, value, END])
-        statements += [[chain[j], EQ, chain[j - 1], END] for j in range(1, k)]
+        value = vals[rng.randrange(task.num_values)]
+        statements.append(statement(chain[0], value))
+        statements += [statement(chain[j], chain[j - 1]) for j in range(1, k)]
         asked = range(1, k + 1) if task.queries == "all" else [k]
-        queries += [([ASK, chain[j - 1], EQ, value, END], j) for j in asked]
+        queries += [([ASK, *statement(chain[j - 1], value)], j) for j in asked]
     if task.order == "by-name":
         unused = set(range(task.num_vars)) - {int(n[1:]) for n in names}
-        statements += [[f"v{i}", EQ, str(rng.randrange(task.num_values)), END] for i in unused]
+        statements += [statement(f"v{i}", vals[rng.randrange(task.num_values)]) for i in unused]
         statements.sort(key=lambda st: int(st[0][1:]))
     else:
         rng.shuffle(statements)
@@ -129,7 +143,7 @@ def sample(task: ChainTask, rng: random.Random) -> ChainSample:
     tokens = [SEP] + [t for s in statements for t in s]
     answers = []
     for query, k in queries:
-        answers.append((len(tokens) + 3, k))
+        answers.append((len(tokens) + len(query) - 2, k))
         tokens += query
     return ChainSample(tokens, answers)
 
@@ -159,11 +173,20 @@ def score_positions(tokens: Sequence[str]) -> list[tuple[int, int, int]]:
             value, k = _resolve(defs, tokens[i + 1], i)
             if tokens[i + 3] != value:
                 raise ValueError(f"the query at token {i} answers {tokens[i + 3]!r}, but its chain holds {value!r}")
-            out.append((i + 3, int(value), k))
+            out.append((i + 3, value_index(value), k))
             i += 5
+        elif t == ASK and i + 3 < n and tokens[i + 3] == END and tokens[i + 2] not in _PUNCT:  # compact
+            value, k = _resolve(defs, tokens[i + 1], i)
+            if tokens[i + 2] != value:
+                raise ValueError(f"the query at token {i} answers {tokens[i + 2]!r}, but its chain holds {value!r}")
+            out.append((i + 2, value_index(value), k))
+            i += 4
         elif i + 3 < n and tokens[i + 1] == EQ and tokens[i + 3] == END and t not in _PUNCT:
             defs[t] = tokens[i + 2]
             i += 4
+        elif i + 2 < n and tokens[i + 2] == END and t not in _PUNCT and tokens[i + 1] not in _PUNCT:  # compact
+            defs[t] = tokens[i + 1]
+            i += 3
         else:
             i += 1  # padding, or a statement cut off by the end of the sequence
     return out

@@ -59,6 +59,11 @@ def _add_chains_args(c: argparse.ArgumentParser) -> None:
         help="shuffled: statements in random order (default); by-name: every variable defined, in name order "
         "(a lookup reads a fixed position; chains still point forward)",
     )
+    c.add_argument(
+        "--compact",
+        action="store_true",
+        help="a key just before its value: 'vA 7 ;', 'vB vA ;', queries '? vB 7 ;' (values are letters A..)",
+    )
     c.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the longest sample)")
     c.add_argument("--seed", type=int, default=0, help="seed of the samples (default 0)")
     c.add_argument("--quiet", "-q", action="store_true", help="no summary line")
@@ -80,6 +85,7 @@ def _chains(args: argparse.Namespace) -> None:
         args.queries,
         args.queries_per_sample,
         args.order,
+        args.compact,
     )
     val_task = replace(task, max_hops=args.max_hops if args.val_max_hops is None else args.val_max_hops)
     write_chains(args.out, task, args.train_samples, args.val_samples, args.seq_len, val_task, progress=not args.quiet)

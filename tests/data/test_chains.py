@@ -82,6 +82,18 @@ def test_by_name_order_defines_every_variable_in_its_place_and_chains_still_poin
     assert forward > 200  # a statement often names a variable defined after it
 
 
+def test_compact_puts_each_key_just_before_its_value():
+    task = ChainTask(num_vars=16, min_hops=1, max_hops=4, chains_per_sample=3, compact=True)
+    rng = random.Random(4)
+    for _ in range(200):
+        s = sample(task, rng)
+        assert len(s.tokens) <= task.max_length == 1 + 3 * 12 + 4 * 3
+        assert EQ not in s.tokens
+        parsed = score_positions(s.tokens)
+        assert [(p, k) for p, _, k in parsed] == s.answers
+        assert all(s.tokens[p - 2] == ASK and s.tokens[p] == chr(65 + v) for p, v, _ in parsed)
+
+
 def test_score_positions_refuses_tokens_that_are_not_the_task():
     tokens = [SEP, "v1", EQ, "3", ";", "v2", EQ, "v1", ";", ASK, "v2", EQ, "3", ";"]
     assert score_positions(tokens) == [(12, 3, 2)]
@@ -92,6 +104,19 @@ def test_score_positions_refuses_tokens_that_are_not_the_task():
     # a separator starts a new sample: the statements before it do not count
     with pytest.raises(ValueError, match="no statement before it defines"):
         score_positions(tokens[:9] + [SEP] + tokens[9:])
+
+
+def test_a_compact_data_set_has_one_piece_per_symbol(tmp_path):
+    out = tmp_path / "compact"
+    assert data_main(["chains", "-o", str(out), "--compact", "--num-values", "12", "--train-samples", "40", "-q"]) == 0
+    m = Manifest.load(str(out))
+    tok = Tokenizer(m.tokenizer_path)
+    task = ChainTask(num_values=12, compact=True)
+    assert [tok.sp.id_to_piece(i) for i in range(tok.vocab_size)] == ["<unk>", *symbols(task)]
+    s = m.shards("train")[0]
+    _, data = next(iter_shard(s.url, s.sequences, m.seq_len + 1, m.ext))
+    ids = [i for i in np.frombuffer(data, DTYPES[m.ext]).tolist()[1:-1] if tok.sp.id_to_piece(i) != PAD]
+    assert tok.encode(tok.decode(ids)) == ids  # "v3H;v5v3;?v5H;" splits back into its symbols
 
 
 @pytest.mark.parametrize(
