@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from moto_s3 import moto_s3  # noqa: F401 (a fixture)
 from servers import HOST, MotoS3, Nginx, RangeServer
 
 from data_pipeline.loader import DIGEST_MOD, TokenBatchLoader, sample_digest
@@ -167,28 +168,22 @@ def test_http_faults_are_one_line_naming_the_url(served, monkeypatch):
         assert elapsed < (5 if what == "busy" else 0.9), (what, elapsed)  # retried ~1 s only when worth it
 
 
-def test_s3_epoch_reads_its_bytes_once_and_the_local_samples(served, monkeypatch, tmp_path):
+def test_s3_epoch_reads_its_bytes_once_and_the_local_samples(served, moto_s3, tmp_path):
     count = 8  # moto answers a few hundred requests a second: fewer shards than for nginx
     names, src = served["names"][:count], Path(served["local"]).parent
     local = _write_manifest(src, tmp_path / "local", [str(Path(served["src"]) / n) for n in names], 0, count)
-    s3 = MotoS3(tmp_path)
-    try:
-        for k, v in s3.env.items():
-            monkeypatch.setenv(k, v)
-        import boto3
+    import boto3
 
-        client = boto3.client("s3")
-        client.create_bucket(Bucket="grt-shards")
-        for name in names:
-            client.upload_file(str(Path(served["src"]) / name), "grt-shards", f"corpus/{name}")
-        manifest = _write_manifest(src, tmp_path / "s3", [f"s3://grt-shards/corpus/{n}" for n in names], 0, count)
-        s3.clear_log()
-        assert _step_digests(manifest, world=2, workers=2) == _step_digests(local, world=2, workers=2)
-        ratio = s3.bytes_served("GET") / _shard_bytes(manifest)
-        print(f"s3: {ratio:.3f} x the shards' bytes")
-        assert 0.9 < ratio <= 1.1
-    finally:
-        s3.stop()
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="grt-shards")
+    for name in names:
+        client.upload_file(str(Path(served["src"]) / name), "grt-shards", f"corpus/{name}")
+    manifest = _write_manifest(src, tmp_path / "s3", [f"s3://grt-shards/corpus/{n}" for n in names], 0, count)
+    moto_s3.clear_log()
+    assert _step_digests(manifest, world=2, workers=2) == _step_digests(local, world=2, workers=2)
+    ratio = moto_s3.bytes_served("GET") / _shard_bytes(manifest)
+    print(f"s3: {ratio:.3f} x the shards' bytes")
+    assert 0.9 < ratio <= 1.1
 
 
 def test_s3_server_restarted_mid_epoch_loses_or_repeats_nothing(served, monkeypatch, tmp_path):
