@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from commands import error_lines, grt_in_process, resume_command, train_command
-from moto_s3 import MotoS3
+from moto_s3 import MotoS3, moto_s3  # noqa: F401 (a fixture)
 from trained_models import ENV, REPO, manifest, single_thread  # noqa: F401 (fixtures)
 
 STEPS, SAVE, KEEP, MICRO = 6, 2, 2, 8
@@ -145,6 +145,35 @@ def test_a_resume_from_the_mirror_alone_continues_exactly(killed, monkeypatch):
     again = {r["step"]: r["loss"] for r in records(out) if "loss" in r}
     assert sorted(again) == [5, 6] and all(again[s] == before[s] for s in again), (before, again)
     assert mirror_tags(env, monkeypatch) == (["step00000004", "step00000006"], [])
+
+
+def test_a_dropped_request_is_retried_and_the_checkpoint_completed(moto_s3, tmp_path, monkeypatch):
+    """Two refusals of one file's PUT: the upload retries it, COMPLETE is put last, and the fetched copy
+    is the checkpoint's files byte for byte."""
+    import boto3
+
+    from pretrain.runs.checkpoint_mirror import Mirror
+
+    boto3.client("s3").create_bucket(Bucket=BUCKET)
+    step = tmp_path / "step00000004"
+    (step / "export").mkdir(parents=True)  # train.export_every's copy: not mirrored
+    files = {"rank0_state.pt": b"x" * 5000, "config.json": b"{}", "export/model.safetensors": b"e", "COMPLETE": b"4\n"}
+    for name, data in files.items():
+        (step / name).write_bytes(data)
+    moto_s3.drop("PUT", "step00000004/rank0_state.pt", 2)
+    monkeypatch.setenv("GRT_MIRROR_RETRY_S", "30")
+    mirror = Mirror(URL)
+    assert mirror.upload(step, step.name) == 5002
+    puts = [r for r in moto_s3.requests() if r[0] == "PUT"]
+    assert [r[2] for r in puts if r[1].endswith("rank0_state.pt")] == ["503", "503", "200"]
+    assert puts[-1][1].endswith("step00000004/COMPLETE")  # last
+    assert mirror.tags() == (["step00000004"], [])
+    fetched = mirror.fetch(step.name, tmp_path / "fetched")
+    assert {p.name: p.read_bytes() for p in fetched.rglob("*") if p.is_file()} == {
+        "rank0_state.pt": files["rank0_state.pt"],
+        "config.json": b"{}",
+        "COMPLETE": b"4\n",
+    }
 
 
 @pytest.mark.parametrize(
