@@ -1,4 +1,4 @@
-# GRT pretraining image: NVIDIA's PyTorch container (CUDA, NCCL, apex, flash-attn, HPC-X
+# GRT pretraining image: NVIDIA's PyTorch container (CUDA, NCCL, flash-attn, HPC-X
 # OpenMPI) + DeepSpeed with its CUDA ops prebuilt + this project + pdsh/sshd for multi-node.
 # Built on a machine with Docker (see docs/launching.md):
 #   docker build -t grt:latest .
@@ -66,8 +66,8 @@ COPY scripts/ scripts/
 COPY docs/ docs/
 COPY examples/ examples/
 
-# fails the build when flash-attn, apex or a prebuilt DeepSpeed op is missing (the trainer
-# would fall back to slower paths without a word)
+# fails the build when flash-attn or a prebuilt DeepSpeed op is missing (the trainer would fall
+# back to slower paths; apex is not needed: nothing imports it)
 RUN python docker/check_image.py \
     && grt --help \
     && grt launch --launcher slurm --nodes 2 --gpus-per-node 8 --dry-run --no-resolve --run-dir /tmp/grt-check >/dev/null

@@ -1,8 +1,9 @@
 """Build-time check of the image (Dockerfile, Apptainer %test): everything the trainer would
-otherwise fall back from without a word is there. flash-attn and apex import, and DeepSpeed's
-CUDA ops were compiled at install time (a missing one would be JIT-compiled on every node at
-the first step). Imports only: it runs without a GPU (DeepSpeed is told the accelerator is CUDA,
-which it cannot detect then). Prints one line per problem, exits 1."""
+otherwise fall back from is there. flash-attn imports (the packed-document attention, docs/gpu.md
+"flash-attn"), and DeepSpeed's CUDA ops were compiled at install time (a missing one would be
+JIT-compiled on every node at the first step). Imports only: it runs without a GPU (DeepSpeed is
+told the accelerator is CUDA, which it cannot detect then). apex is not checked: no module
+imports it. Prints one line per problem, exits 1."""
 
 import importlib
 import os
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 
 os.environ.setdefault("DS_ACCELERATOR", "cuda")
 
-MODULES = ("flash_attn", "apex", "deepspeed", "mpi4py", "webdataset", "sentencepiece", "pretrain.cli")
+MODULES = ("flash_attn", "deepspeed", "mpi4py", "webdataset", "sentencepiece", "pretrain.cli")
 # the DS_BUILD_* ops of the Dockerfile, by their op_builder class
 PREBUILT_OPS = ("FusedAdamBuilder", "FusedLambBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
 
@@ -41,7 +42,7 @@ def main() -> int:
     for line in found:
         print(f"image check: {line}", file=sys.stderr)
     if not found:
-        print("image check: flash_attn, apex, the project and the prebuilt DeepSpeed ops are all usable")
+        print("image check: flash_attn, the project and the prebuilt DeepSpeed ops are all usable")
     return 1 if found else 0
 
 
