@@ -66,9 +66,9 @@ def error_lines(stderr: str, *also_not: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.strip() and not any(s in line for s in skip)]
 
 
-def grt_in_process(argv: list, capsys) -> tuple[int, str]:
-    """`grt ARGV` in this process (pytest's `capsys` captures it): its exit code and stderr. An
-    argparse exit is its code; anything else raised is a traceback and fails the test."""
+def grt_output(argv: list, capsys) -> tuple[int, str, str]:
+    """`grt ARGV` in this process (pytest's `capsys` captures it): its exit code, stdout and stderr.
+    An argparse exit is its code; anything else raised is a traceback and fails the test."""
     from pretrain import cli
 
     capsys.readouterr()
@@ -76,4 +76,11 @@ def grt_in_process(argv: list, capsys) -> tuple[int, str]:
         rc = cli.main([str(a) for a in argv])
     except SystemExit as stop:
         rc = stop.code if isinstance(stop.code, int) else 2
-    return rc, capsys.readouterr().err
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def grt_in_process(argv: list, capsys) -> tuple[int, str]:
+    """`grt ARGV` in this process: its exit code and stderr (`grt_output`)."""
+    rc, _, err = grt_output(argv, capsys)
+    return rc, err

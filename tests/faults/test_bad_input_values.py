@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from commands import error_lines
+from commands import error_lines, grt_output
 from commands import grt_in_process as grt
 from trained_models import DEMO_TEXT, CharTokenizer, manifest, single_thread, small_model, write_export  # noqa: F401 (fixtures)
 
@@ -124,15 +124,24 @@ def test_meaningless_train_value_is_one_line_naming_the_key(manifest, tmp_path, 
     no_group()
 
 
+def given(item: str) -> tuple[str, object]:
+    """`train.KEY=VALUE` -> (KEY, the number or numbers it gives)."""
+    key, _, value = item.partition("=")
+    return key.removeprefix("train."), tuple(map(float, value.split(","))) if "," in value else float(value)
+
+
 def test_meaningful_train_edges_are_accepted():
+    """Each edge is accepted and kept as given (a value silently replaced would pass `validate`)."""
     from pretrain.train import build_parser, config_from_args
 
     args = ["--preset", "micro-grt", "--data", "manifest.json"]
     for item in TRAIN_GOOD:
         cfg = config_from_args(build_parser().parse_args([*args, "--set", item]))
-        assert cfg.train is not None
+        key, value = given(item)
+        assert getattr(cfg.train, key) == value, (item, getattr(cfg.train, key))
     every = [x for item in TRAIN_GOOD for x in ("--set", item)]
-    config_from_args(build_parser().parse_args([*args, *every]))
+    cfg = config_from_args(build_parser().parse_args([*args, *every]))
+    assert {key: getattr(cfg.train, key) for key, _ in map(given, TRAIN_GOOD)} == dict(map(given, TRAIN_GOOD))
 
 
 MODEL_CASES = [
@@ -183,12 +192,27 @@ DS_BAD = [
     ({"bf16": [True]}, "bf16="),
     ({"steps_per_print": 0}, "steps_per_print=0"),
 ]
+ABSENT = object()
+# each accepted file with what the merged config must then hold ("auto": the key left to DeepSpeed's default)
 DS_GOOD = [
-    {"zero_optimization": {"stage": "auto"}},
-    {"zero_optimization": {"stage": 0}},
-    {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": 0}},
-    {"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}},
-    {"optimizer": {"type": "AdamW", "params": {"eps": 1e-6}}, "steps_per_print": 1, "bf16": None},
+    ({"zero_optimization": {"stage": "auto"}}, {"zero_optimization.stage": ABSENT}),
+    ({"zero_optimization": {"stage": 0}}, {"zero_optimization.stage": 0}),
+    (
+        {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": 0}},
+        {
+            "zero_optimization.stage": 3,
+            "zero_optimization.reduce_bucket_size": ABSENT,
+            "zero_optimization.stage3_prefetch_bucket_size": 0,
+        },
+    ),
+    (
+        {"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}},
+        {"zero_optimization.stage": 2, "zero_optimization.reduce_bucket_size": 5e8},
+    ),
+    (
+        {"optimizer": {"type": "AdamW", "params": {"eps": 1e-6}}, "steps_per_print": 1, "bf16": None},
+        {"optimizer.params.eps": 1e-6, "steps_per_print": 1, "bf16.enabled": False},
+    ),
 ]
 
 
@@ -217,13 +241,18 @@ def test_impossible_deepspeed_value_is_refused_by_the_launcher_once(manifest, tm
     assert not out.exists()
 
 
-@pytest.mark.parametrize("ds", DS_GOOD, ids=[json.dumps(d) for d in DS_GOOD])
-def test_possible_deepspeed_values_are_accepted(ds):
+@pytest.mark.parametrize("ds,holds", DS_GOOD, ids=[json.dumps(d) for d, _ in DS_GOOD])
+def test_possible_deepspeed_values_are_accepted(ds, holds):
+    """Accepted and used as written: the merged config DeepSpeed receives holds each value."""
     from pretrain.runs.train_config import TrainConfig
-    from pretrain.training.engine.ds_config import build_ds_config, zero_stage
+    from pretrain.training.engine.ds_config import build_ds_config
 
     merged = build_ds_config(ds, TrainConfig(), world_size=1, use_cuda=False)
-    assert zero_stage(merged) in (0, 1, 2, 3)
+    for path, want in holds.items():
+        node = merged
+        for key in path.split("."):
+            node = node.get(key, ABSENT) if isinstance(node, dict) else ABSENT
+        assert node is want if want is ABSENT else node == want, (path, node, merged)
 
 
 # ------------------------------------------------------------------------ 1. grt launch's numeric flags
@@ -245,12 +274,38 @@ LAUNCH_BAD = [
     (["--launcher", "slurm", "--cpu", "--signal", "USR1@-5"], "--signal 'USR1@-5'"),
     (["--launcher", "slurm", "--cpu", "--signal", "NOPE@60"], "--signal 'NOPE@60'"),
 ]
+# each accepted set of flags with what the dry run's plan then holds (the local launcher has no port:
+# --standalone picks one, so the port is checked where it is passed on)
 LAUNCH_GOOD = [
-    ["--nodes", "1", "--procs-per-node", "2", "--gpus-per-node", "0"],
-    ["--master-port", "29501"],
-    ["--launcher", "deepspeed", "--hosts", "a,b", "--no-ssh", "--node-rank", "1"],
-    ["--launcher", "slurm", "--cpu", "--nodes", "2", "--time", "1-00:30:00", "--mem", "0", "--signal", "B:USR1@300"],
-    ["--launcher", "slurm", "--cpu", "--time", "90", "--mem", "64G", "--signal", "TERM", "--cpus-per-task", "4"],
+    (
+        ["--nodes", "1", "--procs-per-node", "2", "--gpus-per-node", "0"],
+        ["1 node(s) x 2 rank(s)", "--nproc_per_node=2"],
+    ),
+    (["--launcher", "deepspeed", "--master-port", "29501"], ["--master_port=29501"]),
+    (
+        ["--launcher", "deepspeed", "--hosts", "a,b", "--no-ssh", "--node-rank", "1"],
+        ["a slots=1\nb slots=1\n", "--num_nodes=2", "--no_ssh --node_rank=1"],
+    ),
+    (
+        [
+            "--launcher",
+            "slurm",
+            "--cpu",
+            "--nodes",
+            "2",
+            "--time",
+            "1-00:30:00",
+            "--mem",
+            "0",
+            "--signal",
+            "B:USR1@300",
+        ],
+        ["#SBATCH --nodes=2\n", "#SBATCH --mem=0\n", "#SBATCH --time=1-00:30:00\n", "#SBATCH --signal=B:USR1@300\n"],
+    ),
+    (
+        ["--launcher", "slurm", "--cpu", "--time", "90", "--mem", "64G", "--signal", "TERM", "--cpus-per-task", "4"],
+        ["#SBATCH --cpus-per-task=4\n", "#SBATCH --mem=64G\n", "#SBATCH --time=90\n", "#SBATCH --signal=B:TERM\n"],
+    ),
 ]
 
 
@@ -271,11 +326,14 @@ def test_master_port_from_the_environment_is_checked(tmp_path, capsys, monkeypat
     refused("launch flag", rc, err, "MASTER_PORT='port'", "1..65535")
 
 
-@pytest.mark.parametrize("flags", LAUNCH_GOOD, ids=[" ".join(f) for f in LAUNCH_GOOD])
-def test_launch_flags_in_range_are_accepted(tmp_path, capsys, monkeypatch, flags):
+@pytest.mark.parametrize("flags,plan", LAUNCH_GOOD, ids=[" ".join(f) for f, _ in LAUNCH_GOOD])
+def test_launch_flags_in_range_are_accepted(tmp_path, capsys, monkeypatch, flags, plan):
+    """Accepted and used: the plan the dry run prints holds each value."""
     monkeypatch.delenv("MASTER_PORT", raising=False)
-    rc, err = grt(launch_argv(flags, tmp_path / "launch"), capsys)
+    rc, out, err = grt_output(launch_argv(flags, tmp_path / "launch"), capsys)
     assert rc == 0, err
+    for want in plan:
+        assert want in out, (want, out)
 
 
 # ----------------------------------------------------------------------------- 1. grt generate's flags
@@ -308,9 +366,19 @@ def test_prompt_filling_the_context_is_one_line_not_an_empty_sample(models, caps
 
 
 def test_generate_edges_are_accepted(models, capsys):
-    flags = ["--max-new-tokens", "2", "--top-k", "0", "--top-p", "1", "--temperature", "0", "--depth", "0"]
-    rc, err = grt(["generate", models["model"], *flags, "--json"], capsys)
-    assert rc == 0, err
+    """Accepted and meaning what their help says: temperature 0 is greedy decoding (whatever the
+    seed), top-k 0 and top-p 1 filter nothing (the same draws as without them), depth 0 is used."""
+
+    def tokens(*flags: str) -> list[list[int]]:
+        rc, out, err = grt_output(["generate", models["model"], "--max-new-tokens", "4", *flags, "--json"], capsys)
+        assert rc == 0, err
+        result = json.loads(out)
+        assert result["depth"] == 0, result
+        return result["tokens"]
+
+    edges = ("--top-k", "0", "--top-p", "1", "--depth", "0")
+    assert tokens(*edges, "--temperature", "0", "--seed", "1") == tokens("--greedy", "--depth", "0", "--seed", "2")
+    assert tokens(*edges, "--seed", "3") == tokens("--depth", "0", "--seed", "3")
 
 
 def test_generate_library_names_max_new_tokens():
