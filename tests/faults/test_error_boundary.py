@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,8 +29,6 @@ from commands import grt_in_process as grt_here
 from commands import train_command
 from trained_models import DEMO_TEXT, ENV, REPO, manifest, single_thread, small_model, write_export  # noqa: F401 (fixtures)
 
-TRIED: Counter = Counter()  # inputs tried per class, printed at the end (-s) for docs/reliability.md
-HANDLED: Counter = Counter()
 PAGE = 4096  # tmpfs counts space in pages
 TRAIN_SETS = ["train.warmup_steps=1", "train.log_every=1"]
 
@@ -56,15 +53,13 @@ def _what(p: Path) -> str:
 
 
 def one_line(kind: str, rc: int, stderr: str, code: int, *wants: str) -> str:
-    """Exit `code`, one line on stderr holding every one of `wants`, no traceback; counted under `kind`."""
-    TRIED[kind] += 1
+    """Exit `code`, one line on stderr holding every one of `wants`, no traceback (`kind`: the class of input)."""
     lines = error_lines(stderr)
     assert "Traceback" not in stderr, stderr[-4000:]
     assert rc == code, f"rc {rc}: {stderr[-4000:]}"
     assert len(lines) == 1, stderr[-4000:]
     for want in wants:
         assert want in lines[0], lines[0]
-    HANDLED[kind] += 1
     return lines[0]
 
 
@@ -285,8 +280,6 @@ def test_a_full_disk_on_rank_0_stops_both_ranks_without_a_hang(manifest, small_f
         line = [line for line in job.output(rank).splitlines() if line.startswith("grt train: error:")]
         assert len(line) == 1 and f"{out}/" in line[0] and "No space left on device" in line[0], job.output(rank)
     assert not os.path.lexists(out), os.listdir(out)
-    TRIED["disk full: train, 2 ranks"] += 1
-    HANDLED["disk full: train, 2 ranks"] += 1
 
 
 @pytest.mark.slow
@@ -478,9 +471,3 @@ def test_ctrl_c_in_prepare_is_one_line_exit_130_and_leaves_the_folder_as_it_was(
     _, stderr = proc.communicate(timeout=120)
     one_line("Ctrl-C: prepare", proc.returncode, stderr, 130, "grt data prepare: interrupted by SIGINT")
     assert tree(tmp_path) == before
-
-
-def test_zzz_print_counts():
-    """`-s` shows the counts for docs/reliability.md."""
-    for kind in sorted(TRIED):
-        print(f"{kind}: tried {TRIED[kind]}, handled {HANDLED[kind]}")

@@ -93,25 +93,40 @@ def test_a_stage_naming_a_source_twice_is_refused():
 
 
 def test_settings_that_take_effect_stay_accepted():
-    """Each switch with its feature on, and a saved config's values (not given: defaults)."""
+    """Each switch with its feature on, and a saved config's values (not given: defaults); each
+    value kept as given (a setting dropped to make the rule pass would pass `validate`)."""
     from pretrain.runs.run_config import RunConfig
     from pretrain.train import build_parser, config_from_args
 
     base = ["--preset", "micro-grt", "--data", "m.json", "--out", "unused"]
-    for argv in (
-        ["--set", "train.tokens=512"],
-        ["--steps", "50", "--set", "train.tokens=0"],
-        ["--set", "train.schedule=wsd", "--set", "train.decay_tokens=1e6", "--set", "train.decay_shape=sqrt"],
-        ["--set", "train.wandb=true", "--set", "train.wandb_project=proj"],
-        ["--set", "train.profile=1,1,1", "--set", "train.profile_ranks=0"],
-        ["--set", "train.eval_tasks_every=10", "--set", "train.eval_tasks_limit=5"],
-        ["--set", "train.optimizer=muon", "--set", "train.muon_lr=0.05", "--set", "train.muon_weight_decay=0.1"],
-        ["--steps", str(2**40)],
+    for argv, kept in (
+        (["--set", "train.tokens=512"], {"tokens": 512}),
+        (["--steps", "50", "--set", "train.tokens=0"], {"steps": 50, "tokens": 0}),
+        (
+            ["--set", "train.schedule=wsd", "--set", "train.decay_tokens=1e6", "--set", "train.decay_shape=sqrt"],
+            {"schedule": "wsd", "decay_tokens": 1e6, "decay_shape": "sqrt"},
+        ),
+        (["--set", "train.wandb=true", "--set", "train.wandb_project=proj"], {"wandb": True, "wandb_project": "proj"}),
+        (
+            ["--set", "train.profile=1,1,1", "--set", "train.profile_ranks=0"],
+            {"profile": "1,1,1", "profile_ranks": "0"},
+        ),
+        (
+            ["--set", "train.eval_tasks_every=10", "--set", "train.eval_tasks_limit=5"],
+            {"eval_tasks_every": 10, "eval_tasks_limit": 5},
+        ),
+        (
+            ["--set", "train.optimizer=muon", "--set", "train.muon_lr=0.05", "--set", "train.muon_weight_decay=0.1"],
+            {"optimizer": "muon", "muon_lr": 0.05, "muon_weight_decay": 0.1},
+        ),
+        (["--steps", str(2**40)], {"steps": 2**40}),
     ):
-        config_from_args(build_parser().parse_args([*base, *argv]))
+        train = config_from_args(build_parser().parse_args([*base, *argv])).train
+        assert {key: getattr(train, key) for key in kept} == kept, argv
     saved = RunConfig()
     saved.data, saved.train.wandb_project = "m.json", "proj"  # a loaded config: nothing given
     saved.validate()
+    assert saved.train.wandb_project == "proj" and not saved.train.wandb
 
 
 # -- the start's rules (plan_start: the world and the tokens per step known) ----------------------
