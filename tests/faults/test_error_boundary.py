@@ -360,7 +360,7 @@ def test_a_full_disk_in_prepare_names_the_shard_and_puts_the_old_folder_back(man
     assert rc == 0, err
     before = tree(small_fs)
     fill(small_fs, 4)
-    rc, err = grt_here([*base, "--seq-len", "32"], capsys)
+    rc, err = grt_here([*base, "--seq-len", "32", "--overwrite"], capsys)  # over another prepare's output
     one_line("disk full: prepare", rc, err, 2, str(out / "train-"), "No space left on device")
     assert {k: v for k, v in tree(small_fs).items() if k != "filler"} == before
 

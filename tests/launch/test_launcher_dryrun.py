@@ -6,6 +6,7 @@ DeepSpeed's own hostfile reader; the mpirun command is mapped by the real `mpiru
 `sbatch --test-only` against a real cluster in test_launcher_slurm.py).
 """
 
+import hashlib
 import json
 import os
 import re
@@ -198,9 +199,9 @@ def test_deepspeed_no_ssh_node_rank():
 
 
 def test_deepspeed_errors():
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match=r"^4 nodes need --hostfile or --hosts \(or a Slurm allocation\)$"):
         plan_for("deepspeed")  # 4 nodes, no hosts anywhere
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^--no-ssh needs --node-rank \(this node's index in the hostfile\)$"):
         plan_for("deepspeed", "--hosts", "a,b,c,d", "--no-ssh")  # no node rank
 
 
@@ -461,7 +462,7 @@ def write_manifest(root):
         sep_piece="",
         ext="u16",
         tokenizer_name=str(root / "tok" / "tok.model"),
-        tokenizer_sha256="0",
+        tokenizer_sha256=hashlib.sha256(b"").hexdigest(),  # the empty tok.model's: a manifest's tokenizer is hashed
         splits={"train": split("shards-a"), "val": split("shards-b")},
         sources=[],
         stats={},
@@ -523,7 +524,7 @@ def test_slurm_without_gpus_is_refused_in_one_line(capsys):
     assert "exclude each other" in capsys.readouterr().err
 
 
-def test_deepspeed_runner_options_pass_through():
+def test_deepspeed_runner_options_pass_through(capsys):
     from deepspeed.launcher import runner as ds_runner
 
     plan = plan_for(
@@ -543,8 +544,10 @@ def test_deepspeed_runner_options_pass_through():
     args = ds_runner.parse_args(argv[argv.index("--hostfile") :])
     assert (args.include, args.exclude, args.ssh_port, args.no_ssh_check) == ("node1:0,1@node2", "node3", 2222, True)
     assert args.enable_each_rank_log == os.path.join(RUN_DIR, "logs")
+    capsys.readouterr()
     with pytest.raises(SystemExit):  # DeepSpeed's slurm backend cannot start a module
         plan_for("deepspeed", "--hosts", "node[1-4]", "--ds-launcher", "slurm")
+    assert "grt launch: error: argument --ds-launcher: invalid choice: 'slurm'" in capsys.readouterr().err
 
 
 def test_rank_logs_on_local_and_mpi():
