@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU check (docs/gpu.md), planned for the GPU machine's limits: 15 minutes of device time in
 # all (the machine's start, 2-3 of them, included), at most 10 minutes a call, at most 8 files back.
-# Each call's budget leaves one rerun of either call: start + call 1 + call 2 + a rerun <= 15 minutes.
+# The budgets leave one rerun of either call at a 240 s start: start + call 1 + call 2 + a rerun <= 15 minutes.
 #
-#   scripts/gpu_check.sh [1]     call 1 (225 s of work): `grt train` throughput of grt-small and
-#                                dense-small (ZeRO-2 and 3, eager and compiled)
-#   scripts/gpu_check.sh 2       call 2 (225 s): a functional smoke at GPT-2 size (train with eval and
-#                                a checkpoint, resume, export, eval, generate), `grt bench loss`, the
-#                                host syncs, the ZeRO-3 persistence A/B, checkpointing with compile,
-#                                medium/large, then decode, precision and train-step benches
+#   scripts/gpu_check.sh [1]     call 1 (215 s of work): `grt train` throughput of dense-small (first: the
+#                                baseline) and grt-small, ZeRO-2 and 3, eager and compiled: every goal's ratio
+#   scripts/gpu_check.sh 2       call 2 (155 s): the CUDA numerics (`grt bench loss` against its reference,
+#                                the bf16 loop state), a functional smoke at GPT-2 size (train with eval and
+#                                a checkpoint, resume, export, eval, generate), the host syncs, the ZeRO-3
+#                                persistence A/B, checkpointing with compile, medium/large, then decode,
+#                                bf16 training and train-step benches
 #   scripts/gpu_check.sh --cpu [1|2]   the same rows at a tiny size on the CPU (micro presets, seq 64)
 #   scripts/gpu_check.sh --plan [--cpu] [1|2]   print the call's budget and the device's sum, then its
 #                                rows (name, limit, estimated seconds on a cold H200, command) and what
@@ -17,8 +18,9 @@
 #
 # Every row is its own process under `timeout -k`, given at most what is left of the call's budget
 # (GPU_CHECK_BUDGET_S, counted from the script's start, the wheels' install included). A row that would
-# start with under GPU_CHECK_MIN_LEFT_S (20) left, or that the budget cut, is "skipped (budget)". A failed
-# `data` row or first training row ends the call at once: every row after it needs it. Each row is
+# start with under GPU_CHECK_MIN_LEFT_S (10) left, or that the budget cut, is "skipped (budget)". A failed
+# `data` row, or a failed first dense row of call 1 (the baseline: no ratio without it), ends the call at
+# once; a failed GRT row ends nothing. A row that needs another (the smoke's) is skipped when that failed. Each row is
 # printed and appended to $OUT/results.tsv the moment it ends, its log to $OUT/log.txt (the last 40
 # lines, a failed row's whole log) and to $OUT/logs.tar.gz (every row's whole log), and $OUT/summary.md
 # is rewritten after it, so a call killed halfway keeps every row it finished. $OUT (default
@@ -41,12 +43,14 @@ done
 started=$(date +%s)
 out="${OUT:-gpu_check}"
 work="${GPU_CHECK_WORK:-${TMPDIR:-/tmp}/gpu_check_work}"
-# the device call's timeout_s is the budget plus SPARE_S: the env file, the last archive, the transfers.
-# DEVICE_S in all, START_S of it the machine's start: START_S + 3 x (BUDGET_S + SPARE_S) <= DEVICE_S leaves
-# a rerun of either call (tests/launch/test_gpu_check.py)
-DEVICE_S=900 START_S=150 SPARE_S=20 BUDGET_S=225
+# the device call's timeout_s is the budget plus SPARE_S: a cut row's 5 s to die (`timeout -k 5`), the last
+# archive and summary. DEVICE_S in all, START_S of it the machine's start (240 s: the longest seen):
+# START_S + call 1 + call 2 + a rerun of the longer <= DEVICE_S, the rest for the pauses between calls
+# (tests/launch/test_gpu_check.py)
+DEVICE_S=900 START_S=240 SPARE_S=15 BUDGET_1=215 BUDGET_2=155
+BUDGET_S=$([ "$call" = 1 ] && echo "$BUDGET_1" || echo "$BUDGET_2")
 budget="${GPU_CHECK_BUDGET_S:-$([ "$cpu" = 1 ] && echo 1800 || echo "$BUDGET_S")}"
-min_left="${GPU_CHECK_MIN_LEFT_S:-20}"
+min_left="${GPU_CHECK_MIN_LEFT_S:-10}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # the rows share one compile cache: a later row reuses the kernels an earlier one compiled
 export TORCHINDUCTOR_CACHE_DIR="$work/cache/inductor" TRITON_CACHE_DIR="$work/cache/triton"
@@ -57,14 +61,15 @@ if [ "$cpu" = 1 ]; then
   grt_small=micro-grt dense_small=micro-dense grt_medium=micro-grt grt_large=micro-grt
   seq=64 mbs=2 perf_steps=6 log_every=3 smoke_steps=4 resume_steps=6 eval_batches=1  # 2 logged windows a perf row
   limit_train=240 limit_big=240 limit_compiled=400 limit_other=240 limit_first=240
-  decode=(--prompt-len 16 --new-tokens 16) bench_d=64 bench_heads=4 precision=(micro-grt 20)
+  decode=(--prompt-len 16 --new-tokens 16) bench_d=64 bench_heads=4 precision=(micro-grt 20) loss_tokens=4096
 else
   grt_small=grt-small dense_small=dense-small grt_medium=grt-medium grt_large=grt-large
-  seq=1024 mbs=16 perf_steps=40 log_every=10 smoke_steps=20 resume_steps=30 eval_batches=4
+  # 24 steps logged every 8: 16 measured after the first window (a row's cost is its start, not its steps)
+  seq=1024 mbs=16 perf_steps=24 log_every=8 smoke_steps=20 resume_steps=30 eval_batches=4
   # limit_first: a call's first training row pays the cold start (CUDA context, cuBLAS, the gate's Triton
   # kernel, the loss chunk's inductor compile: ~35 s on top of a row's ~20 s)
   limit_train=60 limit_big=90 limit_compiled=100 limit_other=60 limit_first=120
-  decode=() bench_d=768 bench_heads=12 precision=(tiny-grt 100)
+  decode=() bench_d=768 bench_heads=12 precision=(tiny-grt 100) loss_tokens=16384  # the loss of one micro-batch
 fi
 data="$work/data/manifest.json"
 tokenizer=examples/tokenizers/gutenberg-50257.model  # GPT-2's vocabulary size: the head and loss cost what they cost
@@ -83,9 +88,10 @@ if [ "$plan" = 0 ]; then
 else
   mkdir -p "$work"
   printf '# call %s: budget %s s, timeout_s %s\n' "$call" "$budget" "$((budget + SPARE_S))"
-  call_s=$((budget + SPARE_S))
+  call1_s=$((BUDGET_1 + SPARE_S)) call2_s=$((BUDGET_2 + SPARE_S))
+  rerun_s=$((call1_s > call2_s ? call1_s : call2_s))
   [ "$cpu" = 0 ] && printf '# device: start %s + call 1 %s + call 2 %s + a rerun of either %s = %s s of %s\n' \
-    "$START_S" "$call_s" "$call_s" "$call_s" "$((START_S + 3 * call_s))" "$DEVICE_S"
+    "$START_S" "$call1_s" "$call2_s" "$rerun_s" "$((START_S + call1_s + call2_s + rerun_s))" "$DEVICE_S"
 fi
 # the ZeRO-3 persistence A/B's other arm: DeepSpeed's default threshold of 1e5 elements
 python3 - "$work/zero3-persist1e5.json" <<'EOF'
@@ -110,32 +116,37 @@ publish() {
 
 wanted() { [[ $1 =~ ${GPU_CHECK_ROWS:-.} ]]; }
 
-# estimate NAME: seconds the row takes on a warm H200 (guesses from the CPU rehearsal and the last GPU
-# figures, none measured yet): a row's start 10-15 s; `row` adds the cold start, ~35 s to the call's first
-# training row (CUDA, Triton, inductor) and ~25 s to its first compiled row (the loop step's compile)
-cold_compile=1 planned_s=0 first_cut=""
+# estimate NAME: seconds the row takes on a warm H200 (guesses, none measured on a GPU yet; docs/gpu.md has the
+# CPU rehearsal's times): a row's start ~12 s (imports, DeepSpeed, the engine). The callers add the cold starts
+# (`extra_s`): ~28 s to the call's first training row (CUDA, cuBLAS, the loss chunk's compile, the fused paths'
+# trials), ~5 s to its first GRT row (the gate's Triton kernel) and ~18 s to each model's first compiled row
+# (inductor's kernels: a later compiled row of the same model finds them in the shared cache)
+cold_first=1 cold_grt=1 cold_compiled="" planned_s=0 first_cut=""
 estimate() {
   local s
   case "$1" in
-    data) s=15 ;;
-    perf-*-compiled | ckpt-*-compiled) s=35 ;;
-    perf-* | persist-*) s=20 ;;
-    smoke-train | smoke-resume) s=30 ;;
-    smoke-*) s=12 ;;
-    bench-loss) s=60 ;;
-    syncs-*) s=25 ;;
-    medium-*) s=35 ;;
-    large-*) s=50 ;;
-    bench-decode) s=30 ;;
-    bench-precision) s=70 ;;
-    *) s=45 ;;
+    data) s=10 ;;
+    perf-*-compiled | ckpt-*-compiled) s=20 ;;
+    perf-* | persist-*) s=14 ;;
+    smoke-train | smoke-resume) s=25 ;;
+    smoke-*) s=10 ;;
+    bench-loss) s=20 ;;  # two fresh processes: the reference and the compiled chunk, one micro-batch's tokens
+    bench-precision) s=10 ;;  # the loop state's errors, no training
+    syncs-*) s=20 ;;
+    medium-*) s=30 ;;
+    large-*) s=45 ;;
+    bench-decode) s=25 ;;
+    bench-precision-train) s=60 ;;  # three short `grt train` runs
+    *) s=40 ;;
   esac
-  echo "$s"
+  echo $((s + ${extra_s:-0}))
 }
 
 # row NAME LIMIT_S COMMAND...: run it under `timeout` (at most what is left of the budget), then record
 # it. A training row's tokens/s and MFU are over its logged windows after the first (warm-up and compile).
-# With gate=1 (the data row, the first training row) a failure ends the call.
+# With gate=1 (the data row, call 1's first dense row) a failure ends the call; with needs=ROW, the row is
+# skipped unless ROW passed in this call.
+declare -A passed=()
 row() {
   local name=$1 limit=$2 left start rc log seconds status tps mfu peak cut=0
   shift 2
@@ -144,12 +155,15 @@ row() {
     local est
     if [ "$cpu" = 1 ]; then est=-; else
       est=$(estimate "$name")
-      [ "${gate:-0}" = 1 ] && [ "$name" != data ] && est=$((est + 35))
-      [[ $name == *-compiled ]] && [ "$cold_compile" = 1 ] && { est=$((est + 25)); cold_compile=0; }
       planned_s=$((planned_s + est))
       (( planned_s > budget )) && [ -z "$first_cut" ] && first_cut=$name
     fi
     printf '%s\t%s\t%s\t%s\n' "$name" "$limit" "$est" "$(printf '%q ' "$@")"
+    return 0
+  fi
+  if [ -n "${needs:-}" ] && [ -z "${passed[$needs]:-}" ]; then
+    record "$name" 0 - - - "skipped (needs $needs)"
+    publish
     return 0
   fi
   left=$(( budget - ($(date +%s) - started) ))
@@ -164,7 +178,7 @@ row() {
   [ "$1" = grt ] && { shift; set -- python3 -m pretrain.cli "$@"; }
   start=$(date +%s%N)
   # --foreground: the row stays in the call's process group, so that whoever ends the call ends its row too
-  timeout --foreground -k 10 "$limit" "$@" > "$log" 2>&1
+  timeout --foreground -k 5 "$limit" "$@" > "$log" 2>&1
   rc=$?
   seconds=$(awk -v s="$start" -v e="$(date +%s%N)" 'BEGIN { printf "%.1f", (e - s) / 1e9 }')
   status=pass
@@ -186,6 +200,7 @@ row() {
   fi
   grep -q '^# reproduce' "$log" && { echo "## $name"; sed -n '/^# reproduce/,$p' "$log"; echo; } >> "$out/bench.txt"
   record "$name" "$seconds" "$tps" "$mfu" "${peak:--}" "$status"
+  [ "$status" = pass ] && passed[$name]=1
   publish
   if [ "${gate:-0}" = 1 ] && [[ $status == FAIL* ]]; then
     echo "gpu_check: $name failed, and the rows after it need it: the call ends here. Its whole log:" >&2
@@ -196,13 +211,22 @@ row() {
 
 # train ROW LIMIT PRESET STAGE STEPS RUN [args]: `grt train` at the check's sequence length and micro-batch,
 # in bf16 (what `auto` is on CUDA; on the CPU, so that --cpu rehearses DeepSpeed's bf16 mode). The call's
-# first training row is a gate.
-first_train=1
+# first training row is given the cold start's time (limit_first); in call 1 it is the dense baseline and a
+# gate (every ratio needs it); a GRT row is never one. compiled=true: a compiled row (the estimate's cold compile).
 train() {
-  local name=$1 limit=$2 preset=$3 stage=$4 steps=$5 run=$6 gate=0
+  local name=$1 limit=$2 preset=$3 stage=$4 steps=$5 run=$6 gate=0 extra_s=0
   shift 6
-  wanted "$name" && { gate=$first_train; first_train=0; }
-  [ "$gate" = 1 ] && (( limit < limit_first )) && limit=$limit_first
+  if wanted "$name"; then
+    if [ "$cold_first" = 1 ]; then
+      cold_first=0 extra_s=28
+      (( limit < limit_first )) && limit=$limit_first
+      [ "$call" = 1 ] && [[ $preset == *dense* ]] && gate=1
+    fi
+    [[ $preset != *dense* ]] && [ "$cold_grt" = 1 ] && { cold_grt=0 extra_s=$((extra_s + 5)); }
+    if [ "${compiled:-false}" = true ] && [[ " $cold_compiled " != *" $preset "* ]]; then
+      cold_compiled="$cold_compiled $preset" extra_s=$((extra_s + 18))
+    fi
+  fi
   row "$name" "$limit" grt train --preset "$preset" --data "$data" --out "$work/$run" --steps "$steps" \
     --micro-batch-size "$mbs" --ds-config "ds_configs/zero$stage.json" --set "train.log_every=$log_every" \
     --set train.precision=bf16 "$@"
@@ -214,7 +238,7 @@ perf() {
   local name=$1 preset=$2 stage=$3 compile=$4 ckpt=$5 limit=$limit_train
   shift 5
   [ "$compile" = true ] && limit=$limit_compiled
-  train "$name" "$limit" "$preset" "$stage" "$perf_steps" "run-$name" --set train.depth_sampling=fixed \
+  compiled=$compile train "$name" "$limit" "$preset" "$stage" "$perf_steps" "run-$name" --set train.depth_sampling=fixed \
     --set train.eval_every=0 --set train.save_every=0 --set train.save_final=false \
     --set "train.compile=$compile" --set "train.activation_checkpointing=$ckpt" --set train.warmup_steps=5 "$@"
 }
@@ -222,12 +246,12 @@ perf() {
 smoke() {  # train with eval and a checkpoint, resume it, export, eval, generate (run directory $work/smoke)
   train smoke-train "$limit_train" "$grt_small" 3 "$smoke_steps" smoke --set "train.eval_every=$smoke_steps" \
     --set "train.eval_batches=$eval_batches" --set "train.save_every=$smoke_steps"
-  train smoke-resume "$limit_train" "$grt_small" 3 "$resume_steps" smoke --set "train.eval_every=$smoke_steps" \
+  needs=smoke-train train smoke-resume "$limit_train" "$grt_small" 3 "$resume_steps" smoke --set "train.eval_every=$smoke_steps" \
     --set "train.eval_batches=$eval_batches" --set "train.save_every=$smoke_steps" --resume
-  row smoke-export "$limit_other" grt export --checkpoint "$work/smoke" --out "$work/export" --no-hf
-  row smoke-eval "$limit_other" grt eval "$work/export" --tasks val --data "$data" --max-batches "$eval_batches" \
+  needs=smoke-train row smoke-export "$limit_other" grt export --checkpoint "$work/smoke" --out "$work/export" --no-hf
+  needs=smoke-export row smoke-eval "$limit_other" grt eval "$work/export" --tasks val --data "$data" --max-batches "$eval_batches" \
     --json-out "$work/eval.json"
-  row smoke-generate "$limit_other" grt generate "$work/export" --prompt "ROMEO:" --max-new-tokens 32 --kv-cache first
+  needs=smoke-export row smoke-generate "$limit_other" grt generate "$work/export" --prompt "ROMEO:" --max-new-tokens 32 --kv-cache first
 }
 
 # syncs ROW STAGE: the host syncs of `grt train` per step by call site, with the time the host waited in each
@@ -241,18 +265,22 @@ syncs() {
 gate=1 row data "$limit_other" grt data prepare -i examples/data/tinyshakespeare.txt --txt-mode paragraph \
   -t "$tokenizer" -o "$work/data" --seq-len "$seq" --shard-size-mb 1 --val-fraction 0.05 -q
 if [ "$call" = 1 ]; then
-  # ZeRO-2 eager, then compiled, then ZeRO-3 compiled and eager: the last pair is the first the budget cuts
+  # ZeRO-2 eager, then compiled, then ZeRO-3 compiled and eager, dense first in each pair: the dense baseline
+  # before any GRT row, and a pair's two rows next to each other (a cut takes whole pairs)
   for how in 2-false 2-true 3-true 3-false; do
     stage=${how%-*} compile=${how#*-}
-    for preset in "$grt_small" "$dense_small"; do
+    for preset in "$dense_small" "$grt_small"; do
       perf "perf-$preset-z$stage-$([ "$compile" = true ] && echo compiled || echo eager)" "$preset" "$stage" "$compile" off
     done
   done
 else
-  # in the order of what a row tells that no other does: the rows at the end are the first the budget cuts
+  # in the order of what a row tells that no other does: the rows at the end are the first the budget cuts.
+  # First the CUDA numerics: the loss (reference and compiled chunk, one micro-batch's tokens) and the bf16 loop
+  # state's error (no training: the bf16 runs come at the end)
+  row bench-loss "$limit_other" grt bench loss --rows plain,compiled --tokens "$loss_tokens"
+  row bench-precision "$limit_other" grt bench precision --preset "${precision[0]}" --train-steps 0 --seq-len 64
   smoke
   syncs syncs-z2 2
-  row bench-loss "$limit_other" grt bench loss  # its flags are its own (pretrain/tools/bench/cli.py)
   syncs syncs-z3 3
   # the ZeRO-3 knob with the depth changing every step: every parameter resident (the trainer's setting
   # on one GPU, perf-*-z3 rows of call 1) against DeepSpeed's 1e5
@@ -265,10 +293,10 @@ else
   # medium and large on one GPU, checkpointing as `auto` picks it
   limit_train=$limit_big perf "medium-$grt_medium-z3-auto" "$grt_medium" 3 false auto
   limit_train=$limit_big perf "large-$grt_large-z3-auto" "$grt_large" 3 false auto
-  row bench-decode "$limit_other" grt bench decode --model "$work/export" --dense-preset "$dense_small" \
+  needs=smoke-export row bench-decode "$limit_other" grt bench decode --model "$work/export" --dense-preset "$dense_small" \
     --batch-sizes 1 ${decode[@]+"${decode[@]}"} --json "$work/decode.json"
-  row bench-precision "$limit_compiled" grt bench precision --preset "${precision[0]}" --train-steps "${precision[1]}" \
-    --seq-len 64
+  row bench-precision-train "$limit_compiled" grt bench precision --preset "${precision[0]}" \
+    --train-steps "${precision[1]}" --seq-len 64
   row bench-train-step "$limit_compiled" grt bench train-step --layout 1+1x10+1 --d-model "$bench_d" --n-heads "$bench_heads" \
     --seq-len "$seq" --batch "$mbs" --vocab 50257 --steps 10 --warmup 3 --dtype bf16 --compile
 fi
