@@ -24,6 +24,9 @@ setup(
         "hf": ["transformers>=5.24,<5.25"],
         "mpi": ["mpi4py"],
         "triton": ["triton"],
+        # the `cce` loss (pretrain/model/loss.py: CUDA; `auto` takes it where installed). flash-attn has no
+        # extra: it builds against the installed torch and CUDA (the Docker image's base has it, docs/gpu.md)
+        "fused-loss": ["cut-cross-entropy"],
         "parquet": ["pyarrow"],
         # shards on s3:// and gs:// (data_pipeline/remote.py; http(s):// needs nothing more)
         "s3": ["fsspec", "s3fs"],
