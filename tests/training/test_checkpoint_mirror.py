@@ -40,12 +40,19 @@ def records(out: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def killed(manifest, tmp_path_factory):  # noqa: F811
+def server(tmp_path_factory):
+    """moto's S3 server for the module's run, stopped at the end (a failed setup too)."""
+    work = tmp_path_factory.mktemp("moto")
+    s3 = MotoS3(work)
+    yield s3
+    s3.stop()
+
+
+@pytest.fixture(scope="module")
+def killed(manifest, server, tmp_path_factory):  # noqa: F811
     """The run killed during step 6's upload (module doc), with the server, its environment and what
     the run left before the kill."""
     tmp = tmp_path_factory.mktemp("mirror")
-    (tmp / "moto").mkdir()
-    server = MotoS3(tmp / "moto")
     env = {**ENV, **server.env, "AWS_SECRET_ACCESS_KEY": SECRET, "GRT_MIRROR_RETRY_S": "4"}
     env["GRT_MIRROR_CACHE"] = str(tmp / "cache")
     import boto3
@@ -64,19 +71,20 @@ def killed(manifest, tmp_path_factory):  # noqa: F811
     sets = [f"train.save_every={SAVE}", f"train.keep_checkpoints={KEEP}", f"train.checkpoint_mirror={URL}"]
     sets += ["train.warmup_steps=2", "train.lr=3e-3", "train.log_every=1", "train.eval_every=0", "train.schedule=wsd"]
     proc = _grt(train_command("micro-grt", manifest, out, STEPS, MICRO, "ds_configs/zero3.json", sets), env)
-    deadline = time.monotonic() + 300
+    deadline, mid_upload = time.monotonic() + 300, False
     while proc.poll() is None and time.monotonic() < deadline:
         if any(LAST_FILE in r[1] and r[2] == "503" for r in server.requests()):
-            proc.send_signal(signal.SIGKILL)  # mid-upload: step 6's other files are in the bucket, COMPLETE is not
+            mid_upload = True  # step 6's other files are in the bucket, COMPLETE is not
             break
         time.sleep(0.05)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
     _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, (
+    assert mid_upload and proc.returncode == -signal.SIGKILL, (
         f"the run was not killed mid-upload ({proc.returncode}):\n{stderr[-3000:]}"
     )
     shutil.copytree(out / "checkpoints" / "step00000004", tmp / "step4-local")  # what the run itself wrote
-    yield {"server": server, "env": env, "out": out, "tmp": tmp, "records": records(out)}
-    server.stop()
+    return {"server": server, "env": env, "out": out, "tmp": tmp, "records": records(out)}
 
 
 def mirror_tags(env: dict[str, str], monkeypatch) -> tuple[list[str], list[str]]:
@@ -135,7 +143,7 @@ def test_a_resume_from_the_mirror_alone_continues_exactly(killed, monkeypatch):
     """The run directory deleted: --resume with the mirror fetches step 4 and its config, trains 5 and
     6 to the killed run's losses, and uploads 6 (complete now, the last 2 kept)."""
     out, env = killed["out"], killed["env"]
-    (killed["tmp"] / "moto" / "s3.log.faults").write_text("")  # the server drops nothing now
+    Path(f"{killed['server'].log}.faults").write_text("")  # the server drops nothing now
     shutil.rmtree(out)
     proc = _grt(resume_command(out, "--set", f"train.checkpoint_mirror={URL}"), env)
     _, stderr = proc.communicate(timeout=300)
