@@ -114,4 +114,7 @@ def test_failing_rank_fails_the_launch(tmp_path):
         "1",
         check=False,
     )
-    assert r.returncode != 0
+    # the launch says which rank failed with its code (rank 0 exits 1 when its peer is gone: the verdict)
+    ended = [line for line in r.stderr.splitlines() if line.startswith("grt launch: the ranks ended: ")]
+    assert len(ended) == 1 and "rank 1 exit 3" in ended[0], r.stderr[-4000:]
+    assert r.returncode in (1, 3) and ended[0].endswith(f"; exit {r.returncode}"), (r.returncode, ended)
