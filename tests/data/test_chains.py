@@ -169,3 +169,52 @@ def test_grt_data_chains_writes_shards_a_tokenizer_and_a_manifest(tmp_path):
     assert data_main(["chains", "-o", str(other), "--seed", "8", *flags]) == 0
     assert Manifest.load(str(again)).fingerprint("train") == m.fingerprint("train")
     assert Manifest.load(str(other)).fingerprint("train") != m.fingerprint("train")
+
+
+def test_grt_eval_scores_each_answer_at_each_depth_and_k(tmp_path):
+    """chains_sums against a by-hand count from the model's own forward at each depth: the logits
+    at the position before each answer, argmax and NLL, summed per k; a manifest that is not a
+    chains data set is refused in one line."""
+    import torch
+    import torch.nn.functional as F
+
+    from pretrain.config import ConfigError
+    from pretrain.infer.evaluation.chains_score import chains_settings, chains_sums, chains_table, format_chains
+    from pretrain.model import build_model
+    from pretrain.presets import get_preset
+
+    out = tmp_path / "chains"
+    flags = ["--train-samples", "8", "--val-samples", "24", "--max-hops", "2", "--val-max-hops", "3", "-q"]
+    assert data_main(["chains", "-o", str(out), *flags]) == 0
+    m = Manifest.load(str(out))
+    tok = Tokenizer(m.tokenizer_path)
+    pieces = [tok.sp.id_to_piece(i) for i in range(tok.vocab_size)]
+    torch.manual_seed(0)
+    model = build_model(get_preset("micro-grt").replace(vocab_size=m.vocab_size, max_seq_len=m.seq_len)).eval()
+    depths = [0, 1, 3]
+    sums = chains_sums(model, tok, m, "val", depths, torch.device("cpu"), batch_size=8)
+    want = torch.zeros_like(sums)
+    s = m.shards("val")[0]
+    with torch.no_grad():
+        for _, data in iter_shard(s.url, s.sequences, m.seq_len + 1, m.ext):
+            ids = np.frombuffer(data, DTYPES[m.ext]).astype(np.int64)
+            x = torch.from_numpy(ids[:-1])[None]
+            for i, r in enumerate(depths):
+                logits = model(x, n_loops=r).logits[0].float()
+                for pos, _, k in score_positions([pieces[t] for t in ids]):
+                    gold = torch.tensor(ids[pos])
+                    want[i, k] += torch.stack(
+                        [
+                            (logits[pos - 1].argmax() == gold).double(),
+                            F.cross_entropy(logits[pos - 1], gold).double(),
+                            torch.tensor(1.0).double(),
+                        ]
+                    )
+    assert torch.allclose(sums, want, atol=1e-4), (sums, want)
+    assert want[0, 3, 2] > 0  # k = 3 items: beyond training's range, scored
+    table = chains_table(sums, depths, "val")
+    results = {"chains": {"split": "val", "trained_hops": [1, 2], "chance_acc": 0.1, "by_depth": table}}
+    text = format_chains({**results, "trained_loops": 3, "depth_unit": "loop steps"})
+    assert "k=3+" in text and "+ k beyond the trained range" in text
+    with pytest.raises(ConfigError, match="is not a chains data set"):
+        chains_settings(replace(m, options={}))
