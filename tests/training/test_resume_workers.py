@@ -19,6 +19,8 @@ def test_a_resume_with_loader_workers_reproduces_the_losses(shards, tmp_path):
             train_args(shards, out, steps, *WORKERS, resume=resume), tmp_path / "logs", world=1, timeout=400
         )
         assert rcs == [0], job.output()
+    # it resumed (a fresh start gives the same losses and rewrites metrics.jsonl: only its line tells)
+    assert f"step{STOP:08d} at step {STOP}" in job.output(0, tail=10**6), job.output()
     want, got = losses(full), losses(cut)
     assert sorted(got) == list(range(1, STEPS + 1)), got
     assert {s: got[s] for s in got if s > STOP} == {s: want[s] for s in want if s > STOP}, (want, got)
