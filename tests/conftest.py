@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import shared_artifacts
+from dev_extra import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (hooks)
 
 ARTIFACTS = pytest.StashKey[str]()  # the controller's shared folder (shared_artifacts.py)
 
