@@ -101,29 +101,6 @@ def chains_table(sums: torch.Tensor, depths: list[int], what: str) -> dict[int, 
     return out
 
 
-def chains_eval(
-    model: GPT,
-    tok: Tokenizer,
-    manifest: Manifest,
-    split: str,
-    depths: list[int],
-    device: torch.device,
-    batch_size: int,
-    dist: Dist | None = None,
-    max_batches: int | None = None,
-) -> dict[str, Any]:
-    """The task's results (`grt eval`'s ``chains`` entry): the settings, chance and the table."""
-    train, _ = chains_settings(manifest)
-    sums = chains_sums(model, tok, manifest, split, depths, device, batch_size, dist, max_batches)
-    return {
-        "manifest": manifest.path,
-        "split": split,
-        "trained_hops": [int(train["min_hops"]), int(train["max_hops"])],
-        "chance_acc": 1.0 / int(train["num_values"]),
-        "by_depth": chains_table(sums, depths, f"--tasks chains: data={manifest.path!r} split {split!r}"),
-    }
-
-
 def format_chains(results: dict[str, Any]) -> str:
     """`grt eval`'s chains results as tables of answer accuracy and loss: a row per k (and all), a
     column per exit depth (a looped model's loop steps beyond the trained R marked)."""
@@ -155,7 +132,8 @@ def format_chains(results: dict[str, Any]) -> str:
 def chains_part(
     args: Any, loaded: Any, model: GPT, tok: Tokenizer, depths: list[int], device: torch.device, dist: Dist
 ) -> dict[str, Any]:
-    """`grt eval`'s chains part: the data (--data, else the run's), its --split (default val)."""
+    """`grt eval`'s chains part (its ``chains`` entry): the data (--data, else the run's), its --split
+    (default val); the task's settings, chance and the table by depth and k."""
     from data_pipeline.manifest import Manifest
     from pretrain.infer.evaluation.loss_by_depth import held_out_split
 
@@ -166,4 +144,12 @@ def chains_part(
     if not isinstance(manifest, Manifest):
         raise ConfigError(f"--tasks chains scores one manifest, not a mixture (data={data!r}): pass --data")
     split = held_out_split(manifest, args.split)
-    return chains_eval(model, tok, manifest, split, depths, device, args.batch_size, dist, args.max_batches)
+    train, _ = chains_settings(manifest)
+    sums = chains_sums(model, tok, manifest, split, depths, device, args.batch_size, dist, args.max_batches)
+    return {
+        "manifest": manifest.path,
+        "split": split,
+        "trained_hops": [int(train["min_hops"]), int(train["max_hops"])],
+        "chance_acc": 1.0 / int(train["num_values"]),
+        "by_depth": chains_table(sums, depths, f"--tasks chains: data={manifest.path!r} split {split!r}"),
+    }
