@@ -275,7 +275,11 @@ def test_trains_under_zero3_and_resumes_exactly(shards, tmp_path, variant):
     losses = [x["loss"] for x in records(full / "metrics.jsonl")]
     assert len(losses) == 12 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses
     summary = json.loads((full / "summary.json").read_text())
-    assert set(summary["val_loss_by_depth"]) == {"0", "1", "2", "3"}
+    # the table by value: the last validation's loss at each depth (metrics.jsonl), depths that differ
+    val = next(r["val"] for r in reversed(records(full / "metrics.jsonl")) if "val" in r)
+    table = {str(d): val[f"val/loss_depth_{d}"] for d in range(4)}
+    assert summary["val_loss_by_depth"] == table and len(set(table.values())) > 1, (summary, val)
+    assert all(math.isfinite(v) and v > 0 for v in table.values()), table
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(full / "checkpoints" / "step00000006", resumed / "checkpoints" / "step00000006")
