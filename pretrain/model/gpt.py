@@ -16,6 +16,11 @@ number of loop steps is an argument of `forward` (0 = prelude straight to coda),
 training can sample it and evaluation can exit early. Activation checkpointing and
 compilation are applied from outside (`pretrain.training.engine.parallelize`); `LoopStep` is
 the recompute/compile unit.
+
+Why one file past the ~400-line rule: it is the model read top to bottom, nanoGPT-style, from
+the anchor projection to the loop step to `GPT` and its forward; each part is used by the next
+and by nothing else, so a split would send its reader between files for one computation. What
+is not this forward lives beside it (layers.py's blocks, the baselines, the HF export, the loss).
 """
 
 from __future__ import annotations
