@@ -23,6 +23,7 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The flags by group, in the order `--help` lists them."""
     p = argparse.ArgumentParser(
         prog="grt launch",
         description="Start `grt train` locally, with the deepspeed runner, under Slurm or under "
@@ -30,6 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
         allow_abbrev=False,  # `--out` is grt train's, not an abbreviation of `--output`
     )
+    for add in (_where, _elastic, _deepspeed, _run, _slurm, _mpi):
+        add(p)
+    return p
+
+
+def _where(p: argparse.ArgumentParser) -> None:
+    """Which launcher, on which nodes, with how many ranks, and their rendezvous."""
     p.add_argument(
         "--launcher",
         choices=LAUNCHERS,
@@ -85,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write each rank's output to RUN_DIR/logs/ (deepspeed: --enable_each_rank_log, "
         "slurm: srun --output, mpi: --output-filename, local: torchrun --log-dir)",
     )
+
+
+def _elastic(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("elastic (torchrun's elastic agent; docs/launching.md, Elastic runs)")
     e.add_argument(
         "--elastic",
@@ -107,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE,...",
         help="with --elastic (local): torchrun's --rdzv-conf, e.g. last_call_timeout=10,keep_alive_interval=2",
     )
+
+
+def _deepspeed(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("deepspeed runner")
     d.add_argument(
         "--ds-launcher",
@@ -121,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--no-ssh-check", action="store_true", help="deepspeed --no_ssh_check: skip the runner's passwordless-ssh test"
     )
+
+
+def _run(p: argparse.ArgumentParser) -> None:
+    """What every rank gets (environment, entry), where the launch files go, and the checks around the run."""
     p.add_argument(
         "--env",
         action="append",
@@ -170,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--python", default=None, help="python on the nodes (default: this interpreter; 'python' in a container)"
     )
     p.add_argument("--dry-run", action="store_true", help="print the files and the command, run nothing")
+
+
+def _slurm(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("slurm")
     s.add_argument("--job-name", default="grt", help="job name")
     s.add_argument("--partition", default=None, help="partition (default: the cluster's default)")
@@ -219,10 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--srun-arg", action="append", default=[], help="extra srun option (repeatable)")
     s.add_argument("--wait", action="store_true", help="sbatch --wait: return when the job ends")
+
+
+def _mpi(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("mpi")
     m.add_argument("--mpirun", default="mpirun", help="the mpirun program")
     m.add_argument("--mpirun-args", default="", help="extra mpirun arguments")
-    return p
 
 
 def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
