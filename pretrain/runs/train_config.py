@@ -159,9 +159,8 @@ def _betas_ok(betas: Any) -> bool:
     return isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in betas)
 
 
-def train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
-    """(ok, the one line that refuses it) for every `train.*` value that can be meaningless
-    (docs/reliability.md, "Values checked at the door"). Types are checked before, on parse."""
+def _mirror_checks(t: TrainConfig) -> list[tuple[bool, str]]:
+    """The checkpoints' mirror: a URL that can be used, and a checkpoint to mirror."""
     mirror = url_problem(t.checkpoint_mirror) if t.checkpoint_mirror else None
     return [
         (mirror is None, mirror or ""),
@@ -170,6 +169,12 @@ def train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
             f"train.checkpoint_mirror={t.checkpoint_mirror!r}: no checkpoint to mirror (train.save_every=0 and "
             "train.save_final=false)",
         ),
+    ]
+
+
+def _mode_checks(t: TrainConfig) -> list[tuple[bool, str]]:
+    """The settings that name a mode."""
+    return [
         (
             t.depth_sampling in DEPTH_SAMPLING,
             f"train.depth_sampling={t.depth_sampling!r}: accepted values are {', '.join(DEPTH_SAMPLING)}",
@@ -183,6 +188,12 @@ def train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
             f"train.activation_checkpointing={t.activation_checkpointing!r}: accepted values are "
             f"{', '.join((AUTO, *CHECKPOINT_MODES))}",
         ),
+    ]
+
+
+def _length_checks(t: TrainConfig) -> list[tuple[bool, str]]:
+    """The run's length, its batches and its learning-rate schedule."""
+    return [
         (t.steps >= 1, f"train.steps={t.steps}: must be >= 1"),
         (
             _finite(t.tokens) and t.tokens >= 0,
@@ -208,6 +219,12 @@ def train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
         (t.grad_accum >= 1, f"train.grad_accum={t.grad_accum}: must be >= 1"),
         (0 <= t.warmup_steps, f"train.warmup_steps={t.warmup_steps}: must be >= 0"),
         (0 <= t.schedule_steps, f"train.schedule_steps={t.schedule_steps}: must be >= 0 (0 = train.steps)"),
+    ]
+
+
+def _optimizer_checks(t: TrainConfig) -> list[tuple[bool, str]]:
+    """The optimizer's numbers (AdamW's and Muon's)."""
+    return [
         (
             _finite(t.lr) and _finite(t.min_lr) and t.lr > 0 and 0 <= t.min_lr <= t.lr,
             f"train.lr={t.lr}, train.min_lr={t.min_lr}: need 0 <= min_lr <= lr, lr > 0 (finite numbers)",
@@ -231,6 +248,12 @@ def train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
             _finite(t.muon_weight_decay) and t.muon_weight_decay >= 0,
             f"train.muon_weight_decay={t.muon_weight_decay}: must be >= 0",
         ),
+    ]
+
+
+def _depth_checks(t: TrainConfig) -> list[tuple[bool, str]]:
+    """The seed and the loop depths drawn in training."""
+    return [
         (0 <= t.seed < 2**63, f"train.seed={t.seed}: must be in [0, 2**63)"),
         (
             _finite(t.poisson_mean) and t.poisson_mean >= 0,
@@ -245,6 +268,12 @@ def train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
             f"train.depth_warmup={t.depth_warmup}: must be in (0, 1] (a share of the schedule's horizon)",
         ),
         (_finite(t.poisson_sigma) and t.poisson_sigma >= 0, f"train.poisson_sigma={t.poisson_sigma}: must be >= 0"),
+    ]
+
+
+def _data_and_log_checks(t: TrainConfig) -> list[tuple[bool, str]]:
+    """The loader, the logging and the validation."""
+    return [
         (
             t.num_workers >= AUTO_WORKERS,
             f"train.num_workers={t.num_workers}: must be >= 0 (0 = load in the training process), or -1 (auto)",
@@ -256,6 +285,12 @@ def train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
             t.eval_batches >= 1,
             f"train.eval_batches={t.eval_batches}: must be >= 1 (turn evaluation off with eval_every=0)",
         ),
+    ]
+
+
+def _checkpoint_checks(t: TrainConfig) -> list[tuple[bool, str]]:
+    """Checkpoints and the exports written from them."""
+    return [
         (t.save_every >= 0, f"train.save_every={t.save_every}: must be >= 0 (0 = off)"),
         (t.keep_checkpoints >= 1, f"train.keep_checkpoints={t.keep_checkpoints}: must be >= 1"),
         (
@@ -263,6 +298,12 @@ def train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
             f"train.export_every={t.export_every}: must be 0 (off) or a multiple of train.save_every={t.save_every} "
             "(an export is written from a checkpoint)",
         ),
+    ]
+
+
+def _watch_checks(t: TrainConfig) -> list[tuple[bool, str]]:
+    """What watches a run: bad steps, collectives' timeout, throughput, the profiler, slow ranks, loss spikes."""
+    return [
         (
             t.max_bad_steps >= 1,
             f"train.max_bad_steps={t.max_bad_steps}: must be >= 1 (consecutive non-finite micro-batches "
@@ -299,6 +340,25 @@ def train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
             f"train.loss_spike_threshold={t.loss_spike_threshold}: must be >= 0 (robust standard deviations; 0 = off)",
         ),
     ]
+
+
+TRAIN_CHECKS = (
+    _mirror_checks,
+    _mode_checks,
+    _length_checks,
+    _optimizer_checks,
+    _depth_checks,
+    _data_and_log_checks,
+    _checkpoint_checks,
+    _watch_checks,
+)
+
+
+def train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
+    """(ok, the one line that refuses it) for every `train.*` value that can be meaningless
+    (docs/reliability.md, "Values checked at the door"), by concern, in the order they are
+    refused. Types are checked before, on parse."""
+    return [check for concern in TRAIN_CHECKS for check in concern(t)]
 
 
 def loader_workers(num_workers: int, cuda: bool) -> int:
