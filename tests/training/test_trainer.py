@@ -101,7 +101,11 @@ def test_two_ranks_zero3_train_and_the_loss_falls(two_rank_run):
     last = sum(r["loss"] for r in records[-5:]) / 5
     assert last < first - 0.5, (first, last)
     summary = json.loads((two_rank_run / "summary.json").read_text())
-    assert set(summary["val_loss_by_depth"]) == {"0", "1", "2", "3"}
+    # the table by value: the last validation's loss at each depth (metrics.jsonl), depths that differ
+    val = next(r["val"] for r in reversed(records) if "val" in r)
+    table = {str(d): val[f"val/loss_depth_{d}"] for d in range(4)}
+    assert summary["val_loss_by_depth"] == table and len(set(table.values())) > 1, (summary, val)
+    assert all(math.isfinite(v) and v > 0 for v in table.values()), table
 
 
 @pytest.mark.slow
