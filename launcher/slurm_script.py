@@ -60,12 +60,20 @@ def _slurm_nodes(r: Resolved) -> str:
 
 
 def slurm_script(r: Resolved, script_path: str) -> str:
-    a = r.args
+    """The sbatch script: its #SBATCH header, the ranks' environment, then srun (under a trap that
+    forwards the pre-emption signal to the ranks when there is one)."""
     run_dir = os.path.abspath(r.run_dir)
-    cwd = os.getcwd()
+    sig_full, sig_name = _signal_parts(r.args.signal)
+    prepare, srun_line = _srun(r)
+    lines = [*_sbatch_header(r, run_dir, sig_full, script_path), *_environment(r, run_dir), *prepare]
+    lines += _forwarding(srun_line, sig_name, r.args.requeue, script_path) if sig_name else [srun_line]
+    return "\n".join(lines) + "\n"
+
+
+def _sbatch_header(r: Resolved, run_dir: str, sig_full: str | None, script_path: str) -> list[str]:
+    """The #SBATCH lines: the job's size, limits, log and signal."""
+    a = r.args
     output = a.output or os.path.join(run_dir, "slurm-%j.out")
-    sig_full, sig_name = _signal_parts(a.signal)
-    q = shlex.quote
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={a.job_name}",
@@ -85,15 +93,20 @@ def slurm_script(r: Resolved, script_path: str) -> str:
         lines.append("#SBATCH --exclusive")
     if a.hosts and r.hosts:  # run on these nodes
         lines.append("#SBATCH --nodelist=" + ",".join(h for h, _ in r.hosts))
-    lines += [f"#SBATCH --output={output}", "#SBATCH --open-mode=append", f"#SBATCH --chdir={cwd}"]
+    lines += [f"#SBATCH --output={output}", "#SBATCH --open-mode=append", f"#SBATCH --chdir={os.getcwd()}"]
     if sig_full:
         lines.append(f"#SBATCH --signal={sig_full}")
     if a.requeue:
         lines.append("#SBATCH --requeue")
     for extra in a.sbatch_arg:
         lines.append(f"#SBATCH {extra}")
-    lines += [
-        "# Written by `grt launch --launcher slurm`; submit with: sbatch " + script_path,
+    return [*lines, "# Written by `grt launch --launcher slurm`; submit with: sbatch " + script_path]
+
+
+def _environment(r: Resolved, run_dir: str) -> list[str]:
+    """The shell's settings, the rendezvous, the ranks' environment and the job's first log line."""
+    a, q = r.args, shlex.quote
+    lines = [
         "set -uo pipefail",
         "export MASTER_ADDR="
         + (q(r.master_addr) if a.master_addr else '"$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"'),
@@ -115,13 +128,20 @@ def slurm_script(r: Resolved, script_path: str) -> str:
         'log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on '
         '$SLURM_JOB_NODELIST, $SLURM_NTASKS ranks, master $MASTER_ADDR:$MASTER_PORT"'
     )
+    return lines
 
+
+def _srun(r: Resolved) -> tuple[list[str], str]:
+    """The lines that prepare srun (the rank logs' folder) and the srun command of every rank, in
+    its container if there is one."""
+    a, q, cwd = r.args, shlex.quote, os.getcwd()
+    prepare = []
     srun = ["srun", "--kill-on-bad-exit=1", f"--ntasks-per-node={r.procs}"]
     if a.cpus_per_task:
         # srun of Slurm 22.05-23.02 does not inherit the job's --cpus-per-task
         srun += [f"--cpus-per-task={a.cpus_per_task}"]
     if a.rank_logs:  # srun opens the files but does not create their directory
-        lines.append(f"mkdir -p {q(rank_log_dir(r))}")
+        prepare.append(f"mkdir -p {q(rank_log_dir(r))}")
         srun += [f"--output={os.path.join(rank_log_dir(r), 'rank%t.log')}", "--open-mode=append"]
     rank_cmd = [r.python] + r.rank_argv()
     if a.container_image:
@@ -137,48 +157,48 @@ def slurm_script(r: Resolved, script_path: str) -> str:
         )
     for extra in a.srun_arg:
         srun += shlex.split(extra)
-    srun_line = shlex.join(srun + rank_cmd)
-    if sig_name:
+    return prepare, shlex.join(srun + rank_cmd)
+
+
+def _forwarding(srun_line: str, sig_name: str, requeue: bool, script_path: str) -> list[str]:
+    """srun in the background under a trap that forwards `sig_name` (and TERM) to the ranks through
+    Slurm; after a pre-emption that saved, the job is requeued or says how to resume."""
+    lines = [
+        f"# Pre-emption: Slurm signals this script (--signal=B:...) or `scancel --batch --signal={sig_name}`; it is",
+        "# forwarded to the ranks (scancel: every step but this script's); the trainer saves a checkpoint",
+        "# and exits 0.",
+        "preempted=0",
+        "srun_pid=",
+        "forward() {",
+        "  preempted=1",
+        '  log "received SIG$1, forwarding it to the ranks"',
+        "  # through Slurm to every rank on every node, not `kill` on srun: srun answers SIGTERM",
+        "  # (or SIGINT) by killing every rank at once, before any could save a checkpoint",
+        '  if [ -n "$srun_pid" ]; then scancel --signal="$1" "$SLURM_JOB_ID" || true; fi',
+        "}",
+        f"trap 'forward {sig_name}' {sig_name}",
+    ]
+    if sig_name != "TERM":
+        lines.append("trap 'forward TERM' TERM")
+    lines += [
+        f"{srun_line} &",
+        "srun_pid=$!",
+        "# `wait` returns early when a trapped signal arrives: wait until srun has really ended",
+        "while :; do",
+        '  wait "$srun_pid"; status=$?',
+        '  kill -0 "$srun_pid" 2>/dev/null || break',
+        "done",
+        'log "ranks exited with status $status"',
+        'if [ "$preempted" = 1 ] && [ "$status" = 0 ]; then',
+    ]
+    if requeue:
         lines += [
-            "# Pre-emption: Slurm signals this script (--signal=B:...) or `scancel --batch "
-            f"--signal={sig_name}`; it is",
-            "# forwarded to the ranks (scancel: every step but this script's); the trainer saves a checkpoint",
-            "# and exits 0.",
-            "preempted=0",
-            "srun_pid=",
-            "forward() {",
-            "  preempted=1",
-            '  log "received SIG$1, forwarding it to the ranks"',
-            "  # through Slurm to every rank on every node, not `kill` on srun: srun answers SIGTERM",
-            "  # (or SIGINT) by killing every rank at once, before any could save a checkpoint",
-            '  if [ -n "$srun_pid" ]; then scancel --signal="$1" "$SLURM_JOB_ID" || true; fi',
-            "}",
-            f"trap 'forward {sig_name}' {sig_name}",
+            '  log "checkpoint saved after the pre-emption signal; requeueing job $SLURM_JOB_ID"',
+            '  scontrol requeue "$SLURM_JOB_ID"',
         ]
-        if sig_name != "TERM":
-            lines.append("trap 'forward TERM' TERM")
-        lines += [
-            f"{srun_line} &",
-            "srun_pid=$!",
-            "# `wait` returns early when a trapped signal arrives: wait until srun has really ended",
-            "while :; do",
-            '  wait "$srun_pid"; status=$?',
-            '  kill -0 "$srun_pid" 2>/dev/null || break',
-            "done",
-            'log "ranks exited with status $status"',
-            'if [ "$preempted" = 1 ] && [ "$status" = 0 ]; then',
-        ]
-        if a.requeue:
-            lines += [
-                '  log "checkpoint saved after the pre-emption signal; requeueing job $SLURM_JOB_ID"',
-                '  scontrol requeue "$SLURM_JOB_ID"',
-            ]
-        else:
-            lines += [f'  log "checkpoint saved after the pre-emption signal; resume with: sbatch {script_path}"']
-        lines += ["fi", 'exit "$status"']
     else:
-        lines += [srun_line]
-    return "\n".join(lines) + "\n"
+        lines += [f'  log "checkpoint saved after the pre-emption signal; resume with: sbatch {script_path}"']
+    return [*lines, "fi", 'exit "$status"']
 
 
 def build_slurm(r: Resolved) -> Plan:
