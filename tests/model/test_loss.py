@@ -210,7 +210,7 @@ def test_a_compiled_loss_chunk_that_cannot_be_built_is_off_with_one_warning(monk
     from pretrain.kernels import probe
 
     monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent-c++",))
-    monkeypatch.setattr(inductor, "fx_graph_cache", False)  # a cached graph would need no build
+    monkeypatch.setattr(inductor, "force_disable_caches", True)  # a cached graph or kernel would need no build
     monkeypatch.setattr(probe, "_works", {})
     h, w, targets = torch.randn(300, 16), torch.randn(40, 16), torch.randint(0, 40, (300,))
     with caplog.at_level(logging.WARNING, logger="pretrain.kernels.probe"):
