@@ -127,10 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if refused:
         print(f"grt bench data: error: {refused}", file=sys.stderr)
         return 2
-    from .loader import TokenBatchLoader
-    from .prepare import prepare
     from .sources import expand_inputs
-    from .tokenizer import train_tokenizer
 
     corpus = args.corpus or default_corpus()
     inputs = args.input or [os.path.join(corpus, "train-*.jsonl.gz")]
@@ -145,7 +142,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     work = args.out or tempfile.mkdtemp(prefix="grt-bench-data-")
     os.makedirs(work, exist_ok=True)
-    quiet = args.json
     result = {
         "corpus_files": [os.path.basename(f) for f in files],
         "max_mb": args.max_mb,
@@ -154,71 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
     }
     try:
-        if args.tokenizer:
-            tok_path = args.tokenizer
-        else:
-            t0 = time.time()
-            tok_path = os.path.join(work, "bench-tokenizer.model")
-            train_tokenizer(
-                files,
-                tok_path,
-                vocab_size=args.vocab_size,
-                text_field=args.text_field,
-                max_chars=args.tokenizer_chars,
-                progress=not quiet,
-            )
-            result["tokenizer_train_s"] = round(time.time() - t0, 2)
-            result["vocab_size"] = args.vocab_size
-        shard_dir = os.path.join(work, "shards")
-        t0 = time.time()
-        m = prepare(
-            files,
-            tok_path,
-            shard_dir,
-            seq_len=args.seq_len,
-            shard_size_mb=args.shard_size_mb,
-            workers=args.workers,
-            text_field=args.text_field,
-            max_mb=args.max_mb,
-            progress=not quiet,
-        )
-        dt = time.time() - t0
-        text_mb = m.stats["bytes"] / 1e6
-        stream_tokens = sum(m.stats["stream_tokens_per_split"].values())
-        result.update(
-            prepare_s=round(dt, 2),
-            prepare_text_mb=round(text_mb, 2),
-            prepare_mb_per_s=round(text_mb / dt, 3),
-            prepare_tokens_per_s=round(stream_tokens / dt),
-            shards=len(m.shards("train")),
-            sequences=m.sequences("train"),
-            prepare_mb_per_s_per_core=round(text_mb / dt / args.workers, 3),
-        )
-        result.update(_limits(files, tok_path, work, args, m))
-        result["prepare_vs_limit"] = round(dt / result["encode_limit_s"], 3)  # the same text and processes
-
-        if args.parquet:
-            result.update(_bench_parquet(files, tok_path, work, args, m.stats["bytes"], quiet))
-
-        def single() -> TokenBatchLoader:
-            return TokenBatchLoader(
-                m.path, micro_batch_size=args.batch_size, num_workers=args.loader_workers, seed=0, loop=True
-            )
-
-        tokens, batches, dt = _time_loader(single(), args.loader_seconds, single().batches_per_epoch)
-        result.update(
-            loader_tokens_per_s=round(tokens / dt),
-            loader_batches=batches,
-            loader_s=round(dt, 2),
-            loader_batch_size=args.batch_size,
-            loader_workers=args.loader_workers,
-        )
-        if args.mixture:
-            try:
-                result.update(_bench_mixture(m, args, single))
-            except ValueError as exc:
-                print(f"grt bench data: error: {exc}", file=sys.stderr)
-                return 2
+        m = _bench_prepare(files, work, args, result)
+        error = _bench_loading(m, args, result)
+        if error:
+            print(f"grt bench data: error: {error}", file=sys.stderr)
+            return 2
     finally:
         if not args.out:
             shutil.rmtree(work, ignore_errors=True)
@@ -227,39 +163,123 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(
-            f"prepare: {result['prepare_text_mb']:.1f} MB of text in {result['prepare_s']:.1f}s = "
-            f"{result['prepare_mb_per_s']:.2f} MB/s ({result['prepare_tokens_per_s'] / 1e6:.2f}M tokens/s, "
-            f"{args.workers} workers, {os.cpu_count()} CPUs)"
-        )
-        print(
-            f"  per process: prepare {result['prepare_mb_per_s_per_core']:.2f} MB/s, SentencePiece encode of the same "
-            f"text on {args.workers} processes {result['encode_limit_mb_per_s_per_core']:.2f} MB/s (the limit): "
-            f"{result['prepare_vs_limit']:.2f}x its time (whole documents: "
-            f"{result['encode_whole_docs_mb_per_s_per_core']:.2f} MB/s); reading the text {result['read_s']:.2f}s "
-            f"and writing the shards {result['shard_write_s']:.2f}s ({result['shard_write_mb_per_s']:.0f} MB/s) "
-            "in the main process"
-        )
-        if "parquet_prepare_mb_per_s" in result:
-            print(
-                f"prepare from Parquet: {result['parquet_prepare_text_mb']:.1f} MB of text in "
-                f"{result['parquet_prepare_s']:.1f}s = {result['parquet_prepare_mb_per_s']:.2f} MB/s"
-            )
-        if "tokenizer_train_s" in result:
-            print(f"tokenizer: vocab {args.vocab_size} trained in {result['tokenizer_train_s']:.1f}s")
-        print(
-            f"loader: {result['loader_tokens_per_s'] / 1e6:.2f}M tokens/s ({result['loader_batches']} batches of "
-            f"{args.batch_size}x{args.seq_len}, {args.loader_workers} DataLoader workers, one process)"
-        )
-        if "mixture_vs_single" in result:
-            print(
-                f"mixture of {result['mixture_sources']} sources: {result['mixture_tokens_per_s'] / 1e6:.2f}M tokens/s "
-                f"against {result['mixture_single_tokens_per_s'] / 1e6:.2f}M for the single manifest of the same "
-                f"shards: {result['mixture_vs_single']:.3f}x (turns of 32 batches; over {MIXTURE_ROUNDS} windows "
-                f"{result['mixture_vs_single_range'][0]:.3f}-{result['mixture_vs_single_range'][1]:.3f})"
-            )
-        print(f"reproduce: {result['command']}")
+        _print_result(result, args)
     return 0
+
+
+def _bench_prepare(files: list[str], work: str, args: argparse.Namespace, result: dict[str, Any]) -> Manifest:
+    """The tokenizer (trained unless --tokenizer), `grt data prepare` timed against its limits (and
+    from Parquet with --parquet), into `result`; the prepared manifest."""
+    from .prepare import prepare
+    from .tokenizer import train_tokenizer
+
+    quiet = args.json
+    if args.tokenizer:
+        tok_path = args.tokenizer
+    else:
+        t0 = time.time()
+        tok_path = os.path.join(work, "bench-tokenizer.model")
+        train_tokenizer(
+            files,
+            tok_path,
+            vocab_size=args.vocab_size,
+            text_field=args.text_field,
+            max_chars=args.tokenizer_chars,
+            progress=not quiet,
+        )
+        result["tokenizer_train_s"] = round(time.time() - t0, 2)
+        result["vocab_size"] = args.vocab_size
+    shard_dir = os.path.join(work, "shards")
+    t0 = time.time()
+    m = prepare(
+        files,
+        tok_path,
+        shard_dir,
+        seq_len=args.seq_len,
+        shard_size_mb=args.shard_size_mb,
+        workers=args.workers,
+        text_field=args.text_field,
+        max_mb=args.max_mb,
+        progress=not quiet,
+    )
+    dt = time.time() - t0
+    text_mb = m.stats["bytes"] / 1e6
+    stream_tokens = sum(m.stats["stream_tokens_per_split"].values())
+    result.update(
+        prepare_s=round(dt, 2),
+        prepare_text_mb=round(text_mb, 2),
+        prepare_mb_per_s=round(text_mb / dt, 3),
+        prepare_tokens_per_s=round(stream_tokens / dt),
+        shards=len(m.shards("train")),
+        sequences=m.sequences("train"),
+        prepare_mb_per_s_per_core=round(text_mb / dt / args.workers, 3),
+    )
+    result.update(_limits(files, tok_path, work, args, m))
+    result["prepare_vs_limit"] = round(dt / result["encode_limit_s"], 3)  # the same text and processes
+    if args.parquet:
+        result.update(_bench_parquet(files, tok_path, work, args, m.stats["bytes"], quiet))
+    return m
+
+
+def _bench_loading(m: Manifest, args: argparse.Namespace, result: dict[str, Any]) -> str | None:
+    """The loader's tokens per second on the prepared shards (and a mixture's against it with
+    --mixture), into `result`; the refusal when the shards cannot make that mixture."""
+    from .loader import TokenBatchLoader
+
+    def single() -> TokenBatchLoader:
+        return TokenBatchLoader(
+            m.path, micro_batch_size=args.batch_size, num_workers=args.loader_workers, seed=0, loop=True
+        )
+
+    tokens, batches, dt = _time_loader(single(), args.loader_seconds, single().batches_per_epoch)
+    result.update(
+        loader_tokens_per_s=round(tokens / dt),
+        loader_batches=batches,
+        loader_s=round(dt, 2),
+        loader_batch_size=args.batch_size,
+        loader_workers=args.loader_workers,
+    )
+    if args.mixture:
+        try:
+            result.update(_bench_mixture(m, args, single))
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+def _print_result(result: dict[str, Any], args: argparse.Namespace) -> None:
+    print(
+        f"prepare: {result['prepare_text_mb']:.1f} MB of text in {result['prepare_s']:.1f}s = "
+        f"{result['prepare_mb_per_s']:.2f} MB/s ({result['prepare_tokens_per_s'] / 1e6:.2f}M tokens/s, "
+        f"{args.workers} workers, {os.cpu_count()} CPUs)"
+    )
+    print(
+        f"  per process: prepare {result['prepare_mb_per_s_per_core']:.2f} MB/s, SentencePiece encode of the same "
+        f"text on {args.workers} processes {result['encode_limit_mb_per_s_per_core']:.2f} MB/s (the limit): "
+        f"{result['prepare_vs_limit']:.2f}x its time (whole documents: "
+        f"{result['encode_whole_docs_mb_per_s_per_core']:.2f} MB/s); reading the text {result['read_s']:.2f}s "
+        f"and writing the shards {result['shard_write_s']:.2f}s ({result['shard_write_mb_per_s']:.0f} MB/s) "
+        "in the main process"
+    )
+    if "parquet_prepare_mb_per_s" in result:
+        print(
+            f"prepare from Parquet: {result['parquet_prepare_text_mb']:.1f} MB of text in "
+            f"{result['parquet_prepare_s']:.1f}s = {result['parquet_prepare_mb_per_s']:.2f} MB/s"
+        )
+    if "tokenizer_train_s" in result:
+        print(f"tokenizer: vocab {args.vocab_size} trained in {result['tokenizer_train_s']:.1f}s")
+    print(
+        f"loader: {result['loader_tokens_per_s'] / 1e6:.2f}M tokens/s ({result['loader_batches']} batches of "
+        f"{args.batch_size}x{args.seq_len}, {args.loader_workers} DataLoader workers, one process)"
+    )
+    if "mixture_vs_single" in result:
+        print(
+            f"mixture of {result['mixture_sources']} sources: {result['mixture_tokens_per_s'] / 1e6:.2f}M tokens/s "
+            f"against {result['mixture_single_tokens_per_s'] / 1e6:.2f}M for the single manifest of the same "
+            f"shards: {result['mixture_vs_single']:.3f}x (turns of 32 batches; over {MIXTURE_ROUNDS} windows "
+            f"{result['mixture_vs_single_range'][0]:.3f}-{result['mixture_vs_single_range'][1]:.3f})"
+        )
+    print(f"reproduce: {result['command']}")
 
 
 def _limits(files: list[str], tok_path: str, work: str, args: argparse.Namespace, m: Manifest) -> dict[str, Any]:
