@@ -138,17 +138,25 @@ def loop_verdict(res: dict[str, Any]) -> str:
 
 
 def markdown(res: dict[str, Any], files: dict[str, str], title: str) -> str:
-    R = res["trained_loops"]
+    """report.md: the loop's verdict, then a section per measure (those the analysis made)."""
     L = [
         f"# {title}",
         "",
-        f"Layout `{res['layout']}`, R = {R}; {res['tokens']:,} validation tokens.",
+        f"Layout `{res['layout']}`, R = {res['trained_loops']}; {res['tokens']:,} validation tokens.",
         "",
         f"**Loop health**: {loop_verdict(res)}",
         "",
-        "## Early exit: loss by exit depth, against compute",
-        "",
     ]
+    for section in (_early_exit_section, _gate_sections, _cka_sections, _bucket_section, _half_section):
+        L += section(res, files)
+    L += ["", "Definitions: see `grt analyze --help` and docs/evaluation.md.", ""]
+    return "\n".join(L)
+
+
+def _early_exit_section(res: dict[str, Any], files: dict[str, str]) -> list[str]:
+    """Loss by exit depth against compute, with the plot."""
+    L: list[str] = []
+    L += ["## Early exit: loss by exit depth, against compute", ""]
     ee = res["early_exit"]
     curves = [(name, ee[key]) for key, name in (("grt", "GRT"), ("dense", "dense")) if key in ee]
     L += [_exit_table(name, curve) for name, curve in curves]
@@ -161,6 +169,13 @@ def markdown(res: dict[str, Any], files: dict[str, str], title: str) -> str:
     L += [f"- {name}: {_half_line(curve['half_compute'])}" for name, curve in curves]
     if "loss_by_depth" in files:
         L += ["", f"![loss by depth]({files['loss_by_depth']})"]
+    return L
+
+
+def _gate_sections(res: dict[str, Any], files: dict[str, str]) -> list[str]:
+    """Gate forcing, anchor replacement and the gates by loop step."""
+    R = res["trained_loops"]
+    L: list[str] = []
     if res["gate_forcing"]:
         g = res["gate_forcing"]
         L += [
@@ -187,6 +202,12 @@ def markdown(res: dict[str, Any], files: dict[str, str], title: str) -> str:
         L += [f"| {r + 1} | {g:.4f} | {s:.3f} |" for r, (g, s) in enumerate(zip(res["gate_mean_by_step"], shares))]
         if "gates" in files:
             L += ["", f"![gates]({files['gates']})"]
+    return L
+
+
+def _cka_sections(res: dict[str, Any], files: dict[str, str]) -> list[str]:
+    """Linear CKA between the loop states, and against a dense model."""
+    L: list[str] = []
     if res["cka"]:
         n = len(res["cka"])
         L += [
@@ -211,6 +232,13 @@ def markdown(res: dict[str, Any], files: dict[str, str], title: str) -> str:
         L += [f"| s_{i} | {j} | {cd['matrix'][i][j]:.3f} |" for i, j in enumerate(cd["best_layer_by_state"])]
         if "cka_dense" in files:
             L += ["", f"![CKA vs dense]({files['cka_dense']})"]
+    return L
+
+
+def _bucket_section(res: dict[str, Any], files: dict[str, str]) -> list[str]:
+    """The share of the depth-0 loss recovered per step, by token bucket."""
+    R = res["trained_loops"]
+    L: list[str] = []
     if res["buckets"]:
         L += [
             "",
@@ -227,6 +255,12 @@ def markdown(res: dict[str, Any], files: dict[str, str], title: str) -> str:
             )
         if "buckets" in files:
             L += ["", f"![buckets]({files['buckets']})"]
+    return L
+
+
+def _half_section(res: dict[str, Any], files: dict[str, str]) -> list[str]:
+    """The state and anchor halves of the loop's input weights."""
+    L: list[str] = []
     if res["half_cosines"]:
         L += [
             "",
@@ -253,5 +287,4 @@ def markdown(res: dict[str, Any], files: dict[str, str], title: str) -> str:
             for k, v in res["half_cosines"].items()
             for half in ("state", "anchor")
         ]
-    L += ["", "Definitions: see `grt analyze --help` and docs/evaluation.md.", ""]
-    return "\n".join(L)
+    return L
