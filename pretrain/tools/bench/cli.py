@@ -83,12 +83,42 @@ def _dispatch(argv: list[str]) -> int:
     if argv and argv[0] in DELEGATED:
         module = importlib.import_module(DELEGATED[argv[0]][0])
         return int(module.main(argv if module.__name__ == "pretrain.tools.bench.numerics" else argv[1:]))
+    args = build_parser().parse_args(argv)
+    benches: dict[str, Callable[[argparse.Namespace], dict[str, Any] | list[dict[str, Any]]]] = {
+        "train-step": bench_train_step,
+        "memory": bench_memory,
+        "zero": bench_zero,
+    }
+    result = benches[args.what](args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"# reproduce: grt bench {' '.join(argv)}")
+    if isinstance(result, dict):
+        for key, value in result.items():
+            print(f"{key:<32} {value:,.3f}" if isinstance(value, float) else f"{key:<32} {value}")
+    else:
+        keys = list(result[0])
+        print(" | ".join(keys))
+        for row in result:
+            print(" | ".join(_cell(k, row[k]) for k in keys))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`grt bench`'s own subcommands (train-step, memory, zero); the others listed, parsed by their modules."""
     p = argparse.ArgumentParser(
         prog="grt bench", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = p.add_subparsers(dest="what", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name, (_, what) in DELEGATED.items():  # parsed by their own modules (dispatched above): listed here
         sub.add_parser(name, help=what, add_help=False)
+    for add in (_train_step_flags, _memory_flags, _zero_flags):
+        add(sub).add_argument("--json", action="store_true", help="print machine-readable JSON only")
+    return p
+
+
+def _train_step_flags(sub: Any) -> argparse.ArgumentParser:
     ts = sub.add_parser("train-step", help="GRT vs dense of equal FLOPs")
     ts.add_argument("--layout", default="1+2x4+1")
     ts.add_argument("--d-model", type=whole_number(1), default=256)
@@ -107,11 +137,19 @@ def _dispatch(argv: list[str]) -> int:
         help="bf16: the weights cast to bf16 as `grt train` runs them (the loop state stays fp32)",
     )
     ts.add_argument("--peak-tflops", type=positive_number, default=0.0, help="device peak for MFU (default: looked up)")
+    return ts
+
+
+def _memory_flags(sub: Any) -> argparse.ArgumentParser:
     mem = sub.add_parser("memory", help="peak memory against R")
     mem.add_argument("--loops", type=whole_number(1), nargs="+", default=[1, 4, 8])
     mem.add_argument("--d-model", type=whole_number(4), default=256, help="a multiple of its 4 heads")
     mem.add_argument("--seq-len", type=whole_number(1), default=512)
     mem.add_argument("--batch", type=whole_number(1), default=8)
+    return mem
+
+
+def _zero_flags(sub: Any) -> argparse.ArgumentParser:
     zr = sub.add_parser(
         "zero", help="`grt train` per ZeRO stage x compile x checkpointing x preset, against the bare step"
     )
@@ -155,28 +193,7 @@ def _dispatch(argv: list[str]) -> int:
         "`trainer 100000` A/Bs it. The default 1000 makes a tiny model's matrices sharded, as "
         "a GPT-2-sized model's are",
     )
-    for sp in (ts, mem, zr):
-        sp.add_argument("--json", action="store_true", help="print machine-readable JSON only")
-    args = p.parse_args(argv)
-    benches: dict[str, Callable[[argparse.Namespace], dict[str, Any] | list[dict[str, Any]]]] = {
-        "train-step": bench_train_step,
-        "memory": bench_memory,
-        "zero": bench_zero,
-    }
-    result = benches[args.what](args)
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
-    print(f"# reproduce: grt bench {' '.join(argv)}")
-    if isinstance(result, dict):
-        for key, value in result.items():
-            print(f"{key:<32} {value:,.3f}" if isinstance(value, float) else f"{key:<32} {value}")
-    else:
-        keys = list(result[0])
-        print(" | ".join(keys))
-        for row in result:
-            print(" | ".join(_cell(k, row[k]) for k in keys))
-    return 0
+    return zr
 
 
 def _cell(key: str, value: object) -> str:
