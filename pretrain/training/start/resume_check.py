@@ -157,7 +157,6 @@ def check_tag(
     ranks (default: this process's launch): refuse by the rule above (ConfigError), or return what
     the resume changes (the started schedule and global batch kept); UnreadableCheckpoint when the
     tag's config or tokenizer cannot be read. `asked` itself is not changed."""
-    from data_pipeline.tokenizer import file_sha256
     from pretrain.distributed import discover
 
     cfg = copy.deepcopy(asked)  # the settings kept are set on a copy, compared with `asked` at the end
@@ -167,6 +166,29 @@ def check_tag(
     saved = _as_json(saved_cfg)
     where = f"checkpoint {tag}"
     manifest = manifest or cfg.data_spec.load()
+    _check_same_run(cfg, saved, manifest, step_dir, tag)
+    old_t = saved["train"]
+    old_horizon = _keep_schedule(cfg, old_t, where)
+    world = world_size or discover().world_size
+    saved_world = ranks_that_wrote(step_dir) or world
+    batch_note = keep_global_batch(cfg, old_t, saved_world, world, where)
+    if cfg.train.schedule == "wsd":
+        old_tokens = tokens_per_step(saved_cfg.train, saved_world, manifest.seq_len)
+        new_tokens = tokens_per_step(cfg.train, world, manifest.seq_len)
+        note = keep_wsd_lr(cfg.train, saved_cfg.train, step_of(tag), new_tokens, old_tokens, where)
+    else:
+        steps_changed = cfg.train.steps != old_t["steps"]
+        note = f" (the learning-rate schedule keeps its {old_horizon}-step horizon)" if steps_changed else ""
+    return _resume_changes(asked, cfg, saved, where, note + batch_note)
+
+
+def _check_same_run(
+    cfg: RunConfig, saved: dict[str, Any], manifest: Manifest | DataMixture, step_dir: Path, tag: str
+) -> None:
+    """What makes the run itself: the data's tokenizer, the model and the checkpoint's format are the checkpoint's."""
+    from data_pipeline.tokenizer import file_sha256
+
+    where = f"checkpoint {tag}"
     saved_tok = step_dir / "tokenizer.model"
     try:
         saved_sha = file_sha256(str(saved_tok)) if saved_tok.is_file() else None
@@ -180,8 +202,7 @@ def check_tag(
         int(saved["model"]["vocab_size"]),
         where,
     )
-    now = _as_json(cfg)
-    model_changes = _changes(_flat("model", saved["model"]), _flat("model", now["model"]))
+    model_changes = _changes(_flat("model", saved["model"]), _flat("model", _as_json(cfg)["model"]))
     if model_changes:
         raise ConfigError(
             f"resume: the model differs from {where}'s ({'; '.join(model_changes)}); a run keeps its "
@@ -189,8 +210,12 @@ def check_tag(
             "a new run with another --out"
         )
     _check_same_checkpoint_format(step_dir, cfg, where)
-    old_t = saved["train"]
-    old_horizon = old_t["schedule_steps"] or old_t["steps"]
+
+
+def _keep_schedule(cfg: RunConfig, old_t: dict[str, Any], where: str) -> int:
+    """Refuse a change of the schedule, the optimizer or the seed; a cosine run keeps its started
+    horizon (set into `cfg`). Returns that horizon."""
+    old_horizon: int = old_t["schedule_steps"] or old_t["steps"]
     if old_t["schedule"] != cfg.train.schedule:
         raise ConfigError(
             f"resume: train.schedule {old_t['schedule']!r} -> {cfg.train.schedule!r} would change the schedule that "
@@ -220,18 +245,17 @@ def check_tag(
             "and random streams go on from the old seed, the depths would follow the new one); resume with "
             f"train.seed={old_t['seed']}, or start a new run with another --out"
         )
-    world = world_size or discover().world_size
-    saved_world = ranks_that_wrote(step_dir) or world
-    batch_note = keep_global_batch(cfg, old_t, saved_world, world, where)
-    schedule_note = ""
-    if wsd:
-        t, old = cfg.train, saved_cfg.train
-        old_tokens = tokens_per_step(old, saved_world, manifest.seq_len)
-        new_tokens = tokens_per_step(t, world, manifest.seq_len)
-        schedule_note = keep_wsd_lr(cfg.train, old, step_of(tag), new_tokens, old_tokens, where)
-    new_t = _as_json(cfg)["train"]
+    return old_horizon
+
+
+def _resume_changes(asked: RunConfig, cfg: RunConfig, saved: dict[str, Any], where: str, note: str) -> ResumeChanges:
+    """The settings the resume keeps (those of `cfg` that differ from `asked`) and, on rank 0, the
+    one line that says every change from the checkpoint's config `saved`, with `note` after it."""
+    from pretrain.distributed import discover
+
+    old_t, now = saved["train"], _as_json(cfg)
     top = ("data", "ds_config", "out", "branch_from")
-    applied = _changes(_flat("train", old_t), _flat("train", new_t)) + _path_changes(
+    applied = _changes(_flat("train", old_t), _flat("train", now["train"])) + _path_changes(
         {k: saved[k] for k in top}, {k: now[k] for k in top}
     )
     if cfg.train.tokens:  # the steps follow the budget from the tokens trained: its own line says them (start/plan.py)
@@ -240,15 +264,7 @@ def check_tag(
     kept = {key: value for key, value in kept.items() if getattr(asked.train, key) != value}
     if not applied or discover().rank != 0:
         return ResumeChanges(kept, "")
-    if wsd:
-        note = schedule_note
-    else:
-        note = (
-            f" (the learning-rate schedule keeps its {old_horizon}-step horizon)"
-            if new_t["steps"] != old_t["steps"]
-            else ""
-        )
-    return ResumeChanges(kept, f"resuming {where} with changes: {'; '.join(applied)}{note}{batch_note}")
+    return ResumeChanges(kept, f"resuming {where} with changes: {'; '.join(applied)}{note}")
 
 
 def keep_wsd_lr(
