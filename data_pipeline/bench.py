@@ -170,10 +170,8 @@ def main(argv: list[str] | None = None) -> int:
 def _bench_prepare(files: list[str], work: str, args: argparse.Namespace, result: dict[str, Any]) -> Manifest:
     """The tokenizer (trained unless --tokenizer), `grt data prepare` timed against its limits (and
     from Parquet with --parquet), into `result`; the prepared manifest."""
-    from .prepare import prepare
     from .tokenizer import train_tokenizer
 
-    quiet = args.json
     if args.tokenizer:
         tok_path = args.tokenizer
     else:
@@ -185,24 +183,11 @@ def _bench_prepare(files: list[str], work: str, args: argparse.Namespace, result
             vocab_size=args.vocab_size,
             text_field=args.text_field,
             max_chars=args.tokenizer_chars,
-            progress=not quiet,
+            progress=not args.json,
         )
         result["tokenizer_train_s"] = round(time.time() - t0, 2)
         result["vocab_size"] = args.vocab_size
-    shard_dir = os.path.join(work, "shards")
-    t0 = time.time()
-    m = prepare(
-        files,
-        tok_path,
-        shard_dir,
-        seq_len=args.seq_len,
-        shard_size_mb=args.shard_size_mb,
-        workers=args.workers,
-        text_field=args.text_field,
-        max_mb=args.max_mb,
-        progress=not quiet,
-    )
-    dt = time.time() - t0
+    m, dt = _timed_prepare(files, tok_path, os.path.join(work, "shards"), args)
     text_mb = m.stats["bytes"] / 1e6
     stream_tokens = sum(m.stats["stream_tokens_per_split"].values())
     result.update(
@@ -217,8 +202,27 @@ def _bench_prepare(files: list[str], work: str, args: argparse.Namespace, result
     result.update(_limits(files, tok_path, work, args, m))
     result["prepare_vs_limit"] = round(dt / result["encode_limit_s"], 3)  # the same text and processes
     if args.parquet:
-        result.update(_bench_parquet(files, tok_path, work, args, m.stats["bytes"], quiet))
+        result.update(_bench_parquet(files, tok_path, work, args, m.stats["bytes"]))
     return m
+
+
+def _timed_prepare(files: list[str], tok_path: str, out: str, args: argparse.Namespace) -> tuple[Manifest, float]:
+    """`grt data prepare` of `files` into `out` with the benchmark's settings, and its seconds."""
+    from .prepare import prepare
+
+    t0 = time.time()
+    m = prepare(
+        files,
+        tok_path,
+        out,
+        seq_len=args.seq_len,
+        shard_size_mb=args.shard_size_mb,
+        workers=args.workers,
+        text_field=args.text_field,
+        max_mb=args.max_mb,
+        progress=not args.json,
+    )
+    return m, time.time() - t0
 
 
 def _bench_loading(m: Manifest, args: argparse.Namespace, result: dict[str, Any]) -> str | None:
@@ -363,14 +367,13 @@ def _bench_mixture(m: Manifest, args: argparse.Namespace, single: Callable[[], T
 
 
 def _bench_parquet(
-    files: list[str], tok_path: str, work: str, args: argparse.Namespace, text_bytes: int, quiet: bool
+    files: list[str], tok_path: str, work: str, args: argparse.Namespace, text_bytes: int
 ) -> dict[str, float]:
     """Write the documents `prepare` just read (its first `text_bytes`) as one Parquet file,
     then time `prepare` on it: the same text and settings, another container."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from .prepare import prepare
     from .sources import iter_documents
 
     docs, size = [], 0
@@ -382,19 +385,7 @@ def _bench_parquet(
     path = os.path.join(work, "parquet", "corpus.parquet")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     pq.write_table(pa.table({args.text_field: docs}), path, row_group_size=64)
-    t0 = time.time()
-    m = prepare(
-        [path],
-        tok_path,
-        os.path.join(work, "shards-parquet"),
-        seq_len=args.seq_len,
-        shard_size_mb=args.shard_size_mb,
-        workers=args.workers,
-        text_field=args.text_field,
-        max_mb=args.max_mb,
-        progress=not quiet,
-    )
-    dt = time.time() - t0
+    m, dt = _timed_prepare([path], tok_path, os.path.join(work, "shards-parquet"), args)
     mb = m.stats["bytes"] / 1e6
     return {
         "parquet_prepare_s": round(dt, 2),
