@@ -31,19 +31,26 @@ def train_command(
     preset: str,
     data: Path | str,
     out: Path | str | None,
-    steps: int,
-    micro_batch_size: int,
-    ds_config: str,
+    steps: int | None,
+    micro_batch_size: int | None,
+    ds_config: str | None,
     sets: Iterable[str] = (),
     *extra: str,
     grad_accum: int | None = None,
 ) -> list[str]:
-    """`grt train` arguments: `preset` on `data` into `out` (None: no --out, a named run) for `steps`
-    steps (`grad_accum` micro-batches each; None: the preset's), each of `sets` as a `--set`, then
-    `extra` as they are."""
-    args = ["train", "--preset", preset, "--data", str(data), *(["--out", str(out)] if out is not None else [])]
-    args += ["--steps", str(steps), "--micro-batch-size", str(micro_batch_size)]
-    args += [*(["--grad-accum", str(grad_accum)] if grad_accum is not None else []), "--ds-config", ds_config]
+    """`grt train` arguments (the tests' one builder of them): `preset` on `data` into `out` for
+    `steps` steps of `micro_batch_size` (`grad_accum` micro-batches each) under `ds_config`, each
+    of `sets` as a `--set`, then `extra` as they are. A None leaves its flag out (the preset's
+    value; no --out: a named run)."""
+    flags = (
+        ("--out", out),
+        ("--steps", steps),
+        ("--micro-batch-size", micro_batch_size),
+        ("--grad-accum", grad_accum),
+        ("--ds-config", ds_config),
+    )
+    args = ["train", "--preset", preset, "--data", str(data)]
+    args += [x for flag, value in flags if value is not None for x in (flag, str(value))]
     for s in sets:
         args += ["--set", s]
     return [*args, *extra]

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 
-from commands import data_commands, manifest_of
+from commands import data_commands, manifest_of, train_command
 from multiproc import free_port  # noqa: F401 - the tests' one port picker (reserved, collision-free)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,32 +136,10 @@ def tiny_shards() -> str:
 
 
 def train_args(out, steps=4, preset="tiny-grt", *extra):
-    """`grt train` arguments for a few fast CPU steps (ZeRO-2, a checkpoint at the end)."""
-    return [
-        "--preset",
-        preset,
-        "--data",
-        tiny_shards(),
-        "--out",
-        str(out),
-        "--steps",
-        str(steps),
-        "--micro-batch-size",
-        "2",
-        "--grad-accum",
-        "1",
-        "--ds-config",
-        os.path.join(ROOT, "ds_configs", "zero2.json"),
-        "--set",
-        "train.log_every=1",
-        "--set",
-        "train.eval_every=0",
-        "--set",
-        "train.save_every=0",
-        "--set",
-        "train.warmup_steps=1",
-        *extra,
-    ]
+    """`grt train` arguments (without `train`) for a few fast CPU steps (ZeRO-2, a checkpoint at the end)."""
+    zero2 = os.path.join(ROOT, "ds_configs", "zero2.json")
+    sets = ("train.log_every=1", "train.eval_every=0", "train.save_every=0", "train.warmup_steps=1")
+    return train_command(preset, tiny_shards(), out, steps, 2, zero2, sets, *extra, grad_accum=1)[1:]
 
 
 def read_metrics(path):

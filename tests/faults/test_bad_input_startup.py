@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from commands import train_command
 from multiproc import TEST_PORTS, free_port, release_port, start_ranks
 
 from pretrain.distributed import DistInfo, RendezvousError, discover
@@ -214,17 +215,7 @@ def _train_args(manifest: Path, out: Path) -> list[str]:
     return [
         "-m",
         "pretrain.cli",
-        "train",
-        "--preset",
-        "micro-grt",
-        "--data",
-        str(manifest),
-        "--out",
-        str(out),
-        "--steps",
-        "2",
-        "--set",
-        f"train.dist_timeout_s={TIMEOUT_S}",
+        *train_command("micro-grt", manifest, out, 2, None, None, [f"train.dist_timeout_s={TIMEOUT_S}"]),
     ]
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from commands import error_lines, grt_output
+from commands import error_lines, grt_output, train_command
 from commands import grt_in_process as grt
 from trained_models import DEMO_TEXT, CharTokenizer, manifest, single_thread, small_model, write_export  # noqa: F401 (fixtures)
 
@@ -108,10 +108,7 @@ TRAIN_GOOD = [
 
 
 def train_argv(manifest: Path, out: Path, *sets: str, extra: tuple[str, ...] = ()) -> list[str]:
-    argv = ["train", "--preset", "micro-grt", "--data", str(manifest), "--out", str(out), *extra]
-    for item in sets:
-        argv += ["--set", item]
-    return [*argv, "--dry-run"]
+    return train_command("micro-grt", manifest, out, None, None, None, sets, *extra, "--dry-run")
 
 
 @pytest.mark.parametrize("key,value", TRAIN_CASES, ids=[f"{k}={v}" for k, v in TRAIN_CASES])

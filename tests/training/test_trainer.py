@@ -213,6 +213,9 @@ def test_compiled_loop_step_is_not_recompiled_per_depth(shards, tmp_path):
     assert graphs[0] == 2, graphs
 
 
+SYNC_SETS = ("train.log_every=4", "train.eval_every=0", "train.save_every=0")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("grad_accum", [1, 4])
 def test_one_host_sync_per_step_outside_logging_steps(shards, tmp_path, grad_accum):
@@ -228,24 +231,7 @@ def test_one_host_sync_per_step_outside_logging_steps(shards, tmp_path, grad_acc
             sys.executable,
             str(REPO / "tests" / "dist_scripts" / "count_syncs.py"),
             str(report),
-            "--preset",
-            "micro-grt",
-            "--data",
-            str(shards),
-            "--out",
-            str(tmp_path / "run"),
-            "--steps",
-            "9",
-            "--micro-batch-size",
-            "2",
-            "--grad-accum",
-            str(grad_accum),
-            "--set",
-            "train.log_every=4",
-            "--set",
-            "train.eval_every=0",
-            "--set",
-            "train.save_every=0",
+            *train_command("micro-grt", shards, tmp_path / "run", 9, 2, None, SYNC_SETS, grad_accum=grad_accum)[1:],
         ],
         cwd=REPO,
         capture_output=True,
