@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from commands import data_commands, manifest_of, train_command
-from multiproc import free_port
+from multiproc import start_ranks
 
 from data_pipeline.loader import DIGEST_MOD
 
@@ -78,34 +78,12 @@ class Job:
     ):
         logs.mkdir(parents=True, exist_ok=True)
         n = len(list(logs.glob("rank0.*.log")))
-        port = free_port()
         self.world = world
         self.logs = [logs / f"rank{r}.{n}.log" for r in range(world)]
-        self.procs: list[subprocess.Popen] = []
         self.started = time.time()
-        for r in range(world):
-            rank_vars = {
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "RANK": str(r),
-                "LOCAL_RANK": str(r),
-                "WORLD_SIZE": str(world),
-                "LOCAL_WORLD_SIZE": str(world),
-            }
-            full_env = {
-                **os.environ,
-                "OMP_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1",
-                **(rank_vars if world > 1 else {}),
-                **(env or {}),
-                **((rank_env or {}).get(r, {})),
-            }
-            with open(self.logs[r], "w") as fh:
-                self.procs.append(
-                    subprocess.Popen(
-                        cli(*args), cwd=REPO, env=full_env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
-                    )
-                )
+        self.procs: list[subprocess.Popen] = start_ranks(
+            ["-m", "pretrain.cli", *args], world, env=env, rank_env=rank_env, logs=self.logs
+        )
 
     @property
     def pids(self) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -64,34 +65,48 @@ def release_port(port: int) -> None:
 
 
 def start_ranks(
-    args: list[str], world: int = 2, port: int | None = None, env: dict | None = None, cwd: Path = REPO
+    args: list[str],
+    world: int = 2,
+    port: int | None = None,
+    env: dict | None = None,
+    cwd: Path = REPO,
+    rank_env: dict[int, dict] | None = None,
+    logs: list[Path] | None = None,
 ) -> list[subprocess.Popen]:
-    """Start `python <args>` as ranks 0..world-1 on `port` (default: free_port()), output piped."""
+    """Start `python <args>` as ranks 0..world-1 on `port` (default: free_port()) the way torchrun
+    would (the tests' one starter of rank processes). `env` applies to every rank, `rank_env[r]` to
+    rank r only. Output piped; with `logs`, rank r's goes to logs[r] and each rank leads its own
+    session, and a job of one rank is a plain process (no rank variables)."""
     port = free_port() if port is None else port
     procs = []
     for rank in range(world):
-        rank_env = {
-            **os.environ,
+        rank_vars = {
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(world),
             "LOCAL_WORLD_SIZE": str(world),
+        }
+        full_env = {
+            **os.environ,
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
+            **(rank_vars if logs is None or world > 1 else {}),
             **(env or {}),
+            **((rank_env or {}).get(rank, {})),
         }
-        procs.append(
-            subprocess.Popen(
+        with open(logs[rank], "w") if logs is not None else contextlib.nullcontext() as log:
+            proc = subprocess.Popen(
                 [sys.executable, *args],
-                env=rank_env,
+                env=full_env,
                 cwd=cwd,
-                stdout=subprocess.PIPE,
+                stdout=log or subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
+                start_new_session=logs is not None,
             )
-        )
+        procs.append(proc)
     return procs
 
 

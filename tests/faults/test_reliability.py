@@ -259,7 +259,7 @@ def test_heartbeat_names_the_failed_rank(monkeypatch):
     from datetime import timedelta
 
     import torch.distributed as dist
-    from faults import free_port
+    from multiproc import free_port
 
     from pretrain.training.failures import Heartbeat
 
