@@ -61,7 +61,7 @@ if [ "$cpu" = 1 ]; then
   grt_small=micro-grt dense_small=micro-dense grt_medium=micro-grt grt_large=micro-grt
   seq=64 mbs=2 perf_steps=6 log_every=3 smoke_steps=4 resume_steps=6 eval_batches=1  # 2 logged windows a perf row
   limit_train=240 limit_big=240 limit_compiled=400 limit_other=240 limit_first=240
-  decode=(--prompt-len 16 --new-tokens 16) bench_d=64 bench_heads=4 precision=(micro-grt 20) loss_tokens=4096
+  decode=(--prompt-len 16 --new-tokens 16) bench_d=64 bench_heads=4 precision=(micro-grt 20) loss_tokens=1024
 else
   grt_small=grt-small dense_small=dense-small grt_medium=grt-medium grt_large=grt-large
   # 24 steps logged every 8: 16 measured after the first window (a row's cost is its start, not its steps)
