@@ -356,6 +356,21 @@ def test_a_failed_grt_row_ends_nothing_and_the_dense_rows_and_their_ratio_come_b
     assert re.search(r"\| micro-dense ZeRO-3/ZeRO-2 tokens/s, eager \| [0-9.]+ \|", (out / "summary.md").read_text())
 
 
+def test_rows_that_need_the_smoke_are_skipped_when_it_did_not_pass(tmp_path):
+    """The smoke's export, eval and decode use its run and export: without a passed `smoke-train`
+    (here not run at all) they are recorded as skipped for what they need, not run to fail."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = _run(out, work, "2", rows="^(data|smoke-export|smoke-eval|bench-decode)$")
+    assert proc.wait(timeout=300) == 0, _output(out)[-3000:]
+    results = [(r[0], r[6]) for r in _results(out)]
+    assert results == [
+        ("data", "pass"),
+        ("smoke-export", "skipped (needs smoke-train)"),
+        ("smoke-eval", "skipped (needs smoke-export)"),
+        ("bench-decode", "skipped (needs smoke-export)"),
+    ], results
+
+
 def test_the_throughput_goal_is_45_percent_mfu_of_an_h200_for_dense_small():
     """The summary's one goal and its tokens/s: 45% of 989 TFLOP/s over dense-small's FLOPs per token."""
     sys.path.insert(0, str(REPO / "scripts"))
