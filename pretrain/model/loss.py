@@ -16,10 +16,10 @@ for the GPU's fast matmul kernels; the padded logits are -inf (no probability, n
 How a chunk is computed (`impl`): `compiled`, the per-chunk function under torch.compile (the
 mask, log-sum-exp, softmax and its cast fused into a few kernels between the matmuls);
 `eager`, the same function run op by op; `cce`, cut-cross-entropy's fused kernel where it is
-installed (CUDA; the `fused-loss` extra). `auto` picks cce, else compiled, on CUDA, and eager
-on the CPU, where the compile (10-60 s a process) costs more than it saves at CPU sizes. Every
-impl gives the plain loss's value and gradients (tests/model/test_loss.py; `grt bench loss`
-times them).
+installed (CUDA; the `fused-loss` extra). `auto` picks cce, else compiled (where its start-up
+trial built a kernel: kernels/probe.py), on CUDA, and eager on the CPU, where the compile
+(10-60 s a process) costs more than it saves at CPU sizes. Every impl gives the plain loss's
+value and gradients (tests/model/test_loss.py; `grt bench loss` times them).
 """
 
 from __future__ import annotations
