@@ -46,7 +46,7 @@ def register(key: str, path: FusedPath) -> None:
 
 def works(key: str, device: torch.device) -> bool:
     """Whether path `key` may run on `device`: its trial's verdict, the trial run at the first call."""
-    verdict = _works.get((key, str(device)))
+    verdict = _works.get((key, _name(device)))
     if verdict is not None:
         return verdict
     if torch.compiler.is_compiling():
@@ -69,8 +69,15 @@ def _try(key: str, device: torch.device) -> bool:
             path.cost,
         )
         ok = False
-    _works[(key, str(device))] = ok
+    _works[(key, _name(device))] = ok
     return ok
+
+
+def _name(device: torch.device) -> str:
+    """'cuda' as the tensors' own name for it, 'cuda:N' (the current device): one verdict per GPU."""
+    if device.type == "cuda" and device.index is None and not torch.compiler.is_compiling():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
 
 
 def probe_fused_paths(device: torch.device) -> dict[str, bool]:
