@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pretrain.kernels import probe
+from pretrain.kernels.probe import FusedPath, fused_path_works, register_fused_path
 
 try:
     import triton
@@ -119,9 +119,9 @@ def _trial(device: torch.device) -> None:
 _apply = FusedGateUpdate.apply  # the trial's own reference: a count of the model's calls does not see it
 
 
-probe.register(
+register_fused_path(
     "gate",
-    probe.FusedPath(
+    FusedPath(
         "the fused gate kernel (Triton)",
         "each loop step's gate update runs as the eager formula: about five element-wise kernels and three "
         "saved tensors instead of one kernel (a few % of a grt-small step)",
@@ -132,7 +132,7 @@ probe.register(
 
 
 def fused_available(t: torch.Tensor) -> bool:
-    return _applies(t.device) and probe.works("gate", t.device)
+    return _applies(t.device) and fused_path_works("gate", t.device)
 
 
 def fused_path(s: torch.Tensor) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pretrain.kernels import probe
+from pretrain.kernels.probe import FusedPath, fused_path_works, register_fused_path
 
 _HAS_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads() and "dtype" in torch.ops.aten.addmm.overloads()
 
@@ -26,7 +26,7 @@ _HAS_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads() and "dtype" in torch.o
 def tensor_core_fp32(*tensors: torch.Tensor) -> bool:
     """Whether the tensor-core path runs on these operands: CUDA, all bf16, a torch with out_dtype
     whose `mm` form passed its trial on this device (kernels/probe.py)."""
-    return _HAS_OUT_DTYPE and all(map(_bf16_on_cuda, tensors)) and probe.works("mm-fp32", tensors[0].device)
+    return _HAS_OUT_DTYPE and all(map(_bf16_on_cuda, tensors)) and fused_path_works("mm-fp32", tensors[0].device)
 
 
 def _bf16_on_cuda(t: torch.Tensor) -> bool:
@@ -44,7 +44,7 @@ def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
     """acc + a @ b, acc fp32: on CUDA the sum is the GEMM's epilogue (one pass over acc, no bf16
     product, no separate cast-and-add) where this torch's addmm accepts an fp32 acc."""
     if tensor_core_fp32(a, b):
-        if probe.works("addmm-fp32", acc.device):
+        if fused_path_works("addmm-fp32", acc.device):
             return torch.addmm(acc, a, b, out_dtype=torch.float32)
         return acc + torch.mm(a, b, out_dtype=torch.float32)
     return torch.addmm(acc, a.float(), b.float())
@@ -72,9 +72,9 @@ def _applies(device: torch.device) -> bool:
     return _HAS_OUT_DTYPE and device.type == "cuda"
 
 
-probe.register(
+register_fused_path(
     "mm-fp32",
-    probe.FusedPath(
+    FusedPath(
         "the bf16 GEMM with an fp32 result (torch.mm out_dtype)",
         "the gate's logits and the loss's head gradient run as fp32 GEMMs of upcast copies (same numbers; "
         "fp32 GEMMs are about 15x slower than bf16 tensor cores on an H100/H200)",
@@ -82,9 +82,9 @@ probe.register(
         _trial_mm,
     ),
 )
-probe.register(
+register_fused_path(
     "addmm-fp32",
-    probe.FusedPath(
+    FusedPath(
         "the fp32-accumulating addmm (torch.addmm out_dtype with an fp32 acc)",
         "the sum into an fp32 gradient takes one more pass over it (a GEMM with an fp32 result, then an add)",
         _applies,

@@ -6,8 +6,8 @@ inductor does the same for every compiled kernel, and a kernel may be missing fo
 torch at hand. A path whose trial fails is turned off for the process with one warning naming what is
 missing and what the fallback costs, and the run goes on with the eager path.
 
-Each module registers its own path (`register`): its name, what turning it off costs, where it
-applies (the static check: CUDA, the package installed) and its trial. `works` is the check each
+Each module registers its own path (`register_fused_path`): its name, what turning it off costs, where it
+applies (the static check: CUDA, the package installed) and its trial. `fused_path_works` is the check each
 path's dispatch asks; its first call on a device runs the trial (outside any compiled graph: inside
 one, an untried path counts as working, as the static check says). `probe_fused_paths` runs every
 trial that applies at start-up (the trainer's engine build), so that the trials' device reads happen
@@ -40,11 +40,11 @@ PATHS: dict[str, FusedPath] = {}
 _works: dict[tuple[str, str], bool] = {}  # (path, device) -> the trial's verdict, once per process
 
 
-def register(key: str, path: FusedPath) -> None:
+def register_fused_path(key: str, path: FusedPath) -> None:
     PATHS[key] = path
 
 
-def works(key: str, device: torch.device) -> bool:
+def fused_path_works(key: str, device: torch.device) -> bool:
     """Whether path `key` may run on `device`: its trial's verdict, the trial run at the first call."""
     verdict = _works.get((key, _name(device)))
     if verdict is not None:
@@ -82,7 +82,7 @@ def _name(device: torch.device) -> str:
 
 def probe_fused_paths(device: torch.device) -> dict[str, bool]:
     """Every registered path that applies on `device`, tried now (once per process): the verdicts."""
-    return {key: works(key, device) for key, path in PATHS.items() if path.applies(device)}
+    return {key: fused_path_works(key, device) for key, path in PATHS.items() if path.applies(device)}
 
 
 def first_line(error: BaseException) -> str:

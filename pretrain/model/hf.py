@@ -158,11 +158,27 @@ def from_hf(hf_model: GPT2LMHeadModel, **overrides: Any) -> GPT:
 REMOTE_TEMPLATES = Path(__file__).parent / "hf_remote"  # configuration_grt.py, modeling_grt.py
 VENDOR_ROOTS = ("pretrain.model.registry", "pretrain.infer.kv_cache")  # what modeling_grt.py imports
 _PROJECT_IMPORT = re.compile(r"^(\s*)from (pretrain(?:\.\w+)*) import ", re.M)
+_IMPORTED_NAMES = re.compile(r"^\s*from (pretrain(?:\.\w+)*) import \(?([\w\s,]+)\)?", re.M)
 AUTO_MAP = {"AutoConfig": "configuration_grt.GRTConfig", "AutoModelForCausalLM": "modeling_grt.GRTForCausalLM"}
 
 
 def _vendored_file(module: str) -> str:
     return f"grt_{module.rsplit('.', 1)[-1]}.py"
+
+
+def refuse_module_imports(path: Path, text: str) -> None:
+    """`from pretrain.pkg import module` would vendor as `from .grt_pkg import module`, which fails:
+    transformers copies only the files named by `from .x import` lines, and no file holds the module."""
+    for package, names in _IMPORTED_NAMES.findall(text):
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            continue  # a module, not a package: its names cannot be modules
+        for name in (n.strip().split(" as ")[0] for n in names.split(",") if n.strip()):
+            if importlib.util.find_spec(f"{package}.{name}") is not None:
+                raise RuntimeError(
+                    f"{path}: 'from {package} import {name}' imports a module, which the exported remote code "
+                    f"cannot vendor: import its names ('from {package}.{name} import ...')"
+                )
 
 
 def vendored_sources() -> dict[str, str]:
@@ -183,6 +199,7 @@ def vendored_sources() -> dict[str, str]:
             raise RuntimeError(f"{module}: no source file to vendor")
         path = Path(spec.origin)
         text = path.read_text()
+        refuse_module_imports(path, text)
         todo += [dep for _, dep in _PROJECT_IMPORT.findall(text)]
         text = _PROJECT_IMPORT.sub(lambda m: f"{m[1]}from .{_vendored_file(m[2])[:-3]} import ", text)
         if re.search(r"^\s*(import|from) pretrain\b", text, re.M):

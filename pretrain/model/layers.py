@@ -15,8 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pretrain.config import ModelConfig
-from pretrain.kernels import probe
 from pretrain.kernels.matmul import fp32_linear
+from pretrain.kernels.probe import FusedPath, fused_path_works, register_fused_path
 from pretrain.model.loss import linear_cross_entropy
 
 log = logging.getLogger(__name__)
@@ -154,9 +154,9 @@ def _flash_trial(device: torch.device) -> None:
     flash_attn_func(q, k, v, causal=True).float().sum().backward()
 
 
-probe.register(
+register_fused_path(
     "flash-attn",
-    probe.FusedPath(
+    FusedPath(
         "flash-attn's attention",
         "attention runs on torch's scaled_dot_product_attention: its own flash kernel without document "
         "masks; with train.doc_mask=true a [B, 1, T, T] mask and SDPA's memory-efficient kernel instead",
@@ -167,9 +167,8 @@ probe.register(
 
 
 def resolve_backend(requested: str, q: torch.Tensor) -> str:
-    flash_ok = (
-        _flash_applies(q.device) and q.dtype in (torch.float16, torch.bfloat16) and probe.works("flash-attn", q.device)
-    )
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    flash_ok = _flash_applies(q.device) and half and fused_path_works("flash-attn", q.device)
     if requested == "auto":
         name = "flash_attn" if flash_ok else "sdpa"
         _log_backend_once(

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pretrain.kernels import probe
 from pretrain.kernels.matmul import addmm_fp32, mm_fp32
+from pretrain.kernels.probe import FusedPath, fused_path_works, register_fused_path
 
 try:  # optional: Apple's cut-cross-entropy (CUDA, Triton)
     from cut_cross_entropy import linear_cross_entropy as cce_linear_cross_entropy
@@ -123,7 +123,7 @@ def compiled_chunk_loss() -> ChunkFn:
 def compile_available(device: torch.device) -> bool:
     """Whether torch.compile can build the chunk here: Triton on CUDA, a C++ compiler on the CPU
     (the static check), and a tiny compiled chunk built and ran on this device (`_trial_compile`)."""
-    return _compile_applies(device) and probe.works("loss-compiled", device)
+    return _compile_applies(device) and fused_path_works("loss-compiled", device)
 
 
 def _compile_applies(device: torch.device) -> bool:
@@ -147,9 +147,9 @@ def _trial_fn(x: torch.Tensor) -> torch.Tensor:
     return (torch.sigmoid(x) * x).logsumexp(-1)
 
 
-probe.register(
+register_fused_path(
     "loss-compiled",
-    probe.FusedPath(
+    FusedPath(
         "the compiled loss chunk (torch.compile)",
         "the loss runs each chunk op by op (impl 'eager'): the same numbers, about twice the loss's "
         "element-wise passes over the [chunk x vocabulary] logits",

@@ -320,3 +320,17 @@ def test_hf_model_saves_and_reloads_with_its_code(tmp_path, offline):
     idx = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(again(idx).logits, hf(idx).logits)
+
+
+def test_a_module_imported_by_name_is_refused_before_it_breaks_the_remote_code():
+    """transformers copies only the files that `from .x import` lines name, so a vendored
+    `from pretrain.kernels import probe` would export a model that no longer loads: refused, naming the line."""
+    from pathlib import Path
+
+    from pretrain.model.hf import refuse_module_imports, vendored_sources
+
+    names = "from pretrain.kernels.probe import FusedPath\nfrom pretrain.config import ModelConfig\n"
+    refuse_module_imports(Path("ok.py"), names)
+    with pytest.raises(RuntimeError, match=r"'from pretrain.kernels import probe' imports a module"):
+        refuse_module_imports(Path("bad.py"), "from pretrain.kernels import probe as p\n")
+    assert "grt_probe.py" in vendored_sources()  # the fused paths' trials travel with the model

@@ -243,7 +243,7 @@ def trial(device):
     build.compile_module_from_src(LAUNCHER, "grt_probe_launcher")
     gate._trial(device)
 
-probe.register("gate", dataclasses.replace(probe.PATHS["gate"], trial=trial))
+probe.register_fused_path("gate", dataclasses.replace(probe.PATHS["gate"], trial=trial))
 paths = sysconfig.get_paths
 results = {}
 for case in ("builds", "no compiler", "no headers"):

@@ -133,7 +133,7 @@ def test_a_gemm_form_without_a_kernel_here_is_off_with_one_warning_and_the_upcas
     x, w, b, _ = _operands()
     with caplog.at_level(logging.WARNING, logger="pretrain.kernels.probe"):
         ys = [fp32_linear(x, w, b) for _ in range(3)]
-        assert not probe.works("addmm-fp32", torch.device("cpu"))
+        assert not probe.fused_path_works("addmm-fp32", torch.device("cpu"))
         assert probe.probe_fused_paths(torch.device("cpu")) == {}  # neither applies off CUDA: nothing tried again
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(said) == 2, said
