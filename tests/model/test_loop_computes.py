@@ -1,0 +1,92 @@
+"""The loop computes: a tiny GRT trained on the chains task (`grt data chains`, answers that
+need k sequential lookups) answers the items that need several lookups better at depth R than
+after one loop step, scored by `grt eval --tasks chains`'s own code; and the same check fails on
+a loop whose steps after the first cannot do work: the core detached from the loss, the gate held
+at 1 (the state never rewritten), and R forced to 1 in training (the steps beyond it never trained)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from test_loop_learns import detach_core
+
+from data_pipeline.cli import main as data_main
+from data_pipeline.manifest import Manifest
+from data_pipeline.tokenizer import Tokenizer
+from pretrain.infer.evaluation.chains_score import answer_positions, chains_sums
+from pretrain.model import build_model
+from pretrain.presets import get_preset
+from pretrain.tools.loop_start import loader, train_briefly
+
+# the task's easiest layout (a key just before its value, every variable in its place) and a
+# loop-only GRT, whose one shared block must run twice for two lookups (docs/comparison.md,
+# "A task where depth matters"); the smallest budget found that shows it: at 500 and 800 steps
+# nothing is learned yet, so each training is about a minute of CPU (marked slow)
+TASK = ["--min-hops", "1", "--max-hops", "2", "--num-vars", "8", "--num-values", "8", "--chains-per-sample", "4"]
+TASK += ["--queries", "all", "--compact", "--order", "by-name", "--train-samples", "30000", "--val-samples", "256"]
+PRESET, LAYOUT, D_MODEL, HEADS = "micro-grt", "1x4", 64, 4
+STEPS, LR, WARMUP, BATCH = 1500, 3e-3, 150, 32
+MULTI_HOP = 2  # the items that need this many lookups or more
+MARGIN = 0.3  # accuracy at depth R above depth 1 on them, at least
+
+
+@pytest.fixture(scope="module")
+def chains(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("chains")
+    assert data_main(["chains", "-o", str(out), *TASK, "-q"]) == 0
+    return out / "manifest.json"
+
+
+def accuracy_by_depth(manifest_path: Path, broken: str = "") -> dict[int, float]:
+    """Answer accuracy at depths 1 and R on the items of k >= MULTI_HOP after STEPS steps of
+    training (pretrain/tools/loop_start.py's loop, the start sweep's), broken as asked."""
+    torch.manual_seed(0)
+    manifest = Manifest.load(str(manifest_path))
+    cfg = get_preset(PRESET).replace(
+        layout=LAYOUT, d_model=D_MODEL, n_heads=HEADS, vocab_size=manifest.vocab_size, max_seq_len=manifest.seq_len
+    )
+    R = cfg.max_loops
+    if broken == "R forced to 1":
+        cfg = cfg.replace(layout=LAYOUT.replace(f"x{R}", "x1"))  # the same weights, trained at depth 1 only
+    model = build_model(cfg)
+    tok = Tokenizer(manifest.tokenizer_path)
+    if broken == "core detached from the loss":
+        detach_core(model)
+    gate = 1.0 if broken == "gate held at 1" else None
+    batches = answers_only(loader(manifest, "train", BATCH, 0), tok)
+    train_briefly(model, batches, STEPS, LR, WARMUP, seed=0, gate_override=gate)
+    model.eval()
+    sums = chains_sums(model, tok, manifest, "val", [1, R], torch.device("cpu"), 64)
+    multi = sums[:, MULTI_HOP:].sum(1)  # [depth, (correct, nll, items)]
+    return {1: float(multi[0, 0] / multi[0, 2]), R: float(multi[1, 0] / multi[1, 2])}
+
+
+def answers_only(batches: Iterator[dict[str, torch.Tensor]], tok: Tokenizer) -> Iterator[dict[str, torch.Tensor]]:
+    """The batches with every target but the answers unscored (-100): `grt train` scores every
+    token, and at this budget the answers' share of that loss teaches nothing
+    (docs/comparison.md, "A task where depth matters")."""
+    pieces = [tok.sp.id_to_piece(i) for i in range(tok.vocab_size)]
+    for batch in batches:
+        targets = batch["targets"]
+        rows, cols, _ = answer_positions(torch.cat([batch["input_ids"], targets[:, -1:]], dim=1), pieces, 99)
+        scored = torch.full_like(targets, -100)
+        scored[rows, cols] = targets[rows, cols]
+        yield {**batch, "targets": scored}
+
+
+@pytest.mark.slow
+def test_the_loop_steps_after_the_first_answer_what_needs_several_lookups(chains):
+    acc = accuracy_by_depth(chains)
+    (one, R) = sorted(acc)
+    assert acc[R] >= acc[one] + MARGIN, f"answer accuracy on k >= {MULTI_HOP} by depth: {acc}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken", ["core detached from the loss", "gate held at 1", "R forced to 1"])
+def test_the_check_fails_on_a_loop_whose_later_steps_do_no_work(chains, broken):
+    acc = accuracy_by_depth(chains, broken)
+    (one, R) = sorted(acc)
+    assert not acc[R] >= acc[one] + MARGIN, f"{broken}: answer accuracy on k >= {MULTI_HOP} by depth: {acc}"
