@@ -27,7 +27,7 @@ from pretrain.runs.run_config import (
     set_flags,
 )
 from pretrain.runs.settings_rules import decay_steps, given_keys, mark_given
-from pretrain.runs.train_config import global_batch
+from pretrain.runs.train_config import global_batch, optimizer_defaults
 from pretrain.say import say
 
 ONE_START_KEYS = ("allow_data_change", "allow_batch_change")  # a consent given for the start that gives it
@@ -78,6 +78,7 @@ def run_config(line: CommandLine) -> RunConfig:
         overrides = [item for item in overrides if not is_model_override(item)]
     set_flags(cfg, line.flags, overrides)
     mark_given(cfg, set(line.given))
+    optimizer_defaults(cfg.train, line.given)
     if base.source is not None or (line.resume and not line.config_json):
         continued(cfg, line.given)
     if base.source is None and not line.out and not line.config_json:

@@ -117,8 +117,9 @@ def test_settings_that_take_effect_stay_accepted():
         ),
         (
             ["--set", "train.optimizer=muon", "--set", "train.muon_lr=0.05", "--set", "train.muon_weight_decay=0.1"],
-            {"optimizer": "muon", "muon_lr": 0.05, "muon_weight_decay": 0.1},
+            {"optimizer": "muon", "muon_lr": 0.05, "muon_weight_decay": 0.1, "grad_clip": 0.0},
         ),
+        (["--set", "train.optimizer=muon", "--set", "train.grad_clip=0.5"], {"optimizer": "muon", "grad_clip": 0.5}),
         (["--steps", str(2**40)], {"steps": 2**40}),
     ):
         train = config_from_args(build_parser().parse_args([*base, *argv])).train
@@ -148,6 +149,26 @@ def test_a_default_warmup_longer_than_the_run_is_said(manifest, tmp_path, capsys
     assert len(said) == 1 and "never decays" in said[0] and "--set train.warmup_steps=" in said[0], err
     TRIED["default said"] += 1
     HANDLED["default said"] += 1
+
+
+def test_muon_alone_takes_its_own_clip_and_says_so(manifest, tmp_path, capsys):
+    """train.optimizer=muon alone is not refused for the default gradient clip it never set: the switch
+    takes train.grad_clip=0 and the start says so; a clip given beside Muon is still refused."""
+    rc, err = dry_run(manifest, tmp_path / "run", capsys, "--steps", "2", "--set", "train.optimizer=muon")
+    assert rc == 0, err
+    assert len([line for line in err if "train.grad_clip: 0 under train.optimizer=muon" in line]) == 1, err
+    rc, err = dry_run(
+        manifest,
+        tmp_path / "run2",
+        capsys,
+        "--steps",
+        "2",
+        "--set",
+        "train.optimizer=muon",
+        "--set",
+        "train.grad_clip=1.0",
+    )
+    assert rc != 0 and any("train.grad_clip=1.0" in line and "set train.grad_clip=0" in line for line in err), err
 
 
 START_CASES = [
