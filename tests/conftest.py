@@ -61,7 +61,7 @@ def shards(demo_text) -> Path:
 # Modules whose tests must not run beside each other's (one xdist worker runs them in turn):
 # namespace clusters and Slurm clusters share /etc/netns and /run/sshd, which the last
 # cluster to stop removes.
-CLUSTER_MODULES = ("test_launcher_slurm.py", "test_multinode.py", "test_elastic.py")
+CLUSTER_MODULES = ("test_launcher_slurm.py", "test_multinode.py", "test_multinode_diagnostics.py", "test_elastic.py")
 
 
 # The longest units of work, longest first: pytest-xdist hands units out in collection order, so a
