@@ -85,27 +85,6 @@ def gemm_tflops(device: Any, dtype: Any, n: int) -> float:
     return 2 * n**3 * calls / took / 1e12
 
 
-def busbw(numel: int, dtype: Any, group: Any, size: int) -> float | None:
-    """All-reduce bus bandwidth in `group` (GB/s: nccl-tests' definition), None for a group of one."""
-    import torch
-    import torch.distributed as dist
-
-    from pretrain.distributed import comm_device
-
-    if size < 2:
-        return None
-    buf = torch.ones(numel, dtype=dtype, device=comm_device())
-    sync = torch.cuda.synchronize if buf.is_cuda else (lambda: None)
-    dist.all_reduce(buf, group=group)  # warm-up; then as many on every rank of the group
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(ALLREDUCE_CALLS):
-        dist.all_reduce(buf, group=group)
-    sync()
-    took = time.perf_counter() - t0
-    return buf.numel() * buf.element_size() * 2 * (size - 1) / size / (took / ALLREDUCE_CALLS) / 1e9
-
-
 def groups(node_of: list[int], rank: int) -> tuple[tuple[Any, int], tuple[Any, int]]:
     """(this rank's node group, its size) and (its cross-node group of the same local index, its size);
     every rank creates every group, in the same order (torch's rule)."""
@@ -157,6 +136,7 @@ def measure(cfg: Any, rank: int, world: int, node_of: list[int], allreduce_mb: f
     import torch
 
     from data_pipeline.manifest import Manifest
+    from pretrain.distributed import bus_bandwidth
     from pretrain.model import build_model
     from pretrain.model.flops import count_params
 
@@ -175,8 +155,8 @@ def measure(cfg: Any, rank: int, world: int, node_of: list[int], allreduce_mb: f
         "host": socket.gethostname(),
         "node": node_of[rank],
         "gemm_tflops": gemm_tflops(device, dtype, 4096 if cuda else 384),
-        "node_busbw": busbw(numel, dtype, node_group, node_size),
-        "cross_busbw": busbw(numel, dtype, cross_group, cross_size),
+        "node_busbw": bus_bandwidth(numel, dtype, node_group, node_size, ALLREDUCE_CALLS),
+        "cross_busbw": bus_bandwidth(numel, dtype, cross_group, cross_size, ALLREDUCE_CALLS),
         "write_mbs": write_mbs(Path(cfg.out) / "launch", min(max(ckpt_bytes // world, 32 << 20), 256 << 20), rank),
         "read_mbs": read_mbs(shards[rank % len(shards)].url),
     }

@@ -1,6 +1,7 @@
 """Every collective of the project (docs/gpu.md): on tensors made on `comm_device()`, through
 `all_reduce` and what is built on it (`all_agree`, `ranks_with`, `check_ranks`: every rank
-stops when one failed, `gather_text`, `gather_floats`), and `barrier`. `Dist` is a sharded
+stops when one failed, `gather_text`, `gather_floats`), `barrier`, and `bus_bandwidth` (the pre-flight's
+measure of a group's all-reduce). `Dist` is a sharded
 evaluation's place in the group."""
 
 from __future__ import annotations
@@ -145,6 +146,29 @@ def barrier() -> None:
         device = comm_device()
         # NCCL's barrier otherwise guesses the GPU from the rank and warns that it may hang
         dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def bus_bandwidth(numel: int, dtype: torch.dtype, group: object, size: int, calls: int) -> float | None:
+    """All-reduce bus bandwidth in `group` of `size` ranks (GB/s, nccl-tests' definition): `calls`
+    timed all-reduces of `numel` elements after one warm-up, the same count on every rank of the
+    group (launcher/preflight.py). None for a group of one."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    if size < 2:
+        return None
+    buf = torch.ones(numel, dtype=dtype, device=comm_device())
+    sync = torch.cuda.synchronize if buf.is_cuda else (lambda: None)
+    dist.all_reduce(buf, group=group)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        dist.all_reduce(buf, group=group)
+    sync()
+    took = time.perf_counter() - t0
+    return buf.numel() * buf.element_size() * 2 * (size - 1) / size / (took / calls) / 1e9
 
 
 @dataclass

@@ -77,7 +77,7 @@ def test_a_model_without_a_loop_has_no_verdict():
 
 
 def test_training_warns_once_after_warm_up(caplog):
-    validation = Validation({}, {}, 3, 10, False, writer=None, device=None, warmup_steps=20, settings=PAPER)  # type: ignore[arg-type]
+    validation = Validation({}, {}, 3, 10, False, writer=None, device=None, warmup_steps=20, settings=PAPER)
     dead = loop_health(UNUSED, [0.997] * 3, None, 3, PAPER)
     assert dead is not None
     with caplog.at_level(logging.INFO, logger="grt.train"):

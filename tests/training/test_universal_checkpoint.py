@@ -319,7 +319,14 @@ def test_failed_conversion_is_one_line_naming_the_checkpoint(checkpoint_copy):
 
     step_dir = checkpoint_copy
     part = step_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    part.write_bytes(part.read_bytes()[:1000])  # cut off
+    intact = part.read_bytes()
+    part.write_bytes(intact[:1000])  # cut off: found by the read-through before DeepSpeed's converter starts
+    with pytest.raises(universal.ConversionError) as failed:
+        universal.convert(step_dir)
+    text = str(failed.value)
+    assert isinstance(failed.value, ConfigError) and "\n" not in text and str(step_dir) in text, text
+    assert part.name in text and "cut off or corrupt" in text and not (step_dir / universal.LOG_FILE).is_file()
+    torch.save({"not": torch.zeros(1)}, part)  # readable, data only, but no optimizer state: the converter fails
     with pytest.raises(universal.ConversionError) as failed:
         universal.convert(step_dir)
     text = str(failed.value)
@@ -341,7 +348,7 @@ def test_config_and_refusals(tmp_path):
     assert got["checkpoint"] == {"tag_validation": "Warn", "load_universal": True} and "load_universal" not in str(ds)
     step_dir = tmp_path / "step00000001"
     step_dir.mkdir()
-    (step_dir / "mp_rank_00_model_states.pt").write_bytes(b"")
+    torch.save({}, step_dir / "mp_rank_00_model_states.pt")  # readable: the refusals below are the converter's own
     assert ranks_that_wrote(step_dir) == 0 and not universal.needs_universal(step_dir, 4)  # ZeRO-0
     with pytest.raises(universal.ConversionError, match="not a complete checkpoint"):
         universal.convert(step_dir)

@@ -49,9 +49,12 @@ def bytes_per_rank(n: int, ds: dict[str, Any], world: int) -> int:
     return int(held)
 
 
-def device_memory(cuda: bool) -> tuple[int, str]:
-    """The whole memory of the device a rank trains on, and its name."""
+def device_memory(cuda: bool) -> tuple[int, str] | None:
+    """The whole memory of the device a rank trains on, and its name; None where a CUDA run is planned
+    on a host without its GPU (a launcher's or login node's dry run: the ranks' device is not here)."""
     if cuda:
+        if not torch.cuda.is_available():
+            return None
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         return int(props.total_memory), f"the GPU ({props.name})"
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this host's memory (training on the CPU)"
@@ -61,7 +64,10 @@ def check_fits(cfg: ModelConfig, ds: dict[str, Any], world: int, cuda: bool) -> 
     """Refuse (ConfigError, one line) a model that one rank cannot hold (see the module docstring)."""
     n = parameters(cfg)
     need = bytes_per_rank(n, ds, world)
-    total, device = device_memory(cuda)
+    memory = device_memory(cuda)
+    if memory is None:
+        return
+    total, device = memory
     if need > total:
         stage = zero_stage(ds)
         remedies = "a smaller model, more ranks" + (", ZeRO-3" if stage < 3 else "") + " or an offload"
