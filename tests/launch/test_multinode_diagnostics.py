@@ -1,7 +1,5 @@
-"""Hang forensics and the pre-flight check across 2 nodes (network namespaces, netns_cluster.py),
-1 CPU rank per node: the 2-node halves of tests/faults/test_hang_forensics.py and
-tests/launch/test_preflight.py. What a node adds: the ranks meet through the store on node 0's
-host, each writes from its own host into the shared run directory, and the pre-flight names
+"""The pre-flight check across 2 nodes (network namespaces, netns_cluster.py), 1 CPU rank per
+node: the 2-node half of tests/launch/test_preflight.py. What a node adds: the pre-flight names
 a slow NODE (its hostname) beside the slow rank.
 
 Needs root (namespaces); skipped with the reason otherwise.
@@ -18,12 +16,9 @@ import threading
 import time
 
 import pytest
-from faults import ckpt_tags, cli, last_step, latest, losses
 from launch_helpers import ROOT, _end_group, free_port, train_args
 from netns_cluster import started_or_skip
-from test_multinode import NodeRanks, node_env
-
-from pretrain.distributed.hangs import analyze
+from test_multinode import node_env
 
 pytestmark = pytest.mark.slow
 
@@ -34,63 +29,6 @@ if os.geteuid() != 0:  # the other reasons (a tool missing, no `ip netns`) skip 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     yield from started_or_skip(str(tmp_path_factory.mktemp("netns-diag")))
-
-
-def folders(out):
-    return sorted((out / "hangs").iterdir()) if (out / "hangs").is_dir() else []
-
-
-def wait_for(predicate, timeout, ranks, what):
-    deadline = time.time() + timeout
-    while not predicate():
-        alive = all(p.poll() is None for p in ranks.procs)
-        assert alive and time.time() < deadline, f"waiting for {what}:\n{ranks.output(0)[-3000:]}"
-        time.sleep(0.05)
-
-
-def test_a_frozen_node_rank_leaves_a_folder_that_names_it(cluster, tmp_path):
-    """SIGUSR2 to rank 0 (node 0): rank 1 on node 1 hears of it through the store and writes into the
-    same folder from its host; then rank 1 frozen with SIGSTOP: rank 0 writes alone, the folder and
-    `grt hangs` name rank 1 and the collective rank 0 waits in, and nothing in the run is lost."""
-    out, timeout_s = tmp_path / "run", 8
-    args = train_args(out, 400, "tiny-grt", "--set", "train.save_every=2", "--set", f"train.dist_timeout_s={timeout_s}")
-    ranks = NodeRanks(cluster, args, [tmp_path / f"node{r}.log" for r in range(2)], free_port())
-    try:
-        wait_for(lambda: last_step(out) >= 3, 240, ranks, "step 3")
-        ranks.procs[0].send_signal(signal.SIGUSR2)
-        wait_for(lambda: any((f / "rank1.json").is_file() for f in folders(out)), 30, ranks, "rank 1's dump")
-        (asked,) = folders(out)
-        wait_for(lambda: (asked / "rank0.json").is_file(), 10, ranks, "rank 0's dump")
-        hosts = {r: json.loads((asked / f"rank{r}.json").read_text())["host"] for r in (0, 1)}
-        assert hosts == {0: cluster.names[0], 1: cluster.names[1]}
-        time.sleep(5.5)  # past the window in which a request joins the previous one (forensics.JOIN_S)
-        frozen_at = last_step(out)
-        os.kill(ranks.procs[1].pid, signal.SIGSTOP)
-        try:
-            ranks.procs[0].wait(timeout=timeout_s + 40)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"node 0's rank still running after node 1's was frozen:\n{ranks.output(0)[-3000:]}")
-    finally:
-        ranks.kill()  # SIGKILL ends a stopped process too
-    log0 = ranks.output(0)
-    assert ranks.procs[0].returncode not in (0, None)
-    new = [f for f in folders(out) if f != asked]
-    assert len(new) == 1, (folders(out), log0[-3000:])
-    hang = new[0]
-    stop = next(ln for ln in log0.splitlines() if "grt train: stopped:" in ln)
-    assert "rank 0 stopping: rank 1" in stop and f"(grt hangs {hang})" in stop, log0[-3000:]
-    assert (hang / "rank0.json").is_file() and not (hang / "rank1.json").exists()
-    assert json.loads((hang / "rank0.json").read_text())["host"] == cluster.names[0]
-    report = "\n".join(analyze(hang))
-    assert "behind: rank(s) 1: no dump" in report, report
-    assert "rank(s) 0 wait in gloo:" in report, report
-    said = subprocess.run(cli("hangs", str(hang)), capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert said.returncode == 0 and said.stdout.strip() == report, said.stdout + said.stderr
-    # nothing lost: every step's record, a complete checkpoint, the first folder whole
-    assert sorted(losses(out)) == list(range(1, max(losses(out)) + 1)) and max(losses(out)) >= frozen_at
-    assert latest(out) is not None and ckpt_tags(out)[latest(out)]
-    assert {p.name for p in asked.iterdir()} >= {"rank0.txt", "rank1.txt", "rank0.json", "rank1.json"}
-    assert (out / "train.log").is_file() and (out / "config.json").is_file()
 
 
 def preflight_pid(cluster, node):
