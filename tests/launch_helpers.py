@@ -10,6 +10,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from collections.abc import Callable
 
 from commands import data_commands, manifest_of, train_command
 from multiproc import free_port  # noqa: F401 - the tests' one port picker (reserved, collision-free)
@@ -185,3 +188,32 @@ def check_trained(out, steps, world=2, first_step=1):
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert summary["steps"] == steps
     return rank0, summary
+
+
+def throttle(
+    find_pid: Callable[[], int | None],
+    done: threading.Event,
+    running: Callable[[], bool] = lambda: True,
+    run_s: float = 0.02,
+    stop_s: float = 0.06,
+) -> None:
+    """Keep the process `find_pid` finds running a quarter of the time (SIGSTOP/SIGCONT) until `done`
+    or until `running` says its launch ended: a throttled device, from outside."""
+    pid = None
+    while not done.is_set() and running():
+        pid = pid or find_pid()
+        if pid is None:
+            time.sleep(0.05)
+            continue
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(stop_s)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(run_s)
+        except ProcessLookupError:
+            return
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass

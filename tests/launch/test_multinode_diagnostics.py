@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
-from launch_helpers import ROOT, _end_group, free_port, train_args
+from launch_helpers import ROOT, _end_group, free_port, throttle, train_args
 from netns_cluster import started_or_skip
 from test_multinode import node_env
 
@@ -43,28 +41,6 @@ def preflight_pid(cluster, node):
     return None
 
 
-def throttle(cluster, node, done, run_s=0.02, stop_s=0.06):
-    """Keep node `node`'s rank running a quarter of the time until `done` (a throttled device)."""
-    pid = None
-    while not done.is_set():
-        pid = pid or preflight_pid(cluster, node)
-        if pid is None:
-            time.sleep(0.05)
-            continue
-        try:
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(stop_s)
-            os.kill(pid, signal.SIGCONT)
-            time.sleep(run_s)
-        except ProcessLookupError:
-            return
-    if pid is not None:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-
-
 def test_a_slowed_node_is_named_and_stops_the_launch(cluster, tmp_path):
     """`grt launch --preflight-only` from node 0 over the deepspeed runner (pdsh, ssh) with node 1's
     rank slowed: the table names node 1 by its hostname, and the launch exits non-zero."""
@@ -82,7 +58,7 @@ def test_a_slowed_node_is_named_and_stops_the_launch(cluster, tmp_path):
             start_new_session=True,
         )
     done = threading.Event()
-    slowing = threading.Thread(target=throttle, args=(cluster, 1, done), daemon=True)
+    slowing = threading.Thread(target=throttle, args=(lambda: preflight_pid(cluster, 1), done), daemon=True)
     slowing.start()
     try:
         rc = proc.wait(timeout=300)

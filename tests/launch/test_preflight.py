@@ -6,15 +6,12 @@ device would be: SIGSTOP and SIGCONT in turn."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
 from faults import descendants
-from launch_helpers import grt_launch, read_metrics, train_args
+from launch_helpers import grt_launch, read_metrics, throttle, train_args
 
 LAUNCH = ("--launcher", "local", "--cpu", "--procs-per-node", "2")
 
@@ -31,34 +28,13 @@ def rank_pid(root: int, rank: int) -> int | None:
     return None
 
 
-def throttle(proc, rank: int, done: threading.Event, run_s: float = 0.02, stop_s: float = 0.06) -> None:
-    """Keep rank `rank` of the launch `proc` running a quarter of the time until `done`."""
-    pid = None
-    while not done.is_set() and proc.poll() is None:
-        pid = pid or rank_pid(proc.pid, rank)
-        if pid is None:
-            time.sleep(0.05)
-            continue
-        try:
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(stop_s)
-            os.kill(pid, signal.SIGCONT)
-            time.sleep(run_s)
-        except ProcessLookupError:
-            return
-    if pid is not None:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-
-
 @pytest.mark.slow
 def test_a_slowed_rank_is_named_and_stops_the_launch(tmp_path):
     out = tmp_path / "run"
     proc = grt_launch(*LAUNCH, "--preflight", "--", *train_args(out, 2), background=tmp_path / "launch.log")
     done = threading.Event()
-    slowing = threading.Thread(target=throttle, args=(proc, 1, done), daemon=True)
+    rank1, running = (lambda: rank_pid(proc.pid, 1)), (lambda: proc.poll() is None)
+    slowing = threading.Thread(target=throttle, args=(rank1, done, running), daemon=True)
     slowing.start()
     try:
         rc = proc.wait(timeout=300)
