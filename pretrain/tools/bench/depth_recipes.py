@@ -16,7 +16,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ import torch
 from pretrain import PROJECT_ROOT
 from pretrain.model import build_model
 from pretrain.presets import get_preset
-from pretrain.tools.bench.support import current_bytes, peak_bytes, reset_peak, whole_number
+from pretrain.tools.bench.support import current_bytes, peak_bytes, reset_peak, timed_call, whole_number
 from pretrain.tools.bench.train_step import train_step_fn
 
 
@@ -50,13 +49,7 @@ def probe(preset: str, depth: int, k: int, batch: int, seq_len: int, steps: int)
     reset_peak(device)
     times = []
     for _ in range(steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step(idx)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        times.append(timed_call(lambda: step(idx), device))
     return {
         "k": k,
         "step_s": statistics.median(times),

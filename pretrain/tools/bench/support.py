@@ -7,6 +7,7 @@ import argparse
 import resource
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -57,6 +58,17 @@ def reset_peak(device: torch.device) -> None:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
+
+
+def timed_call(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds `fn()` takes on `device`: the device's queue drained before and after (CUDA is asynchronous)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def make_bench_data(out: Path, seq_len: int, vocab: int) -> Path:

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +18,7 @@ from pretrain import PROJECT_ROOT
 from pretrain.config import ModelConfig
 from pretrain.model import GPT, build_model
 from pretrain.model.flops import flops_per_token
-from pretrain.tools.bench.support import peak_bytes
+from pretrain.tools.bench.support import peak_bytes, timed_call
 from pretrain.training.engine.parallelize import apply_activation_checkpointing, checkpoint_and_compile
 from pretrain.training.report.metrics import peak_flops
 
@@ -76,13 +75,7 @@ def bench_train_step(args: argparse.Namespace) -> dict[str, Any]:
         times = {name: 0.0 for name in steps}
         for _ in range(args.steps):  # interleaved, so machine noise hits both alike
             for name, step in steps.items():
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                step(idx)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times[name] += time.perf_counter() - t0
+                times[name] += timed_call(lambda: step(idx), device)
         tag = "compiled" if compiled else "eager"
         tokens = args.steps * idx.numel()
         for name, cfg in (("grt", grt_cfg), ("dense", dense_cfg)):
