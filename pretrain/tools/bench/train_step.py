@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -75,7 +76,7 @@ def bench_train_step(args: argparse.Namespace) -> dict[str, Any]:
         times = {name: 0.0 for name in steps}
         for _ in range(args.steps):  # interleaved, so machine noise hits both alike
             for name, step in steps.items():
-                times[name] += timed_call(lambda: step(idx), device)
+                times[name] += timed_call(partial(step, idx), device)
         tag = "compiled" if compiled else "eager"
         tokens = args.steps * idx.numel()
         for name, cfg in (("grt", grt_cfg), ("dense", dense_cfg)):
