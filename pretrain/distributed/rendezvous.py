@@ -301,8 +301,25 @@ def init_distributed(timeout_s: float = 600) -> DistInfo:
             rank=info.rank,
             world_size=info.world_size,
         )
+        _later_groups_wait(timedelta(seconds=timeout_s))
     _INFO = info
     return info
+
+
+def _later_groups_wait(timeout: timedelta) -> None:
+    """Process groups made after the world's without a timeout of their own wait `timeout` too, not
+    torch's default (30 min under gloo, 10 under NCCL): DeepSpeed runs ZeRO's gradient reductions
+    and partition gathers in its copy of the world group (`dist.new_group(ranks)`), so a rank frozen
+    before one kept the others waiting there past train.dist_timeout_s, with no hang dump and no
+    stop. torch reads these two names of distributed_c10d when a group is made."""
+    import torch
+    from torch.distributed import distributed_c10d as c10d
+
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
+        if not hasattr(c10d, name):  # torch >= 2.4 (setup.py) has both
+            raise RuntimeError(f"torch {torch.__version__}: no distributed_c10d.{name} (a new group's timeout)")
+        if isinstance(getattr(c10d, name), timedelta):  # the NCCL one is None in a torch without NCCL
+            setattr(c10d, name, timeout)
 
 
 def get_info() -> DistInfo:

@@ -159,7 +159,11 @@ PROBE = textwrap.dedent("""
     a = d.init_distributed(timeout_s=60)
     b = d.init_distributed()
     t = torch.ones(1); dist.all_reduce(t); d.barrier()
+    from deepspeed.utils import groups  # ZeRO's reductions run in DeepSpeed's copy of the world group
+    timeouts = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                for g in (dist.group.WORLD, groups._clone_world_group(), dist.new_group())]
     print(json.dumps({"same": a is b, "world": dist.get_world_size(), "backend": dist.get_backend(),
+                      "timeouts": timeouts,
                       "sum": t.item(), "main": d.is_main(), "info": a.to_dict(),
                       "env_rank": __import__("os").environ["RANK"]}))
 """)
@@ -177,4 +181,5 @@ def test_init_distributed_single_process():
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["same"] and out["main"] and out["world"] == 1 and out["sum"] == 1.0
     assert out["backend"] == "gloo" and out["env_rank"] == "0"
+    assert out["timeouts"] == [60, 60, 60]  # every group waits the run's timeout, DeepSpeed's included
     assert out["info"]["launcher"] == "single" and out["info"]["master_port"] != 29500
