@@ -56,10 +56,12 @@ COPY setup.py ./
 COPY pretrain/__init__.py pretrain/
 COPY data_pipeline/__init__.py data_pipeline/
 COPY launcher/__init__.py launcher/
+COPY grt_common/__init__.py grt_common/
 RUN pip install -e ".[mpi]"
 COPY pretrain/ pretrain/
 COPY data_pipeline/ data_pipeline/
 COPY launcher/ launcher/
+COPY grt_common/ grt_common/
 COPY ds_configs/ ds_configs/
 COPY docker/ docker/
 COPY scripts/ scripts/

@@ -4,7 +4,7 @@ setup(
     name="grt-pretrain",
     version="0.1.0",
     description="Pretraining Gated Recurrent Transformers (GRT) with DeepSpeed",
-    packages=find_packages(include=["pretrain*", "data_pipeline*", "launcher*"]),
+    packages=find_packages(include=["grt_common*", "pretrain*", "data_pipeline*", "launcher*"]),
     package_data={"": ["*.json"], "pretrain.model": ["hf_remote/*.py"]},  # hf_remote: templates copied into exports
     python_requires=">=3.10",
     install_requires=[

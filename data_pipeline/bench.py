@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from .files import output_path
+from grt_common.files import output_path
 
 if TYPE_CHECKING:
     from .loader import TokenBatchLoader

@@ -20,10 +20,10 @@ from dataclasses import asdict
 
 import numpy as np
 
-from pretrain.errors import Interrupted
+from grt_common.errors import Interrupted
+from grt_common.files import check_output_path
 
 from .chains import END, ChainTask, padded, sample, symbols
-from .files import check_output_path
 from .manifest import MANIFEST_NAME, Manifest, manifest_dict
 from .prepare_encode import Packer
 from .prepare_output import TOKENIZER_NAME, OutputDir

@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "inspect":
             return _inspect(args)
     except (OSError, ValueError) as exc:  # OSError: a file that vanished, a full disk, no permission
-        from pretrain.errors import file_system_problem  # the one line of every command's boundary
+        from grt_common.errors import file_system_problem  # the one line of every command's boundary
 
         print(f"grt data {args.cmd}: error: {file_system_problem(exc) or exc}", file=sys.stderr)
         return 2

@@ -19,7 +19,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .files import FolderLock, atomic_write_text
+from grt_common.files import FolderLock, atomic_write_text
+
 from .manifest import MANIFEST_NAME, Manifest, manifest_dict
 from .prepare_output import refuse_other_output
 

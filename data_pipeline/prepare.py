@@ -31,9 +31,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from pretrain.errors import Interrupted
+from grt_common.errors import Interrupted
+from grt_common.files import check_output_path
 
-from .files import check_output_path
 from .manifest import MANIFEST_NAME, Manifest, manifest_dict
 from .parts import inputs_digest, part_dir, part_files
 from .prepare_encode import SPLITS, Chunk, Entry, Packer, stream_tokens, tokenise_and_pack

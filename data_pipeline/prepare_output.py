@@ -10,7 +10,8 @@ import re
 import signal
 from typing import Any
 
-from .files import FolderLock, is_temp
+from grt_common.files import FolderLock, is_temp
+
 from .manifest import MANIFEST_NAME
 from .shards import write_shard_atomic
 from .tokenizer import Tokenizer

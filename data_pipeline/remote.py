@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from pretrain.say import one_line
+from grt_common.errors import one_line
 
 from .shards import MissingShardError, ShardError, UnreachableShardError
 

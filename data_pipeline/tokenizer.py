@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
-from .files import atomic_write_bytes, check_output_path
+from grt_common.files import atomic_write_bytes, check_output_path
 
 DEFAULT_SEP_PIECE = "<|endoftext|>"
 MAX_VOCAB_SIZE = 50257  # GPT-2's vocabulary size

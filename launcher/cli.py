@@ -160,7 +160,7 @@ def _entry(text: str) -> tuple[str, list[str]]:
 def _preflight_entry(args: argparse.Namespace, is_train: bool, elastic: bool) -> tuple[str, list[str]]:
     """--preflight-only's entry: every rank runs launcher/preflight.py on the resolved config."""
     from launcher.preflight import parse_limits
-    from pretrain.config import ConfigError
+    from pretrain.model_config import ConfigError
 
     if not is_train or args.no_resolve:
         raise LaunchError(
@@ -241,7 +241,7 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
     this host, so their start is planned here, once, before any rank starts (start/plan.py: the data,
     the checkpoint to resume, the budget, every refusal); the config is the plan's.
     """
-    from pretrain.config import ConfigError
+    from pretrain.model_config import ConfigError
     from pretrain.runs.run_config import absolute, resolve, resolve_ds_path
     from pretrain.train import build_parser as train_parser
     from pretrain.train import config_from_args
@@ -285,7 +285,7 @@ def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -
 def checked_ds_config(config: dict[str, Any], world_size: int, use_cuda: bool) -> dict[str, Any]:
     """The DeepSpeed config every rank will build, merged and checked once, here (with the
     checkpointing mode it allows, so that a refusal is one line, not one per rank)."""
-    from pretrain.config import ConfigError
+    from pretrain.model_config import ConfigError
     from pretrain.runs.run_config import RunConfig
     from pretrain.training.engine.ds_config import merged_ds_config, zero_stage
     from pretrain.training.engine.parallelize import check_checkpointing

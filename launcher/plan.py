@@ -76,7 +76,7 @@ class Plan:
         and stop cleanly), else the command. A terminal's Ctrl-C reaches the launch only, which
         passes it on. torchrun's own report of a failed rank (its log lines and traceback) is left
         out of stderr: each rank says its one line, and the launch its verdict."""
-        from pretrain.distributed.exit import VERDICTS_ENV
+        from pretrain.distributed.error_boundary import VERDICTS_ENV
 
         env = {k: v for k, v in os.environ.items() if k not in self.unset}
         env.update(self.env)

@@ -44,7 +44,7 @@ DEFAULT_LIMITS = {"slow": 0.8, "tflops": 0.0, "busbw": 0.0, "write": 0.0, "read"
 
 
 def parse_limits(text: str) -> dict[str, float]:
-    from pretrain.config import ConfigError
+    from pretrain.model_config import ConfigError
 
     limits = dict(DEFAULT_LIMITS)
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -222,8 +222,8 @@ def verdict(rows: list[dict[str, Any]], limits: dict[str, float]) -> tuple[list[
 def main(argv: list[str] | None = None) -> int:
     import torch
 
+    from grt_common.errors import Stopped
     from pretrain.distributed import all_reduce, comm_device, gather_floats, gather_text, init_distributed
-    from pretrain.errors import Stopped
     from pretrain.runs.run_config import RunConfig
     from pretrain.runs.trusted_files import forbid_code_in_files
 

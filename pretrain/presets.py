@@ -4,7 +4,7 @@ Dense GPT-2 presets use Hugging Face's conventions (biases, vocabulary 50,257), 
 dense-small exports as GPT-2's 124,439,808 parameters. GRT presets use the authors' nanoGPT
 conventions (no biases), which reproduce their model cards exactly (grt-large 290,196,480;
 grt-large-isoparams 781,780,480). Every preset trains with the vocabulary padded to 50,304
-(ModelConfig.pad_vocab_multiple, pretrain/config.py): dense-small trains 47 padded rows more
+(ModelConfig.pad_vocab_multiple, pretrain/model_config.py): dense-small trains 47 padded rows more
 than it exports.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pretrain.config import ConfigError, ModelConfig
+from pretrain.model_config import ConfigError, ModelConfig
 from pretrain.variants import REGISTRY, Baseline, get_variant
 
 HF = dict(bias=True, vocab_size=50257)
@@ -32,7 +32,7 @@ TINY_GRT = {**TINY, **LOOP_START}
 
 LOOP_ONLY = dict(gate=False, reinject_anchor=False, state_noise_std=0.0)
 
-# the place-* presets: one layout per placement of the loop (pretrain.config.Layout.placement),
+# the place-* presets: one layout per placement of the loop (pretrain.model_config.Layout.placement),
 # canonical forms, each 12 blocks deep at R = 4
 PLACEMENT_LAYOUTS = {"whole": "3x4", "middle": "2+2x4+2", "bottom": "0+2x4+4", "top": "4+2x4+0"}
 

@@ -20,8 +20,8 @@ if __name__ == "__main__" and not __package__:
     # keep the package's own directory off sys.path (its modules would shadow top-level names)
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from pretrain.config import ConfigError  # noqa: E402
 from pretrain.distributed import discover, run_command  # noqa: E402
+from pretrain.model_config import ConfigError  # noqa: E402
 from pretrain.presets import PRESETS  # noqa: E402
 from pretrain.runs.command_line import CommandLine, run_config  # noqa: E402
 from pretrain.runs.run_config import RunConfig  # noqa: E402

@@ -109,7 +109,7 @@ def _private_uses(module: str, path: Path, modules: dict[str, Path]) -> list[tup
 
 
 def test_the_import_graph_has_no_circles():
-    """Training, inference and the launcher read what they share (pretrain/runs/, pretrain/config.py)
+    """Training, inference and the launcher read what they share (pretrain/runs/, pretrain/model_config.py)
     from below: a circle names its modules and the imports that close it."""
     modules = _modules(REPO)
     edges = {m: _imports(m, p, modules) for m, p in modules.items()}
@@ -156,7 +156,7 @@ ROOMS = {
     "pretrain.training": (
         "callbacks",  # the fit loop's hook points, for the concerns that run no collective
         "depth",  # how many loop steps a step runs
-        "failures",  # who failed, stop signals
+        "health",  # run health: heartbeat, who failed, stop signals
         "run_context",  # what each component of a run is built from
         "engine",  # DeepSpeed config, engine, internals, optimizer, LR schedule, compile, checkpointing
         "report",  # metrics, step log, timing, profiler, W&B
@@ -166,7 +166,7 @@ ROOMS = {
         "step",  # one optimizer step: controls, bad batches, spikes
         "evaluation",  # validation and tasks during training
         "run_checkpoints",  # the run's loads, saves and rollbacks
-        "faults",  # the tests' fault injections, installed in the rooms below
+        "fault_injection",  # the tests' fault injections, installed in the rooms below
         "trainer",  # the loop
     ),
     "pretrain.infer": (

@@ -114,8 +114,8 @@ class CharTokenizer:
 def small_model(layout: str = "1+2x3+1", variant: str = "grt", vocab: int = 64, seed: int = 0, **kw):
     import torch
 
-    from pretrain.config import ModelConfig
     from pretrain.model import build_model
+    from pretrain.model_config import ModelConfig
 
     torch.manual_seed(seed)
     cfg = ModelConfig(

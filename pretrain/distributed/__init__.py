@@ -4,7 +4,8 @@
 - rendezvous.py: the process group's start and the store the ranks meet at (`init_distributed`);
 - collectives.py: every collective of the project (`all_reduce`, `all_agree`, `check_ranks`:
   every rank stops when one failed), on tensors made on `comm_device()`;
-- exit.py: the one exit path of a process that started a group (`exit_process`, `run_command`).
+- error_boundary.py: every command's error boundary (`run_command`) and the one exit path of a
+  process that started a group (`exit_process`).
 
 Nothing else calls a collective or starts a group (docs/gpu.md says why). Import the names from
 here: `from pretrain.distributed import init_distributed`.
@@ -33,7 +34,7 @@ from pretrain.distributed.discovery import (
     expand_nodelist,
     parse_tasks_per_node,
 )
-from pretrain.distributed.exit import EXIT_GRACE_S, exit_process, run_command
+from pretrain.distributed.error_boundary import EXIT_GRACE_S, exit_process, run_command
 from pretrain.distributed.rendezvous import get_info, init_distributed, is_main, join_launch, open_store, reach_store
 
 __all__ = [

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import overload
 
-from pretrain.errors import ConfigError
+from grt_common.errors import ConfigError
 
 DEFAULT_MASTER_PORT = 29500
 

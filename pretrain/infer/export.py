@@ -1,6 +1,6 @@
 """`grt export`: consolidate a (ZeRO-sharded) DeepSpeed checkpoint into one directory.
 
-    DIR/config.json        the ModelConfig (pretrain.config.ModelConfig.load)
+    DIR/config.json        the ModelConfig (pretrain.model_config.ModelConfig.load)
     DIR/model.safetensors  the weights; tied lm_head/wte stored once (wte.weight), re-tied on load
     DIR/tokenizer.model    the SentencePiece tokenizer the model was trained with
     DIR/run_config.json    the full training run config
@@ -24,9 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from data_pipeline.files import output_path
 from data_pipeline.prepare_output import OutputOfSomethingElse, refuse_other_output
-from pretrain.config import ConfigError
+from grt_common.files import output_path
 from pretrain.infer.load import (
     WEIGHTS,
     consolidate,
@@ -36,6 +35,7 @@ from pretrain.infer.load import (
 )
 from pretrain.model import GPT
 from pretrain.model.weights import state_for_saving
+from pretrain.model_config import ConfigError
 from pretrain.runs.checkpoint_files import read_config
 
 
@@ -46,7 +46,7 @@ def export(
     `out` is a complete export or is left as it was, whatever fails or kills the process."""
     from safetensors.torch import save_file
 
-    from pretrain.config import ModelConfig
+    from pretrain.model_config import ModelConfig
 
     step_dir = resolve_checkpoint(checkpoint)
     out = Path(out)

@@ -28,7 +28,7 @@ written in place, then overwritten by the fold).
 
 Cache bytes: 2 (K and V) * slots * batch * max_len * d_model * bytes per element, with
 slots = P + C*R + K (full), P + C + K (shared strategies, anchor), or L (dense). P or K may be 0 (the
-loop at the bottom or the top of the stack, pretrain/config.py): the slots are numbered the same.
+loop at the bottom or the top of the stack, pretrain/model_config.py): the slots are numbered the same.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pretrain.config import ConfigError
 from pretrain.infer.adaptive import adaptive_loop, check_criterion
 from pretrain.model import GPT
 from pretrain.model.layers import AttentionContext
+from pretrain.model_config import ConfigError
 
 STRATEGIES = ("full", "first", "last", "average")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pretrain.config import ModelConfig
+from pretrain.model_config import ModelConfig
 from pretrain.variants import block_flops, get_variant
 
 

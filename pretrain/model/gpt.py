@@ -9,7 +9,7 @@
            -> exit norm -> coda (K blocks, once) -> final norm -> tied LM head
 
 A dense model is a prelude with no loop. P or K may be 0 (layouts `CxR`, `0+CxR+K`,
-`P+CxR+0`: the loop at the whole stack, the bottom, the top; pretrain/config.py): an
+`P+CxR+0`: the loop at the whole stack, the bottom, the top; pretrain/model_config.py): an
 empty prelude returns its input, so without a prelude the anchor e is the embeddings;
 without a coda the exit norm, final norm and head follow the loop's last state. The
 number of loop steps is an argument of `forward` (0 = prelude straight to coda), so
@@ -34,10 +34,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pretrain.config import ANCHOR_MODES, ConfigError, ModelConfig
 from pretrain.kernels.gate import gate_update
 from pretrain.model.layers import KV, AttentionContext, Block, Embedding, FP32Linear, Linear, LMHead, layer_norm
 from pretrain.model.loss import lm_loss
+from pretrain.model_config import ANCHOR_MODES, ConfigError, ModelConfig
 from pretrain.variants import get_variant
 
 

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pretrain import PROJECT_ROOT
-from pretrain.config import ConfigError, ModelConfig
 from pretrain.model.gpt import GPT
 from pretrain.model.registry import build_model
+from pretrain.model_config import ConfigError, ModelConfig
 from pretrain.variants import REGISTRY, get_variant
 
 if TYPE_CHECKING:
@@ -157,8 +157,8 @@ def from_hf(hf_model: GPT2LMHeadModel, **overrides: Any) -> GPT:
 # -- looped models: remote code ---------------------------------------------------------------
 REMOTE_TEMPLATES = Path(__file__).parent / "hf_remote"  # configuration_grt.py, modeling_grt.py
 VENDOR_ROOTS = ("pretrain.model.registry", "pretrain.infer.kv_cache")  # what modeling_grt.py imports
-_PROJECT_IMPORT = re.compile(r"^(\s*)from (pretrain(?:\.\w+)*) import ", re.M)
-_IMPORTED_NAMES = re.compile(r"^\s*from (pretrain(?:\.\w+)*) import \(?([\w\s,]+)\)?", re.M)
+_PROJECT_IMPORT = re.compile(r"^(\s*)from ((?:pretrain|grt_common)(?:\.\w+)*) import ", re.M)
+_IMPORTED_NAMES = re.compile(r"^\s*from ((?:pretrain|grt_common)(?:\.\w+)*) import \(?([\w\s,]+)\)?", re.M)
 AUTO_MAP = {"AutoConfig": "configuration_grt.GRTConfig", "AutoModelForCausalLM": "modeling_grt.GRTForCausalLM"}
 
 
@@ -182,7 +182,8 @@ def refuse_module_imports(path: Path, text: str) -> None:
 
 
 def vendored_sources() -> dict[str, str]:
-    """{file name: source} of the project modules the remote code needs, imports made relative."""
+    """{file name: source} of the project modules the remote code needs (of pretrain/ and of the
+    grt_common/ bottom it imports), imports made relative."""
     out: dict[str, str] = {}
     origin: dict[str, str] = {}
     todo = list(VENDOR_ROOTS)
@@ -202,9 +203,9 @@ def vendored_sources() -> dict[str, str]:
         refuse_module_imports(path, text)
         todo += [dep for _, dep in _PROJECT_IMPORT.findall(text)]
         text = _PROJECT_IMPORT.sub(lambda m: f"{m[1]}from .{_vendored_file(m[2])[:-3]} import ", text)
-        if re.search(r"^\s*(import|from) pretrain\b", text, re.M):
+        if re.search(r"^\s*(import|from) (pretrain|grt_common)\b", text, re.M):
             raise RuntimeError(
-                f"{path}: an import of the pretrain package that cannot be vendored (use 'from pretrain.x import y')"
+                f"{path}: an import of the project that cannot be vendored (use 'from pretrain.x import y')"
             )
         source = path.relative_to(PROJECT_ROOT).as_posix()
         header = f"# Vendored by `grt export` from {source}, its imports made relative: edit that file, not this copy."

@@ -14,10 +14,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pretrain.config import ModelConfig
 from pretrain.kernels.matmul import fp32_linear
 from pretrain.kernels.probe import FusedPath, fused_path_works, register_fused_path
 from pretrain.model.loss import linear_cross_entropy
+from pretrain.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

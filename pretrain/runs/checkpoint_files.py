@@ -22,8 +22,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from pretrain.errors import ConfigError
-from pretrain.say import one_line
+from grt_common.errors import ConfigError, one_line
 
 log = logging.getLogger(__name__)
 TAG_RE = re.compile(r"^step(\d{8})$")

@@ -27,11 +27,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from data_pipeline.files import is_temp
 from data_pipeline.remote import is_credentials_error, object_filesystem
-from pretrain.errors import ConfigError
+from grt_common.errors import ConfigError, one_line
+from grt_common.files import is_temp
 from pretrain.runs.checkpoint_files import TAG_RE, find_latest, step_of
-from pretrain.say import one_line
 
 SCHEMES = ("s3://", "gs://")
 COMPLETE = "COMPLETE"

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pretrain.config import ConfigError, ModelConfig
+from pretrain.model_config import ConfigError, ModelConfig
 from pretrain.presets import get_preset
 from pretrain.runs import checkpoint_files, checkpoint_mirror
 from pretrain.runs.run_config import (

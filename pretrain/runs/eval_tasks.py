@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pretrain.config import ConfigError, ModelConfig
+from pretrain.model_config import ConfigError, ModelConfig
 
 
 @dataclass

@@ -4,7 +4,7 @@ another tokenizer is refused, whatever the overrides."""
 
 from __future__ import annotations
 
-from pretrain.errors import ConfigError
+from grt_common.errors import ConfigError
 
 
 def check_same_tokenizer(

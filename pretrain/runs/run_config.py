@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pretrain import PROJECT_ROOT
-from pretrain.config import ConfigError, ModelConfig, check_keys, coerce, load_json_object
+from pretrain.model_config import ConfigError, ModelConfig, check_keys, coerce, load_json_object
 from pretrain.presets import get_preset
 from pretrain.runs import checkpoint_files
 from pretrain.runs.data_spec import DataSpec, data_stages, parse_data

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pretrain.errors import ConfigError
+from grt_common.errors import ConfigError
 
 MAX_STEPS = 2**40  # train.steps and every step count (warmup, schedule, intervals): ~1.1e12 optimizer steps
 MAX_TOKENS = 2.0**63  # train.tokens, train.decay_tokens, a data stage's tokens: an int64 count of tokens

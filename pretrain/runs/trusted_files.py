@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from grt_common.errors import one_line
 from pretrain.runs.checkpoint_files import UnreadableCheckpoint, error_text
-from pretrain.say import one_line
 
 # Nothing read from a checkpoint runs: every `*.pt` is unpickled by torch's weights-only unpickler, which
 # builds tensors, Python's plain containers and numbers, and the types below only (what DeepSpeed's and
@@ -150,7 +150,7 @@ def read_through(path: Path, tag: str) -> None:
 
 def state_files(step_dir: Path) -> list[str]:
     """The names of a checkpoint's `*.pt` files (a killed writer's temporaries left out)."""
-    from data_pipeline.files import is_temp
+    from grt_common.files import is_temp
 
     return sorted(p.name for p in step_dir.iterdir() if p.name.endswith(".pt") and not is_temp(p.name))
 

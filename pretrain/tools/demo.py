@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from data_pipeline.files import output_path
+from grt_common.files import output_path
 from pretrain import PROJECT_ROOT
 from pretrain.presets import get_preset
 from pretrain.runs.run_config import RunConfig

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from data_pipeline.files import atomic_write_text
+from grt_common.files import atomic_write_text
 from pretrain.runs.checkpoint_files import DATA_SKIPS, Fallback, find_latest, ranks_that_wrote, tag_for
 from pretrain.say import say
 from pretrain.training.checkpoint import store, universal
-from pretrain.training.failures import TrainingStopped
+from pretrain.training.health import TrainingStopped
 from pretrain.training.start.plan import StartPlan, check_fallback
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from pretrain.runs.run_config import RunConfig
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
 
-    from pretrain.training.failures import StopSignal
+    from pretrain.training.health import StopSignal
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from pretrain.config import ConfigError
+from grt_common.errors import file_system_problem
 from pretrain.distributed import comm_device, discover, init_distributed
-from pretrain.errors import file_system_problem
+from pretrain.model_config import ConfigError
 from pretrain.runs.run_config import RunConfig
 from pretrain.say import say
 from pretrain.training.callbacks import Callback
@@ -51,7 +51,8 @@ from pretrain.training.engine.build import build_engine
 from pretrain.training.engine.ds_config import ds_config_json, zero_stage
 from pretrain.training.evaluation.tasks import TaskEval, eval_dir
 from pretrain.training.evaluation.validation import Validation, score_tasks
-from pretrain.training.failures import (
+from pretrain.training.fault_injection import Faults
+from pretrain.training.health import (
     Heartbeat,
     RankFailure,
     StopSignal,
@@ -59,7 +60,6 @@ from pretrain.training.failures import (
     explain_failure,
     one_line,
 )
-from pretrain.training.faults import Faults
 from pretrain.training.report.hang_watch import HangWatch
 from pretrain.training.report.metrics import MetricsWriter, Throughput, peak_flops, rss_mb
 from pretrain.training.report.profiling import RunProfiler
@@ -344,7 +344,7 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
 
     A failure on one rank (an exception, or a peer that died or hung) stops every rank
     with RankFailure naming the rank that failed (see health.Heartbeat)."""
-    faults = Faults.from_environment()  # the tests' injections (faults.py); a real run has none
+    faults = Faults.from_environment()  # the tests' injections (fault_injection.py); a real run has none
     faults.install_at_start()
     plan = plan_start(cfg, resume or bool(cfg.branch_from))
     for line in plan.start_lines():

@@ -2,7 +2,7 @@
 
 `get_variant(cfg.variant)` is how any module asks about a variant (its settings and checks,
 recipe, FLOP and memory terms, adaptive exit); nothing tests a variant's name. Torch-free, so
-that pretrain.config, at the bottom of the import graph, checks configs with it.
+that pretrain.model_config, at the bottom of the import graph, checks configs with it.
 
 A new variant is a `Variant` subclass decorated with `@register` (in this package, or in any
 module imported before the variant is used), its torch model decorated with `@builds(name)`

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, TypeVar
 
-from pretrain.errors import ConfigError
+from grt_common.errors import ConfigError
 from pretrain.variants.model_spec import ModelSpec
 
 M = TypeVar("M", bound=ModelSpec)  # noise_off returns the config type it is given

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from pretrain.variants.model_spec import ModelSpec
 
 
-# how `describe` names each placement of the loop (pretrain.config.Layout.placement): the
+# how `describe` names each placement of the loop (pretrain.model_config.Layout.placement): the
 # full GRT, and the first word of an ablation rung ("loop + coda, noise")
 GRT_NAMES = {
     "whole": "GRT (whole stack looped)",

@@ -1,6 +1,6 @@
-"""What a variant reads of a model config: `ModelSpec`, the part of pretrain.config.ModelConfig
+"""What a variant reads of a model config: `ModelSpec`, the part of pretrain.model_config.ModelConfig
 that the variants' checks, recipes and cost terms use. A protocol, so that of the two only
-pretrain.config imports the other (it asks the variants about a config); a variant that reads
+pretrain.model_config imports the other (it asks the variants about a config); a variant that reads
 another setting of the config declares it here."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ _S = TypeVar("_S")  # typing.Self is 3.11+; this file is vendored into exported 
 
 
 class LayoutSpec(Protocol):
-    """pretrain.config.Layout, as far as the variants read it."""
+    """pretrain.model_config.Layout, as far as the variants read it."""
 
     @property
     def core(self) -> int: ...
@@ -24,7 +24,7 @@ class LayoutSpec(Protocol):
 
 
 class ModelSpec(Protocol):
-    """pretrain.config.ModelConfig, as far as the variants read it."""
+    """pretrain.model_config.ModelConfig, as far as the variants read it."""
 
     variant: str
     layout: str

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pretrain.errors import ConfigError
+from grt_common.errors import ConfigError
 from pretrain.variants.base import Baseline, register
 
 if TYPE_CHECKING:

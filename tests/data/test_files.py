@@ -1,4 +1,4 @@
-"""Written artefacts are complete or absent (data_pipeline/files.py)."""
+"""Written artefacts are complete or absent (grt_common/files.py)."""
 
 import matplotlib
 
@@ -6,7 +6,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from data_pipeline.files import atomic_path, atomic_savefig, atomic_write_text  # noqa: E402
+from grt_common.files import atomic_path, atomic_savefig, atomic_write_text  # noqa: E402
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_debris(tmp_path):

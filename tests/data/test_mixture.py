@@ -15,13 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from faults import Job, last_step, losses, per_step, run_job, train_args, wait_for
 from multiproc import grt
+from train_jobs import Job, last_step, losses, per_step, run_job, train_args, wait_for
 
 from data_pipeline.loader import TokenBatchLoader
 from data_pipeline.mixture import DataMixture, MixtureError, parse_sources, parse_stages
 from data_pipeline.mixture_loader import MixtureLoader
-from pretrain.config import ConfigError
+from pretrain.model_config import ConfigError
 from pretrain.runs.data_spec import load_manifest
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "data" / "tinyshakespeare.txt"

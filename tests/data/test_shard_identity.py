@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from commands import data_commands, error_lines, grt_in_process, manifest_of
-from faults import train_args
+from train_jobs import train_args
 
 from data_pipeline import shard_reader
 from data_pipeline.loader import TokenBatchLoader

@@ -7,9 +7,9 @@ save: the previous checkpoint stays the newest complete one, a resume reproduces
 
 from __future__ import annotations
 
-import faults
 import pytest
 import test_reliability as reliability
+import train_jobs
 from test_reliability import data, reference  # noqa: F401  (fixtures: the same data and reference run)
 
 
@@ -18,7 +18,7 @@ def async_save(monkeypatch):
     """Every `grt train` these tests start has train.async_save=true."""
 
     def with_async_save(*args, **kwargs):
-        return faults.train_args(*args, "train.async_save=true", **kwargs)
+        return train_jobs.train_args(*args, "train.async_save=true", **kwargs)
 
     monkeypatch.setattr(reliability, "train_args", with_async_save)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from commands import error_lines
 from commands import grt_in_process as in_process
-from faults import Job, run_job
+from train_jobs import Job, run_job
 from trained_models import DEMO_TEXT, ENV, REPO, grt, grt_run, manifest, single_thread  # noqa: F401 (fixtures)
 
 TRIED: Counter = Counter()  # inputs tried per class, printed at the end (-s) for docs/reliability.md
@@ -487,7 +487,7 @@ def test_resume_with_more_steps_keeps_the_started_schedule(grt_run, tmp_path):
 # connections) stays alive, as a rank whose exit an NCCL collective does not notice. The others
 # must stop on the error it reported, not on its exit.
 HOLD_AFTER_ERROR = """import time
-import pretrain.distributed.exit as pd  # where run_command finds it
+import pretrain.distributed.error_boundary as pd  # where run_command finds it
 exit_now = pd.exit_process
 def exit_later(code):
     if code:
@@ -677,9 +677,9 @@ def test_multi_rank_eval_refuses_a_manifest_that_only_some_ranks_see(bad, monkey
     """`--tasks all` skips the held-out split when there is no manifest; if some ranks saw one
     and others did not, their next sums would pair different parts, with the same shape. The
     ranks agree first (ranks_with); here the agreement answers as on a job where they differ."""
-    from pretrain.config import ConfigError
     from pretrain.distributed import Dist
     from pretrain.infer.evaluation import evaluate, loss_by_depth
+    from pretrain.model_config import ConfigError
 
     monkeypatch.setattr(evaluate, "ranks_with", lambda flag: 1)  # of 2: neither every rank nor none found it
     agreements = []

@@ -127,7 +127,7 @@ def model(manifest, tmp_path_factory) -> Path:
 
 # ------------------------------------------------------------ the message: unit cases, no command
 def test_the_line_names_the_path_and_what_is_wrong(tmp_path):
-    from pretrain.errors import file_system_problem
+    from grt_common.errors import file_system_problem
 
     (tmp_path / "afile").write_text("x")
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
@@ -215,7 +215,7 @@ def test_a_run_path_of_the_wrong_kind_is_refused_at_the_start(case, manifest, tm
     assert not dist.is_initialized(), "refused after the process group started"
 
 
-# every command's output path, refused at the door (one argparse type: data_pipeline/files.py output_path)
+# every command's output path, refused at the door (one argparse type: grt_common/files.py output_path)
 OUTPUTS = {
     "eval --json-out": ["eval", "--model", "{model}", "--json-out", "{path}"],
     "eval --plot": ["eval", "--model", "{model}", "--plot", "{path}"],
@@ -266,7 +266,7 @@ def test_a_full_disk_on_rank_0_stops_both_ranks_without_a_hang(manifest, small_f
     agree on it (run_dir.py `commit`) and stop, exit 2, naming the file, neither waiting for the
     process group's timeout, and --out is left as it was (before: rank 1 wrote its
     metrics.rank1.jsonl and stopped at its next collective, "rank 0 is unreachable")."""
-    from faults import run_job
+    from train_jobs import run_job
 
     fill(small_fs, 2)
     out = small_fs / "run"

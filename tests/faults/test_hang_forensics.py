@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from faults import Job, build_data, ckpt_tags, cli, last_step, latest, losses, train_args, wait_for
+from train_jobs import Job, build_data, ckpt_tags, cli, last_step, latest, losses, train_args, wait_for
 
 from pretrain.distributed.hangs import analyze
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TypedDict
 
 import pytest
-from faults import (
+from train_jobs import (
     REPO,
     Job,
     build_data,
@@ -261,7 +261,7 @@ def test_heartbeat_names_the_failed_rank(monkeypatch):
     import torch.distributed as dist
     from multiproc import free_port
 
-    from pretrain.training.failures import Heartbeat
+    from pretrain.training.health import Heartbeat
 
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)

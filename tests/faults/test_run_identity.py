@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 from commands import error_lines
-from faults import REPO, cli, train_args
+from train_jobs import REPO, cli, train_args
 
 from pretrain import train as train_cli
 

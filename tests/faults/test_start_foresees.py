@@ -7,7 +7,7 @@ import os
 import subprocess
 
 import pytest
-from faults import REPO, cli, train_args
+from train_jobs import REPO, cli, train_args
 
 
 def test_train_wandb_without_a_login_is_refused_before_anything_starts(shards, tmp_path):

@@ -259,13 +259,13 @@ def full_disk(tmp_path):
 def test_every_save_names_a_full_disk(full_disk):
     """torch.save says "enforce fail at inline_container.cc" on a full disk: the rank's state file, the
     background writes (train.async_save) and DeepSpeed's own writes (RecordWriteErrors) each say
-    ENOSPC, naming the file (pretrain/errors.py's one line)."""
+    ENOSPC, naming the file (grt_common/errors.py's one line)."""
     import errno
     from types import SimpleNamespace
 
     import torch
 
-    from pretrain.errors import file_system_problem
+    from grt_common.errors import file_system_problem
     from pretrain.training.checkpoint.async_save import BackgroundWrites
     from pretrain.training.engine.deepspeed_internals import RecordWriteErrors, save_file
 

@@ -241,7 +241,7 @@ def test_analyze_refuses_what_it_cannot_use_before_reading_a_weight(trained, tmp
     ]
     for argv, *words in cases:
         out = tmp_path / "report"
-        # as `grt analyze` runs (the --out checks are argparse's: data_pipeline/files.py output_path)
+        # as `grt analyze` runs (the --out checks are argparse's: grt_common/files.py output_path)
         rc, err = grt_in_process(["analyze", *(argv if "--out" in argv else [*argv, "--out", str(out)])], capsys)
         assert rc == 2, argv
         assert err.startswith("grt analyze: error: ") and err.count("\n") == 1, err

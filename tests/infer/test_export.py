@@ -11,12 +11,12 @@ import torch
 from conftest import DEMO_TEXT, OFFLINE, SHARED
 from trained_models import ENV, EVAL_BATCHES, dense_run, grt, grt_run, manifest, single_thread, summary  # noqa: F401 (fixtures)
 
-from pretrain.config import ConfigError
 from pretrain.distributed import Dist
 from pretrain.infer.evaluation.scoring import lm_sums, val_batches
 from pretrain.infer.export import main as export_main
 from pretrain.infer.load import load_model, resolve_checkpoint
 from pretrain.model.weights import TIED_KEY
+from pretrain.model_config import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -329,7 +329,7 @@ def test_a_module_imported_by_name_is_refused_before_it_breaks_the_remote_code()
 
     from pretrain.model.hf import refuse_module_imports, vendored_sources
 
-    names = "from pretrain.kernels.probe import FusedPath\nfrom pretrain.config import ModelConfig\n"
+    names = "from pretrain.kernels.probe import FusedPath\nfrom pretrain.model_config import ModelConfig\n"
     refuse_module_imports(Path("ok.py"), names)
     with pytest.raises(RuntimeError, match=r"'from pretrain.kernels import probe' imports a module"):
         refuse_module_imports(Path("bad.py"), "from pretrain.kernels import probe as p\n")

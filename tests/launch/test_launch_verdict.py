@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from faults import REPO, train_args
 from multiproc import free_port
+from train_jobs import REPO, train_args
 
 pytestmark = pytest.mark.slow
 LAUNCH = ["launch", "--cpu", "--procs-per-node", "2"]

@@ -22,7 +22,6 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from faults import losses  # noqa: E402
 from launch_helpers import (
     ROOT,
     _end_group,
@@ -35,6 +34,7 @@ from launch_helpers import (
     wait_all,
 )
 from netns_cluster import ClusterUnavailable, NetnsCluster, netns_slurm, started_or_skip  # noqa: E402
+from train_jobs import losses  # noqa: E402
 
 from pretrain.distributed import expand_nodelist  # noqa: E402
 

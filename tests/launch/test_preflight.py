@@ -10,8 +10,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from faults import descendants
 from launch_helpers import grt_launch, read_metrics, throttle, train_args
+from train_jobs import descendants
 
 LAUNCH = ("--launcher", "local", "--cpu", "--procs-per-node", "2")
 

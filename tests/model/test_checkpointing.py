@@ -12,8 +12,8 @@ from multiproc import REPO, run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from pretrain.config import ModelConfig
 from pretrain.model import build_model
+from pretrain.model_config import ModelConfig
 from pretrain.presets import get_preset
 from pretrain.runs.train_config import CHECKPOINT_MODES
 from pretrain.training.engine.parallelize import (

@@ -50,7 +50,7 @@ def test_fused_gate_update_matches_eager_forward_and_backward():
 def test_model_uses_the_fused_update_and_keeps_its_gradients():
     script = r"""
 import torch
-from pretrain.config import ModelConfig
+from pretrain.model_config import ModelConfig
 from pretrain.model import build_model
 import pretrain.kernels.gate as gate
 calls = []
@@ -91,7 +91,7 @@ def test_fused_update_runs_under_bf16_autocast():
     gradients as close to fp32 as eager autocast's."""
     script = r"""
 import torch
-from pretrain.config import ModelConfig
+from pretrain.model_config import ModelConfig
 from pretrain.model import build_model
 import pretrain.kernels.gate as gate
 seen = []
@@ -140,7 +140,7 @@ def test_a_compiled_loop_step_traces_the_eager_gate_and_eager_runs_the_kernel():
     graph, no graph break). Both give the uncompiled reference's gradients."""
     script = r"""
 import torch
-from pretrain.config import ModelConfig
+from pretrain.model_config import ModelConfig
 from pretrain.model import build_model
 from pretrain.training.engine.parallelize import apply_compile
 import pretrain.kernels.gate as gate
@@ -182,7 +182,7 @@ def test_fused_update_runs_with_bf16_weights_as_deepspeeds_bf16_mode_casts_them(
     script = r"""
 import torch
 import torch.nn.functional as F
-from pretrain.config import ModelConfig
+from pretrain.model_config import ModelConfig
 from pretrain.model import build_model
 import pretrain.kernels.gate as gate
 seen = []

@@ -14,10 +14,10 @@ from trained_models import (  # noqa: F401 (single_thread: an autouse fixture)
     small_model,
 )
 
-from pretrain.config import PLACEMENTS, ConfigError, ModelConfig, canonical_layout, parse_layout
 from pretrain.infer.generate import generate
 from pretrain.infer.kv_cache import STRATEGIES, CachedDecoder, cache_slots
 from pretrain.model.flops import flops_per_token
+from pretrain.model_config import PLACEMENTS, ConfigError, ModelConfig, canonical_layout, parse_layout
 from pretrain.presets import PRESETS
 from pretrain.tools.compare.sizing import match
 from pretrain.tools.compare.table import describe_method
@@ -226,7 +226,7 @@ def test_adaptive_exit_runs_for_each_placement(placement):
 
 # -- Hugging Face -----------------------------------------------------------------------------
 def test_bottom_and_top_placements_export_to_hugging_face(tmp_path, offline):
-    """The remote code vendors pretrain/config.py, so it parses the same layouts: the export of a
+    """The remote code vendors pretrain/model_config.py, so it parses the same layouts: the export of a
     model without a prelude, and of one without a coda, loads with the same logits and generates
     through its KV cache as without one."""
     from transformers import AutoModelForCausalLM

@@ -8,9 +8,9 @@ import logging
 import pytest
 import torch
 
-from pretrain.config import ModelConfig
 from pretrain.model import build_model
 from pretrain.model.loss import compile_available, linear_cross_entropy, lm_loss, resolve_impl
+from pretrain.model_config import ModelConfig
 
 
 def _both(dtype, chunk, padded=8, ignore_every=5, impl="eager"):

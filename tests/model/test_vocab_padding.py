@@ -1,4 +1,4 @@
-"""The padded vocabulary (ModelConfig.pad_vocab_multiple, pretrain/config.py): every preset trains
+"""The padded vocabulary (ModelConfig.pad_vocab_multiple, pretrain/model_config.py): every preset trains
 the head at a multiple of 64 rows; what a user sees (logits, generated and sampled tokens, scores,
 the Hugging Face export) has the real vocabulary; a model saved unpadded (before the change) still
 loads and runs."""
@@ -7,13 +7,13 @@ import pytest
 import torch
 from trained_models import write_export
 
-from pretrain.config import VOCAB_PAD_MULTIPLE, ModelConfig
 from pretrain.infer.evaluation.scoring import lm_sums
 from pretrain.infer.generate import generate
 from pretrain.infer.load import load_model
 from pretrain.model import build_model
 from pretrain.model.layers import AttentionContext
 from pretrain.model.loss import lm_loss
+from pretrain.model_config import VOCAB_PAD_MULTIPLE, ModelConfig
 from pretrain.presets import PRESETS
 
 VOCAB = 97  # padded to 128

@@ -78,7 +78,7 @@ def test_deepspeeds_mark_of_a_non_finite_norm_stops_the_run():
 
     import torch
 
-    from pretrain.training.failures import TrainingStopped
+    from pretrain.training.health import TrainingStopped
     from pretrain.training.step.optimizer_step import StepRunner
 
     for norm, bad in ((-1.0, True), (float("nan"), True), (0.7, False)):

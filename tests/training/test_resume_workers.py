@@ -6,7 +6,7 @@ noise of every later step differed (losses up to 2.5e-4 apart)."""
 
 from __future__ import annotations
 
-from faults import losses, run_job, train_args
+from train_jobs import losses, run_job, train_args
 
 STEPS, STOP = 6, 3
 WORKERS = ("train.num_workers=2", "train.save_every=3", f"train.schedule_steps={STEPS}")  # one schedule for both

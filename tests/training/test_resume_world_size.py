@@ -14,9 +14,9 @@ import re
 from pathlib import Path
 
 import pytest
-from faults import build_data, per_step, records, run_job, train_args
+from train_jobs import build_data, per_step, records, run_job, train_args
 
-from pretrain.errors import ConfigError
+from grt_common.errors import ConfigError
 from pretrain.runs.run_config import RunConfig
 from pretrain.training.start.resume_check import keep_global_batch
 

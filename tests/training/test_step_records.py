@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from faults import train_args
+from train_jobs import train_args
 from trained_models import manifest  # noqa: F401 (fixture)
 from wandb_files import REPO, offline_env, wandb_history
 

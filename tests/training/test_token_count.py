@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from faults import run_job, train_args
+from train_jobs import run_job, train_args
 
 from data_pipeline.batches import plan_stages
 from data_pipeline.mixture import DataMixture, MixtureError, parse_stages

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pretrain.config import ModelConfig
 from pretrain.model.flops import flops_per_token
+from pretrain.model_config import ModelConfig
 from pretrain.variants import block_flops
 
 BUCKETS = ("punctuation", "frequent", "medium", "rare")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from data_pipeline.files import atomic_savefig
+from grt_common.files import atomic_savefig
 from pretrain.infer.loop_health import loop_health
 
 if TYPE_CHECKING:

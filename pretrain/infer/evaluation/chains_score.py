@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from data_pipeline.chains import score_positions
-from pretrain.config import ConfigError
 from pretrain.distributed import Dist
 from pretrain.infer.evaluation.scoring import check_batches, check_scored, exit_hidden, sum_over_ranks, val_batches
+from pretrain.model_config import ConfigError
 
 if TYPE_CHECKING:
     from data_pipeline.manifest import Manifest

@@ -29,10 +29,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from data_pipeline.files import output_path
 from data_pipeline.shards import ShardError
+from grt_common.files import output_path
 from pretrain import PROJECT_ROOT
-from pretrain.config import ConfigError, OnceParser
 from pretrain.distributed import Dist, RankFailed, check_ranks, is_main, join_launch, ranks_with, run_command
 from pretrain.infer.adaptive import CRITERIA, check_criterion, parse_thresholds
 from pretrain.infer.evaluation.chains_score import chains_part, format_chains
@@ -42,6 +41,7 @@ from pretrain.infer.evaluation.scoring import jsonable
 from pretrain.infer.evaluation.zero_shot import evaluate_task
 from pretrain.infer.exit_depths import check_depths, default_depths, depth_unit
 from pretrain.infer.kv_cache import STRATEGIES
+from pretrain.model_config import ConfigError, OnceParser
 from pretrain.runs.data_spec import parse_data
 from pretrain.runs.eval_tasks import TASKS, load_task, parse_depths
 
@@ -261,7 +261,7 @@ def evaluate(args: argparse.Namespace, parts: list[str], dist: Dist) -> dict[str
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from data_pipeline.files import atomic_write_text
+    from grt_common.files import atomic_write_text
 
     try:
         results = run(args)

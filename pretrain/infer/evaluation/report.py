@@ -57,7 +57,7 @@ def source_loss(results: dict[str, Any], name: str) -> Callable[[int], float]:
 def plot_depths(results: dict[str, Any], path: str | Path, title: str = "") -> None:
     import matplotlib
 
-    from data_pipeline.files import atomic_savefig
+    from grt_common.files import atomic_savefig
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,6 +1,6 @@
 """Hugging Face config of a looped model exported by `grt export` (remote code).
 
-Every field of the project's ModelConfig (grt_config.py, vendored from pretrain/config.py)
+Every field of the project's ModelConfig (grt_model_config.py, vendored from pretrain/model_config.py)
 is a top-level key of config.json, plus:
 
     trained_depth   the R the model was trained with (the layout's R, recorded explicitly)
@@ -14,8 +14,8 @@ import dataclasses
 
 from transformers import PretrainedConfig
 
-from .grt_config import ConfigError, ModelConfig
 from .grt_kv_cache import STRATEGIES
+from .grt_model_config import ConfigError, ModelConfig
 
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 

@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from pretrain.config import ModelConfig
 from pretrain.model import build_model
 from pretrain.model.flops import count_params
 from pretrain.model.loss import CHUNK_BYTES, cuda_chunk_tokens
+from pretrain.model_config import ModelConfig
 from pretrain.presets import get_preset
 from pretrain.tools.bench.support import whole_number
 

@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-from data_pipeline.files import output_path
-from pretrain.config import ConfigError, ModelConfig
+from grt_common.files import output_path
 from pretrain.infer.kv_cache import (
     STRATEGIES,
     CachedDecoder,
@@ -39,6 +38,7 @@ from pretrain.infer.kv_cache import (
     is_compiled,
 )
 from pretrain.model import GPT, build_model
+from pretrain.model_config import ConfigError, ModelConfig
 from pretrain.tools.bench.support import whole_number, whole_numbers
 
 # the paper's total decode memory (weights + cache) of GRT-Medium against dense GPT-2 Medium

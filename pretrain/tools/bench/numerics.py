@@ -31,10 +31,10 @@ from typing import Any
 import torch
 
 from pretrain import PROJECT_ROOT
-from pretrain.config import ConfigError, ModelConfig, padded_vocab
 from pretrain.model import GPT, build_model
 from pretrain.model.layers import AttentionContext
 from pretrain.model.loss import IGNORE_INDEX, linear_cross_entropy, lm_loss, loss_chunk, resolve_impl
+from pretrain.model_config import ConfigError, ModelConfig, padded_vocab
 from pretrain.presets import PAPER_START, get_preset
 from pretrain.tools.bench.support import (
     GPT2_VOCAB,

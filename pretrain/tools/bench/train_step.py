@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from pretrain import PROJECT_ROOT
-from pretrain.config import ModelConfig
 from pretrain.model import GPT, build_model
 from pretrain.model.flops import flops_per_token
+from pretrain.model_config import ModelConfig
 from pretrain.tools.bench.support import peak_bytes, timed_call
 from pretrain.training.engine.parallelize import apply_activation_checkpointing, checkpoint_and_compile
 from pretrain.training.report.metrics import peak_flops

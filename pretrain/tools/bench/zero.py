@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from pretrain import PROJECT_ROOT
-from pretrain.config import ModelConfig
 from pretrain.model import build_model
+from pretrain.model_config import ModelConfig
 from pretrain.runs.train_config import AUTO
 from pretrain.tools.bench.support import make_bench_data, train_command
 from pretrain.tools.bench.train_step import train_step_fn

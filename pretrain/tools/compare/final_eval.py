@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from data_pipeline.files import atomic_write_text
-from pretrain.config import ModelConfig
+from grt_common.files import atomic_write_text
 from pretrain.model.baselines import LoopedBaseline
+from pretrain.model_config import ModelConfig
 from pretrain.runs.run_config import RunConfig
 from pretrain.variants import get_variant
 

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from data_pipeline.files import atomic_savefig
+from grt_common.files import atomic_savefig
 from pretrain.variants import get_variant
 
 if TYPE_CHECKING:

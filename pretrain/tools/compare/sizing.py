@@ -19,9 +19,9 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from data_pipeline.files import atomic_write_text
-from pretrain.config import Layout, ModelConfig
+from grt_common.files import atomic_write_text
 from pretrain.model.flops import flops_per_token, train_flops_per_token
+from pretrain.model_config import Layout, ModelConfig
 from pretrain.runs.run_config import RunConfig
 from pretrain.runs.train_config import TrainConfig, tokens_per_step
 from pretrain.tools.compare.final_eval import final_eval_work

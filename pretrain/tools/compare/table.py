@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pretrain.config import ModelConfig
 from pretrain.infer.loop_health import LoopHealth, loop_health, run_settings
 from pretrain.model.flops import flops_per_token, train_flops_per_token
+from pretrain.model_config import ModelConfig
 from pretrain.runs.run_config import RunConfig
 from pretrain.runs.train_config import tokens_per_step
 from pretrain.tools.compare.final_eval import ADAPTIVE_EXITS, EXTRAPOLATION_FACTORS, adaptive_label, final_evals

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from data_pipeline.files import atomic_path
+from grt_common.files import atomic_path
 from pretrain.training.engine.deepspeed_internals import save_file
 
 
@@ -72,7 +72,7 @@ class BackgroundWrites:
         self._own = ds_checkpoint_engine
         self._pinned = torch.cuda.is_available()
         self._thread: threading.Thread | None = None
-        self.write_file: Callable[[Any, Path], None] = save_file  # or a test's fault (faults.py)
+        self.write_file: Callable[[Any, Path], None] = save_file  # or a test's fault (fault_injection.py)
 
     def __getattr__(self, name: str) -> Any:  # makedirs, load, create, commit, ...: DeepSpeed's engine's
         return getattr(self._own, name)

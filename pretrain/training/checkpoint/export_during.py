@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from pretrain.config import ConfigError
-from pretrain.distributed.exit import VERDICTS_ENV
+from pretrain.distributed.error_boundary import VERDICTS_ENV
+from pretrain.model_config import ConfigError
 from pretrain.runs.checkpoint_files import step_of, tag_dirs, tag_for
 from pretrain.training.callbacks import Callback
 from pretrain.training.run_context import RunContext

@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from grt_common.errors import one_line
 from pretrain.runs.checkpoint_files import ranks_that_wrote, step_of, tag_for
 from pretrain.runs.checkpoint_mirror import Mirror, MirrorError, mirrored_files
-from pretrain.say import one_line
 from pretrain.training.callbacks import Callback
 from pretrain.training.run_context import RunContext
 

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from data_pipeline.files import atomic_path, atomic_write_text, is_temp
-from pretrain.config import ConfigError
+from grt_common.files import atomic_path, atomic_write_text, is_temp
 from pretrain.distributed import RankFailed, all_agree, all_reduce, check_ranks, comm_device
+from pretrain.model_config import ConfigError
 from pretrain.runs.checkpoint_files import (
     TAG_RE,
     Fallback,
@@ -107,7 +107,7 @@ def _no_fault(*_: Any) -> None:
     """A save's fault seam while no test has installed a fault."""
 
 
-# The two points of a save where the tests' faults act (faults.py installs them; nothing here reads
+# The two points of a save where the tests' faults act (fault_injection.py installs them; nothing here reads
 # the environment): as this rank's files are about to be written (the engine, step, rank, and the
 # background writes, None for a synchronous save), and once every rank's are written, before COMPLETE.
 on_writing: Callable[[deepspeed.DeepSpeedEngine, int, int, BackgroundWrites | None], None] = _no_fault

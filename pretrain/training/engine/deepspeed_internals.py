@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from pretrain.config import ConfigError
+from pretrain.model_config import ConfigError
 
 if TYPE_CHECKING:
     import deepspeed
@@ -253,7 +253,7 @@ def hold_pinned(engine: deepspeed.DeepSpeedEngine) -> None:
 
 def write_files_with(engine: deepspeed.DeepSpeedEngine, save: Callable[[Any, str], None]) -> None:
     """DeepSpeed's checkpoint file writes of `engine` go through `save(state_dict, path)` from now on:
-    the seam of the tests' write faults (faults.py)."""
+    the seam of the tests' write faults (fault_injection.py)."""
     engine.checkpoint_engine.save = save
 
 
@@ -264,7 +264,7 @@ def disk_full(err: BaseException, path: str | os.PathLike[str] | None) -> BaseEx
     """What a failed write of checkpoint file `path` was: where torch.save failed on a full disk (it
     says "enforce fail at inline_container.cc: unexpected pos", not ENOSPC), an OSError(ENOSPC)
     naming the file and its file system's free space, so that every save, synchronous or not, says
-    which disk is full in one line (pretrain/errors.py); `err` itself otherwise. Asked at the failure,
+    which disk is full in one line (grt_common/errors.py); `err` itself otherwise. Asked at the failure,
     before a partial file is removed."""
     if isinstance(err, OSError) or path is None:
         return err

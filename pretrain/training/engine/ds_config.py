@@ -22,8 +22,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from data_pipeline.files import atomic_write_text
-from pretrain.config import ConfigError, load_json_object
+from grt_common.files import atomic_write_text
+from pretrain.model_config import ConfigError, load_json_object
 from pretrain.runs.run_config import SHIPPED_DIR, RunConfig, resolve_ds_path
 from pretrain.runs.train_config import TrainConfig
 from pretrain.training.engine.lr_schedule import horizon, warmup_num_steps

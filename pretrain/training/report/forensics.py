@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from data_pipeline.files import atomic_path, atomic_write_text
+from grt_common.files import atomic_path, atomic_write_text
 from pretrain.distributed.hangs import FR_PREFIX
 
 log = logging.getLogger("grt.train")

@@ -16,7 +16,7 @@ from pretrain.training.report.forensics import MARK, Watcher
 from pretrain.training.run_context import RunContext
 
 if TYPE_CHECKING:
-    from pretrain.training.failures import Heartbeat
+    from pretrain.training.health import Heartbeat
 
 HANGS = "hangs"  # <out>/hangs/<time>/rank<R>.txt
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
-from data_pipeline.files import atomic_write_bytes, atomic_write_text
+from grt_common.files import atomic_write_bytes, atomic_write_text
 from pretrain.distributed import all_reduce, comm_device
 from pretrain.model.flops import flops_per_token
 from pretrain.training.callbacks import Callback
@@ -24,7 +24,7 @@ from pretrain.training.engine.deepspeed_internals import local_shares
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
-    from pretrain.config import ModelConfig
+    from pretrain.model_config import ModelConfig
     from pretrain.training.run_context import RunContext
 
 # bf16 dense peak FLOP/s by device name (substring match)

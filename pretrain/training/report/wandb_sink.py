@@ -30,9 +30,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pretrain.errors import ConfigError
+from grt_common.errors import ConfigError, one_line
 from pretrain.runs.checkpoint_files import TAG_RE
-from pretrain.say import one_line
 from pretrain.training.callbacks import Callback
 
 if TYPE_CHECKING:

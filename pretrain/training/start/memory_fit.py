@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pretrain.config import ConfigError, ModelConfig
+from pretrain.model_config import ConfigError, ModelConfig
 from pretrain.training.engine.ds_config import zero_stage
 
 GIB = 1 << 30

@@ -32,7 +32,7 @@ import socket
 import time
 from pathlib import Path
 
-from pretrain.config import ConfigError
+from pretrain.model_config import ConfigError
 from pretrain.say import say
 
 LOCK_NAME = "train.lock"

@@ -13,7 +13,7 @@ from typing import Any
 
 from pretrain.runs.checkpoint_files import find_latest
 from pretrain.runs.train_config import TrainConfig
-from pretrain.training.failures import TrainingStopped
+from pretrain.training.health import TrainingStopped
 from pretrain.training.report.metrics import trim_records
 
 log = logging.getLogger("grt.train")

@@ -23,7 +23,7 @@ from data_pipeline.batches import round_tokens
 from data_pipeline.loader import DIGEST_MOD, sample_digest
 from pretrain.distributed import all_reduce
 from pretrain.runs.checkpoint_files import find_latest
-from pretrain.training.failures import TrainingStopped
+from pretrain.training.health import TrainingStopped
 from pretrain.training.report.metrics import norms
 from pretrain.training.report.step_timing import StepTimer
 from pretrain.training.step.bad_batches import BadBatches

@@ -20,8 +20,7 @@ from types import FrameType
 
 import torch.distributed as dist
 
-from pretrain.errors import Stopped
-from pretrain.say import one_line
+from grt_common.errors import Stopped, one_line
 from pretrain.training.callbacks import Callback
 
 log = logging.getLogger("grt.train")

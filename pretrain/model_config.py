@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pretrain.errors import ConfigError
+from grt_common.errors import ConfigError
 from pretrain.variants import get_variant
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn", "naive")

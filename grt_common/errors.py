@@ -1,8 +1,9 @@
-"""The error every check raises for input a user can fix: its message names the key, the file
-or the value, and what is accepted. Commands print it as one line and exit 2.
-
-Also what the error boundary of every command (`pretrain.distributed.run_command`) needs to
-say a file-system refusal or an interruption in one line (docs/reliability.md).
+"""The errors every command shares, at the bottom of the import graph (grt_common imports nothing
+of the project): `ConfigError`, raised for input a user can fix (its message names the key, the
+file or the value, and what is accepted; commands print it as one line and exit 2), `Stopped`
+and `Interrupted`; an exception as one line (`one_line`: in a refusal, a warning, the failure
+every rank reports); and the one line of a file-system refusal, which the error boundary of every
+command (`pretrain.distributed.run_command`) says (docs/reliability.md).
 """
 
 import errno
@@ -14,6 +15,13 @@ from collections.abc import Iterable
 
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the key and what is accepted."""
+
+
+def one_line(err: BaseException) -> str:
+    """`Type: message`, the message's whitespace folded (a traceback's or a server's text stays one
+    line; an empty message is the type's name), at most 1000 characters."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return f"{type(err).__name__}: {text}"[:1000]
 
 
 class Stopped(RuntimeError):
@@ -106,7 +114,7 @@ def _file_being_written(err: BaseException) -> list[str]:
     return [_final_name(os.fsdecode(p)) for p in named[:1]]
 
 
-# a temporary written beside its final name (data_pipeline/files.py `.NAME.tmpPID`, a shard's
+# a temporary written beside its final name (grt_common/files.py `.NAME.tmpPID`, a shard's
 # NAME.tmp, an export's .NAME.partial-XXXX folder): the line names the final name
 _TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?:tmp\d+|partial-\w+)$|^(?P<shard>.+\.tar)\.tmp$")
 

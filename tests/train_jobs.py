@@ -1,4 +1,5 @@
-"""Helpers for the reliability tests: tiny data, real `grt train` ranks, fault injection.
+"""Real `grt train` jobs for the tests: tiny data, ranks started as a launcher would (`Job`), and
+what a run leaves (losses, step records, checkpoint tags).
 
 Every training run here is a real process (or two) running `python -m pretrain.cli train`
 with the env:// rendezvous a launcher would set up, so signals, kills and exit codes are

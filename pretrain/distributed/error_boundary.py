@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 
+from grt_common.errors import ConfigError, Interrupted, Stopped, file_system_problem
 from pretrain.distributed.discovery import RendezvousError
-from pretrain.errors import ConfigError, Interrupted, Stopped, file_system_problem
 
 DEBUG_ENV = "GRT_DEBUG"  # GRT_DEBUG=1: the boundary prints the traceback before its one line
 VERDICTS_ENV = "GRT_RANK_VERDICTS"  # a folder where each rank's exit code is left (`grt launch` reads them)
