@@ -23,8 +23,10 @@ train.tokens) is said in one line by the start too.
 Rules run at one of two places: "config" rules at `RunConfig.validate` (the config alone),
 "start" rules at `plan_start` (pretrain/training/start/plan.py), which knows the world size and
 the tokens per step, so `grt train`, `--dry-run` and `grt launch` refuse alike. This module
-imports nothing of the run config (run_config.py and train_config.py import it): a rule reads the
-config by name.
+imports nothing of the run config (run_config.py and train_config.py import it, so even a
+type-only import would close a circle): a rule reads the config through `RunSettings` and
+`TrainSettings`, the parts of `RunConfig` and `TrainConfig` it reads, which mypy checks those
+classes against where they are passed.
 """
 
 from __future__ import annotations
@@ -32,14 +34,57 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from grt_common.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pretrain.runs.data_spec import DataSpec
 
 MAX_STEPS = 2**40  # train.steps and every step count (warmup, schedule, intervals): ~1.1e12 optimizer steps
 MAX_TOKENS = 2.0**63  # train.tokens, train.decay_tokens, a data stage's tokens: an int64 count of tokens
 MAX_SECONDS = 7 * 24 * 3600.0  # train.dist_timeout_s: a week (a timedelta past this is a hang, not a timeout)
 MAX_BATCH = 2**24  # train.micro_batch_size and train.grad_accum (sequences)
+
+
+class TrainSettings(Protocol):
+    """What the rules read of a `TrainConfig` (pretrain/runs/train_config.py) by name; the
+    switch and bound rules read a field named in their table (`getattr`)."""
+
+    @property
+    def steps(self) -> int: ...
+    @property
+    def tokens(self) -> float: ...
+    @property
+    def lr(self) -> float: ...
+    @property
+    def warmup_steps(self) -> int: ...
+    @property
+    def schedule_steps(self) -> int: ...
+    @property
+    def schedule(self) -> str: ...
+    @property
+    def decay_tokens(self) -> float: ...
+    @property
+    def data_stages(self) -> str: ...
+    @property
+    def profile(self) -> str: ...
+    @property
+    def profile_ranks(self) -> str: ...
+
+
+class RunSettings(Protocol):
+    """What the rules read of a `RunConfig` (pretrain/runs/run_config.py)."""
+
+    @property
+    def train(self) -> TrainSettings: ...
+    @property
+    def data_spec(self) -> DataSpec: ...
+    @property
+    def branch_from(self) -> str: ...
+
+
+Config = TypeVar("Config")  # mark_given's config, returned as it came
 
 
 @dataclass(frozen=True)
@@ -56,7 +101,7 @@ class Rule:
     setting: str  # the key it guards, e.g. "train.decay_tokens"
     needs: str  # what the setting needs to take effect, in words
     at: str  # "config" (RunConfig.validate) or "start" (plan_start: the world and the tokens per step)
-    check: Callable[[Any, RunShape | None], str | None]  # the refusal's one line, or None
+    check: Callable[[RunSettings, RunShape | None], str | None]  # the refusal's one line, or None
 
 
 RULES: list[Rule] = []
@@ -77,7 +122,7 @@ def rule(
 GIVEN = "given_keys"  # the attribute of a RunConfig naming the keys its command line set (`mark_given`)
 
 
-def mark_given(cfg: Any, keys: set[str]) -> Any:
+def mark_given(cfg: Config, keys: set[str]) -> Config:
     """Record the dotted keys the command line set itself (`--set model.vocab_size=100`): a value
     the start would change is refused instead (run_config.py `resolve`). Not part of the saved
     config; called again, it adds."""
@@ -85,16 +130,16 @@ def mark_given(cfg: Any, keys: set[str]) -> Any:
     return cfg
 
 
-def given_keys(cfg: Any) -> frozenset[str]:
+def given_keys(cfg: object) -> frozenset[str]:
     return getattr(cfg, GIVEN, frozenset())
 
 
-def given(cfg: Any, key: str) -> bool:
+def given(cfg: object, key: str) -> bool:
     """Whether the command line set `key` ("train.steps") itself (`mark_given`)."""
     return key in given_keys(cfg)
 
 
-def check_settings(cfg: Any, shape: RunShape | None = None) -> None:
+def check_settings(cfg: RunSettings, shape: RunShape | None = None) -> None:
     """Every rule of the place (`shape` None: the config's; else the start's): the first refusal as
     one ConfigError."""
     at = "config" if shape is None else "start"
@@ -105,12 +150,12 @@ def check_settings(cfg: Any, shape: RunShape | None = None) -> None:
                 raise ConfigError(message)
 
 
-def horizon(t: Any) -> int:
+def horizon(t: TrainSettings) -> int:
     """Where the learning-rate schedule ends (train.schedule_steps, else train.steps)."""
     return int(t.schedule_steps or t.steps)
 
 
-def warmup_num_steps(t: Any) -> int:
+def warmup_num_steps(t: TrainSettings) -> int:
     """DeepSpeed's `warmup_num_steps` of both schedules: train.warmup_steps, at least 1 and at most
     the horizon (DeepSpeed then warms up over at least 2)."""
     return max(1, min(int(t.warmup_steps), horizon(t)))
@@ -122,13 +167,13 @@ def decay_steps(decay_tokens: float, tokens_per_step: int) -> int:
 
 
 # -- switches: a setting given on the command line needs its feature switched on --------------
-def switch_rule(key: str, needs: str, on: Callable[[Any], bool]) -> None:
+def switch_rule(key: str, needs: str, on: Callable[[TrainSettings], bool]) -> None:
     """`key` ("train.wandb_project") given on the command line while `on(cfg.train)` is false is
     refused, naming `needs` ("train.wandb=true"). Declared with the field (train_config.py `option`)."""
     name = key.removeprefix("train.")
 
     @rule(key, needs)
-    def needs_switch(cfg: Any, _: RunShape | None) -> str | None:
+    def needs_switch(cfg: RunSettings, _: RunShape | None) -> str | None:
         if not given(cfg, key) or on(cfg.train):
             return None
         value = getattr(cfg.train, name)
@@ -136,7 +181,7 @@ def switch_rule(key: str, needs: str, on: Callable[[Any], bool]) -> None:
 
 
 @rule("train.decay_tokens", "train.schedule=wsd")
-def _decay_needs_wsd(cfg: Any, _: RunShape | None) -> str | None:
+def _decay_needs_wsd(cfg: RunSettings, _: RunShape | None) -> str | None:
     """Whether given or saved: under cosine a decay is never applied."""
     t = cfg.train
     if t.decay_tokens > 0 and t.schedule != "wsd":
@@ -149,7 +194,7 @@ def _decay_needs_wsd(cfg: Any, _: RunShape | None) -> str | None:
 
 # -- one thing decided once --------------------------------------------------------------------
 @rule("train.steps", "train.tokens=0 (train.tokens sets the steps)")
-def _steps_or_tokens(cfg: Any, _: RunShape | None) -> str | None:
+def _steps_or_tokens(cfg: RunSettings, _: RunShape | None) -> str | None:
     t = cfg.train
     if given(cfg, "train.steps") and t.tokens > 0:
         return (
@@ -178,7 +223,7 @@ BOUNDED: list[tuple[str, float]] = [
 
 def _bound_rule(name: str, limit: float) -> None:
     @rule(f"train.{name}", f"at most {limit:.6g}")
-    def bounded(cfg: Any, _: RunShape | None) -> str | None:
+    def bounded(cfg: RunSettings, _: RunShape | None) -> str | None:
         value = getattr(cfg.train, name)
         if isinstance(value, (int, float)) and value > limit:
             return f"train.{name}={value:.6g}: must be at most {limit:.6g} (the largest a run can hold)"
@@ -191,7 +236,7 @@ for _name, _limit in BOUNDED:
 
 # -- what must fit the run (the start: the tokens per step and the world are known) -------------
 @rule("train.tokens", f"a budget of at most {MAX_STEPS} steps", at="start")
-def _budget_fits(cfg: Any, shape: RunShape | None) -> str | None:
+def _budget_fits(cfg: RunSettings, shape: RunShape | None) -> str | None:
     t = cfg.train
     if t.steps > MAX_STEPS:
         return (
@@ -202,7 +247,7 @@ def _budget_fits(cfg: Any, shape: RunShape | None) -> str | None:
 
 
 @rule("train.warmup_steps", "at most the schedule's steps (train.schedule_steps or train.steps)", at="start")
-def _warmup_fits(cfg: Any, _: RunShape | None) -> str | None:
+def _warmup_fits(cfg: RunSettings, _: RunShape | None) -> str | None:
     """An explicit warmup longer than the schedule, which would cut it to its horizon, is refused (one
     as long as the schedule is taken as given: a warmup over the whole run); a default is said (start_notes)."""
     t = cfg.train
@@ -216,9 +261,9 @@ def _warmup_fits(cfg: Any, _: RunShape | None) -> str | None:
 
 
 @rule("train.decay_tokens", "a wsd decay that leaves the warmup room to reach train.lr", at="start")
-def _decay_fits(cfg: Any, shape: RunShape | None) -> str | None:
+def _decay_fits(cfg: RunSettings, shape: RunShape | None) -> str | None:
     t = cfg.train
-    if t.schedule != "wsd" or t.decay_tokens <= 0 or shape is None or getattr(cfg, "branch_from", ""):
+    if t.schedule != "wsd" or t.decay_tokens <= 0 or shape is None or cfg.branch_from:
         return None  # a decay branch starts its decay at the checkpoint, long after the warmup
     steps, h = decay_steps(t.decay_tokens, shape.tokens_per_step), horizon(t)
     room = h - 1 - max(2, warmup_num_steps(t))  # the scheduler steps between warmup and decay
@@ -232,7 +277,7 @@ def _decay_fits(cfg: Any, shape: RunShape | None) -> str | None:
 
 
 @rule("train.profile", "a window that ends by the run's last step", at="start")
-def _profile_fits(cfg: Any, shape: RunShape | None) -> str | None:
+def _profile_fits(cfg: RunSettings, shape: RunShape | None) -> str | None:
     t = cfg.train
     window = profile_window(t.profile) if t.profile else None
     if window is None or shape is None:
@@ -247,7 +292,7 @@ def _profile_fits(cfg: Any, shape: RunShape | None) -> str | None:
 
 
 @rule("train.profile_ranks", "ranks of the run", at="start")
-def _profile_ranks_exist(cfg: Any, shape: RunShape | None) -> str | None:
+def _profile_ranks_exist(cfg: RunSettings, shape: RunShape | None) -> str | None:
     t = cfg.train
     if not t.profile or t.profile_ranks == "all" or shape is None:
         return None
@@ -261,7 +306,7 @@ def _profile_ranks_exist(cfg: Any, shape: RunShape | None) -> str | None:
 
 
 @rule("train.data_stages", "stages that start before the run's last step", at="start")
-def _stages_fit(cfg: Any, shape: RunShape | None) -> str | None:
+def _stages_fit(cfg: RunSettings, shape: RunShape | None) -> str | None:
     from data_pipeline.mixture import parse_stages
 
     t = cfg.train
@@ -295,16 +340,16 @@ def profile_refusal(text: str) -> str:
     )
 
 
-NOTES: list[Callable[[Any], list[str]]] = []  # more lines of start_notes, declared by their settings' modules
+NOTES: list[Callable[[RunSettings], list[str]]] = []  # more lines of start_notes, declared by their settings' modules
 
 
-def note(lines: Callable[[Any], list[str]]) -> Callable[[Any], list[str]]:
+def note(lines: Callable[[RunSettings], list[str]]) -> Callable[[RunSettings], list[str]]:
     """Declare lines the start says of a default derived from the run (depth_settings.py's Poisson mean)."""
     NOTES.append(lines)
     return lines
 
 
-def start_notes(cfg: Any) -> list[str]:
+def start_notes(cfg: RunSettings) -> list[str]:
     """The lines a start says of defaults that do not fit and are kept (the module docstring)."""
     t = cfg.train
     derived = [line for lines in NOTES for line in lines(cfg)]
