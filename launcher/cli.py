@@ -64,8 +64,7 @@ def resolve(args: argparse.Namespace, train_args: list[str], environ: dict[str, 
     only_prints = {"-h", "--help", "--print-config", "--print-ds-config"} & set(train_args)
     if is_train and not args.no_resolve and not only_prints:
         on_this_host = hosts is None and args.launcher != "slurm" and elastic is None
-        config, resume = resolve_train_config(train_args, world_size if on_this_host else 0)
-        ds_config = checked_ds_config(config, world_size, use_cuda=gpus > 0)
+        config, resume, ds_config = resolve_train_config(train_args, world_size, gpus > 0, on_this_host)
         out = config["out"]
     if (args.launcher == "slurm" or elastic is not None) and is_train and not args.no_auto_resume:
         resume = True  # a requeued job, a restarted worker group: continue from the newest checkpoint
@@ -230,73 +229,54 @@ def _parse_env(pairs: Sequence[str]) -> dict[str, str]:
     return env
 
 
-def resolve_train_config(train_args: Sequence[str], local_world_size: int = 0) -> tuple[dict[str, Any], bool]:
+def resolve_train_config(
+    train_args: Sequence[str], world_size: int = 1, use_cuda: bool = False, on_this_host: bool = True
+) -> tuple[dict[str, Any], bool, dict[str, Any]]:
     """Resolve `grt train` arguments into one complete run config, once, on this host.
 
     Like GPT-NeoX, the merged config (preset, model JSON, flags, --set overrides) is built
     here and every rank gets the same file through --config-json.  Paths in it are made
     absolute so that every node reads the same files whatever its working directory.
     Returns (config dict, whether --resume or --branch-from was given: a decay branch's ranks each
-    make its checkpoint, pretrain/training/start/branch.py).  local_world_size > 0: the ranks run on
-    this host, so their start is planned here, once, before any rank starts (start/plan.py: the data,
-    the checkpoint to resume, the budget, every refusal); the config is the plan's.
+    make its checkpoint, pretrain/training/start/branch.py, and the DeepSpeed config every rank
+    builds, merged and checked once, here). `on_this_host`: the `world_size` ranks run on this host,
+    so their start is planned here, once, before any rank starts (the start's entry,
+    pretrain/training/start/entry.py: the data, the checkpoint to resume, the budget, every
+    refusal); else it is resolved against the data where this host can read it.
     """
     from pretrain.model_config import ConfigError
-    from pretrain.runs.run_config import absolute, resolve, resolve_ds_path
-    from pretrain.train import build_parser as train_parser
-    from pretrain.train import config_from_args
+    from pretrain.runs.run_config import absolute, resolve_ds_path
+    from pretrain.say import say
+    from pretrain.training.start.command_line import build_parser as train_parser
+    from pretrain.training.start.command_line import read_command_line
+    from pretrain.training.start.entry import run_start
 
     try:
         targs = train_parser().parse_args(list(train_args))
     except SystemExit as e:
         raise LaunchError(f"grt train arguments rejected: {' '.join(train_args)}") from e
     try:
-        cfg = config_from_args(targs)
+        cfg = read_command_line(targs)
         resume = bool(targs.resume or cfg.branch_from)
-        if local_world_size and cfg.data:
-            from pretrain.say import say
-            from pretrain.training.start.plan import plan_start
-
-            plan = plan_start(cfg, resume, local_world_size)
-            if plan.nothing_to_do:  # a finished run: no rank is started, nothing is written (exit 0)
-                raise LaunchError(plan.nothing_to_do, code=0)
-            for line in plan.notes:  # what the start changes in the config given (the ranks get the plan's)
+        started = run_start(cfg, resume, world_size, use_cuda, "here" if on_this_host and cfg.data else "elsewhere")
+        plan = started.plan
+        if plan is not None and plan.nothing_to_do:  # a finished run: no rank is started, nothing is written
+            raise LaunchError(plan.nothing_to_do, code=0)
+        for line in plan.notes if plan is not None else ():  # what the start changes (the ranks get the plan's)
+            say(line)
+        if plan is not None and plan.resume is not None:  # what the resume changes, said here as the ranks will
+            for line in plan.resume_lines(plan.resume.tag, [], plan.resume.notes):
                 say(line)
-            if plan.resume is not None:  # what the resume changes, said here as the ranks will
-                for line in plan.resume_lines(plan.resume.tag, [], plan.resume.notes):
-                    say(line)
-            cfg = plan.cfg
-        elif cfg.data and all(os.path.isfile(p) for p in cfg.data_spec.paths):
-            # the checks that need the data (vocabulary and context follow the tokenizer);
-            # skipped when the manifest is only visible from the cluster's nodes
-            notes: list[str] = []
-            cfg = resolve(cfg, cfg.data_spec.load(), notes)
-            for line in notes:
-                print(f"grt launch: {line}", file=sys.stderr)
+        for line in started.notes:
+            print(f"grt launch: {line}", file=sys.stderr)
+        cfg = started.cfg
         config = cfg.to_dict()
         config["data"] = cfg.data_spec.with_paths(absolute) if cfg.data else ""
     except ConfigError as e:
         raise LaunchError(f"run config: {e}") from e
     config["out"] = absolute(config["out"]) if config["out"] else ""
     config["ds_config"] = os.path.abspath(resolve_ds_path(config["ds_config"]))
-    return config, resume
-
-
-def checked_ds_config(config: dict[str, Any], world_size: int, use_cuda: bool) -> dict[str, Any]:
-    """The DeepSpeed config every rank will build, merged and checked once, here (with the
-    checkpointing mode it allows, so that a refusal is one line, not one per rank)."""
-    from pretrain.model_config import ConfigError
-    from pretrain.runs.run_config import RunConfig
-    from pretrain.training.engine.ds_config import merged_ds_config, zero_stage
-    from pretrain.training.engine.parallelize import check_checkpointing
-
-    try:
-        cfg = RunConfig.from_dict(config)
-        ds = merged_ds_config(cfg, world_size, use_cuda)
-        check_checkpointing(cfg.train.activation_checkpointing, zero_stage(ds))
-        return ds
-    except ConfigError as e:
-        raise LaunchError(f"run config: {e}") from e
+    return config, resume, started.ds
 
 
 def _local_gpu_count() -> int:

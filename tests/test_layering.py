@@ -150,6 +150,27 @@ def test_the_folders_import_one_way():
     assert not cycles, f"folder circles {cycles}:\n" + "\n".join(shown)
 
 
+# What the launcher may not import: a start's command line, plan and DeepSpeed config come to it through
+# the start's one entry (pretrain/training/start/entry.py), not through `grt train`'s module or the engine.
+LAUNCHER_NEVER = ("pretrain.train", "pretrain.training.engine")
+
+
+def test_the_launcher_reaches_the_start_through_its_entry():
+    """No module of launcher/ imports pretrain.train or anything of pretrain/training/engine/ (nor a
+    name from them), wherever the import stands."""
+    modules = _modules(REPO)
+    found = [
+        f"{p.relative_to(REPO)}:{line} imports {t}"
+        for m, p in modules.items()
+        if m.split(".")[0] == "launcher"
+        for t, _, line in _imports(m, p, modules)
+        if any(t == never or t.startswith(never + ".") for never in LAUNCHER_NEVER)
+    ]
+    assert not found, "the launcher imports past the start's entry:\n" + "\n".join(found)
+    cli = _imports("launcher.cli", modules["launcher.cli"], modules)
+    assert any(t == "pretrain.training.start.entry" for t, _, _ in cli)  # the scan does read the launcher
+
+
 # The rooms of each folder that has sub-packages, lowest first (README.md, "The tree"): a room
 # imports only rooms before it. A new module or sub-package takes its place here.
 ROOMS = {

@@ -18,13 +18,15 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from itertools import chain
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from grt_common.errors import ConfigError, one_line
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 TAG_RE = re.compile(r"^step(\d{8})$")
 # DeepSpeed's ZeRO optimizer partitions of a checkpoint, one per rank that wrote it (group 1: the rank)
 ZERO_PARTITION_RE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
@@ -156,7 +158,8 @@ class Fallback:
     """A resume's walk over complete checkpoints, newest first (`resume_candidates`): iterating
     yields the newest tag not passed over yet, until the caller uses one; one that cannot be used is
     `pass_over`ed to the previous one, what made it unusable kept in order (`passed`) for the
-    resume's lines and for the refusal when none is left (`none_left`)."""
+    resume's lines and for the refusal when none is left (`none_left`). `first_usable` is the walk
+    itself, which the start's plan, the dry run's read-through and the ranks' load all take."""
 
     def __init__(self, root: Path, tags: Iterable[str]) -> None:
         self.root = root
@@ -169,6 +172,19 @@ class Fallback:
             yield tag
             if self.remaining[:1] == [tag]:
                 raise RuntimeError(f"checkpoint {tag} was neither used nor passed over")
+
+    def first_usable(self, use: Callable[[str | None], T], verb: str, proposes_none: bool = False) -> T:
+        """The walk: `use(tag)` on the newest tag not passed over yet, then on each older one while it
+        raises UnreadableCheckpoint (that tag, err.tag, is passed over with its problem); what the first
+        that can be used returns. `proposes_none`: a rank with no tag left still takes part in its
+        ranks' round, with None (a collective `use`, checkpoint/store.py). ConfigError (`none_left`,
+        `verb`: "read", "loaded") when none is left; a refusal `use` raises ends the walk."""
+        for tag in chain(self, [None]) if proposes_none else self:
+            try:
+                return use(tag)
+            except UnreadableCheckpoint as err:
+                self.pass_over(err.tag, err.problem)
+        raise self.none_left(verb)
 
     def agree(self, tag: str) -> None:
         """The ranks agreed on `tag`: this rank's newer ones are not tried (another rank lacks them)."""
@@ -215,6 +231,42 @@ def check_not_a_checkpoint(out: Path) -> None:
                 f"--out {out} {where} the {what} of the run {run}: a run directory holds checkpoints, it is not "
                 f"one; continue that run with --out {run} --resume, or choose another --out"
             )
+
+
+# Names only a run, or what starts one (`grt launch`, `grt compare`), leaves at the top of its run directory
+RUN_MARKERS = ("train.log", "train.lock", "metrics.jsonl", "summary.json", "launch", "compare_run_config.json")
+
+
+def is_run_folder(out: Path) -> bool:
+    """Whether the folder `out` holds a run of this project (to resume or continue, or one a launcher
+    or `grt compare` has begun): its config.json is a run config, its checkpoints/ a run's, or a name
+    only a run leaves is there (an export's config.json is a model's, not a run's)."""
+    ckpts = out / "checkpoints"
+    if (ckpts.is_dir() and _is_checkpoints_folder(ckpts)) or any(os.path.lexists(out / n) for n in RUN_MARKERS):
+        return True
+    saved = read_json(out / "config.json")
+    return saved is not None and "model" in saved and "train" in saved
+
+
+def check_run_output(out: Path, inputs: Iterable[str] = ()) -> None:
+    """`grt train`'s share of the one rule of every command's output folder (`check_output_folder`,
+    data_pipeline/prepare_output.py): --out is absent or empty, a run of this project
+    (`is_run_folder`), or holds only the run's own `inputs` (its data's manifests, its DeepSpeed
+    file: the demo's data lies in its run directory); a prepared dataset, an export or other files
+    are refused before anything is read or written. There is no --overwrite: a run deletes nothing
+    it did not write."""
+    from data_pipeline.prepare_output import OutputOfSomethingElse, among_inputs, check_output_folder
+
+    check_not_a_checkpoint(out)  # a checkpoint or a checkpoints folder: its own words
+    reads = tuple(inputs)
+
+    def own(names: list[str]) -> bool:
+        return is_run_folder(out) or all(among_inputs(str(out), n, reads) for n in names)
+
+    try:
+        check_output_folder(str(out), own, None)
+    except OutputOfSomethingElse as err:
+        raise ConfigError(f"--out {err}") from None
 
 
 def ranks_that_wrote(step_dir: Path) -> int:

@@ -69,7 +69,8 @@ from pretrain.training.report.wandb_sink import WandbRun
 from pretrain.training.run_checkpoints import RunCheckpoints
 from pretrain.training.run_context import RunContext
 from pretrain.training.start import branch
-from pretrain.training.start.plan import StartPlan, check_files, check_shards, plan_start
+from pretrain.training.start.entry import run_start
+from pretrain.training.start.plan import StartPlan, check_files, check_shards
 from pretrain.training.start.run_dir import RunDir
 from pretrain.training.step.bad_batches import SpikeRollback
 from pretrain.training.step.loss_spikes import LossSpikes
@@ -310,7 +311,7 @@ def dry_run(cfg: RunConfig, resume: bool = False) -> tuple[str, RunConfig]:
     """`grt train --dry-run`: the run's checks (its plan, its task files, the installed DeepSpeed, the
     checkpoint's files read through) and nothing else. Returns one line saying what would train
     and the run config the run would write as its config.json."""
-    plan = plan_start(cfg, resume)
+    plan = run_start(cfg, resume).planned
     for line in plan.start_lines():
         say(line)
     if plan.nothing_to_do:
@@ -346,7 +347,7 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
     with RankFailure naming the rank that failed (see health.Heartbeat)."""
     faults = Faults.from_environment()  # the tests' injections (fault_injection.py); a real run has none
     faults.install_at_start()
-    plan = plan_start(cfg, resume or bool(cfg.branch_from))
+    plan = run_start(cfg, resume).planned  # a decay branch resumes its source checkpoint
     for line in plan.start_lines():
         say(line)
     if plan.nothing_to_do:  # a finished run resumed: said, and every file of the run left as it is

@@ -253,6 +253,45 @@ def test_the_fallback_walks_newest_first_keeping_why_each_was_passed_over(tmp_pa
     )
 
 
+def test_the_walk_is_written_once_the_first_usable_tag_or_one_refusal(tmp_path):
+    """`Fallback.first_usable`, the walk the plan, the dry run's read-through and the ranks' load all
+    take: an unreadable tag is passed over with its problem, the first usable one's result comes back;
+    none left is one refusal naming each problem; a refusal of the use ends the walk there; a
+    collective walk's rank with none left still proposes (None)."""
+    from pretrain.model_config import ConfigError
+    from pretrain.runs.checkpoint_files import Fallback, UnreadableCheckpoint
+
+    tags = ["step00000012", "step00000008", "step00000004"]
+
+    def use(tag):
+        if tag != "step00000004":
+            raise UnreadableCheckpoint(tag, "cut off")
+        return f"loaded {tag}"
+
+    fallback = Fallback(tmp_path, tags)
+    assert fallback.first_usable(use, "read") == "loaded step00000004"
+    assert list(fallback.passed) == tags[:2] and fallback.remaining == ["step00000004"]
+    with pytest.raises(ConfigError, match=r"can be read \(step00000012: cut off; step00000008: cut off\)"):
+        Fallback(tmp_path, tags[:2]).first_usable(use, "read")
+
+    def refuse(tag):
+        raise ConfigError(f"{tag}: trained with other settings")
+
+    refused = Fallback(tmp_path, tags)
+    with pytest.raises(ConfigError, match="step00000012: trained with other settings"):
+        refused.first_usable(refuse, "read")
+    assert refused.remaining == tags and not refused.passed  # nothing older tried after a refusal
+    proposed = []
+
+    def agree(tag):  # the ranks' round: the last proposal, None, is agreed on as none left
+        proposed.append(tag)
+        raise ConfigError("none is complete on every rank")
+
+    with pytest.raises(ConfigError, match="none is complete"):
+        Fallback(tmp_path, []).first_usable(agree, "loaded", proposes_none=True)
+    assert proposed == [None]
+
+
 def test_heartbeat_names_the_failed_rank(monkeypatch):
     """The diagnosis logic against a real TCP store: a silent rank, a rank with its own
     error, a rank that only saw a failed collective, and a rank that lags."""

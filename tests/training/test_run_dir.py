@@ -78,7 +78,7 @@ def test_resume_from_the_run_directory_alone_on_two_ranks(finished, tmp_path):
     from launcher.cli import resolve_train_config
 
     out = copy_of(finished, tmp_path)
-    config, resume = resolve_train_config(resume_command(out, "--steps", "4")[1:], local_world_size=2)
+    config, resume, _ = resolve_train_config(resume_command(out, "--steps", "4")[1:], 2)
     assert resume and config["train"]["warmup_steps"] == 2 and config["train"]["steps"] == 4
     assert config["data"] == json.loads((finished / "config.json").read_text())["data"]
     log = resumed(out, 2, "--steps", "4")
@@ -122,7 +122,7 @@ def test_a_run_without_out_gets_its_own_named_directory(shards, tmp_path, monkey
     assert "dry run: would train" in err and f"into {said[1]}" in err, err
     assert json.loads(printed)["out"] == said[1], printed  # the config.json the run would write
     assert not list(tmp_path.iterdir())  # a dry run writes nothing
-    config, _ = resolve_train_config(args[1:], local_world_size=1)  # once, on the launching host: every rank's
+    config, _, _ = resolve_train_config(args[1:], 1)  # once, on the launching host: every rank's
     assert re.fullmatch(rf"{re.escape(str(tmp_path))}/{NAMED}", config["out"]), config["out"]
 
 

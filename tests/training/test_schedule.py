@@ -424,12 +424,12 @@ def test_grt_launch_resolves_the_branch_and_writes_nothing(stable, tmp_path):
     from launcher.cli import resolve_train_config
 
     out = tmp_path / "launched"
-    config, resume = resolve_train_config(branch_argv(stable["out"] / "checkpoints", out), local_world_size=1)
+    config, resume, _ = resolve_train_config(branch_argv(stable["out"] / "checkpoints", out), 1)
     assert resume and config["train"]["steps"] == 13 and config["train"]["schedule"] == "wsd"
     assert config["branch_from"] == str((stable["out"] / "checkpoints" / "step00000012").resolve())
     assert config["out"] == str(out) and not out.exists()
     with pytest.raises(LaunchError) as err:
-        resolve_train_config(branch_argv(stable["out"], out, "--set", "train.warmup_steps=1"), local_world_size=1)
+        resolve_train_config(branch_argv(stable["out"], out, "--set", "train.warmup_steps=1"), 1)
     assert "train.warmup_steps 3 -> 1" in str(err.value) and not out.exists()
     assert_untouched(stable)
 

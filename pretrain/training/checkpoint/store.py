@@ -23,7 +23,6 @@ import shutil
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -345,7 +344,10 @@ def load_agreed(
     or every rank passes over it (kept in `fallback.passed`) to the previous one, or every rank
     raises ConfigError (a refusal, or no tag left), with nothing loaded and nothing written."""
     root = fallback.root
-    for newest in chain(fallback, [None]):  # None: this rank has none left, and proposes none
+
+    def agreed_round(newest: str | None) -> str:
+        """One round: the tag the ranks agree on (None: this rank has none left, and proposes none),
+        checked and readable on every rank, or UnreadableCheckpoint on every rank with the ranks' words."""
         proposal = torch.tensor([float(step_of(newest) if newest else -1)], dtype=torch.float64, device=comm_device())
         agreed = int(all_reduce(proposal, op="min").item())
         if agreed < 0:
@@ -371,12 +373,10 @@ def load_agreed(
             if failed.code == 2:  # a refusal on some rank: every rank refuses, with the refusing rank's words
                 raise ConfigError(error if code == 2 and error is not None else str(failed)) from None
             why = "; ".join(text if world == 1 else f"rank {r}: {text}" for r, text in sorted(failed.errors.items()))
-        else:
-            try:
-                convert_for_world(root, tag, rank, world)
-            except UnreadableCheckpoint as err:  # agreed: its conversion failed, or a rank cannot see the copy
-                why = err.problem
-            else:
-                return tag, load(engine, root, tag, rank, world)
-        fallback.pass_over(tag, why)
-    raise AssertionError("unreachable: the last proposal (none) is agreed on by every rank")
+            raise UnreadableCheckpoint(tag, why) from None
+        convert_for_world(root, tag, rank, world)  # agreed; UnreadableCheckpoint where its conversion failed
+        return tag
+
+    # the last proposal (None) is agreed on by every rank: none_left, on every rank together
+    tag = fallback.first_usable(agreed_round, "loaded", proposes_none=True)
+    return tag, load(engine, root, tag, rank, world)

@@ -16,7 +16,7 @@ rule (start/resume_check.py): the model, tokenizer, lr, warmup, betas and weight
 checkpoint may not move, the global batch is kept.
 
 The branch's run config (its source, schedule and length) is the command line's, read once
-(pretrain/runs/command_line.py); here, its checkpoint. How: the start is planned against the
+(command_line.py); here, its checkpoint. How: the start is planned against the
 source checkpoint first (start/plan.py: the resume rule, and nothing linked while it refuses);
 then the branch's `checkpoints/<tag>` is made of hard links to the source checkpoint's files
 (copies where the file system has none), built in a temporary folder and renamed into place,

@@ -6,7 +6,8 @@ batch and data order, the newest complete one that can be read), the token budge
 against the batch, the mixture's stages against the repetition cap, the merged DeepSpeed config
 and the checkpointing mode. `grt train` builds its Trainer from it, `--dry-run` prints it, a
 decay branch not made yet (`--branch-from`) is planned against its source checkpoint, and
-`grt launch` computes it on the launching host before any rank starts. Computing it writes
+`grt launch` computes it on the launching host before any rank starts, each through the start's
+one entry (entry.py). Computing it writes
 nothing, prints nothing (its lines are said by the caller once the start is sure) and leaves
 the given run config as it was: every refusal is a ConfigError of one line.
 """
@@ -35,7 +36,7 @@ from pretrain.runs.train_config import global_batch
 from pretrain.runs.train_config import tokens_per_step as step_tokens
 from pretrain.runs.trusted_files import load_weights_only
 from pretrain.training.checkpoint import store, universal
-from pretrain.training.engine.ds_config import build_ds_config, load_ds_json, zero_stage
+from pretrain.training.engine.ds_config import merged_ds_config, zero_stage
 from pretrain.training.engine.parallelize import check_checkpointing
 from pretrain.training.report.wandb_sink import check_available
 from pretrain.training.start import branch, run_lock
@@ -164,10 +165,9 @@ def plan_start(given: RunConfig, resume: bool, world: int | None = None, use_cud
     start_step = checkpoint_files.step_of(chosen.tag) if chosen is not None else 0
     check_settings(cfg, RunShape(world, step_tokens(t, world, data.seq_len), start_step))  # what must fit the run
     cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
-    ds = build_ds_config(load_ds_json(cfg.ds_config), t, world, cuda)
+    ds = checked_ds_config(cfg, world, cuda)
     if chosen is not None and chosen.universal:
         ds = universal.with_universal_load(ds)  # read when the engine is built
-    check_checkpointing(t.activation_checkpointing, zero_stage(ds))
     check_fits(cfg.model, ds, world, cuda)  # before any engine is built: one line, not an allocation traceback
     return StartPlan(
         cfg=cfg,
@@ -184,6 +184,14 @@ def plan_start(given: RunConfig, resume: bool, world: int | None = None, use_cud
         restart_note=restart_note,
         notes=(*notes, *start_notes(cfg)),  # and the defaults that do not fit the run (settings_rules.py)
     )
+
+
+def checked_ds_config(cfg: RunConfig, world: int, use_cuda: bool) -> dict[str, Any]:
+    """The DeepSpeed config every rank builds (the run config merged with its file, engine/ds_config.py),
+    with the activation checkpointing mode its ZeRO stage allows: a refusal is one line, here."""
+    ds = merged_ds_config(cfg, world, use_cuda)
+    check_checkpointing(cfg.train.activation_checkpointing, zero_stage(ds))
+    return ds
 
 
 def _resumed(
@@ -249,18 +257,18 @@ def _choose_checkpoint(
             f"{root} holds only {_count(incomplete, 'interrupted save')} ({', '.join(incomplete)}), this job's own "
             "under torchrun's elastic agent (a restart after a failure in its first save): starting from step 0"
         )
+    if not candidates:
+        return copy.deepcopy(requested), None, note
     fallback = checkpoint_files.Fallback(root, candidates)
-    for tag in fallback:
-        try:
-            cfg, notes, trained = _resumed(requested, data, root, tag, world)
-        except UnreadableCheckpoint as err:
-            fallback.pass_over(tag, err.problem)
-            continue
+
+    def read(tag: str | None) -> tuple[RunConfig, Resume]:
+        assert tag is not None
+        cfg, notes, trained = _resumed(requested, data, root, tag, world)
         passed = [str(UnreadableCheckpoint(t, problem)) for t, problem in fallback.passed.items()]
-        return cfg, _resume(root, tag, world, fallback.remaining, passed, notes, trained), note
-    if fallback.passed:
-        raise fallback.none_left("read")
-    return copy.deepcopy(requested), None, note
+        return cfg, _resume(root, tag, world, fallback.remaining, passed, notes, trained)
+
+    cfg, chosen = fallback.first_usable(read, "read")
+    return cfg, chosen, note
 
 
 def _branch_resume(
@@ -374,16 +382,16 @@ def check_files(plan: StartPlan) -> tuple[str, list[str]]:
     assert plan.resume is not None
     root = plan.branch_source.parent if plan.branch_source is not None else plan.root
     fallback = checkpoint_files.Fallback(root, plan.resume.candidates)
-    for tag in fallback:
-        try:
-            notes = check_fallback(plan, tag)
-            problem = store.verify(root, tag)
-        except UnreadableCheckpoint as err:
-            problem = err.problem
-        if problem is None:
-            return tag, plan.resume_lines(tag, fallback.unloadable(), notes)
-        fallback.pass_over(tag, problem)
-    raise fallback.none_left("loaded")
+
+    def load(tag: str | None) -> tuple[str, list[str]]:
+        assert tag is not None
+        notes = check_fallback(plan, tag)
+        problem = store.verify(root, tag)
+        if problem is not None:
+            raise UnreadableCheckpoint(tag, problem)
+        return tag, plan.resume_lines(tag, fallback.unloadable(), notes)
+
+    return fallback.first_usable(load, "loaded")
 
 
 def check_shards(plan: StartPlan) -> int:

@@ -70,7 +70,7 @@ def unlocked_allowed() -> bool:
     return os.environ.get(OVERRIDE_ENV) == "1"
 
 
-# every flock on a lock file: fcntl's, or a test's fault in its place (faults.py: a mount without locks)
+# every flock on a lock file: fcntl's, or a test's fault in its place (fault_injection.py: a mount without locks)
 flock = fcntl.flock
 
 

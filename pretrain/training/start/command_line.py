@@ -1,14 +1,16 @@
-"""A `grt train` command line as its run config, each setting read once, in one pass down: the
+"""A `grt train` command line as its run config: its flags (`build_parser`, also the launcher's
+reading of the arguments it hands on), then each setting read once, in one pass down: the
 base its settings go onto (--config-json's; for a run continued from what it saved, that config:
 a --resume's run directory's, a decay branch's source checkpoint's; else the defaults), the model
 (--preset, --model-config, `model.*`), the flags and the `--set`s (one setting, one value; the
 files they name resolved against the caller's directory, run_config.py), and a decay branch's
 schedule and length.
-Read by `grt train` and, through it, `grt launch`; a branch's checkpoint is made by
-pretrain/training/start/branch.py, which describes decay branches."""
+Read by `grt train` and `grt launch` (entry.py); a branch's checkpoint is made by branch.py,
+which describes decay branches."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from dataclasses import dataclass, field
@@ -16,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.model_config import ConfigError, ModelConfig
-from pretrain.presets import get_preset
+from pretrain.presets import PRESETS, get_preset
 from pretrain.runs import checkpoint_files, checkpoint_mirror
 from pretrain.runs.run_config import (
     RunConfig,
@@ -33,9 +35,134 @@ from pretrain.say import say
 ONE_START_KEYS = ("allow_data_change", "allow_batch_change")  # a consent given for the start that gives it
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="grt train", description="Train a GRT or dense model with DeepSpeed.")
+    p.add_argument(
+        "--config-json", help="a complete run config (as saved in <out>/config.json); flags below override it"
+    )
+    p.add_argument("--preset", help=f"model preset: {', '.join(PRESETS)}")
+    p.add_argument("--model-config", help="model config JSON (instead of --preset)")
+    p.add_argument(
+        "--data",
+        action="append",
+        help="manifest.json written by `grt data prepare`; or a mixture, one source per flag: "
+        "--data web=0.7:path/a/manifest.json --data books=0.3:path/b/manifest.json (docs/data.md)",
+    )
+    p.add_argument(
+        "--ds-config",
+        "--deepspeed_config",
+        "--deepspeed-config",
+        dest="ds_config",
+        help="DeepSpeed JSON (default ds_configs/zero3.json, the shipped one from any directory); "
+        'its batch sizes, optimizer, schedule, precision and clipping must be "auto" or agree '
+        "with the run config (docs/launching.md)",
+    )
+    p.add_argument(
+        "--deepspeed",
+        nargs="?",
+        const="",
+        metavar="DS_JSON",
+        help="accepted for Megatron/HF habits (DeepSpeed is always on); with a path, as --ds-config",
+    )
+    p.add_argument(
+        "--local_rank",
+        "--local-rank",
+        type=int,
+        dest="local_rank",
+        help="set by the deepspeed launcher; ranks read LOCAL_RANK from the environment",
+    )
+    p.add_argument("--out", help="run directory: config, logs, TensorBoard, checkpoints")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--micro-batch-size", type=int)
+    p.add_argument("--grad-accum", type=int)
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the newest complete checkpoint in --out, if any"
+    )
+    p.add_argument(
+        "--branch-from",
+        metavar="RUN_OR_CHECKPOINT",
+        help="a decay branch: start the new run --out from this wsd run's newest complete checkpoint (or the "
+        "checkpoints/stepNNNNNNNN given), its config as the base, and train its decay of train.decay_tokens; "
+        "the source run is left untouched (implies --resume; docs/training.md)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any config key, e.g. train.lr=3e-4, model.layout=2+4x4+2 (repeatable)",
+    )
+    only = p.add_mutually_exclusive_group()  # each prints one document on stdout
+    only.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the run against its data, checkpoint and DeepSpeed config (everything checked before "
+        "training starts, no process group), print the config.json it would write, and exit",
+    )
+    only.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the config.json the run would write (resolved against the data) and exit",
+    )
+    only.add_argument(
+        "--print-ds-config",
+        action="store_true",
+        help="print the ds_config.json the run would write (the DeepSpeed file merged for this rank count) and exit",
+    )
+    return p
+
+
+# the flags that set a run config key: a --set of the same key must agree (one setting, one value)
+FLAG_KEYS = (
+    ("--out", "out"),
+    ("--data", "data"),
+    ("--ds-config", "ds_config"),
+    ("--steps", "train.steps"),
+    ("--micro-batch-size", "train.micro_batch_size"),
+    ("--grad-accum", "train.grad_accum"),
+)
+
+
+def command_line(args: argparse.Namespace) -> CommandLine:
+    """What the command line sets, read once: two flags that name one thing differently refused."""
+    if args.preset and args.model_config:
+        raise ConfigError("give --preset or --model-config, not both")
+    if args.ds_config and args.deepspeed and args.ds_config != args.deepspeed:
+        raise ConfigError(
+            f"--deepspeed {args.deepspeed} and --ds-config {args.ds_config} name different DeepSpeed files; give one"
+        )
+    values = {
+        "out": args.out,
+        "data": ",".join(args.data) if args.data else None,  # the run config's one string (data_pipeline/mixture.py)
+        "ds_config": args.ds_config or args.deepspeed,
+        "train.steps": args.steps,
+        "train.micro_batch_size": args.micro_batch_size,
+        "train.grad_accum": args.grad_accum,
+    }
+    return CommandLine(
+        out=args.out,
+        config_json=args.config_json,
+        resume=args.resume,
+        branch_from=args.branch_from,
+        preset=args.preset,
+        model_config=args.model_config,
+        flags={key: (flag, values[key]) for flag, key in FLAG_KEYS if values[key] not in (None, "")},
+        overrides=tuple(args.overrides),
+    )
+
+
+def read_command_line(args: argparse.Namespace) -> RunConfig:
+    """The run config of a `grt train` command line (`build_parser`'s), checked."""
+    line = command_line(args)
+    cfg = run_config(line)
+    cfg.validate()
+    return cfg
+
+
 @dataclass(frozen=True)
 class CommandLine:
-    """What a `grt train` command line sets (pretrain/train.py `command_line`)."""
+    """What a `grt train` command line sets (`command_line`)."""
 
     out: str | None = None
     config_json: str | None = None
