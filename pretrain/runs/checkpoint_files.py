@@ -1,5 +1,8 @@
 """A run's checkpoints as files: finding the complete ones and reading what they say, without
-DeepSpeed or a process group (pretrain/training/checkpoint/store.py writes and loads them).
+DeepSpeed or a process group, for training, inference and the launcher alike; the walk from the
+newest to an older usable one (`Fallback`). The checkpoint's three homes, lowest first: this one
+(the files), pretrain/training/checkpoint/ (writing and loading them with DeepSpeed's engine:
+store.py) and pretrain/training/run_checkpoints.py (when a run loads, saves and rolls back).
 
 Layout of `<out>/checkpoints/`:
     step00001000/            DeepSpeed's files (model, ZeRO partitions, optimizer, scheduler)

@@ -1,6 +1,7 @@
-"""Checkpoints that are complete or invisible.
+"""Checkpoints that are complete or invisible: written and loaded through DeepSpeed's engine.
 
-The layout of `<out>/checkpoints/` and how a complete one is found: pretrain/runs/checkpoint_files.py.
+The layout of `<out>/checkpoints/` and how a complete one is found: pretrain/runs/checkpoint_files.py;
+when a run saves, loads and rolls back: pretrain/training/run_checkpoints.py.
 A kill at any moment leaves either the previous `latest` or the new one, never a
 half-written checkpoint that is loaded. Old checkpoints are pruned to the last K. A save writes
 its files (`save`), or with train.async_save takes host copies that a thread writes while training
