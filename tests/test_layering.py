@@ -1,5 +1,6 @@
-"""The import graph of the code runs one way (README.md, under "The tree"): no circle among the
-modules of pretrain/, data_pipeline/ and launcher/, counting every import (a function's own and
+"""The import graph of the code runs one way (README.md, under "The tree"): the top-level packages
+in the order of LAYERS (and pretrain/model reads no data), no circle among the modules of
+grt_common/, pretrain/, data_pipeline/ and launcher/, counting every import (a function's own and
 those under TYPE_CHECKING too: a circle of type-only imports is still two modules that cannot be
 read apart), and no module imports another's private (`_x`) names."""
 
@@ -9,7 +10,13 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("pretrain", "data_pipeline", "launcher")
+PACKAGES = ("grt_common", "pretrain", "data_pipeline", "launcher")
+# The top-level packages, lowest first: each imports only those before it. grt_common is the bottom
+# both others share (the errors and their one line, files written whole); pretrain reads its data
+# through data_pipeline, never the reverse; the launcher starts pretrain's runs and reads manifests.
+LAYERS = ("grt_common", "data_pipeline", "pretrain", "launcher")
+# Plain PyTorch reads no data: a layer that has a tokenizer (pretrain/infer's export) hands it over.
+NOT_BELOW = {"pretrain.model": "data_pipeline"}
 
 
 def _modules(root: Path) -> dict[str, Path]:
@@ -126,6 +133,28 @@ def test_the_import_graph_has_no_circles():
     assert len(modules) > 50 and sum(map(len, graph.values())) > 100  # the scan does read the tree
 
 
+def _wrong_way(root: Path) -> list[str]:
+    """Each import of a higher package (LAYERS) by a lower one, or of a NOT_BELOW package by its
+    importer: `file:line imports module`."""
+    modules = _modules(root)
+    found = []
+    for m, p in modules.items():
+        below = LAYERS.index(m.split(".")[0])
+        for t, _, line in _imports(m, p, modules):
+            over = LAYERS.index(t.split(".")[0]) > below
+            if over or any(m.startswith(a) and t.startswith(b) for a, b in NOT_BELOW.items()):
+                found.append(f"{p.relative_to(root)}:{line} imports {t}")
+    return found
+
+
+def test_the_packages_import_one_way():
+    """grt_common imports nothing of the project, data_pipeline nothing of pretrain or the launcher,
+    pretrain nothing of the launcher, and pretrain/model nothing of data_pipeline, wherever the import
+    stands (a function's own, under TYPE_CHECKING): each import the wrong way is named."""
+    found = _wrong_way(REPO)
+    assert not found, "imports against " + " -> ".join(reversed(LAYERS)) + ":\n" + "\n".join(found)
+
+
 def _folder(module: str) -> str:
     """The room a module stands in: a folder of pretrain/ or a module directly under it; data_pipeline, launcher."""
     parts = module.split(".")
@@ -199,6 +228,7 @@ ROOMS = {
         "generate",
         "evaluation",
         "analyze",
+        "hf_export",
         "export",
     ),
     "pretrain.tools": ("bench", "compare", "loop_start", "demo"),
@@ -261,6 +291,28 @@ def test_the_checks_see_what_they_refuse(tmp_path):
     assert sorted(what for what, _ in _private_uses("pretrain.b", modules["pretrain.b"], modules)) == [
         "a._other",
         "pretrain.a._hidden",
+    ]
+
+
+def test_the_direction_check_sees_an_import_the_wrong_way(tmp_path):
+    """A function's own import of pretrain in data_pipeline, a type-only one of data_pipeline in
+    pretrain/model, and one of launcher in grt_common: each is named; pretrain importing data_pipeline is not."""
+    files = {
+        "grt_common/base.py": "import launcher.top\n",
+        "data_pipeline/reader.py": "def f():\n    from pretrain.model.net import Net\n\n    return Net\n",
+        "pretrain/model/net.py": "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from data_pipeline.reader import f\n",
+        "pretrain/infer/load.py": "from data_pipeline.reader import f\n",
+        "launcher/top.py": "",
+    }
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert sorted(_wrong_way(tmp_path)) == [
+        "data_pipeline/reader.py:2 imports pretrain.model.net",
+        "grt_common/base.py:1 imports launcher.top",
+        "pretrain/model/net.py:3 imports data_pipeline.reader",
     ]
 
 

@@ -6,7 +6,7 @@
     DIR/run_config.json    the full training run config
     DIR/hf/                a Hugging Face directory: transformers.GPT2LMHeadModel for a dense model,
                            remote code (AutoModelForCausalLM, trust_remote_code=True) for a looped
-                           one, and the tokenizer for AutoTokenizer (pretrain/model/hf.py)
+                           one, and the tokenizer for AutoTokenizer (pretrain/infer/hf_export.py)
 
 Works on CPU without a process group (DeepSpeed's zero_to_fp32 reader, any ZeRO stage).
 Load the result with `pretrain.infer.load.load_model(DIR)` or pass DIR to eval/generate/analyze.
@@ -90,7 +90,7 @@ def export(
 
 
 def _hf_writer() -> Callable[[GPT, Path, Path | None], None]:
-    """pretrain.model.hf.save_pretrained, or one line naming the pip extra when transformers is missing."""
+    """pretrain.infer.hf_export.save_hf, or one line naming the pip extra when transformers is missing."""
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -98,9 +98,9 @@ def _hf_writer() -> Callable[[GPT, Path, Path | None], None]:
             "the Hugging Face copy of the model (hf/) needs transformers: pip install 'grt-pretrain[hf]' "
             "(or pass --no-hf)"
         ) from None
-    from pretrain.model.hf import save_pretrained
+    from pretrain.infer.hf_export import save_hf
 
-    return save_pretrained
+    return save_hf
 
 
 def _replace_dir(new: Path, out: Path) -> None:

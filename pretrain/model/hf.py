@@ -13,9 +13,8 @@ found by following their `from pretrain... import` lines) with those imports mad
 next to the thin wrapper in pretrain/model/hf_remote/. One source of truth: what trains is
 what transformers runs.
 
-Both get an HF tokenizer (`AutoTokenizer.from_pretrained(path)`): transformers converts our
-SentencePiece BPE into a `tokenizers` one; it prepends the document separator as BOS, as
-`grt eval` and `grt generate` do, and never makes a separator out of text.
+Both get an HF tokenizer beside them, from the layer that has one (pretrain/infer/hf_export.py:
+the model never reads the data side); here, only its separator's id.
 """
 
 from __future__ import annotations
@@ -250,12 +249,10 @@ def save_remote(model: GPT, directory: Path, sep_id: int | None) -> None:
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
-def save_pretrained(model: GPT, directory: Path, tokenizer: Path | None) -> None:
-    """<export>/hf/: GPT2LMHeadModel for a dense model, remote code for a looped one; the HF
-    tokenizer of `tokenizer` (our SentencePiece model) when given."""
-    sep_id = None
-    if tokenizer is not None:  # first: with config.json there, AutoTokenizer would ask to run its code
-        sep_id = save_tokenizer(tokenizer, directory, model.cfg.max_seq_len)
+def save_pretrained(model: GPT, directory: Path, sep_id: int | None = None) -> None:
+    """<export>/hf/: GPT2LMHeadModel for a dense model, remote code for a looped one. `sep_id`: the
+    document separator of the tokenizer written there first (pretrain/infer/hf_export.py), where
+    generate() stops."""
     if get_variant(model.cfg.variant).hf_gpt2:
         hf = to_hf(model.float())
         if sep_id is not None:  # GPT-2's 50256 is not our separator: generate() stops at ours
@@ -264,49 +261,3 @@ def save_pretrained(model: GPT, directory: Path, tokenizer: Path | None) -> None
         hf.save_pretrained(str(directory))
     else:
         save_remote(model, directory, sep_id)
-
-
-# probes of the tokenizer conversion: spaces, newlines, digits, punctuation, bytes beyond the vocabulary
-_PROBES = (
-    "First Citizen:\nBefore we proceed any further, hear me speak.",
-    "  two spaces,\ttab; 3.14 + 42 = x",
-    "Ünïcödé and emoji \U0001f389 fall back to bytes",
-    "a literal <|endoftext|> is text",
-    "",
-)
-
-
-def save_tokenizer(model_file: Path, directory: Path, max_len: int) -> int:
-    """Our SentencePiece tokenizer as a transformers one in `directory` (tokenizer.json, its
-    config and the .model itself); checked to give our ids on probe texts. Returns the BOS id
-    (the document separator)."""
-    from transformers import AutoTokenizer
-
-    from data_pipeline.tokenizer import Tokenizer
-
-    ours = Tokenizer(str(model_file))
-    directory.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(model_file, directory / "tokenizer.model")
-    # transformers converts a SentencePiece BPE .model into a `tokenizers` BPE (TokenizersBackend)
-    # offline; split_special_tokens keeps a literal separator in text from becoming the separator
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": ours.sep_piece,
-        "eos_token": ours.sep_piece,
-        "add_bos_token": True,
-        "add_eos_token": False,
-        "split_special_tokens": True,
-        "model_max_length": max_len,
-    }
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    AutoTokenizer.from_pretrained(str(directory)).save_pretrained(str(directory))  # adds tokenizer.json:
-    saved = json.loads((directory / "tokenizer_config.json").read_text())  # later loads need no conversion
-    for key in ("is_local", "local_files_only"):  # how this load was made, not true of the folder once shared
-        saved.pop(key, None)
-    (directory / "tokenizer_config.json").write_text(json.dumps(saved, indent=2) + "\n")
-    hf = AutoTokenizer.from_pretrained(str(directory))  # what later loads get, checked against ours
-    for text in _PROBES:
-        got, want = hf(text)["input_ids"], [ours.sep_id] + ours.encode(text)
-        if got != want:
-            raise ConfigError(f"the Hugging Face conversion of {model_file} encodes {text!r} as {got}, ours as {want}")
-    return ours.sep_id

@@ -249,7 +249,7 @@ def test_looped_baselines_load_with_transformers(variant, tmp_path, offline):
 
     torch.manual_seed(0)
     ours = build_model(get_preset(f"micro-{variant}").replace(vocab_size=64, max_seq_len=32)).eval()
-    save_pretrained(ours, tmp_path / "hf", tokenizer=None)
+    save_pretrained(ours, tmp_path / "hf")
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True).eval()
     idx = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -269,7 +269,7 @@ def small_hf(tmp_path, offline):
 
     from pretrain.model.hf import save_pretrained
 
-    save_pretrained(small_model("1+2x3+1"), tmp_path / "hf", tokenizer=None)
+    save_pretrained(small_model("1+2x3+1"), tmp_path / "hf")
     return AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True).eval()
 
 
@@ -311,7 +311,7 @@ def test_hf_model_saves_and_reloads_with_its_code(tmp_path, offline):
 
     from pretrain.model.hf import save_pretrained
 
-    save_pretrained(small_model("1+2x3+1"), tmp_path / "hf", tokenizer=None)
+    save_pretrained(small_model("1+2x3+1"), tmp_path / "hf")
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True, depth=2).eval()
     hf.save_pretrained(str(tmp_path / "again"))
     assert {"grt_gpt.py", "grt_layers.py", "grt_kv_cache.py"} <= {p.name for p in (tmp_path / "again").iterdir()}

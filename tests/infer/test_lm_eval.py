@@ -169,10 +169,10 @@ def test_grt_lm_eval_command_runs_offline(export, tasks, tmp_path):
 @pytest.fixture(scope="module")
 def hf_export(export) -> Path:
     """The export's hf/ directory, as `grt export` writes it."""
-    from pretrain.model.hf import save_pretrained
+    from pretrain.infer.hf_export import save_hf
 
     model, _ = torch_trained_grt()
-    save_pretrained(model, export / "hf", export / "tokenizer.model")
+    save_hf(model, export / "hf", export / "tokenizer.model")
     return export / "hf"
 
 

@@ -135,7 +135,7 @@ def test_exports_to_hugging_face_with_the_same_logits(tmp_path, offline):  # noq
     from pretrain.model.hf import save_pretrained
 
     ours = anchored()
-    save_pretrained(ours, tmp_path / "hf", tokenizer=None)
+    save_pretrained(ours, tmp_path / "hf")
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True).eval()
     idx = _idx(7, b=1, t=6)
     with torch.no_grad():

@@ -236,7 +236,7 @@ def test_bottom_and_top_placements_export_to_hugging_face(tmp_path, offline):
     idx = _idx(7, b=1, t=6)
     for placement in ("bottom", "top"):
         ours = lively(LAYOUTS[placement])
-        save_pretrained(ours, tmp_path / placement, tokenizer=None)
+        save_pretrained(ours, tmp_path / placement)
         saved = json.loads((tmp_path / placement / "config.json").read_text())
         assert (saved["layout"], saved["trained_depth"]) == (LAYOUTS[placement], R)
         hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / placement), trust_remote_code=True).eval()
