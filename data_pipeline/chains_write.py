@@ -3,7 +3,9 @@ other: a SentencePiece model with one piece per symbol, WebDataset shards of fix
 and a manifest (the writer and the manifest of `prepare`), so every training feature works on it.
 
 Each sequence holds one sample, padded; sequence i's last token is sequence i + 1's separator
-(as `prepare` packs a token stream). The validation split may draw k from its own range
+(as `prepare` packs a token stream). With ``loss_on="answers"`` each sample carries a loss mask
+(data_pipeline/shards.py) that scores its answer tokens only: the answers-only loss the task
+learns from at CPU scale (docs/comparison.md). The validation split may draw k from its own range
 (``val_task``: chains longer than training's); `score_positions` recovers every query's k from the
 tokens, so `grt eval --tasks chains` splits it by k with no side file.
 """
@@ -27,7 +29,7 @@ from .chains import END, ChainTask, padded, sample, symbols
 from .manifest import MANIFEST_NAME, Manifest, manifest_dict
 from .prepare_encode import Packer
 from .prepare_output import TOKENIZER_NAME, OutputDir
-from .shards import ext_for_vocab, member_size
+from .shards import ext_for_vocab, sample_stride
 from .tokenizer import Tokenizer, file_sha256
 
 
@@ -70,13 +72,22 @@ def token_ids(task: ChainTask) -> dict[str, int]:
     return {s: i + 1 for i, s in enumerate(symbols(task))}
 
 
-def sample_stream(task: ChainTask, n: int, seq_len: int, rng: random.Random, ids: dict[str, int]) -> np.ndarray:
+LOSS_ON = ("all", "answers")  # what `grt data chains --loss-on` trains: every token, or the answers only
+
+
+def sample_stream(
+    task: ChainTask, n: int, seq_len: int, rng: random.Random, ids: dict[str, int]
+) -> tuple[np.ndarray, np.ndarray]:
     """``n`` samples padded to ``seq_len``, one after the other: the token stream `Packer` cuts
-    into sequences of ``seq_len + 1`` (each sample and the separator of the next)."""
+    into sequences of ``seq_len + 1`` (each sample and the separator of the next), and each token's
+    answer bit (set on every query's answer token)."""
     out = np.empty(n * seq_len, dtype=np.uint32)
+    answers = np.zeros(n * seq_len, dtype=bool)
     for i in range(n):
-        out[i * seq_len : (i + 1) * seq_len] = [ids[t] for t in padded(sample(task, rng).tokens, seq_len)]
-    return out
+        drawn = sample(task, rng)
+        out[i * seq_len : (i + 1) * seq_len] = [ids[t] for t in padded(drawn.tokens, seq_len)]
+        answers[[i * seq_len + pos for pos, _ in drawn.answers]] = True
+    return out, answers
 
 
 def write_chains(
@@ -88,11 +99,13 @@ def write_chains(
     val_task: ChainTask | None = None,
     shard_size_mb: float = 64.0,
     progress: bool = True,
+    loss_on: str = "all",
 ) -> Manifest:
     """Write the task's tokenizer, shards and manifest under ``out_dir``; returns the manifest.
     ``seq_len`` defaults to the longest sample of either split; ``val_task`` (default: ``task``)
-    sets the validation split's hops. A folder written before is replaced only once the new run
-    is complete (`OutputDir`)."""
+    sets the validation split's hops; ``loss_on`` (LOSS_ON): ``answers`` writes loss masks that
+    score the answers only, in both splits (validation loss is then answer loss). A folder written
+    before is replaced only once the new run is complete (`OutputDir`)."""
     t0 = time.time()
     val_task = val_task or task
     task.check()
@@ -104,13 +117,16 @@ def write_chains(
             f"seq_len {seq_len} is too short for a sample of up to {longest} tokens: pass --seq-len >= {longest}, "
             "fewer --chains or fewer --max-hops"
         )
+    if loss_on not in LOSS_ON:
+        raise ValueError(f"loss_on must be one of {', '.join(LOSS_ON)}, got {loss_on!r}")
+    masked = loss_on == "answers"
     if train_samples < 1 or val_samples < 0:
         raise ValueError(f"train samples must be >= 1 and val samples >= 0, got {train_samples} and {val_samples}")
     check_output_path(out_dir, "output folder", is_dir=True)
     model = tokenizer_model(task)
     ids = token_ids(task)
     ext = ext_for_vocab(len(ids) + 1)
-    per_shard = max(1, int(shard_size_mb * 1e6) // member_size(seq_len + 1, ext))
+    per_shard = max(1, int(shard_size_mb * 1e6) // sample_stride(seq_len + 1, ext, masked))
     out = OutputDir(out_dir)
     try:
         out.open()
@@ -120,12 +136,14 @@ def write_chains(
         for split, n, t in (("train", train_samples, task), ("val", val_samples, val_task)):
             if n == 0:
                 continue
-            packer = Packer(split, out, seq_len, per_shard, ext)
+            packer = Packer(split, out, seq_len, per_shard, ext, masked)
             rng = random.Random(f"chains:{task.seed}:{split}")  # the splits draw from separate streams
             for start in range(0, n, per_shard):  # a shard's samples at a time: memory stays one shard's
                 m = min(per_shard, n - start)
-                packer.add(sample_stream(t, m, seq_len, rng, ids), m)
-            packer.add(np.array([tok.sep_id], dtype=np.uint32), 0)  # the last sequence's last target
+                tokens, answers = sample_stream(t, m, seq_len, rng, ids)
+                packer.add(tokens, m, answers if masked else None)
+            last = np.array([tok.sep_id], dtype=np.uint32)  # the last sequence's last target
+            packer.add(last, 0, np.zeros(1, dtype=bool) if masked else None)
             packer.finish()
             splits[split] = packer.entries
         doc = manifest_dict(
@@ -139,7 +157,9 @@ def write_chains(
             splits=splits,
             sources=[],
             stats={"samples_per_split": {"train": train_samples, "val": val_samples}},
-            options={"chains": asdict(task), "val_chains": asdict(val_task), "seq_len": seq_len},
+            options={"chains": asdict(task), "val_chains": asdict(val_task), "seq_len": seq_len}
+            | ({"loss_on": loss_on} if masked else {}),
+            loss_mask="bits" if masked else "",
         )
         out.put_bytes(MANIFEST_NAME, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))
         manifest = Manifest.load(os.path.join(out_dir, MANIFEST_NAME))
@@ -156,7 +176,8 @@ def write_chains(
         print(
             f"chains: {train_samples:,} train / {val_samples:,} val samples of seq_len {seq_len} "
             f"(k {task.min_hops}..{task.max_hops}, val k {val_task.min_hops}..{val_task.max_hops}, "
-            f"{task.chains_per_sample} chains a sample, vocab {tok.vocab_size}) in {time.time() - t0:.1f}s; "
+            f"{task.chains_per_sample} chains a sample, vocab {tok.vocab_size}, loss on {loss_on}) "
+            f"in {time.time() - t0:.1f}s; "
             f"manifest {manifest.path}",
             file=sys.stderr,
             flush=True,

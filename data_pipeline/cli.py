@@ -64,6 +64,13 @@ def _add_chains_args(c: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a key just before its value: 'vA 7 ;', 'vB vA ;', queries '? vB 7 ;' (values are letters A..)",
     )
+    c.add_argument(
+        "--loss-on",
+        choices=("all", "answers"),
+        default="all",
+        help="all: every token is a training target (default); answers: each sample carries a loss mask that "
+        "scores its answers only (validation loss too), what the task learns from at CPU scale",
+    )
     c.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the longest sample)")
     c.add_argument("--seed", type=int, default=0, help="seed of the samples (default 0)")
     c.add_argument("--quiet", "-q", action="store_true", help="no summary line")
@@ -88,7 +95,16 @@ def _chains(args: argparse.Namespace) -> None:
         args.compact,
     )
     val_task = replace(task, max_hops=args.max_hops if args.val_max_hops is None else args.val_max_hops)
-    write_chains(args.out, task, args.train_samples, args.val_samples, args.seq_len, val_task, progress=not args.quiet)
+    write_chains(
+        args.out,
+        task,
+        args.train_samples,
+        args.val_samples,
+        args.seq_len,
+        val_task,
+        progress=not args.quiet,
+        loss_on=args.loss_on,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -169,6 +185,8 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"manifest {m.path}")
     print(f"  seq_len {m.seq_len}, dtype {m.ext}, vocab {m.vocab_size}, sep id {m.sep_id} ({m.sep_piece!r})")
     print(f"  tokenizer {m.tokenizer_path} sha256 {m.tokenizer_sha256}")
+    if m.masked:
+        print(f"  loss masks ({m.loss_mask}): each sample's trained targets are its mask's")
     for split, shards in m.splits.items():
         print(
             f"  {split}: {len(shards)} shards, {sum(s.sequences for s in shards):,} sequences, "
@@ -181,7 +199,10 @@ def _inspect(args: argparse.Namespace) -> int:
         for shards in m.splits.values():
             for s in shards:
                 try:
-                    n = sum(1 for _ in iter_shard(s.url, s.sequences, m.seq_len + 1, m.ext, vocab_size=m.vocab_size))
+                    samples = iter_shard(
+                        s.url, s.sequences, m.seq_len + 1, m.ext, vocab_size=m.vocab_size, masked=m.masked
+                    )
+                    n = sum(1 for _ in samples)
                     if s.sha256:
                         h = hashlib.sha256()
                         with open_stream(s.url) as fh:

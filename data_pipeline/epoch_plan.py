@@ -13,7 +13,9 @@ import numpy as np
 import torch
 
 from .shard_reader import Identity, ShardReader
-from .shards import DTYPES, ShardError
+from .shards import DTYPES, ShardError, mask_bytes, unpack_masks
+
+IGNORE_INDEX = -100  # a target the loss does not score (pretrain/model/loss.py's, which imports nothing from here)
 
 Batch = dict[str, torch.Tensor]
 Produced = tuple[Batch, int, list[str]]  # a batch, the shards found bad since the last one, and their URLs
@@ -43,7 +45,9 @@ class EpochPlan:
         vocab_size: int | None,
         skip_corrupt: bool,
         identities: Sequence[Identity] = (),
+        masked: bool = False,
     ) -> None:
+        self.masked = masked  # the samples carry loss masks (the manifest's loss_mask)
         self.urls, self.sequences, self.epoch, self.seed = list(urls), list(sequences), epoch, seed
         self.identities = list(identities)  # each shard's size and first member's sha256: checked when read
         self.rank, self.world_size, self.num_workers = rank, world_size, num_workers
@@ -86,7 +90,9 @@ class EpochPlan:
     def batches_for_worker(self, j: int, report: dict[str, Any]) -> Iterator[Batch]:
         """Worker j's batches in order: for each shuffle block its samples are read at once
         (sorted by stream position), then handed out batch by batch."""
-        reader = ShardReader(self.sequences, self.seq_len + 1, self.ext, self.vocab_size, identities=self.identities)
+        reader = ShardReader(
+            self.sequences, self.seq_len + 1, self.ext, self.vocab_size, identities=self.identities, masked=self.masked
+        )
         rounds = self.worker_batches(j)
         try:
             loaded: dict[int, bytes] = {}
@@ -170,11 +176,22 @@ class EpochPlan:
 
 def collate(payloads: list[bytes], seq_len: int, ext: str, sep_id: int) -> Batch:
     """A batch of stored samples (seq_len + 1 tokens each): inputs, targets shifted by one, and
-    each position's document within its row."""
-    arr = np.frombuffer(b"".join(payloads), dtype=DTYPES[ext]).reshape(len(payloads), seq_len + 1)
+    each position's document within its row. A payload with a loss mask after its tokens (a masked
+    data set's, `ShardReader`) has the targets its mask leaves out set to IGNORE_INDEX, here on the
+    host, so the mask reaches the device inside the targets: nothing more to copy or wait for."""
+    T1, width = seq_len + 1, DTYPES[ext].itemsize
+    nbytes = T1 * width
+    masks = [p[nbytes:] for p in payloads]
+    if any(masks):  # a mixture may put masked and unmasked sources' samples in one batch
+        payloads = [p[:nbytes] for p in payloads]
+    arr = np.frombuffer(b"".join(payloads), dtype=DTYPES[ext]).reshape(len(payloads), T1)
     x = torch.from_numpy(arr.astype(np.int64))
     inp = x[:, :-1].contiguous()
     tgt = x[:, 1:].contiguous()
+    if any(masks):
+        packed = np.frombuffer(b"".join(m or b"\xff" * mask_bytes(T1) for m in masks), dtype=np.uint8)
+        scored = torch.from_numpy(unpack_masks(packed.reshape(len(masks), -1), T1)[:, 1:])
+        tgt.masked_fill_(~scored, IGNORE_INDEX)
     doc = torch.cumsum(inp == sep_id, dim=1, dtype=torch.int32)
     doc -= doc[:, :1].clone()
     return {"input_ids": inp, "targets": tgt, "doc_ids": doc}

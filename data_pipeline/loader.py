@@ -169,6 +169,7 @@ class TokenBatchLoader:
             sep_id=self.manifest.sep_id,
             vocab_size=self.manifest.vocab_size if self.check_token_range else None,
             skip_corrupt=self.skip_corrupt,
+            masked=self.manifest.masked,
         )
 
     def _plan(self) -> EpochPlan:

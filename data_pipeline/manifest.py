@@ -17,6 +17,7 @@ from typing import Any
 MANIFEST_NAME = "manifest.json"
 FORMAT = "grt-token-shards"
 VERSION = 1
+LOSS_MASKS = ("bits",)  # the "loss_mask" values this code reads (absent: no masks; data_pipeline/shards.py)
 
 
 # What a shard's name in a manifest may be: a path, or a URL of a scheme this project reads by ranges
@@ -101,12 +102,18 @@ class Manifest:
     sources: list = field(default_factory=list)
     stats: dict = field(default_factory=dict)
     options: dict = field(default_factory=dict)
+    loss_mask: str = ""  # "bits": each sample has a loss mask member (data_pipeline/shards.py); "": none
     raw: dict = field(default_factory=dict, repr=False)
     tokenizer_verified: bool = field(default=False, repr=False, compare=False)  # hashed once per Manifest
 
     @property
     def sample_tokens(self) -> int:
         return self.seq_len + 1
+
+    @property
+    def masked(self) -> bool:
+        """Whether the samples carry loss masks (only their answers trained, say)."""
+        return bool(self.loss_mask)
 
     def sequences(self, split: str) -> int:
         return sum(s.sequences for s in self.shards(split))
@@ -193,6 +200,10 @@ class Manifest:
             raise ValueError(f"manifest {self.path!r} has seq_len {self.seq_len}; it must be >= 1")
         if self.ext not in _DTYPE_EXTS:
             raise ValueError(f"manifest {self.path!r} has dtype_ext {self.ext!r}; this code reads {_DTYPE_EXTS}")
+        if self.loss_mask and self.loss_mask not in LOSS_MASKS:
+            raise ValueError(
+                f"manifest {self.path!r} has loss_mask {self.loss_mask!r}; this code reads {', '.join(LOSS_MASKS)}"
+            )
         if not 0 <= self.sep_id < self.vocab_size:
             raise ValueError(
                 f"manifest {self.path!r} has sep_id {self.sep_id} outside its vocab_size {self.vocab_size}"
@@ -244,6 +255,7 @@ class Manifest:
             sources=raw.get("sources", []),
             stats=raw.get("stats", {}),
             options=raw.get("options", {}),
+            loss_mask=raw.get("loss_mask", ""),
             raw=raw,
         )
 
@@ -288,7 +300,9 @@ def manifest_dict(
     sources: list,
     stats: dict,
     options: dict,
+    loss_mask: str = "",
 ) -> dict:
+    """A manifest's fields (`loss_mask` only where set: data without masks is written as before)."""
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -312,4 +326,5 @@ def manifest_dict(
         "sources": sources,
         "stats": stats,
         "options": options,
+        **({"loss_mask": loss_mask} if loss_mask else {}),
     }

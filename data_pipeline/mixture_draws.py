@@ -73,6 +73,7 @@ class MixturePlan:
         self.shuffle_buffer, self.skip_corrupt = shuffle_buffer, skip_corrupt
         self.names = mixture.names
         self.shards = [m.shards("train") for m in mixture.manifests]
+        self.masked = [m.masked for m in mixture.manifests]  # each source's: its own loss masks or none
         self.sizes = np.asarray([sum(s.sequences for s in shards) for shards in self.shards], dtype=np.int64)
         self.caps = np.floor(max_repeats * self.sizes).astype(np.int64) if max_repeats else np.full(len(self.sizes), -1)
         self.source_seeds = [
@@ -232,7 +233,13 @@ class MixturePlan:
         max_open = min(64, 2 + block // max(1, min(sequences)))
         identities = [(e.bytes, e.head_sha256) for e in self.shards[s]]
         return ShardReader(
-            sequences, self.seq_len + 1, self.ext, self.vocab_size, max_open=max_open, identities=identities
+            sequences,
+            self.seq_len + 1,
+            self.ext,
+            self.vocab_size,
+            max_open=max_open,
+            identities=identities,
+            masked=self.masked[s],
         )
 
     def block_order(self, s: int, epoch: int, block: int) -> np.ndarray:
@@ -272,6 +279,7 @@ class MixturePlan:
                 sep_id=self.sep_id,
                 vocab_size=self.vocab_size,
                 skip_corrupt=self.skip_corrupt,
+                masked=self.masked[s],
             )
         return self._plans[key]
 

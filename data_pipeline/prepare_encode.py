@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .prepare_output import OutputDir
-from .shards import DTYPES, build_shard, member_size
+from .shards import DTYPES, build_shard, sample_stride
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -102,51 +102,63 @@ def _encode_chunk(task: _Task) -> _Encoded:
 
 
 class Packer:
-    """Packs one split's token stream into fixed-size samples and writes full shards."""
+    """Packs one split's token stream into fixed-size samples and writes full shards. `masked`: each
+    token comes with a loss-mask bit (`add`'s `mask`), written as each sample's mask member."""
 
-    def __init__(self, split: str, out: OutputDir, seq_len: int, per_shard: int, ext: str) -> None:
+    def __init__(
+        self, split: str, out: OutputDir, seq_len: int, per_shard: int, ext: str, masked: bool = False
+    ) -> None:
         self.split, self.out, self.seq_len, self.per_shard, self.ext = split, out, seq_len, per_shard, ext
+        self.masked = masked
         self.pending: list[_Tokens] = []
+        self.pending_mask: list[np.ndarray] = []  # masked: the pending tokens' bits
         self.pending_len = 0
         self.entries: list[Entry] = []
         self.documents = 0
         self.stream_tokens = 0  # tokens including separators
 
-    def add(self, arr: _Tokens, ndocs: int) -> None:
+    def add(self, arr: _Tokens, ndocs: int, mask: np.ndarray | None = None) -> None:
+        if self.masked != (mask is not None) or (mask is not None and len(mask) != len(arr)):
+            raise ValueError(f"a {'masked' if self.masked else 'plain'} packer needs one mask bit per token")
         self.pending.append(arr)
+        if mask is not None:
+            self.pending_mask.append(mask)
         self.pending_len += len(arr)
         self.documents += ndocs
         self.stream_tokens += len(arr)
         need = self.per_shard * self.seq_len + 1
         while self.pending_len >= need:
-            stream = np.concatenate(self.pending)
-            self._write(stream, self.per_shard)
-            rest = stream[self.per_shard * self.seq_len :]
-            self.pending, self.pending_len = [rest], len(rest)
+            stream, bits = self._joined()
+            self._write(stream, self.per_shard, bits)
+            cut = self.per_shard * self.seq_len
+            self.pending, self.pending_len = [stream[cut:]], len(stream) - cut
+            self.pending_mask = [] if bits is None else [bits[cut:]]
+
+    def _joined(self) -> tuple[_Tokens, np.ndarray | None]:
+        return np.concatenate(self.pending), np.concatenate(self.pending_mask) if self.masked else None
 
     def finish(self) -> int:
         """Write the last (smaller) shard; returns the number of tail tokens dropped."""
         if self.pending_len == 0:
             return 0
-        stream = np.concatenate(self.pending)
+        stream, bits = self._joined()
         n = (len(stream) - 1) // self.seq_len
         if n > 0:
-            self._write(stream, n)
+            self._write(stream, n, bits)
         dropped = len(stream) - n * self.seq_len - (1 if n else 0)
-        self.pending, self.pending_len = [], 0
+        self.pending, self.pending_mask, self.pending_len = [], [], 0
         return max(0, dropped)
 
-    def _write(self, stream: _Tokens, n: int) -> None:
+    def _write(self, stream: _Tokens, n: int, bits: np.ndarray | None = None) -> None:
         T = self.seq_len
         idx = np.arange(n)[:, None] * T + np.arange(T + 1)[None, :]
         samples = stream[idx].astype(DTYPES[self.ext])
         stem = f"{self.split}-{len(self.entries):06d}"
         name = stem + ".tar"
-        data = build_shard(stem, samples, self.ext)
+        data = build_shard(stem, samples, self.ext, None if bits is None else bits[idx])
         sha = self.out.put_shard(name, data)
-        head = hashlib.sha256(
-            data[: member_size(T + 1, self.ext)]
-        ).hexdigest()  # what a reader checks (shard_reader.py)
+        # what a reader checks (shard_reader.py): the first sample's members
+        head = hashlib.sha256(data[: sample_stride(T + 1, self.ext, self.masked)]).hexdigest()
         self.entries.append(
             {
                 "name": name,

@@ -20,7 +20,19 @@ from typing import IO, TYPE_CHECKING
 import numpy as np
 
 from .remote import RandomAccess, RangedReader, is_ranged
-from .shards import DTYPES, MEMBER_NAME, ForeignShardError, MissingShardError, ShardError, iter_shard, member_size
+from .shards import (
+    DTYPES,
+    MASK_EXT,
+    MEMBER_NAME,
+    ForeignShardError,
+    MissingShardError,
+    ShardError,
+    check_mask_size,
+    iter_shard,
+    member_size,
+    sample_stride,
+    unexpected_member,
+)
 
 if TYPE_CHECKING:
     from .manifest import Manifest, ShardEntry
@@ -35,7 +47,9 @@ def _is_local(url: str) -> bool:
 class ShardReader:
     """One worker's reads: samples of a shard by their index, seeking in a local file with the
     fixed-size member layout, else streaming forward through webdataset (one open stream,
-    reused while the indices grow). Every member is checked as `iter_shard` checks it."""
+    reused while the indices grow). Every member is checked as `iter_shard` checks it. `masked`: the
+    data has loss masks (a mask member after each sample's tokens), and a sample's payload is its
+    tokens' bytes, then its mask's."""
 
     def __init__(
         self,
@@ -45,12 +59,14 @@ class ShardReader:
         vocab_size: int | None,
         max_open: int = 1,
         identities: Sequence[Identity] = (),
+        masked: bool = False,
     ) -> None:
+        self.masked = masked
         self.identities = identities  # per shard, as `sequences` (empty: none checked)
         self.checked: set[int] = set()  # shards whose identity this reader has checked
         self.sequences, self.sample_tokens, self.ext, self.vocab_size = sequences, sample_tokens, ext, vocab_size
         self.nbytes = sample_tokens * DTYPES[ext].itemsize
-        self.stride = member_size(sample_tokens, ext)
+        self.stride = sample_stride(sample_tokens, ext, masked)  # a sample's members
         self.seekable: dict[int, bool] = {}  # shard -> read by seeking (a local file of fixed-size members)
         # the local shards open now, least recently used first: a worker moves through the stream in
         # order, so it needs one at a time (a mixture's reader jumps between a few); never all of an
@@ -103,7 +119,10 @@ class ShardReader:
             need = self.sequences[shard] * self.stride + 1024  # the members, then tar's two end blocks
             size = os.path.getsize(url)
             if size < need:
-                raise ShardError(url, f"truncated: {size} bytes, the {self.sequences[shard]} samples need {need}")
+                what = f"the {self.sequences[shard]} samples need {need}"
+                if self.masked:  # a shard written without masks under a manifest that declares them, say
+                    what = f"the {self.sequences[shard]} samples with the loss masks the manifest declares need {need}"
+                raise ShardError(url, f"truncated: {size} bytes, {what}")
         try:
             fh = open(url, "rb")  # noqa: SIM115 (kept open while the worker reads this shard, closed by _close_file)
         except OSError as exc:  # gone since it was first opened, or unreadable
@@ -147,13 +166,37 @@ class ShardReader:
         dtype = DTYPES[self.ext]
         if self.vocab_size is not None and int(np.frombuffer(data, dtype).max()) >= self.vocab_size:
             raise ShardError(url, f"member {info.name!r} holds a token id >= vocab size {self.vocab_size}")
+        return data + self._mask(fh, url, index) if self.masked else data
+
+    def _mask(self, fh: RandomAccess, url: str, index: int) -> bytes:
+        """Sample `index`'s loss mask: the member after its tokens."""
+        fh.seek(index * self.stride + member_size(self.sample_tokens, self.ext))
+        header = fh.read(512)
+        try:
+            info = tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape")
+        except tarfile.HeaderError as exc:
+            found = f"a bad tar header ({type(exc).__name__}: {exc})"
+            raise ShardError(url, unexpected_member(found, index, MASK_EXT)) from None
+        m = MEMBER_NAME.match(info.name)
+        if m is None or m.group("ext") != MASK_EXT or int(m.group("idx")) != index:
+            raise ShardError(url, unexpected_member(info.name, index, MASK_EXT))
+        check_mask_size(url, info.name, info.size, self.sample_tokens)
+        data = fh.read(info.size)
+        if len(data) != info.size:
+            raise ShardError(url, f"loss mask member {info.name!r} is cut off after {len(data)} bytes")
         return data
 
     def _streamed(self, shard: int, url: str, indices: list[int]) -> list[bytes]:
         if self.stream is None or self.stream[0] != shard or self.stream[2] > indices[0]:
             self._close_stream()
             samples = iter_shard(
-                url, self.sequences[shard], self.sample_tokens, self.ext, start=indices[0], vocab_size=self.vocab_size
+                url,
+                self.sequences[shard],
+                self.sample_tokens,
+                self.ext,
+                start=indices[0],
+                vocab_size=self.vocab_size,
+                masked=self.masked,
             )
             self.stream = (shard, samples, indices[0])
         _, samples, _ = self.stream
@@ -204,10 +247,12 @@ def check_identity(url: str, size: int | None, first: bytes | None, listed_size:
             )
 
 
-def check_shard(url: str, sequences: int, sample_tokens: int, ext: str, identity: Identity) -> None:
+def check_shard(
+    url: str, sequences: int, sample_tokens: int, ext: str, identity: Identity, masked: bool = False
+) -> None:
     """One shard exists (a local file) or answers (a URL: one ranged request of its first member),
     and is the one the manifest lists (`check_identity`); a `pipe:` or `file:` shard is taken as it is."""
-    stride = member_size(sample_tokens, ext)
+    stride = sample_stride(sample_tokens, ext, masked)
     size, head = identity
     if is_ranged(url):
         ranged = RangedReader()
@@ -234,7 +279,9 @@ def check_manifest_shards(manifest: Manifest, splits: Sequence[str], threads: in
 
     def check(e: ShardEntry) -> ShardError | None:
         try:
-            check_shard(e.url, e.sequences, manifest.sample_tokens, manifest.ext, (e.bytes, e.head_sha256))
+            check_shard(
+                e.url, e.sequences, manifest.sample_tokens, manifest.ext, (e.bytes, e.head_sha256), manifest.masked
+            )
         except ShardError as err:
             return err
         return None

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from data_pipeline.chains import score_positions
+from data_pipeline.epoch_plan import IGNORE_INDEX
 from pretrain.distributed import Dist
 from pretrain.infer.evaluation.scoring import check_batches, check_scored, exit_hidden, sum_over_ranks, val_batches
-from pretrain.model_config import ConfigError
+from grt_common.errors import ConfigError
 
 if TYPE_CHECKING:
     from data_pipeline.manifest import Manifest
@@ -68,7 +69,9 @@ def chains_sums(
     sums = torch.zeros(len(depths), max_k + 1, 3, dtype=torch.float64, device=device)
     for batch in val_batches(manifest.path, batch_size, dist, max_batches, seed, split):
         idx, targets = batch["input_ids"], batch["targets"]
-        rows, cols, ks = answer_positions(torch.cat([idx, targets[:, -1:]], dim=1), pieces, max_k)
+        last = targets[:, -1:]  # the next sample's separator; where a loss mask left it out, its id
+        last = last.masked_fill(last == IGNORE_INDEX, tok.sep_id)
+        rows, cols, ks = answer_positions(torch.cat([idx, last], dim=1), pieces, max_k)
         gold = targets[rows, cols].to(device)
         rows, cols, ks = rows.to(device), cols.to(device), ks.to(device)
         for i, (_, h) in enumerate(exit_hidden(model, idx.to(device), depths)):
