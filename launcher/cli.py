@@ -158,8 +158,8 @@ def _entry(text: str) -> tuple[str, list[str]]:
 
 def _preflight_entry(args: argparse.Namespace, is_train: bool, elastic: bool) -> tuple[str, list[str]]:
     """--preflight-only's entry: every rank runs launcher/preflight.py on the resolved config."""
+    from grt_common.errors import ConfigError
     from launcher.preflight import parse_limits
-    from pretrain.model_config import ConfigError
 
     if not is_train or args.no_resolve:
         raise LaunchError(
@@ -244,7 +244,7 @@ def resolve_train_config(
     pretrain/training/start/entry.py: the data, the checkpoint to resume, the budget, every
     refusal); else it is resolved against the data where this host can read it.
     """
-    from pretrain.model_config import ConfigError
+    from grt_common.errors import ConfigError
     from pretrain.runs.run_config import absolute, resolve_ds_path
     from pretrain.say import say
     from pretrain.training.start.command_line import build_parser as train_parser

@@ -44,7 +44,7 @@ DEFAULT_LIMITS = {"slow": 0.8, "tflops": 0.0, "busbw": 0.0, "write": 0.0, "read"
 
 
 def parse_limits(text: str) -> dict[str, float]:
-    from pretrain.model_config import ConfigError
+    from grt_common.errors import ConfigError
 
     limits = dict(DEFAULT_LIMITS)
     for item in filter(None, (part.strip() for part in text.split(","))):

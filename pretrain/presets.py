@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from pretrain.model_config import ConfigError, ModelConfig
+from grt_common.errors import ConfigError
+from pretrain.model_config import ModelConfig
 from pretrain.variants import REGISTRY, Baseline, get_variant
 
 HF = dict(bias=True, vocab_size=50257)

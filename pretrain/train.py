@@ -19,8 +19,8 @@ if __name__ == "__main__" and not __package__:
     # keep the package's own directory off sys.path (its modules would shadow top-level names)
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+from grt_common.errors import ConfigError  # noqa: E402
 from pretrain.distributed import run_command  # noqa: E402
-from pretrain.model_config import ConfigError  # noqa: E402
 from pretrain.runs.run_config import RunConfig  # noqa: E402
 from pretrain.training.start.command_line import build_parser, read_command_line  # noqa: E402
 

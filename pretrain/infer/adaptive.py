@@ -34,9 +34,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from grt_common.errors import ConfigError
 from pretrain.model import GPT
 from pretrain.model.layers import AttentionContext
-from pretrain.model_config import ConfigError
 from pretrain.variants import get_variant
 
 CRITERIA = ("update", "kl")

@@ -3,8 +3,8 @@ model's first k layers; shared by `grt eval`, `grt generate` and `grt analyze`."
 
 from __future__ import annotations
 
+from grt_common.errors import ConfigError
 from pretrain.model import GPT
-from pretrain.model_config import ConfigError
 
 
 def depth_unit(model: GPT) -> str:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from data_pipeline.prepare_output import OutputOfSomethingElse, refuse_other_output
+from grt_common.errors import ConfigError
 from grt_common.files import output_path
 from pretrain.infer.load import (
     WEIGHTS,
@@ -35,7 +36,6 @@ from pretrain.infer.load import (
 )
 from pretrain.model import GPT
 from pretrain.model.weights import state_for_saving
-from pretrain.model_config import ConfigError
 from pretrain.runs.checkpoint_files import read_config
 
 

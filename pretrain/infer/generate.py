@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
+from grt_common.errors import ConfigError
 from pretrain.infer.adaptive import CRITERIA
 from pretrain.infer.kv_cache import STRATEGIES, CachedDecoder
 from pretrain.model import GPT
-from pretrain.model_config import ConfigError
 
 if TYPE_CHECKING:
     from data_pipeline.tokenizer import Tokenizer

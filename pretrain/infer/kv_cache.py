@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from grt_common.errors import ConfigError
 from pretrain.infer.adaptive import adaptive_loop, check_criterion
 from pretrain.model import GPT
 from pretrain.model.layers import AttentionContext
-from pretrain.model_config import ConfigError
 
 STRATEGIES = ("full", "first", "last", "average")
 

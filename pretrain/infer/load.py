@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from grt_common.errors import ConfigError
 from pretrain.model import GPT, build_model
 from pretrain.model.weights import TIED_KEY
-from pretrain.model_config import ConfigError, ModelConfig
+from pretrain.model_config import ModelConfig
 from pretrain.runs.checkpoint_files import named_checkpoint, newest_checkpoint, read_config
 from pretrain.runs.checkpoint_mirror import is_mirror_url, local_copy
 from pretrain.runs.trusted_files import read_through_all, weights_only_loads

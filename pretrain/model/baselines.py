@@ -39,9 +39,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from grt_common.errors import ConfigError
 from pretrain.model.gpt import GPT, AnchorTerms, LoopStep, LoopTrace, builds, lm_loss
 from pretrain.model.layers import KV, AttentionContext, Block, Linear, attention, layer_norm
-from pretrain.model_config import ConfigError, ModelConfig
+from pretrain.model_config import ModelConfig
 from pretrain.variants import get_variant
 
 # (s_0, step(s, r) -> s_{r+1}): what GPT.recurrence returns

@@ -34,10 +34,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from grt_common.errors import ConfigError
 from pretrain.kernels.gate import gate_update
 from pretrain.model.layers import KV, AttentionContext, Block, Embedding, FP32Linear, Linear, LMHead, layer_norm
 from pretrain.model.loss import lm_loss
-from pretrain.model_config import ANCHOR_MODES, ConfigError, ModelConfig
+from pretrain.model_config import ANCHOR_MODES, ModelConfig
 from pretrain.variants import get_variant
 
 

@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from grt_common.errors import ConfigError
 from pretrain import PROJECT_ROOT
 from pretrain.model.gpt import GPT
 from pretrain.model.registry import build_model
-from pretrain.model_config import ConfigError, ModelConfig
+from pretrain.model_config import ModelConfig
 from pretrain.variants import REGISTRY, get_variant
 
 if TYPE_CHECKING:

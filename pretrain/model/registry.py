@@ -4,9 +4,10 @@ own subclass (pretrain.model.baselines, imported here so that its classes are re
 
 from __future__ import annotations
 
+from grt_common.errors import ConfigError
 from pretrain.model.baselines import RRTGPT, HuginnGPT, MoRGPT, OuroGPT  # noqa: F401 (imported: their @builds)
 from pretrain.model.gpt import GPT, MODEL_CLASSES
-from pretrain.model_config import ConfigError, ModelConfig
+from pretrain.model_config import ModelConfig
 
 
 def model_class(variant: str) -> type[GPT]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pretrain.model_config import ConfigError
+from grt_common.errors import ConfigError
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pretrain.model_config import ConfigError, ModelConfig
+from grt_common.errors import ConfigError
+from pretrain.model_config import ModelConfig
 
 
 @dataclass

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from grt_common.errors import ConfigError
 from pretrain import PROJECT_ROOT
-from pretrain.model_config import ConfigError, ModelConfig, check_keys, coerce, load_json_object
+from pretrain.model_config import ModelConfig, check_keys, coerce, load_json_object
 from pretrain.presets import get_preset
 from pretrain.runs import checkpoint_files
 from pretrain.runs.data_spec import DataSpec, data_stages, parse_data

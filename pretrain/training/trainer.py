@@ -36,9 +36,8 @@ from typing import Any
 
 import torch
 
-from grt_common.errors import file_system_problem
+from grt_common.errors import ConfigError, file_system_problem
 from pretrain.distributed import comm_device, discover, init_distributed
-from pretrain.model_config import ConfigError
 from pretrain.runs.run_config import RunConfig
 from pretrain.say import say
 from pretrain.training.callbacks import Callback

@@ -178,9 +178,9 @@ def test_grt_eval_scores_each_answer_at_each_depth_and_k(tmp_path):
     import torch
     import torch.nn.functional as F
 
+    from grt_common.errors import ConfigError
     from pretrain.infer.evaluation.chains_score import chains_settings, chains_sums, chains_table, format_chains
     from pretrain.model import build_model
-    from pretrain.model_config import ConfigError
     from pretrain.presets import get_preset
 
     out = tmp_path / "chains"

@@ -21,7 +21,7 @@ from train_jobs import Job, last_step, losses, per_step, run_job, train_args, wa
 from data_pipeline.loader import TokenBatchLoader
 from data_pipeline.mixture import DataMixture, MixtureError, parse_sources, parse_stages
 from data_pipeline.mixture_loader import MixtureLoader
-from pretrain.model_config import ConfigError
+from grt_common.errors import ConfigError
 from pretrain.runs.data_spec import load_manifest
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "data" / "tinyshakespeare.txt"

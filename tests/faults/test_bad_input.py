@@ -677,9 +677,9 @@ def test_multi_rank_eval_refuses_a_manifest_that_only_some_ranks_see(bad, monkey
     """`--tasks all` skips the held-out split when there is no manifest; if some ranks saw one
     and others did not, their next sums would pair different parts, with the same shape. The
     ranks agree first (ranks_with); here the agreement answers as on a job where they differ."""
+    from grt_common.errors import ConfigError
     from pretrain.distributed import Dist
     from pretrain.infer.evaluation import evaluate, loss_by_depth
-    from pretrain.model_config import ConfigError
 
     monkeypatch.setattr(evaluate, "ranks_with", lambda flag: 1)  # of 2: neither every rank nor none found it
     agreements = []

@@ -133,7 +133,7 @@ def test_a_second_train_on_a_run_directory_in_use_is_refused_naming_the_holder(s
 def test_a_run_lock_refused_leaves_the_lock_file_as_it_was(tmp_path, monkeypatch):
     """In-process: a second holder is refused naming the first; a holder that never commits
     restores the lock file (or removes the one, and the --out, it created)."""
-    from pretrain.model_config import ConfigError
+    from grt_common.errors import ConfigError
     from pretrain.training.fault_injection import Faults
     from pretrain.training.start.run_lock import RunDirInUse, RunLock, lock_path, refuse_if_in_use
 
@@ -260,7 +260,7 @@ def test_the_launchers_resume_check_passes_over_a_cut_off_config_json(base_run, 
     """`grt launch` checks a resume with the start's plan (plan_start, in-process here): a cut-off
     config.json of the newest checkpoint is passed over in one line, as the resume does;
     all cut off: one line (ConfigError)."""
-    from pretrain.model_config import ConfigError
+    from grt_common.errors import ConfigError
     from pretrain.runs.run_config import RunConfig
     from pretrain.training.start.plan import plan_start
 

@@ -153,7 +153,7 @@ MODEL_CASES = [
 
 @pytest.mark.parametrize("key,value", MODEL_CASES, ids=[f"{k}={v}" for k, v in MODEL_CASES])
 def test_meaningless_model_value_is_one_line_naming_the_key(key, value):
-    from pretrain.model_config import ConfigError
+    from grt_common.errors import ConfigError
     from pretrain.presets import get_preset
 
     with pytest.raises(ConfigError, match=f"^{key}="):
@@ -379,8 +379,8 @@ def test_generate_edges_are_accepted(models, capsys):
 
 
 def test_generate_library_names_max_new_tokens():
+    from grt_common.errors import ConfigError
     from pretrain.infer.generate import generate
-    from pretrain.model_config import ConfigError
 
     model = small_model()
     with pytest.raises(ConfigError, match="max_new_tokens=-1: must be >= 0"):
@@ -478,10 +478,10 @@ def test_eval_of_an_empty_text_or_task_file_is_one_line(models, tmp_path, capsys
 def test_sums_over_nothing_raise_instead_of_a_number():
     """The library under the commands: no token, no item summed over the ranks is a ConfigError
     naming what was scored (before: loss 0, perplexity 1, accuracy 0)."""
+    from grt_common.errors import ConfigError
     from pretrain.distributed import Dist
     from pretrain.infer.evaluation.loss_by_depth import loss_table
     from pretrain.infer.evaluation.zero_shot import evaluate_task
-    from pretrain.model_config import ConfigError
 
     TRIED["nothing scored"] += 2
     with pytest.raises(ConfigError, match="data='m.json' split 'val': no token was scored"):

@@ -258,7 +258,7 @@ def test_the_walk_is_written_once_the_first_usable_tag_or_one_refusal(tmp_path):
     take: an unreadable tag is passed over with its problem, the first usable one's result comes back;
     none left is one refusal naming each problem; a refusal of the use ends the walk there; a
     collective walk's rank with none left still proposes (None)."""
-    from pretrain.model_config import ConfigError
+    from grt_common.errors import ConfigError
     from pretrain.runs.checkpoint_files import Fallback, UnreadableCheckpoint
 
     tags = ["step00000012", "step00000008", "step00000004"]

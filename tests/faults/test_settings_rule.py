@@ -23,7 +23,7 @@ HANDLED: Counter = Counter()
 
 def config_error(*argv: str, data: str = "m.json") -> str:
     """The ConfigError `config_from_args` raises for `grt train ARGV` (no data is read)."""
-    from pretrain.model_config import ConfigError
+    from grt_common.errors import ConfigError
     from pretrain.train import build_parser, config_from_args
 
     args = build_parser().parse_args(["--preset", "micro-grt", "--data", data, "--out", "unused", *argv])

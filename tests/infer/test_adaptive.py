@@ -12,11 +12,11 @@ from trained_models import (  # noqa: F401 (fixtures)
     small_model,
 )
 
+from grt_common.errors import ConfigError
 from pretrain.infer.adaptive import adaptive_forward, adaptive_table, parse_thresholds
 from pretrain.infer.evaluation.evaluate import main as eval_main
 from pretrain.infer.evaluation.scoring import adaptive_sums
 from pretrain.model import build_model
-from pretrain.model_config import ConfigError
 from pretrain.presets import get_preset
 
 R = 3

@@ -9,8 +9,8 @@ import pytest
 from multiproc import REPO, grt
 from trained_models import grt_run, single_thread  # noqa: F401 (fixtures)
 
+from grt_common.errors import ConfigError
 from pretrain.model.flops import flops_per_token
-from pretrain.model_config import ConfigError
 from pretrain.presets import get_preset
 from pretrain.runs.run_config import RunConfig
 from pretrain.tools.compare import cli as compare

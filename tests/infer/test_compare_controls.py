@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from commands import grt_in_process
 
+from grt_common.errors import ConfigError
 from pretrain.model.flops import flops_per_token, train_flops_per_token
-from pretrain.model_config import ConfigError
 from pretrain.presets import PAPER_START
 from pretrain.tools.compare import cli as compare
 from pretrain.tools.compare.controls import mean_train_flops, parse_control

@@ -19,13 +19,13 @@ from trained_models import (  # noqa: F401 (fixtures: grt_run, manifest, single_
     summary,
 )
 
+from grt_common.errors import ConfigError
 from pretrain.distributed import Dist
 from pretrain.infer.evaluation.evaluate import main as eval_main
 from pretrain.infer.evaluation.loss_by_depth import text_eval, text_windows
 from pretrain.infer.evaluation.scoring import exit_logits, lm_sums
 from pretrain.infer.evaluation.zero_shot import encode_request, evaluate_task, score_requests
 from pretrain.infer.exit_depths import check_depths
-from pretrain.model_config import ConfigError
 from pretrain.runs.eval_tasks import Item, load_task, parse_depths
 
 CPU = torch.device("cpu")

@@ -11,12 +11,12 @@ import torch
 from conftest import DEMO_TEXT, OFFLINE, SHARED
 from trained_models import ENV, EVAL_BATCHES, dense_run, grt, grt_run, manifest, single_thread, summary  # noqa: F401 (fixtures)
 
+from grt_common.errors import ConfigError
 from pretrain.distributed import Dist
 from pretrain.infer.evaluation.scoring import lm_sums, val_batches
 from pretrain.infer.export import main as export_main
 from pretrain.infer.load import load_model, resolve_checkpoint
 from pretrain.model.weights import TIED_KEY
-from pretrain.model_config import ConfigError
 
 
 @pytest.fixture(scope="module")

@@ -302,8 +302,8 @@ def test_loss_through_the_kv_cache():
 
 
 def test_baselines_decode_without_a_cache_only():
+    from grt_common.errors import ConfigError
     from pretrain.model import build_model
-    from pretrain.model_config import ConfigError
     from pretrain.presets import get_preset
 
     model = build_model(get_preset("micro-rrt")).eval()

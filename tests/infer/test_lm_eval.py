@@ -124,7 +124,7 @@ def test_generate_until_is_greedy_decoding_cut_at_the_stop_string(export, kv_cac
 
 
 def test_bad_kv_cache_argument_is_one_line(export):
-    from pretrain.model_config import ConfigError
+    from grt_common.errors import ConfigError
 
     with pytest.raises(ConfigError, match="kv_cache='middle'"):
         GRTLM(path=str(export), kv_cache="middle")

@@ -10,6 +10,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from trained_models import manifest, single_thread, small_model, write_export  # noqa: F401 (fixtures)
 
+from grt_common.errors import ConfigError
 from pretrain.infer.analyze.analysis import main as analyze_main
 from pretrain.infer.analyze.measures import exit_flops, half_compute_share, half_cosines
 from pretrain.infer.evaluation.evaluate import main as eval_main
@@ -17,7 +18,6 @@ from pretrain.infer.evaluation.report import format_table
 from pretrain.infer.evaluation.scoring import exit_logits
 from pretrain.infer.exit_depths import check_depths, default_depths
 from pretrain.model.layers import AttentionContext
-from pretrain.model_config import ConfigError
 
 
 def tokens(b=2, t=24, vocab=64, seed=0):

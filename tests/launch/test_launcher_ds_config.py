@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pretrain.model_config import ConfigError
+from grt_common.errors import ConfigError
 from pretrain.runs.train_config import TrainConfig
 from pretrain.training.engine.ds_config import build_ds_config, load_ds_json, resolve_ds_path
 

@@ -9,11 +9,12 @@ import pytest
 import torch
 from trained_models import single_thread, small_model, train  # noqa: F401 (single_thread: an autouse fixture)
 
+from grt_common.errors import ConfigError
 from pretrain.infer.generate import generate
 from pretrain.infer.kv_cache import STRATEGIES, CachedDecoder, cache_slots, cache_strategy
 from pretrain.model.flops import flops_per_token
 from pretrain.model.layers import AttentionContext
-from pretrain.model_config import ConfigError, ModelConfig
+from pretrain.model_config import ModelConfig
 from pretrain.presets import PRESETS
 
 R = 3

@@ -11,10 +11,10 @@ import torch
 from commands import train_command
 from multiproc import REPO, run_ranks
 
+from grt_common.errors import ConfigError
 from pretrain.model import GPT, build_model
 from pretrain.model.baselines import RRTGPT, HuginnGPT, MoRGPT, OuroGPT, noise_off
 from pretrain.model.gpt import lm_loss
-from pretrain.model_config import ConfigError
 from pretrain.presets import PRESETS, get_preset
 
 pytestmark = pytest.mark.filterwarnings("ignore")

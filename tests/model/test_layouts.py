@@ -14,10 +14,11 @@ from trained_models import (  # noqa: F401 (single_thread: an autouse fixture)
     small_model,
 )
 
+from grt_common.errors import ConfigError
 from pretrain.infer.generate import generate
 from pretrain.infer.kv_cache import STRATEGIES, CachedDecoder, cache_slots
 from pretrain.model.flops import flops_per_token
-from pretrain.model_config import PLACEMENTS, ConfigError, ModelConfig, canonical_layout, parse_layout
+from pretrain.model_config import PLACEMENTS, ModelConfig, canonical_layout, parse_layout
 from pretrain.presets import PRESETS
 from pretrain.tools.compare.sizing import match
 from pretrain.tools.compare.table import describe_method

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from grt_common.errors import ConfigError
 from pretrain.model import build_model
 from pretrain.model.gpt import LoopStep
 from pretrain.model.layers import AttentionContext
-from pretrain.model_config import ConfigError
 from pretrain.presets import PRESETS, get_preset
 
 

@@ -6,10 +6,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from grt_common.errors import ConfigError
 from pretrain.model import build_model
 from pretrain.model.flops import count_params, flops_per_token
 from pretrain.model.layers import AttentionContext, attention
-from pretrain.model_config import ConfigError, ModelConfig, parse_layout
+from pretrain.model_config import ModelConfig, parse_layout
 from pretrain.presets import ADVERTISED_PARAMS, PRESETS, describe
 from pretrain.presets import main as presets_main
 from pretrain.training.engine.parallelize import apply_activation_checkpointing

@@ -8,11 +8,12 @@ import pytest
 import torch
 from multiproc import grt
 
+from grt_common.errors import ConfigError
 from pretrain.infer.adaptive import adaptive_forward
 from pretrain.infer.analyze.analysis import collect
 from pretrain.infer.generate import generate
 from pretrain.model import build_model
-from pretrain.model_config import ConfigError, ModelConfig
+from pretrain.model_config import ModelConfig
 from pretrain.presets import get_preset
 from pretrain.tools.bench.numerics import state_errors
 

@@ -10,12 +10,13 @@ import torch
 from test_checkpointing import ActivationPeak
 from torch.utils.flop_counter import FlopCounterMode
 
+from grt_common.errors import ConfigError
 from pretrain import presets
 from pretrain.model import GPT, LoopStep, build_model
 from pretrain.model.flops import flops_per_token, train_flops_per_token
 from pretrain.model.gpt import MODEL_CLASSES
 from pretrain.model.layers import Linear
-from pretrain.model_config import ConfigError, ModelConfig
+from pretrain.model_config import ModelConfig
 from pretrain.runs.run_config import RunConfig
 from pretrain.runs.train_config import CHECKPOINT_MODES
 from pretrain.tools.compare import cli as compare

@@ -12,9 +12,9 @@ import pytest
 import torch
 from multiproc import REPO, run_ranks
 
+from grt_common.errors import ConfigError
 from pretrain.model import build_model
 from pretrain.model.baselines import noise_off
-from pretrain.model_config import ConfigError
 from pretrain.presets import get_preset
 from pretrain.runs.settings_rules import start_notes
 from pretrain.runs.train_config import TrainConfig

@@ -12,8 +12,8 @@ import pytest
 from multiproc import REPO, run_ranks
 from train_jobs import build_data, per_step, run_job, train_args
 
+from grt_common.errors import ConfigError
 from pretrain.model import build_model
-from pretrain.model_config import ConfigError
 from pretrain.presets import get_preset
 from pretrain.runs.run_config import RunConfig
 from pretrain.runs.train_config import TrainConfig

@@ -143,7 +143,7 @@ def test_a_mixture_given_in_another_order_is_refused_naming_both_orders(shards, 
     what was compared and what differed (a mixture draws its sources in the order given)."""
     import torch
 
-    from pretrain.model_config import ConfigError
+    from grt_common.errors import ConfigError
     from pretrain.runs.data_spec import load_manifest
     from pretrain.runs.run_config import RunConfig
     from pretrain.training.start.plan import check_data_order

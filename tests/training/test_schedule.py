@@ -160,7 +160,7 @@ def test_the_resume_rule_moves_a_wsd_decay_only_where_the_lr_at_the_checkpoint_s
 
 # ------------------------------------------------------------- the DeepSpeed JSON's rules
 def one_line_error(call) -> str:
-    from pretrain.model_config import ConfigError
+    from grt_common.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:
         call()

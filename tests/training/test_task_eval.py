@@ -19,11 +19,11 @@ from trained_models import (  # noqa: F401 (fixtures: manifest, single_thread)
     small_model,
 )
 
+from grt_common.errors import ConfigError
 from pretrain.distributed import Dist
 from pretrain.infer.evaluation import zero_shot
 from pretrain.infer.evaluation.evaluate import main as eval_main
 from pretrain.infer.evaluation.zero_shot import evaluate_task
-from pretrain.model_config import ConfigError
 from pretrain.presets import get_preset
 from pretrain.runs.eval_tasks import Item, default_depths, task_depths
 from pretrain.runs.run_config import RunConfig

@@ -345,7 +345,7 @@ def test_deepspeed_internals_missing_name_is_one_line_naming_the_version(monkeyp
     import deepspeed
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
-    from pretrain.model_config import ConfigError
+    from grt_common.errors import ConfigError
     from pretrain.training.engine import deepspeed_internals
 
     deepspeed_internals.check()  # the installed DeepSpeed has every name

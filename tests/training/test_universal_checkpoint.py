@@ -314,7 +314,7 @@ def test_conversion_is_atomic_and_reused(checkpoint_copy):
 
 @pytest.mark.slow
 def test_failed_conversion_is_one_line_naming_the_checkpoint(checkpoint_copy):
-    from pretrain.model_config import ConfigError
+    from grt_common.errors import ConfigError
     from pretrain.training.checkpoint import universal
 
     step_dir = checkpoint_copy

@@ -19,7 +19,7 @@ from train_jobs import train_args
 from trained_models import manifest  # noqa: F401 (fixture)
 from wandb_files import REPO, offline_env, wandb_history
 
-from pretrain.model_config import ConfigError
+from grt_common.errors import ConfigError
 from pretrain.runs.run_config import RunConfig
 from pretrain.training.report.metrics import MetricsWriter
 from pretrain.training.report.wandb_sink import WANDB_FILE, WandbRun, check_available, saved_id

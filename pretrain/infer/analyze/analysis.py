@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from data_pipeline.manifest import Manifest
+from grt_common.errors import ConfigError
 from grt_common.files import atomic_write_text, output_path
 from pretrain.infer.analyze.measures import (
     BUCKETS,
@@ -57,7 +58,6 @@ from pretrain.infer.evaluation.scoring import Batch, check_batches, jsonable, lm
 from pretrain.infer.loop_health import run_settings
 from pretrain.model import GPT, LoopStep
 from pretrain.model.layers import AttentionContext
-from pretrain.model_config import ConfigError
 from pretrain.runs.data_spec import parse_data
 
 if TYPE_CHECKING:

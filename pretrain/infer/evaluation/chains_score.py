@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from data_pipeline.chains import score_positions
 from data_pipeline.epoch_plan import IGNORE_INDEX
+from grt_common.errors import ConfigError
 from pretrain.distributed import Dist
 from pretrain.infer.evaluation.scoring import check_batches, check_scored, exit_hidden, sum_over_ranks, val_batches
-from grt_common.errors import ConfigError
 
 if TYPE_CHECKING:
     from data_pipeline.manifest import Manifest

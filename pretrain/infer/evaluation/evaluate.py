@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from data_pipeline.shards import ShardError
+from grt_common.errors import ConfigError
 from grt_common.files import output_path
 from pretrain import PROJECT_ROOT
 from pretrain.distributed import Dist, RankFailed, check_ranks, is_main, join_launch, ranks_with, run_command
@@ -41,7 +42,7 @@ from pretrain.infer.evaluation.scoring import jsonable
 from pretrain.infer.evaluation.zero_shot import evaluate_task
 from pretrain.infer.exit_depths import check_depths, default_depths, depth_unit
 from pretrain.infer.kv_cache import STRATEGIES
-from pretrain.model_config import ConfigError, OnceParser
+from pretrain.model_config import OnceParser
 from pretrain.runs.data_spec import parse_data
 from pretrain.runs.eval_tasks import TASKS, load_task, parse_depths
 

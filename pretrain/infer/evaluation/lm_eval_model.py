@@ -34,11 +34,11 @@ try:
 except ImportError:  # the harness is optional: `grt lm-eval` says how to get it
     LM = None
 
+from grt_common.errors import ConfigError
 from pretrain.infer.evaluation.zero_shot import encode_request, score_requests, score_requests_cached
 from pretrain.infer.generate import generate
 from pretrain.infer.kv_cache import STRATEGIES
 from pretrain.infer.load import load_model, parse_dtype, pick_device
-from pretrain.model_config import ConfigError
 
 if TYPE_CHECKING:
     from lm_eval.api.instance import Instance

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from grt_common.errors import ConfigError
 from pretrain.distributed import Dist
 from pretrain.infer.adaptive import adaptive_table, parse_thresholds
 from pretrain.infer.evaluation.scoring import (
@@ -23,7 +24,6 @@ from pretrain.infer.evaluation.scoring import (
     val_batches,
 )
 from pretrain.model import GPT
-from pretrain.model_config import ConfigError
 
 if TYPE_CHECKING:
     from data_pipeline.manifest import Manifest

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from grt_common.errors import ConfigError
 from pretrain.distributed import Dist, all_reduce, check_ranks, comm_device
 from pretrain.infer.adaptive import adaptive_forward
 from pretrain.infer.kv_cache import CachedDecoder
 from pretrain.model import GPT
 from pretrain.model.layers import AttentionContext
-from pretrain.model_config import ConfigError
 
 if TYPE_CHECKING:
     from data_pipeline.manifest import Manifest

@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from grt_common.errors import ConfigError
 from pretrain.distributed import Dist
 from pretrain.infer.evaluation.scoring import exit_hidden, sum_over_ranks
 from pretrain.infer.kv_cache import CachedDecoder
 from pretrain.model import GPT
-from pretrain.model_config import ConfigError
 from pretrain.runs.eval_tasks import Item
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pretrain.model_config import ConfigError
+from grt_common.errors import ConfigError
 from pretrain.runs.train_config import AUTO, CHECKPOINT_MODES
 from pretrain.tools.bench.support import GPT2_VOCAB, positive_number, whole_number
 from pretrain.tools.bench.train_step import bench_memory, bench_train_step, memory_probe

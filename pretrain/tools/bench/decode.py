@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from grt_common.errors import ConfigError
 from grt_common.files import output_path
 from pretrain.infer.kv_cache import (
     STRATEGIES,
@@ -38,7 +39,7 @@ from pretrain.infer.kv_cache import (
     is_compiled,
 )
 from pretrain.model import GPT, build_model
-from pretrain.model_config import ConfigError, ModelConfig
+from pretrain.model_config import ModelConfig
 from pretrain.tools.bench.support import whole_number, whole_numbers
 
 # the paper's total decode memory (weights + cache) of GRT-Medium against dense GPT-2 Medium

@@ -30,11 +30,12 @@ from typing import Any
 
 import torch
 
+from grt_common.errors import ConfigError
 from pretrain import PROJECT_ROOT
 from pretrain.model import GPT, build_model
 from pretrain.model.layers import AttentionContext
 from pretrain.model.loss import IGNORE_INDEX, linear_cross_entropy, lm_loss, loss_chunk, resolve_impl
-from pretrain.model_config import ConfigError, ModelConfig, padded_vocab
+from pretrain.model_config import ModelConfig, padded_vocab
 from pretrain.presets import PAPER_START, get_preset
 from pretrain.tools.bench.support import (
     GPT2_VOCAB,

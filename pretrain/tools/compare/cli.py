@@ -39,10 +39,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from grt_common.errors import ConfigError
 from grt_common.files import atomic_write_text, output_path
 from pretrain import PROJECT_ROOT
 from pretrain.model.flops import flops_per_token
-from pretrain.model_config import ConfigError, ModelConfig, load_json_object
+from pretrain.model_config import ModelConfig, load_json_object
 from pretrain.presets import PRESETS, get_preset
 from pretrain.runs.run_config import RunConfig, apply_overrides, apply_recipe, choose_model, is_model_override, resolve
 from pretrain.runs.train_config import budget_steps

@@ -27,8 +27,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from grt_common.errors import ConfigError
 from pretrain.model.flops import flops_per_token, train_flops_per_token
-from pretrain.model_config import ConfigError, Layout, ModelConfig
+from pretrain.model_config import Layout, ModelConfig
 from pretrain.presets import PAPER_START
 from pretrain.runs.run_config import RunConfig
 from pretrain.training.depth import depth_for_step

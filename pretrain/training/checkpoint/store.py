@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from grt_common.errors import ConfigError
 from grt_common.files import atomic_path, atomic_write_text, is_temp
 from pretrain.distributed import RankFailed, all_agree, all_reduce, check_ranks, comm_device
-from pretrain.model_config import ConfigError
 from pretrain.runs.checkpoint_files import (
     TAG_RE,
     Fallback,

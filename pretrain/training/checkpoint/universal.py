@@ -101,7 +101,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pretrain.model_config import ConfigError
+from grt_common.errors import ConfigError
 from pretrain.runs.checkpoint_files import ZERO_PARTITION_RE, UnreadableCheckpoint, ranks_that_wrote, read_config
 from pretrain.runs.trusted_files import load_weights_only, read_through_all
 from pretrain.training.checkpoint.muon_universal import has_momentum, muon_names, restore

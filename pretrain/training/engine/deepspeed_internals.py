@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from pretrain.model_config import ConfigError
+from grt_common.errors import ConfigError
 
 if TYPE_CHECKING:
     import deepspeed

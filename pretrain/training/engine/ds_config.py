@@ -22,8 +22,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from grt_common.errors import ConfigError
 from grt_common.files import atomic_write_text
-from pretrain.model_config import ConfigError, load_json_object
+from pretrain.model_config import load_json_object
 from pretrain.runs.run_config import SHIPPED_DIR, RunConfig, resolve_ds_path
 from pretrain.runs.train_config import TrainConfig
 from pretrain.training.engine.lr_schedule import horizon, warmup_num_steps

@@ -14,10 +14,11 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from grt_common.errors import ConfigError
 from pretrain.model.gpt import GPT
 from pretrain.model.layers import Block
 from pretrain.model.loss import chunk_tokens
-from pretrain.model_config import ConfigError, ModelConfig
+from pretrain.model_config import ModelConfig
 from pretrain.runs.train_config import AUTO, CHECKPOINT_MODES
 from pretrain.variants import get_variant
 

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from grt_common.errors import ConfigError
 from pretrain.distributed import Dist
 from pretrain.infer.evaluation.zero_shot import evaluate_task
-from pretrain.model_config import ConfigError
 from pretrain.runs.eval_tasks import TASKS, Item, load_task, task_depths, task_names
 
 if TYPE_CHECKING:

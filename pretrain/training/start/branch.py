@@ -47,8 +47,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from grt_common.errors import ConfigError
 from grt_common.files import atomic_write_text, is_temp
-from pretrain.model_config import ConfigError
 from pretrain.runs import checkpoint_files
 from pretrain.runs.checkpoint_files import DATA_SKIPS
 from pretrain.runs.run_config import RunConfig

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pretrain.model_config import ConfigError, ModelConfig
+from grt_common.errors import ConfigError
+from pretrain.model_config import ModelConfig
 from pretrain.presets import PRESETS, get_preset
 from pretrain.runs import checkpoint_files, checkpoint_mirror
 from pretrain.runs.run_config import (

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from pretrain.model_config import ConfigError, ModelConfig
+from grt_common.errors import ConfigError
+from pretrain.model_config import ModelConfig
 from pretrain.training.engine.ds_config import zero_stage
 
 GIB = 1 << 30

@@ -25,8 +25,8 @@ import torch
 from data_pipeline.batches import TokenCount, plan_stages, with_split
 from data_pipeline.mixture import MixtureError
 from data_pipeline.remote import ranged_settings
+from grt_common.errors import ConfigError
 from pretrain.distributed import discover
-from pretrain.model_config import ConfigError
 from pretrain.runs import checkpoint_files
 from pretrain.runs.checkpoint_files import UnreadableCheckpoint
 from pretrain.runs.data_spec import parse_data

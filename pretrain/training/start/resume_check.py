@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pretrain.model_config import ConfigError
+from grt_common.errors import ConfigError
 from pretrain.runs.checkpoint_files import UnreadableCheckpoint, ranks_that_wrote, read_config, step_of
 from pretrain.runs.data_spec import parse_data
 from pretrain.runs.identity import check_same_tokenizer

@@ -13,10 +13,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from grt_common.errors import file_system_problem, path_kind
+from grt_common.errors import ConfigError, file_system_problem, path_kind
 from grt_common.files import atomic_write_text, check_output_path
 from pretrain.distributed import RankFailed, check_ranks
-from pretrain.model_config import ConfigError
 from pretrain.runs.checkpoint_files import check_not_a_checkpoint
 from pretrain.training.engine.ds_config import save_ds_config
 from pretrain.training.start import run_lock

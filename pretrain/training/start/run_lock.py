@@ -32,7 +32,7 @@ import socket
 import time
 from pathlib import Path
 
-from pretrain.model_config import ConfigError
+from grt_common.errors import ConfigError
 from pretrain.say import say
 
 LOCK_NAME = "train.lock"
