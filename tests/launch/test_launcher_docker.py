@@ -128,7 +128,7 @@ def test_every_copied_file_exists_and_is_in_the_build_context():
             assert not ignored(src, patterns), f"COPY {src}: excluded by .dockerignore"
     # the package sources, the DeepSpeed configs and setup.py all reach the image
     copied = {shlex.split(a)[0].rstrip("/") for a in copies}
-    assert {"setup.py", "pretrain", "data_pipeline", "launcher", "ds_configs"} <= copied
+    assert {"setup.py", "grt_common", "pretrain", "data_pipeline", "launcher", "ds_configs"} <= copied
 
 
 def test_every_run_command_is_documented():
