@@ -36,6 +36,26 @@ from pretrain.say import say
 ONE_START_KEYS = ("allow_data_change", "allow_batch_change")  # a consent given for the start that gives it
 
 
+@dataclass(frozen=True)
+class CommandLine:
+    """What a `grt train` command line sets (`command_line`)."""
+
+    out: str | None = None
+    config_json: str | None = None
+    resume: bool = False
+    branch_from: str | None = None
+    preset: str | None = None
+    model_config: str | None = None
+    flags: dict[str, tuple[str, Any]] = field(default_factory=dict)  # run config key -> (its flag, value)
+    overrides: tuple[str, ...] = ()  # the --sets, in order
+
+    @property
+    def given(self) -> frozenset[str]:
+        """The keys it sets itself: its --sets' and its train flags' (settings_rules.py `mark_given`)."""
+        sets = {item.split("=", 1)[0] for item in self.overrides}
+        return frozenset(sets | {key for key in self.flags if key.startswith("train.")})
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grt train", description="Train a GRT or dense model with DeepSpeed.")
     p.add_argument(
@@ -159,26 +179,6 @@ def read_command_line(args: argparse.Namespace) -> RunConfig:
     cfg = run_config(line)
     cfg.validate()
     return cfg
-
-
-@dataclass(frozen=True)
-class CommandLine:
-    """What a `grt train` command line sets (`command_line`)."""
-
-    out: str | None = None
-    config_json: str | None = None
-    resume: bool = False
-    branch_from: str | None = None
-    preset: str | None = None
-    model_config: str | None = None
-    flags: dict[str, tuple[str, Any]] = field(default_factory=dict)  # run config key -> (its flag, value)
-    overrides: tuple[str, ...] = ()  # the --sets, in order
-
-    @property
-    def given(self) -> frozenset[str]:
-        """The keys it sets itself: its --sets' and its train flags' (settings_rules.py `mark_given`)."""
-        sets = {item.split("=", 1)[0] for item in self.overrides}
-        return frozenset(sets | {key for key in self.flags if key.startswith("train.")})
 
 
 @dataclass(frozen=True)
