@@ -12,6 +12,7 @@ tokens, so `grt eval --tasks chains` splits it by k with no side file.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -28,7 +29,7 @@ from grt_common.files import check_output_path
 from .chains import END, ChainTask, padded, sample, symbols
 from .manifest import MANIFEST_NAME, Manifest, manifest_dict
 from .prepare_encode import Packer
-from .prepare_output import TOKENIZER_NAME, OutputDir
+from .prepare_output import TOKENIZER_NAME, OutputDir, prepare_identity
 from .shards import ext_for_vocab, sample_stride
 from .tokenizer import Tokenizer, file_sha256
 
@@ -100,12 +101,14 @@ def write_chains(
     shard_size_mb: float = 64.0,
     progress: bool = True,
     loss_on: str = "all",
+    overwrite: bool = False,
 ) -> Manifest:
     """Write the task's tokenizer, shards and manifest under ``out_dir``; returns the manifest.
     ``seq_len`` defaults to the longest sample of either split; ``val_task`` (default: ``task``)
     sets the validation split's hops; ``loss_on`` (LOSS_ON): ``answers`` writes loss masks that
     score the answers only, in both splits (validation loss is then answer loss). A folder written
-    before is replaced only once the new run is complete (`OutputDir`)."""
+    before is replaced only once the new run is complete (`OutputDir`); one that holds anything but
+    this task's own output only with ``overwrite``."""
     t0 = time.time()
     val_task = val_task or task
     task.check()
@@ -127,7 +130,10 @@ def write_chains(
     ids = token_ids(task)
     ext = ext_for_vocab(len(ids) + 1)
     per_shard = max(1, int(shard_size_mb * 1e6) // sample_stride(seq_len + 1, ext, masked))
-    out = OutputDir(out_dir)
+    options = {"chains": asdict(task), "val_chains": asdict(val_task), "seq_len": seq_len}
+    options |= {"loss_on": loss_on} if masked else {}
+    # this command's own output again (the same task) is no other output; anything else needs --overwrite
+    out = OutputDir(out_dir, prepare_identity([], options, hashlib.sha256(model).hexdigest()), overwrite)
     try:
         out.open()
         out.put_bytes(TOKENIZER_NAME, model)
@@ -157,8 +163,7 @@ def write_chains(
             splits=splits,
             sources=[],
             stats={"samples_per_split": {"train": train_samples, "val": val_samples}},
-            options={"chains": asdict(task), "val_chains": asdict(val_task), "seq_len": seq_len}
-            | ({"loss_on": loss_on} if masked else {}),
+            options=options,
             loss_mask="bits" if masked else "",
         )
         out.put_bytes(MANIFEST_NAME, (json.dumps(doc, indent=1) + "\n").encode("utf-8"))

@@ -74,6 +74,11 @@ def _add_chains_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the longest sample)")
     c.add_argument("--seed", type=int, default=0, help="seed of the samples (default 0)")
     c.add_argument("--quiet", "-q", action="store_true", help="no summary line")
+    c.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an output of something else in --out (once the new one is complete)",
+    )
 
 
 def _chains(args: argparse.Namespace) -> None:
@@ -104,6 +109,7 @@ def _chains(args: argparse.Namespace) -> None:
         val_task,
         progress=not args.quiet,
         loss_on=args.loss_on,
+        overwrite=args.overwrite,
     )
 
 

@@ -248,7 +248,8 @@ def prepare(
     overwrite: bool = False,
 ) -> Manifest:
     """Tokenise ``inputs`` into shards under ``out_dir``; returns the loaded manifest. An ``out_dir``
-    holding another prepare's output is refused unless ``overwrite`` (prepare_output.py).
+    holding anything but this prepare's own output (another prepare's, a run, an export, other
+    files) is refused unless ``overwrite`` (prepare_output.py, `check_output_folder`).
 
     ``val_inputs`` go entirely to the ``val`` split; otherwise a ``val_fraction`` of the
     documents (chosen by a seeded hash of their content) does. ``max_mb`` stops after that
@@ -274,7 +275,7 @@ def prepare(
     n_workers = workers if workers is not None else (os.cpu_count() or 1)
 
     identity = prepare_identity(files, {**asdict(options), **part_options}, tok.sha256)
-    out = OutputDir(out_dir, identity, overwrite)
+    out = OutputDir(out_dir, identity, overwrite, inputs=(*(path for path, _ in files), tok.model_path))
     manifest_path = os.path.join(out_dir, MANIFEST_NAME)
     try:
         out.open()

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+from collections.abc import Callable
 from typing import Any
 
 from grt_common.files import FolderLock, is_temp
@@ -27,16 +28,65 @@ class OutputOfSomethingElse(ValueError):
     """An existing output that a command would replace without --overwrite (`refuse_other_output`)."""
 
 
-def refuse_other_output(path: str, holds: str, same: bool, overwrite: bool) -> None:
-    """The one rule of every command that writes a folder (`grt data prepare` and `join`, `grt export`):
-    an existing output of something else (`holds`: what it is) is replaced only with --overwrite, and
-    then only once the new one is complete; the same command's own output again (a rerun) is not
-    something else. One line."""
-    if not same and not overwrite:
-        raise OutputOfSomethingElse(
-            f"{path} exists and holds {holds}; pass --overwrite to replace it (once the new one is complete), "
-            "or choose another output"
-        )
+def refuse_other_output(path: str, holds: str, same: bool, overwrite: bool | None) -> None:
+    """The one rule of every command that writes a folder (`grt data prepare`, `join` and `chains`,
+    `grt export`, `grt analyze`, `grt train`): an existing output of something else (`holds`: what it
+    is) is replaced only with --overwrite, and then only once the new one is complete; the same
+    command's own output again (a rerun) is not something else. `overwrite` None: the command has
+    no --overwrite (`grt train`: it deletes nothing it did not write). One line."""
+    if same or overwrite:
+        return
+    if overwrite is None:
+        raise OutputOfSomethingElse(f"{path} exists and holds {holds}; choose another output (a new or empty folder)")
+    raise OutputOfSomethingElse(
+        f"{path} exists and holds {holds}; pass --overwrite to replace it (once the new one is complete), "
+        "or choose another output"
+    )
+
+
+# What each command of the project leaves in its folder, by a name only it writes (a refusal's words)
+_MADE_BY = (
+    (MANIFEST_NAME, "a prepared dataset"),
+    ("model.safetensors", "an export"),
+    ("checkpoints", "a training run"),
+    ("train.log", "a training run"),
+    ("analysis.json", "an analysis report"),
+    ("comparison.json", "a comparison"),
+)
+
+
+def folder_entries(path: str) -> list[str]:
+    """The names in an existing folder that count as content: all but this project's leftovers (a
+    killed command's temporaries, what a prepare set aside); none for a path that is not a folder."""
+    if not os.path.isdir(path):
+        return []
+    return sorted(n for n in os.listdir(path) if not (is_temp(n) or _ASIDE_RE.match(n)))
+
+
+def folder_holds(path: str) -> str:
+    """What a non-empty folder holds, in words: the command's output it is, or its first names."""
+    names = folder_entries(path)
+    for name, what in _MADE_BY:
+        if name in names:
+            return f"{what} ({name})"
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"files of something else ({shown})"
+
+
+def among_inputs(path: str, name: str, inputs: tuple[str, ...]) -> bool:
+    """Whether the entry `name` of the folder `path` is one of the files a command reads (`inputs`),
+    or a folder holding one: a command's own input inside its output folder is not something else."""
+    entry = os.path.realpath(os.path.join(path, name))
+    return any(os.path.commonpath([entry, os.path.realpath(p)]) == entry for p in inputs if "://" not in p)
+
+
+def check_output_folder(path: str, own: Callable[[list[str]], bool], overwrite: bool | None) -> None:
+    """`refuse_other_output` for a folder: absent or empty is accepted, and so is one whose names
+    (`folder_entries`) `own` takes for the command's own output; anything else is refused in the
+    same words by every command (`folder_holds`). A ValueError (`OutputOfSomethingElse`)."""
+    names = folder_entries(path)
+    if names:
+        refuse_other_output(path, folder_holds(path), own(names), overwrite)
 
 
 def made_by(manifest_path: str, identity: dict[str, Any]) -> bool:
@@ -72,9 +122,12 @@ class OutputDir:
     the next complete run deletes what it set aside.
     """
 
-    def __init__(self, path: str, identity: dict[str, Any] | None = None, overwrite: bool = False) -> None:
+    def __init__(
+        self, path: str, identity: dict[str, Any] | None = None, overwrite: bool = False, inputs: tuple[str, ...] = ()
+    ) -> None:
         self.path = path
-        self.identity, self.overwrite = identity, overwrite  # `open` refuses another prepare's output
+        # `open` refuses what is not this command's own output; `inputs`: files it reads that may lie there
+        self.identity, self.overwrite, self.inputs = identity, overwrite, inputs
         self.created: list[str] = []  # folders this run made, outermost first
         self.aside: list[tuple[str, str]] = []  # (name, hidden name it was renamed to), in order
         self.written: list[str] = []  # names this run wrote (temporaries included)
@@ -85,8 +138,8 @@ class OutputDir:
 
     def open(self) -> None:
         """Make the folder and its missing parents, and take its lock (refused while another command
-        writes it: a ValueError); refuse a folder that holds another prepare's output without
-        --overwrite (`refuse_other_output`; nothing is changed)."""
+        writes it: a ValueError); refuse a folder that holds something other than this command's own
+        output without --overwrite (`check_output_folder`; nothing is changed)."""
         missing, d = [], os.path.abspath(self.path)
         while not os.path.exists(d):
             missing.append(d)
@@ -98,10 +151,19 @@ class OutputDir:
                 continue
             self.created.append(d)
         self.lock = FolderLock(self.path, "prepare")
-        manifest = self._join(MANIFEST_NAME)
-        if self.identity is not None and os.path.lexists(manifest):
-            what = "the shards of another prepare (other inputs, options or tokenizer)"
-            refuse_other_output(self.path, what, made_by(manifest, self.identity), self.overwrite)
+        check_output_folder(self.path, self._own, self.overwrite)
+
+    def _own(self, names: list[str]) -> bool:
+        """Whether the folder's `names` are this command's own output: the pipeline's names only
+        (shards without a manifest: an interrupted run's) or the files it reads, and a manifest
+        there written by the same command (`made_by`)."""
+        for name in names:
+            ours = name in (MANIFEST_NAME, TOKENIZER_NAME) or _SHARD_RE.match(name) or _SHARD_TMP_RE.match(name)
+            if not ours and not among_inputs(self.path, name, self.inputs):
+                return False
+        if MANIFEST_NAME not in names or self.identity is None:  # None: no record to tell one of its own runs
+            return True
+        return made_by(self._join(MANIFEST_NAME), self.identity)
 
     def _set_aside(self, name: str) -> None:
         if not os.path.lexists(self._join(name)):

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from data_pipeline.prepare_output import OutputOfSomethingElse, refuse_other_output
+from data_pipeline.prepare_output import OutputOfSomethingElse, check_output_folder
 from grt_common.errors import ConfigError
 from grt_common.files import output_path
 from pretrain.infer.load import (
@@ -52,11 +52,10 @@ def export(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a directory")
-    if out.exists():  # the one rule of a command's output folder (data_pipeline/prepare_output.py)
-        try:
-            refuse_other_output(str(out), "files (another export, or anything else)", not any(out.iterdir()), overwrite)
-        except OutputOfSomethingElse as err:
-            raise ConfigError(str(err)) from None
+    try:  # the one rule of a command's output folder: an export replaces only with --overwrite, even another
+        check_output_folder(str(out), lambda names: False, overwrite)
+    except OutputOfSomethingElse as err:
+        raise ConfigError(str(err)) from None
     run_cfg = read_config(step_dir)
     cfg = ModelConfig.from_dict(run_cfg["model"])
     save_hf = _hf_writer() if hf else None  # before anything is written

@@ -150,8 +150,9 @@ def apply_token_budget(cfg: RunConfig, world: int, seq_len: int, trained: tuple[
 def resolve(
     cfg: RunConfig, manifest: Manifest | DataMixture | None = None, notes: list[str] | None = None
 ) -> RunConfig:
-    """Checks that need the data: the model's vocabulary and context follow the tokenizer's.
-    (The splits' sizes against the batch are the trainer's, which knows the ranks.) A vocabulary
+    """Checks that need the data: the model's vocabulary and context follow the tokenizer's; --out
+    is empty, a run's, or holds only the run's own data (`check_run_output`). (The splits' sizes
+    against the batch are the trainer's, which knows the ranks.) A vocabulary
     changed is said in one line, into `notes`; one the command line set itself is refused."""
     manifest = manifest or cfg.data_spec.load()
     old, new = cfg.model.vocab_size, manifest.vocab_size
@@ -168,6 +169,7 @@ def resolve(
     if manifest.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"the shards' seq_len={manifest.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
     cfg.validate()
+    checkpoint_files.check_run_output(Path(cfg.out), [*cfg.data_spec.paths, cfg.ds_config])  # a run's or empty
     return cfg
 
 

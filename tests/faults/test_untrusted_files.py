@@ -314,7 +314,7 @@ def files_of(folder: Path) -> dict[str, bytes]:
 def test_an_output_of_something_else_is_replaced_only_with_overwrite(manifest, dense_run, tmp_path, capsys):  # noqa: F811
     """`grt data prepare` over another prepare's output (other options): refused in one line, the folder
     as it was; the same prepare again is no other output; --overwrite replaces it. `grt export` says
-    it the same way."""
+    it the same way (every writer, every kind of folder: test_output_folders.py)."""
     out = tmp_path / "shards"
     tokenizer = manifest.parent.parent / "tok.model"
     base = ["data", "prepare", "-i", str(REPO / "examples" / "data" / "tinyshakespeare.txt"), "-t", str(tokenizer)]
@@ -323,9 +323,7 @@ def test_an_output_of_something_else_is_replaced_only_with_overwrite(manifest, d
     assert grt_in_process([*base, "--seq-len", "64"], capsys)[0] == 0  # the same command again
     before = files_of(out)
     rc, err = grt_in_process([*base, "--seq-len", "32"], capsys)
-    want = (
-        f"{out} exists and holds the shards of another prepare (other inputs, options or tokenizer); pass --overwrite"
-    )
+    want = f"{out} exists and holds a prepared dataset (manifest.json); pass --overwrite"
     assert rc == 2 and len(error_lines(err)) == 1 and want in err, err
     assert files_of(out) == before
     assert grt_in_process([*base, "--seq-len", "32", "--overwrite"], capsys)[0] == 0
@@ -335,7 +333,7 @@ def test_an_output_of_something_else_is_replaced_only_with_overwrite(manifest, d
     export.mkdir()
     (export / "notes.txt").write_text("mine\n")
     rc, err = grt_in_process(["export", "--checkpoint", str(dense_run), "--out", str(export), "--no-hf"], capsys)
-    assert rc == 2 and f"{export} exists and holds files (another export, or anything else); pass --overwrite" in err
+    assert rc == 2 and f"{export} exists and holds files of something else (notes.txt); pass --overwrite" in err
     assert files_of(export) == {"notes.txt": b"mine\n"}
 
 

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from data_pipeline.manifest import Manifest
+from data_pipeline.prepare_output import OutputOfSomethingElse, check_output_folder
 from grt_common.errors import ConfigError
 from grt_common.files import atomic_write_text, output_path
 from pretrain.infer.analyze.measures import (
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
     from data_pipeline.tokenizer import Tokenizer
 
 ANCHORS = ("prelude", "zeros", "embeddings", "previous")
+REPORT_FILES = ("report.md", "analysis.json")  # beside its plots (*.png): what --out holds after a run
 
 
 def _grt_loop(model: GPT) -> LoopStep:
@@ -312,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         "(cut after each layer) against the GRT's over FLOPs per token",
     )
     p.add_argument("--tokenizer")
+    p.add_argument("--overwrite", action="store_true", help="write into an --out that holds something else")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on a CUDA GPU, else the stored dtype), fp32, bf16, fp16")
     args = p.parse_args(argv)
@@ -325,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
         for flag, value, least in counts:
             if value < least:
                 raise ConfigError(f"{flag} {value}: must be >= {least}")
+        try:  # the one rule of an output folder: an earlier report is this command's own
+            check_output_folder(
+                args.out, lambda names: all(n in REPORT_FILES or n.endswith(".png") for n in names), args.overwrite
+            )
+        except OutputOfSomethingElse as err:
+            raise ConfigError(f"--out {err}") from None
         device = pick_device(args.device)
         dtype = pick_dtype(args.dtype, device)
         # every refusal before a weight is read: the models' structures (on the meta device), the data

@@ -45,6 +45,7 @@ from pretrain import PROJECT_ROOT
 from pretrain.model.flops import flops_per_token
 from pretrain.model_config import ModelConfig, load_json_object
 from pretrain.presets import PRESETS, get_preset
+from pretrain.runs.data_spec import parse_data
 from pretrain.runs.run_config import RunConfig, apply_overrides, apply_recipe, choose_model, is_model_override, resolve
 from pretrain.runs.train_config import budget_steps
 from pretrain.tools.compare.controls import control_label, control_model, parse_control
@@ -254,12 +255,36 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# What a comparison leaves in --out beside its run directories: each file's name starts so, or is a run's log
+COMPARISON_FILES = ("comparison", "sizing", "seeds", "loss_curves", "startup-probe", "seed-")
+
+
+def check_comparison_folder(out: Path, data: str) -> None:
+    """The one rule of an output folder (data_pipeline/prepare_output.py) for `grt compare`: --out
+    is new or empty, or holds a comparison (its files, its runs, their logs) and perhaps the data
+    it reads; anything else is refused (a ConfigError), before any run is built. A comparison has
+    no --overwrite: it deletes nothing (--retrain replaces its own runs)."""
+    from data_pipeline.prepare_output import OutputOfSomethingElse, among_inputs, check_output_folder
+    from pretrain.runs.checkpoint_files import is_run_folder
+
+    def own(name: str) -> bool:
+        if name.startswith(COMPARISON_FILES) or name.endswith(".log") or is_run_folder(out / name):
+            return True
+        return among_inputs(str(out), name, tuple(parse_data(data).paths))
+
+    try:
+        check_output_folder(str(out), lambda names: all(own(n) for n in names), None)
+    except OutputOfSomethingElse as err:
+        raise ConfigError(f"--out {err}") from None
+
+
 def compare(args: argparse.Namespace, argv: list[str] | None) -> tuple[int, list[dict]]:
     """One comparison (one seed): (exit code, the table's rows)."""
     started = time.time()
     out = Path(args.out)
     suffix = f"-{args.tag}" if args.tag else ""
     try:
+        check_comparison_folder(out, str(args.data))
         if args.time_budget and (args.nproc != 1 or args.parallel != 1):
             raise ConfigError(
                 "--time-budget times one process training one run at a time: use it with --nproc 1 --parallel 1"
