@@ -7,6 +7,7 @@ resolution) is run_config.py.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -298,6 +299,11 @@ def _checkpoint_checks(t: TrainConfig) -> list[tuple[bool, str]]:
             t.export_every == 0 or (t.export_every > 0 and t.save_every > 0 and t.export_every % t.save_every == 0),
             f"train.export_every={t.export_every}: must be 0 (off) or a multiple of train.save_every={t.save_every} "
             "(an export is written from a checkpoint)",
+        ),
+        (  # the start's check, so that --dry-run makes it too (it was the trainer's, after the engine)
+            t.export_every == 0 or importlib.util.find_spec("transformers") is not None,
+            f"train.export_every={t.export_every}: the Hugging Face copy needs transformers: "
+            "pip install 'grt-pretrain[hf]'",
         ),
     ]
 

@@ -26,3 +26,25 @@ def test_train_wandb_without_a_login_is_refused_before_anything_starts(shards, t
     assert r.returncode == 2 and not out.exists(), r.stderr[-3000:]  # refused before --out is made
     assert len(errors) == 1 and "train.wandb=true: not logged in to W&B" in errors[0], r.stderr[-3000:]
     assert "WANDB_MODE=offline" in errors[0] and "Traceback" not in r.stderr
+
+
+def test_export_every_without_transformers_is_refused_by_the_dry_run(shards, tmp_path, monkeypatch):
+    """train.export_every needs transformers for the exports' Hugging Face copy: the run's checks
+    refuse it in one line, so `--dry-run` (which makes the start's checks) does too; before, only
+    the trainer refused it, after the engine was built, and the dry run passed."""
+    import importlib.util
+
+    from grt_common.errors import ConfigError
+    from pretrain.presets import get_preset
+    from pretrain.runs.run_config import RunConfig
+    from pretrain.training.trainer import dry_run
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else found(name, *a)
+    )
+    cfg = RunConfig(model=get_preset("micro-grt"), data=str(shards), out=str(tmp_path / "run"))
+    cfg.train.steps, cfg.train.micro_batch_size, cfg.train.save_every, cfg.train.export_every = 4, 4, 2, 2
+    with pytest.raises(ConfigError, match=r"train.export_every=2: the Hugging Face copy needs transformers: pip"):
+        dry_run(cfg)
+    assert not (tmp_path / "run").exists()

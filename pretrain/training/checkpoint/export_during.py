@@ -19,7 +19,6 @@ that ends after the last step is said in the log only.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import subprocess
@@ -31,7 +30,6 @@ from pathlib import Path
 from typing import IO, Any
 
 from pretrain.distributed.error_boundary import VERDICTS_ENV
-from pretrain.model_config import ConfigError
 from pretrain.runs.checkpoint_files import step_of, tag_dirs, tag_for
 from pretrain.training.callbacks import Callback
 from pretrain.training.run_context import RunContext
@@ -65,11 +63,6 @@ class ExportDuring(Callback):
         t = run.cfg.train
         if not t.export_every:
             return None
-        if importlib.util.find_spec("transformers") is None:  # every rank: said at the start, not at the first export
-            raise ConfigError(
-                f"train.export_every={t.export_every}: the Hugging Face copy needs transformers: "
-                "pip install 'grt-pretrain[hf]'"
-            )
         if run.rank != 0:
             return None
         exports = cls(run.root, t.export_every, t.keep_checkpoints)
