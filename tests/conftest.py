@@ -17,7 +17,11 @@ def pytest_configure(config) -> None:
     """A pytest-xdist worker per core (scripts/test.sh): each one computes with one thread. torch's
     default of a thread per core puts two workers' threads on each core, where OpenMP's waits spin:
     a micro model's training ran 4.5x slower so (301 s against 68 s for 300 steps, two workers busy).
-    The controller makes the folder of what the workers share (tests/shared_artifacts.py)."""
+    The controller makes the folder of what the workers share (tests/shared_artifacts.py), and hands
+    the units out in the order pytest_collection_modifyitems gives them: pytest-xdist (3.x) would
+    otherwise reorder them by their number of tests, which put the few long tests of a unit such as
+    test_loop_computes.py (4 tests, 257 s) among the last units, to run while the other worker idled."""
+    config.option.loadscopereorder = False
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
@@ -66,9 +70,11 @@ CLUSTER_MODULES = ("test_launcher_slurm.py", "test_multinode.py", "test_multinod
 
 # The longest units of work, longest first: pytest-xdist hands units out in collection order, so a
 # long unit collected last runs alone at the end while the other worker idles (a 15-minute tail).
-# Measured with `--durations=0` over the whole suite (each unit's summed test times, 2026-12-03).
+# Measured with `--durations=0` over the whole suite (each unit's summed test times, 2026-12-03; the
+# loop check from the durations of 2026-12-05). After them the units with a slow test, then the rest.
 LONGEST_FIRST = (
     "cluster",  # ~420 s
+    "tests/model/test_loop_computes.py",  # ~257 s
     "tests/faults/test_reliability.py",
     "tests/launch/test_gpu_check.py",
     "tests/training/test_muon.py",
@@ -92,7 +98,7 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(items):
     """Each module is one unit of work for pytest-xdist (its module and session fixtures are
     made once, on one worker), the cluster modules together; the longest units first."""
-    unit = {}
+    unit, slow = {}, set()
     for item in items:
         marker = item.get_closest_marker("xdist_group")
         if marker is None:
@@ -100,8 +106,15 @@ def pytest_collection_modifyitems(items):
             marker = pytest.mark.xdist_group("cluster" if item.path.name in CLUSTER_MODULES else module)
             item.add_marker(marker)
         unit[item.nodeid] = marker.args[0] if marker.args else marker.kwargs.get("name", "")
+        if item.get_closest_marker("slow") is not None:
+            slow.add(unit[item.nodeid])
     order = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: order.get(unit[item.nodeid], len(order)))  # stable: the rest as collected
+
+    def rank(item) -> tuple[int, bool]:  # stable: otherwise as collected
+        name = unit[item.nodeid]
+        return order.get(name, len(order)), name not in slow
+
+    items.sort(key=rank)
 
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # transformers and lm-eval never reach a hub
