@@ -201,10 +201,14 @@ def set_flags(cfg: RunConfig, flags: dict[str, tuple[str, Any]], overrides: list
     for key, (flag, given) in flags.items():
         value = callers_file(key, given)
         if key in sets and not same_setting(key, value, callers_file(key, _setting(cfg, key))):
-            raise ConfigError(
-                f"{flag} {given} and --set {sets[key]} disagree: one setting has one value; give one of them"
-            )
+            raise flag_and_set_disagree(flag, given, sets[key])
         _set(cfg, key, value)
+
+
+def flag_and_set_disagree(flag: str, given: Any, item: str) -> ConfigError:
+    """The refusal of a flag and a --set of its key that name two values (`grt train`'s `set_flags`,
+    `grt compare`): before, one of them won without a word."""
+    return ConfigError(f"{flag} {given} and --set {item} disagree: one setting has one value; give one of them")
 
 
 def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:

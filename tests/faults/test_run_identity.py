@@ -224,3 +224,41 @@ def test_a_seed_changed_on_resume_is_refused(run, capsys):
     rc, _, err = run_main(capsys, "--out", str(run), "--resume", "--steps", "6", "--set", "train.seed=7", "--dry-run")
     refused(rc, err, "train.seed", "-> 7", "only in part")
     assert tree(run) == before
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        ["--seeds", "0,1", "--set", "train.seed=5"],  # three copies of one seed, their spread reported
+        ["--lr", "1e-3", "--set", "train.lr=3e-4"],
+        ["--micro-batch-size", "4", "--set", "train.micro_batch_size=2"],
+        ["--data", "@other", "--set", "data=@data"],
+        ["--set", "out=@other"],  # every run into one folder
+    ],
+)
+def test_a_compare_flag_and_a_set_that_disagree_are_refused(shards, tmp_path, capsys, given):
+    """`grt compare` by `grt train`'s rule: before, its --set won over the flag without a word.
+    One line, exit 2, nothing written."""
+    from pretrain.tools.compare import cli as compare
+
+    out = tmp_path / "cmp"
+    base = ["--data", str(shards), "--out", str(out), "--configs", "micro-dense", "--tokens", "5000", "--dry-run"]
+    given = [a.replace("@data", str(shards)).replace("@other", str(tmp_path / "other")) for a in given]
+    rc = compare.main([*base, *given])
+    lines = error_lines(capsys.readouterr().err)
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("grt compare: error: "), lines
+    assert ("disagree: one setting has one value" in lines[0]) == ("out=" not in given[-1]), lines
+    assert not out.exists() and not (tmp_path / "other").exists()
+
+
+def test_a_compare_set_of_a_flag_left_at_its_default_is_its_value(shards, tmp_path):
+    """...and one that agrees with the flag given is one value (lr 3e-4 with its minimum 3e-5:
+    before, the default --lr's minimum 3e-4 above it refused the run)."""
+    from pretrain.tools.compare import cli as compare
+
+    base = ["--data", str(shards), "--out", str(tmp_path / "cmp"), "--configs", "micro-dense", "--tokens", "5000"]
+    for agreeing in (["--set", "train.lr=3e-4"], ["--lr", "3e-4", "--set", "train.lr=0.0003"]):
+        args = compare.parse_args([*base, *agreeing])
+        compare.check_flags_and_sets(args)
+        [run] = compare.build_runs(args, 5000)
+        assert (run["cfg"].train.lr, run["cfg"].train.min_lr) == (3e-4, pytest.approx(3e-5))

@@ -40,14 +40,21 @@ from pathlib import Path
 from typing import Any
 
 from grt_common.errors import ConfigError
-from grt_common.files import atomic_write_text, output_path
-from pretrain import PROJECT_ROOT
+from grt_common.files import atomic_write_text
 from pretrain.model.flops import flops_per_token
 from pretrain.model_config import ModelConfig, load_json_object
 from pretrain.presets import PRESETS, get_preset
-from pretrain.runs.data_spec import parse_data
-from pretrain.runs.run_config import RunConfig, apply_overrides, apply_recipe, choose_model, is_model_override, resolve
+from pretrain.runs.run_config import (
+    RunConfig,
+    apply_overrides,
+    apply_recipe,
+    choose_model,
+    is_model_override,
+    resolve,
+)
 from pretrain.runs.train_config import budget_steps
+from pretrain.tools.compare.command_line import build_parser as build_parser  # the command's parser, here too
+from pretrain.tools.compare.command_line import check_comparison_folder, check_flags_and_sets, parse_args
 from pretrain.tools.compare.controls import control_label, control_model, parse_control
 from pretrain.tools.compare.plot import plot
 from pretrain.tools.compare.runs import finished, train_all
@@ -138,99 +145,13 @@ def build_runs(args: argparse.Namespace, tokens: float) -> list[dict]:
     return runs
 
 
-# -- command line ------------------------------------------------------------------------------
-def seed_list(text: str) -> list[int]:
-    """--seeds: distinct whole numbers separated by commas (argparse says a refusal in one line)."""
-    try:
-        seeds = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers separated by commas, e.g. 0,1,2") from None
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise argparse.ArgumentTypeError(f"{text!r}: give one or more distinct seeds, e.g. 0,1,2")
-    return seeds
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="grt compare", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "--configs",
-        action="append",
-        required=True,
-        help="comma-separated presets or JSON files, or controls of one (tiny-grt:dense-params, :dense-flops, "
-        ":dense-train-flops, :r1, :fixed, :paper-start) (repeatable); the first is the reference",
-    )
-    p.add_argument("--data", required=True, help="manifest.json from `grt data prepare` (every run reads it)")
-    p.add_argument("--out", required=True, type=output_path(is_dir=True), help="output directory")
-    p.add_argument("--tokens", type=float, default=1e6, help="training tokens per run (default 1e6)")
-    p.add_argument(
-        "--time-budget",
-        type=float,
-        default=0,
-        metavar="S",
-        help="size the tokens per run by measurement (instead of --tokens) so that the whole command "
-        "finishes within S seconds: each run's step is timed first; needs --nproc 1 --parallel 1",
-    )
-    p.add_argument(
-        "--min-tokens",
-        type=float,
-        default=1e6,
-        help="with --time-budget: warn when the budget affords fewer tokens per run (default 1e6)",
-    )
-    p.add_argument("--timing-steps", type=int, default=3, help="with --time-budget: timed steps per depth (default 3)")
-    p.add_argument(
-        "--exit-depth-factor",
-        type=int,
-        default=1,
-        metavar="F",
-        help="early exit at r = 0..F*R on each final checkpoint (default 1: the trainer's r = 0..R)",
-    )
-    p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (min = lr / 10, warmup 5%%)")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument(
-        "--seeds",
-        type=seed_list,
-        metavar="S1,S2,...",
-        help="train the comparison once per seed (<out>/seed-<s>/), then one table of mean ± spread per method "
-        "and the paper's orderings against the seed spread (<out>/seeds.md; pretrain/tools/compare/seeds.py)",
-    )
-    p.add_argument(
-        "--match",
-        choices=("none", "flops", "params"),
-        default="none",
-        help="adjust layouts to the reference's forward FLOPs per token or parameter count",
-    )
-    p.add_argument("--reference", help="label of the reference config (default: the first)")
-    p.add_argument("--ds-config", default=str(PROJECT_ROOT / "ds_configs" / "zero2.json"))
-    p.add_argument("--nproc", type=int, default=1, help="ranks per run (local processes)")
-    p.add_argument("--parallel", type=int, default=1, help="runs trained at the same time (default 1)")
-    p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS per process (0: leave as is)")
-    p.add_argument("--tag", default="", help="name suffix of the table/JSON/plot files (comparison-TAG.md ...)")
-    p.add_argument("--evals", type=int, default=4, help="validation evaluations per run")
-    p.add_argument("--eval-batches", type=int, default=20)
-    p.add_argument("--log-every", type=int, default=5, help="TensorBoard logging interval (tokens/s, memory)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override for every run, e.g. model.d_model=64 or train.lr=1e-3 (repeatable)",
-    )
-    p.add_argument("--retrain", action="store_true", help="train again runs that already finished")
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="print the runs (layout, params, FLOPs), check each as `grt train --dry-run` does, and exit",
-    )
-    return p
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
+    try:
+        check_flags_and_sets(args)
+    except ConfigError as err:
+        print(f"grt compare: error: {err}", file=sys.stderr)
+        return 2
     if not args.seeds:
         return compare(args, argv)[0]
     import copy
@@ -253,29 +174,6 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + text)
     atomic_write_text(Path(args.out) / f"seeds{f'-{args.tag}' if args.tag else ''}.md", text)
     return 0
-
-
-# What a comparison leaves in --out beside its run directories: each file's name starts so, or is a run's log
-COMPARISON_FILES = ("comparison", "sizing", "seeds", "loss_curves", "startup-probe", "seed-")
-
-
-def check_comparison_folder(out: Path, data: str) -> None:
-    """The one rule of an output folder (data_pipeline/prepare_output.py) for `grt compare`: --out
-    is new or empty, or holds a comparison (its files, its runs, their logs) and perhaps the data
-    it reads; anything else is refused (a ConfigError), before any run is built. A comparison has
-    no --overwrite: it deletes nothing (--retrain replaces its own runs)."""
-    from data_pipeline.prepare_output import OutputOfSomethingElse, among_inputs, check_output_folder
-    from pretrain.runs.checkpoint_files import is_run_folder
-
-    def own(name: str) -> bool:
-        if name.startswith(COMPARISON_FILES) or name.endswith(".log") or is_run_folder(out / name):
-            return True
-        return among_inputs(str(out), name, tuple(parse_data(data).paths))
-
-    try:
-        check_output_folder(str(out), lambda names: all(own(n) for n in names), None)
-    except OutputOfSomethingElse as err:
-        raise ConfigError(f"--out {err}") from None
 
 
 def compare(args: argparse.Namespace, argv: list[str] | None) -> tuple[int, list[dict]]:
