@@ -57,7 +57,7 @@ from pretrain.tools.compare.command_line import build_parser as build_parser  # 
 from pretrain.tools.compare.command_line import check_comparison_folder, check_flags_and_sets, parse_args
 from pretrain.tools.compare.controls import control_label, control_model, parse_control
 from pretrain.tools.compare.plot import plot
-from pretrain.tools.compare.runs import finished, train_all
+from pretrain.tools.compare.runs import finished, other_data, train_all
 from pretrain.tools.compare.sizing import match, model_params, run_tokens_per_step, sized_tokens
 from pretrain.tools.compare.table import collect, table
 
@@ -227,6 +227,14 @@ def compare(args: argparse.Namespace, argv: list[str] | None) -> tuple[int, list
             print(
                 f"grt compare: error: {run_dir} holds a run of a different config; pass --retrain to replace it "
                 "or choose another --out",
+                file=sys.stderr,
+            )
+            return 2, []
+        changed = None if args.retrain else other_data(run_dir, run["cfg"].data)
+        if changed is not None:  # the data by identity, not by its path (a dataset prepared again there)
+            print(
+                f"grt compare: error: {run_dir} holds a run trained on other data than {run['cfg'].data} ({changed}); "
+                "pass --retrain to replace it or choose another --out",
                 file=sys.stderr,
             )
             return 2, []

@@ -23,12 +23,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# The data a run of the comparison trains on, by identity (its manifest's sha256), beside its config:
+# a finished run is reused only for the same data, whatever the path names now (`other_data`)
+DATA_RECORD = "compare_data.json"
+
+
+def other_data(run_dir: Path, data: str) -> str | None:
+    """Why the run in `run_dir` was trained on other data than the manifest `data` (its recorded
+    sha256 is not the file's now), or None (the same, or no record: a run of an older compare)."""
+    from data_pipeline.tokenizer import file_sha256
+
+    try:
+        recorded = json.loads((run_dir / DATA_RECORD).read_text())["manifest_sha256"]
+        now = file_sha256(data)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return None if recorded == now else f"manifest sha256 {recorded[:16]} then, {now[:16]} now"
+
+
+def record_data(run_dir: Path, data: str) -> None:
+    """The run's DATA_RECORD, as it starts (a manifest behind a URL has none: taken by its name)."""
+    from data_pipeline.tokenizer import file_sha256
+
+    if os.path.isfile(data):
+        record = {"data": data, "manifest_sha256": file_sha256(data)}
+        (run_dir / DATA_RECORD).write_text(json.dumps(record) + "\n")
+
+
 def start_run(cfg: RunConfig, nproc: int, log_path: Path, threads: int = 0) -> list[subprocess.Popen]:
     """`grt train --config-json` in nproc local processes (resuming if interrupted)."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "compare_run_config.json"
     cfg.save(cfg_path)
+    record_data(out, cfg.data)
     cmd = [sys.executable, "-m", "pretrain.cli", "train", "--config-json", str(cfg_path), "--resume"]
     port = _free_port()
     procs = []
