@@ -14,9 +14,11 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+from grt_common.errors import ConfigError
 from grt_common.files import output_path
 from pretrain import PROJECT_ROOT
 from pretrain.presets import get_preset
+from pretrain.runs.checkpoint_files import check_run_output
 from pretrain.runs.run_config import RunConfig
 
 DEFAULT_TEXT = PROJECT_ROOT / "examples" / "data" / "tinyshakespeare.txt"
@@ -52,6 +54,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not Path(args.text).is_file():
         print(f"grt demo: error: --text {args.text!r}: no such file", file=sys.stderr)
+        return 2
+    try:  # the run's rule for its folder, before minutes of work: its data of an earlier try is its own
+        check_run_output(out, [str(data)])
+    except ConfigError as err:
+        print(f"grt demo: error: {err}", file=sys.stderr)
         return 2
     common = ["-i", args.text, "--txt-mode", "paragraph", "-q"]
     print(f"[1/4] training a SentencePiece BPE tokenizer (vocab {args.vocab_size}) on {args.text}")

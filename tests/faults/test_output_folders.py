@@ -1,6 +1,6 @@
 """One rule for outputs (issue 58 part 3; docs/reliability.md "What the project trusts and what it
 refuses"): every command that writes a folder (`grt data prepare` and `chains`, `grt export`,
-`grt analyze`, `grt compare`, `grt train`) refuses an existing folder that holds something else
+`grt analyze`, `grt compare`, `grt demo`, `grt train`) refuses an existing folder that holds something else
 (a prepared dataset, an export, other files; through a symbolic link too) in the same words,
 exit 2, one line, nothing written (`check_output_folder`, data_pipeline/prepare_output.py). What a
 command may write into stays accepted: a new or empty folder, its own output, its own inputs there.
@@ -54,6 +54,7 @@ def writers(out: Path, manifest: Path, run: Path) -> dict[str, list[str]]:  # no
         "export": ["export", "--checkpoint", str(run), "--out", str(out), "--no-hf"],
         "analyze": ["analyze", str(run), "--out", str(out)],
         "compare": ["compare", "--data", str(manifest), "--out", str(out), "--configs", "micro-dense", "--dry-run"],
+        "demo": ["demo", "--out", str(out), "--steps", "1"],  # refused before its tokenizer and data
     }
 
 
@@ -69,7 +70,7 @@ def test_every_writer_refuses_an_output_of_something_else(kind, manifest, dense_
         assert rc == 2 and len(lines) == 1 and str(out) in lines[0], (name, rc, err[-2000:])
         if kind != "file":
             assert f"{out} exists and holds {WANT[kind]}; " in lines[0], (name, lines)
-            assert ("pass --overwrite" in lines[0]) == (name not in ("compare",)), (name, lines)
+            assert ("pass --overwrite" in lines[0]) == (name not in ("compare", "demo")), (name, lines)
         assert (files_of(out) if out.is_dir() else out.read_bytes()) == before, name
 
 
