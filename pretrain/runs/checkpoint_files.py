@@ -22,6 +22,7 @@ import logging
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 from typing import Any, TypeVar
@@ -150,6 +151,58 @@ def branch_source(given: str, out: str | None) -> Path:
     return tag_dir or newest_checkpoint(root, "--branch-from ")
 
 
+@dataclass(frozen=True)
+class SavedRun:
+    """What a continued run starts from, as a run saved it (`saved_run`): the run config (`config`,
+    None: none saved) read from the file `path`; for a decay branch the checkpoint it branches from
+    (`source`), its step, and the ranks that wrote it (0 where its config was not read)."""
+
+    config: dict[str, Any] | None = None
+    path: Path | None = None
+    source: Path | None = None
+    step: int = 0
+    ranks: int = 0
+
+
+def saved_run(out: str | None, branch_from: str | None, resume: bool, *, config_given: bool, model_given: bool) -> SavedRun:
+    """Every read of what a run continued into `out` starts from, in one place: a decay branch's
+    source checkpoint (`branch_source`) and its config (or, pruned there since, the branch's copy of
+    it); a `resume`'s run directory's config.json (the run as it last started); none for a new run or
+    a --resume of a directory that never started. Where the command line gives the config itself
+    (`config_given`, --config-json) only the source is found. A run directory holding checkpoints
+    without its config.json is refused unless the command line gives the model (`model_given`)."""
+    source = branch_source(branch_from, out) if branch_from else None
+    if config_given:
+        return SavedRun(source=source)
+    if source is not None:
+        for tag_dir in (source, Path(out or "") / "checkpoints" / source.name):
+            if (tag_dir / "COMPLETE").is_file():
+                config = saved_config_dict(tag_dir, f"--branch-from {tag_dir}")
+                ranks = ranks_that_wrote(tag_dir) or 1
+                return SavedRun(config, tag_dir / "config.json", source, step_of(source.name), ranks)
+        raise ConfigError(f"--branch-from {source}: no complete checkpoint there")
+    if not (resume and out):
+        return SavedRun()
+    run = Path(out)
+    if (run / "config.json").is_file():
+        return SavedRun(saved_config_dict(run, "--resume"), run / "config.json")
+    if tag_dirs(run / "checkpoints") and not model_given:
+        raise ConfigError(
+            f"--resume: {run / 'config.json'} is missing: {run} holds checkpoints but not the run's settings; "
+            f"restore it, or resume with a checkpoint's own (--config-json {run}/checkpoints/<tag>/config.json)"
+        )
+    return SavedRun()
+
+
+def saved_config_dict(folder: Path, where: str) -> dict[str, Any]:
+    """The run config a run saved in `folder` (a checkpoint's, or a run directory's config.json,
+    `read_config`); `where` names it in the one line that refuses an unreadable one."""
+    try:
+        return read_config(folder)
+    except UnreadableCheckpoint as err:
+        raise ConfigError(f"{where}: {folder / 'config.json'}: {err.problem}") from None
+
+
 def resume_candidates(root: Path) -> list[str]:
     """The complete checkpoints a resume may load, in the order it tries them: `find_latest`'s,
     then each older complete one (the fallbacks when a newer one cannot be read)."""
@@ -238,6 +291,16 @@ def check_not_a_checkpoint(out: Path) -> None:
 
 # Names only a run, or what starts one (`grt launch`, `grt compare`), leaves at the top of its run directory
 RUN_MARKERS = ("train.log", "train.lock", "metrics.jsonl", "summary.json", "launch", "compare_run_config.json")
+# The folders a run, or what starts one, writes at the top of its run directory, and its files
+WRITTEN_FOLDERS = ("checkpoints", "tb", "profile", "hangs", "wandb", "launch")
+WRITTEN_FILES = ("config.json", "ds_config.json", DATA_SKIPS, BRANCH_FILE, "compare_data.json", "compare.lock")
+
+
+def _a_runs_name(out: Path, name: str) -> bool:
+    """Whether `name` in `out` is one a run writes: one of its folders, of whatever kind, or one of
+    its files that is not a file (the start's check_run_paths names a wrong kind); a file of such
+    a name outside a run is someone's (a run would write over it)."""
+    return name in WRITTEN_FOLDERS or (name in WRITTEN_FILES and not (out / name).is_file())
 
 
 def is_run_folder(out: Path) -> bool:
@@ -254,17 +317,17 @@ def is_run_folder(out: Path) -> bool:
 def check_run_output(out: Path, inputs: Iterable[str] = ()) -> None:
     """`grt train`'s share of the one rule of every command's output folder (`check_output_folder`,
     data_pipeline/prepare_output.py): --out is absent or empty, a run of this project
-    (`is_run_folder`), or holds only the run's own `inputs` (its data's manifests, its DeepSpeed
-    file: the demo's data lies in its run directory); a prepared dataset, an export or other files
-    are refused before anything is read or written. There is no --overwrite: a run deletes nothing
-    it did not write."""
+    (`is_run_folder`), or holds only what a run writes (`_a_runs_name`) and the run's own `inputs`
+    (its data's manifests, its DeepSpeed file: the demo's data lies in its run directory); a
+    prepared dataset, an export or other files are refused before anything is read or written.
+    There is no --overwrite: a run deletes nothing it did not write."""
     from data_pipeline.prepare_output import OutputOfSomethingElse, among_inputs, check_output_folder
 
     check_not_a_checkpoint(out)  # a checkpoint or a checkpoints folder: its own words
     reads = tuple(inputs)
 
     def own(names: list[str]) -> bool:
-        return is_run_folder(out) or all(among_inputs(str(out), n, reads) for n in names)
+        return is_run_folder(out) or all(_a_runs_name(out, n) or among_inputs(str(out), n, reads) for n in names)
 
     try:
         check_output_folder(str(out), own, None)

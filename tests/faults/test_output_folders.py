@@ -92,6 +92,19 @@ def test_train_refuses_an_output_of_something_else(manifest, tmp_path):  # noqa:
         assert want in lines[0], (kind, lines)
         assert files_of(out) == before, kind
 
+    from grt_common.errors import ConfigError
+    from pretrain.presets import get_preset
+    from pretrain.runs.run_config import RunConfig
+    from pretrain.training.trainer import dry_run
+
+    someone = tmp_path / "someone"  # a file of a name the run writes is someone's outside a run
+    someone.mkdir()
+    (someone / "config.json").write_text('{"name": "mine"}\n')
+    cfg = RunConfig(model=get_preset("micro-dense"), data=str(manifest), out=str(someone))
+    with pytest.raises(ConfigError, match=r"exists and holds files of something else \(config.json\)"):
+        dry_run(cfg)
+    assert files_of(someone) == {"config.json": b'{"name": "mine"}\n'}
+
 
 def test_what_a_command_may_write_into_stays_accepted(manifest, tmp_path, capsys):  # noqa: F811
     """An empty folder; a run directory holding the run's own data (the demo's layout); a prepare's
