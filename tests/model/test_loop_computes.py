@@ -24,7 +24,11 @@ from pretrain.tools.loop_start import loader, train_briefly
 # the task's easiest layout (a key just before its value, every variable in its place) and a
 # loop-only GRT, whose one shared block must run twice for two lookups (docs/comparison.md,
 # "A task where depth matters"); the smallest budget found that shows it: at 500 and 800 steps
-# nothing is learned yet, so each training is about a minute of CPU (marked slow)
+# nothing is learned yet, so each training is about a minute of CPU (marked slow). Cheaper trainings
+# tried (seed 0, depth R minus depth 1 on k >= 2): a 1,100-step schedule ends at 0.29 and a 1,000-step
+# one (warm-up 50) at 0.03; lr 5e-3 or 1e-2, batch 16 and d32 stay near chance as far as run (300 to
+# 1,200 steps); 2 chains a sample, R = 3, a constant lr and d128 (2.5x the step) learn later in CPU
+# time than this setting (0.44 at step 1,100, 0.65 at 1,500)
 TASK = ["--min-hops", "1", "--max-hops", "2", "--num-vars", "8", "--num-values", "8", "--chains-per-sample", "4"]
 TASK += ["--queries", "all", "--compact", "--order", "by-name", "--train-samples", "30000", "--val-samples", "256"]
 PRESET, LAYOUT, D_MODEL, HEADS = "micro-grt", "1x4", 64, 4
