@@ -164,7 +164,9 @@ class SavedRun:
     ranks: int = 0
 
 
-def saved_run(out: str | None, branch_from: str | None, resume: bool, *, config_given: bool, model_given: bool) -> SavedRun:
+def saved_run(
+    out: str | None, branch_from: str | None, resume: bool, *, config_given: bool, model_given: bool
+) -> SavedRun:
     """Every read of what a run continued into `out` starts from, in one place: a decay branch's
     source checkpoint (`branch_source`) and its config (or, pruned there since, the branch's copy of
     it); a `resume`'s run directory's config.json (the run as it last started); none for a new run or

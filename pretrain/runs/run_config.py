@@ -248,13 +248,11 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
 # A run config read back from where a run saved it
 
 
-def saved_config(folder: Path, where: str) -> RunConfig:
-    """The run config a run saved in `folder` (a checkpoint's, or a run directory's `config.json`);
-    `where` names it in the one line that refuses an unreadable one."""
-    try:
-        return saved_where(RunConfig.from_dict(checkpoint_files.read_config(folder)), folder / "config.json")
-    except checkpoint_files.UnreadableCheckpoint as err:
-        raise ConfigError(f"{where}: {folder / 'config.json'}: {err.problem}") from None
+def saved_config(path: str | Path, data: dict[str, Any] | None = None) -> RunConfig:
+    """The run config saved in the file `path`, read where it was saved (`saved_where`): a --config-json,
+    or a checkpoint's or run directory's `config.json` whose `data` is read already
+    (checkpoint_files.py `saved_run`)."""
+    return saved_where(RunConfig.load(path) if data is None else RunConfig.from_dict(data), Path(path))
 
 
 def saved_where(cfg: RunConfig, path: Path) -> RunConfig:

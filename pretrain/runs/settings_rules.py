@@ -71,6 +71,10 @@ class TrainSettings(Protocol):
     def profile(self) -> str: ...
     @property
     def profile_ranks(self) -> str: ...
+    @property
+    def optimizer(self) -> str: ...
+
+    grad_clip: float  # set by `switch_defaults`
 
 
 class RunSettings(Protocol):
@@ -128,6 +132,18 @@ def mark_given(cfg: Config, keys: set[str]) -> Config:
     config; called again, it adds."""
     setattr(cfg, GIVEN, given_keys(cfg) | frozenset(keys))
     return cfg
+
+
+ADAMW_GRAD_CLIP = 1.0  # train.grad_clip's default: AdamW's clip of the gradient norm
+
+
+def switch_defaults(cfg: RunSettings) -> None:
+    """A switch that changes what makes sense sets its own default where the command line gave none
+    (`mark_given`): train.optimizer=muon takes train.grad_clip=0 (DeepSpeed's Muon clips each
+    matrix's orthogonalised update itself; engine/ds_config.py refuses a clip of the gradient beside it)."""
+    t = cfg.train
+    if t.optimizer == "muon" and not given(cfg, "train.grad_clip") and t.grad_clip == ADAMW_GRAD_CLIP:
+        t.grad_clip = 0.0
 
 
 def given_keys(cfg: object) -> frozenset[str]:

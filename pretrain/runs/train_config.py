@@ -15,7 +15,7 @@ from typing import Any
 
 from pretrain.runs.checkpoint_mirror import url_problem
 from pretrain.runs.depth_settings import DEPTH_SCHEDULES
-from pretrain.runs.settings_rules import given, note, profile_refusal, profile_window, switch_rule
+from pretrain.runs.settings_rules import ADAMW_GRAD_CLIP, given, note, profile_refusal, profile_window, switch_rule
 
 DEPTH_SAMPLING = ("uniform", "fixed", "poisson", "loguniform")
 # train.activation_checkpointing (pretrain/training/engine/parallelize.py): explicit modes, cheapest
@@ -23,7 +23,6 @@ DEPTH_SAMPLING = ("uniform", "fixed", "poisson", "loguniform")
 CHECKPOINT_MODES = ("off", "selective", "loop_step", "block")
 AUTO = "auto"
 PRECISIONS = ("auto", "bf16", "fp32")
-GRAD_CLIP = 1.0  # AdamW's clip of the gradient norm
 AUTO_WORKERS, CUDA_WORKERS = -1, 2  # train.num_workers=-1: CUDA_WORKERS on CUDA, 0 on the CPU
 OPTIMIZERS = ("adamw", "muon")  # TrainConfig.optimizer
 
@@ -69,7 +68,7 @@ class TrainConfig:
     decay_shape: str = option("linear", WSD)  # wsd: linear or sqrt (1 - sqrt) from lr to min_lr
     weight_decay: float = option(0.1, resume=KEPT)
     betas: tuple = option((0.9, 0.95), resume=KEPT)
-    grad_clip: float = GRAD_CLIP  # 0 = no clipping; under train.optimizer=muon 0 unless given (`optimizer_defaults`)
+    grad_clip: float = ADAMW_GRAD_CLIP  # 0 = no clipping; under train.optimizer=muon 0 unless given (`switch_defaults`)
     # adamw; muon: DeepSpeed's Muon for the hidden matrices, AdamW (lr, betas) for the rest
     optimizer: str = option("adamw", resume=KEPT)
     # muon: the matrices' peak learning rate (the schedule scales it as it scales lr)
@@ -390,14 +389,6 @@ def tokens_per_step(train: TrainConfig, world: int, seq_len: int) -> int:
 def budget_steps(tokens: float, per_step: int) -> int:
     """The steps a budget of `tokens` training tokens gives at `per_step` tokens a step (at least one)."""
     return max(1, math.ceil(tokens / per_step))
-
-
-def optimizer_defaults(train: TrainConfig, keys_given: frozenset[str]) -> None:
-    """A switch that changes what makes sense sets its own default: train.optimizer=muon takes
-    train.grad_clip=0 where the command line gave none (DeepSpeed's Muon clips each matrix's
-    orthogonalised update itself; engine/ds_config.py refuses a clip of the gradient beside it)."""
-    if train.optimizer == "muon" and "train.grad_clip" not in keys_given and train.grad_clip == GRAD_CLIP:
-        train.grad_clip = 0.0
 
 
 @note

@@ -26,11 +26,10 @@ from pretrain.runs.run_config import (
     choose_model,
     is_model_override,
     saved_config,
-    saved_where,
     set_flags,
 )
-from pretrain.runs.settings_rules import decay_steps, given_keys, mark_given
-from pretrain.runs.train_config import global_batch, optimizer_defaults
+from pretrain.runs.settings_rules import decay_steps, given_keys, mark_given, switch_defaults
+from pretrain.runs.train_config import global_batch
 from pretrain.say import say
 
 ONE_START_KEYS = ("allow_data_change", "allow_batch_change")  # a consent given for the start that gives it
@@ -206,7 +205,7 @@ def run_config(line: CommandLine) -> RunConfig:
         overrides = [item for item in overrides if not is_model_override(item)]
     set_flags(cfg, line.flags, overrides)
     mark_given(cfg, set(line.given))
-    optimizer_defaults(cfg.train, line.given)
+    switch_defaults(cfg)  # the defaults a switch it gave sets
     if base.source is not None or (line.resume and not line.config_json):
         continued(cfg, line.given)
     if base.source is None and not line.out and not line.config_json:
@@ -215,40 +214,34 @@ def run_config(line: CommandLine) -> RunConfig:
 
 
 def base_config(line: CommandLine) -> Base:
-    """The run config the command line's settings go onto: --config-json's; for a run continued from
-    what it saved, the config it saved (`saved_config`): a decay branch's source checkpoint's
-    (`checkpoint_files.branch_source`; or, pruned there since, the branch's copy), a --resume's run
-    directory's `config.json` (the run as it last started; refused where its checkpoints are there
-    without it); else the defaults (a --resume of a directory that never started is a fresh start)."""
+    """The run config the command line's settings go onto, read once from where it was saved
+    (`saved_config`): --config-json's; for a run continued from what it saved, the config it saved
+    (checkpoint_files.py `saved_run`, every read of it: a decay branch's source checkpoint's, a
+    --resume's run directory's `config.json`, the run as it last started); else the defaults (a
+    --resume of a directory that never started is a fresh start). Before any of it: an --out that is a
+    checkpoint is refused, and the checkpoint to read is brought here from a mirror (a --branch-from
+    URL's; a --resume's where its mirror is newer than the local copy, or that is gone)."""
     if line.out:
         checkpoint_files.check_not_a_checkpoint(Path(line.out))  # before any saved config is read as a run's
     branch_from = line.branch_from
-    if branch_from and checkpoint_mirror.is_mirror_url(branch_from):  # downloaded once, then a local checkpoint
-        branch_from = str(checkpoint_mirror.local_copy(branch_from, "--branch-from "))
-    source = checkpoint_files.branch_source(branch_from, line.out) if branch_from else None
-    if line.config_json:
-        return Base(saved_where(RunConfig.load(line.config_json), Path(line.config_json)), source)
-    if source is not None:
-        for tag_dir in (source, Path(line.out or "") / "checkpoints" / source.name):
-            if (tag_dir / "COMPLETE").is_file():
-                saved = saved_config(tag_dir, f"--branch-from {tag_dir}")
-                ranks = checkpoint_files.ranks_that_wrote(tag_dir) or 1
-                return Base(saved, source, checkpoint_files.step_of(source.name), global_batch(saved.train, ranks))
-        raise ConfigError(f"--branch-from {source}: no complete checkpoint there")
-    if line.resume and line.out:
+    if branch_from:
+        if checkpoint_mirror.is_mirror_url(branch_from):  # downloaded once, then a local checkpoint
+            branch_from = str(checkpoint_mirror.local_copy(branch_from, "--branch-from "))
+    elif line.resume and line.out and not line.config_json:
         run = Path(line.out)
         given = [o.partition("=")[2] for o in line.overrides if o.partition("=")[0] == "train.checkpoint_mirror"]
         mirror = checkpoint_mirror.mirror_of_run(run, given[-1] if given else None)
-        if mirror:  # the local copy gone or older: the mirror's newest complete checkpoint (and config.json)
+        if mirror:  # the mirror's newest complete checkpoint (and config.json) fetched into the run directory
             checkpoint_mirror.fetch_for_resume(run, mirror, say)
-        if (run / "config.json").is_file():
-            return Base(saved_config(run, "--resume"))
-        if checkpoint_files.tag_dirs(run / "checkpoints") and not (line.model_config or line.preset):
-            raise ConfigError(
-                f"--resume: {run / 'config.json'} is missing: {run} holds checkpoints but not the run's settings; "
-                f"restore it, or resume with a checkpoint's own (--config-json {run}/checkpoints/<tag>/config.json)"
-            )
-    return Base(RunConfig())
+    model_given = bool(line.model_config or line.preset)
+    saved = checkpoint_files.saved_run(
+        line.out, branch_from, line.resume, config_given=bool(line.config_json), model_given=model_given
+    )
+    path = line.config_json or saved.path
+    if path is None:
+        return Base(RunConfig(), saved.source)
+    cfg = saved_config(path, saved.config)
+    return Base(cfg, saved.source, saved.step, global_batch(cfg.train, saved.ranks))  # a batch of the source's
 
 
 def continued(cfg: RunConfig, given: frozenset[str]) -> RunConfig:
