@@ -105,6 +105,19 @@ def test_train_refuses_an_output_of_something_else(manifest, tmp_path):  # noqa:
         dry_run(cfg)
     assert files_of(someone) == {"config.json": b'{"name": "mine"}\n'}
 
+    # grt launch to other hosts (Slurm, elastic) resolves but does not plan the start here: the
+    # rule holds there too, before <out>/launch/ is written
+    from launcher.checks import LaunchError
+    from launcher.cli import resolve_train_config
+
+    other = folder("files", tmp_path / "launched", manifest.parent)
+    before = files_of(other)
+    for data in (manifest, tmp_path / "on-the-nodes" / "manifest.json"):  # readable here, or not
+        argv = train_command("micro-dense", data, other, 2, 4, "ds_configs/zero1.json", ())[1:]
+        with pytest.raises(LaunchError, match="exists and holds files of something else"):
+            resolve_train_config(argv, 2, False, on_this_host=False)
+    assert files_of(other) == before
+
 
 def test_what_a_command_may_write_into_stays_accepted(manifest, tmp_path, capsys):  # noqa: F811
     """An empty folder; a run directory holding the run's own data (the demo's layout); a prepare's
