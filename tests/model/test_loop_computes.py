@@ -6,7 +6,6 @@ at 1 (the state never rewritten), and R forced to 1 in training (the steps beyon
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from test_loop_learns import detach_core
 from data_pipeline.cli import main as data_main
 from data_pipeline.manifest import Manifest
 from data_pipeline.tokenizer import Tokenizer
-from pretrain.infer.evaluation.chains_score import answer_positions, chains_sums
+from pretrain.infer.evaluation.chains_score import chains_sums
 from pretrain.model import build_model
 from pretrain.presets import get_preset
 from pretrain.tools.loop_start import loader, train_briefly
@@ -31,6 +30,7 @@ from pretrain.tools.loop_start import loader, train_briefly
 # time than this setting (0.44 at step 1,100, 0.65 at 1,500)
 TASK = ["--min-hops", "1", "--max-hops", "2", "--num-vars", "8", "--num-values", "8", "--chains-per-sample", "4"]
 TASK += ["--queries", "all", "--compact", "--order", "by-name", "--train-samples", "30000", "--val-samples", "256"]
+TASK += ["--loss-on", "answers"]  # the answers alone trained (the shards' loss masks): all tokens teach nothing
 PRESET, LAYOUT, D_MODEL, HEADS = "micro-grt", "1x4", 64, 4
 STEPS, LR, WARMUP, BATCH = 1500, 3e-3, 150, 32
 MULTI_HOP = 2  # the items that need this many lookups or more
@@ -60,25 +60,12 @@ def accuracy_by_depth(manifest_path: Path, broken: str = "") -> dict[int, float]
     if broken == "core detached from the loss":
         detach_core(model)
     gate = 1.0 if broken == "gate held at 1" else None
-    batches = answers_only(loader(manifest, "train", BATCH, 0), tok)
+    batches = loader(manifest, "train", BATCH, 0)  # its targets masked to the answers by the loader
     train_briefly(model, batches, STEPS, LR, WARMUP, seed=0, gate_override=gate)
     model.eval()
     sums = chains_sums(model, tok, manifest, "val", [1, R], torch.device("cpu"), 64)
     multi = sums[:, MULTI_HOP:].sum(1)  # [depth, (correct, nll, items)]
     return {1: float(multi[0, 0] / multi[0, 2]), R: float(multi[1, 0] / multi[1, 2])}
-
-
-def answers_only(batches: Iterator[dict[str, torch.Tensor]], tok: Tokenizer) -> Iterator[dict[str, torch.Tensor]]:
-    """The batches with every target but the answers unscored (-100): `grt train` scores every
-    token, and at this budget the answers' share of that loss teaches nothing
-    (docs/comparison.md, "A task where depth matters")."""
-    pieces = [tok.sp.id_to_piece(i) for i in range(tok.vocab_size)]
-    for batch in batches:
-        targets = batch["targets"]
-        rows, cols, _ = answer_positions(torch.cat([batch["input_ids"], targets[:, -1:]], dim=1), pieces, 99)
-        scored = torch.full_like(targets, -100)
-        scored[rows, cols] = targets[rows, cols]
-        yield {**batch, "targets": scored}
 
 
 @pytest.mark.slow
