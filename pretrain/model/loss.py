@@ -54,10 +54,18 @@ ChunkFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, bool], tuple[
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of logits [B, T, V] against targets [B, T] (-100 = not scored), in fp32;
     reduction 'none' gives the per-token losses [B, T]."""
-    loss = F.cross_entropy(
-        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction
-    )
+    flat = targets.flatten()
+    how = "sum" if reduction == "mean" else reduction
+    loss = F.cross_entropy(logits.float().flatten(0, 1), flat, ignore_index=IGNORE_INDEX, reduction=how)
+    if reduction == "mean":  # over the scored targets; none scored (a loss mask's): 0, not 0/0
+        return loss / scored_count(flat)
     return loss if reduction != "none" else loss.view(targets.shape)
+
+
+def scored_count(targets: torch.Tensor) -> torch.Tensor:
+    """How many targets the loss scores, at least 1 (a micro-batch whose loss mask scores nothing
+    then has loss 0 and no gradient, not NaN); an fp32 device tensor: no host sync."""
+    return (targets != IGNORE_INDEX).sum().clamp(min=1).to(torch.float32)
 
 
 def chunk_tokens(vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
@@ -188,7 +196,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_enabled: bool,
         step: ChunkFn,
     ) -> torch.Tensor:
-        count = (targets != IGNORE_INDEX).sum().to(torch.float32)  # a device tensor: no host sync
+        count = scored_count(targets)
         # needs_input_grad follows requires_grad alone: under no_grad (evaluation) no gradient is made
         want_h, want_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if want_h else None
@@ -237,7 +245,10 @@ def linear_cross_entropy(
     if how == "cce":
         # the padding sliced off (a view: no copy); cce tiles the vocabulary itself, so the width does
         # not matter to it. No gradient filtering (filter_eps=None): the exact gradients
-        return cce_linear_cross_entropy(h2, weight[:vocab], t2, ignore_index=IGNORE_INDEX, filter_eps=None).float()
+        total = cce_linear_cross_entropy(
+            h2, weight[:vocab], t2, ignore_index=IGNORE_INDEX, reduction="sum", filter_eps=None
+        ).float()
+        return total / scored_count(t2)
     # inside a compiled graph already (a whole-model compile): the eager function, which it traces
     step = compiled_chunk_loss() if how == "compiled" and not torch.compiler.is_compiling() else chunk_loss
     return _LinearCrossEntropy.apply(

@@ -102,6 +102,28 @@ def test_the_loss_ignores_the_targets_a_mask_leaves_out():
     assert loss(a, last_scored=True) != loss(b, last_scored=True)
 
 
+@pytest.mark.parametrize("impl", ["eager", "compiled"])
+def test_a_micro_batch_whose_mask_scores_nothing_has_loss_0_not_nan(impl):
+    """Masked data can give a micro-batch with no scored target: its loss is 0 with zero gradients in
+    every loss path (0/0 was NaN, which stops a run as non-finite), and a scored batch's is the mean."""
+    from pretrain.model.loss import linear_cross_entropy, lm_loss
+
+    torch.manual_seed(0)
+    h = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(16, 8, requires_grad=True)
+    none = torch.full((6,), IGNORE_INDEX)
+    for loss in (linear_cross_entropy(h, w, none, 16, impl=impl), lm_loss((h @ w.t())[None], none[None])):
+        loss.backward()
+        assert loss.item() == 0.0 and h.grad is not None and w.grad is not None
+        assert not h.grad.any() and not w.grad.any()
+        h.grad = w.grad = None
+    some = none.clone()
+    some[2] = 3
+    want = torch.nn.functional.cross_entropy((h @ w.t())[2:3], some[2:3])
+    torch.testing.assert_close(linear_cross_entropy(h, w, some, 16, impl=impl), want)
+    torch.testing.assert_close(lm_loss((h @ w.t())[None], some[None]), want)
+
+
 def test_resume_is_exact_with_masks_alone_and_in_a_mixture(tmp_path):
     masked, plain = chains(tmp_path, "answers"), chains(tmp_path, "all")
     text = f"qa=0.5:{masked.path},text=0.5:{plain.path}"
