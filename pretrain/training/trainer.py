@@ -303,7 +303,10 @@ class Trainer:
         except Exception as err:
             if not after_failure:
                 raise
-            log.warning("while closing after the failure: %s", one_line(err))
+            try:
+                log.warning("while closing after the failure: %s", one_line(err))
+            except OSError:  # train.log on the same full disk: the run's own error stays the one reported
+                pass
 
 
 def dry_run(cfg: RunConfig, resume: bool = False) -> tuple[str, RunConfig]:
