@@ -169,8 +169,14 @@ def resolve(
     if manifest.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"the shards' seq_len={manifest.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
     cfg.validate()
-    checkpoint_files.check_run_output(Path(cfg.out), [*cfg.data_spec.paths, cfg.ds_config])  # a run's or empty
+    check_out(cfg)
     return cfg
+
+
+def check_out(cfg: RunConfig) -> None:
+    """--out is absent, empty, a run's, or holds only this run's own inputs (its data's manifests, its
+    DeepSpeed file): `check_run_output`, before anything is read or written."""
+    checkpoint_files.check_run_output(Path(cfg.out), [*cfg.data_spec.paths, cfg.ds_config])
 
 
 def _tuples(train: dict) -> dict:

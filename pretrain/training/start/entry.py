@@ -13,12 +13,10 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from pretrain.distributed import discover
-from pretrain.runs.checkpoint_files import check_run_output
-from pretrain.runs.run_config import RunConfig, resolve
+from pretrain.runs.run_config import RunConfig, check_out, resolve
 from pretrain.training.start.plan import StartPlan, checked_ds_config, plan_start
 
 # Where the ranks start, against what this host can read:
@@ -72,7 +70,7 @@ def run_start(
         cfg = resolve(copy.deepcopy(cfg), cfg.data_spec.load(), notes)
     else:  # not resolved against the data here: --out's rule still holds where this host sees it
         if cfg.out and os.path.isdir(cfg.out):
-            check_run_output(Path(cfg.out), [*cfg.data_spec.paths, cfg.ds_config])
+            check_out(cfg)
         if where == "if readable":
             notes.append(f"data={cfg.data!r} cannot be read here: the config as given, not resolved against the data")
     if use_cuda is None:
