@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from grt_common.errors import ConfigError
 from pretrain.model.gpt import GPT, AnchorTerms, LoopStep, LoopTrace, builds, lm_loss
 from pretrain.model.layers import KV, AttentionContext, Block, Linear, attention, layer_norm
+from pretrain.model.loss import is_scored, scored_count
 from pretrain.model_config import ModelConfig
 from pretrain.variants import get_variant
 
@@ -318,8 +319,8 @@ class OuroGPT(LoopedBaseline):
             return s
         assert targets is not None  # here every_step holds by training with targets (exit='fixed')
         step_losses = torch.stack([lm_loss(lg, targets, reduction="none") for lg in logits_steps])  # [n, B, T]
-        valid = (targets != -100).float()
-        denom = valid.sum().clamp(min=1.0)
+        valid = is_scored(targets).float()
+        denom = scored_count(targets)
         expected = ((p * step_losses).sum(0) * valid).sum() / denom
         entropy = (-(p * p.clamp_min(1e-12).log()).sum(0) * valid).sum() / denom
         beta = float(self.cfg.xget("entropy_beta"))

@@ -62,10 +62,22 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
     return loss if reduction != "none" else loss.view(targets.shape)
 
 
+def is_scored(targets: torch.Tensor) -> torch.Tensor:
+    """Which targets the loss scores (the others are IGNORE_INDEX: a loss mask's, a window's
+    context): the one test behind every figure that counts or averages the loss's tokens."""
+    return targets != IGNORE_INDEX
+
+
+def scored_tokens(targets: torch.Tensor) -> torch.Tensor:
+    """How many targets the loss scores: an int64 tensor on targets' device (no host sync), for the
+    counters that sum it until a log point (`grt analyze`, `grt eval`, validation)."""
+    return is_scored(targets).sum()
+
+
 def scored_count(targets: torch.Tensor) -> torch.Tensor:
     """How many targets the loss scores, at least 1 (a micro-batch whose loss mask scores nothing
     then has loss 0 and no gradient, not NaN); an fp32 device tensor: no host sync."""
-    return (targets != IGNORE_INDEX).sum().clamp(min=1).to(torch.float32)
+    return scored_tokens(targets).clamp(min=1).to(torch.float32)
 
 
 def chunk_tokens(vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
@@ -104,7 +116,7 @@ def chunk_loss(
     logits = (h @ weight.t()).float()
     if vocab < weight.shape[0]:
         logits.masked_fill_(torch.arange(weight.shape[0], device=h.device) >= vocab, float("-inf"))
-    scored = targets != IGNORE_INDEX
+    scored = is_scored(targets)
     target = targets.clamp_min(0)[:, None]
     lse = logits.logsumexp(-1)
     loss = ((lse - logits.gather(1, target).squeeze(1)) * scored).sum()

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from trained_models import single_thread, small_model, write_export  # noqa: F401 (single_thread: a fixture)
 
 from data_pipeline.batches import open_train_batches
 from data_pipeline.chains import score_positions
@@ -234,3 +235,69 @@ def test_grt_eval_scores_masked_chains_as_the_same_samples_unmasked(tmp_path):
     tok = Tokenizer(masked.tokenizer_path)
     got, want = (chains_sums(model.eval(), tok, m, "val", [1, 3], torch.device("cpu"), 8) for m in (masked, plain))
     assert torch.equal(got, want) and got[0, :, 2].sum() > 0
+
+
+def scored_targets(manifest: Manifest, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sample of a split as (samples [N, seq_len + 1], scored targets [N, seq_len]), the scored
+    ones found from the tokens alone (`answer_mask`), not from the stored masks or the loader."""
+    pieces = [Tokenizer(manifest.tokenizer_path).sp.id_to_piece(i) for i in range(manifest.vocab_size)]
+    T1, dtype = manifest.sample_tokens, DTYPES[manifest.ext]
+    rows = [
+        np.frombuffer(payload[: T1 * dtype.itemsize], dtype).astype(np.int64)  # the mask member after: not read
+        for s in manifest.shards(split)
+        for _, payload in iter_shard(s.url, s.sequences, T1, manifest.ext, masked=True)
+    ]
+    scored = np.stack([answer_mask(ids.tolist(), pieces)[1:] for ids in rows])
+    return torch.from_numpy(np.stack(rows)), torch.from_numpy(scored)
+
+
+def test_every_loss_figure_counts_and_averages_the_scored_targets_only(tmp_path):
+    """On data with loss masks, `grt analyze` (its token count, its loss by exit depth, its token
+    buckets and the training-split frequencies that make them), `grt eval` and the validation of a
+    training run count the scored targets and average the loss over them alone: each figure equals
+    the one computed here from the shards' tokens."""
+    from collections import Counter
+
+    import torch.nn.functional as F
+
+    from pretrain.infer.analyze.analysis import main as analyze_main
+    from pretrain.infer.analyze.analysis import token_counts
+    from pretrain.infer.evaluation.evaluate import main as eval_main
+    from pretrain.infer.evaluation.scoring import val_batches
+    from pretrain.training.evaluation.validation import evaluate_depths
+
+    masked = chains(tmp_path, "answers")
+    model = small_model(vocab=masked.vocab_size)  # 1+2x3+1, R = 3
+    samples, scored = scored_targets(masked, "val")
+    n = int(scored.sum())
+    assert 0 < n < scored.numel()
+    targets = samples[:, 1:]
+    want: dict[int, float] = {}
+    with torch.no_grad():
+        for r in range(4):
+            nll = F.cross_entropy(
+                model(samples[:, :-1], n_loops=r).logits.float().transpose(1, 2), targets, reduction="none"
+            )
+            want[r] = float(nll[scored].sum()) / n
+    # every validation sample, in whole batches of 4: the same targets as here
+    export = write_export(model, tmp_path / "model", Path(masked.tokenizer_path), {"data": masked.path})
+    args = ["--batch-size", "4", "--max-batches", str(len(samples) // 4)]
+    assert analyze_main([str(export), "--out", str(tmp_path / "report"), *args, "--freq-batches", "100"]) == 0
+    res = json.loads((tmp_path / "report" / "analysis.json").read_text())
+    assert res["tokens"] == n and sum(b["tokens"] for b in res["buckets"].values()) == n
+    assert [res["loss_by_depth"][str(r)] for r in range(4)] == pytest.approx(list(want.values()), rel=1e-5)
+    for r in range(4):  # the buckets split the same scored targets
+        split_up = sum(b["tokens"] * b["loss_by_depth"][r] for b in res["buckets"].values()) / n
+        assert split_up == pytest.approx(want[r], rel=1e-5)
+    train, train_scored = scored_targets(masked, "train")
+    assert token_counts(masked.path, 100) == Counter(train[:, 1:][train_scored].tolist())
+    ev = ["--tasks", "val", "--depths", "0-3", "--quiet", "--json-out", str(tmp_path / "e.json")]
+    assert eval_main([str(export), *ev, *args]) == 0
+    val = json.loads((tmp_path / "e.json").read_text())["val"]
+    assert [val[str(r)]["tokens"] for r in range(4)] == [n] * 4
+    assert [val[str(r)]["loss"] for r in range(4)] == pytest.approx(list(want.values()), rel=1e-5)
+    # a training run's validation: batches whose scored counts differ, averaged per scored target
+    batches = list(val_batches(masked.path, 4))
+    assert len({int((b["targets"] != IGNORE_INDEX).sum()) for b in batches}) > 1
+    losses, _ = evaluate_depths(model, batches, [0, 1, 2, 3], torch.device("cpu"))
+    assert list(losses.values()) == pytest.approx(list(want.values()), rel=1e-5)

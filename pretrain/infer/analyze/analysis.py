@@ -2,7 +2,8 @@
 report with a JSON twin and plots (those two: pretrain/infer/analyze/report.py; the measures
 on tensors: pretrain/infer/analyze/measures.py).
 
-On held-out batches (the manifest's validation split):
+On held-out batches (the manifest's validation split), every loss and token count over the
+targets the loss scores (a loss mask's others left out, as in training):
 - loss at each exit depth 0..R;
 - gate forcing: every gate set to 0 (s_r = o_r) or 1 (s_r = s_{r-1}: the prelude-only loss);
 - anchor replacement: the loop fed zeros, the token embeddings, or the previous state
@@ -15,7 +16,7 @@ On held-out batches (the manifest's validation split):
 - linear CKA between the loop states s_0..s_R (a heat-map), and with `--dense` against a
   dense model's layers (residual stream after the embedding and each block);
 - easy vs hard tokens: target tokens bucketed as punctuation (the piece is punctuation
-  and/or spaces) or, by frequency in the training split, frequent (the most frequent
+  and/or spaces) or, by frequency as a scored target in the training split, frequent (the most frequent
   tokens making up the first 50% of occurrences), medium (the next 40%) and rare (the
   last 10%); the share of the depth-0 loss recovered after each step, (L_0 - L_r) / L_0;
 - cosine similarity between the state and anchor halves of W_proj (and of the gate's
@@ -59,6 +60,7 @@ from pretrain.infer.evaluation.scoring import Batch, check_batches, jsonable, lm
 from pretrain.infer.loop_health import run_settings
 from pretrain.model import GPT, LoopStep
 from pretrain.model.layers import AttentionContext
+from pretrain.model.loss import IGNORE_INDEX, is_scored, scored_tokens
 from pretrain.runs.data_spec import parse_data
 
 if TYPE_CHECKING:
@@ -102,37 +104,41 @@ def collect(
     bucket_of: torch.Tensor | None,
     cka_tokens: int = 2048,
 ) -> dict[str, Any]:
-    """Per-depth losses (overall and by bucket), mean gates, gate-input variance sums, and a
-    sample of the states for CKA, from one forward per batch at the trained depth."""
+    """Per-depth losses (overall and by bucket) over the scored targets alone (a loss mask's others
+    neither add to a loss nor count), mean gates, gate-input variance sums, and a sample of the
+    states for CKA, from one forward per batch at the trained depth. The sums stay on the device
+    until the last batch (no host sync per batch)."""
     R = model.max_loops
     loop = _grt_loop(model)
     nb = len(BUCKETS)
-    loss = torch.zeros(R + 1, nb + 1, dtype=torch.float64)  # last column: all tokens
-    count = torch.zeros(nb + 1, dtype=torch.float64)
-    gate_sum = torch.zeros(R, dtype=torch.float64)
+    f64 = torch.float64
+    loss = torch.zeros(R + 1, nb + 1, dtype=f64, device=device)  # last column: every scored target
+    count = torch.zeros(nb + 1, dtype=f64, device=device)
+    gate_sum = torch.zeros(R, dtype=f64, device=device)
     gate_n = 0
     d = model.cfg.d_model
-    var = torch.zeros(R, 4, d, dtype=torch.float64) if loop.has_gate else None  # a_sum, a_sq, b_sum, b_sq
+    var = torch.zeros(R, 4, d, dtype=f64, device=device) if loop.has_gate else None  # a_sum, a_sq, b_sum, b_sq
     n_tok = 0
     kept: list[list[torch.Tensor]] = [[] for _ in range(R + 1)]
     kept_n = 0
+    buckets = bucket_of.to(device) if bucket_of is not None else None
     for batch in batches:
         idx, targets = batch["input_ids"].to(device), batch["targets"].to(device)
         out = model(idx, n_loops=R, return_states=True, return_gates=True)
         ctx = AttentionContext()
         flat_t = targets.flatten()
-        b = bucket_of.to(device)[flat_t.clamp(min=0)] if bucket_of is not None else None
+        b = buckets[flat_t.clamp(min=0)] if buckets is not None else None  # an unscored target adds 0 to its bucket
         for r in range(R + 1):
             logits = model.decode(out.states[r], ctx).float()
-            nll = F.cross_entropy(logits.flatten(0, 1), flat_t, reduction="none").double()
-            loss[r, nb] += nll.sum().cpu()
+            nll = F.cross_entropy(logits.flatten(0, 1), flat_t, ignore_index=IGNORE_INDEX, reduction="none").double()
+            loss[r, nb] += nll.sum()
             if b is not None:
-                loss[r, :nb] += torch.zeros(nb, dtype=torch.float64, device=device).index_add_(0, b, nll).cpu()
-        count[nb] += flat_t.numel()
+                loss[r, :nb].index_add_(0, b, nll)
+        count[nb] += scored_tokens(flat_t)
         if b is not None:
-            count[:nb] += torch.bincount(b, minlength=nb).double().cpu()
-        for r, g in enumerate(out.gates):
-            gate_sum[r] += g.double().mean().cpu() * idx.numel()
+            count[:nb].index_add_(0, b, is_scored(flat_t).double())
+        for r, g in enumerate(out.gates):  # a property of the model at every position, scored or not
+            gate_sum[r] += g.double().mean() * idx.numel()
         gate_n += idx.numel()
         if var is not None:
             dtype = loop.weight_dtype()  # the states may be fp32 under bf16 weights (ModelConfig.state_dtype)
@@ -141,16 +147,18 @@ def collect(
             w_s = loop.gate_fc_state.weight.double()
             for r in range(R):
                 a = loop.gate_norm_state(out.states[r].to(dtype)).flatten(0, 1).double() @ w_s.T
-                var[r, 0] += a.sum(0).cpu()
-                var[r, 1] += (a * a).sum(0).cpu()
-                var[r, 2] += be.sum(0).cpu()
-                var[r, 3] += (be * be).sum(0).cpu()
+                var[r, 0] += a.sum(0)
+                var[r, 1] += (a * a).sum(0)
+                var[r, 2] += be.sum(0)
+                var[r, 3] += (be * be).sum(0)
         n_tok += idx.numel()
         if kept_n < cka_tokens:
             take = min(cka_tokens - kept_n, idx.numel())
             for r in range(R + 1):
                 kept[r].append(out.states[r].flatten(0, 1)[:take].float().cpu())
             kept_n += take
+    loss, count, gate_sum = loss.cpu(), count.cpu(), gate_sum.cpu()
+    var = var.cpu() if var is not None else None
     res: dict[str, Any] = {
         "loss": loss,
         "count": count,
@@ -185,6 +193,7 @@ def dense_layer_states(dense: GPT, batches: Iterable[Batch], device: torch.devic
 
 
 def token_counts(manifest: str, max_batches: int, seed: int = 1234) -> Counter[int]:
+    """How often each token is a scored target in the training split's first max_batches batches (of 16)."""
     from data_pipeline.loader import TokenBatchLoader
 
     counts: Counter[int] = Counter()
@@ -194,7 +203,8 @@ def token_counts(manifest: str, max_batches: int, seed: int = 1234) -> Counter[i
     for i, batch in enumerate(loader):
         if i >= max_batches:
             break
-        counts.update(batch["targets"].flatten().tolist())
+        targets = batch["targets"]
+        counts.update(targets[is_scored(targets)].tolist())  # the tokens the loss scores, as collect's buckets
     return counts
 
 

@@ -142,7 +142,7 @@ def markdown(res: dict[str, Any], files: dict[str, str], title: str) -> str:
     L = [
         f"# {title}",
         "",
-        f"Layout `{res['layout']}`, R = {res['trained_loops']}; {res['tokens']:,} validation tokens.",
+        f"Layout `{res['layout']}`, R = {res['trained_loops']}; {res['tokens']:,} scored validation targets.",
         "",
         f"**Loop health**: {loop_verdict(res)}",
         "",

@@ -25,6 +25,7 @@ from pretrain.infer.adaptive import adaptive_forward
 from pretrain.infer.kv_cache import CachedDecoder
 from pretrain.model import GPT
 from pretrain.model.layers import AttentionContext
+from pretrain.model.loss import IGNORE_INDEX, is_scored, scored_tokens
 
 if TYPE_CHECKING:
     from data_pipeline.manifest import Manifest
@@ -96,10 +97,12 @@ def lm_sums(
         idx = batch["input_ids"].to(device)
         targets = batch["targets"].to(device)
         doc_ids = batch["doc_ids"].to(device) if doc_mask and "doc_ids" in batch else None
-        sums[:, 1] += (targets != -100).sum()
+        sums[:, 1] += scored_tokens(targets)
         for i, (_, h) in enumerate(exit_hidden(model, idx, depths, doc_ids=doc_ids, **fwd)):
             logits = model.head(h).float()
-            sums[i, 0] += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+            sums[i, 0] += F.cross_entropy(
+                logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            )
     return sum_over_ranks(sums, dist)
 
 
@@ -120,14 +123,14 @@ def lm_sums_cached(
         idx = batch["input_ids"].to(device)
         targets = batch["targets"].to(device)
         b, t = idx.shape
-        sums[:, 1] += (targets != -100).sum()
+        sums[:, 1] += scored_tokens(targets)
         for i, r in enumerate(depths):
             dec = CachedDecoder(
                 model, batch=b, max_len=t, strategy=strategy, n_loops=r if model.loop is not None else None
             )
             for pos in range(t):
                 logits = dec.forward(idx[:, pos : pos + 1]).float()
-                sums[i, 0] += F.cross_entropy(logits, targets[:, pos], ignore_index=-100, reduction="sum")
+                sums[i, 0] += F.cross_entropy(logits, targets[:, pos], ignore_index=IGNORE_INDEX, reduction="sum")
     return sum_over_ranks(sums, dist)
 
 
@@ -226,12 +229,12 @@ def exit_sums(
     for batch in batches:
         idx, targets = batch["input_ids"].to(device), batch["targets"].to(device)
         doc_ids = batch["doc_ids"].to(device) if doc_mask and "doc_ids" in batch else None
-        scored = targets != -100
+        scored, n = is_scored(targets), scored_tokens(targets)
         for row, forward in zip(sums, forwards):
             logits, steps = forward(idx, doc_ids)
             row[0] += F.cross_entropy(
-                logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"
+                logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
             )
-            row[1] += scored.sum()
+            row[1] += n
             row[2] += (steps * scored).sum()  # not steps[scored]: a boolean index waits for the device (nonzero)
     return sum_over_ranks(sums, dist)

@@ -13,6 +13,7 @@ import torch
 from data_pipeline.epoch_plan import Batch
 from pretrain.distributed import all_reduce, comm_device
 from pretrain.infer.loop_health import LoopHealth, loop_health, run_settings
+from pretrain.model.loss import scored_tokens
 from pretrain.training.evaluation.tasks import TaskEval
 from pretrain.training.report.metrics import MetricsWriter
 from pretrain.training.step.optimizer_step import move
@@ -32,27 +33,31 @@ def evaluate_depths(
     doc_mask: bool = False,
     gate_steps: int = 0,
 ) -> tuple[dict[int, float], list[float]]:
-    """Mean loss at each depth over the given batches, averaged over ranks (sum / count); with
-    gate_steps = R, also the mean gate at loop steps 1..R of the deepest forward ([] without a gate)."""
+    """Mean loss at each depth over the scored targets of the given batches and of every rank (a
+    batch's mean weighted by its scored targets: a loss mask's batches score different numbers);
+    with gate_steps = R, also the mean gate at loop steps 1..R of the deepest forward, over the
+    batches ([] without a gate). The sums stay on the device until the one all-reduce."""
     was_training = model.training
     model.eval()
-    # loss sums, the mean gate's sums per loop step, then the count: one all-reduce
-    totals = torch.zeros(len(depths) + gate_steps + 1, dtype=torch.float64, device=device)
+    # loss sums, the mean gate's sums per loop step, the scored targets, the batches: one all-reduce
+    totals = torch.zeros(len(depths) + gate_steps + 2, dtype=torch.float64, device=device)
     gated = False
     for batch in batches:
         idx, targets, doc_ids = move(batch, device, doc_mask)
+        scored = scored_tokens(targets)
         for i, r in enumerate(depths):
             want_gates = gate_steps > 0 and r == depths[-1]
             out = model(idx, targets, n_loops=r, doc_ids=doc_ids, return_logits=False, return_gates=want_gates)
-            totals[i] += out.loss.double()
+            totals[i] += out.loss.double() * scored  # the batch's summed loss (0 where it scores nothing)
             if want_gates and len(out.gates) == gate_steps:
                 gated = True
                 totals[len(depths) : len(depths) + gate_steps] += torch.stack([g.double().mean() for g in out.gates])
+        totals[-2] += scored
         totals[-1] += 1
     values = all_reduce(totals.to(comm_device())).tolist()
     model.train(was_training)
-    n = max(values[-1], 1.0)
-    gates = [v / n for v in values[len(depths) : len(depths) + gate_steps]] if gated else []
+    n, n_batches = max(values[-2], 1.0), max(values[-1], 1.0)
+    gates = [v / n_batches for v in values[len(depths) : len(depths) + gate_steps]] if gated else []
     return {r: values[i] / n for i, r in enumerate(depths)}, gates
 
 
