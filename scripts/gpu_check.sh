@@ -83,8 +83,7 @@ if [ "$plan" = 0 ]; then
     && mkdir -p "$work/logs" || exit 1
   : > "$out/results.tsv"; : > "$out/log.txt"; : > "$out/bench.txt"; : > "$out/summary.md"
   . scripts/gpu_env.sh
-  gpu_env_install || exit 1
-  gpu_env_record "$out/env.txt"
+  gpu_env_install "$out/env.txt" || exit 1
 else
   mkdir -p "$work"
   printf '# call %s: budget %s s, timeout_s %s\n' "$call" "$budget" "$((budget + SPARE_S))"

@@ -26,9 +26,17 @@ gpu_env_fetch() {
   done
 }
 
+# gpu_env_install [FILE]: the wheels of .whl/ installed into /tmp/site (put on PYTHONPATH) unless deepspeed,
+# webdataset and zstandard import. FILE: the environment also recorded there (gpu_env_record) by the Python
+# that tries those imports: torch and DeepSpeed, seconds to import, are imported once a call, not twice
 gpu_env_install() {
+  local record=${1:-}
   # deepspeed imports pydantic (and so typing_extensions): an import that fails for a version too old counts
-  python3 -c "import deepspeed, webdataset, zstandard" 2>/dev/null && return 0
+  if [ -n "$record" ]; then
+    gpu_env_record "$record" && return 0
+  else
+    python3 -c "import deepspeed, webdataset, zstandard" 2>/dev/null && return 0
+  fi
   if ! ls .whl/*.whl >/dev/null 2>&1; then
     echo "gpu_env: deepspeed, webdataset or zstandard does not import, and there are no wheels in .whl/ (see docs/gpu.md)" >&2
     return 1
@@ -36,10 +44,13 @@ gpu_env_install() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "gpu_env: installing the wheels in .whl/ failed" >&2; return 1; }
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  [ -z "$record" ] || gpu_env_record "$record" || true  # recorded as installed; the rows' logs say what fails
 }
 
-# gpu_env_record FILE: the machine a call ran on (GPU, driver, CUDA, compiler, Python and its packages)
+# gpu_env_record FILE: the machine a call ran on (GPU, driver, CUDA, compiler, Python and its packages);
+# its status: whether deepspeed, webdataset and zstandard import
 gpu_env_record() {
+  local imports
   {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
     nvidia-smi 2>/dev/null | grep -o 'CUDA Version: [0-9.]*'
@@ -48,18 +59,23 @@ gpu_env_record() {
 import importlib, platform, sys
 
 print("python", platform.python_version(), sys.executable)
-for name in ("torch", "triton", "deepspeed", "pydantic", "typing_extensions"):
+failed = set()
+for name in ("torch", "triton", "deepspeed", "pydantic", "typing_extensions", "webdataset", "zstandard"):
     try:
         module = importlib.import_module(name)
         print(name, getattr(module, "__version__", "?"), getattr(module, "__file__", ""))
     except Exception as error:  # the file says what failed; the rows show what it costs
         print(name, "not importable:", error)
+        failed.add(name)
 import torch
 
 print("torch.version.cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(), "gpu",
       torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
+sys.exit(1 if failed & {"deepspeed", "webdataset", "zstandard"} else 0)
 EOF
+    imports=$?
     echo "## python3 -m pip list"
     python3 -m pip list --format=freeze 2>&1
   } > "$1" 2>&1
+  return "$imports"
 }

@@ -138,20 +138,27 @@ print(json.dumps(results))
 """
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("beside_cpu_call_1")
-def test_every_gpu_row_with_a_preset_passes_the_trainers_checks_on_the_gpu_data(tmp_path):
-    """The GPU's own data (seq 1024, GPT-2's vocabulary), made by the plan's data row, then each
-    `grt train` row of both calls (overrides and DeepSpeed file as written) with --dry-run and each
-    `grt compare` row with its --dry-run (in one process). On the script before this test,
-    tiny-grt (256 tokens of context) on seq-1024 shards failed here: `the shards' seq_len=1024
-    exceeds model.max_seq_len=256`."""
-    rows = plan(tmp_path) + [r for r in plan(tmp_path, "2") if r[0] != "data"]
-    data = next(command for name, _, command in rows if name == "data")
+@pytest.fixture(scope="module")
+def gpu_work(tmp_path_factory):
+    """A GPU_CHECK_WORK folder holding the GPU's own data (seq 1024, GPT-2's vocabulary), made by the
+    plan's data row: the data the rows of both calls name."""
+    work = tmp_path_factory.mktemp("gpu-work")
+    data = next(command for name, _, command in plan(work) if name == "data")
     made = subprocess.run(
         [sys.executable, "-m", "pretrain.cli", *data[1:]], cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert made.returncode == 0, made.stderr
+    return work
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("beside_cpu_call_1")
+def test_every_gpu_row_with_a_preset_passes_the_trainers_checks_on_the_gpu_data(gpu_work):
+    """The GPU's own data (`gpu_work`), then each `grt train` row of both calls (overrides and
+    DeepSpeed file as written) with --dry-run and each `grt compare` row with its --dry-run (in one
+    process). On the script before this test, tiny-grt (256 tokens of context) on seq-1024 shards
+    failed here: `the shards' seq_len=1024 exceeds model.max_seq_len=256`."""
+    rows = plan(gpu_work) + [r for r in plan(gpu_work, "2") if r[0] != "data"]
     todo = [[name, command] for name, _, command in rows if command[:2] in (["grt", "train"], ["grt", "compare"])]
     assert len(todo) >= 16, todo
     proc = subprocess.run(
@@ -171,32 +178,17 @@ def test_every_gpu_row_with_a_preset_passes_the_trainers_checks_on_the_gpu_data(
         assert command != "train" or json.loads(out)["model"]["name"], (name, out[-1500:])
 
 
-def test_dry_run_refuses_a_preset_whose_context_is_shorter_than_the_shards(tmp_path):
-    """The failure the old GPU check would have met on the GPU, now found before any process starts."""
+def test_dry_run_refuses_a_preset_whose_context_is_shorter_than_the_shards(gpu_work, tmp_path):
+    """The failure the old GPU check would have met on the GPU (on its seq-1024 data), now found
+    before any process starts."""
     from multiproc import grt
 
-    made = grt(
-        "data",
-        "prepare",
-        "-i",
-        str(REPO / "examples" / "data" / "tinyshakespeare.txt"),
-        "--txt-mode",
-        "paragraph",
-        "-t",
-        str(REPO / "examples" / "tokenizers" / "gutenberg-50257.model"),
-        "-o",
-        str(tmp_path / "data"),
-        "--seq-len",
-        "1024",
-        "-q",
-    )
-    assert made.returncode == 0, made.stderr
     r = grt(
         "train",
         "--preset",
         "tiny-grt",
         "--data",
-        str(tmp_path / "data" / "manifest.json"),
+        str(gpu_work / "data" / "manifest.json"),
         "--out",
         str(tmp_path / "run"),
         "--dry-run",
