@@ -245,7 +245,8 @@ def resolve_train_config(
     refusal); else it is resolved against the data where this host can read it.
     """
     from grt_common.errors import ConfigError
-    from pretrain.runs.run_config import absolute, resolve_ds_path
+    from pretrain.runs.config_layers import resolve_ds_path
+    from pretrain.runs.data_spec import absolute
     from pretrain.say import say
     from pretrain.training.start.command_line import build_parser as train_parser
     from pretrain.training.start.command_line import read_command_line

@@ -241,6 +241,11 @@ class ModelConfig:
             raise ConfigError(f"gate_tau={self.gate_tau!r}: must be > 0")
         variant.check(self)
 
+    def train_recipe(self) -> dict[str, Any]:
+        """The training settings the model's method trains with (its Variant's recipe: depth sampling
+        and its parameters), for the model as configured (Huginn's Poisson mean follows its R)."""
+        return get_variant(self.variant).train_recipe(self)
+
     def xget(self, key: str) -> Any:
         """A variant setting from `extra`, or its default (the variant's `extra`, pretrain/variants/)."""
         return get_variant(self.variant).setting(self, key)
@@ -279,15 +284,16 @@ def load_json_object(path: str | Path, what: str, missing_hint: str = "") -> dic
     return data
 
 
-def check_keys(cls: type, data: dict[str, Any], what: str) -> dict[str, Any]:
-    """Refuse unknown keys and wrong types, naming the key and the accepted values."""
+def check_keys(cls: type, data: dict[str, Any], what: str, prefix: str = "") -> dict[str, Any]:
+    """Refuse unknown keys and wrong types, naming the key (`prefix` first: "train.") and the accepted
+    values."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError(f"{what}: unknown key(s) {', '.join(unknown)}; accepted keys: {', '.join(fields)}")
     out = {}
     for key, value in data.items():
-        out[key] = coerce(key, value, fields[key].type)
+        out[key] = coerce(prefix + key, value, fields[key].type)
     return out
 
 
@@ -299,7 +305,7 @@ def coerce(key: str, value: Any, type_name: Any) -> Any:
     name = type_name if isinstance(type_name, str) else getattr(type_name, "__name__", str(type_name))
     target = _TYPES.get(name.split("|")[0].strip())
     if target is None:
-        return value
+        return tuple(value) if name.startswith("tuple") and isinstance(value, list) else value  # JSON's list
     if isinstance(value, str) and target is not str:
         text = value.strip()
         try:

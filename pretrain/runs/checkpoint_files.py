@@ -165,17 +165,28 @@ class SavedRun:
 
 
 def saved_run(
-    out: str | None, branch_from: str | None, resume: bool, *, config_given: bool, model_given: bool
+    out: str | None,
+    branch_from: str | None,
+    resume: bool,
+    *,
+    config_json: str | None,
+    model_given: bool,
+    fetch: Callable[[Path], object] | None = None,
 ) -> SavedRun:
     """Every read of what a run continued into `out` starts from, in one place: a decay branch's
     source checkpoint (`branch_source`) and its config (or, pruned there since, the branch's copy of
-    it); a `resume`'s run directory's config.json (the run as it last started); none for a new run or
-    a --resume of a directory that never started. Where the command line gives the config itself
-    (`config_given`, --config-json) only the source is found. A run directory holding checkpoints
-    without its config.json is refused unless the command line gives the model (`model_given`)."""
+    it); a `resume`'s run directory's config.json (the run as it last started), after `fetch` brought
+    a newer checkpoint there from its mirror; none for a new run or a --resume of a directory that
+    never started. Where the command line gives the config itself (`config_json`) that config, and
+    the source alone. A run directory holding checkpoints without its config.json is refused unless
+    the command line gives the model (`model_given`). First, an `out` that is a checkpoint is
+    refused (`check_not_a_checkpoint`), before anything is read or fetched into it."""
+    if out:
+        check_not_a_checkpoint(Path(out))
     source = branch_source(branch_from, out) if branch_from else None
-    if config_given:
-        return SavedRun(source=source)
+    if config_json:
+        path = Path(config_json)
+        return SavedRun(saved_config_dict(path.parent, "--config-json", path.name), path, source)
     if source is not None:
         for tag_dir in (source, Path(out or "") / "checkpoints" / source.name):
             if (tag_dir / "COMPLETE").is_file():
@@ -186,6 +197,8 @@ def saved_run(
     if not (resume and out):
         return SavedRun()
     run = Path(out)
+    if fetch is not None:
+        fetch(run)
     if (run / "config.json").is_file():
         return SavedRun(saved_config_dict(run, "--resume"), run / "config.json")
     if tag_dirs(run / "checkpoints") and not model_given:
@@ -196,13 +209,14 @@ def saved_run(
     return SavedRun()
 
 
-def saved_config_dict(folder: Path, where: str) -> dict[str, Any]:
+def saved_config_dict(folder: Path, where: str, name: str = "config.json") -> dict[str, Any]:
     """The run config a run saved in `folder` (a checkpoint's, or a run directory's config.json,
-    `read_config`); `where` names it in the one line that refuses an unreadable one."""
+    `read_config`; or a --config-json's file `name`); `where` names it in the one line that refuses
+    an unreadable one."""
     try:
-        return read_config(folder)
+        return read_config(folder, name)
     except UnreadableCheckpoint as err:
-        raise ConfigError(f"{where}: {folder / 'config.json'}: {err.problem}") from None
+        raise ConfigError(f"{where}: {folder / name}: {err.problem}") from None
 
 
 def resume_candidates(root: Path) -> list[str]:
@@ -352,19 +366,19 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def read_config(step_dir: Path) -> dict[str, Any]:
-    """A checkpoint's saved run config (its `config.json`) as a dict; UnreadableCheckpoint
-    (one line) when it is missing, cut off or not a JSON object."""
-    path = step_dir / "config.json"
+def read_config(step_dir: Path, name: str = "config.json") -> dict[str, Any]:
+    """A checkpoint's saved run config (its `config.json`, or the file `name`) as a dict;
+    UnreadableCheckpoint (one line) when it is missing, cut off or not a JSON object."""
+    path = step_dir / name
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise UnreadableCheckpoint(step_dir.name, "config.json is missing") from None
+        raise UnreadableCheckpoint(step_dir.name, f"{name} is missing (no such file)") from None
     except (OSError, UnicodeDecodeError, ValueError) as err:
-        problem = f"config.json is cut off or corrupt ({error_text(err, '')})"
+        problem = f"{name} is cut off or corrupt (not valid JSON: {error_text(err, '')})"
         raise UnreadableCheckpoint(step_dir.name, problem) from None
     if not isinstance(data, dict):
-        raise UnreadableCheckpoint(step_dir.name, f"config.json holds a JSON {type(data).__name__}, not an object")
+        raise UnreadableCheckpoint(step_dir.name, f"{name} holds a JSON {type(data).__name__}, not an object")
     return data
 
 

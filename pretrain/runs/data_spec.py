@@ -4,6 +4,7 @@ its manifest paths, and the run's data loaded from it."""
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -68,6 +69,19 @@ def parse_data(data: str) -> DataSpec:
     except MixtureError as err:
         raise ConfigError(str(err)) from None
     return DataSpec(data, None if sources is None else tuple(sources))
+
+
+def callers_data(texts: list[str]) -> list[str]:
+    """Data strings the command line gives, each manifest path made absolute against the caller's
+    working directory (`absolute`), so that the config.json a run saves names the same files from any
+    directory (a --resume, `grt eval`, `grt analyze` read it again)."""
+    return [parse_data(text).with_paths(absolute) for text in texts]
+
+
+def absolute(path: str) -> str:
+    """A path made absolute against the working directory, so that every process reads the same file
+    whatever its own (a URL as it is)."""
+    return path if os.path.isabs(path) or "://" in path else os.path.abspath(path)
 
 
 def load_manifest(data: str) -> Manifest | DataMixture:

@@ -25,8 +25,8 @@ Rules run at one of two places: "config" rules at `RunConfig.validate` (the conf
 the tokens per step, so `grt train`, `--dry-run` and `grt launch` refuse alike. This module
 imports nothing of the run config (run_config.py and train_config.py import it, so even a
 type-only import would close a circle): a rule reads the config through `RunSettings` and
-`TrainSettings`, the parts of `RunConfig` and `TrainConfig` it reads, which mypy checks those
-classes against where they are passed.
+`TrainSettings` (settings_protocols.py), the parts of `RunConfig` and `TrainConfig` it reads, which
+mypy checks those classes against where they are passed.
 """
 
 from __future__ import annotations
@@ -34,58 +34,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from pathlib import Path
+from typing import TypeVar
 
 from grt_common.errors import ConfigError
-
-if TYPE_CHECKING:
-    from pretrain.runs.data_spec import DataSpec
+from pretrain.runs.settings_protocols import RunSettings, TrainSettings
 
 MAX_STEPS = 2**40  # train.steps and every step count (warmup, schedule, intervals): ~1.1e12 optimizer steps
 MAX_TOKENS = 2.0**63  # train.tokens, train.decay_tokens, a data stage's tokens: an int64 count of tokens
 MAX_SECONDS = 7 * 24 * 3600.0  # train.dist_timeout_s: a week (a timedelta past this is a hang, not a timeout)
 MAX_BATCH = 2**24  # train.micro_batch_size and train.grad_accum (sequences)
-
-
-class TrainSettings(Protocol):
-    """What the rules read of a `TrainConfig` (pretrain/runs/train_config.py) by name; the
-    switch and bound rules read a field named in their table (`getattr`)."""
-
-    @property
-    def steps(self) -> int: ...
-    @property
-    def tokens(self) -> float: ...
-    @property
-    def lr(self) -> float: ...
-    @property
-    def warmup_steps(self) -> int: ...
-    @property
-    def schedule_steps(self) -> int: ...
-    @property
-    def schedule(self) -> str: ...
-    @property
-    def decay_tokens(self) -> float: ...
-    @property
-    def data_stages(self) -> str: ...
-    @property
-    def profile(self) -> str: ...
-    @property
-    def profile_ranks(self) -> str: ...
-    @property
-    def optimizer(self) -> str: ...
-
-    grad_clip: float  # set by `switch_defaults`
-
-
-class RunSettings(Protocol):
-    """What the rules read of a `RunConfig` (pretrain/runs/run_config.py)."""
-
-    @property
-    def train(self) -> TrainSettings: ...
-    @property
-    def data_spec(self) -> DataSpec: ...
-    @property
-    def branch_from(self) -> str: ...
 
 
 Config = TypeVar("Config")  # mark_given's config, returned as it came
@@ -146,6 +104,41 @@ def switch_defaults(cfg: RunSettings) -> None:
         t.grad_clip = 0.0
 
 
+def decay_branch(cfg: RunSettings, source: Path, step: int, batch: int) -> None:
+    """Make `cfg` (the source's config with the command line's changes) a decay branch's from the
+    checkpoint `source` of `step`, trained at the global batch `batch` (sequences a step, which a
+    resume keeps): wsd, its horizon its own length, that length (unless given) the checkpoint's step
+    + the decay's steps of that batch of the data's sequences (pretrain/training/start/branch.py)."""
+    given = {key.removeprefix("train.") for key in given_keys(cfg)}
+    out, run = Path(cfg.out).resolve(), source.parent.parent
+    if out == run or run in out.parents:
+        raise ConfigError(
+            f"--out {cfg.out}: a branch needs a new run directory, not {run} or a folder inside it "
+            "(the source run's files stay untouched)"
+        )
+    t = cfg.train
+    if "schedule" in given and t.schedule != "wsd":
+        raise ConfigError(f"train.schedule={t.schedule!r}: a decay branch trains the wsd schedule's decay")
+    t.schedule = "wsd"
+    cfg.branch_from = str(source)
+    if "schedule_steps" not in given:
+        t.schedule_steps = 0  # the decay ends at the branch's own last step
+    if given & {"steps", "tokens"}:
+        return
+    if t.decay_tokens <= 0:
+        raise ConfigError(
+            f"--branch-from {source}: a decay branch needs its decay: --set train.decay_tokens=N (tokens), "
+            "or its length (--steps, train.tokens)"
+        )
+    if t.allow_batch_change:
+        raise ConfigError(
+            "--branch-from with train.allow_batch_change: the decay's steps follow the global batch, which the "
+            "ranks set; give the branch's length (--steps)"
+        )
+    t.steps = step + decay_steps(t.decay_tokens, batch * cfg.data_spec.load().seq_len)
+    t.tokens = 0.0  # the length is train.steps (said by the resume's line, with the decay, once the start is sure)
+
+
 def given_keys(cfg: object) -> frozenset[str]:
     return getattr(cfg, GIVEN, frozenset())
 
@@ -180,6 +173,11 @@ def warmup_num_steps(t: TrainSettings) -> int:
 def decay_steps(decay_tokens: float, tokens_per_step: int) -> int:
     """The steps of a wsd decay of `decay_tokens` tokens: ceil(decay_tokens / tokens_per_step), 0 without."""
     return math.ceil(decay_tokens / tokens_per_step) if decay_tokens > 0 else 0
+
+
+def global_batch(train: TrainSettings, world: int) -> int:
+    """The sequences of one optimizer step: every rank's micro-batches of it."""
+    return train.micro_batch_size * train.grad_accum * world
 
 
 # -- switches: a setting given on the command line needs its feature switched on --------------

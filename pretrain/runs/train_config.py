@@ -15,7 +15,15 @@ from typing import Any
 
 from pretrain.runs.checkpoint_mirror import url_problem
 from pretrain.runs.depth_settings import DEPTH_SCHEDULES
-from pretrain.runs.settings_rules import ADAMW_GRAD_CLIP, given, note, profile_refusal, profile_window, switch_rule
+from pretrain.runs.settings_rules import (
+    ADAMW_GRAD_CLIP,
+    given,
+    global_batch,
+    note,
+    profile_refusal,
+    profile_window,
+    switch_rule,
+)
 
 DEPTH_SAMPLING = ("uniform", "fixed", "poisson", "loguniform")
 # train.activation_checkpointing (pretrain/training/engine/parallelize.py): explicit modes, cheapest
@@ -374,11 +382,6 @@ def loader_workers(num_workers: int, cuda: bool) -> int:
     if num_workers != AUTO_WORKERS:
         return num_workers
     return CUDA_WORKERS if cuda else 0
-
-
-def global_batch(train: TrainConfig, world: int) -> int:
-    """The sequences of one optimizer step: every rank's micro-batches of it."""
-    return train.micro_batch_size * train.grad_accum * world
 
 
 def tokens_per_step(train: TrainConfig, world: int, seq_len: int) -> int:

@@ -95,7 +95,8 @@ def test_bad_layouts_are_refused_in_one_line(text, why):
 
 
 def test_an_override_is_stored_canonical_and_compare_keeps_the_placement():
-    from pretrain.runs.run_config import RunConfig, apply_overrides
+    from pretrain.runs.config_layers import apply_overrides
+    from pretrain.runs.run_config import RunConfig
 
     cfg = RunConfig()
     apply_overrides(cfg, ["model.layout=2x3+2", "model.d_model=32", "model.n_heads=2"])

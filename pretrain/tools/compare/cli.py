@@ -44,14 +44,8 @@ from grt_common.files import atomic_write_text
 from pretrain.model.flops import flops_per_token
 from pretrain.model_config import ModelConfig, load_json_object
 from pretrain.presets import PRESETS, get_preset
-from pretrain.runs.run_config import (
-    RunConfig,
-    apply_overrides,
-    apply_recipe,
-    choose_model,
-    is_model_override,
-    resolve,
-)
+from pretrain.runs.config_layers import apply_overrides, apply_recipe, choose_model, is_model_override
+from pretrain.runs.run_config import RunConfig, resolve
 from pretrain.runs.train_config import budget_steps
 from pretrain.tools.compare.command_line import build_parser as build_parser  # the command's parser, here too
 from pretrain.tools.compare.command_line import check_comparison_folder, check_flags_and_sets, parse_args

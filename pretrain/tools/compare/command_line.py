@@ -12,7 +12,7 @@ from grt_common.errors import ConfigError
 from grt_common.files import output_path
 from pretrain import PROJECT_ROOT
 from pretrain.runs.data_spec import parse_data
-from pretrain.runs.run_config import flag_and_set_disagree, same_setting
+from pretrain.runs.config_layers import SettingGivenTwice, same_setting
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def check_flags_and_sets(args: argparse.Namespace) -> None:
     """A --set of a key that a flag of this command sets, to another value, is refused as `grt train`
-    refuses it (`flag_and_set_disagree`): before, the --set won without a word (`--seeds 0,1,2 --set
+    refuses it (`SettingGivenTwice`): before, the --set won without a word (`--seeds 0,1,2 --set
     train.seed=5` trained three copies of one seed and reported their spread). Each run's out is the
     comparison's own; a flag left at its default is not given, and a --set of its key is its value
     (what follows from it, as --lr's minimum and warm-up, follows the --set: it was refused)."""
@@ -148,7 +148,7 @@ def check_flags_and_sets(args: argparse.Namespace) -> None:
         if key in sets:
             _, _, set_value = sets[key].partition("=")
             if flag == "--seeds" or not same_setting(key, value, coerce_like(value, set_value)):
-                raise flag_and_set_disagree(flag, value, sets[key])
+                raise SettingGivenTwice(flag, value, sets[key])
     if "out" in sets:
         raise ConfigError(f"--set {sets['out']}: each run's directory is <--out>/<label>; give --out instead")
 

@@ -25,7 +25,8 @@ from typing import Any
 from grt_common.errors import ConfigError
 from grt_common.files import atomic_write_text
 from pretrain.model_config import load_json_object
-from pretrain.runs.run_config import SHIPPED_DIR, RunConfig, resolve_ds_path
+from pretrain.runs.config_layers import SHIPPED_DIR, resolve_ds_path
+from pretrain.runs.run_config import RunConfig
 from pretrain.runs.train_config import TrainConfig
 from pretrain.training.engine.lr_schedule import horizon, warmup_num_steps
 

@@ -31,8 +31,7 @@ from pretrain.runs import checkpoint_files
 from pretrain.runs.checkpoint_files import UnreadableCheckpoint
 from pretrain.runs.data_spec import parse_data
 from pretrain.runs.run_config import RunConfig, apply_token_budget, resolve
-from pretrain.runs.settings_rules import RunShape, check_settings, start_notes
-from pretrain.runs.train_config import global_batch
+from pretrain.runs.settings_rules import RunShape, check_settings, global_batch, start_notes
 from pretrain.runs.train_config import tokens_per_step as step_tokens
 from pretrain.runs.trusted_files import load_weights_only
 from pretrain.training.checkpoint import store, universal

@@ -50,7 +50,8 @@ from pretrain.runs.checkpoint_files import UnreadableCheckpoint, ranks_that_wrot
 from pretrain.runs.data_spec import parse_data
 from pretrain.runs.identity import check_same_tokenizer
 from pretrain.runs.run_config import RunConfig
-from pretrain.runs.train_config import TrainConfig, global_batch, kept_on_resume, tokens_per_step
+from pretrain.runs.settings_rules import global_batch
+from pretrain.runs.train_config import TrainConfig, kept_on_resume, tokens_per_step
 from pretrain.training.engine.lr_schedule import Schedule
 
 if TYPE_CHECKING:
