@@ -213,37 +213,54 @@ def compare(args: argparse.Namespace, argv: list[str] | None) -> tuple[int, list
         print("\n".join(f"{run['label']}: {check}" for run, check in zip(runs, checks)))
         return 0, []
     out.mkdir(parents=True, exist_ok=True)
-    todo = []
-    for run in runs:
-        run_dir = Path(run["cfg"].out)
-        saved = run_dir / "compare_run_config.json"
-        if not args.retrain and saved.is_file() and RunConfig.load(saved).to_dict() != run["cfg"].to_dict():
-            print(
-                f"grt compare: error: {run_dir} holds a run of a different config; pass --retrain to replace it "
-                "or choose another --out",
-                file=sys.stderr,
-            )
-            return 2, []
-        changed = None if args.retrain else other_data(run_dir, run["cfg"].data)
-        if changed is not None:  # the data by identity, not by its path (a dataset prepared again there)
-            print(
-                f"grt compare: error: {run_dir} holds a run trained on other data than {run['cfg'].data} ({changed}); "
-                "pass --retrain to replace it or choose another --out",
-                file=sys.stderr,
-            )
-            return 2, []
-        if args.retrain or not finished(run_dir):
-            if args.retrain and run_dir.exists():
-                import shutil
-
-                shutil.rmtree(run_dir)
-            todo.append(run)
     try:
-        walls = train_all(todo, args, out)
+        walls = train_all(runs_to_train(runs, args.retrain), args, out)
+    except ConfigError as err:
+        print(f"grt compare: error: {err}", file=sys.stderr)
+        return 2, []
     except RuntimeError as err:
         print(f"grt compare: {err}", file=sys.stderr)
         return 3, []
     rows = [collect(run, seq_len, walls.get(run["label"]), args.exit_depth_factor) for run in runs]
+    write_results(args, argv, rows, walls, started)
+    return 0, rows
+
+
+def runs_to_train(runs: list[dict], retrain: bool) -> list[dict]:
+    """The runs not finished in their folders (all of them with `retrain`, their folders removed); a
+    folder that holds a run of another config, or of other data (by identity, not by its path: a
+    dataset prepared again there), is a ConfigError."""
+    todo = []
+    for run in runs:
+        run_dir = Path(run["cfg"].out)
+        saved = run_dir / "compare_run_config.json"
+        if not retrain and saved.is_file() and RunConfig.load(saved).to_dict() != run["cfg"].to_dict():
+            raise ConfigError(
+                f"{run_dir} holds a run of a different config; pass --retrain to replace it or choose another --out"
+            )
+        changed = None if retrain else other_data(run_dir, run["cfg"].data)
+        if changed is not None:
+            raise ConfigError(
+                f"{run_dir} holds a run trained on other data than {run['cfg'].data} ({changed}); "
+                "pass --retrain to replace it or choose another --out"
+            )
+        if retrain or not finished(run_dir):
+            if retrain and run_dir.exists():
+                import shutil
+
+                shutil.rmtree(run_dir)
+            todo.append(run)
+    return todo
+
+
+def write_results(
+    args: argparse.Namespace, argv: list[str] | None, rows: list[dict], walls: dict[str, float], started: float
+) -> None:
+    """The comparison's table (printed, and <out>/comparison.md), its record (comparison.json: the
+    data's identity, the command line, the time budget's sizing, the rows) and its loss curves."""
+    from data_pipeline.manifest import Manifest
+
+    out, suffix = Path(args.out), f"-{args.tag}" if args.tag else ""
     text = table(rows)
     print()
     print(text)
@@ -252,7 +269,7 @@ def compare(args: argparse.Namespace, argv: list[str] | None) -> tuple[int, list
     data = {
         "train_fingerprint": manifest.fingerprint("train"),
         "vocab_size": manifest.vocab_size,
-        "seq_len": seq_len,
+        "seq_len": manifest.seq_len,
         "tokenizer_sha256": manifest.tokenizer_sha256,
     }
     sizing_path = out / f"sizing{suffix}.json"
@@ -276,7 +293,6 @@ def compare(args: argparse.Namespace, argv: list[str] | None) -> tuple[int, list
         for name, ext in (("comparison", "md"), ("comparison", "json"), ("loss_curves", "png"))
     )
     print(f"\nwrote {written}")
-    return 0, rows
 
 
 if __name__ == "__main__":
