@@ -8,8 +8,8 @@ them as ../work/..., so a path a command saved relative to its own directory (th
 config.json, an export's run_config.json) would not be found there. The rule they follow: a
 user's path is resolved against the caller's directory once, at the door (`grt train` saves its
 data and its own DeepSpeed file absolute, `pretrain/runs/data_spec.py` `callers_data` and
-`pretrain/runs/config_layers.py` `callers_ds_file`; `grt launch` hands its ranks absolute paths in the resolved config). `grt compare` with relative paths is
-tests/infer/test_compare.py's.
+`pretrain/runs/config_layers.py` `callers_ds_file`; `grt launch` hands its ranks absolute paths
+in the resolved config). `grt compare` with relative paths is tests/infer/test_compare.py's.
 """
 
 from __future__ import annotations
