@@ -11,8 +11,8 @@ from typing import Any
 from grt_common.errors import ConfigError
 from grt_common.files import output_path
 from pretrain import PROJECT_ROOT
-from pretrain.runs.data_spec import parse_data
 from pretrain.runs.config_layers import SettingGivenTwice, same_setting
+from pretrain.runs.data_spec import parse_data
 
 
 # -- command line ------------------------------------------------------------------------------
