@@ -91,12 +91,13 @@ def build(layers: Layers) -> RunConfig:
     # the command line chose the model)
     settings = {**train, **recipe} if chosen else {**recipe, **train}
     settings.update({key.removeprefix("train."): value for key, value in sets.items() if key.startswith("train.")})
-    settings.update({key.removeprefix("train."): v for key, (_, v) in layers.flags.items() if key.startswith("train.")})
-    cfg = RunConfig(
-        model=model,
-        train=TrainConfig(**check_keys(TrainConfig, settings, "train config", "train.")),
-        **check_keys(RunConfig, top, "run config"),
-    )
+    typed = check_keys(TrainConfig, settings, "train config", "train.")  # a --set's value refused as itself
+    for key, (flag, value) in layers.flags.items():  # then the train flags', which a --set may not contradict
+        if key.startswith("train."):
+            if key in sets and typed[key.removeprefix("train.")] != value:
+                raise SettingGivenTwice(flag, value, f"{key}={sets[key]}")
+            typed[key.removeprefix("train.")] = value
+    cfg = RunConfig(model=model, train=TrainConfig(**typed), **check_keys(RunConfig, top, "run config"))
     source = layers.saved.source  # a decay branch's checkpoint, trained at its own config's global batch
     trained = TrainConfig(**check_keys(TrainConfig, saved_train, "train config", "train.")) if source else None
     mark_given(cfg, set(layers.given))
@@ -104,10 +105,10 @@ def build(layers: Layers) -> RunConfig:
     if source is not None and trained is not None:
         decay_branch(cfg, source, layers.saved.step, global_batch(trained, layers.saved.ranks))
     if data:  # the data the command line names: one setting, one value, its files the caller's
-        flag, item = layers.flags.get("data", ("", None)), sets.get("data")
-        named = callers_data([value for value in (flag[1], item) if value is not None])
+        data_flag, item = layers.flags.get("data", ("", None)), sets.get("data")
+        named = callers_data([value for value in (data_flag[1], item) if value is not None])
         if len(set(named)) > 1:
-            raise SettingGivenTwice(flag[0], flag[1], f"data={item}")
+            raise SettingGivenTwice(data_flag[0], data_flag[1], f"data={item}")
         cfg.data = named[0]
     return cfg
 
@@ -163,15 +164,15 @@ ONE_START_KEYS = ("allow_data_change", "allow_batch_change")  # a consent given 
 
 
 def command_line_files(top: dict[str, Any], sets: dict[str, Any], flags: dict[str, tuple[str, Any]]) -> bool:
-    """The top-level --sets, then the flags, into `top`; a flag and a --set of its key that name
-    two values refused (`SettingGivenTwice`); the DeepSpeed file either names resolved against the
+    """The top-level --sets, then the top-level flags, into `top`; a flag and a --set of its key that
+    name two files refused (`SettingGivenTwice`); the DeepSpeed file either names resolved against the
     caller's directory (`callers_ds_file`). Whether the command line names the data (which `build`
     resolves last)."""
     for key, value in sets.items():
         if "." not in key:
             top[key] = callers_ds_file(value) if key == "ds_config" else value
     for key, (flag, value) in flags.items():
-        if key in sets and key != "data" and not same_setting(key, value, sets[key]):
+        if key in ("out", "ds_config") and key in sets and not same_setting(key, value, sets[key]):
             raise SettingGivenTwice(flag, value, f"{key}={sets[key]}")
         if not key.startswith("train."):
             top[key] = callers_ds_file(value) if key == "ds_config" else value
@@ -260,13 +261,12 @@ def callers_ds_file(value: str) -> str:
 
 
 def same_setting(key: str, a: Any, b: Any) -> bool:
-    """Two values of one setting name the same thing: paths by the files they name, a number given
-    as a flag's and as a --set's text by its text."""
+    """Two values of one setting name the same thing: paths by the files they name."""
     if key == "out":
         return os.path.abspath(a) == os.path.abspath(b)
     if key == "ds_config":
         return os.path.abspath(resolve_ds_path(a)) == os.path.abspath(resolve_ds_path(b))
-    return bool(a == b) or str(a) == str(b).strip()
+    return bool(a == b)
 
 
 SHIPPED_DIR = PROJECT_ROOT / "ds_configs"
