@@ -12,11 +12,9 @@ types_log="$(mktemp)"
 bash scripts/lint.sh types > "$types_log" 2>&1 &
 types=$!
 python3 scripts/clean_shm.py
-# three pytest-xdist workers per two cores (GRT_TEST_WORKERS overrides; 0: none): most tests start
-# processes and wait on them (imports, rendezvous, Slurm), and with a worker per core the cores idled
-# about 30% of the suite's time; 2 cores: 3 workers, pytest 1,327 s against 1,454 s with 2 (one run
-# each, 2026-12-05). A module is one unit of work, the cluster modules one together (tests/conftest.py)
-workers="${GRT_TEST_WORKERS:-$(( ($(nproc) * 3 + 1) / 2 ))}"
+# one pytest-xdist worker per core (GRT_TEST_WORKERS overrides; 0: none); a module is one unit of
+# work, the cluster modules one together (tests/conftest.py)
+workers="${GRT_TEST_WORKERS:-$(nproc)}"
 # -rfEs: every failure, error and skip (with its reason) in the summary; the 30 slowest
 rc=0
 # a test skipped for a missing package of setup.py's dev extra (installed above) fails (tests/dev_extra.py)

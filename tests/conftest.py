@@ -14,8 +14,8 @@ DEMO_TEXT = REPO / "examples" / "data" / "tinyshakespeare.txt"
 
 
 def pytest_configure(config) -> None:
-    """pytest-xdist workers, three per two cores (scripts/test.sh): each one computes with one thread.
-    torch's default of a thread per core puts several workers' threads on each core, where OpenMP's waits spin:
+    """A pytest-xdist worker per core (scripts/test.sh): each one computes with one thread. torch's
+    default of a thread per core puts two workers' threads on each core, where OpenMP's waits spin:
     a micro model's training ran 4.5x slower so (301 s against 68 s for 300 steps, two workers busy).
     The controller makes the folder of what the workers share (tests/shared_artifacts.py), and hands
     the units out in the order pytest_collection_modifyitems gives them: pytest-xdist (3.x) would
@@ -72,8 +72,8 @@ CLUSTER_MODULES = ("test_launcher_slurm.py", "test_multinode.py", "test_multinod
 # long unit collected last runs alone at the end while the other worker idles (a 15-minute tail).
 # Measured with `--durations=0` over the whole suite (each unit's summed test times, 2026-12-03; the
 # loop check from the durations of 2026-12-05: 290 s, ~220 s since its gate control trains without the
-# step it discards). After them the units with a slow test, then the rest. The first ones go one to a
-# worker (pytest-xdist gives each node one unit, then more only when it has 2 tests or fewer left).
+# step it discards). After them the units with a slow test, then the rest. The first two go to the two
+# workers (pytest-xdist gives each node one unit, then more only when it has 2 tests or fewer left).
 LONGEST_FIRST = (
     "cluster",  # ~420 s
     "tests/model/test_loop_computes.py",  # ~220 s
