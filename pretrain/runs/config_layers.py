@@ -98,13 +98,11 @@ def build(layers: Layers) -> RunConfig:
                 raise SettingGivenTwice(flag, value, f"{key}={sets[key]}")
             typed[key.removeprefix("train.")] = value
     cfg = RunConfig(model=model, train=TrainConfig(**typed), **check_keys(RunConfig, top, "run config"))
-    source = layers.saved.source  # a decay branch's checkpoint, trained at its own config's global batch
-    trained = check_keys(TrainConfig, saved_train, "train config", "train.") if source else {}
-    batch = global_batch(TrainConfig(**trained), layers.saved.ranks)
     mark_given(cfg, set(layers.given))
     switch_defaults(cfg)  # the defaults a switch the command line gave sets
-    if source is not None:
-        decay_branch(cfg, source, layers.saved.step, batch)
+    if (source := layers.saved.source) is not None:  # a decay branch's checkpoint, trained at its own global batch
+        trained = TrainConfig(**check_keys(TrainConfig, saved_train, "train config", "train."))
+        decay_branch(cfg, source, layers.saved.step, global_batch(trained, layers.saved.ranks))
     if data:  # the data the command line names: one setting, one value, its files the caller's
         data_flag, item = layers.flags.get("data", ("", None)), sets.get("data")
         named = callers_data([value for value in (data_flag[1], item) if value is not None])
