@@ -196,7 +196,14 @@ def test_compare_trains_each_config_and_writes_table_json_and_plot(shards, tmp_p
     assert "| Ouro | micro-ouro |" in (out / "comparison.md").read_text()
     assert "(beyond R: " in (out / "comparison.md").read_text()
     assert "past R: val loss at 2R / 4R | adaptive exit update 0.1 / kl 0.01" in (out / "comparison.md").read_text()
-    # a second call reuses the finished runs (no training) and rebuilds the same table
+    # each run saved at its first evaluation (step 8), so that a run cut off resumes from there
+    assert "saved checkpoint cmp/micro-grt/checkpoints/step00000008" in (out / "micro-grt" / "train.log").read_text()
+    # a second call reuses the finished runs (no training) and rebuilds the same table, also for a run
+    # saved at another cadence (an older compare saved only at the end): not what it trained
+    saved = out / "micro-grt" / "compare_run_config.json"
+    older = json.loads(saved.read_text())
+    older["train"].update(save_every=0, keep_checkpoints=3)
+    saved.write_text(json.dumps(older))
     again = grt(*args, cwd=tmp_path, timeout=120)
     assert again.returncode == 0 and "training" not in again.stdout
     assert (out / "comparison.md").read_text() in again.stdout

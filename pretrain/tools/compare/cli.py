@@ -19,7 +19,8 @@ the heavy-tail Poisson, RRT, Ouro and MoR the full depth R.
 Writes <out>/<label>/ (the run: config.json, metrics.jsonl, summary.json, tb/),
 <out>/comparison.json, <out>/comparison.md (the table) and <out>/loss_curves.png.
 Runs that already finished (summary.json written, not by a stop on a signal) are not trained again, so the table
-and plot can be rebuilt with the same command; an interrupted run is resumed.
+and plot can be rebuilt with the same command; an interrupted run is resumed from its last
+evaluation (each run saves a checkpoint there, the last one kept).
 
 `--time-budget S` sizes the tokens by measurement instead of --tokens, so that the whole
 command finishes within S seconds (pretrain/tools/compare/sizing.py). `--exit-depth-factor 2`
@@ -131,7 +132,9 @@ def build_runs(args: argparse.Namespace, tokens: float) -> list[dict]:
         t.lr, t.min_lr, t.warmup_steps = args.lr, args.lr / 10, max(1, int(0.05 * steps))
         t.seed, t.log_every = args.seed, args.log_every
         t.eval_every = max(1, steps // max(1, args.evals))
-        t.eval_batches, t.save_every, t.keep_checkpoints = args.eval_batches, 0, 1
+        # a checkpoint at each evaluation, the last one kept: a comparison cut off (a machine lost, a
+        # job's time up) resumes its runs from there, not from step 0
+        t.eval_batches, t.save_every, t.keep_checkpoints = args.eval_batches, t.eval_every, 1
         for key, value in run["train"].items():
             apply_overrides(cfg, [f"train.{key}={json.dumps(value) if not isinstance(value, str) else value}"])
         apply_overrides(cfg, [s for s in args.overrides if not is_model_override(s)])
@@ -226,6 +229,18 @@ def compare(args: argparse.Namespace, argv: list[str] | None) -> tuple[int, list
     return 0, rows
 
 
+# how often and where a run is saved, not what it trains: a run saved at another cadence (an older
+# compare saved only at the end) is the same run
+SAVING_KEYS = ("save_every", "keep_checkpoints", "async_save", "export_every", "checkpoint_mirror")
+
+
+def trained_as(cfg: RunConfig) -> dict[str, Any]:
+    """The run config that decides what a run trains: all of it but its SAVING_KEYS."""
+    d = cfg.to_dict()
+    d["train"] = {k: v for k, v in d["train"].items() if k not in SAVING_KEYS}
+    return d
+
+
 def runs_to_train(runs: list[dict], retrain: bool) -> list[dict]:
     """The runs not finished in their folders (all of them with `retrain`, their folders removed); a
     folder that holds a run of another config, or of other data (by identity, not by its path: a
@@ -234,7 +249,7 @@ def runs_to_train(runs: list[dict], retrain: bool) -> list[dict]:
     for run in runs:
         run_dir = Path(run["cfg"].out)
         saved = run_dir / "compare_run_config.json"
-        if not retrain and saved.is_file() and RunConfig.load(saved).to_dict() != run["cfg"].to_dict():
+        if not retrain and saved.is_file() and trained_as(RunConfig.load(saved)) != trained_as(run["cfg"]):
             raise ConfigError(
                 f"{run_dir} holds a run of a different config; pass --retrain to replace it or choose another --out"
             )
