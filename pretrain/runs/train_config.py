@@ -47,10 +47,17 @@ GROW: Switch = ("train.depth_schedule=grow", lambda t: t.depth_schedule == "grow
 KEPT = "kept"  # resume: the checkpoint's value or a refusal (the state it restores was made with it)
 
 
-def option(default: Any, needs: Switch | None = None, resume: str = "") -> Any:
+def option(default: Any, needs: Switch | None = None, resume: str = "", saving: bool = False) -> Any:
     """A TrainConfig field whose value given on the command line needs `needs` to take effect (else
-    refused, settings_rules.switch_rule), and which a resume keeps (`resume=KEPT`, resume_check.py)."""
-    return field(default=default, metadata={"needs": needs, "resume": resume})
+    refused, settings_rules.switch_rule), which a resume keeps (`resume=KEPT`, resume_check.py), and
+    which says how often or where the run is saved, not what it trains (`saving`, `saving_keys`)."""
+    return field(default=default, metadata={"needs": needs, "resume": resume, "saving": saving})
+
+
+def saving_keys() -> tuple[str, ...]:
+    """The train keys that say how often and where a run is saved: two runs that differ only in them
+    trained the same (grt compare reuses either)."""
+    return tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("saving"))
 
 
 def kept_on_resume() -> tuple[str, ...]:
@@ -84,7 +91,7 @@ class TrainConfig:
     muon_momentum: float = option(0.95, MUON, resume=KEPT)
     # muon: the matrices' decoupled decay, times muon_lr per step (DeepSpeed's default)
     muon_weight_decay: float = option(0.0, MUON, resume=KEPT)
-    async_save: bool = False  # checkpoint files written by a background thread while training goes on
+    async_save: bool = option(False, saving=True)  # checkpoint files written by a thread while training goes on
     seed: int = 1234
     depth_sampling: str = "uniform"  # uniform: r ~ U{1..R}; fixed: R; poisson: Huginn's heavy tail;
     # loguniform: floor(exp(U[0, log(R+1)))), depth extrapolation
@@ -114,16 +121,16 @@ class TrainConfig:
     eval_tasks_depths: str = option("", TASKS)  # exit depths, comma-separated; "" = 1, R/2, R
     eval_tasks_limit: int = option(200, TASKS)  # items per task (0 = every item)
     eval_dir: str = option("", TASKS)  # the task files' directory ("" = grt eval's default)
-    save_every: int = 1000
+    save_every: int = option(1000, saving=True)
     save_final: bool = True  # a checkpoint at the last step (false: benchmarks, whose runs are thrown away)
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = option(3, saving=True)
     # grt export's copy (with hf/) of every Nth step's checkpoint, in <checkpoint>/export, written by a
     # child process while training goes on, pruned with its checkpoint; a multiple of save_every (0 = off)
-    export_every: int = 0
+    export_every: int = option(0, saving=True)
     # s3://bucket/run (or gs://): each complete checkpoint uploaded there in the background, COMPLETE last,
     # pruned by keep_checkpoints; a --resume whose local copy is gone or older fetches from it ("" = off;
     # credentials from the environment only: pretrain/runs/checkpoint_mirror.py)
-    checkpoint_mirror: str = ""
+    checkpoint_mirror: str = option("", saving=True)
     max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
     dist_timeout_s: float = 600.0
     peak_tflops: float = 0.0  # device peak for MFU; 0 = look up the device

@@ -47,7 +47,7 @@ from pretrain.model_config import ModelConfig, load_json_object
 from pretrain.presets import PRESETS, get_preset
 from pretrain.runs.config_layers import apply_overrides, apply_recipe, choose_model, is_model_override
 from pretrain.runs.run_config import RunConfig, resolve
-from pretrain.runs.train_config import budget_steps
+from pretrain.runs.train_config import budget_steps, saving_keys
 from pretrain.tools.compare.command_line import build_parser as build_parser  # the command's parser, here too
 from pretrain.tools.compare.command_line import check_comparison_folder, check_flags_and_sets, parse_args
 from pretrain.tools.compare.controls import control_label, control_model, parse_control
@@ -229,15 +229,11 @@ def compare(args: argparse.Namespace, argv: list[str] | None) -> tuple[int, list
     return 0, rows
 
 
-# how often and where a run is saved, not what it trains: a run saved at another cadence (an older
-# compare saved only at the end) is the same run
-SAVING_KEYS = ("save_every", "keep_checkpoints", "async_save", "export_every", "checkpoint_mirror")
-
-
 def trained_as(cfg: RunConfig) -> dict[str, Any]:
-    """The run config that decides what a run trains: all of it but its SAVING_KEYS."""
+    """The run config that decides what a run trains: all of it but how often and where it is saved
+    (`saving_keys`): a run saved at another cadence (an older compare saved only at the end) is the same run."""
     d = cfg.to_dict()
-    d["train"] = {k: v for k, v in d["train"].items() if k not in SAVING_KEYS}
+    d["train"] = {k: v for k, v in d["train"].items() if k not in saving_keys()}
     return d
 
 
