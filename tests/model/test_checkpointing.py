@@ -34,10 +34,14 @@ class ActivationPeak(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.events, self.alive = [], set()  # (key, bytes > 0 created, < 0 freed); keys alive now
+        # (key, bytes > 0 created, < 0 freed); the key of each storage alive now, by its id().
+        # A key is a serial, not the id: ids are reused once an object is freed, and a survivor
+        # sharing a freed storage's id would drop that storage from the count.
+        self.events, self.alive, self.serial = [], {}, 0
 
-    def _free(self, key, nbytes):
-        self.alive.discard(key)
+    def _free(self, storage_id, key, nbytes):
+        if self.alive.get(storage_id) == key:
+            del self.alive[storage_id]
         self.events.append((key, -nbytes))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -46,13 +50,14 @@ class ActivationPeak(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 if id(storage) not in self.alive and storage.nbytes() > 0:
-                    self.alive.add(id(storage))
-                    self.events.append((id(storage), storage.nbytes()))
-                    weakref.finalize(storage, self._free, id(storage), storage.nbytes())
+                    self.serial += 1
+                    self.alive[id(storage)] = self.serial
+                    self.events.append((self.serial, storage.nbytes()))
+                    weakref.finalize(storage, self._free, id(storage), self.serial, storage.nbytes())
         return out
 
     def peak(self) -> int:
-        survivors, live, peak = set(self.alive), 0, 0
+        survivors, live, peak = set(self.alive.values()), 0, 0
         for key, nbytes in self.events:
             if key not in survivors:
                 live += nbytes
