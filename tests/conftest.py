@@ -14,8 +14,8 @@ DEMO_TEXT = REPO / "examples" / "data" / "tinyshakespeare.txt"
 
 
 def pytest_configure(config) -> None:
-    """A pytest-xdist worker per core (scripts/test.sh): each one computes with one thread. torch's
-    default of a thread per core puts two workers' threads on each core, where OpenMP's waits spin:
+    """A pytest-xdist worker per core and one more (scripts/test.sh): each one computes with one
+    thread. torch's default of a thread per core puts two workers' threads on each core, where OpenMP's waits spin:
     a micro model's training ran 4.5x slower so (301 s against 68 s for 300 steps, two workers busy).
     The controller makes the folder of what the workers share (tests/shared_artifacts.py), and hands
     the units out in the order pytest_collection_modifyitems gives them: pytest-xdist (3.x) would
