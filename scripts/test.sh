@@ -14,7 +14,7 @@ types=$!
 python3 scripts/clean_shm.py
 # a pytest-xdist worker per core and one more (GRT_TEST_WORKERS overrides; 0: none): much of the
 # suite waits on the processes it starts (ranks meeting, launchers, Slurm), which a third worker
-# fills on 2 cores (the suite 1,327 s against 1,454 s with 2); a module is one unit of work, the
+# fills on 2 cores (the suite 1,162-1,218 s against 1,454 s with 2); a module is one unit of work, the
 # cluster modules one together (tests/conftest.py)
 workers="${GRT_TEST_WORKERS:-$(( $(nproc) + 1 ))}"
 # -rfEs: every failure, error and skip (with its reason) in the summary; the 30 slowest

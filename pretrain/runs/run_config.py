@@ -21,7 +21,8 @@ from pretrain.runs import checkpoint_files
 from pretrain.runs.data_spec import DataSpec, data_stages, parse_data
 from pretrain.runs.eval_tasks import task_depths, task_names
 from pretrain.runs.settings_rules import check_settings, given_keys
-from pretrain.runs.train_config import TrainConfig, budget_steps, tokens_per_step, train_checks
+from pretrain.runs.train_checks import train_checks
+from pretrain.runs.train_config import TrainConfig, budget_steps, tokens_per_step
 
 if TYPE_CHECKING:
     from data_pipeline.manifest import Manifest

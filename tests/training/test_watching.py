@@ -13,7 +13,8 @@ from commands import train_command
 from multiproc import REPO, run_ranks
 from trained_models import manifest  # noqa: F401 (fixture)
 
-from pretrain.runs.train_config import TrainConfig, train_checks
+from pretrain.runs.train_checks import train_checks
+from pretrain.runs.train_config import TrainConfig
 
 LABELS = {
     "data",

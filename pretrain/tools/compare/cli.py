@@ -232,8 +232,8 @@ def compare(args: argparse.Namespace, argv: list[str] | None) -> tuple[int, list
 def trained_as(cfg: RunConfig) -> dict[str, Any]:
     """The run config that decides what a run trains: all of it but how often and where it is saved
     (`saving_keys`): a run saved at another cadence (an older compare saved only at the end) is the same run."""
-    d = cfg.to_dict()
-    d["train"] = {k: v for k, v in d["train"].items() if k not in saving_keys()}
+    d, saving = cfg.to_dict(), saving_keys()
+    d["train"] = {k: v for k, v in d["train"].items() if k not in saving}
     return d
 
 
