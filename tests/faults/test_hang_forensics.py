@@ -40,7 +40,7 @@ def test_sigusr2_then_a_frozen_rank_leave_folders_that_name_it(data, tmp_path):
         job.signal(signal.SIGUSR2, ranks=[0])
         wait_for(lambda: any((f / "rank1.json").is_file() for f in folders(out)), 30, job, "rank 1's dump")
         (asked,) = folders(out)
-        wait_for(lambda: (asked / "rank0.txt").is_file(), 10, job, "rank 0's dump")
+        wait_for(lambda: (asked / "rank0.json").is_file(), 10, job, "rank 0's dump")
         for r in (0, 1):
             dump = json.loads((asked / f"rank{r}.json").read_text())
             assert dump["rank"] == r and dump["world"] == 2 and dump["step"] >= 3 and dump["phase"] in PHASES, dump

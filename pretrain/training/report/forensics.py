@@ -6,7 +6,7 @@ Each live rank writes `rank<R>.txt` (for a person: the step, the loop depth and 
 loop, the Python stack of every thread, its last collectives), `rank<R>.json` (the same for
 `grt hangs`, pretrain/distributed/hangs.py) and `fr_trace_rank_<R>` (torch's flight recorder
 dump, the pickle torch's own analyzer reads: `python -m torch.distributed.flight_recorder.fr_trace DIR
---prefix fr_trace_rank_`).
+--prefix fr_trace_rank_`), the json last: a rank whose json is there has written all three.
 
 The flight recorder keeps the last TORCH_FR_BUFFER_SIZE collectives of every process group (NCCL,
 and gloo in torch >= 2.10): the process group's start sets it (pretrain/distributed/rendezvous.py)
@@ -127,8 +127,9 @@ def dump(folder: Path, rank: int, world: int, reason: str, detail: str = "") -> 
     if raw is not None:
         with atomic_path(folder / f"{FR_PREFIX}{rank}") as tmp:
             tmp.write_bytes(raw)
-    atomic_write_text(folder / f"rank{rank}.json", json.dumps({**head, "flight_recorder": fr}) + "\n")
     atomic_write_text(folder / f"rank{rank}.txt", "\n".join(text) + "\n")
+    # last: the json is what `grt hangs` counts a rank's dump by, so a rank seen there has all its files
+    atomic_write_text(folder / f"rank{rank}.json", json.dumps({**head, "flight_recorder": fr}) + "\n")
     return folder
 
 
