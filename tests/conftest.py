@@ -71,14 +71,14 @@ CLUSTER_MODULES = ("test_launcher_slurm.py", "test_multinode.py", "test_multinod
 # The longest units of work, longest first: pytest-xdist hands units out in collection order, so a
 # long unit collected last runs alone at the end while the other worker idles (a 15-minute tail).
 # Measured with `--durations=0` over the whole suite (each unit's summed test times, 2026-12-03; the
-# loop check from the durations of 2026-12-05: 290 s, ~220 s since its gate control trains without the
-# step it discards). After them the units with a slow test, then the rest. The first two go to the two
-# workers (pytest-xdist gives each node one unit, then more only when it has 2 tests or fewer left).
+# loop check: ~130 s alone since its block loops twice, 2026-12-05). After them the units with a slow
+# test, then the rest. The first units go one to each worker (pytest-xdist gives each node one unit,
+# then more only when it has 2 tests or fewer left).
 LONGEST_FIRST = (
     "cluster",  # ~420 s
-    "tests/model/test_loop_computes.py",  # ~220 s
     "tests/faults/test_reliability.py",
     "tests/launch/test_gpu_check.py",
+    "tests/model/test_loop_computes.py",
     "tests/training/test_muon.py",
     "tests/faults/test_bad_input_runs.py",
     "tests/training/test_trainer.py",

@@ -2,7 +2,10 @@
 need k sequential lookups) answers the items that need several lookups better at depth R than
 after one loop step, scored by `grt eval --tasks chains`'s own code; and the same check fails on
 a loop whose steps after the first cannot do work: the core detached from the loss, the gate held
-at 1 (the state never rewritten), and R forced to 1 in training (the steps beyond it never trained)."""
+at 1 (the state never rewritten), and R forced to 1 in training (the steps beyond it never trained).
+
+The file is also the script that measures the check over seeds (its numbers are in the comment on
+the recipe below): `python tests/model/test_loop_computes.py SEED [SEED ...] [--broken]`."""
 
 from __future__ import annotations
 
@@ -25,19 +28,21 @@ from pretrain.tools.loop_start import loader, train_briefly
 
 # the task's easiest layout (a key just before its value, every variable in its place) and a
 # loop-only GRT, whose one shared block must run twice for two lookups (docs/comparison.md,
-# "A task where depth matters"); the smallest budget found that shows it: at 500 and 800 steps
-# nothing is learned yet, so each training is about a minute of CPU (marked slow). Cheaper trainings
-# tried (seed 0, depth R minus depth 1 on k >= 2): a 1,100-step schedule ends at 0.29 and a 1,000-step
-# one (warm-up 50) at 0.03; lr 5e-3 or 1e-2, batch 16 and d32 stay near chance as far as run (300 to
-# 1,200 steps); 2 chains a sample, R = 3, a constant lr and d128 (2.5x the step) learn later in CPU
-# time than this setting (0.44 at step 1,100, 0.65 at 1,500)
+# "A task where depth matters"), looped twice: depth R minus depth 1 on k >= 2 over seeds 0-5
+# (`python tests/model/test_loop_computes.py 0 1 2 3 4 5`) at 1,500 steps: +0.71, +0.66, +0.44,
+# +0.46, +0.02, +0.63 (the same block looped 4 times, 1.6x the CPU: +0.65, +0.05, +0.19, +0.05 on
+# seeds 0-3; 2,000 steps of the 2-loop block: five seeds of six too, seed 4 +0.13). At 1,000 steps seed 4
+# is at +0.25, at 850 seed 1 at +0.07, at 700 seed 0 at +0.02. Tried on the 4-loop block, seed 0:
+# lr 5e-3 or 1e-2, batch 16 and d32 stay near chance as far as run (300 to 1,200 steps); 2 chains
+# a sample, R = 3, a constant lr and d128 (2.5x the step) learn later in CPU time
 TASK = ["--min-hops", "1", "--max-hops", "2", "--num-vars", "8", "--num-values", "8", "--chains-per-sample", "4"]
 TASK += ["--queries", "all", "--compact", "--order", "by-name", "--train-samples", "30000", "--val-samples", "256"]
 TASK += ["--loss-on", "answers"]  # the answers alone trained (the shards' loss masks): all tokens teach nothing
-PRESET, LAYOUT, D_MODEL, HEADS = "micro-grt", "1x4", 64, 4
+PRESET, LAYOUT, D_MODEL, HEADS = "micro-grt", "1x2", 64, 4
 STEPS, LR, WARMUP, BATCH = 1500, 3e-3, 150, 32
 MULTI_HOP = 2  # the items that need this many lookups or more
 MARGIN = 0.3  # accuracy at depth R above depth 1 on them, at least
+BROKEN = ("core detached from the loss", "gate held at 1", "R forced to 1")  # loops that must fail the check
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +59,7 @@ def gate_held_at_1(model: GPT) -> Iterator[None]:
     which that graph reaches only through 1 - g = 0, given zero gradients (weight decay shrinks them as
     there; the gate MLP is outside that graph). The same training bit for bit
     (test_the_gate_held_at_1_trains_as_gate_override_1 checks it) without computing the step: 15 s of CPU
-    instead of 84 s for the 1,500 steps (the same accuracies by depth)."""
+    instead of 84 s for 1,500 steps of the 4-loop block (the same accuracies by depth)."""
     loop = model.loop
     assert isinstance(loop, LoopStep)
     reached = [p for m in (loop.anchor.proj, loop.proj_state, loop.core) if m is not None for p in m.parameters()]
@@ -69,10 +74,11 @@ def gate_held_at_1(model: GPT) -> Iterator[None]:
         del loop.forward
 
 
-def accuracy_by_depth(manifest_path: Path, broken: str = "") -> dict[int, float]:
+def accuracy_by_depth(manifest_path: Path, broken: str = "", seed: int = 0) -> dict[int, float]:
     """Answer accuracy at depths 1 and R on the items of k >= MULTI_HOP after STEPS steps of
-    training (pretrain/tools/loop_start.py's loop, the start sweep's), broken as asked."""
-    torch.manual_seed(0)
+    training (pretrain/tools/loop_start.py's loop, the start sweep's), broken as asked; `seed`: the
+    start, the order of the data and the depths drawn."""
+    torch.manual_seed(seed)
     manifest = Manifest.load(str(manifest_path))
     cfg = get_preset(PRESET).replace(
         layout=LAYOUT, d_model=D_MODEL, n_heads=HEADS, vocab_size=manifest.vocab_size, max_seq_len=manifest.seq_len
@@ -84,9 +90,9 @@ def accuracy_by_depth(manifest_path: Path, broken: str = "") -> dict[int, float]
     tok = Tokenizer(manifest.tokenizer_path)
     if broken == "core detached from the loss":
         detach_core(model)
-    batches = loader(manifest, "train", BATCH, 0)  # its targets masked to the answers by the loader
+    batches = loader(manifest, "train", BATCH, seed)  # its targets masked to the answers by the loader
     with gate_held_at_1(model) if broken == "gate held at 1" else nullcontext():
-        train_briefly(model, batches, STEPS, LR, WARMUP, seed=0)
+        train_briefly(model, batches, STEPS, LR, WARMUP, seed=seed)
     model.eval()
     sums = chains_sums(model, tok, manifest, "val", [1, R], torch.device("cpu"), 64)
     multi = sums[:, MULTI_HOP:].sum(1)  # [depth, (correct, nll, items)]
@@ -101,7 +107,7 @@ def test_the_loop_steps_after_the_first_answer_what_needs_several_lookups(chains
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("broken", ["core detached from the loss", "gate held at 1", "R forced to 1"])
+@pytest.mark.parametrize("broken", BROKEN)
 def test_the_check_fails_on_a_loop_whose_later_steps_do_no_work(chains, broken):
     acc = accuracy_by_depth(chains, broken)
     (one, R) = sorted(acc)
@@ -129,3 +135,30 @@ def test_the_gate_held_at_1_trains_as_gate_override_1(chains):
         assert torch.equal(weight, trained[1][name]), name
     for name in ("wte.weight", "loop.core.0.mlp.c_fc.weight"):  # trained, and shrunk by weight decay
         assert not torch.equal(trained[0][name], start[name]), name
+
+
+def main(argv: list[str]) -> int:
+    """The check's numbers by seed, a markdown row each: SEED [SEED ...] [--broken] (BROKEN too)."""
+    import tempfile
+
+    torch.set_num_threads(1)  # as in the suite (tests/conftest.py)
+    seeds = [int(a) for a in argv if a != "--broken"]
+    variants = ["", *BROKEN] if "--broken" in argv else [""]
+    with tempfile.TemporaryDirectory() as tmp:
+        assert data_main(["chains", "-o", tmp, *TASK, "-q"]) == 0
+        print(f"| {LAYOUT}, {STEPS} steps | seed | depth 1 | depth R | R - 1 | passes (>= {MARGIN}) |")
+        print("|---|---|---|---|---|---|")
+        for seed in seeds:
+            for broken in variants:
+                acc = accuracy_by_depth(Path(tmp) / "manifest.json", broken, seed)
+                (one, R) = sorted(acc)
+                gain = acc[R] - acc[one]
+                row = [broken or "GRT", seed, f"{acc[one]:.2f}", f"{acc[R]:.2f}", f"{gain:+.2f}", gain >= MARGIN]
+                print("| " + " | ".join(map(str, row)) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))
