@@ -9,6 +9,8 @@ the recipe below): `python tests/model/test_loop_computes.py SEED [SEED ...] [--
 
 from __future__ import annotations
 
+import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -139,8 +141,6 @@ def test_the_gate_held_at_1_trains_as_gate_override_1(chains):
 
 def main(argv: list[str]) -> int:
     """The check's numbers by seed, a markdown row each: SEED [SEED ...] [--broken] (BROKEN too)."""
-    import tempfile
-
     torch.set_num_threads(1)  # as in the suite (tests/conftest.py)
     seeds = [int(a) for a in argv if a != "--broken"]
     variants = ["", *BROKEN] if "--broken" in argv else [""]
@@ -159,6 +159,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     raise SystemExit(main(sys.argv[1:]))
